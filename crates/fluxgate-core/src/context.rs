@@ -1,0 +1,202 @@
+//! The request context: what the engine knows about a request.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use http::Method;
+
+use crate::path::normalize_path;
+
+/// The rule set id used when nothing else is configured.
+pub const DEFAULT_RULE_SET: &str = "default";
+
+/// What the engine knows about one request. Immutable once built; build it with
+/// [`RequestContext::builder`].
+///
+/// ```
+/// use fluxgate_core::RequestContext;
+/// let ctx = RequestContext::builder()
+///     .path("/api//users/./7")
+///     .method(http::Method::POST)
+///     .client_ip("203.0.113.9".parse().unwrap())
+///     .user_id("alice")
+///     .attribute("tenant", "acme")
+///     .build();
+/// assert_eq!(ctx.path(), "/api/users/7");
+/// assert_eq!(ctx.attribute("tenant"), Some("acme"));
+/// assert_eq!(ctx.rule_set_id(), "default");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestContext {
+    path: String,
+    method: Method,
+    client_ip: Option<IpAddr>,
+    user_id: Option<String>,
+    api_key: Option<String>,
+    rule_set_id: Arc<str>,
+    attributes: BTreeMap<String, String>,
+}
+
+impl RequestContext {
+    /// A builder with the path `/`, method `GET` and the rule set `default`.
+    pub fn builder() -> RequestContextBuilder {
+        RequestContextBuilder::default()
+    }
+
+    /// The normalized path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+    /// The method.
+    pub fn method(&self) -> &Method {
+        &self.method
+    }
+    /// The client IP, when known.
+    pub fn client_ip(&self) -> Option<IpAddr> {
+        self.client_ip
+    }
+    /// The user id, when known.
+    pub fn user_id(&self) -> Option<&str> {
+        self.user_id.as_deref()
+    }
+    /// The API key, when known.
+    pub fn api_key(&self) -> Option<&str> {
+        self.api_key.as_deref()
+    }
+    /// The rule set that decides this request.
+    pub fn rule_set_id(&self) -> &str {
+        &self.rule_set_id
+    }
+    /// An attribute.
+    pub fn attribute(&self, name: &str) -> Option<&str> {
+        self.attributes.get(name).map(String::as_str)
+    }
+    /// All attributes.
+    pub fn attributes(&self) -> &BTreeMap<String, String> {
+        &self.attributes
+    }
+    /// A builder holding this context's values, to derive a changed context.
+    pub fn to_builder(&self) -> RequestContextBuilder {
+        RequestContextBuilder { ctx: self.clone() }
+    }
+}
+
+/// Builds a [`RequestContext`]. The layer fills one from each request and hands it to
+/// the customizer closure, which may change any field.
+#[derive(Debug, Clone)]
+pub struct RequestContextBuilder {
+    ctx: RequestContext,
+}
+
+impl Default for RequestContextBuilder {
+    fn default() -> Self {
+        Self {
+            ctx: RequestContext {
+                path: "/".to_owned(),
+                method: Method::GET,
+                client_ip: None,
+                user_id: None,
+                api_key: None,
+                rule_set_id: Arc::from(DEFAULT_RULE_SET),
+                attributes: BTreeMap::new(),
+            },
+        }
+    }
+}
+
+impl RequestContextBuilder {
+    /// Sets the path; it is normalized (see [`normalize_path`](crate::normalize_path)).
+    pub fn path(mut self, path: &str) -> Self {
+        self.set_path(path);
+        self
+    }
+    /// Sets the method.
+    pub fn method(mut self, method: Method) -> Self {
+        self.ctx.method = method;
+        self
+    }
+    /// Sets the client IP.
+    pub fn client_ip(mut self, ip: IpAddr) -> Self {
+        self.ctx.client_ip = Some(ip);
+        self
+    }
+    /// Sets the user id.
+    pub fn user_id(mut self, user: impl Into<String>) -> Self {
+        self.ctx.user_id = Some(user.into());
+        self
+    }
+    /// Sets the API key.
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.ctx.api_key = Some(key.into());
+        self
+    }
+    /// Sets the rule set id.
+    pub fn rule_set_id(mut self, id: impl Into<Arc<str>>) -> Self {
+        self.ctx.rule_set_id = id.into();
+        self
+    }
+    /// Sets an attribute.
+    pub fn attribute(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.set_attribute(name, value);
+        self
+    }
+
+    /// Sets the path in place; it is normalized.
+    pub fn set_path(&mut self, path: &str) -> &mut Self {
+        self.ctx.path = normalize_path(path);
+        self
+    }
+    /// Sets the method in place.
+    pub fn set_method(&mut self, method: Method) -> &mut Self {
+        self.ctx.method = method;
+        self
+    }
+    /// Sets or clears the client IP in place.
+    pub fn set_client_ip(&mut self, ip: Option<IpAddr>) -> &mut Self {
+        self.ctx.client_ip = ip;
+        self
+    }
+    /// Sets or clears the user id in place.
+    pub fn set_user_id(&mut self, user: Option<String>) -> &mut Self {
+        self.ctx.user_id = user;
+        self
+    }
+    /// Sets or clears the API key in place.
+    pub fn set_api_key(&mut self, key: Option<String>) -> &mut Self {
+        self.ctx.api_key = key;
+        self
+    }
+    /// Sets the rule set id in place.
+    pub fn set_rule_set_id(&mut self, id: impl Into<Arc<str>>) -> &mut Self {
+        self.ctx.rule_set_id = id.into();
+        self
+    }
+    /// Sets an attribute in place.
+    pub fn set_attribute(&mut self, name: impl Into<String>, value: impl Into<String>) -> &mut Self {
+        self.ctx.attributes.insert(name.into(), value.into());
+        self
+    }
+    /// Removes an attribute in place.
+    pub fn remove_attribute(&mut self, name: &str) -> &mut Self {
+        self.ctx.attributes.remove(name);
+        self
+    }
+
+    /// The context as built so far.
+    pub fn peek(&self) -> &RequestContext {
+        &self.ctx
+    }
+
+    /// Sets an already normalized path (no normalization is repeated).
+    #[doc(hidden)]
+    pub fn set_normalized_path(&mut self, path: String) -> &mut Self {
+        self.ctx.path = path;
+        self
+    }
+
+    /// Builds the context.
+    pub fn build(self) -> RequestContext {
+        self.ctx
+    }
+}

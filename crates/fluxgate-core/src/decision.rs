@@ -1,0 +1,124 @@
+//! The decision for one request.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Why a decision came out the way it did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Every band of every enforced rule admitted the request.
+    Admitted,
+    /// No enabled rule of the rule set applies to the request.
+    NoMatchingRule,
+    /// No rule set has the request's id, and the engine admits such requests.
+    UnknownRuleSetAllowed,
+    /// No rule set has the request's id, and the engine rejects such requests.
+    UnknownRuleSetDenied,
+    /// A band rejected the request.
+    RateLimited,
+    /// A rule with `on_missing_key: deny` found no key value.
+    MissingKey {
+        /// The rule.
+        rule: Arc<str>,
+    },
+}
+
+/// One band's figures after a decision.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BandReport {
+    /// The rule.
+    pub rule: Arc<str>,
+    /// The band's name: its label, or `b<position>`.
+    pub band: Arc<str>,
+    /// Whether the band has a label of its own.
+    pub labeled: bool,
+    /// The capacity.
+    pub limit: u64,
+    /// Permits left.
+    pub remaining: u64,
+    /// The window.
+    pub window: Duration,
+    /// Time until the band is full again.
+    pub reset_after: Duration,
+    /// When the band is full again.
+    pub reset_at: SystemTime,
+    /// Whether this band alone admitted the request.
+    pub allowed: bool,
+    /// Whether the rule is in shadow mode.
+    pub shadow: bool,
+}
+
+/// The decision for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request may pass.
+    pub allowed: bool,
+    /// Why.
+    pub outcome: Outcome,
+    /// The rule set that decided.
+    pub rule_set: Arc<str>,
+    /// The binding band of the enforced rules: the rejecting band with the longest wait
+    /// on rejection, otherwise the band with the least remaining (the first on ties).
+    pub binding: Option<BandReport>,
+    /// On rejection by a band: how long until the request could be admitted. `None`
+    /// when it never can (more permits than a band's capacity) or for other rejections.
+    pub retry_after: Option<Duration>,
+    /// Every band of the enforced rules, in rule priority order.
+    pub bands: Vec<BandReport>,
+    /// Every band of the rules in shadow mode.
+    pub shadow_bands: Vec<BandReport>,
+    /// The first shadow rule that would have rejected the request.
+    pub shadow_rejected_by: Option<Arc<str>>,
+}
+
+impl Decision {
+    /// A decision that involves no band.
+    pub fn without_bands(rule_set: Arc<str>, allowed: bool, outcome: Outcome) -> Self {
+        Self {
+            allowed,
+            outcome,
+            rule_set,
+            binding: None,
+            retry_after: None,
+            bands: Vec::new(),
+            shadow_bands: Vec::new(),
+            shadow_rejected_by: None,
+        }
+    }
+
+    /// The binding rule's id.
+    pub fn rule(&self) -> Option<&Arc<str>> {
+        match &self.outcome {
+            Outcome::MissingKey { rule } => Some(rule),
+            _ => self.binding.as_ref().map(|b| &b.rule),
+        }
+    }
+
+    /// The binding band's capacity.
+    pub fn limit(&self) -> Option<u64> {
+        self.binding.as_ref().map(|b| b.limit)
+    }
+
+    /// The least remaining over the enforced bands.
+    pub fn remaining(&self) -> Option<u64> {
+        self.binding.as_ref().map(|b| b.remaining)
+    }
+
+    /// When the binding band is full again, in whole Unix seconds (rounded up).
+    pub fn reset_unix_secs(&self) -> Option<u64> {
+        self.binding
+            .as_ref()
+            .map(|b| ceil_secs(b.reset_at.duration_since(UNIX_EPOCH).unwrap_or_default()))
+    }
+
+    /// `Retry-After` in whole seconds: rounded up, at least 1.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after.map(|d| ceil_secs(d).max(1))
+    }
+}
+
+/// Whole seconds, rounded up.
+pub fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}

@@ -1,0 +1,299 @@
+//! The engine: rule lookup, matching, key resolution and the limiter call.
+
+use std::sync::Arc;
+use std::time::{Duration, UNIX_EPOCH};
+
+use crate::context::RequestContext;
+use crate::decision::{BandReport, Decision, Outcome};
+use crate::error::Error;
+use crate::future::MaybeReady;
+use crate::key::{KeyResolution, KeyResolver};
+use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
+use crate::provider::{RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
+use crate::rule::{Mode, RuleSet, RuleSets};
+
+/// What the engine does with a request whose rule set id is unknown.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum UnknownRuleSet {
+    /// Admit it (no headers).
+    #[default]
+    Allow,
+    /// Reject it.
+    Deny,
+}
+
+/// The rate-limit engine. Cheap to clone.
+///
+/// For each request it looks up the rule set, keeps every enabled rule that matches the
+/// path and method (highest priority first), resolves each rule's key, and asks the
+/// limiter to consume from every band of every one of them, all or nothing.
+///
+/// ```
+/// use fluxgate_core::{Engine, RequestContext, RuleSets};
+/// let rules = RuleSets::from_yaml_str(r#"
+/// rule_sets:
+///   - id: default
+///     rules:
+///       - id: per-ip
+///         bands: [{ capacity: 2, window: 1m }]
+/// "#).unwrap();
+/// let engine = Engine::in_memory(rules);
+/// let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+/// let check = |ctx| engine.check(ctx).into_ready().unwrap().unwrap();
+/// assert_eq!(check(&ctx).remaining(), Some(1));
+/// assert_eq!(check(&ctx).remaining(), Some(0));
+/// assert!(!check(&ctx).allowed);
+/// ```
+#[derive(Debug, Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    provider: Arc<dyn RuleSetProvider>,
+    limiter: Arc<dyn RateLimiter>,
+    resolver: KeyResolver,
+    unknown_rule_set: UnknownRuleSet,
+}
+
+/// Builds an [`Engine`].
+#[derive(Debug)]
+pub struct EngineBuilder {
+    provider: Arc<dyn RuleSetProvider>,
+    limiter: Option<Arc<dyn RateLimiter>>,
+    resolver: KeyResolver,
+    unknown_rule_set: UnknownRuleSet,
+}
+
+impl EngineBuilder {
+    /// The limiter backend. Default: a [`MemoryLimiter`] with its defaults.
+    pub fn limiter(mut self, limiter: impl RateLimiter) -> Self {
+        self.limiter = Some(Arc::new(limiter));
+        self
+    }
+
+    /// The limiter backend, shared.
+    pub fn shared_limiter(mut self, limiter: Arc<dyn RateLimiter>) -> Self {
+        self.limiter = Some(limiter);
+        self
+    }
+
+    /// Keys IPv6 clients by their first `bits` bits. Default 64.
+    ///
+    /// # Panics
+    ///
+    /// When `bits` is 0 or larger than 128.
+    pub fn ipv6_prefix(mut self, bits: u8) -> Self {
+        self.resolver = KeyResolver::new(bits);
+        self
+    }
+
+    /// What to do with unknown rule set ids. Default [`UnknownRuleSet::Allow`].
+    pub fn unknown_rule_set(mut self, policy: UnknownRuleSet) -> Self {
+        self.unknown_rule_set = policy;
+        self
+    }
+
+    /// Builds the engine.
+    pub fn build(self) -> Engine {
+        Engine {
+            inner: Arc::new(Inner {
+                provider: self.provider,
+                limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
+                resolver: self.resolver,
+                unknown_rule_set: self.unknown_rule_set,
+            }),
+        }
+    }
+}
+
+impl Engine {
+    /// A builder around a rule provider.
+    pub fn builder(provider: impl RuleSetProvider) -> EngineBuilder {
+        EngineBuilder {
+            provider: Arc::new(provider),
+            limiter: None,
+            resolver: KeyResolver::default(),
+            unknown_rule_set: UnknownRuleSet::default(),
+        }
+    }
+
+    /// An engine with fixed rules and the in-memory limiter.
+    pub fn in_memory(rules: RuleSets) -> Self {
+        Self::builder(StaticRuleSetProvider::new(rules)).build()
+    }
+
+    /// Decides one request.
+    pub fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        match self.inner.provider.rule_set(ctx.rule_set_id()).into_ready() {
+            Ok(lookup) => self.decide(lookup, ctx),
+            Err(pending) => {
+                let this = self.clone();
+                let ctx = ctx.clone();
+                MaybeReady::boxed(async move {
+                    let lookup = pending.await;
+                    this.decide(lookup, &ctx).await
+                })
+            }
+        }
+    }
+
+    fn decide(&self, lookup: RuleSetLookup, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        let set = match lookup {
+            Ok(Some(set)) => set,
+            Ok(None) => {
+                let (allowed, outcome) = match self.inner.unknown_rule_set {
+                    UnknownRuleSet::Allow => (true, Outcome::UnknownRuleSetAllowed),
+                    UnknownRuleSet::Deny => (false, Outcome::UnknownRuleSetDenied),
+                };
+                tracing::trace!(rule_set = ctx.rule_set_id(), allowed, "unknown rule set");
+                let id: Arc<str> = Arc::from(ctx.rule_set_id());
+                return MaybeReady::ready(Ok(Decision::without_bands(id, allowed, outcome)));
+            }
+            Err(source) => {
+                return MaybeReady::ready(Err(Error::Provider {
+                    rule_set: ctx.rule_set_id().to_owned(),
+                    source,
+                }))
+            }
+        };
+
+        let mut buckets = Vec::new();
+        let mut rule_index = Vec::new();
+        let mut denied_by = None;
+        with_segments(ctx.path(), |segments| {
+            for (i, rule) in set.rules().iter().enumerate() {
+                if !rule.applies_to(segments, ctx.method()) {
+                    continue;
+                }
+                match self.inner.resolver.resolve(rule, ctx) {
+                    KeyResolution::Key(key) => {
+                        buckets.push(BucketRequest {
+                            rule_set: set.id().clone(),
+                            rule: rule.id().clone(),
+                            key,
+                            algorithm: rule.algorithm(),
+                            bands: rule.bands().clone(),
+                            permits: rule.permits(),
+                            shadow: rule.mode() == Mode::Shadow,
+                        });
+                        rule_index.push(i);
+                    }
+                    KeyResolution::Skip => {}
+                    KeyResolution::Deny if rule.mode() == Mode::Shadow => {}
+                    KeyResolution::Deny => {
+                        denied_by = Some(rule.id().clone());
+                        break;
+                    }
+                }
+            }
+        });
+        if let Some(rule) = denied_by {
+            let outcome = Outcome::MissingKey { rule };
+            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), false, outcome)));
+        }
+        if buckets.is_empty() {
+            return MaybeReady::ready(Ok(Decision::without_bands(
+                set.id().clone(),
+                true,
+                Outcome::NoMatchingRule,
+            )));
+        }
+        self.inner
+            .limiter
+            .acquire(AcquireRequest { buckets })
+            .map(move |result| match result {
+                Ok(outcome) => Ok(decision_from(&set, &rule_index, outcome)),
+                Err(e) => Err(Error::Backend(e)),
+            })
+    }
+}
+
+/// Runs `f` with the non-empty segments of `path`, without allocating for usual paths.
+fn with_segments<R>(path: &str, f: impl FnOnce(&[&str]) -> R) -> R {
+    let mut buf = [""; 16];
+    let mut n = 0;
+    for s in path.split('/').filter(|s| !s.is_empty()) {
+        if n == buf.len() {
+            let all: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
+            return f(&all);
+        }
+        buf[n] = s;
+        n += 1;
+    }
+    f(&buf[..n])
+}
+
+fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -> Decision {
+    let now = Duration::from_nanos(outcome.now_unix_nanos);
+    let mut bands = Vec::new();
+    let mut shadow_bands = Vec::new();
+    let mut shadow_rejected_by = None;
+    // The rejecting band with the longest wait, and its wait (`None` = never).
+    let mut worst: Option<(usize, Option<Duration>)> = None;
+    for state in &outcome.bands {
+        let rule = &set.rules()[rule_index[state.bucket]];
+        let band = &rule.bands()[state.band];
+        let shadow = rule.mode() == Mode::Shadow;
+        let report = BandReport {
+            rule: rule.id().clone(),
+            band: band.name().clone(),
+            labeled: band.label().is_some(),
+            limit: band.capacity(),
+            remaining: state.remaining,
+            window: band.window(),
+            reset_after: state.reset_after,
+            reset_at: UNIX_EPOCH + now + state.reset_after,
+            allowed: state.allowed,
+            shadow,
+        };
+        if shadow {
+            if !state.allowed && shadow_rejected_by.is_none() {
+                shadow_rejected_by = Some(rule.id().clone());
+            }
+            shadow_bands.push(report);
+            continue;
+        }
+        if !state.allowed {
+            let wait = match state.wait {
+                Wait::After(d) => Some(d),
+                Wait::Never | Wait::None => None,
+            };
+            let worse = match worst {
+                None => true,
+                Some((_, None)) => false,
+                Some((_, Some(w))) => wait.is_none_or(|d| d > w),
+            };
+            if worse {
+                worst = Some((bands.len(), wait));
+            }
+        }
+        bands.push(report);
+    }
+    let (binding, retry_after) = match worst {
+        Some((i, wait)) if !outcome.allowed => (Some(bands[i].clone()), wait),
+        _ => {
+            let least = bands
+                .iter()
+                .enumerate()
+                .min_by_key(|(i, b)| (b.remaining, *i))
+                .map(|(_, b)| b.clone());
+            (least, None)
+        }
+    };
+    Decision {
+        allowed: outcome.allowed,
+        outcome: if outcome.allowed {
+            Outcome::Admitted
+        } else {
+            Outcome::RateLimited
+        },
+        rule_set: set.id().clone(),
+        binding,
+        retry_after,
+        bands,
+        shadow_bands,
+        shadow_rejected_by,
+    }
+}

@@ -1,0 +1,327 @@
+//! Key resolution: which counter a request is counted in, for each rule.
+//!
+//! A key value is a sequence of `tag=value` components joined by `:`. Values are
+//! percent-encoded so that only `A-Z a-z 0-9 . _ -` and `%XX` remain: no `:`, `{`, `}`,
+//! `=`, `~`, spaces or newlines can come from a user's header. A value whose encoding is
+//! longer than [`MAX_ENCODED_VALUE`] is replaced by `tag~` and the first 128 bits of its
+//! SHA-256 in hex. Two different inputs therefore never share an encoding (short ones are
+//! injective, long ones differ by their hash), and a key value stays bounded in length.
+
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv6Addr};
+
+use sha2::{Digest, Sha256};
+
+use crate::context::RequestContext;
+use crate::rule::{KeyField, OnMissingKey, Rule, Scope};
+
+/// The longest encoded value kept as is; longer ones are hashed.
+pub const MAX_ENCODED_VALUE: usize = 64;
+
+/// How a rule's key resolved for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyResolution {
+    /// Count the request under this encoded key value.
+    Key(String),
+    /// The rule does not apply (`on_missing_key: skip`).
+    Skip,
+    /// Reject the request (`on_missing_key: deny`).
+    Deny,
+}
+
+/// Resolves rule keys for requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyResolver {
+    ipv6_prefix: u8,
+}
+
+impl Default for KeyResolver {
+    fn default() -> Self {
+        Self { ipv6_prefix: 64 }
+    }
+}
+
+impl KeyResolver {
+    /// A resolver that keys IPv6 clients by their first `ipv6_prefix` bits (1 to 128;
+    /// the default is 64, one client network).
+    ///
+    /// # Panics
+    ///
+    /// When `ipv6_prefix` is 0 or larger than 128.
+    pub const fn new(ipv6_prefix: u8) -> Self {
+        assert!(
+            ipv6_prefix >= 1 && ipv6_prefix <= 128,
+            "ipv6_prefix must be between 1 and 128"
+        );
+        Self { ipv6_prefix }
+    }
+
+    /// The IPv6 prefix length.
+    pub fn ipv6_prefix(&self) -> u8 {
+        self.ipv6_prefix
+    }
+
+    /// Resolves the key of `rule` for `ctx`.
+    ///
+    /// ```
+    /// use fluxgate_core::{KeyResolver, KeyResolution, RequestContext, Rule, RuleSpec, BandSpec};
+    /// use std::time::Duration;
+    /// let rule = Rule::from_spec("api", RuleSpec::new("per-ip", vec![BandSpec::new(10, Duration::from_secs(1))])).unwrap();
+    /// let ctx = RequestContext::builder().client_ip("10.1.2.3".parse().unwrap()).build();
+    /// assert_eq!(KeyResolver::default().resolve(&rule, &ctx), KeyResolution::Key("ip=10.1.2.3".into()));
+    /// ```
+    pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
+        let mut out = String::new();
+        let complete = match rule.scope() {
+            Scope::Global => {
+                out.push_str("global");
+                true
+            }
+            Scope::Ip => {
+                // A request without any known address is counted as one unknown client.
+                self.push_ip(&mut out, ctx.client_ip());
+                true
+            }
+            Scope::User => push_opt(&mut out, "user", ctx.user_id()),
+            Scope::ApiKey => push_opt(&mut out, "key", ctx.api_key()),
+            Scope::Attribute(name) => push_attr(&mut out, name, ctx),
+            Scope::Composite(fields) => {
+                let mut all = true;
+                for field in fields {
+                    if !out.is_empty() {
+                        out.push(':');
+                    }
+                    all &= match field {
+                        KeyField::Ip => {
+                            self.push_ip(&mut out, ctx.client_ip());
+                            true
+                        }
+                        KeyField::User => push_opt(&mut out, "user", ctx.user_id()),
+                        KeyField::ApiKey => push_opt(&mut out, "key", ctx.api_key()),
+                        KeyField::Attribute(name) => push_attr(&mut out, name, ctx),
+                    };
+                    if !all {
+                        break;
+                    }
+                }
+                all
+            }
+        };
+        if complete {
+            return KeyResolution::Key(out);
+        }
+        match rule.on_missing_key() {
+            OnMissingKey::FallbackIp => {
+                out.clear();
+                self.push_ip(&mut out, ctx.client_ip());
+                KeyResolution::Key(out)
+            }
+            OnMissingKey::Skip => KeyResolution::Skip,
+            OnMissingKey::Deny => KeyResolution::Deny,
+        }
+    }
+
+    fn push_ip(&self, out: &mut String, ip: Option<IpAddr>) {
+        out.push_str("ip=");
+        match ip.map(|ip| self.mask(ip)) {
+            // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
+            Some(IpAddr::V4(v4)) => {
+                let _ = write!(out, "{v4}");
+            }
+            Some(IpAddr::V6(v6)) => {
+                let text = v6.to_string();
+                encode_into(out, &text);
+                if self.ipv6_prefix < 128 {
+                    let _ = write!(out, "_{}", self.ipv6_prefix);
+                }
+            }
+            None => out.push_str("unknown"),
+        }
+    }
+
+    /// The address as keyed: IPv4-mapped IPv6 as IPv4, other IPv6 cut to the prefix.
+    pub fn mask(&self, ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(v4) => IpAddr::V4(v4),
+            IpAddr::V6(v6) => {
+                if let Some(v4) = v6.to_ipv4_mapped() {
+                    return IpAddr::V4(v4);
+                }
+                let bits = u128::from(v6);
+                let masked = if self.ipv6_prefix >= 128 {
+                    bits
+                } else {
+                    bits & !(u128::MAX >> self.ipv6_prefix)
+                };
+                IpAddr::V6(Ipv6Addr::from(masked))
+            }
+        }
+    }
+}
+
+fn push_opt(out: &mut String, tag: &str, value: Option<&str>) -> bool {
+    match value {
+        Some(v) => {
+            push_component(out, tag, v);
+            true
+        }
+        None => false,
+    }
+}
+
+fn push_attr(out: &mut String, name: &str, ctx: &RequestContext) -> bool {
+    match ctx.attribute(name) {
+        Some(v) => {
+            // Attribute names are validated ids (`A-Z a-z 0-9 _ - .`).
+            out.push_str("a.");
+            push_component(out, name, v);
+            true
+        }
+        None => false,
+    }
+}
+
+/// Appends `tag=encoded` or, for long values, `tag~hash`.
+fn push_component(out: &mut String, tag: &str, value: &str) {
+    out.push_str(tag);
+    if encoded_len(value) <= MAX_ENCODED_VALUE {
+        out.push('=');
+        encode_into(out, value);
+    } else {
+        out.push('~');
+        let digest = Sha256::digest(value.as_bytes());
+        for b in &digest[..16] {
+            let _ = write!(out, "{b:02x}");
+        }
+    }
+}
+
+fn is_plain(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-')
+}
+
+fn encoded_len(value: &str) -> usize {
+    value.bytes().map(|b| if is_plain(b) { 1 } else { 3 }).sum()
+}
+
+/// Percent-encodes every byte outside `A-Z a-z 0-9 . _ -`.
+///
+/// ```
+/// let mut s = String::new();
+/// fluxgate_core::key::encode_into(&mut s, "a:{b}\n");
+/// assert_eq!(s, "a%3A%7Bb%7D%0A");
+/// ```
+pub fn encode_into(out: &mut String, value: &str) {
+    for b in value.bytes() {
+        if is_plain(b) {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::rule::{BandSpec, RuleSpec, ScopeKind};
+
+    fn rule(scope: ScopeKind, attribute: Option<&str>, fields: &[&str], missing: OnMissingKey) -> Rule {
+        let mut spec = RuleSpec::new("r", vec![BandSpec::new(1, Duration::from_secs(1))]);
+        spec.scope = scope;
+        spec.attribute = attribute.map(str::to_owned);
+        spec.fields = fields.iter().map(|s| (*s).to_owned()).collect();
+        spec.on_missing_key = missing;
+        Rule::from_spec("s", spec).unwrap()
+    }
+
+    fn key(r: &Rule, ctx: &RequestContext) -> String {
+        match KeyResolver::default().resolve(r, ctx) {
+            KeyResolution::Key(k) => k,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn hostile_values_do_not_collide_and_stay_bounded() {
+        let r = rule(ScopeKind::User, None, &[], OnMissingKey::Deny);
+        let big = "x".repeat(10 * 1024);
+        let values = [
+            "a",
+            "a:b",
+            "a%3Ab",
+            "a=b",
+            "{a}",
+            "a}",
+            "{",
+            "}",
+            "a\nb",
+            "a\r\nb",
+            "",
+            " ",
+            "a~b",
+            &big,
+            &format!("{big}y"),
+            "user=a",
+            "ip=1.2.3.4",
+            "%",
+            "%25",
+        ];
+        let mut seen = std::collections::HashSet::new();
+        for v in values {
+            let ctx = RequestContext::builder().user_id(v).build();
+            let k = key(&r, &ctx);
+            assert!(k.len() <= 4 + 1 + MAX_ENCODED_VALUE, "{k}");
+            assert!(!k.contains(['{', '}', '\n', '\r', ' ', ':']), "{k}");
+            assert!(seen.insert(k.clone()), "collision on {v:?}: {k}");
+        }
+    }
+
+    #[test]
+    fn composite_fields_cannot_shift() {
+        let r = rule(ScopeKind::Composite, None, &["user", "tenant"], OnMissingKey::Deny);
+        let a = RequestContext::builder()
+            .user_id("a:a.tenant=b")
+            .attribute("tenant", "c")
+            .build();
+        let b = RequestContext::builder()
+            .user_id("a")
+            .attribute("tenant", "b:a.tenant=c")
+            .build();
+        assert_ne!(key(&r, &a), key(&r, &b));
+        assert_eq!(key(&r, &a).matches(':').count(), 1);
+    }
+
+    #[test]
+    fn missing_key_policies() {
+        let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+        let fallback = rule(ScopeKind::ApiKey, None, &[], OnMissingKey::FallbackIp);
+        assert_eq!(key(&fallback, &ctx), "ip=10.0.0.1");
+        let skip = rule(ScopeKind::Attribute, Some("tenant"), &[], OnMissingKey::Skip);
+        assert_eq!(KeyResolver::default().resolve(&skip, &ctx), KeyResolution::Skip);
+        let deny = rule(ScopeKind::Composite, None, &["ip", "user"], OnMissingKey::Deny);
+        assert_eq!(KeyResolver::default().resolve(&deny, &ctx), KeyResolution::Deny);
+        let global = rule(ScopeKind::Global, None, &[], OnMissingKey::Deny);
+        assert_eq!(key(&global, &ctx), "global");
+    }
+
+    #[test]
+    fn ipv6_prefix() {
+        let r = rule(ScopeKind::Ip, None, &[], OnMissingKey::Deny);
+        let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        let a = key(&r, &at("2001:db8:1:2::1"));
+        let b = key(&r, &at("2001:db8:1:2:ffff::9"));
+        let c = key(&r, &at("2001:db8:1:3::1"));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(a, "ip=2001%3Adb8%3A1%3A2%3A%3A_64");
+        assert_eq!(key(&r, &at("::ffff:10.0.0.1")), "ip=10.0.0.1");
+        let exact = KeyResolver::new(128);
+        assert_ne!(
+            exact.resolve(&r, &at("2001:db8::1")),
+            exact.resolve(&r, &at("2001:db8::2"))
+        );
+    }
+}

@@ -1,0 +1,70 @@
+//! The core of FluxGate: distributed rate limiting for Rust HTTP services.
+//!
+//! This crate holds everything that does not depend on HTTP middleware or a network
+//! backend:
+//!
+//! - [`RequestContext`]: what is known about a request (path, method, client IP, user,
+//!   API key, rule set, attributes).
+//! - The rule model ([`RuleSets`], [`RuleSet`], [`Rule`], [`Band`], [`Scope`]) with its
+//!   YAML / TOML / JSON file format and validation.
+//! - [`PathPattern`] (Ant-style) and [`normalize_path`].
+//! - [`KeyResolver`]: a rule's key for a request, encoded so that no user value can
+//!   collide with another or grow without bound.
+//! - [`RateLimiter`] (backend trait) and [`MemoryLimiter`], the exact in-memory token bucket.
+//! - [`RuleSetProvider`] with [`StaticRuleSetProvider`] and [`CachingRuleSetProvider`].
+//! - [`Engine`], [`RateLimitHandler`], [`EngineHandler`] and [`Decision`].
+//!
+//! ```
+//! use fluxgate_core::{Engine, RequestContext, RuleSets};
+//!
+//! let rules = RuleSets::from_yaml_str(r#"
+//! rule_sets:
+//!   - id: default
+//!     rules:
+//!       - id: per-ip
+//!         match: { paths: ["/api/**"] }
+//!         bands: [{ capacity: 100, window: 1m }]
+//! "#)?;
+//! let engine = Engine::in_memory(rules);
+//! let ctx = RequestContext::builder()
+//!     .path("/api/users")
+//!     .client_ip("192.0.2.7".parse()?)
+//!     .build();
+//! let decision = engine.check(&ctx).into_ready().expect("in memory").expect("decided");
+//! assert!(decision.allowed);
+//! assert_eq!(decision.remaining(), Some(99));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+#![deny(unsafe_code)]
+
+mod clock;
+mod context;
+mod decision;
+mod engine;
+mod error;
+mod future;
+mod handler;
+pub mod key;
+pub mod limiter;
+mod path;
+mod provider;
+mod rule;
+
+pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
+pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
+pub use decision::{ceil_secs, BandReport, Decision, Outcome};
+pub use engine::{Engine, EngineBuilder, UnknownRuleSet};
+pub use error::{BoxError, Error, RuleError};
+pub use future::{BoxFuture, MaybeReady};
+pub use handler::{EngineHandler, RateLimitHandler, RateLimitMetricsRecorder};
+pub use key::{KeyResolution, KeyResolver};
+pub use limiter::{MemoryLimiter, MemoryLimiterBuilder, RateLimiter};
+pub use path::{normalize_path, PathPattern, PatternError};
+pub use provider::{
+    CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider,
+};
+pub use rule::{
+    format_duration, parse_duration, Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule,
+    RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
+};

@@ -1,0 +1,390 @@
+//! The in-memory limiter: sharded, exact, bounded.
+
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::fmt;
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use super::token_bucket::{evaluate, Eval, Tat};
+use super::{AcquireOutcome, AcquireRequest, BandState, RateLimiter};
+use crate::clock::{Clock, SystemClock};
+use crate::error::BoxError;
+use crate::future::MaybeReady;
+
+/// The in-memory limiter: the embedded default backend.
+///
+/// Buckets live in a fixed number of shards, each behind its own mutex; a key's shard is
+/// chosen by a keyed 128-bit SipHash of its rule set, rule, key value and band, so
+/// unrelated keys rarely contend and a crafted header cannot aim at another client's
+/// counter. A request's bands are checked and consumed under the locks of all the shards
+/// they live in (taken in index order), so a decision over many rules is one atomic step.
+///
+/// Memory is bounded: a bucket that has refilled completely is the same as no bucket and
+/// is dropped when its shard is swept (each shard sweeps itself when it has doubled since
+/// its last sweep, and [`MemoryLimiter::purge_idle`] sweeps all). When more than
+/// `max_keys` buckets are still active, the ones closest to full are evicted first (they
+/// start over full, which errs towards admitting).
+///
+/// ```
+/// use fluxgate_core::MemoryLimiter;
+/// let limiter = MemoryLimiter::builder().max_keys(100_000).build();
+/// assert_eq!(limiter.len(), 0);
+/// ```
+#[derive(Clone)]
+pub struct MemoryLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    shard_mask: usize,
+    max_per_shard: usize,
+    clock: Arc<dyn Clock>,
+    hasher: RandomState,
+}
+
+struct Shard {
+    map: HashMap<u128, Tat, BuildHasherDefault<PreHashed>>,
+    next_sweep: usize,
+}
+
+/// The map keys are already uniformly distributed hashes.
+#[derive(Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
+const MIN_SWEEP: usize = 1024;
+
+/// Builds a [`MemoryLimiter`].
+#[derive(Debug, Clone)]
+pub struct MemoryLimiterBuilder {
+    max_keys: usize,
+    shards: usize,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl Default for MemoryLimiterBuilder {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(4, std::num::NonZeroUsize::get);
+        Self {
+            max_keys: 1_000_000,
+            shards: (cores * 16).next_power_of_two().clamp(16, 1024),
+            clock: None,
+        }
+    }
+}
+
+impl MemoryLimiterBuilder {
+    /// The most buckets kept (one per band per key). Default 1,000,000.
+    pub fn max_keys(mut self, max_keys: usize) -> Self {
+        self.max_keys = max_keys.max(1);
+        self
+    }
+
+    /// The number of shards, rounded up to a power of two. Default: 16 per core.
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.clamp(1, 1 << 16).next_power_of_two();
+        self
+    }
+
+    /// The clock. Default [`SystemClock`]; tests use [`crate::TokioClock`] or
+    /// [`crate::ManualClock`].
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// Builds the limiter.
+    pub fn build(self) -> MemoryLimiter {
+        let max_per_shard = self.max_keys.div_ceil(self.shards).max(1);
+        let shards = (0..self.shards)
+            .map(|_| {
+                Mutex::new(Shard {
+                    map: HashMap::default(),
+                    next_sweep: MIN_SWEEP.min(max_per_shard),
+                })
+            })
+            .collect();
+        MemoryLimiter {
+            inner: Arc::new(Inner {
+                shards,
+                shard_mask: self.shards - 1,
+                max_per_shard,
+                clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
+                hasher: RandomState::new(),
+            }),
+        }
+    }
+}
+
+impl Default for MemoryLimiter {
+    fn default() -> Self {
+        Self::builder().build()
+    }
+}
+
+impl fmt::Debug for MemoryLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryLimiter")
+            .field("shards", &self.inner.shards.len())
+            .field("max_keys", &(self.inner.max_per_shard * self.inner.shards.len()))
+            .field("clock", &self.inner.clock)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Item {
+    key: u128,
+    shard: usize,
+    capacity: u64,
+    window: u64,
+    permits: u64,
+    shadow: bool,
+    bucket: usize,
+    band: usize,
+}
+
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl MemoryLimiter {
+    /// A builder with the defaults.
+    pub fn builder() -> MemoryLimiterBuilder {
+        MemoryLimiterBuilder::default()
+    }
+
+    /// The number of buckets held.
+    pub fn len(&self) -> usize {
+        self.inner.shards.iter().map(|s| lock(s).map.len()).sum()
+    }
+
+    /// Whether no bucket is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops every bucket that has refilled completely; returns how many were dropped.
+    pub fn purge_idle(&self) -> usize {
+        let now = self.inner.clock.now_nanos();
+        self.inner
+            .shards
+            .iter()
+            .map(|s| {
+                let mut shard = lock(s);
+                let before = shard.map.len();
+                shard.map.retain(|_, tat| !tat.is_full_at(now));
+                before - shard.map.len()
+            })
+            .sum()
+    }
+
+    /// Forgets every bucket.
+    pub fn clear(&self) {
+        for s in self.inner.shards.iter() {
+            lock(s).map.clear();
+        }
+    }
+
+    fn key_of(&self, b: &super::BucketRequest, band: &crate::rule::Band) -> u128 {
+        let mut h = self.inner.hasher.build_hasher();
+        b.rule_set.hash(&mut h);
+        b.rule.hash(&mut h);
+        b.key.hash(&mut h);
+        band.name().hash(&mut h);
+        band.capacity().hash(&mut h);
+        band.window().hash(&mut h);
+        let low = h.finish();
+        h.write_u8(0xa5);
+        let high = h.finish();
+        (u128::from(high) << 64) | u128::from(low)
+    }
+
+    /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
+    pub fn acquire_now(&self, request: &AcquireRequest) -> AcquireOutcome {
+        let now = self.inner.clock.now_nanos();
+        let mut items = Vec::with_capacity(request.buckets.iter().map(|b| b.bands.len()).sum());
+        for (bi, b) in request.buckets.iter().enumerate() {
+            for (ni, band) in b.bands.iter().enumerate() {
+                let key = self.key_of(b, band);
+                items.push(Item {
+                    key,
+                    shard: (key >> 64) as usize & self.inner.shard_mask,
+                    capacity: band.capacity(),
+                    window: u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX),
+                    permits: b.permits,
+                    shadow: b.shadow,
+                    bucket: bi,
+                    band: ni,
+                });
+            }
+        }
+
+        // Lock every shard involved, in index order (no deadlock between requests).
+        let mut order: Vec<usize> = items.iter().map(|i| i.shard).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        let slot = |shard: usize| order.binary_search(&shard).unwrap_or(0);
+
+        let evals: Vec<Eval> = items
+            .iter()
+            .map(|i| {
+                let state = guards[slot(i.shard)].map.get(&i.key).copied();
+                evaluate(state, now, i.capacity, i.window, i.permits)
+            })
+            .collect();
+        let allowed = items.iter().zip(&evals).all(|(i, e)| i.shadow || e.allowed);
+        let shadow_allowed = items.iter().zip(&evals).all(|(i, e)| !i.shadow || e.allowed);
+
+        let mut bands = Vec::with_capacity(items.len());
+        for (i, e) in items.iter().zip(&evals) {
+            let commit = allowed && (!i.shadow || shadow_allowed);
+            if commit {
+                let shard = &mut *guards[slot(i.shard)];
+                self.store(shard, i.key, e.next, now);
+            }
+            bands.push(BandState {
+                bucket: i.bucket,
+                band: i.band,
+                allowed: e.allowed,
+                remaining: if commit { e.remaining_after } else { e.remaining_now },
+                reset_after: Duration::from_nanos(if commit { e.reset_after } else { e.reset_now }),
+                wait: e.wait,
+            });
+        }
+        drop(guards);
+        AcquireOutcome {
+            allowed,
+            shadow_allowed,
+            now_unix_nanos: now,
+            bands,
+        }
+    }
+
+    fn store(&self, shard: &mut Shard, key: u128, tat: Tat, now: u64) {
+        if let Some(slot) = shard.map.get_mut(&key) {
+            *slot = tat;
+            return;
+        }
+        if shard.map.len() >= shard.next_sweep {
+            shard.map.retain(|_, t| !t.is_full_at(now));
+            if shard.map.len() >= self.inner.max_per_shard {
+                evict_nearest_full(&mut shard.map, self.inner.max_per_shard);
+            }
+            shard.next_sweep =
+                (shard.map.len() * 2).clamp(MIN_SWEEP.min(self.inner.max_per_shard), self.inner.max_per_shard);
+        }
+        shard.map.insert(key, tat);
+    }
+}
+
+/// Drops the eighth of the buckets that are closest to full (at least one).
+fn evict_nearest_full(map: &mut HashMap<u128, Tat, BuildHasherDefault<PreHashed>>, max: usize) {
+    let target = (max - max / 8).min(max.saturating_sub(1));
+    if map.len() <= target {
+        return;
+    }
+    let drop_count = map.len() - target;
+    let mut tats: Vec<u64> = map.values().map(|t| t.nanos).collect();
+    let (_, cut, _) = tats.select_nth_unstable(drop_count - 1);
+    let cut = *cut;
+    let mut dropped = 0;
+    map.retain(|_, t| {
+        if dropped < drop_count && t.nanos <= cut {
+            dropped += 1;
+            false
+        } else {
+            true
+        }
+    });
+    tracing::debug!(
+        dropped,
+        "in-memory limiter at max_keys: evicted the buckets closest to full"
+    );
+}
+
+impl RateLimiter for MemoryLimiter {
+    fn acquire(&self, request: AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        MaybeReady::ready(Ok(self.acquire_now(&request)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::limiter::BucketRequest;
+    use crate::rule::{Algorithm, Band};
+
+    fn bucket(key: &str, cap: u64, secs: u64) -> BucketRequest {
+        BucketRequest {
+            rule_set: "s".into(),
+            rule: "r".into(),
+            key: key.into(),
+            algorithm: Algorithm::TokenBucket,
+            bands: vec![Band::new(cap, Duration::from_secs(secs)).unwrap()].into(),
+            permits: 1,
+            shadow: false,
+        }
+    }
+
+    #[test]
+    fn idle_buckets_are_swept_and_max_keys_holds() {
+        let clock = ManualClock::new(1_000_000_000);
+        let limiter = MemoryLimiter::builder()
+            .shards(1)
+            .max_keys(2_000)
+            .clock(clock.clone())
+            .build();
+        for i in 0..5_000 {
+            let req = AcquireRequest {
+                buckets: vec![bucket(&format!("k{i}"), 10, 1)],
+            };
+            assert!(limiter.acquire_now(&req).allowed);
+        }
+        assert!(limiter.len() <= 2_000, "{}", limiter.len());
+        clock.advance(Duration::from_secs(2));
+        assert!(limiter.purge_idle() > 0);
+        assert_eq!(limiter.len(), 0);
+    }
+
+    #[test]
+    fn sweeping_does_not_forget_active_buckets() {
+        let clock = ManualClock::new(1_000_000_000);
+        let limiter = MemoryLimiter::builder()
+            .shards(1)
+            .max_keys(1_000_000)
+            .clock(clock.clone())
+            .build();
+        let hot = AcquireRequest {
+            buckets: vec![bucket("hot", 1, 3600)],
+        };
+        assert!(limiter.acquire_now(&hot).allowed);
+        for i in 0..10_000 {
+            let req = AcquireRequest {
+                buckets: vec![bucket(&format!("k{i}"), 10, 1)],
+            };
+            limiter.acquire_now(&req);
+            clock.advance(Duration::from_millis(1));
+        }
+        assert!(!limiter.acquire_now(&hot).allowed, "an active bucket was forgotten");
+    }
+}

@@ -1,0 +1,324 @@
+//! Path normalization and Ant-style path patterns.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// Normalizes a request path before any matching.
+///
+/// Drops the query and fragment, percent-decodes unreserved characters
+/// (`A-Z a-z 0-9 - . _ ~`), collapses repeated `/`, resolves `.` and `..` segments (never
+/// above the root) and drops a trailing `/`. The result always starts with `/`.
+///
+/// ```
+/// use fluxgate_core::normalize_path;
+/// assert_eq!(normalize_path("/api//users"), "/api/users");
+/// assert_eq!(normalize_path("/api/./users"), "/api/users");
+/// assert_eq!(normalize_path("/api/x/../users?page=2"), "/api/users");
+/// assert_eq!(normalize_path("/api/%75sers/"), "/api/users");
+/// assert_eq!(normalize_path("/%2e%2e/admin"), "/admin");
+/// ```
+pub fn normalize_path(raw: &str) -> String {
+    let raw = raw.split(['?', '#']).next().unwrap_or("");
+    let decoded = decode_unreserved(raw);
+    let mut segments: Vec<&str> = Vec::new();
+    for segment in decoded.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                segments.pop();
+            }
+            s => segments.push(s),
+        }
+    }
+    let mut out = String::with_capacity(decoded.len() + 1);
+    if segments.is_empty() {
+        out.push('/');
+    }
+    for s in segments {
+        out.push('/');
+        out.push_str(s);
+    }
+    out
+}
+
+/// Decodes `%XX` escapes of unreserved characters; every other escape is kept (with
+/// upper-case hex digits) so that a decoded `/` cannot create new segments.
+fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
+    if !raw.contains('%') {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    let bytes = raw.as_bytes();
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                let c = (h << 4 | l) as char;
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '~') {
+                    out.push(c);
+                } else {
+                    out.push('%');
+                    out.push(bytes[i + 1].to_ascii_uppercase() as char);
+                    out.push(bytes[i + 2].to_ascii_uppercase() as char);
+                }
+                i += 3;
+                continue;
+            }
+        }
+        // Copy one whole UTF-8 character.
+        let ch_len = raw[i..].chars().next().map_or(1, char::len_utf8);
+        out.push_str(&raw[i..i + ch_len]);
+        i += ch_len;
+    }
+    std::borrow::Cow::Owned(out)
+}
+
+fn hex(b: u8) -> Option<u8> {
+    match b {
+        b'0'..=b'9' => Some(b - b'0'),
+        b'a'..=b'f' => Some(b - b'a' + 10),
+        b'A'..=b'F' => Some(b - b'A' + 10),
+        _ => None,
+    }
+}
+
+/// An Ant-style path pattern: `?` matches one character, `*` any characters within one
+/// segment, `**` any number of whole segments (including none).
+///
+/// ```
+/// use fluxgate_core::PathPattern;
+/// let p: PathPattern = "/api/**/orders/*".parse().unwrap();
+/// assert!(p.matches("/api/v1/eu/orders/42"));
+/// assert!(p.matches("/api/orders/42"));
+/// assert!(!p.matches("/api/orders"));
+/// let all: PathPattern = "/metrics/**".parse().unwrap();
+/// assert!(all.matches("/metrics"));
+/// assert!(all.matches("/metrics/a/b"));
+/// ```
+#[derive(Clone, PartialEq, Eq)]
+pub struct PathPattern {
+    source: String,
+    segments: Vec<Segment>,
+}
+
+#[derive(Clone, PartialEq, Eq, Debug)]
+enum Segment {
+    /// `**`
+    AnyDepth,
+    /// A segment without wildcards.
+    Literal(String),
+    /// A segment with `*` or `?`.
+    Glob(Vec<char>),
+}
+
+/// Why a path pattern was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid path pattern `{pattern}`: {reason}")]
+pub struct PatternError {
+    /// The pattern as given.
+    pub pattern: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
+}
+
+impl FromStr for PathPattern {
+    type Err = PatternError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |reason| PatternError {
+            pattern: s.to_owned(),
+            reason,
+        };
+        if s.is_empty() {
+            return Err(err("a pattern must not be empty"));
+        }
+        if !s.starts_with('/') {
+            return Err(err("a pattern must start with `/`"));
+        }
+        if s.contains('#') {
+            return Err(err("a pattern must not contain `#`"));
+        }
+        if s.chars().any(char::is_control) || s.contains(' ') {
+            return Err(err("a pattern must not contain spaces or control characters"));
+        }
+        let mut segments = Vec::new();
+        for seg in s.split('/').filter(|seg| !seg.is_empty()) {
+            if seg == "**" {
+                // Consecutive `**` mean the same as one.
+                if segments.last() != Some(&Segment::AnyDepth) {
+                    segments.push(Segment::AnyDepth);
+                }
+            } else if seg.contains("**") {
+                return Err(err("`**` must be a whole segment, as in `/api/**`"));
+            } else if seg == "." || seg == ".." {
+                return Err(err("a pattern must not contain `.` or `..` segments"));
+            } else if seg.contains(['*', '?']) {
+                segments.push(Segment::Glob(seg.chars().collect()));
+            } else {
+                segments.push(Segment::Literal(seg.to_owned()));
+            }
+        }
+        Ok(Self {
+            source: s.to_owned(),
+            segments,
+        })
+    }
+}
+
+impl PathPattern {
+    /// The pattern as written.
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether a normalized path matches.
+    pub fn matches(&self, normalized_path: &str) -> bool {
+        let mut segs = [""; 32];
+        let mut n = 0;
+        let mut overflow = Vec::new();
+        for s in normalized_path.split('/').filter(|s| !s.is_empty()) {
+            if n < segs.len() {
+                segs[n] = s;
+                n += 1;
+            } else {
+                if overflow.is_empty() {
+                    overflow.extend_from_slice(&segs);
+                }
+                overflow.push(s);
+            }
+        }
+        if overflow.is_empty() {
+            self.matches_segments(&segs[..n])
+        } else {
+            self.matches_segments(&overflow)
+        }
+    }
+
+    /// Whether a path already split into its non-empty segments matches.
+    pub fn matches_segments(&self, path: &[&str]) -> bool {
+        // Iterative wildcard matching over segments, `**` as the star.
+        let pat = &self.segments;
+        let (mut p, mut s) = (0, 0);
+        let mut backtrack: Option<(usize, usize)> = None;
+        while s < path.len() {
+            if p < pat.len() && pat[p] == Segment::AnyDepth {
+                backtrack = Some((p, s));
+                p += 1;
+            } else if p < pat.len() && segment_matches(&pat[p], path[s]) {
+                p += 1;
+                s += 1;
+            } else if let Some((bp, bs)) = backtrack {
+                p = bp + 1;
+                s = bs + 1;
+                backtrack = Some((bp, bs + 1));
+            } else {
+                return false;
+            }
+        }
+        pat[p..].iter().all(|seg| *seg == Segment::AnyDepth)
+    }
+}
+
+fn segment_matches(pattern: &Segment, segment: &str) -> bool {
+    match pattern {
+        Segment::AnyDepth => true,
+        Segment::Literal(lit) => lit == segment,
+        Segment::Glob(glob) => glob_matches(glob, segment),
+    }
+}
+
+fn glob_matches(glob: &[char], text: &str) -> bool {
+    let text: Vec<char> = text.chars().collect();
+    let (mut p, mut t) = (0, 0);
+    let mut backtrack: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if p < glob.len() && glob[p] == '*' {
+            backtrack = Some((p, t));
+            p += 1;
+        } else if p < glob.len() && (glob[p] == '?' || glob[p] == text[t]) {
+            p += 1;
+            t += 1;
+        } else if let Some((bp, bt)) = backtrack {
+            p = bp + 1;
+            t = bt + 1;
+            backtrack = Some((bp, bt + 1));
+        } else {
+            return false;
+        }
+    }
+    glob[p..].iter().all(|c| *c == '*')
+}
+
+impl fmt::Debug for PathPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("PathPattern").field(&self.source).finish()
+    }
+}
+
+impl fmt::Display for PathPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(s: &str) -> PathPattern {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn normalization() {
+        for raw in [
+            "/api//users",
+            "/api/./users",
+            "/api/x/../users",
+            "api/users",
+            "/api/users/",
+            "//api///users//",
+        ] {
+            assert_eq!(normalize_path(raw), "/api/users", "{raw}");
+        }
+        assert_eq!(normalize_path(""), "/");
+        assert_eq!(normalize_path("/../.."), "/");
+        assert_eq!(normalize_path("/a%2Fb"), "/a%2Fb");
+        assert_eq!(normalize_path("/a%2fb"), "/a%2Fb");
+        assert_eq!(normalize_path("/a%zz"), "/a%zz");
+        assert_eq!(normalize_path("/a%"), "/a%");
+        assert_eq!(normalize_path("/a%4"), "/a%4");
+        assert_eq!(normalize_path("/caf\u{e9}/%41"), "/caf\u{e9}/A");
+        assert_eq!(normalize_path("/x/%2E%2E/api/users#frag"), "/api/users");
+    }
+
+    #[test]
+    fn patterns() {
+        assert!(p("/api/users").matches("/api/users"));
+        assert!(!p("/api/users").matches("/api/users/1"));
+        assert!(p("/api/*").matches("/api/users"));
+        assert!(!p("/api/*").matches("/api/users/1"));
+        assert!(p("/api/**").matches("/api"));
+        assert!(p("/api/**").matches("/api/a/b/c"));
+        assert!(!p("/api/**").matches("/apix"));
+        assert!(p("/**").matches("/"));
+        assert!(p("/**").matches("/anything/at/all"));
+        assert!(p("/api/v?/users").matches("/api/v1/users"));
+        assert!(!p("/api/v?/users").matches("/api/v10/users"));
+        assert!(p("/api/*.json").matches("/api/data.json"));
+        assert!(p("/a/**/b/**/c").matches("/a/x/b/y/z/c"));
+        assert!(p("/a/**/b/**/c").matches("/a/b/c"));
+        assert!(!p("/a/**/b/**/c").matches("/a/c/b"));
+        assert!(p("/u/*x*y").matches("/u/axbxy"));
+        let deep = "/s".repeat(40);
+        assert!(p("/**/s").matches(&deep));
+        assert!(!p("/**/t").matches(&deep));
+    }
+
+    #[test]
+    fn malformed_patterns() {
+        for bad in ["", "api", "/api/a**", "/api/../x", "/a b"] {
+            assert!(bad.parse::<PathPattern>().is_err(), "{bad:?}");
+        }
+    }
+}

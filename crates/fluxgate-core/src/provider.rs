@@ -1,0 +1,166 @@
+//! Rule set providers: where the engine gets its rules.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::error::BoxError;
+use crate::future::MaybeReady;
+use crate::rule::{RuleSet, RuleSets};
+
+/// The result of a rule set lookup: `Ok(None)` when no rule set has the id.
+pub type RuleSetLookup = Result<Option<Arc<RuleSet>>, BoxError>;
+
+/// A source of rule sets by id.
+///
+/// Object safe; synchronous providers answer with [`MaybeReady::ready`].
+pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
+    /// The rule set with this id.
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup>;
+}
+
+impl<P: RuleSetProvider + ?Sized> RuleSetProvider for Arc<P> {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        (**self).rule_set(id)
+    }
+}
+
+/// Rule sets fixed at construction (from a file or from code).
+///
+/// ```
+/// use fluxgate_core::{RuleSets, StaticRuleSetProvider, RuleSetProvider};
+/// let sets = RuleSets::from_yaml_str("rule_sets: [{id: api, rules: []}]").unwrap();
+/// let provider = StaticRuleSetProvider::new(sets);
+/// let found = provider.rule_set("api").into_ready().unwrap().unwrap();
+/// assert!(found.is_some());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StaticRuleSetProvider {
+    sets: RuleSets,
+}
+
+impl StaticRuleSetProvider {
+    /// A provider of these rule sets.
+    pub fn new(sets: RuleSets) -> Self {
+        Self { sets }
+    }
+
+    /// The rule sets.
+    pub fn rule_sets(&self) -> &RuleSets {
+        &self.sets
+    }
+}
+
+impl From<RuleSets> for StaticRuleSetProvider {
+    fn from(sets: RuleSets) -> Self {
+        Self::new(sets)
+    }
+}
+
+impl RuleSetProvider for StaticRuleSetProvider {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        MaybeReady::ready(Ok(self.sets.get(id).cloned()))
+    }
+}
+
+/// A [moka] cache in front of another provider: lookups (found or not) are kept until
+/// they expire or are invalidated. Errors are not cached.
+///
+/// ```
+/// use std::time::Duration;
+/// use fluxgate_core::{CachingRuleSetProvider, RuleSets, StaticRuleSetProvider};
+/// let source = StaticRuleSetProvider::new(RuleSets::default());
+/// let cached = CachingRuleSetProvider::builder(source)
+///     .time_to_live(Duration::from_secs(30))
+///     .max_capacity(1_000)
+///     .build();
+/// cached.invalidate("api");
+/// ```
+pub struct CachingRuleSetProvider<P> {
+    inner: Arc<P>,
+    cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
+}
+
+/// Builds a [`CachingRuleSetProvider`].
+#[derive(Debug)]
+pub struct CachingRuleSetProviderBuilder<P> {
+    inner: P,
+    ttl: Duration,
+    max_capacity: u64,
+}
+
+impl<P: RuleSetProvider> CachingRuleSetProvider<P> {
+    /// A builder: expire after write 60 s, at most 10,000 rule sets.
+    pub fn builder(inner: P) -> CachingRuleSetProviderBuilder<P> {
+        CachingRuleSetProviderBuilder {
+            inner,
+            ttl: Duration::from_secs(60),
+            max_capacity: 10_000,
+        }
+    }
+
+    /// Forgets one rule set: the next lookup asks the inner provider.
+    pub fn invalidate(&self, id: &str) {
+        self.cache.invalidate(id);
+    }
+
+    /// Forgets every rule set.
+    pub fn invalidate_all(&self) {
+        self.cache.invalidate_all();
+    }
+
+    /// The inner provider.
+    pub fn get_ref(&self) -> &P {
+        &self.inner
+    }
+}
+
+impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
+    /// How long an entry lives after it was loaded.
+    pub fn time_to_live(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The most rule sets (found or not) kept.
+    pub fn max_capacity(mut self, max: u64) -> Self {
+        self.max_capacity = max;
+        self
+    }
+
+    /// Builds the provider.
+    pub fn build(self) -> CachingRuleSetProvider<P> {
+        CachingRuleSetProvider {
+            inner: Arc::new(self.inner),
+            cache: moka::sync::Cache::builder()
+                .max_capacity(self.max_capacity)
+                .time_to_live(self.ttl)
+                .build(),
+        }
+    }
+}
+
+impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        if let Some(hit) = self.cache.get(id) {
+            return MaybeReady::ready(Ok(hit));
+        }
+        let key: Arc<str> = Arc::from(id);
+        let cache = self.cache.clone();
+        self.inner.rule_set(id).map(move |result| {
+            if let Ok(found) = &result {
+                cache.insert(key, found.clone());
+            }
+            result
+        })
+    }
+}
+
+impl<P: fmt::Debug> fmt::Debug for CachingRuleSetProvider<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CachingRuleSetProvider")
+            .field("inner", &self.inner)
+            .field("entries", &self.cache.entry_count())
+            .finish()
+    }
+}
