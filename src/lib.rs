@@ -1,1 +1,43 @@
-//! x
+//! FluxGate: distributed rate limiting for Rust HTTP services.
+//!
+//! This is the crate applications depend on. It re-exports the engine
+//! ([`fluxgate_core`], as [`core`]) and, with the default `tower` feature, the middleware
+//! ([`fluxgate_tower`], as [`tower`]).
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use fluxgate::{Engine, RateLimitLayer, RuleSets};
+//!
+//! let rules = RuleSets::from_yaml_str(r#"
+//! rule_sets:
+//!   - id: default
+//!     rules:
+//!       - id: per-ip
+//!         match: { paths: ["/api/**"] }
+//!         bands:
+//!           - { capacity: 10, window: 1s, label: burst }
+//!           - { capacity: 100, window: 1m, label: sustained }
+//! "#)?;
+//! let app: Router = Router::new()
+//!     .route("/api/hello", get(|| async { "hello" }))
+//!     .layer(RateLimitLayer::new(Engine::in_memory(rules)));
+//! # Ok::<(), fluxgate::RuleError>(())
+//! ```
+//!
+//! | feature | default | what it adds |
+//! | --- | --- | --- |
+//! | `tower` | yes | [`RateLimitLayer`] and the rest of [`fluxgate_tower`] |
+//! | `axum` | yes | the client address from axum's `ConnectInfo` |
+
+#![deny(unsafe_code)]
+
+pub use fluxgate_core as core;
+pub use fluxgate_core::{
+    Decision, Engine, EngineHandler, MemoryLimiter, RateLimitHandler, RateLimiter, RequestContext,
+    RequestContextBuilder, RuleError, RuleSets,
+};
+
+#[cfg(feature = "tower")]
+pub use fluxgate_tower as tower;
+#[cfg(feature = "tower")]
+pub use fluxgate_tower::{RateLimit, RateLimitLayer};

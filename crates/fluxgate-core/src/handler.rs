@@ -22,6 +22,12 @@ impl<H: RateLimitHandler + ?Sized> RateLimitHandler for Arc<H> {
     }
 }
 
+impl RateLimitHandler for Engine {
+    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        Engine::check(self, ctx)
+    }
+}
+
 /// Receives every decision and error, for a custom metrics sink.
 ///
 /// Implementations should label by rule set, rule and outcome only: paths and key values

@@ -1,1 +1,69 @@
-//! x
+//! Rate limiting for axum, hyper and any tower HTTP service, with the FluxGate engine.
+//!
+//! Wrap a service in [`RateLimitLayer`]. For every request the layer builds a
+//! [`RequestContext`](fluxgate_core::RequestContext) (normalized path, method, client IP,
+//! user, API key, rule set, attributes), lets an optional customizer closure adjust it,
+//! and asks its [`RateLimitHandler`](fluxgate_core::RateLimitHandler) — usually an
+//! [`Engine`](fluxgate_core::Engine) — for a decision. Admitted requests reach the inner
+//! service and their responses carry `X-RateLimit-Limit`, `X-RateLimit-Remaining`,
+//! `X-RateLimit-Reset` and the IETF draft `RateLimit-Policy` / `RateLimit` headers;
+//! rejected ones are answered `429 Too Many Requests` with `Retry-After` and a JSON body,
+//! without calling the inner service.
+//!
+//! ```
+//! use axum::{routing::get, Router};
+//! use fluxgate_core::{Engine, RuleSets};
+//! use fluxgate_tower::RateLimitLayer;
+//!
+//! let rules = RuleSets::from_yaml_str(r#"
+//! rule_sets:
+//!   - id: default
+//!     rules:
+//!       - id: per-ip
+//!         match: { paths: ["/api/**"] }
+//!         bands: [{ capacity: 100, window: 1m }]
+//! "#).unwrap();
+//! let app: Router = Router::new()
+//!     .route("/api/hello", get(|| async { "hello" }))
+//!     .layer(RateLimitLayer::new(Engine::in_memory(rules)));
+//! ```
+//!
+//! # Where the client address comes from
+//!
+//! A [`ClientIp`] extension (set by an earlier layer), else axum's
+//! `ConnectInfo<SocketAddr>` (feature `axum`, on by default), else a `SocketAddr`
+//! extension. `Forwarded` and `X-Forwarded-For` are read only when that peer is one of
+//! the configured [trusted proxies](RateLimitLayerBuilder::trusted_proxies), right to
+//! left, skipping trusted hops. The user id and API key come from [`UserId`] and
+//! [`ApiKey`] extensions (set by an authentication layer), else from the `X-User-Id` and
+//! `X-API-Key` headers (configurable).
+//!
+//! # Failures
+//!
+//! When the handler fails (a backend error), the request is admitted without headers and
+//! a warning is logged. Errors of the inner service pass through untouched.
+
+#![deny(unsafe_code)]
+
+mod body;
+mod client_ip;
+mod future;
+mod layer;
+mod response;
+mod service;
+
+pub use body::ResponseBody;
+pub use client_ip::{ClientIp, IpNet, IpNetError};
+pub use future::ResponseFuture;
+pub use layer::{ConfigError, Customizer, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
+pub use response::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
+pub use service::RateLimit;
+
+/// The authenticated user, as a request extension: an authentication layer earlier in
+/// the stack inserts it, and it wins over the user header.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct UserId(pub String);
+
+/// The caller's API key, as a request extension; it wins over the API key header.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ApiKey(pub String);

@@ -1,0 +1,216 @@
+//! The client address: the peer, or what trusted proxies say it is.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::str::FromStr;
+
+use http::header::FORWARDED;
+use http::{Extensions, HeaderMap, HeaderName};
+
+/// The client address, as a request extension. An earlier layer may insert it to tell
+/// the rate limiter who the peer is; it wins over `ConnectInfo`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientIp(pub IpAddr);
+
+/// A network in CIDR notation (`10.0.0.0/8`, `2001:db8::/32`) or a single address.
+///
+/// ```
+/// use fluxgate_tower::IpNet;
+/// let net: IpNet = "10.0.0.0/8".parse().unwrap();
+/// assert!(net.contains("10.1.2.3".parse().unwrap()));
+/// assert!(!net.contains("11.0.0.1".parse().unwrap()));
+/// assert!("10.0.0.0/33".parse::<IpNet>().is_err());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+/// Why a network could not be parsed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IpNetError(String);
+
+impl std::error::Error for IpNetError {}
+
+impl fmt::Display for IpNetError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl IpNet {
+    /// Whether `ip` is in this network (IPv4-mapped IPv6 addresses count as IPv4).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, canonical(ip)) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => mask(u128::from(u32::from(net)), u128::from(u32::from(ip)), 32, self.prefix),
+            (IpAddr::V6(net), IpAddr::V6(ip)) => mask(u128::from(net), u128::from(ip), 128, self.prefix),
+            _ => false,
+        }
+    }
+}
+
+fn mask(net: u128, ip: u128, bits: u8, prefix: u8) -> bool {
+    if prefix == 0 {
+        return true;
+    }
+    let shift = u32::from(bits - prefix);
+    (net >> shift) == (ip >> shift)
+}
+
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+impl FromStr for IpNet {
+    type Err = IpNetError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let err = |why: &str| IpNetError(format!("invalid trusted proxy `{s}`: {why}"));
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr = canonical(IpAddr::from_str(addr.trim()).map_err(|_| err("expected an IP address or a CIDR such as 10.0.0.0/8"))?);
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            Some(p) => p.trim().parse::<u8>().ok().filter(|p| *p <= max).ok_or_else(|| err(&format!("the prefix length must be 0 to {max}")))?,
+            None => max,
+        };
+        Ok(Self { addr, prefix })
+    }
+}
+
+/// Finds the client address of a request.
+#[derive(Debug, Clone)]
+pub(crate) struct ClientIpResolver {
+    pub(crate) trusted: Vec<IpNet>,
+    pub(crate) forwarded_for: HeaderName,
+}
+
+impl ClientIpResolver {
+    pub(crate) fn peer(extensions: &Extensions) -> Option<IpAddr> {
+        if let Some(ClientIp(ip)) = extensions.get::<ClientIp>() {
+            return Some(*ip);
+        }
+        #[cfg(feature = "axum")]
+        if let Some(info) = extensions.get::<axum::extract::ConnectInfo<SocketAddr>>() {
+            return Some(info.0.ip());
+        }
+        extensions.get::<SocketAddr>().map(SocketAddr::ip)
+    }
+
+    fn is_trusted(&self, ip: IpAddr) -> bool {
+        self.trusted.iter().any(|net| net.contains(ip))
+    }
+
+    /// The peer, or — when the peer is a trusted proxy — the nearest untrusted hop of
+    /// `Forwarded` (preferred) or `X-Forwarded-For`, read right to left.
+    pub(crate) fn resolve(&self, extensions: &Extensions, headers: &HeaderMap) -> Option<IpAddr> {
+        let peer = Self::peer(extensions)?;
+        if self.trusted.is_empty() || !self.is_trusted(peer) {
+            return Some(canonical(peer));
+        }
+        let mut hops: Vec<Option<IpAddr>> = Vec::new();
+        if headers.contains_key(FORWARDED) {
+            for value in headers.get_all(FORWARDED) {
+                let text = String::from_utf8_lossy(value.as_bytes());
+                for element in text.split(',') {
+                    let for_value = element.split(';').find_map(|pair| {
+                        let (k, v) = pair.split_once('=')?;
+                        k.trim().eq_ignore_ascii_case("for").then(|| v.trim().to_owned())
+                    });
+                    if let Some(v) = for_value {
+                        hops.push(parse_hop(v.trim_matches('"')));
+                    }
+                }
+            }
+        } else {
+            for value in headers.get_all(&self.forwarded_for) {
+                let text = String::from_utf8_lossy(value.as_bytes());
+                hops.extend(text.split(',').map(|hop| parse_hop(hop.trim())));
+            }
+        }
+        let mut client = canonical(peer);
+        for hop in hops.into_iter().rev() {
+            match hop {
+                // A hop that cannot be read ends the chain: trust no further.
+                None => break,
+                Some(ip) => {
+                    client = canonical(ip);
+                    if !self.is_trusted(ip) {
+                        break;
+                    }
+                }
+            }
+        }
+        Some(client)
+    }
+}
+
+/// `1.2.3.4`, `1.2.3.4:80`, `2001:db8::1`, `[2001:db8::1]:80`.
+fn parse_hop(hop: &str) -> Option<IpAddr> {
+    if let Ok(ip) = hop.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    if let Ok(sa) = hop.parse::<SocketAddr>() {
+        return Some(sa.ip());
+    }
+    let inner = hop.strip_prefix('[')?.split(']').next()?;
+    inner.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn resolver(trusted: &[&str]) -> ClientIpResolver {
+        ClientIpResolver {
+            trusted: trusted.iter().map(|s| s.parse().unwrap()).collect(),
+            forwarded_for: HeaderName::from_static("x-forwarded-for"),
+        }
+    }
+
+    fn ext(peer: &str) -> Extensions {
+        let mut e = Extensions::new();
+        e.insert(ClientIp(peer.parse().unwrap()));
+        e
+    }
+
+    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn forwarded_headers_only_from_trusted_peers() {
+        let r = resolver(&["10.0.0.0/8"]);
+        let h = headers(&[("x-forwarded-for", "198.51.100.7, 10.0.0.2")]);
+        assert_eq!(r.resolve(&ext("203.0.113.1"), &h), Some("203.0.113.1".parse().unwrap()));
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
+        // A forged leftmost entry is skipped: the nearest untrusted hop wins.
+        let h = headers(&[("x-forwarded-for", "1.1.1.1, 198.51.100.7")]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
+        let h = headers(&[("forwarded", "for=192.0.2.60;proto=http, for=\"[2001:db8:cafe::17]:4711\"")]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("2001:db8:cafe::17".parse().unwrap()));
+        let h = headers(&[("x-forwarded-for", "garbage, 10.0.0.3")]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.3".parse().unwrap()));
+        assert_eq!(resolver(&[]).resolve(&ext("10.0.0.1"), &headers(&[("x-forwarded-for", "1.2.3.4")])), Some("10.0.0.1".parse().unwrap()));
+    }
+
+    #[test]
+    fn nets() {
+        assert!("::/0".parse::<IpNet>().unwrap().contains("2001:db8::1".parse().unwrap()));
+        assert!("0.0.0.0/0".parse::<IpNet>().unwrap().contains("8.8.8.8".parse().unwrap()));
+        assert!("10.0.0.1".parse::<IpNet>().unwrap().contains("::ffff:10.0.0.1".parse().unwrap()));
+        assert!("2001:db8::/32".parse::<IpNet>().unwrap().contains("2001:db8:ffff::1".parse().unwrap()));
+        assert!("nope".parse::<IpNet>().is_err());
+        assert!("10.0.0.0/x".parse::<IpNet>().is_err());
+    }
+}

@@ -1,0 +1,340 @@
+//! [`RateLimitLayer`] and its configuration.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use fluxgate_core::{
+    Decision, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET,
+};
+use http::request::Parts;
+use http::{HeaderName, Response};
+use tower_layer::Layer;
+
+use crate::client_ip::{ClientIpResolver, IpNet};
+use crate::service::RateLimit;
+
+/// The customizer: adjusts the context built from each request.
+pub type Customizer = dyn Fn(&mut RequestContextBuilder, &Parts) + Send + Sync;
+
+/// Builds the response for a rejected request.
+pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
+
+/// Applies rate limiting to a service. See the [crate documentation](crate).
+#[derive(Clone)]
+pub struct RateLimitLayer {
+    pub(crate) config: Arc<Config>,
+}
+
+pub(crate) struct Config {
+    pub(crate) handler: Arc<dyn RateLimitHandler>,
+    pub(crate) rule_set: Arc<str>,
+    pub(crate) client_ip: ClientIpResolver,
+    pub(crate) user_header: Option<HeaderName>,
+    pub(crate) api_key_header: Option<HeaderName>,
+    pub(crate) include: Vec<PathPattern>,
+    pub(crate) exclude: Vec<PathPattern>,
+    pub(crate) legacy_headers: bool,
+    pub(crate) ietf_headers: bool,
+    pub(crate) shadow: bool,
+    pub(crate) customizer: Option<Arc<Customizer>>,
+    pub(crate) rejection: Option<Arc<RejectionResponder>>,
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitConfig")
+            .field("handler", &self.handler)
+            .field("rule_set", &self.rule_set)
+            .field("trusted_proxies", &self.client_ip.trusted)
+            .field("forwarded_for_header", &self.client_ip.forwarded_for)
+            .field("user_header", &self.user_header)
+            .field("api_key_header", &self.api_key_header)
+            .field("include", &self.include)
+            .field("exclude", &self.exclude)
+            .field("legacy_headers", &self.legacy_headers)
+            .field("ietf_headers", &self.ietf_headers)
+            .field("shadow", &self.shadow)
+            .field("customizer", &self.customizer.is_some())
+            .field("rejection", &self.rejection.is_some())
+            .finish()
+    }
+}
+
+impl fmt::Debug for RateLimitLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer").field("config", &self.config).finish()
+    }
+}
+
+/// Why a layer configuration was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A trusted proxy is not an address or CIDR.
+    TrustedProxy(String),
+    /// An include or exclude pattern is malformed.
+    Pattern {
+        /// `include` or `exclude`.
+        option: &'static str,
+        /// What is wrong.
+        message: String,
+    },
+    /// A header name is not valid.
+    HeaderName {
+        /// The option being set.
+        option: &'static str,
+        /// The name given.
+        name: String,
+    },
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::TrustedProxy(m) => write!(f, "rate-limit layer option `trusted_proxies`: {m}"),
+            Self::Pattern { option, message } => write!(f, "rate-limit layer option `{option}`: {message}"),
+            Self::HeaderName { option, name } => {
+                write!(f, "rate-limit layer option `{option}`: `{name}` is not a valid header name")
+            }
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Builds a [`RateLimitLayer`]; every option is checked in [`build`](Self::build).
+///
+/// ```
+/// use fluxgate_core::{Engine, RuleSets};
+/// use fluxgate_tower::RateLimitLayer;
+///
+/// let layer = RateLimitLayer::builder(Engine::in_memory(RuleSets::default()))
+///     .rule_set("api")
+///     .trusted_proxies(["10.0.0.0/8", "::1"])
+///     .user_header("x-user-id")
+///     .exclude(["/health", "/metrics/**"])
+///     .ietf_headers(false)
+///     .customizer(|ctx, parts| {
+///         if let Some(tenant) = parts.headers.get("x-tenant-id").and_then(|v| v.to_str().ok()) {
+///             ctx.set_attribute("tenant", tenant);
+///         }
+///     })
+///     .build()
+///     .expect("valid configuration");
+/// ```
+pub struct RateLimitLayerBuilder {
+    handler: Arc<dyn RateLimitHandler>,
+    rule_set: Arc<str>,
+    trusted: Vec<String>,
+    forwarded_for: String,
+    user_header: Option<String>,
+    api_key_header: Option<String>,
+    include: Vec<String>,
+    exclude: Vec<String>,
+    legacy_headers: bool,
+    ietf_headers: bool,
+    shadow: bool,
+    customizer: Option<Arc<Customizer>>,
+    rejection: Option<Arc<RejectionResponder>>,
+}
+
+impl fmt::Debug for RateLimitLayerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayerBuilder")
+            .field("rule_set", &self.rule_set)
+            .field("trusted", &self.trusted)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RateLimitLayer {
+    /// A layer with the default options around a handler (an [`Engine`](fluxgate_core::Engine),
+    /// an [`EngineHandler`](fluxgate_core::EngineHandler), …).
+    pub fn new(handler: impl RateLimitHandler) -> Self {
+        Self::builder(handler).build().expect("the default options are valid")
+    }
+
+    /// A builder around a handler.
+    pub fn builder(handler: impl RateLimitHandler) -> RateLimitLayerBuilder {
+        RateLimitLayerBuilder {
+            handler: Arc::new(handler),
+            rule_set: Arc::from(DEFAULT_RULE_SET),
+            trusted: Vec::new(),
+            forwarded_for: "x-forwarded-for".to_owned(),
+            user_header: Some("x-user-id".to_owned()),
+            api_key_header: Some("x-api-key".to_owned()),
+            include: Vec::new(),
+            exclude: Vec::new(),
+            legacy_headers: true,
+            ietf_headers: true,
+            shadow: false,
+            customizer: None,
+            rejection: None,
+        }
+    }
+}
+
+impl RateLimitLayerBuilder {
+    /// The rule set of every request, unless the customizer picks another. Default `default`.
+    pub fn rule_set(mut self, id: impl Into<Arc<str>>) -> Self {
+        self.rule_set = id.into();
+        self
+    }
+
+    /// Proxies (addresses or CIDRs) whose `Forwarded` / `X-Forwarded-For` headers are
+    /// believed. Default: none, so those headers are ignored.
+    pub fn trusted_proxies<I, S>(mut self, proxies: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.trusted.extend(proxies.into_iter().map(Into::into));
+        self
+    }
+
+    /// The header listing forwarded-for hops when no `Forwarded` header is present.
+    /// Default `X-Forwarded-For`.
+    pub fn forwarded_for_header(mut self, name: impl Into<String>) -> Self {
+        self.forwarded_for = name.into();
+        self
+    }
+
+    /// The header carrying the user id. Default `X-User-Id`. A [`UserId`](crate::UserId)
+    /// extension wins over it.
+    pub fn user_header(mut self, name: impl Into<String>) -> Self {
+        self.user_header = Some(name.into());
+        self
+    }
+
+    /// Reads the user id from extensions only.
+    pub fn no_user_header(mut self) -> Self {
+        self.user_header = None;
+        self
+    }
+
+    /// The header carrying the API key. Default `X-API-Key`. An [`ApiKey`](crate::ApiKey)
+    /// extension wins over it.
+    pub fn api_key_header(mut self, name: impl Into<String>) -> Self {
+        self.api_key_header = Some(name.into());
+        self
+    }
+
+    /// Reads the API key from extensions only.
+    pub fn no_api_key_header(mut self) -> Self {
+        self.api_key_header = None;
+        self
+    }
+
+    /// Limits only paths matching one of these Ant patterns. Default: every path.
+    pub fn include<I, S>(mut self, patterns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.include.extend(patterns.into_iter().map(Into::into));
+        self
+    }
+
+    /// Never limits paths matching one of these Ant patterns (e.g. `/health`,
+    /// `/metrics/**`): they bypass the limiter entirely.
+    pub fn exclude<I, S>(mut self, patterns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.exclude.extend(patterns.into_iter().map(Into::into));
+        self
+    }
+
+    /// Emits `X-RateLimit-Limit`, `-Remaining` and `-Reset`. Default on.
+    pub fn legacy_headers(mut self, on: bool) -> Self {
+        self.legacy_headers = on;
+        self
+    }
+
+    /// Emits the IETF draft `RateLimit-Policy` and `RateLimit` headers. Default on.
+    pub fn ietf_headers(mut self, on: bool) -> Self {
+        self.ietf_headers = on;
+        self
+    }
+
+    /// Shadow mode: decide and report (headers, metrics, logs) but never reject.
+    pub fn shadow(mut self, on: bool) -> Self {
+        self.shadow = on;
+        self
+    }
+
+    /// Adjusts every request's context: set the client IP from `CF-Connecting-IP`, a
+    /// tenant header as an attribute, the rule set, a JWT claim…
+    pub fn customizer(mut self, f: impl Fn(&mut RequestContextBuilder, &Parts) + Send + Sync + 'static) -> Self {
+        self.customizer = Some(Arc::new(f));
+        self
+    }
+
+    /// Replaces the `429` JSON response. The layer still adds the rate-limit headers
+    /// (and `Retry-After`) unless the response already has them.
+    pub fn on_rejection(mut self, f: impl Fn(&Decision) -> Response<Bytes> + Send + Sync + 'static) -> Self {
+        self.rejection = Some(Arc::new(f));
+        self
+    }
+
+    /// Checks the options and builds the layer.
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] naming the option and the bad value.
+    pub fn build(self) -> Result<RateLimitLayer, ConfigError> {
+        let trusted = self
+            .trusted
+            .iter()
+            .map(|s| s.parse::<IpNet>().map_err(|e| ConfigError::TrustedProxy(e.to_string())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let header = |option: &'static str, name: &str| {
+            HeaderName::from_bytes(name.as_bytes()).map_err(|_| ConfigError::HeaderName {
+                option,
+                name: name.to_owned(),
+            })
+        };
+        let patterns = |option: &'static str, list: &[String]| {
+            list.iter()
+                .map(|p| {
+                    p.parse::<PathPattern>().map_err(|e| ConfigError::Pattern {
+                        option,
+                        message: e.to_string(),
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
+        Ok(RateLimitLayer {
+            config: Arc::new(Config {
+                handler: self.handler,
+                rule_set: self.rule_set,
+                client_ip: ClientIpResolver {
+                    trusted,
+                    forwarded_for: header("forwarded_for_header", &self.forwarded_for)?,
+                },
+                user_header: self.user_header.as_deref().map(|n| header("user_header", n)).transpose()?,
+                api_key_header: self.api_key_header.as_deref().map(|n| header("api_key_header", n)).transpose()?,
+                include: patterns("include", &self.include)?,
+                exclude: patterns("exclude", &self.exclude)?,
+                legacy_headers: self.legacy_headers,
+                ietf_headers: self.ietf_headers,
+                shadow: self.shadow,
+                customizer: self.customizer,
+                rejection: self.rejection,
+            }),
+        })
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit {
+            inner,
+            config: self.config.clone(),
+        }
+    }
+}

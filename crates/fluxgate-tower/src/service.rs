@@ -1,0 +1,146 @@
+//! [`RateLimit`]: the middleware service.
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use fluxgate_core::{normalize_path, Decision, Error, RequestContext, RequestContextBuilder};
+use http::{Request, Response};
+use tower_service::Service;
+
+use crate::body::ResponseBody;
+use crate::future::ResponseFuture;
+use crate::layer::{Config, RateLimitLayer};
+use crate::{ApiKey, UserId};
+
+/// Rate-limits requests to an inner service. Built by [`RateLimitLayer`].
+///
+/// Always ready when the inner service is; never calls the inner service for a rejected
+/// request and at most once for any request; the inner service's errors pass through.
+#[derive(Debug, Clone)]
+pub struct RateLimit<S> {
+    pub(crate) inner: S,
+    pub(crate) config: Arc<Config>,
+}
+
+impl<S> RateLimit<S> {
+    /// Wraps `inner` with the configuration of `layer`.
+    pub fn new(inner: S, layer: &RateLimitLayer) -> Self {
+        Self {
+            inner,
+            config: layer.config.clone(),
+        }
+    }
+
+    /// The same as [`RateLimitLayer`], for `ServiceBuilder::layer`-less code.
+    pub fn layer(layer: RateLimitLayer) -> RateLimitLayer {
+        layer
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// What happens to a request after its decision.
+pub(crate) enum Verdict {
+    /// Call the inner service; add these figures to the response.
+    Pass(Option<Decision>),
+    /// Answer with this response.
+    Reject(Response<bytes::Bytes>),
+}
+
+impl Config {
+    fn limits(&self, path: &str) -> bool {
+        if self.exclude.iter().any(|p| p.matches(path)) {
+            return false;
+        }
+        self.include.is_empty() || self.include.iter().any(|p| p.matches(path))
+    }
+
+    fn context(&self, parts: &http::request::Parts, path: String) -> RequestContext {
+        let mut builder = RequestContextBuilder::default();
+        builder
+            .set_normalized_path(path)
+            .set_method(parts.method.clone())
+            .set_client_ip(self.client_ip.resolve(&parts.extensions, &parts.headers))
+            .set_rule_set_id(self.rule_set.clone());
+        let header = |name: &Option<http::HeaderName>| {
+            name.as_ref()
+                .and_then(|n| parts.headers.get(n))
+                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        };
+        let user = parts.extensions.get::<UserId>().map(|u| u.0.clone()).or_else(|| header(&self.user_header));
+        let key = parts.extensions.get::<ApiKey>().map(|k| k.0.clone()).or_else(|| header(&self.api_key_header));
+        builder.set_user_id(user).set_api_key(key);
+        if let Some(customize) = &self.customizer {
+            customize(&mut builder, parts);
+        }
+        builder.build()
+    }
+
+    pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
+        match result {
+            Ok(decision) if decision.allowed => {
+                if let Some(rule) = &decision.shadow_rejected_by {
+                    tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
+                }
+                Verdict::Pass(Some(decision))
+            }
+            Ok(decision) if self.shadow => {
+                tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
+                Verdict::Pass(Some(decision))
+            }
+            Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
+            Err(error) => {
+                tracing::warn!(%error, "rate-limit check failed; admitting the request");
+                Verdict::Pass(None)
+            }
+        }
+    }
+}
+
+impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
+where
+    S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+{
+    type Response = Response<ResponseBody<ResBody>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqBody>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+        let path = normalize_path(req.uri().path());
+        if !self.config.limits(&path) {
+            return ResponseFuture::calling(self.inner.call(req));
+        }
+        let (parts, body) = req.into_parts();
+        let ctx = self.config.context(&parts, path);
+        let req = Request::from_parts(parts, body);
+        match self.config.handler.check(&ctx).into_ready() {
+            Ok(result) => match self.config.verdict(result) {
+                Verdict::Pass(decision) => ResponseFuture::calling_with(self.inner.call(req), decision, &self.config),
+                Verdict::Reject(response) => ResponseFuture::rejected(response),
+            },
+            Err(pending) => {
+                // Keep the service that was polled ready; leave a clone for the next call.
+                let clone = self.inner.clone();
+                let inner = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::checking(pending, inner, req, self.config.clone())
+            }
+        }
+    }
+}
