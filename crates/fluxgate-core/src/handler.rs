@@ -42,6 +42,16 @@ pub trait RateLimitMetricsRecorder: Send + Sync + fmt::Debug + 'static {
     }
 }
 
+impl<R: RateLimitMetricsRecorder + ?Sized> RateLimitMetricsRecorder for Arc<R> {
+    fn record_decision(&self, decision: &Decision) {
+        (**self).record_decision(decision);
+    }
+
+    fn record_error(&self, rule_set: &str, error: &Error) {
+        (**self).record_error(rule_set, error);
+    }
+}
+
 /// The handler that runs the [`Engine`] in process.
 ///
 /// ```

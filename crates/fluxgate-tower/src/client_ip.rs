@@ -43,7 +43,9 @@ impl IpNet {
     /// Whether `ip` is in this network (IPv4-mapped IPv6 addresses count as IPv4).
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, canonical(ip)) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => mask(u128::from(u32::from(net)), u128::from(u32::from(ip)), 32, self.prefix),
+            (IpAddr::V4(net), IpAddr::V4(ip)) => {
+                mask(u128::from(u32::from(net)), u128::from(u32::from(ip)), 32, self.prefix)
+            }
             (IpAddr::V6(net), IpAddr::V6(ip)) => mask(u128::from(net), u128::from(ip), 128, self.prefix),
             _ => false,
         }
@@ -74,10 +76,17 @@ impl FromStr for IpNet {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
         };
-        let addr = canonical(IpAddr::from_str(addr.trim()).map_err(|_| err("expected an IP address or a CIDR such as 10.0.0.0/8"))?);
+        let addr = canonical(
+            IpAddr::from_str(addr.trim()).map_err(|_| err("expected an IP address or a CIDR such as 10.0.0.0/8"))?,
+        );
         let max = if addr.is_ipv4() { 32 } else { 128 };
         let prefix = match prefix {
-            Some(p) => p.trim().parse::<u8>().ok().filter(|p| *p <= max).ok_or_else(|| err(&format!("the prefix length must be 0 to {max}")))?,
+            Some(p) => p
+                .trim()
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| err(&format!("the prefix length must be 0 to {max}")))?,
             None => max,
         };
         Ok(Self { addr, prefix })
@@ -197,19 +206,40 @@ mod tests {
         // A forged leftmost entry is skipped: the nearest untrusted hop wins.
         let h = headers(&[("x-forwarded-for", "1.1.1.1, 198.51.100.7")]);
         assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
-        let h = headers(&[("forwarded", "for=192.0.2.60;proto=http, for=\"[2001:db8:cafe::17]:4711\"")]);
-        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("2001:db8:cafe::17".parse().unwrap()));
+        let h = headers(&[(
+            "forwarded",
+            "for=192.0.2.60;proto=http, for=\"[2001:db8:cafe::17]:4711\"",
+        )]);
+        assert_eq!(
+            r.resolve(&ext("10.0.0.1"), &h),
+            Some("2001:db8:cafe::17".parse().unwrap())
+        );
         let h = headers(&[("x-forwarded-for", "garbage, 10.0.0.3")]);
         assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.3".parse().unwrap()));
-        assert_eq!(resolver(&[]).resolve(&ext("10.0.0.1"), &headers(&[("x-forwarded-for", "1.2.3.4")])), Some("10.0.0.1".parse().unwrap()));
+        assert_eq!(
+            resolver(&[]).resolve(&ext("10.0.0.1"), &headers(&[("x-forwarded-for", "1.2.3.4")])),
+            Some("10.0.0.1".parse().unwrap())
+        );
     }
 
     #[test]
     fn nets() {
-        assert!("::/0".parse::<IpNet>().unwrap().contains("2001:db8::1".parse().unwrap()));
-        assert!("0.0.0.0/0".parse::<IpNet>().unwrap().contains("8.8.8.8".parse().unwrap()));
-        assert!("10.0.0.1".parse::<IpNet>().unwrap().contains("::ffff:10.0.0.1".parse().unwrap()));
-        assert!("2001:db8::/32".parse::<IpNet>().unwrap().contains("2001:db8:ffff::1".parse().unwrap()));
+        assert!("::/0"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("2001:db8::1".parse().unwrap()));
+        assert!("0.0.0.0/0"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("8.8.8.8".parse().unwrap()));
+        assert!("10.0.0.1"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("::ffff:10.0.0.1".parse().unwrap()));
+        assert!("2001:db8::/32"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("2001:db8:ffff::1".parse().unwrap()));
         assert!("nope".parse::<IpNet>().is_err());
         assert!("10.0.0.0/x".parse::<IpNet>().is_err());
     }

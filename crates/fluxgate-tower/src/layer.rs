@@ -4,9 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fluxgate_core::{
-    Decision, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET,
-};
+use fluxgate_core::{Decision, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET};
 use http::request::Parts;
 use http::{HeaderName, Response};
 use tower_layer::Layer;
@@ -95,7 +93,10 @@ impl fmt::Display for ConfigError {
             Self::TrustedProxy(m) => write!(f, "rate-limit layer option `trusted_proxies`: {m}"),
             Self::Pattern { option, message } => write!(f, "rate-limit layer option `{option}`: {message}"),
             Self::HeaderName { option, name } => {
-                write!(f, "rate-limit layer option `{option}`: `{name}` is not a valid header name")
+                write!(
+                    f,
+                    "rate-limit layer option `{option}`: `{name}` is not a valid header name"
+                )
             }
         }
     }
@@ -314,8 +315,16 @@ impl RateLimitLayerBuilder {
                     trusted,
                     forwarded_for: header("forwarded_for_header", &self.forwarded_for)?,
                 },
-                user_header: self.user_header.as_deref().map(|n| header("user_header", n)).transpose()?,
-                api_key_header: self.api_key_header.as_deref().map(|n| header("api_key_header", n)).transpose()?,
+                user_header: self
+                    .user_header
+                    .as_deref()
+                    .map(|n| header("user_header", n))
+                    .transpose()?,
+                api_key_header: self
+                    .api_key_header
+                    .as_deref()
+                    .map(|n| header("api_key_header", n))
+                    .transpose()?,
                 include: patterns("include", &self.include)?,
                 exclude: patterns("exclude", &self.exclude)?,
                 legacy_headers: self.legacy_headers,

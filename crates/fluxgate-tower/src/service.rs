@@ -80,8 +80,16 @@ impl Config {
                 .and_then(|n| parts.headers.get(n))
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         };
-        let user = parts.extensions.get::<UserId>().map(|u| u.0.clone()).or_else(|| header(&self.user_header));
-        let key = parts.extensions.get::<ApiKey>().map(|k| k.0.clone()).or_else(|| header(&self.api_key_header));
+        let user = parts
+            .extensions
+            .get::<UserId>()
+            .map(|u| u.0.clone())
+            .or_else(|| header(&self.user_header));
+        let key = parts
+            .extensions
+            .get::<ApiKey>()
+            .map(|k| k.0.clone())
+            .or_else(|| header(&self.api_key_header));
         builder.set_user_id(user).set_api_key(key);
         if let Some(customize) = &self.customizer {
             customize(&mut builder, parts);

@@ -1,0 +1,504 @@
+//! The tower layer: context extraction, path handling, headers, shadow mode and the
+//! service contract, driven with `oneshot` (no sockets).
+
+mod support;
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use axum::body::Body;
+use bytes::Bytes;
+use fluxgate::core::{Decision, Engine, EngineHandler, RateLimitMetricsRecorder};
+use fluxgate::tower::{ApiKey, ClientIp, RateLimitLayer, UserId};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use support::*;
+use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+
+const API_ONE_PER_HOUR: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: users
+        match: { paths: ["/api/users"] }
+        bands: [{ capacity: 1, window: 1h }]
+      - id: all
+        bands: [{ capacity: 1000, window: 1h }]
+"#;
+
+#[tokio::test]
+async fn dot_segments_and_double_slashes_hit_the_same_rule() {
+    let app = app(layer(engine(&Memory, API_ONE_PER_HOUR)).build().unwrap());
+    let r = get_from(&app, "/api/users", "192.0.2.10").await;
+    assert_eq!(r.status, StatusCode::OK);
+    for path in [
+        "/api//users",
+        "/api/./users",
+        "/api/x/../users",
+        "/api/%75sers",
+        "/api/users?x=1",
+    ] {
+        let r = get_from(&app, path, "192.0.2.10").await;
+        assert_eq!(
+            r.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path} escaped the /api/users rule"
+        );
+        assert_eq!(r.header("x-ratelimit-limit"), Some("1"), "{path}");
+    }
+}
+
+#[tokio::test]
+async fn forwarded_for_is_only_believed_from_trusted_proxies() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let app = app(layer(engine(&Memory, rules))
+        .trusted_proxies(["10.0.0.0/8"])
+        .build()
+        .unwrap());
+    // From an untrusted peer, X-Forwarded-For is ignored: the two requests share the peer's bucket.
+    let from_untrusted = |xff: &'static str| request("GET", "/api/users", "203.0.113.50", &[("x-forwarded-for", xff)]);
+    assert_eq!(send(&app, from_untrusted("198.51.100.1")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, from_untrusted("198.51.100.2")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // From the trusted proxy, each forwarded client has its own bucket.
+    let via_proxy = |xff: &'static str| request("GET", "/api/users", "10.0.0.1", &[("x-forwarded-for", xff)]);
+    assert_eq!(
+        send(&app, via_proxy("198.51.100.1, 10.0.0.7")).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(send(&app, via_proxy("198.51.100.2")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, via_proxy("198.51.100.1")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // The standard Forwarded header too.
+    let fwd = request(
+        "GET",
+        "/api/users",
+        "10.0.0.1",
+        &[("forwarded", "for=198.51.100.3;proto=https")],
+    );
+    assert_eq!(send(&app, fwd).await.status, StatusCode::OK);
+    // No trusted proxies configured: never believed.
+    let app = app_default(rules);
+    assert_eq!(send(&app, via_proxy("198.51.100.4")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, via_proxy("198.51.100.5")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+fn app_default(rules: &str) -> axum::Router {
+    app(RateLimitLayer::new(engine(&Memory, rules)))
+}
+
+#[tokio::test]
+async fn excluded_paths_bypass_the_limiter_and_include_narrows_it() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: everything
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let app = app(layer(engine(&Memory, rules))
+        .exclude(["/health", "/metrics/**"])
+        .build()
+        .unwrap());
+    for _ in 0..5 {
+        let r = get_from(&app, "/health", "192.0.2.20").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(r.header("x-ratelimit-limit").is_none());
+        assert_eq!(
+            get_from(&app, "/metrics/a/b", "192.0.2.20").await.status,
+            StatusCode::OK
+        );
+        // Normalization applies to exclusions too (the router itself does not know `//health/`).
+        let r = get_from(&app, "//health/", "192.0.2.20").await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND);
+        assert!(r.header("x-ratelimit-limit").is_none());
+    }
+    assert_eq!(get_from(&app, "/api/users", "192.0.2.20").await.status, StatusCode::OK);
+    assert_eq!(
+        get_from(&app, "/api/users", "192.0.2.20").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    let app = support::app(layer(engine(&Memory, rules)).include(["/api/orders"]).build().unwrap());
+    for _ in 0..3 {
+        assert_eq!(get_from(&app, "/api/users", "192.0.2.21").await.status, StatusCode::OK);
+    }
+    assert_eq!(get_from(&app, "/api/orders", "192.0.2.21").await.status, StatusCode::OK);
+    assert_eq!(
+        get_from(&app, "/api/orders", "192.0.2.21").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[derive(Debug, Default)]
+struct Counting {
+    decisions: AtomicUsize,
+    rejections: AtomicUsize,
+    shadow_rejections: AtomicUsize,
+}
+
+impl RateLimitMetricsRecorder for Counting {
+    fn record_decision(&self, decision: &Decision) {
+        self.decisions.fetch_add(1, Ordering::SeqCst);
+        if !decision.allowed {
+            self.rejections.fetch_add(1, Ordering::SeqCst);
+        }
+        if decision.shadow_rejected_by.is_some() {
+            self.shadow_rejections.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[tokio::test]
+async fn shadow_mode_never_blocks_but_reports() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 2, window: 1h }]
+"#;
+    let counting = Arc::new(Counting::default());
+    let handler = EngineHandler::new(engine(&Memory, rules)).with_recorder(counting.clone());
+    let app = app(RateLimitLayer::builder(handler).shadow(true).build().unwrap());
+    for i in 0..5u64 {
+        let r = get_from(&app, "/api/users", "192.0.2.30").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.num("x-ratelimit-remaining"), 1u64.saturating_sub(i));
+        assert!(r.header("retry-after").is_none());
+    }
+    assert_eq!(counting.decisions.load(Ordering::SeqCst), 5);
+    assert_eq!(counting.rejections.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn shadow_rules_report_without_blocking() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: trial
+        mode: shadow
+        bands: [{ capacity: 2, window: 1h }]
+      - id: real
+        bands: [{ capacity: 4, window: 1h }]
+"#;
+    let counting = Arc::new(Counting::default());
+    let handler = EngineHandler::new(engine(&Memory, rules)).with_recorder(counting.clone());
+    let app = app(RateLimitLayer::new(handler));
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        statuses.push(get_from(&app, "/api/users", "192.0.2.31").await.status.as_u16());
+    }
+    // Only the enforced rule (4 per hour) blocks; the shadow rule would have from the 3rd.
+    assert_eq!(statuses, [200, 200, 200, 200, 429]);
+    assert_eq!(counting.shadow_rejections.load(Ordering::SeqCst), 3);
+    assert_eq!(counting.rejections.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn customizer_user_and_api_key_sources() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-tenant
+        scope: attribute
+        attribute: tenant
+        on_missing_key: skip
+        bands: [{ capacity: 1, window: 1h }]
+      - id: per-key
+        scope: api_key
+        on_missing_key: skip
+        bands: [{ capacity: 1, window: 1h }]
+  - id: partners
+    rules:
+      - id: per-user
+        scope: user
+        on_missing_key: skip
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let app = app(layer(engine(&Memory, rules))
+        .customizer(|ctx, parts| {
+            if let Some(t) = parts.headers.get("x-tenant-id").and_then(|v| v.to_str().ok()) {
+                ctx.set_attribute("tenant", t);
+            }
+            if parts.headers.contains_key("x-partner") {
+                ctx.set_rule_set_id("partners");
+            }
+        })
+        .build()
+        .unwrap());
+    let tenant = |t: &'static str| request("GET", "/api/users", "192.0.2.40", &[("x-tenant-id", t)]);
+    assert_eq!(send(&app, tenant("acme")).await.status, StatusCode::OK);
+    assert_eq!(send(&app, tenant("acme")).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(send(&app, tenant("globex")).await.status, StatusCode::OK);
+
+    // API key from the header, then from an extension, which wins.
+    let keyed = request("GET", "/api/users", "192.0.2.41", &[("x-api-key", "k1")]);
+    assert_eq!(send(&app, keyed).await.status, StatusCode::OK);
+    let mut ext = request("GET", "/api/users", "192.0.2.41", &[("x-api-key", "k2")]);
+    ext.extensions_mut().insert(ApiKey("k1".into()));
+    assert_eq!(send(&app, ext).await.status, StatusCode::TOO_MANY_REQUESTS);
+
+    // The customizer picks the partners rule set; the user comes from an extension.
+    let partner = |user: &str| {
+        let mut r = request(
+            "GET",
+            "/api/users",
+            "192.0.2.42",
+            &[("x-partner", "1"), ("x-user-id", "ignored")],
+        );
+        r.extensions_mut().insert(UserId(user.into()));
+        r
+    };
+    assert_eq!(send(&app, partner("p1")).await.status, StatusCode::OK);
+    assert_eq!(send(&app, partner("p1")).await.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(send(&app, partner("p2")).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn client_ip_extension_and_cf_connecting_ip() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let app = app(layer(engine(&Memory, rules))
+        .customizer(|ctx, parts| {
+            if let Some(ip) = parts
+                .headers
+                .get("cf-connecting-ip")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+            {
+                ctx.set_client_ip(Some(ip));
+            }
+        })
+        .build()
+        .unwrap());
+    let cf = |ip: &'static str| request("GET", "/api/users", "192.0.2.50", &[("cf-connecting-ip", ip)]);
+    assert_eq!(send(&app, cf("198.51.100.60")).await.status, StatusCode::OK);
+    assert_eq!(send(&app, cf("198.51.100.61")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, cf("198.51.100.60")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let mut req = request("GET", "/api/users", "192.0.2.50", &[]);
+    req.extensions_mut().insert(ClientIp("198.51.100.62".parse().unwrap()));
+    assert_eq!(send(&app, req).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn header_switches_and_custom_rejection() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands:
+          - { capacity: 1, window: 1s, label: burst }
+          - { capacity: 100, window: 1m, label: sustained }
+"#;
+    let app = app(layer(engine(&Memory, rules)).build().unwrap());
+    let r = get_from(&app, "/api/users", "192.0.2.60").await;
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"burst\";q=1;w=1, \"sustained\";q=100;w=60")
+    );
+    assert_eq!(r.header("ratelimit"), Some("\"burst\";r=0;t=1"));
+    assert_eq!(r.num("x-ratelimit-limit"), 1);
+
+    let app = support::app(
+        layer(engine(&Memory, rules))
+            .legacy_headers(false)
+            .ietf_headers(false)
+            .on_rejection(|d| {
+                let mut resp = Response::new(Bytes::from(format!("slow down ({})", d.rule().unwrap())));
+                *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                resp
+            })
+            .build()
+            .unwrap(),
+    );
+    let r = get_from(&app, "/api/users", "192.0.2.61").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        r.headers.keys().all(|k| !k.as_str().contains("ratelimit")),
+        "{:?}",
+        r.headers
+    );
+    let r = get_from(&app, "/api/users", "192.0.2.61").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.body, "slow down (per-ip)");
+    assert_eq!(r.num("retry-after"), 1);
+}
+
+#[tokio::test]
+async fn bad_layer_options_are_named() {
+    let engine = engine(&Memory, "rule_sets: []");
+    let err = RateLimitLayer::builder(engine.clone())
+        .trusted_proxies(["10.0.0.0/40"])
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("trusted_proxies") && err.to_string().contains("10.0.0.0/40"),
+        "{err}"
+    );
+    let err = RateLimitLayer::builder(engine.clone())
+        .exclude(["health"])
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("exclude") && err.to_string().contains("`health`"),
+        "{err}"
+    );
+    let err = RateLimitLayer::builder(engine)
+        .user_header("bad header")
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("user_header"), "{err}");
+}
+
+/// A plain tower service (no axum): counts its calls and fails on `/boom`.
+#[derive(Clone)]
+struct Plain {
+    calls: Arc<AtomicUsize>,
+}
+
+impl Service<Request<Full<Bytes>>> for Plain {
+    type Response = Response<Full<Bytes>>;
+    type Error = &'static str;
+    type Future = std::future::Ready<Result<Self::Response, Self::Error>>;
+
+    fn poll_ready(&mut self, _: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<Full<Bytes>>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if req.uri().path() == "/boom" {
+            return std::future::ready(Err("inner failure"));
+        }
+        std::future::ready(Ok(Response::new(Full::new(Bytes::from_static(b"plain")))))
+    }
+}
+
+fn plain_request(path: &str) -> Request<Full<Bytes>> {
+    let mut req = Request::builder().uri(path).body(Full::new(Bytes::new())).unwrap();
+    req.extensions_mut()
+        .insert(std::net::SocketAddr::from(([192, 0, 2, 70], 1234)));
+    req
+}
+
+#[tokio::test]
+async fn plain_tower_service_inner_called_once_and_errors_pass_through() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 3, window: 1h }]
+"#;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = ServiceBuilder::new()
+        .layer(RateLimitLayer::new(engine(&Memory, rules)))
+        .service(Plain { calls: calls.clone() });
+    // The service is Clone; clones share the limiter.
+    let resp = svc.clone().oneshot(plain_request("/a")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["x-ratelimit-remaining"], "2");
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "plain");
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let err = svc.clone().oneshot(plain_request("/boom")).await.unwrap_err();
+    assert_eq!(err, "inner failure");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+
+    assert_eq!(
+        svc.clone().oneshot(plain_request("/b")).await.unwrap().status(),
+        StatusCode::OK
+    );
+    let resp = svc.clone().oneshot(plain_request("/c")).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        3,
+        "a rejected request must not reach the inner service"
+    );
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(std::str::from_utf8(&body).unwrap().contains("\"rule\":\"per-ip\""));
+}
+
+#[tokio::test]
+async fn service_fn_and_async_handler() {
+    // An async handler: the decision is not ready at once, so the layer takes the
+    // checking path with the inner service it polled ready.
+    #[derive(Debug)]
+    struct Slow(Engine);
+    impl fluxgate::core::RateLimitHandler for Slow {
+        fn check(
+            &self,
+            ctx: &fluxgate::core::RequestContext,
+        ) -> fluxgate::core::MaybeReady<Result<Decision, fluxgate::core::Error>> {
+            let engine = self.0.clone();
+            let ctx = ctx.clone();
+            fluxgate::core::MaybeReady::boxed(async move {
+                tokio::task::yield_now().await;
+                engine.check(&ctx).await
+            })
+        }
+    }
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 2, window: 1h }]
+"#;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let inner = service_fn(move |_req: Request<Body>| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async move { Ok::<_, Infallible>(Response::new(Body::from("fn"))) }
+    });
+    let mut svc = RateLimitLayer::new(Slow(engine(&Memory, rules))).layer_service(inner);
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let resp = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(request("GET", "/x", "192.0.2.80", &[]))
+            .await
+            .unwrap();
+        statuses.push(resp.status().as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429]);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}
+
+trait LayerService {
+    fn layer_service<S>(&self, inner: S) -> fluxgate::tower::RateLimit<S>;
+}
+
+impl LayerService for RateLimitLayer {
+    fn layer_service<S>(&self, inner: S) -> fluxgate::tower::RateLimit<S> {
+        tower::Layer::layer(self, inner)
+    }
+}

@@ -1,0 +1,174 @@
+//! Rule files: the three formats load the same rules; invalid ones are named precisely.
+
+use std::time::Duration;
+
+use fluxgate::core::{RuleError, RuleSets, Scope};
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/rules")
+        .join(name)
+}
+
+#[test]
+fn yaml_toml_and_json_load_the_same_rules() {
+    let summary = |sets: &RuleSets| {
+        let api = sets.get("api").unwrap();
+        api.rules()
+            .iter()
+            .map(|r| {
+                let bands: Vec<_> = r
+                    .bands()
+                    .iter()
+                    .map(|b| (b.capacity(), b.window(), b.label().map(str::to_owned)))
+                    .collect();
+                (
+                    r.id().to_string(),
+                    r.priority(),
+                    r.permits(),
+                    r.scope().clone(),
+                    r.methods().len(),
+                    bands,
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let yaml = RuleSets::from_file(fixture("valid.yaml")).unwrap();
+    let toml = RuleSets::from_file(fixture("valid.toml")).unwrap();
+    let json = RuleSets::from_file(fixture("valid.json")).unwrap();
+    assert_eq!(summary(&yaml), summary(&toml));
+    assert_eq!(summary(&yaml), summary(&json));
+    let rules = summary(&yaml);
+    // Priority orders the rules: the tenant rule (5) comes first.
+    assert_eq!(rules[0].0, "per-tenant-writes");
+    assert_eq!(rules[0].3, Scope::Attribute("tenant".into()));
+    assert_eq!(rules[1].5[1], (100, Duration::from_secs(60), Some("sustained".into())));
+}
+
+fn invalid(yaml_rule: &str) -> String {
+    let text = format!(
+        "rule_sets:\n  - id: api\n    rules:\n      - {}\n",
+        yaml_rule.trim().replace('\n', "\n        ")
+    );
+    match RuleSets::from_yaml_str(&text) {
+        Ok(_) => panic!("accepted: {text}"),
+        Err(e @ RuleError::Invalid { .. }) => e.to_string(),
+        Err(other) => panic!("wrong error kind {other:?} for {text}"),
+    }
+}
+
+#[test]
+fn invalid_rules_name_the_rule_set_rule_and_field() {
+    let cases = [
+        (
+            "id: r1\nbands: [{capacity: 0, window: 1s}]",
+            "rule `r1`, field `bands[0].capacity`",
+            "capacity is 0",
+        ),
+        (
+            "id: r2\nbands: [{capacity: 5, window: 0s}]",
+            "field `bands[0].window`",
+            "window is 0",
+        ),
+        (
+            "id: r3\nbands: [{capacity: 5, window: 5x}]",
+            "field `bands[0].window`",
+            "invalid duration `5x`",
+        ),
+        (
+            "id: r4\nscope: planet\nbands: [{capacity: 5, window: 1s}]",
+            "field `scope`",
+            "unknown variant `planet`",
+        ),
+        (
+            "id: r5\nscope: composite\nbands: [{capacity: 5, window: 1s}]",
+            "field `fields`",
+            "needs `fields",
+        ),
+        (
+            "id: r6\nscope: attribute\nbands: [{capacity: 5, window: 1s}]",
+            "field `attribute`",
+            "needs `attribute",
+        ),
+        (
+            "id: r7\nmatch: {paths: [\"/a/b**\"]}\nbands: [{capacity: 5, window: 1s}]",
+            "field `match.paths[0]`",
+            "whole segment",
+        ),
+        (
+            "id: r8\nmatch: {methods: [\"GE T\"]}\nbands: [{capacity: 5, window: 1s}]",
+            "field `match.methods[0]`",
+            "not an HTTP method",
+        ),
+        (
+            "id: r9\nalgorithm: leaky_bucket\nbands: [{capacity: 5, window: 1s}]",
+            "field `algorithm`",
+            "not supported yet",
+        ),
+        ("id: r10\nbands: []", "field `bands`", "at least one band"),
+        (
+            "id: r11\npermits: 0\nbands: [{capacity: 5, window: 1s}]",
+            "field `permits`",
+            "permits is 0",
+        ),
+        ("id: r12\nbandz: []", "field `bandz`", "unknown field"),
+        (
+            "id: \"a:b\"\nbands: [{capacity: 5, window: 1s}]",
+            "field `id`",
+            "contains ':'",
+        ),
+        (
+            "id: r13\non_missing_key: maybe\nbands: [{capacity: 5, window: 1s}]",
+            "field `on_missing_key`",
+            "unknown variant",
+        ),
+        ("id: r14", "field `bands`", "missing field"),
+    ];
+    for (rule, place, what) in cases {
+        let msg = invalid(rule);
+        assert!(msg.starts_with("rule set `api`"), "{msg}");
+        assert!(msg.contains(place), "expected {place:?} in: {msg}");
+        assert!(msg.contains(what), "expected {what:?} in: {msg}");
+    }
+}
+
+#[test]
+fn duplicate_ids_and_syntax_errors() {
+    let dup = "rule_sets:\n  - id: api\n    rules:\n      - {id: a, bands: [{capacity: 1, window: 1s}]}\n      - {id: a, bands: [{capacity: 1, window: 1s}]}\n";
+    let msg = RuleSets::from_yaml_str(dup).unwrap_err().to_string();
+    assert!(msg.contains("rule `a`") && msg.contains("duplicate rule id"), "{msg}");
+    let dup_set = "rule_sets:\n  - {id: api, rules: []}\n  - {id: api, rules: []}\n";
+    let msg = RuleSets::from_yaml_str(dup_set).unwrap_err().to_string();
+    assert!(
+        msg.contains("rule set `api`") && msg.contains("duplicate rule set id"),
+        "{msg}"
+    );
+    let msg = RuleSets::from_json_str("{\"rule_sets\": [").unwrap_err().to_string();
+    assert!(msg.starts_with("JSON syntax error"), "{msg}");
+    let msg = RuleSets::from_toml_str("rule_sets = 3").unwrap_err().to_string();
+    assert!(msg.contains("expected a list of rule sets"), "{msg}");
+    let msg = RuleSets::from_yaml_str("rules: []").unwrap_err().to_string();
+    assert!(msg.contains("field `rules`"), "{msg}");
+}
+
+#[test]
+fn file_errors_name_the_file() {
+    let dir = std::env::temp_dir().join(format!("fluxgate-rules-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "rule_sets:\n  - id: web\n    rules:\n      - id: slow\n        bands: [{capacity: 0, window: 1s}]\n",
+    )
+    .unwrap();
+    let msg = RuleSets::from_file(&bad).unwrap_err().to_string();
+    assert!(
+        msg.contains("bad.yaml") && msg.contains("rule set `web`, rule `slow`, field `bands[0].capacity`"),
+        "{msg}"
+    );
+    let msg = RuleSets::from_file(dir.join("missing.yaml")).unwrap_err().to_string();
+    assert!(msg.contains("missing.yaml") && msg.contains("cannot read"), "{msg}");
+    let msg = RuleSets::from_file(dir.join("rules.ini")).unwrap_err().to_string();
+    assert!(msg.contains("unknown rule file format"), "{msg}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
