@@ -1,1 +1,128 @@
-fn main() {}
+//! The engine's cost per decision, and the in-memory limiter's memory per active key.
+//!
+//! Run with: `cargo bench --bench engine`
+//!
+//! Decisions: 1 rule × 1 band and 3 rules × 2 bands, over 10,000 client addresses, all
+//! admitted, in memory. Memory: before the timing runs, 1,000,000 distinct keys are
+//! decided and the growth of the process's resident set is divided by the key count.
+
+#![allow(missing_docs)]
+
+use std::net::{IpAddr, Ipv4Addr};
+use std::time::Duration;
+
+use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use fluxgate::core::{Engine, MemoryLimiter, RequestContext, RuleSets, StaticRuleSetProvider};
+
+const ONE_RULE: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 1000000000, window: 1s }]
+"#;
+
+const THREE_RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        match: { paths: ["/api/**"] }
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
+      - id: per-user
+        scope: user
+        match: { paths: ["/api/**"], methods: [GET, POST] }
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
+      - id: global
+        scope: global
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
+"#;
+
+fn engine(yaml: &str, max_keys: usize) -> Engine {
+    let rules = RuleSets::from_yaml_str(yaml).expect("rules");
+    Engine::builder(StaticRuleSetProvider::new(rules))
+        .limiter(MemoryLimiter::builder().max_keys(max_keys).build())
+        .build()
+}
+
+fn contexts(n: u32) -> Vec<RequestContext> {
+    (0..n)
+        .map(|i| {
+            RequestContext::builder()
+                .path("/api/items")
+                .client_ip(IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))
+                .user_id(format!("user-{}", i % 997))
+                .build()
+        })
+        .collect()
+}
+
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn memory_per_key() {
+    const KEYS: u32 = 1_000_000;
+    let engine = engine(ONE_RULE, 2_000_000);
+    // Build contexts in batches so their own memory is not counted.
+    let before = rss_bytes();
+    for chunk in 0..(KEYS / 10_000) {
+        for i in 0..10_000 {
+            let ip = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + chunk * 10_000 + i));
+            let ctx = RequestContext::builder().client_ip(ip).build();
+            let d = engine.check(&ctx).into_ready().expect("in memory").expect("decision");
+            assert!(d.allowed);
+        }
+    }
+    let after = rss_bytes();
+    let per_key = (after.saturating_sub(before)) as f64 / f64::from(KEYS);
+    println!(
+        "memory: {KEYS} active keys in the in-memory limiter: resident set grew {:.1} MiB = {per_key:.1} bytes per key",
+        (after - before) as f64 / (1024.0 * 1024.0)
+    );
+    black_box(engine);
+}
+
+fn decisions(c: &mut Criterion) {
+    memory_per_key();
+    let ctxs = contexts(10_000);
+    let mut group = c.benchmark_group("engine_decision");
+    for (name, yaml) in [("1_rule_x_1_band", ONE_RULE), ("3_rules_x_2_bands", THREE_RULES)] {
+        let engine = engine(yaml, 1_000_000);
+        for ctx in &ctxs {
+            engine.check(ctx).into_ready().expect("in memory").expect("decision");
+        }
+        let mut i = 0;
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                i = (i + 1) % ctxs.len();
+                let d = engine
+                    .check(&ctxs[i])
+                    .into_ready()
+                    .expect("in memory")
+                    .expect("decision");
+                assert!(d.allowed);
+                black_box(d)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    targets = decisions
+}
+criterion_main!(benches);

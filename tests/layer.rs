@@ -400,7 +400,10 @@ impl Service<Request<Full<Bytes>>> for Plain {
 }
 
 fn plain_request(path: &str) -> Request<Full<Bytes>> {
-    let mut req = Request::builder().uri(path).body(Full::new(Bytes::new())).unwrap();
+    let mut req = Request::builder()
+        .uri(path)
+        .body(Full::new(Bytes::new()))
+        .expect("request");
     req.extensions_mut()
         .insert(std::net::SocketAddr::from(([192, 0, 2, 70], 1234)));
     req

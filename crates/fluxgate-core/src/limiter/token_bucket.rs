@@ -144,7 +144,7 @@ mod tests {
             tat = Some(e.next);
         }
         // After exactly 1 s, exactly 3 more; at 1 s - 1 ns only 2.
-        assert_eq!(evaluate(tat, SEC - 1, 3, SEC, 3).allowed, false);
+        assert!(!evaluate(tat, SEC - 1, 3, SEC, 3).allowed);
         assert!(evaluate(tat, SEC, 3, SEC, 3).allowed);
         let e = evaluate(tat, 0, 3, SEC, 1);
         assert_eq!(e.wait, Wait::After(Duration::from_nanos(333_333_334)));

@@ -1,0 +1,127 @@
+//! An axum app limited by FluxGate with the in-memory backend.
+//!
+//! Run with: `cargo run --example quickstart` (options: `--listen ADDR`, `--rules FILE`,
+//! `--demo` to send ~15 requests to itself, print each status and the rate-limit
+//! headers, and exit).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use axum::routing::get;
+use axum::Router;
+use fluxgate::{Engine, RateLimitLayer, RuleSets};
+
+struct Args {
+    listen: SocketAddr,
+    rules: PathBuf,
+    demo: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        listen: "127.0.0.1:3000".parse().expect("valid default address"),
+        rules: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/rules/quickstart.yaml")),
+        demo: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--listen" => {
+                let v = it.next().ok_or("--listen needs an address, e.g. 127.0.0.1:3000")?;
+                args.listen = v.parse().map_err(|e| format!("--listen {v}: {e}"))?;
+            }
+            "--rules" => args.rules = it.next().ok_or("--rules needs a file")?.into(),
+            "--demo" => args.demo = true,
+            "-h" | "--help" => {
+                println!("usage: quickstart [--listen ADDR] [--rules FILE] [--demo]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument `{other}` (try --help)")),
+        }
+    }
+    Ok(args)
+}
+
+fn app(rules: RuleSets) -> Router {
+    Router::new()
+        .route("/api/hello", get(|| async { "hello\n" }))
+        .route("/api/orders", get(|| async { "[]\n" }).post(|| async { "created\n" }))
+        .route("/health", get(|| async { "ok\n" }))
+        .layer(
+            RateLimitLayer::builder(Engine::in_memory(rules))
+                .exclude(["/health"])
+                .build()
+                .expect("valid layer"),
+        )
+}
+
+#[tokio::main]
+async fn main() {
+    let args = parse_args().unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    });
+    let rules = RuleSets::from_file(&args.rules).unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    });
+    let listener = tokio::net::TcpListener::bind(args.listen).await.unwrap_or_else(|e| {
+        eprintln!("error: cannot listen on {}: {e}", args.listen);
+        std::process::exit(1);
+    });
+    let addr = listener.local_addr().expect("bound address");
+    let server = axum::serve(listener, app(rules).into_make_service_with_connect_info::<SocketAddr>());
+
+    if args.demo {
+        tokio::spawn(async move { server.await.expect("server") });
+        demo(addr).await;
+        return;
+    }
+    println!(
+        "FluxGate quickstart listening on http://{addr} (rules: {})",
+        args.rules.display()
+    );
+    println!("Try it:");
+    println!("  curl -i http://{addr}/api/hello                 # 5 per 10 s, 20 per minute per IP");
+    println!("  for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\\n' http://{addr}/api/hello; done");
+    println!("  curl -i -X POST http://{addr}/api/orders        # costs 2 permits of 6 per minute");
+    println!("  curl -i http://{addr}/health                    # excluded from limiting");
+    server.await.expect("server");
+}
+
+/// Sends requests to the running app over a plain TCP connection and prints what comes back.
+async fn demo(addr: SocketAddr) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    println!("Sending 15 requests to http://{addr}/api/hello (burst: 5 per 10 s):");
+    for i in 1..=15 {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let request = format!("GET /api/hello HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.expect("send");
+        let mut response = String::new();
+        stream.read_to_string(&mut response).await.expect("read");
+        let status = response
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim_start_matches("HTTP/1.1 ")
+            .to_owned();
+        let header = |name: &str| {
+            response
+                .lines()
+                .find_map(|l| {
+                    l.split_once(':')
+                        .filter(|(k, _)| k.eq_ignore_ascii_case(name))
+                        .map(|(_, v)| v.trim().to_owned())
+                })
+                .unwrap_or_else(|| "-".to_owned())
+        };
+        println!(
+            "{i:>2}  {status:<22} limit={} remaining={} reset={} retry-after={}  ratelimit: {}",
+            header("x-ratelimit-limit"),
+            header("x-ratelimit-remaining"),
+            header("x-ratelimit-reset"),
+            header("retry-after"),
+            header("ratelimit"),
+        );
+    }
+}
