@@ -19,7 +19,7 @@ rule_sets:
   - id: default
     rules:
       - id: per-ip
-        bands: [{ capacity: 1000000000, window: 1s }]
+        bands: [{ capacity: 1000000000, window: 1h }]
 "#;
 
 const THREE_RULES: &str = r#"

@@ -4,7 +4,7 @@
 //!
 //! Three apps with the same trivial handler: (a) bare, (b) FluxGate's layer with one
 //! per-IP rule of one band in memory, (c) `tower_governor` with the same per-IP quota
-//! (both with their rate-limit headers on). Every request is admitted (the quota is far
+//! (10^9 per hour; both with their rate-limit headers on). Every request is admitted (the quota is far
 //! above the request rate); clients rotate over 1,000 addresses. The overhead of a layer
 //! is its time per request minus the bare app's.
 
@@ -39,7 +39,7 @@ rule_sets:
     rules:
       - id: per-ip
         scope: ip
-        bands: [{ capacity: 1000000000, window: 1s }]
+        bands: [{ capacity: 1000000000, window: 1h }]
 "#,
     )
     .expect("rules");
@@ -52,7 +52,7 @@ rule_sets:
 
 fn governor() -> Router {
     let config = GovernorConfigBuilder::default()
-        .per_nanosecond(1)
+        .per_nanosecond(3_600)
         .burst_size(1_000_000_000)
         .use_headers()
         .finish()

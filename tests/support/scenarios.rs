@@ -83,7 +83,7 @@ rule_sets:
     }
     let d = check(&engine, &c).await;
     assert!(!d.allowed);
-    assert_eq!(&*d.binding.as_ref().unwrap().band, "minute");
+    assert_eq!(&*d.binding().unwrap().band, "minute");
     // The hour band still shows 90: the rejection consumed nothing.
     let hour = d.bands.iter().find(|b| &*b.band == "hour").unwrap();
     assert_eq!(hour.remaining, 90);

@@ -58,9 +58,6 @@ pub struct Decision {
     pub outcome: Outcome,
     /// The rule set that decided.
     pub rule_set: Arc<str>,
-    /// The binding band of the enforced rules: the rejecting band with the longest wait
-    /// on rejection, otherwise the band with the least remaining (the first on ties).
-    pub binding: Option<BandReport>,
     /// On rejection by a band: how long until the request could be admitted. `None`
     /// when it never can (more permits than a band's capacity) or for other rejections.
     pub retry_after: Option<Duration>,
@@ -70,6 +67,8 @@ pub struct Decision {
     pub shadow_bands: Vec<BandReport>,
     /// The first shadow rule that would have rejected the request.
     pub shadow_rejected_by: Option<Arc<str>>,
+    /// Index of the binding band in `bands`.
+    pub binding_index: Option<usize>,
 }
 
 impl Decision {
@@ -79,7 +78,7 @@ impl Decision {
             allowed,
             outcome,
             rule_set,
-            binding: None,
+            binding_index: None,
             retry_after: None,
             bands: Vec::new(),
             shadow_bands: Vec::new(),
@@ -87,28 +86,33 @@ impl Decision {
         }
     }
 
+    /// The binding band of the enforced rules: on rejection, the rejecting band with the
+    /// longest wait; otherwise the band with the least remaining (the first on ties).
+    pub fn binding(&self) -> Option<&BandReport> {
+        self.binding_index.and_then(|i| self.bands.get(i))
+    }
+
     /// The binding rule's id.
     pub fn rule(&self) -> Option<&Arc<str>> {
         match &self.outcome {
             Outcome::MissingKey { rule } => Some(rule),
-            _ => self.binding.as_ref().map(|b| &b.rule),
+            _ => self.binding().map(|b| &b.rule),
         }
     }
 
     /// The binding band's capacity.
     pub fn limit(&self) -> Option<u64> {
-        self.binding.as_ref().map(|b| b.limit)
+        self.binding().map(|b| b.limit)
     }
 
     /// The least remaining over the enforced bands.
     pub fn remaining(&self) -> Option<u64> {
-        self.binding.as_ref().map(|b| b.remaining)
+        self.binding().map(|b| b.remaining)
     }
 
     /// When the binding band is full again, in whole Unix seconds (rounded up).
     pub fn reset_unix_secs(&self) -> Option<u64> {
-        self.binding
-            .as_ref()
+        self.binding()
             .map(|b| ceil_secs(b.reset_at.duration_since(UNIX_EPOCH).unwrap_or_default()))
     }
 

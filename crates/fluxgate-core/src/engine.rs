@@ -227,7 +227,7 @@ fn with_segments<R>(path: &str, f: impl FnOnce(&[&str]) -> R) -> R {
 
 fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -> Decision {
     let now = Duration::from_nanos(outcome.now_unix_nanos);
-    let mut bands = Vec::new();
+    let mut bands = Vec::with_capacity(outcome.bands.len());
     let mut shadow_bands = Vec::new();
     let mut shadow_rejected_by = None;
     // The rejecting band with the longest wait, and its wait (`None` = never).
@@ -271,14 +271,14 @@ fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -
         }
         bands.push(report);
     }
-    let (binding, retry_after) = match worst {
-        Some((i, wait)) if !outcome.allowed => (Some(bands[i].clone()), wait),
+    let (binding_index, retry_after) = match worst {
+        Some((i, wait)) if !outcome.allowed => (Some(i), wait),
         _ => {
             let least = bands
                 .iter()
                 .enumerate()
                 .min_by_key(|(i, b)| (b.remaining, *i))
-                .map(|(_, b)| b.clone());
+                .map(|(i, _)| i);
             (least, None)
         }
     };
@@ -290,7 +290,7 @@ fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -
             Outcome::RateLimited
         },
         rule_set: set.id().clone(),
-        binding,
+        binding_index,
         retry_after,
         bands,
         shadow_bands,

@@ -19,6 +19,9 @@ use std::str::FromStr;
 /// ```
 pub fn normalize_path(raw: &str) -> String {
     let raw = raw.split(['?', '#']).next().unwrap_or("");
+    if is_normal(raw) {
+        return raw.to_owned();
+    }
     let decoded = decode_unreserved(raw);
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
@@ -39,6 +42,19 @@ pub fn normalize_path(raw: &str) -> String {
         out.push_str(s);
     }
     out
+}
+
+/// Whether a path is already normalized: starts with `/`, no escapes, no empty, `.` or
+/// `..` segments, no trailing `/` (except the root).
+fn is_normal(path: &str) -> bool {
+    let b = path.as_bytes();
+    if b.first() != Some(&b'/') || (b.len() > 1 && b[b.len() - 1] == b'/') || b.contains(&b'%') {
+        return false;
+    }
+    if b.len() == 1 {
+        return true;
+    }
+    path[1..].split('/').all(|s| !s.is_empty() && s != "." && s != "..")
 }
 
 /// Decodes `%XX` escapes of unreserved characters; every other escape is kept (with

@@ -1,6 +1,7 @@
 //! Rate-limit headers and the rejection response.
 
 use std::fmt::Write as _;
+use std::sync::OnceLock;
 
 use bytes::Bytes;
 use fluxgate_core::{ceil_secs, BandReport, Decision};
@@ -20,6 +21,17 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// `RateLimit` (IETF draft).
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
+/// A header value for a number; small numbers are shared, not allocated per response.
+fn number(n: u64) -> HeaderValue {
+    static SMALL: OnceLock<Box<[HeaderValue]>> = OnceLock::new();
+    let small = SMALL.get_or_init(|| (0..=1024u64).map(HeaderValue::from).collect());
+    usize::try_from(n)
+        .ok()
+        .and_then(|i| small.get(i))
+        .cloned()
+        .unwrap_or_else(|| HeaderValue::from(n))
+}
+
 /// The name of a band in the IETF headers: its label, else the rule id (one band) or
 /// `rule.bN`. Ids and labels only hold `A-Z a-z 0-9 _ - .`, so no quoting is needed.
 fn policy_name(out: &mut String, band: &BandReport, single: bool) {
@@ -38,12 +50,12 @@ fn policy_name(out: &mut String, band: &BandReport, single: bool) {
 
 /// Adds the headers of a decision (the binding band and the policy of every band).
 pub(crate) fn apply_headers(config: &Config, decision: &Decision, headers: &mut HeaderMap, rejected: bool) {
-    let Some(binding) = &decision.binding else {
+    let Some(binding) = decision.binding() else {
         return;
     };
     if config.legacy_headers {
-        headers.insert(X_RATELIMIT_LIMIT, HeaderValue::from(binding.limit));
-        headers.insert(X_RATELIMIT_REMAINING, HeaderValue::from(binding.remaining));
+        headers.insert(X_RATELIMIT_LIMIT, number(binding.limit));
+        headers.insert(X_RATELIMIT_REMAINING, number(binding.remaining));
         if let Some(reset) = decision.reset_unix_secs() {
             headers.insert(X_RATELIMIT_RESET, HeaderValue::from(reset));
         }
@@ -70,7 +82,7 @@ pub(crate) fn apply_headers(config: &Config, decision: &Decision, headers: &mut 
     }
     if rejected {
         if let Some(secs) = decision.retry_after_secs() {
-            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+            headers.insert(RETRY_AFTER, number(secs));
         }
     }
 }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use fluxgate_core::{normalize_path, Decision, Error, RequestContext, RequestContextBuilder};
-use http::{Request, Response};
+use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
@@ -68,33 +68,54 @@ impl Config {
         self.include.is_empty() || self.include.iter().any(|p| p.matches(path))
     }
 
-    fn context(&self, parts: &http::request::Parts, path: String) -> RequestContext {
+    /// The context of a request, before the customizer.
+    fn context(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+        extensions: &Extensions,
+        path: String,
+    ) -> RequestContextBuilder {
         let mut builder = RequestContextBuilder::default();
         builder
             .set_normalized_path(path)
-            .set_method(parts.method.clone())
-            .set_client_ip(self.client_ip.resolve(&parts.extensions, &parts.headers))
+            .set_method(method.clone())
+            .set_client_ip(self.client_ip.resolve(extensions, headers))
             .set_rule_set_id(self.rule_set.clone());
         let header = |name: &Option<http::HeaderName>| {
             name.as_ref()
-                .and_then(|n| parts.headers.get(n))
+                .and_then(|n| headers.get(n))
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
         };
-        let user = parts
-            .extensions
+        let user = extensions
             .get::<UserId>()
             .map(|u| u.0.clone())
             .or_else(|| header(&self.user_header));
-        let key = parts
-            .extensions
+        let key = extensions
             .get::<ApiKey>()
             .map(|k| k.0.clone())
             .or_else(|| header(&self.api_key_header));
         builder.set_user_id(user).set_api_key(key);
-        if let Some(customize) = &self.customizer {
-            customize(&mut builder, parts);
+        builder
+    }
+
+    /// The context of a request, customized. Only a customizer needs the request taken
+    /// apart into its `Parts`.
+    fn context_of<B>(&self, req: Request<B>, path: String) -> (RequestContext, Request<B>) {
+        match &self.customizer {
+            None => {
+                let ctx = self
+                    .context(req.method(), req.headers(), req.extensions(), path)
+                    .build();
+                (ctx, req)
+            }
+            Some(customize) => {
+                let (parts, body) = req.into_parts();
+                let mut builder = self.context(&parts.method, &parts.headers, &parts.extensions, path);
+                customize(&mut builder, &parts);
+                (builder.build(), Request::from_parts(parts, body))
+            }
         }
-        builder.build()
     }
 
     pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
@@ -135,9 +156,7 @@ where
         if !self.config.limits(&path) {
             return ResponseFuture::calling(self.inner.call(req));
         }
-        let (parts, body) = req.into_parts();
-        let ctx = self.config.context(&parts, path);
-        let req = Request::from_parts(parts, body);
+        let (ctx, req) = self.config.context_of(req, path);
         match self.config.handler.check(&ctx).into_ready() {
             Ok(result) => match self.config.verdict(result) {
                 Verdict::Pass(decision) => ResponseFuture::calling_with(self.inner.call(req), decision, &self.config),

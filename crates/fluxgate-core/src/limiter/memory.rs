@@ -218,6 +218,11 @@ impl MemoryLimiter {
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
     pub fn acquire_now(&self, request: &AcquireRequest) -> AcquireOutcome {
         let now = self.inner.clock.now_nanos();
+        if let [only] = request.buckets.as_slice() {
+            if let [band] = &*only.bands {
+                return self.acquire_one(only, band, now);
+            }
+        }
         let mut items = Vec::with_capacity(request.buckets.iter().map(|b| b.bands.len()).sum());
         for (bi, b) in request.buckets.iter().enumerate() {
             for (ni, band) in b.bands.iter().enumerate() {
@@ -274,6 +279,38 @@ impl MemoryLimiter {
             shadow_allowed,
             now_unix_nanos: now,
             bands,
+        }
+    }
+
+    /// One bucket with one band: one lock, no intermediate allocation.
+    fn acquire_one(&self, bucket: &super::BucketRequest, band: &crate::rule::Band, now: u64) -> AcquireOutcome {
+        let key = self.key_of(bucket, band);
+        let window = u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX);
+        let mut shard = lock(&self.inner.shards[(key >> 64) as usize & self.inner.shard_mask]);
+        let e = evaluate(
+            shard.map.get(&key).copied(),
+            now,
+            band.capacity(),
+            window,
+            bucket.permits,
+        );
+        let commit = e.allowed;
+        if commit {
+            self.store(&mut shard, key, e.next, now);
+        }
+        drop(shard);
+        AcquireOutcome {
+            allowed: commit || bucket.shadow,
+            shadow_allowed: !bucket.shadow || e.allowed,
+            now_unix_nanos: now,
+            bands: vec![BandState {
+                bucket: 0,
+                band: 0,
+                allowed: e.allowed,
+                remaining: if commit { e.remaining_after } else { e.remaining_now },
+                reset_after: Duration::from_nanos(if commit { e.reset_after } else { e.reset_now }),
+                wait: e.wait,
+            }],
         }
     }
 

@@ -45,15 +45,34 @@ pub struct Eval {
     pub wait: Wait,
 }
 
-fn ceil_div(a: u128, b: u128) -> u128 {
-    a.div_ceil(b)
+/// `a / b`, with the hardware's 64-bit division whenever both fit (nearly always).
+#[inline]
+fn div(a: u128, b: u128) -> u128 {
+    match (u64::try_from(a), u64::try_from(b)) {
+        (Ok(a), Ok(b)) => u128::from(a / b),
+        _ => a / b,
+    }
 }
 
+#[inline]
+fn ceil_div(a: u128, b: u128) -> u128 {
+    let q = div(a, b);
+    if q * b < a {
+        q + 1
+    } else {
+        q
+    }
+}
+
+#[inline]
 fn to_u64(v: u128) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
 }
 
 /// Evaluates a band of `capacity` per `window_nanos` for a request of `permits` at `now`.
+///
+/// All arithmetic is relative to `now` and scaled by the capacity: the bucket's "debt" is
+/// how far its TAT lies ahead of `now`, in units of `1 / capacity` nanoseconds.
 ///
 /// ```
 /// use fluxgate_core::limiter::token_bucket::{evaluate, Tat};
@@ -72,12 +91,15 @@ fn to_u64(v: u128) -> u64 {
 pub fn evaluate(state: Option<Tat>, now: u64, capacity: u64, window_nanos: u64, permits: u64) -> Eval {
     let c = u128::from(capacity);
     let w = u128::from(window_nanos);
-    let now_s = u128::from(now) * c;
-    let stored = state.map_or(0, |t| u128::from(t.nanos) * c + u128::from(t.frac));
-    let tat = stored.max(now_s);
-    let cap_s = c * w;
-    let debt = tat - now_s; // <= cap_s for any state this function produced
-    let remaining_now = to_u64(cap_s.saturating_sub(debt) / w);
+    // Debt: max(tat - now, 0), scaled by the capacity.
+    let debt = match state {
+        Some(t) if !t.is_full_at(now) => u128::from(t.nanos - now) * c + u128::from(t.frac),
+        _ => 0,
+    };
+    let cap = c * w;
+    // Stored states never exceed the capacity, but rules may have changed since.
+    let debt = debt.min(cap);
+    let remaining_now = to_u64(div(cap - debt, w));
     let reset_now = to_u64(ceil_div(debt, c));
     let not_allowed = |wait| Eval {
         allowed: false,
@@ -91,21 +113,21 @@ pub fn evaluate(state: Option<Tat>, now: u64, capacity: u64, window_nanos: u64, 
     if permits > capacity {
         return not_allowed(Wait::Never);
     }
-    let new_tat = tat + u128::from(permits) * w;
-    let new_debt = new_tat - now_s;
-    if new_debt > cap_s {
-        let wait = to_u64(ceil_div(new_debt - cap_s, c)).max(1);
+    let new_debt = debt + u128::from(permits) * w;
+    if new_debt > cap {
+        let wait = to_u64(ceil_div(new_debt - cap, c)).max(1);
         return not_allowed(Wait::After(Duration::from_nanos(wait)));
     }
+    let whole = div(new_debt, c);
     Eval {
         allowed: true,
         next: Tat {
-            nanos: to_u64(new_tat / c),
-            frac: to_u64(new_tat % c),
+            nanos: now.saturating_add(to_u64(whole)),
+            frac: to_u64(new_debt - whole * c),
         },
-        remaining_after: to_u64((cap_s - new_debt) / w),
+        remaining_after: to_u64(div(cap - new_debt, w)),
         remaining_now,
-        reset_after: to_u64(ceil_div(new_debt, c)),
+        reset_after: to_u64(whole + u128::from(whole * c < new_debt)),
         reset_now,
         wait: Wait::None,
     }
