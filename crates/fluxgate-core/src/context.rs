@@ -91,21 +91,27 @@ pub struct RequestContextBuilder {
 
 impl Default for RequestContextBuilder {
     fn default() -> Self {
-        Self {
-            ctx: RequestContext {
-                path: "/".to_owned(),
-                method: Method::GET,
-                client_ip: None,
-                user_id: None,
-                api_key: None,
-                rule_set_id: Arc::from(DEFAULT_RULE_SET),
-                attributes: BTreeMap::new(),
-            },
-        }
+        static DEFAULT: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
+        Self::with_rule_set(DEFAULT.get_or_init(|| Arc::from(DEFAULT_RULE_SET)).clone())
     }
 }
 
 impl RequestContextBuilder {
+    /// A builder for a request of the given rule set, with the path `/` and method `GET`.
+    pub fn with_rule_set(rule_set_id: Arc<str>) -> Self {
+        Self {
+            ctx: RequestContext {
+                path: String::new(),
+                method: Method::GET,
+                client_ip: None,
+                user_id: None,
+                api_key: None,
+                rule_set_id,
+                attributes: BTreeMap::new(),
+            },
+        }
+    }
+
     /// Sets the path; it is normalized (see [`normalize_path`](crate::normalize_path)).
     pub fn path(mut self, path: &str) -> Self {
         self.set_path(path);
@@ -196,7 +202,10 @@ impl RequestContextBuilder {
     }
 
     /// Builds the context.
-    pub fn build(self) -> RequestContext {
+    pub fn build(mut self) -> RequestContext {
+        if self.ctx.path.is_empty() {
+            self.ctx.path.push('/');
+        }
         self.ctx
     }
 }

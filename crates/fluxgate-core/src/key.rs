@@ -71,7 +71,7 @@ impl KeyResolver {
     /// assert_eq!(KeyResolver::default().resolve(&rule, &ctx), KeyResolution::Key("ip=10.1.2.3".into()));
     /// ```
     pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
-        let mut out = String::new();
+        let mut out = String::with_capacity(32);
         let complete = match rule.scope() {
             Scope::Global => {
                 out.push_str("global");
@@ -125,9 +125,7 @@ impl KeyResolver {
         out.push_str("ip=");
         match ip.map(|ip| self.mask(ip)) {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
-            Some(IpAddr::V4(v4)) => {
-                let _ = write!(out, "{v4}");
-            }
+            Some(IpAddr::V4(v4)) => push_ipv4(out, v4.octets()),
             Some(IpAddr::V6(v6)) => {
                 let text = v6.to_string();
                 encode_into(out, &text);
@@ -156,6 +154,22 @@ impl KeyResolver {
                 IpAddr::V6(Ipv6Addr::from(masked))
             }
         }
+    }
+}
+
+/// Dotted decimal, without the formatting machinery.
+fn push_ipv4(out: &mut String, octets: [u8; 4]) {
+    for (i, o) in octets.into_iter().enumerate() {
+        if i > 0 {
+            out.push('.');
+        }
+        if o >= 100 {
+            out.push(char::from(b'0' + o / 100));
+        }
+        if o >= 10 {
+            out.push(char::from(b'0' + (o / 10) % 10));
+        }
+        out.push(char::from(b'0' + o % 10));
     }
 }
 
@@ -318,6 +332,9 @@ mod tests {
         assert_ne!(a, c);
         assert_eq!(a, "ip=2001%3Adb8%3A1%3A2%3A%3A_64");
         assert_eq!(key(&r, &at("::ffff:10.0.0.1")), "ip=10.0.0.1");
+        for ip in ["0.0.0.0", "255.255.255.255", "10.100.9.199", "1.20.30.4"] {
+            assert_eq!(key(&r, &at(ip)), format!("ip={ip}"));
+        }
         let exact = KeyResolver::new(128);
         assert_ne!(
             exact.resolve(&r, &at("2001:db8::1")),

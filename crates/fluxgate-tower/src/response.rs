@@ -53,6 +53,7 @@ pub(crate) fn apply_headers(config: &Config, decision: &Decision, headers: &mut 
     let Some(binding) = decision.binding() else {
         return;
     };
+    headers.reserve(3 * usize::from(config.legacy_headers) + 2 * usize::from(config.ietf_headers) + 1);
     if config.legacy_headers {
         headers.insert(X_RATELIMIT_LIMIT, number(binding.limit));
         headers.insert(X_RATELIMIT_REMAINING, number(binding.remaining));

@@ -76,12 +76,11 @@ impl Config {
         extensions: &Extensions,
         path: String,
     ) -> RequestContextBuilder {
-        let mut builder = RequestContextBuilder::default();
+        let mut builder = RequestContextBuilder::with_rule_set(self.rule_set.clone());
         builder
             .set_normalized_path(path)
             .set_method(method.clone())
-            .set_client_ip(self.client_ip.resolve(extensions, headers))
-            .set_rule_set_id(self.rule_set.clone());
+            .set_client_ip(self.client_ip.resolve(extensions, headers));
         let header = |name: &Option<http::HeaderName>| {
             name.as_ref()
                 .and_then(|n| headers.get(n))
