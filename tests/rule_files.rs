@@ -123,6 +123,11 @@ fn invalid_rules_name_the_rule_set_rule_and_field() {
             "unknown variant",
         ),
         ("id: r14", "field `bands`", "missing field"),
+        (
+            "id: r15\nbands: [{capacity: 5}]",
+            "field `bands[0].window`",
+            "missing field",
+        ),
     ];
     for (rule, place, what) in cases {
         let msg = invalid(rule);

@@ -10,7 +10,7 @@ use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
 use crate::provider::{RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
-use crate::rule::{Mode, RuleSet, RuleSets};
+use crate::rule::{Mode, RuleSets};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -160,10 +160,9 @@ impl Engine {
         };
 
         let mut buckets = Vec::new();
-        let mut rule_index = Vec::new();
         let mut denied_by = None;
         with_segments(ctx.path(), |segments| {
-            for (i, rule) in set.rules().iter().enumerate() {
+            for rule in set.rules() {
                 if !rule.applies_to(segments, ctx.method()) {
                     continue;
                 }
@@ -178,7 +177,6 @@ impl Engine {
                             permits: rule.permits(),
                             shadow: rule.mode() == Mode::Shadow,
                         });
-                        rule_index.push(i);
                     }
                     KeyResolution::Skip => {}
                     KeyResolution::Deny if rule.mode() == Mode::Shadow => {}
@@ -200,13 +198,11 @@ impl Engine {
                 Outcome::NoMatchingRule,
             )));
         }
-        self.inner
-            .limiter
-            .acquire(AcquireRequest { buckets })
-            .map(move |result| match result {
-                Ok(outcome) => Ok(decision_from(&set, &rule_index, outcome)),
-                Err(e) => Err(Error::Backend(e)),
-            })
+        let request = AcquireRequest { buckets };
+        self.inner.limiter.acquire(&request).map(move |result| match result {
+            Ok(outcome) => Ok(decision_from(set.id(), &request, outcome)),
+            Err(e) => Err(Error::Backend(e)),
+        })
     }
 }
 
@@ -225,7 +221,7 @@ fn with_segments<R>(path: &str, f: impl FnOnce(&[&str]) -> R) -> R {
     f(&buf[..n])
 }
 
-fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -> Decision {
+fn decision_from(rule_set: &Arc<str>, request: &AcquireRequest, outcome: AcquireOutcome) -> Decision {
     let now = Duration::from_nanos(outcome.now_unix_nanos);
     let mut bands = Vec::with_capacity(outcome.bands.len());
     let mut shadow_bands = Vec::new();
@@ -233,11 +229,11 @@ fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -
     // The rejecting band with the longest wait, and its wait (`None` = never).
     let mut worst: Option<(usize, Option<Duration>)> = None;
     for state in &outcome.bands {
-        let rule = &set.rules()[rule_index[state.bucket]];
-        let band = &rule.bands()[state.band];
-        let shadow = rule.mode() == Mode::Shadow;
+        let bucket = &request.buckets[state.bucket];
+        let band = &bucket.bands[state.band];
+        let shadow = bucket.shadow;
         let report = BandReport {
-            rule: rule.id().clone(),
+            rule: bucket.rule.clone(),
             band: band.name().clone(),
             labeled: band.label().is_some(),
             limit: band.capacity(),
@@ -250,7 +246,7 @@ fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -
         };
         if shadow {
             if !state.allowed && shadow_rejected_by.is_none() {
-                shadow_rejected_by = Some(rule.id().clone());
+                shadow_rejected_by = Some(bucket.rule.clone());
             }
             shadow_bands.push(report);
             continue;
@@ -289,7 +285,7 @@ fn decision_from(set: &RuleSet, rule_index: &[usize], outcome: AcquireOutcome) -
         } else {
             Outcome::RateLimited
         },
-        rule_set: set.id().clone(),
+        rule_set: rule_set.clone(),
         binding_index,
         retry_after,
         bands,

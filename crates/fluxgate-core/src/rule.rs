@@ -367,6 +367,9 @@ fn validate_band(capacity: u64, window: Duration) -> Result<(), &'static str> {
     if window.is_zero() {
         return Err("window is 0; a window must be at least 1ms");
     }
+    if window < Duration::from_millis(1) {
+        return Err("window is shorter than 1ms; a window must be at least 1ms");
+    }
     if window > MAX_WINDOW {
         return Err("window is longer than ten years");
     }
@@ -858,8 +861,19 @@ fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleEr
 fn deserialize_at<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize(value).map_err(|e| {
         let path = e.path().to_string();
-        let field = if path == "." { "-".to_owned() } else { path };
-        (field, e.into_inner().to_string())
+        let message = e.into_inner().to_string();
+        // A missing field is reported at its parent: name the field itself.
+        let missing = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+            .map(str::to_owned);
+        let field = match (path.as_str(), missing) {
+            (".", Some(name)) => name,
+            (".", None) => "-".to_owned(),
+            (parent, Some(name)) => format!("{parent}.{name}"),
+            (parent, None) => parent.to_owned(),
+        };
+        (field, message)
     })
 }
 

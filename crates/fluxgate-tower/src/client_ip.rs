@@ -3,6 +3,7 @@
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::header::FORWARDED;
 use http::{Extensions, HeaderMap, HeaderName};
@@ -119,7 +120,16 @@ impl ClientIpResolver {
     /// The peer, or — when the peer is a trusted proxy — the nearest untrusted hop of
     /// `Forwarded` (preferred) or `X-Forwarded-For`, read right to left.
     pub(crate) fn resolve(&self, extensions: &Extensions, headers: &HeaderMap) -> Option<IpAddr> {
-        let peer = Self::peer(extensions)?;
+        let Some(peer) = Self::peer(extensions) else {
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    "a request has no client address: per-IP rules count all such requests as one client; \
+                     serve with `into_make_service_with_connect_info::<SocketAddr>()` or insert a `ClientIp` extension"
+                );
+            }
+            return None;
+        };
         if self.trusted.is_empty() || !self.is_trusted(peer) {
             return Some(canonical(peer));
         }

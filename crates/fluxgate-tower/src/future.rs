@@ -13,6 +13,7 @@ use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::layer::Config;
+use crate::response::Figures;
 use crate::service::Verdict;
 
 pin_project! {
@@ -34,16 +35,12 @@ pin_project! {
         S: Service<Request<ReqBody>>,
     {
         Checking {
-            check: MaybeReady<Result<Decision, Error>>,
-            inner: Option<S>,
-            req: Option<Request<ReqBody>>,
-            config: Arc<Config>,
+            checking: Box<Checking<S, ReqBody>>,
         },
         Calling {
             #[pin]
             future: S::Future,
-            decision: Option<Decision>,
-            config: Option<Arc<Config>>,
+            figures: Option<(Figures, bool)>,
         },
         Rejected {
             response: Option<Response<Bytes>>,
@@ -51,30 +48,24 @@ pin_project! {
     }
 }
 
+/// The state while an asynchronous handler decides (boxed: the synchronous path, the
+/// common one, keeps the future small).
+pub(crate) struct Checking<S, ReqBody> {
+    check: MaybeReady<Result<Decision, Error>>,
+    inner: Option<S>,
+    req: Option<Request<ReqBody>>,
+    config: Arc<Config>,
+}
+
 impl<S, ReqBody> ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
-    /// Calls the inner service and adds nothing to its response.
-    pub(crate) fn calling(future: S::Future) -> Self {
+    /// Calls the inner service and adds these headers (if any) to its response; the flag
+    /// says whether the `X-RateLimit-*` headers are on.
+    pub(crate) fn calling(future: S::Future, figures: Option<(Figures, bool)>) -> Self {
         Self {
-            state: State::Calling {
-                future,
-                decision: None,
-                config: None,
-            },
-        }
-    }
-
-    /// Calls the inner service and adds the decision's headers to its response.
-    pub(crate) fn calling_with(future: S::Future, decision: Option<Decision>, config: &Arc<Config>) -> Self {
-        let config = decision.as_ref().map(|_| config.clone());
-        Self {
-            state: State::Calling {
-                future,
-                decision,
-                config,
-            },
+            state: State::Calling { future, figures },
         }
     }
 
@@ -94,10 +85,12 @@ where
     ) -> Self {
         Self {
             state: State::Checking {
-                check,
-                inner: Some(inner),
-                req: Some(req),
-                config,
+                checking: Box::new(Checking {
+                    check,
+                    inner: Some(inner),
+                    req: Some(req),
+                    config,
+                }),
             },
         }
     }
@@ -113,22 +106,16 @@ where
         loop {
             let mut this = self.as_mut().project();
             let next = match this.state.as_mut().project() {
-                StateProj::Checking {
-                    check,
-                    inner,
-                    req,
-                    config,
-                } => {
-                    let result = ready!(Pin::new(check).poll(cx));
-                    match config.verdict(result) {
-                        Verdict::Pass(decision) => {
-                            let (Some(mut inner), Some(req)) = (inner.take(), req.take()) else {
+                StateProj::Checking { checking } => {
+                    let result = ready!(Pin::new(&mut checking.check).poll(cx));
+                    match checking.config.verdict(result) {
+                        Verdict::Pass(figures) => {
+                            let (Some(mut inner), Some(req)) = (checking.inner.take(), checking.req.take()) else {
                                 unreachable!("ResponseFuture polled after completion")
                             };
                             State::Calling {
                                 future: inner.call(req),
-                                decision,
-                                config: Some(config.clone()),
+                                figures,
                             }
                         }
                         Verdict::Reject(response) => State::Rejected {
@@ -136,14 +123,10 @@ where
                         },
                     }
                 }
-                StateProj::Calling {
-                    future,
-                    decision,
-                    config,
-                } => {
+                StateProj::Calling { future, figures } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let (Some(decision), Some(config)) = (decision.take(), config.as_ref()) {
-                        crate::response::apply_headers(config, &decision, response.headers_mut(), false);
+                    if let Some((figures, legacy)) = figures.take() {
+                        figures.apply(legacy, response.headers_mut(), false);
                     }
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }

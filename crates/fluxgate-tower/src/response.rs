@@ -1,5 +1,6 @@
 //! Rate-limit headers and the rejection response.
 
+use std::cell::RefCell;
 use std::fmt::Write as _;
 use std::sync::OnceLock;
 
@@ -32,13 +33,110 @@ fn number(n: u64) -> HeaderValue {
         .unwrap_or_else(|| HeaderValue::from(n))
 }
 
-/// The name of a band in the IETF headers: its label, else the rule id (one band) or
-/// `rule.bN`. Ids and labels only hold `A-Z a-z 0-9 _ - .`, so no quoting is needed.
-fn policy_name(out: &mut String, band: &BandReport, single: bool) {
+/// A header value for a Unix timestamp: the last one is reused by each thread, since
+/// consecutive responses mostly share their reset second.
+fn timestamp(secs: u64) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((s, v)) if *s == secs => v.clone(),
+            _ => {
+                let v = HeaderValue::from(secs);
+                *last = Some((secs, v.clone()));
+                v
+            }
+        }
+    })
+}
+
+/// The headers of one decision, computed when the decision is made and added to the
+/// response when it arrives.
+#[derive(Debug)]
+pub(crate) struct Figures {
+    limit: u64,
+    remaining: u64,
+    reset: u64,
+    retry_after: Option<u64>,
+    ietf: Option<Box<[HeaderValue; 2]>>,
+}
+
+impl Figures {
+    /// The figures of a decision, or `None` when no band took part or no header is on.
+    pub(crate) fn of(config: &Config, decision: &Decision, rejected: bool) -> Option<Self> {
+        let binding = decision.binding()?;
+        if !config.legacy_headers && !config.ietf_headers && !rejected {
+            return None;
+        }
+        let ietf = config.ietf_headers.then(|| Box::new(ietf_headers(decision, binding)));
+        Some(Self {
+            limit: binding.limit,
+            remaining: decision.remaining().unwrap_or(binding.remaining),
+            reset: decision.reset_unix_secs().unwrap_or_default(),
+            retry_after: if rejected { decision.retry_after_secs() } else { None },
+            ietf,
+        })
+    }
+
+    /// Adds the headers; `legacy` says whether the `X-RateLimit-*` ones are on.
+    /// Existing headers of the same name are kept when `keep_existing` is set.
+    pub(crate) fn apply(self, legacy: bool, headers: &mut HeaderMap, keep_existing: bool) {
+        let mut put = |name: HeaderName, value: HeaderValue| {
+            if keep_existing {
+                headers.entry(name).or_insert(value);
+            } else {
+                headers.insert(name, value);
+            }
+        };
+        if legacy {
+            put(X_RATELIMIT_LIMIT, number(self.limit));
+            put(X_RATELIMIT_REMAINING, number(self.remaining));
+            put(X_RATELIMIT_RESET, timestamp(self.reset));
+        }
+        if let Some(ietf) = self.ietf {
+            let [policy, current] = *ietf;
+            put(RATELIMIT_POLICY, policy);
+            put(RATELIMIT, current);
+        }
+        if let Some(secs) = self.retry_after {
+            put(RETRY_AFTER, number(secs));
+        }
+    }
+}
+
+/// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
+fn ietf_headers(decision: &Decision, binding: &BandReport) -> [HeaderValue; 2] {
+    let mut policy = String::new();
+    for band in &decision.bands {
+        if !policy.is_empty() {
+            policy.push_str(", ");
+        }
+        policy_name(&mut policy, decision, band);
+        let _ = write!(policy, ";q={};w={}", band.limit, ceil_secs(band.window).max(1));
+    }
+    let mut current = String::new();
+    policy_name(&mut current, decision, binding);
+    let remaining = decision.remaining().unwrap_or(binding.remaining);
+    let _ = write!(current, ";r={remaining};t={}", ceil_secs(binding.reset_after));
+    // Ids and labels only hold `A-Z a-z 0-9 _ - .`: always valid header text.
+    let value = |s: String| HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static(""));
+    [value(policy), value(current)]
+}
+
+/// A band's name in the IETF headers: its label when no other rule uses the same one,
+/// the rule id for a rule's only band, `rule.band` otherwise.
+fn policy_name(out: &mut String, decision: &Decision, band: &BandReport) {
+    let rule_bands = decision.bands.iter().filter(|b| b.rule == band.rule).count();
+    let label_shared = decision
+        .bands
+        .iter()
+        .any(|b| b.band == band.band && b.rule != band.rule);
     out.push('"');
-    if band.labeled {
+    if band.labeled && !label_shared {
         out.push_str(&band.band);
-    } else if single {
+    } else if rule_bands == 1 {
         out.push_str(&band.rule);
     } else {
         out.push_str(&band.rule);
@@ -48,55 +146,19 @@ fn policy_name(out: &mut String, band: &BandReport, single: bool) {
     out.push('"');
 }
 
-/// Adds the headers of a decision (the binding band and the policy of every band).
-pub(crate) fn apply_headers(config: &Config, decision: &Decision, headers: &mut HeaderMap, rejected: bool) {
-    let Some(binding) = decision.binding() else {
-        return;
-    };
-    headers.reserve(3 * usize::from(config.legacy_headers) + 2 * usize::from(config.ietf_headers) + 1);
-    if config.legacy_headers {
-        headers.insert(X_RATELIMIT_LIMIT, number(binding.limit));
-        headers.insert(X_RATELIMIT_REMAINING, number(binding.remaining));
-        if let Some(reset) = decision.reset_unix_secs() {
-            headers.insert(X_RATELIMIT_RESET, HeaderValue::from(reset));
-        }
-    }
-    if config.ietf_headers {
-        let single = |rule: &str| decision.bands.iter().filter(|b| &*b.rule == rule).count() == 1;
-        let mut policy = String::new();
-        for band in &decision.bands {
-            if !policy.is_empty() {
-                policy.push_str(", ");
-            }
-            policy_name(&mut policy, band, single(&band.rule));
-            let _ = write!(policy, ";q={};w={}", band.limit, ceil_secs(band.window).max(1));
-        }
-        let mut current = String::new();
-        policy_name(&mut current, binding, single(&binding.rule));
-        let _ = write!(current, ";r={};t={}", binding.remaining, ceil_secs(binding.reset_after));
-        if let Ok(v) = HeaderValue::from_str(&policy) {
-            headers.insert(RATELIMIT_POLICY, v);
-        }
-        if let Ok(v) = HeaderValue::from_str(&current) {
-            headers.insert(RATELIMIT, v);
-        }
-    }
-    if rejected {
-        if let Some(secs) = decision.retry_after_secs() {
-            headers.insert(RETRY_AFTER, number(secs));
-        }
-    }
-}
-
 /// The `429` response: the user's, or the JSON body of the Java original.
 pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes> {
     let mut response = match &config.rejection {
         Some(f) => f(decision),
         None => {
+            let retry_after_ms = decision.retry_after.map(|d| {
+                let ms = d.as_nanos().div_ceil(1_000_000);
+                u64::try_from(ms).unwrap_or(u64::MAX).max(1)
+            });
             let body = serde_json::json!({
                 "error": "Rate limit exceeded",
                 "retryAfter": decision.retry_after_secs(),
-                "retryAfterMs": decision.retry_after.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)),
+                "retryAfterMs": retry_after_ms,
                 "rule": decision.rule().map(|r| &**r),
             });
             let mut response = Response::new(Bytes::from(body.to_string()));
@@ -107,12 +169,8 @@ pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes>
             response
         }
     };
-    let mut headers = HeaderMap::new();
-    apply_headers(config, decision, &mut headers, true);
-    for (name, value) in headers {
-        if let Some(name) = name {
-            response.headers_mut().entry(name).or_insert(value);
-        }
+    if let Some(figures) = Figures::of(config, decision, true) {
+        figures.apply(config.legacy_headers, response.headers_mut(), true);
     }
     response
 }

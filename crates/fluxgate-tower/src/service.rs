@@ -3,13 +3,14 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use fluxgate_core::{normalize_path, Decision, Error, RequestContext, RequestContextBuilder};
+use fluxgate_core::{normalize_path, Decision, Error, RequestContextBuilder};
 use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
 use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::layer::{Config, RateLimitLayer};
+use crate::response::Figures;
 use crate::{ApiKey, UserId};
 
 /// Rate-limits requests to an inner service. Built by [`RateLimitLayer`].
@@ -54,8 +55,8 @@ impl<S> RateLimit<S> {
 
 /// What happens to a request after its decision.
 pub(crate) enum Verdict {
-    /// Call the inner service; add these figures to the response.
-    Pass(Option<Decision>),
+    /// Call the inner service; add these headers to the response.
+    Pass(Option<(Figures, bool)>),
     /// Answer with this response.
     Reject(Response<bytes::Bytes>),
 }
@@ -81,11 +82,7 @@ impl Config {
             .set_normalized_path(path)
             .set_method(method.clone())
             .set_client_ip(self.client_ip.resolve(extensions, headers));
-        let header = |name: &Option<http::HeaderName>| {
-            name.as_ref()
-                .and_then(|n| headers.get(n))
-                .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
-        };
+        let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| headers.get(n)).map(header_text);
         let user = extensions
             .get::<UserId>()
             .map(|u| u.0.clone())
@@ -100,21 +97,8 @@ impl Config {
 
     /// The context of a request, customized. Only a customizer needs the request taken
     /// apart into its `Parts`.
-    fn context_of<B>(&self, req: Request<B>, path: String) -> (RequestContext, Request<B>) {
-        match &self.customizer {
-            None => {
-                let ctx = self
-                    .context(req.method(), req.headers(), req.extensions(), path)
-                    .build();
-                (ctx, req)
-            }
-            Some(customize) => {
-                let (parts, body) = req.into_parts();
-                let mut builder = self.context(&parts.method, &parts.headers, &parts.extensions, path);
-                customize(&mut builder, &parts);
-                (builder.build(), Request::from_parts(parts, body))
-            }
-        }
+    fn figures(&self, decision: &Decision) -> Option<(Figures, bool)> {
+        Figures::of(self, decision, false).map(|f| (f, self.legacy_headers))
     }
 
     pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
@@ -123,11 +107,11 @@ impl Config {
                 if let Some(rule) = &decision.shadow_rejected_by {
                     tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
                 }
-                Verdict::Pass(Some(decision))
+                Verdict::Pass(self.figures(&decision))
             }
             Ok(decision) if self.shadow => {
                 tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
-                Verdict::Pass(Some(decision))
+                Verdict::Pass(self.figures(&decision))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
             Err(error) => {
@@ -135,6 +119,18 @@ impl Config {
                 Verdict::Pass(None)
             }
         }
+    }
+}
+
+/// A header value as text, injectively: valid UTF-8 as it is; anything else as `\0` (which
+/// no header value can contain) followed by its bytes read as Latin-1. Two different
+/// values never give the same text.
+fn header_text(value: &http::HeaderValue) -> String {
+    match std::str::from_utf8(value.as_bytes()) {
+        Ok(text) => text.to_owned(),
+        Err(_) => std::iter::once('\0')
+            .chain(value.as_bytes().iter().map(|&b| char::from(b)))
+            .collect(),
     }
 }
 
@@ -150,15 +146,30 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqBody>) -> Self::Future {
+    fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let path = normalize_path(req.uri().path());
         if !self.config.limits(&path) {
-            return ResponseFuture::calling(self.inner.call(req));
+            return ResponseFuture::calling(self.inner.call(req), None);
         }
-        let (ctx, req) = self.config.context_of(req, path);
+        let ctx = match &self.config.customizer {
+            None => self
+                .config
+                .context(req.method(), req.headers(), req.extensions(), path)
+                .build(),
+            Some(customize) => {
+                // Only a customizer needs the request taken apart into its `Parts`.
+                let (parts, body) = req.into_parts();
+                let mut builder = self
+                    .config
+                    .context(&parts.method, &parts.headers, &parts.extensions, path);
+                customize(&mut builder, &parts);
+                req = Request::from_parts(parts, body);
+                builder.build()
+            }
+        };
         match self.config.handler.check(&ctx).into_ready() {
             Ok(result) => match self.config.verdict(result) {
-                Verdict::Pass(decision) => ResponseFuture::calling_with(self.inner.call(req), decision, &self.config),
+                Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
                 Verdict::Reject(response) => ResponseFuture::rejected(response),
             },
             Err(pending) => {

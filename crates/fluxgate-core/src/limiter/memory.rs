@@ -15,17 +15,19 @@ use crate::future::MaybeReady;
 
 /// The in-memory limiter: the embedded default backend.
 ///
-/// Buckets live in a fixed number of shards, each behind its own mutex; a key's shard is
-/// chosen by a keyed 128-bit SipHash of its rule set, rule, key value and band, so
-/// unrelated keys rarely contend and a crafted header cannot aim at another client's
-/// counter. A request's bands are checked and consumed under the locks of all the shards
+/// Buckets live in a fixed number of shards, each behind its own mutex. A bucket is
+/// identified by 128 bits taken from std's SipHash, keyed at random per limiter, of its
+/// rule set, rule, key value and band: unrelated keys rarely contend, and a crafted header
+/// cannot aim at another client's counter (two buckets share state only if those 128
+/// bits collide). A request's bands are checked and consumed under the locks of all the shards
 /// they live in (taken in index order), so a decision over many rules is one atomic step.
 ///
 /// Memory is bounded: a bucket that has refilled completely is the same as no bucket and
 /// is dropped when its shard is swept (each shard sweeps itself when it has doubled since
-/// its last sweep, and [`MemoryLimiter::purge_idle`] sweeps all). When more than
-/// `max_keys` buckets are still active, the ones closest to full are evicted first (they
-/// start over full, which errs towards admitting).
+/// its last sweep, and [`MemoryLimiter::purge_idle`] sweeps all). Each shard holds at most
+/// `max_keys / shards` (rounded up) buckets; when a shard is full of active buckets, the
+/// ones closest to full are evicted first (they start over full, which errs towards
+/// admitting).
 ///
 /// ```
 /// use fluxgate_core::MemoryLimiter;
@@ -357,8 +359,8 @@ fn evict_nearest_full(map: &mut HashMap<u128, Tat, BuildHasherDefault<PreHashed>
 }
 
 impl RateLimiter for MemoryLimiter {
-    fn acquire(&self, request: AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        MaybeReady::ready(Ok(self.acquire_now(&request)))
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        MaybeReady::ready(Ok(self.acquire_now(request)))
     }
 }
 

@@ -91,11 +91,14 @@ pub struct AcquireOutcome {
 /// answer synchronously return [`MaybeReady::ready`], so that no future is allocated.
 pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     /// Checks every band of every bucket and consumes all or nothing.
-    fn acquire(&self, request: AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
+    ///
+    /// The returned future must not borrow the request: backends that go over the network
+    /// encode what they send before returning.
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
-    fn acquire(&self, request: AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         (**self).acquire(request)
     }
 }
