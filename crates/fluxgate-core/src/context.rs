@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use http::Method;
 
-use crate::path::normalize_path;
+use crate::path::normalized;
+use crate::text::Text;
 
 /// The rule set id used when nothing else is configured.
 pub const DEFAULT_RULE_SET: &str = "default";
@@ -29,7 +30,7 @@ pub const DEFAULT_RULE_SET: &str = "default";
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestContext {
-    path: String,
+    path: Text,
     method: Method,
     client_ip: Option<IpAddr>,
     user_id: Option<String>,
@@ -101,7 +102,7 @@ impl RequestContextBuilder {
     pub fn with_rule_set(rule_set_id: Arc<str>) -> Self {
         Self {
             ctx: RequestContext {
-                path: String::new(),
+                path: Text::new(),
                 method: Method::GET,
                 client_ip: None,
                 user_id: None,
@@ -150,7 +151,7 @@ impl RequestContextBuilder {
 
     /// Sets the path in place; it is normalized.
     pub fn set_path(&mut self, path: &str) -> &mut Self {
-        self.ctx.path = normalize_path(path);
+        self.ctx.path = normalized(path);
         self
     }
     /// Sets the method in place.
@@ -192,13 +193,6 @@ impl RequestContextBuilder {
     /// The context as built so far.
     pub fn peek(&self) -> &RequestContext {
         &self.ctx
-    }
-
-    /// Sets an already normalized path (no normalization is repeated).
-    #[doc(hidden)]
-    pub fn set_normalized_path(&mut self, path: String) -> &mut Self {
-        self.ctx.path = path;
-        self
     }
 
     /// Builds the context.

@@ -3,6 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::limiter::Wait;
+use crate::rule::{Band, Mode, Rule};
+
 /// Why a decision came out the way it did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -47,6 +50,34 @@ pub struct BandReport {
     pub allowed: bool,
     /// Whether the rule is in shadow mode.
     pub shadow: bool,
+    /// When this band would admit the request.
+    pub wait: Wait,
+}
+
+impl BandReport {
+    /// The report of `band` of `rule` after a decision taken at `now_unix_nanos`.
+    pub fn new(
+        rule: &Rule,
+        band: &Band,
+        now_unix_nanos: u64,
+        remaining: u64,
+        reset_after: Duration,
+        wait: Wait,
+    ) -> Self {
+        Self {
+            rule: rule.id().clone(),
+            band: band.name().clone(),
+            labeled: band.label().is_some(),
+            limit: band.capacity(),
+            remaining,
+            window: band.window(),
+            reset_after,
+            reset_at: UNIX_EPOCH + Duration::from_nanos(now_unix_nanos) + reset_after,
+            allowed: wait == Wait::None,
+            shadow: rule.mode() == Mode::Shadow,
+            wait,
+        }
+    }
 }
 
 /// The decision for one request.

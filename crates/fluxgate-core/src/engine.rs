@@ -1,10 +1,12 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
 use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
+
+use smallvec::SmallVec;
+use std::time::Duration;
 
 use crate::context::RequestContext;
-use crate::decision::{BandReport, Decision, Outcome};
+use crate::decision::{Decision, Outcome};
 use crate::error::Error;
 use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
@@ -159,7 +161,7 @@ impl Engine {
             }
         };
 
-        let mut buckets = Vec::new();
+        let mut buckets: SmallVec<[BucketRequest<'_>; 4]> = SmallVec::new();
         let mut denied_by = None;
         with_segments(ctx.path(), |segments| {
             for rule in set.rules() {
@@ -169,13 +171,9 @@ impl Engine {
                 match self.inner.resolver.resolve(rule, ctx) {
                     KeyResolution::Key(key) => {
                         buckets.push(BucketRequest {
-                            rule_set: set.id().clone(),
-                            rule: rule.id().clone(),
+                            rule_set: set.id(),
+                            rule,
                             key,
-                            algorithm: rule.algorithm(),
-                            bands: rule.bands().clone(),
-                            permits: rule.permits(),
-                            shadow: rule.mode() == Mode::Shadow,
                         });
                     }
                     KeyResolution::Skip => {}
@@ -198,9 +196,11 @@ impl Engine {
                 Outcome::NoMatchingRule,
             )));
         }
-        let request = AcquireRequest { buckets };
-        self.inner.limiter.acquire(&request).map(move |result| match result {
-            Ok(outcome) => Ok(decision_from(set.id(), &request, outcome)),
+        // The request borrows the rule set; the limiter's future does not.
+        let pending = self.inner.limiter.acquire(&AcquireRequest { buckets: &buckets });
+        let rule_set = set.id().clone();
+        pending.map(move |result| match result {
+            Ok(outcome) => Ok(decision_from(rule_set, outcome)),
             Err(e) => Err(Error::Backend(e)),
         })
     }
@@ -221,62 +221,41 @@ fn with_segments<R>(path: &str, f: impl FnOnce(&[&str]) -> R) -> R {
     f(&buf[..n])
 }
 
-fn decision_from(rule_set: &Arc<str>, request: &AcquireRequest, outcome: AcquireOutcome) -> Decision {
-    let now = Duration::from_nanos(outcome.now_unix_nanos);
-    let mut bands = Vec::with_capacity(outcome.bands.len());
-    let mut shadow_bands = Vec::new();
-    let mut shadow_rejected_by = None;
-    // The rejecting band with the longest wait, and its wait (`None` = never).
-    let mut worst: Option<(usize, Option<Duration>)> = None;
-    for state in &outcome.bands {
-        let bucket = &request.buckets[state.bucket];
-        let band = &bucket.bands[state.band];
-        let shadow = bucket.shadow;
-        let report = BandReport {
-            rule: bucket.rule.clone(),
-            band: band.name().clone(),
-            labeled: band.label().is_some(),
-            limit: band.capacity(),
-            remaining: state.remaining,
-            window: band.window(),
-            reset_after: state.reset_after,
-            reset_at: UNIX_EPOCH + now + state.reset_after,
-            allowed: state.allowed,
-            shadow,
-        };
-        if shadow {
-            if !state.allowed && shadow_rejected_by.is_none() {
-                shadow_rejected_by = Some(bucket.rule.clone());
-            }
-            shadow_bands.push(report);
-            continue;
-        }
-        if !state.allowed {
-            let wait = match state.wait {
-                Wait::After(d) => Some(d),
-                Wait::Never | Wait::None => None,
-            };
-            let worse = match worst {
-                None => true,
-                Some((_, None)) => false,
-                Some((_, Some(w))) => wait.is_none_or(|d| d > w),
-            };
-            if worse {
-                worst = Some((bands.len(), wait));
-            }
-        }
-        bands.push(report);
-    }
-    let (binding_index, retry_after) = match worst {
-        Some((i, wait)) if !outcome.allowed => (Some(i), wait),
-        _ => {
-            let least = bands
-                .iter()
-                .enumerate()
-                .min_by_key(|(i, b)| (b.remaining, *i))
-                .map(|(i, _)| i);
-            (least, None)
-        }
+fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {
+    let mut bands = outcome.bands;
+    let shadow_bands = if bands.iter().any(|b| b.shadow) {
+        let (shadow, enforced): (Vec<_>, Vec<_>) = bands.into_iter().partition(|b| b.shadow);
+        bands = enforced;
+        shadow
+    } else {
+        Vec::new()
+    };
+    let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
+    // On rejection: the rejecting band with the longest wait (`Never` the longest of all).
+    let rank = |w: &Wait| match w {
+        Wait::None => None,
+        Wait::After(d) => Some((0, *d)),
+        Wait::Never => Some((1, Duration::ZERO)),
+    };
+    let (binding_index, retry_after) = if outcome.allowed {
+        let least = bands
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, b)| (b.remaining, *i))
+            .map(|(i, _)| i);
+        (least, None)
+    } else {
+        let worst = bands
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| rank(&b.wait).map(|r| (r, std::cmp::Reverse(i))))
+            .max()
+            .map(|(_, std::cmp::Reverse(i))| i);
+        let retry = worst.and_then(|i| match bands[i].wait {
+            Wait::After(d) => Some(d),
+            Wait::None | Wait::Never => None,
+        });
+        (worst, retry)
     };
     Decision {
         allowed: outcome.allowed,
@@ -285,7 +264,7 @@ fn decision_from(rule_set: &Arc<str>, request: &AcquireRequest, outcome: Acquire
         } else {
             Outcome::RateLimited
         },
-        rule_set: rule_set.clone(),
+        rule_set,
         binding_index,
         retry_after,
         bands,

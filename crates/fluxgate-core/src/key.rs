@@ -14,6 +14,7 @@ use sha2::{Digest, Sha256};
 
 use crate::context::RequestContext;
 use crate::rule::{KeyField, OnMissingKey, Rule, Scope};
+use crate::text::Text;
 
 /// The longest encoded value kept as is; longer ones are hashed.
 pub const MAX_ENCODED_VALUE: usize = 64;
@@ -22,7 +23,7 @@ pub const MAX_ENCODED_VALUE: usize = 64;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyResolution {
     /// Count the request under this encoded key value.
-    Key(String),
+    Key(Text),
     /// The rule does not apply (`on_missing_key: skip`).
     Skip,
     /// Reject the request (`on_missing_key: deny`).
@@ -71,7 +72,7 @@ impl KeyResolver {
     /// assert_eq!(KeyResolver::default().resolve(&rule, &ctx), KeyResolution::Key("ip=10.1.2.3".into()));
     /// ```
     pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
-        let mut out = String::with_capacity(32);
+        let mut out = Text::new();
         let complete = match rule.scope() {
             Scope::Global => {
                 out.push_str("global");
@@ -121,7 +122,7 @@ impl KeyResolver {
         }
     }
 
-    fn push_ip(&self, out: &mut String, ip: Option<IpAddr>) {
+    fn push_ip(&self, out: &mut Text, ip: Option<IpAddr>) {
         out.push_str("ip=");
         match ip.map(|ip| self.mask(ip)) {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
@@ -158,7 +159,7 @@ impl KeyResolver {
 }
 
 /// Dotted decimal, without the formatting machinery.
-fn push_ipv4(out: &mut String, octets: [u8; 4]) {
+fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
     for (i, o) in octets.into_iter().enumerate() {
         if i > 0 {
             out.push('.');
@@ -173,7 +174,7 @@ fn push_ipv4(out: &mut String, octets: [u8; 4]) {
     }
 }
 
-fn push_opt(out: &mut String, tag: &str, value: Option<&str>) -> bool {
+fn push_opt(out: &mut Text, tag: &str, value: Option<&str>) -> bool {
     match value {
         Some(v) => {
             push_component(out, tag, v);
@@ -183,7 +184,7 @@ fn push_opt(out: &mut String, tag: &str, value: Option<&str>) -> bool {
     }
 }
 
-fn push_attr(out: &mut String, name: &str, ctx: &RequestContext) -> bool {
+fn push_attr(out: &mut Text, name: &str, ctx: &RequestContext) -> bool {
     match ctx.attribute(name) {
         Some(v) => {
             // Attribute names are validated ids (`A-Z a-z 0-9 _ - .`).
@@ -196,7 +197,7 @@ fn push_attr(out: &mut String, name: &str, ctx: &RequestContext) -> bool {
 }
 
 /// Appends `tag=encoded` or, for long values, `tag~hash`.
-fn push_component(out: &mut String, tag: &str, value: &str) {
+fn push_component(out: &mut Text, tag: &str, value: &str) {
     out.push_str(tag);
     if encoded_len(value) <= MAX_ENCODED_VALUE {
         out.push('=');
@@ -225,13 +226,24 @@ fn encoded_len(value: &str) -> usize {
 /// fluxgate_core::key::encode_into(&mut s, "a:{b}\n");
 /// assert_eq!(s, "a%3A%7Bb%7D%0A");
 /// ```
-pub fn encode_into(out: &mut String, value: &str) {
-    for b in value.bytes() {
-        if is_plain(b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
+pub fn encode_into(out: &mut impl std::fmt::Write, value: &str) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let bytes = value.as_bytes();
+    let mut start = 0;
+    for (i, &b) in bytes.iter().enumerate() {
+        if !is_plain(b) {
+            // A run of plain bytes is ASCII, so it starts and ends on character boundaries.
+            if start < i {
+                let _ = out.write_str(&value[start..i]);
+            }
+            let _ = out.write_char('%');
+            let _ = out.write_char(char::from(HEX[usize::from(b >> 4)]));
+            let _ = out.write_char(char::from(HEX[usize::from(b & 15)]));
+            start = i + 1;
         }
+    }
+    if start < bytes.len() {
+        let _ = out.write_str(&value[start..]);
     }
 }
 
@@ -253,7 +265,7 @@ mod tests {
 
     fn key(r: &Rule, ctx: &RequestContext) -> String {
         match KeyResolver::default().resolve(r, ctx) {
-            KeyResolution::Key(k) => k,
+            KeyResolution::Key(k) => k.to_string(),
             other => panic!("{other:?}"),
         }
     }

@@ -50,6 +50,7 @@ pub mod limiter;
 mod path;
 mod provider;
 mod rule;
+mod text;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
@@ -68,3 +69,4 @@ pub use rule::{
     format_duration, parse_duration, Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule,
     RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
 };
+pub use text::Text;

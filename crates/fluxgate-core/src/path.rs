@@ -3,6 +3,8 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::text::Text;
+
 /// Normalizes a request path before any matching.
 ///
 /// Drops the query and fragment, percent-decodes unreserved characters
@@ -18,10 +20,19 @@ use std::str::FromStr;
 /// assert_eq!(normalize_path("/%2e%2e/admin"), "/admin");
 /// ```
 pub fn normalize_path(raw: &str) -> String {
+    normalized(raw).to_string()
+}
+
+/// [`normalize_path`] into a [`Text`]: no allocation for short paths that are normal already.
+pub(crate) fn normalized(raw: &str) -> Text {
     let raw = raw.split(['?', '#']).next().unwrap_or("");
     if is_normal(raw) {
-        return raw.to_owned();
+        return Text::from(raw);
     }
+    Text::from(normalize_slow(raw))
+}
+
+fn normalize_slow(raw: &str) -> String {
     let decoded = decode_unreserved(raw);
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
@@ -48,13 +59,32 @@ pub fn normalize_path(raw: &str) -> String {
 /// `..` segments, no trailing `/` (except the root).
 fn is_normal(path: &str) -> bool {
     let b = path.as_bytes();
-    if b.first() != Some(&b'/') || (b.len() > 1 && b[b.len() - 1] == b'/') || b.contains(&b'%') {
+    if b.first() != Some(&b'/') {
         return false;
     }
     if b.len() == 1 {
         return true;
     }
-    path[1..].split('/').all(|s| !s.is_empty() && s != "." && s != "..")
+    if b[b.len() - 1] == b'/' {
+        return false;
+    }
+    // Reject `%`, `//`, and `/.` starting a `.` or `..` segment.
+    let mut prev = b'/';
+    for (i, &c) in b.iter().enumerate().skip(1) {
+        match c {
+            b'%' => return false,
+            b'/' if prev == b'/' => return false,
+            b'.' if prev == b'/' => {
+                let rest = &b[i + 1..];
+                if rest.is_empty() || rest[0] == b'/' || (rest[0] == b'.' && (rest.len() == 1 || rest[1] == b'/')) {
+                    return false;
+                }
+            }
+            _ => {}
+        }
+        prev = c;
+    }
+    true
 }
 
 /// Decodes `%XX` escapes of unreserved characters; every other escape is kept (with
@@ -306,6 +336,24 @@ mod tests {
         assert_eq!(normalize_path("/a%4"), "/a%4");
         assert_eq!(normalize_path("/caf\u{e9}/%41"), "/caf\u{e9}/A");
         assert_eq!(normalize_path("/x/%2E%2E/api/users#frag"), "/api/users");
+        for normal in [
+            "/",
+            "/a",
+            "/a/b",
+            "/.well-known/x",
+            "/a/..b",
+            "/a/b.",
+            "/a/.../b",
+            "/a/b..c",
+        ] {
+            assert!(is_normal(normal), "{normal}");
+            assert_eq!(normalize_path(normal), normal);
+        }
+        for not in [
+            "", "a", "/a/", "//a", "/a//b", "/./a", "/a/.", "/a/..", "/../a", "/a/%41",
+        ] {
+            assert!(!is_normal(not), "{not}");
+        }
     }
 
     #[test]

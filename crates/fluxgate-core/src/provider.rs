@@ -63,6 +63,30 @@ impl RuleSetProvider for StaticRuleSetProvider {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookups_by_id() {
+        let yaml = (0..20)
+            .map(|i| format!("  - {{id: s{i}, rules: []}}\n"))
+            .collect::<String>();
+        let sets = RuleSets::from_yaml_str(&format!("rule_sets:\n{yaml}")).unwrap();
+        let provider = StaticRuleSetProvider::new(sets);
+        for i in 0..20 {
+            let found = provider
+                .rule_set(&format!("s{i}"))
+                .into_ready()
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            assert_eq!(&**found.id(), format!("s{i}"));
+        }
+        assert!(provider.rule_set("s20").into_ready().unwrap().unwrap().is_none());
+    }
+}
+
 /// A [moka] cache in front of another provider: lookups (found or not) are kept until
 /// they expire or are invalidated. Errors are not cached.
 ///

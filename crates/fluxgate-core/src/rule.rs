@@ -318,6 +318,17 @@ pub struct Band {
     window: Duration,
     label: Option<Arc<str>>,
     name: Arc<str>,
+    ident: u64,
+}
+
+/// A stable digest of what identifies a band's counters: rule set, rule, band name,
+/// capacity and window. A changed capacity or window starts new counters.
+fn band_ident(rule_set: &str, rule: &str, name: &str, capacity: u64, window: Duration) -> u64 {
+    use std::hash::{Hash, Hasher};
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new();
+    (rule_set, rule, name, capacity, window).hash(&mut h);
+    h.finish()
 }
 
 impl Band {
@@ -333,7 +344,14 @@ impl Band {
             window,
             label: None,
             name: Arc::from(""),
+            ident: band_ident("", "", "", capacity, window),
         })
+    }
+
+    /// A stable digest of the rule set, rule, name, capacity and window: limiters key a
+    /// band's counters by it (with the key value).
+    pub fn ident(&self) -> u64 {
+        self.ident
     }
 
     /// The capacity: tokens, or requests per window.
@@ -556,6 +574,7 @@ impl Rule {
                 capacity: b.capacity,
                 window: b.window,
                 label: b.label.as_deref().map(Arc::from),
+                ident: band_ident(rule_set, rule_id, &name, b.capacity, b.window),
                 name,
             });
         }
@@ -771,6 +790,10 @@ impl RuleSets {
 
     /// A rule set by id.
     pub fn get(&self, id: &str) -> Option<&Arc<RuleSet>> {
+        // A handful of rule sets is the common case: comparing ids is cheaper than hashing.
+        if self.sets.len() <= 8 {
+            return self.sets.iter().find(|(k, _)| ***k == *id).map(|(_, v)| v);
+        }
         self.sets.get(id)
     }
 

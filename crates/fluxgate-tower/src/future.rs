@@ -11,7 +11,6 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::body::ResponseBody;
 use crate::layer::Config;
 use crate::response::Figures;
 use crate::service::Verdict;
@@ -43,7 +42,7 @@ pin_project! {
             figures: Option<(Figures, bool)>,
         },
         Rejected {
-            response: Option<Response<Bytes>>,
+            response: Option<Box<Response<Bytes>>>,
         },
     }
 }
@@ -72,7 +71,7 @@ where
     pub(crate) fn rejected(response: Response<Bytes>) -> Self {
         Self {
             state: State::Rejected {
-                response: Some(response),
+                response: Some(Box::new(response)),
             },
         }
     }
@@ -99,8 +98,9 @@ where
 impl<S, ReqBody, ResBody> Future for ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
+    ResBody: From<Bytes>,
 {
-    type Output = Result<Response<ResponseBody<ResBody>>, S::Error>;
+    type Output = Result<Response<ResBody>, S::Error>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
@@ -119,7 +119,7 @@ where
                             }
                         }
                         Verdict::Reject(response) => State::Rejected {
-                            response: Some(response),
+                            response: Some(Box::new(response)),
                         },
                     }
                 }
@@ -128,11 +128,11 @@ where
                     if let Some((figures, legacy)) = figures.take() {
                         figures.apply(legacy, response.headers_mut(), false);
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    return Poll::Ready(Ok(response));
                 }
                 StateProj::Rejected { response } => {
                     let response = response.take().expect("ResponseFuture polled after completion");
-                    return Poll::Ready(Ok(response.map(ResponseBody::full)));
+                    return Poll::Ready(Ok((*response).map(ResBody::from)));
                 }
             };
             this.state.set(next);

@@ -45,14 +45,12 @@
 
 #![deny(unsafe_code)]
 
-mod body;
 mod client_ip;
 mod future;
 mod layer;
 mod response;
 mod service;
 
-pub use body::ResponseBody;
 pub use client_ip::{ClientIp, IpNet, IpNetError};
 pub use future::ResponseFuture;
 pub use layer::{ConfigError, Customizer, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};

@@ -22,10 +22,35 @@ pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-poli
 /// `RateLimit` (IETF draft).
 pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
-/// A header value for a number; small numbers are shared, not allocated per response.
+/// A header value for a number. Numbers up to 1024 come from a table of static text made
+/// once, so that they cost neither an allocation nor a reference count per response.
 fn number(n: u64) -> HeaderValue {
     static SMALL: OnceLock<Box<[HeaderValue]>> = OnceLock::new();
-    let small = SMALL.get_or_init(|| (0..=1024u64).map(HeaderValue::from).collect());
+    let small = SMALL.get_or_init(|| {
+        let text: &'static str = Box::leak(
+            (0..=1024u64)
+                .map(|i| i.to_string())
+                .collect::<String>()
+                .into_boxed_str(),
+        );
+        let mut start = 0;
+        (0..=1024u64)
+            .map(|i| {
+                let len = if i < 10 {
+                    1
+                } else if i < 100 {
+                    2
+                } else if i < 1000 {
+                    3
+                } else {
+                    4
+                };
+                let value = HeaderValue::from_static(&text[start..start + len]);
+                start += len;
+                value
+            })
+            .collect()
+    });
     usize::try_from(n)
         .ok()
         .and_then(|i| small.get(i))
@@ -83,6 +108,9 @@ impl Figures {
     /// Adds the headers; `legacy` says whether the `X-RateLimit-*` ones are on.
     /// Existing headers of the same name are kept when `keep_existing` is set.
     pub(crate) fn apply(self, legacy: bool, headers: &mut HeaderMap, keep_existing: bool) {
+        headers.reserve(
+            3 * usize::from(legacy) + 2 * usize::from(self.ietf.is_some()) + usize::from(self.retry_after.is_some()),
+        );
         let mut put = |name: HeaderName, value: HeaderValue| {
             if keep_existing {
                 headers.entry(name).or_insert(value);
@@ -108,21 +136,62 @@ impl Figures {
 
 /// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
 fn ietf_headers(decision: &Decision, binding: &BandReport) -> [HeaderValue; 2] {
-    let mut policy = String::new();
-    for band in &decision.bands {
-        if !policy.is_empty() {
-            policy.push_str(", ");
-        }
-        policy_name(&mut policy, decision, band);
-        let _ = write!(policy, ";q={};w={}", band.limit, ceil_secs(band.window).max(1));
-    }
-    let mut current = String::new();
+    let mut current = String::with_capacity(32);
     policy_name(&mut current, decision, binding);
     let remaining = decision.remaining().unwrap_or(binding.remaining);
     let _ = write!(current, ";r={remaining};t={}", ceil_secs(binding.reset_after));
-    // Ids and labels only hold `A-Z a-z 0-9 _ - .`: always valid header text.
-    let value = |s: String| HeaderValue::from_str(&s).unwrap_or_else(|_| HeaderValue::from_static(""));
-    [value(policy), value(current)]
+    [policy_header(decision), text(current)]
+}
+
+/// Ids and labels only hold `A-Z a-z 0-9 _ - .`: the text is always a valid header value.
+fn text(s: String) -> HeaderValue {
+    HeaderValue::from_maybe_shared(Bytes::from(s)).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+/// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
+type PolicyKey = Vec<(std::sync::Arc<str>, std::sync::Arc<str>, bool, u64, std::time::Duration)>;
+
+fn policy_header(decision: &Decision) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(PolicyKey, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    let same = |key: &PolicyKey| {
+        key.len() == decision.bands.len()
+            && key
+                .iter()
+                .zip(&decision.bands)
+                .all(|((rule, band, labeled, limit, window), b)| {
+                    *rule == b.rule
+                        && *band == b.band
+                        && *labeled == b.labeled
+                        && *limit == b.limit
+                        && *window == b.window
+                })
+    };
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        if let Some((key, value)) = &*last {
+            if same(key) {
+                return value.clone();
+            }
+        }
+        let mut policy = String::new();
+        for band in &decision.bands {
+            if !policy.is_empty() {
+                policy.push_str(", ");
+            }
+            policy_name(&mut policy, decision, band);
+            let _ = write!(policy, ";q={};w={}", band.limit, ceil_secs(band.window).max(1));
+        }
+        let value = text(policy);
+        let key = decision
+            .bands
+            .iter()
+            .map(|b| (b.rule.clone(), b.band.clone(), b.labeled, b.limit, b.window))
+            .collect();
+        *last = Some((key, value.clone()));
+        value
+    })
 }
 
 /// A band's name in the IETF headers: its label when no other rule uses the same one,
@@ -173,4 +242,16 @@ pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes>
         figures.apply(config.legacy_headers, response.headers_mut(), true);
     }
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::number;
+
+    #[test]
+    fn numbers() {
+        for n in [0u64, 7, 10, 99, 100, 999, 1000, 1024, 1025, 1_700_000_000] {
+            assert_eq!(number(n).to_str().unwrap(), n.to_string());
+        }
+    }
 }

@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use fluxgate_core::{normalize_path, Decision, Error, RequestContextBuilder};
+use bytes::Bytes;
+use fluxgate_core::{Decision, Error, RequestContextBuilder};
 use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
-use crate::body::ResponseBody;
 use crate::future::ResponseFuture;
 use crate::layer::{Config, RateLimitLayer};
 use crate::response::Figures;
@@ -17,6 +17,11 @@ use crate::{ApiKey, UserId};
 ///
 /// Always ready when the inner service is; never calls the inner service for a rejected
 /// request and at most once for any request; the inner service's errors pass through.
+///
+/// The inner service's response body type is kept: the `429` body is made with
+/// `ResBody::from(Bytes)`, which axum's `Body` and `http_body_util::Full<Bytes>` provide.
+/// For other body types, map the inner service's body first (for example with
+/// `tower::ServiceBuilder::map_response`).
 #[derive(Debug, Clone)]
 pub struct RateLimit<S> {
     pub(crate) inner: S,
@@ -69,19 +74,8 @@ impl Config {
         self.include.is_empty() || self.include.iter().any(|p| p.matches(path))
     }
 
-    /// The context of a request, before the customizer.
-    fn context(
-        &self,
-        method: &Method,
-        headers: &HeaderMap,
-        extensions: &Extensions,
-        path: String,
-    ) -> RequestContextBuilder {
-        let mut builder = RequestContextBuilder::with_rule_set(self.rule_set.clone());
-        builder
-            .set_normalized_path(path)
-            .set_method(method.clone())
-            .set_client_ip(self.client_ip.resolve(extensions, headers));
+    /// Fills a context from the request, before the customizer.
+    fn fill(&self, builder: &mut RequestContextBuilder, method: &Method, headers: &HeaderMap, extensions: &Extensions) {
         let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| headers.get(n)).map(header_text);
         let user = extensions
             .get::<UserId>()
@@ -91,12 +85,13 @@ impl Config {
             .get::<ApiKey>()
             .map(|k| k.0.clone())
             .or_else(|| header(&self.api_key_header));
-        builder.set_user_id(user).set_api_key(key);
         builder
+            .set_method(method.clone())
+            .set_client_ip(self.client_ip.resolve(extensions, headers))
+            .set_user_id(user)
+            .set_api_key(key);
     }
 
-    /// The context of a request, customized. Only a customizer needs the request taken
-    /// apart into its `Parts`.
     fn figures(&self, decision: &Decision) -> Option<(Figures, bool)> {
         Figures::of(self, decision, false).map(|f| (f, self.legacy_headers))
     }
@@ -137,8 +132,9 @@ fn header_text(value: &http::HeaderValue) -> String {
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>> + Clone,
+    ResBody: From<Bytes>,
 {
-    type Response = Response<ResponseBody<ResBody>>;
+    type Response = Response<ResBody>;
     type Error = S::Error;
     type Future = ResponseFuture<S, ReqBody>;
 
@@ -147,26 +143,23 @@ where
     }
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
-        let path = normalize_path(req.uri().path());
-        if !self.config.limits(&path) {
+        let config = &self.config;
+        let mut builder = RequestContextBuilder::with_rule_set(config.rule_set.clone());
+        builder.set_path(req.uri().path());
+        if !config.limits(builder.peek().path()) {
             return ResponseFuture::calling(self.inner.call(req), None);
         }
-        let ctx = match &self.config.customizer {
-            None => self
-                .config
-                .context(req.method(), req.headers(), req.extensions(), path)
-                .build(),
+        match &config.customizer {
+            None => config.fill(&mut builder, req.method(), req.headers(), req.extensions()),
             Some(customize) => {
                 // Only a customizer needs the request taken apart into its `Parts`.
                 let (parts, body) = req.into_parts();
-                let mut builder = self
-                    .config
-                    .context(&parts.method, &parts.headers, &parts.extensions, path);
+                config.fill(&mut builder, &parts.method, &parts.headers, &parts.extensions);
                 customize(&mut builder, &parts);
                 req = Request::from_parts(parts, body);
-                builder.build()
             }
-        };
+        }
+        let ctx = builder.build();
         match self.config.handler.check(&ctx).into_ready() {
             Ok(result) => match self.config.verdict(result) {
                 Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),

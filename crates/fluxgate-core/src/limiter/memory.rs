@@ -3,13 +3,14 @@
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::fmt;
-use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::token_bucket::{evaluate, Eval, Tat};
-use super::{AcquireOutcome, AcquireRequest, BandState, RateLimiter};
+use super::{AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::clock::{Clock, SystemClock};
+use crate::decision::BandReport;
 use crate::error::BoxError;
 use crate::future::MaybeReady;
 
@@ -203,14 +204,10 @@ impl MemoryLimiter {
         }
     }
 
-    fn key_of(&self, b: &super::BucketRequest, band: &crate::rule::Band) -> u128 {
+    fn key_of(&self, b: &super::BucketRequest<'_>, band: &crate::rule::Band) -> u128 {
         let mut h = self.inner.hasher.build_hasher();
-        b.rule_set.hash(&mut h);
-        b.rule.hash(&mut h);
-        b.key.hash(&mut h);
-        band.name().hash(&mut h);
-        band.capacity().hash(&mut h);
-        band.window().hash(&mut h);
+        h.write_u64(band.ident());
+        h.write(b.key.as_bytes());
         let low = h.finish();
         h.write_u8(0xa5);
         let high = h.finish();
@@ -218,24 +215,24 @@ impl MemoryLimiter {
     }
 
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
-    pub fn acquire_now(&self, request: &AcquireRequest) -> AcquireOutcome {
+    pub fn acquire_now(&self, request: &AcquireRequest<'_>) -> AcquireOutcome {
         let now = self.inner.clock.now_nanos();
-        if let [only] = request.buckets.as_slice() {
-            if let [band] = &*only.bands {
+        if let [only] = request.buckets {
+            if let [band] = &**only.rule.bands() {
                 return self.acquire_one(only, band, now);
             }
         }
-        let mut items = Vec::with_capacity(request.buckets.iter().map(|b| b.bands.len()).sum());
+        let mut items = Vec::with_capacity(request.buckets.iter().map(|b| b.rule.bands().len()).sum());
         for (bi, b) in request.buckets.iter().enumerate() {
-            for (ni, band) in b.bands.iter().enumerate() {
+            for (ni, band) in b.rule.bands().iter().enumerate() {
                 let key = self.key_of(b, band);
                 items.push(Item {
                     key,
                     shard: (key >> 64) as usize & self.inner.shard_mask,
                     capacity: band.capacity(),
                     window: u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX),
-                    permits: b.permits,
-                    shadow: b.shadow,
+                    permits: b.rule.permits(),
+                    shadow: b.shadow(),
                     bucket: bi,
                     band: ni,
                 });
@@ -266,14 +263,8 @@ impl MemoryLimiter {
                 let shard = &mut *guards[slot(i.shard)];
                 self.store(shard, i.key, e.next, now);
             }
-            bands.push(BandState {
-                bucket: i.bucket,
-                band: i.band,
-                allowed: e.allowed,
-                remaining: if commit { e.remaining_after } else { e.remaining_now },
-                reset_after: Duration::from_nanos(if commit { e.reset_after } else { e.reset_now }),
-                wait: e.wait,
-            });
+            let rule = request.buckets[i.bucket].rule;
+            bands.push(report(rule, &rule.bands()[i.band], now, e, commit));
         }
         drop(guards);
         AcquireOutcome {
@@ -285,7 +276,7 @@ impl MemoryLimiter {
     }
 
     /// One bucket with one band: one lock, no intermediate allocation.
-    fn acquire_one(&self, bucket: &super::BucketRequest, band: &crate::rule::Band, now: u64) -> AcquireOutcome {
+    fn acquire_one(&self, bucket: &super::BucketRequest<'_>, band: &crate::rule::Band, now: u64) -> AcquireOutcome {
         let key = self.key_of(bucket, band);
         let window = u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX);
         let mut shard = lock(&self.inner.shards[(key >> 64) as usize & self.inner.shard_mask]);
@@ -294,25 +285,19 @@ impl MemoryLimiter {
             now,
             band.capacity(),
             window,
-            bucket.permits,
+            bucket.rule.permits(),
         );
         let commit = e.allowed;
+        let shadow = bucket.shadow();
         if commit {
             self.store(&mut shard, key, e.next, now);
         }
         drop(shard);
         AcquireOutcome {
-            allowed: commit || bucket.shadow,
-            shadow_allowed: !bucket.shadow || e.allowed,
+            allowed: commit || shadow,
+            shadow_allowed: !shadow || e.allowed,
             now_unix_nanos: now,
-            bands: vec![BandState {
-                bucket: 0,
-                band: 0,
-                allowed: e.allowed,
-                remaining: if commit { e.remaining_after } else { e.remaining_now },
-                reset_after: Duration::from_nanos(if commit { e.reset_after } else { e.reset_now }),
-                wait: e.wait,
-            }],
+            bands: vec![report(bucket.rule, band, now, &e, commit)],
         }
     }
 
@@ -331,6 +316,15 @@ impl MemoryLimiter {
         }
         shard.map.insert(key, tat);
     }
+}
+
+fn report(rule: &crate::rule::Rule, band: &crate::rule::Band, now: u64, e: &Eval, committed: bool) -> BandReport {
+    let (remaining, reset) = if committed {
+        (e.remaining_after, e.reset_after)
+    } else {
+        (e.remaining_now, e.reset_now)
+    };
+    BandReport::new(rule, band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
 /// Drops the eighth of the buckets that are closest to full (at least one).
@@ -359,7 +353,7 @@ fn evict_nearest_full(map: &mut HashMap<u128, Tat, BuildHasherDefault<PreHashed>
 }
 
 impl RateLimiter for MemoryLimiter {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         MaybeReady::ready(Ok(self.acquire_now(request)))
     }
 }
@@ -371,17 +365,21 @@ mod tests {
     use super::*;
     use crate::clock::ManualClock;
     use crate::limiter::BucketRequest;
-    use crate::rule::{Algorithm, Band};
+    use crate::rule::{BandSpec, Rule, RuleSpec};
 
-    fn bucket(key: &str, cap: u64, secs: u64) -> BucketRequest {
+    fn rule(cap: u64, secs: u64) -> Rule {
+        Rule::from_spec(
+            "s",
+            RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]),
+        )
+        .unwrap()
+    }
+
+    fn bucket<'a>(rule: &'a Rule, key: &str) -> BucketRequest<'a> {
         BucketRequest {
-            rule_set: "s".into(),
-            rule: "r".into(),
+            rule_set: "s",
+            rule,
             key: key.into(),
-            algorithm: Algorithm::TokenBucket,
-            bands: vec![Band::new(cap, Duration::from_secs(secs)).unwrap()].into(),
-            permits: 1,
-            shadow: false,
         }
     }
 
@@ -393,10 +391,10 @@ mod tests {
             .max_keys(2_000)
             .clock(clock.clone())
             .build();
+        let r = rule(10, 1);
         for i in 0..5_000 {
-            let req = AcquireRequest {
-                buckets: vec![bucket(&format!("k{i}"), 10, 1)],
-            };
+            let buckets = [bucket(&r, &format!("k{i}"))];
+            let req = AcquireRequest { buckets: &buckets };
             assert!(limiter.acquire_now(&req).allowed);
         }
         assert!(limiter.len() <= 2_000, "{}", limiter.len());
@@ -413,14 +411,13 @@ mod tests {
             .max_keys(1_000_000)
             .clock(clock.clone())
             .build();
-        let hot = AcquireRequest {
-            buckets: vec![bucket("hot", 1, 3600)],
-        };
+        let (hourly, per_second) = (rule(1, 3600), rule(10, 1));
+        let hot_bucket = [bucket(&hourly, "hot")];
+        let hot = AcquireRequest { buckets: &hot_bucket };
         assert!(limiter.acquire_now(&hot).allowed);
         for i in 0..10_000 {
-            let req = AcquireRequest {
-                buckets: vec![bucket(&format!("k{i}"), 10, 1)],
-            };
+            let buckets = [bucket(&per_second, &format!("k{i}"))];
+            let req = AcquireRequest { buckets: &buckets };
             limiter.acquire_now(&req);
             clock.advance(Duration::from_millis(1));
         }

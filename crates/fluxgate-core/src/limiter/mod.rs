@@ -4,32 +4,34 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::decision::BandReport;
 use crate::error::BoxError;
 use crate::future::MaybeReady;
-use crate::rule::{Algorithm, Band};
+use crate::rule::{Mode, Rule};
+use crate::text::Text;
 
 mod memory;
 pub mod token_bucket;
 
 pub use memory::{MemoryLimiter, MemoryLimiterBuilder};
 
-/// One rule's counter for one request: the rule, its key value, its bands and the cost.
+/// One rule's counter for one request: the rule (its id, algorithm, bands, cost and
+/// mode) and the encoded key value.
 #[derive(Debug, Clone)]
-pub struct BucketRequest {
+pub struct BucketRequest<'a> {
     /// The rule set's id.
-    pub rule_set: Arc<str>,
-    /// The rule's id.
-    pub rule: Arc<str>,
+    pub rule_set: &'a str,
+    /// The rule.
+    pub rule: &'a Rule,
     /// The encoded key value (see [`crate::key`]).
-    pub key: String,
-    /// The rule's algorithm.
-    pub algorithm: Algorithm,
-    /// The rule's bands.
-    pub bands: Arc<[Band]>,
-    /// The cost of the request.
-    pub permits: u64,
+    pub key: Text,
+}
+
+impl BucketRequest<'_> {
     /// Whether the rule is in shadow mode.
-    pub shadow: bool,
+    pub fn shadow(&self) -> bool {
+        self.rule.mode() == Mode::Shadow
+    }
 }
 
 /// Everything one request consumes, checked and applied as one atomic step.
@@ -38,10 +40,10 @@ pub struct BucketRequest {
 /// admits the request and all of them consume, or none consumes. The shadow buckets
 /// consume only when the enforced buckets admitted and every shadow band admits too, as
 /// they would if they were enforced.
-#[derive(Debug, Clone, Default)]
-pub struct AcquireRequest {
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AcquireRequest<'a> {
     /// The buckets, in rule priority order.
-    pub buckets: Vec<BucketRequest>,
+    pub buckets: &'a [BucketRequest<'a>],
 }
 
 /// When a band that rejects would admit the request.
@@ -55,23 +57,6 @@ pub enum Wait {
     Never,
 }
 
-/// The state of one band after the decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BandState {
-    /// Index into [`AcquireRequest::buckets`].
-    pub bucket: usize,
-    /// Index into that bucket's bands.
-    pub band: usize,
-    /// Whether this band alone admits the request.
-    pub allowed: bool,
-    /// Permits left in the band after the decision (nothing is consumed on rejection).
-    pub remaining: u64,
-    /// Time until the band is full again.
-    pub reset_after: Duration,
-    /// When the band would admit the request.
-    pub wait: Wait,
-}
-
 /// The result of [`RateLimiter::acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcquireOutcome {
@@ -81,8 +66,8 @@ pub struct AcquireOutcome {
     pub shadow_allowed: bool,
     /// The backend's clock at the decision, in nanoseconds since the Unix epoch.
     pub now_unix_nanos: u64,
-    /// Every band of every bucket, bucket by bucket.
-    pub bands: Vec<BandState>,
+    /// Every band of every bucket, bucket by bucket, in the order of the request.
+    pub bands: Vec<BandReport>,
 }
 
 /// A limiter backend: applies an [`AcquireRequest`] atomically.
@@ -94,11 +79,11 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     ///
     /// The returned future must not borrow the request: backends that go over the network
     /// encode what they send before returning.
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
+    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         (**self).acquire(request)
     }
 }

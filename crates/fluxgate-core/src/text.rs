@@ -1,0 +1,211 @@
+//! [`Text`]: a string kept inline when short, so that the usual paths and keys of a
+//! request cost no allocation.
+
+use std::borrow::Borrow;
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::ops::Deref;
+
+const INLINE: usize = 46;
+
+/// A string stored inline up to 46 bytes, on the heap beyond.
+///
+/// ```
+/// use fluxgate_core::Text;
+/// use std::fmt::Write;
+/// let mut t = Text::new();
+/// t.push_str("ip=");
+/// write!(t, "{}", 10).unwrap();
+/// assert_eq!(t, "ip=10");
+/// let long = Text::from("x".repeat(100).as_str());
+/// assert_eq!(long.len(), 100);
+/// ```
+#[derive(Clone)]
+pub struct Text(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Inline { len: u8, buf: [u8; INLINE] },
+    Heap(String),
+}
+
+impl Text {
+    /// An empty text.
+    pub const fn new() -> Self {
+        Self(Repr::Inline {
+            len: 0,
+            buf: [0; INLINE],
+        })
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            // Only whole `str`s are ever copied in, so this never fails.
+            Repr::Inline { len, buf } => std::str::from_utf8(&buf[..usize::from(*len)]).unwrap_or_default(),
+            Repr::Heap(s) => s,
+        }
+    }
+
+    /// Appends a string.
+    pub fn push_str(&mut self, s: &str) {
+        match &mut self.0 {
+            Repr::Inline { len, buf } => {
+                let at = usize::from(*len);
+                let end = at + s.len();
+                if end <= INLINE {
+                    buf[at..end].copy_from_slice(s.as_bytes());
+                    // `end <= INLINE < 256`.
+                    *len = end as u8;
+                } else {
+                    let mut heap = String::with_capacity(end.max(2 * INLINE));
+                    heap.push_str(std::str::from_utf8(&buf[..at]).unwrap_or_default());
+                    heap.push_str(s);
+                    self.0 = Repr::Heap(heap);
+                }
+            }
+            Repr::Heap(h) => h.push_str(s),
+        }
+    }
+
+    /// Appends a character.
+    pub fn push(&mut self, c: char) {
+        if let (true, Repr::Inline { len, buf }) = (c.is_ascii(), &mut self.0) {
+            let at = usize::from(*len);
+            if at < INLINE {
+                // An ASCII character is one byte.
+                buf[at] = c as u8;
+                *len += 1;
+                return;
+            }
+        }
+        self.push_str(c.encode_utf8(&mut [0; 4]));
+    }
+
+    /// The text's bytes (no UTF-8 check).
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            Repr::Inline { len, buf } => &buf[..usize::from(*len)],
+            Repr::Heap(s) => s.as_bytes(),
+        }
+    }
+
+    /// Empties the text.
+    pub fn clear(&mut self) {
+        match &mut self.0 {
+            Repr::Inline { len, .. } => *len = 0,
+            Repr::Heap(h) => h.clear(),
+        }
+    }
+}
+
+impl Default for Text {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Deref for Text {
+    type Target = str;
+    fn deref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl AsRef<str> for Text {
+    fn as_ref(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl Borrow<str> for Text {
+    fn borrow(&self) -> &str {
+        self.as_str()
+    }
+}
+
+impl From<&str> for Text {
+    fn from(s: &str) -> Self {
+        let mut t = Self::new();
+        t.push_str(s);
+        t
+    }
+}
+
+impl From<String> for Text {
+    fn from(s: String) -> Self {
+        if s.len() <= INLINE {
+            Self::from(s.as_str())
+        } else {
+            Self(Repr::Heap(s))
+        }
+    }
+}
+
+impl fmt::Write for Text {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        self.push_str(s);
+        Ok(())
+    }
+}
+
+impl fmt::Display for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl fmt::Debug for Text {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self.as_str(), f)
+    }
+}
+
+impl PartialEq for Text {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Text {}
+
+impl PartialEq<str> for Text {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for Text {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl Hash for Text {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // The same as `str`'s, without the UTF-8 check of `as_str`.
+        state.write(self.as_bytes());
+        state.write_u8(0xff);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_from_inline_to_heap() {
+        let mut t = Text::new();
+        for i in 0..40 {
+            t.push_str("ab");
+            t.push('é');
+            assert_eq!(t.len(), (i + 1) * 4);
+        }
+        assert_eq!(t.as_str(), "abé".repeat(40));
+        t.clear();
+        assert_eq!(t, "");
+        let exact = "y".repeat(INLINE);
+        assert_eq!(Text::from(exact.as_str()), exact.as_str());
+        assert_eq!(Text::from(format!("{exact}z")).as_str(), format!("{exact}z"));
+    }
+}
