@@ -82,6 +82,16 @@ impl Text {
         self.push_str(c.encode_utf8(&mut [0; 4]));
     }
 
+    /// The length in bytes.
+    pub fn len(&self) -> usize {
+        self.as_bytes().len()
+    }
+
+    /// Whether the text is empty.
+    pub fn is_empty(&self) -> bool {
+        self.as_bytes().is_empty()
+    }
+
     /// The text's bytes (no UTF-8 check).
     pub fn as_bytes(&self) -> &[u8] {
         match &self.0 {

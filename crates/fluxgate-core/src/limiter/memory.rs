@@ -46,11 +46,32 @@ struct Inner {
     max_per_shard: usize,
     clock: Arc<dyn Clock>,
     hasher: RandomState,
+    mix_seed: u64,
 }
 
 struct Shard {
     map: HashMap<u128, Tat, BuildHasherDefault<PreHashed>>,
     next_sweep: usize,
+}
+
+/// A seeded multiply-fold hash of a byte string (the wyhash construction).
+fn mix(seed: u64, bytes: &[u8]) -> u64 {
+    const P0: u64 = 0xa076_1d64_78bd_642f;
+    const P1: u64 = 0xe703_7ed1_a0b4_28db;
+    let fold = |a: u64, b: u64| {
+        let m = u128::from(a) * u128::from(b);
+        (m as u64) ^ ((m >> 64) as u64)
+    };
+    let mut acc = seed ^ P0;
+    let mut chunks = bytes.chunks_exact(8);
+    for c in &mut chunks {
+        let mut word = [0u8; 8];
+        word.copy_from_slice(c);
+        acc = fold(acc ^ u64::from_le_bytes(word), P1);
+    }
+    let mut last = [0u8; 8];
+    last[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+    fold(acc ^ u64::from_le_bytes(last) ^ (bytes.len() as u64), P1 ^ P0)
 }
 
 /// The map keys are already uniformly distributed hashes.
@@ -130,6 +151,8 @@ impl MemoryLimiterBuilder {
                 max_per_shard,
                 clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
                 hasher: RandomState::new(),
+                // A second random key, from a second keyed SipHash.
+                mix_seed: RandomState::new().hash_one(0xf1u8),
             }),
         }
     }
@@ -204,13 +227,15 @@ impl MemoryLimiter {
         }
     }
 
+    /// A bucket's 128-bit identity: the keyed SipHash of its band and key value, and a
+    /// second, cheaper keyed mix of the same bytes. Two buckets share state only if both
+    /// collide, so the identity is at least as strong as the 64-bit keyed SipHash alone.
     fn key_of(&self, b: &super::BucketRequest<'_>, band: &crate::rule::Band) -> u128 {
         let mut h = self.inner.hasher.build_hasher();
         h.write_u64(band.ident());
         h.write(b.key.as_bytes());
         let low = h.finish();
-        h.write_u8(0xa5);
-        let high = h.finish();
+        let high = mix(self.inner.mix_seed ^ band.ident(), b.key.as_bytes());
         (u128::from(high) << 64) | u128::from(low)
     }
 
