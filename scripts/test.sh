@@ -20,6 +20,6 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test (unit, integration and doc tests)"
 cargo test --workspace --locked
 
-step "cargo package (every publishable crate)"
-cargo package --workspace --locked --no-verify --allow-dirty --quiet
+step "cargo package (every publishable crate, built from its packaged sources)"
+cargo package --workspace --locked --allow-dirty --quiet
 echo "packaged: $(ls "${CARGO_TARGET_DIR:-target}"/package/*.crate | xargs -n1 basename | tr '\n' ' ')"

@@ -25,7 +25,7 @@ pub fn normalize_path(raw: &str) -> String {
 
 /// [`normalize_path`] into a [`Text`]: no allocation for short paths that are normal already.
 pub(crate) fn normalized(raw: &str) -> Text {
-    let raw = raw.split(['?', '#']).next().unwrap_or("");
+    let raw = raw.find(['?', '#']).map_or(raw, |end| &raw[..end]);
     if is_normal(raw) {
         return Text::from(raw);
     }
