@@ -39,7 +39,7 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            figures: Option<(Figures, bool)>,
+            figures: Option<Figures>,
         },
         Rejected {
             response: Option<Box<Response<Bytes>>>,
@@ -60,9 +60,8 @@ impl<S, ReqBody> ResponseFuture<S, ReqBody>
 where
     S: Service<Request<ReqBody>>,
 {
-    /// Calls the inner service and adds these headers (if any) to its response; the flag
-    /// says whether the `X-RateLimit-*` headers are on.
-    pub(crate) fn calling(future: S::Future, figures: Option<(Figures, bool)>) -> Self {
+    /// Calls the inner service and adds these headers (if any) to its response.
+    pub(crate) fn calling(future: S::Future, figures: Option<Figures>) -> Self {
         Self {
             state: State::Calling { future, figures },
         }
@@ -125,8 +124,8 @@ where
                 }
                 StateProj::Calling { future, figures } => {
                     let mut response = ready!(future.poll(cx))?;
-                    if let Some((figures, legacy)) = figures.take() {
-                        figures.apply(legacy, response.headers_mut(), false);
+                    if let Some(figures) = figures.take() {
+                        figures.apply(response.headers_mut(), false);
                     }
                     return Poll::Ready(Ok(response));
                 }

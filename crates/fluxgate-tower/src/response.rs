@@ -81,6 +81,7 @@ fn timestamp(secs: u64) -> HeaderValue {
 /// response when it arrives.
 #[derive(Debug)]
 pub(crate) struct Figures {
+    legacy: bool,
     limit: u64,
     remaining: u64,
     reset: u64,
@@ -97,6 +98,7 @@ impl Figures {
         }
         let ietf = config.ietf_headers.then(|| Box::new(ietf_headers(decision, binding)));
         Some(Self {
+            legacy: config.legacy_headers,
             limit: binding.limit,
             remaining: decision.remaining().unwrap_or(binding.remaining),
             reset: decision.reset_unix_secs().unwrap_or_default(),
@@ -105,9 +107,10 @@ impl Figures {
         })
     }
 
-    /// Adds the headers; `legacy` says whether the `X-RateLimit-*` ones are on.
-    /// Existing headers of the same name are kept when `keep_existing` is set.
-    pub(crate) fn apply(self, legacy: bool, headers: &mut HeaderMap, keep_existing: bool) {
+    /// Adds the headers. Existing headers of the same name are kept when `keep_existing`
+    /// is set.
+    pub(crate) fn apply(self, headers: &mut HeaderMap, keep_existing: bool) {
+        let legacy = self.legacy;
         headers.reserve(
             3 * usize::from(legacy) + 2 * usize::from(self.ietf.is_some()) + usize::from(self.retry_after.is_some()),
         );
@@ -239,7 +242,7 @@ pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes>
         }
     };
     if let Some(figures) = Figures::of(config, decision, true) {
-        figures.apply(config.legacy_headers, response.headers_mut(), true);
+        figures.apply(response.headers_mut(), true);
     }
     response
 }

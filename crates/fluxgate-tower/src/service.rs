@@ -37,9 +37,10 @@ impl<S> RateLimit<S> {
         }
     }
 
-    /// The same as [`RateLimitLayer`], for `ServiceBuilder::layer`-less code.
-    pub fn layer(layer: RateLimitLayer) -> RateLimitLayer {
-        layer
+    /// A layer with the default options around a handler: the same as
+    /// [`RateLimitLayer::new`].
+    pub fn layer(handler: impl fluxgate_core::RateLimitHandler) -> RateLimitLayer {
+        RateLimitLayer::new(handler)
     }
 
     /// The inner service.
@@ -61,7 +62,7 @@ impl<S> RateLimit<S> {
 /// What happens to a request after its decision.
 pub(crate) enum Verdict {
     /// Call the inner service; add these headers to the response.
-    Pass(Option<(Figures, bool)>),
+    Pass(Option<Figures>),
     /// Answer with this response.
     Reject(Response<bytes::Bytes>),
 }
@@ -92,21 +93,17 @@ impl Config {
             .set_api_key(key);
     }
 
-    fn figures(&self, decision: &Decision) -> Option<(Figures, bool)> {
-        Figures::of(self, decision, false).map(|f| (f, self.legacy_headers))
-    }
-
     pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
         match result {
             Ok(decision) if decision.allowed => {
                 if let Some(rule) = &decision.shadow_rejected_by {
                     tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
                 }
-                Verdict::Pass(self.figures(&decision))
+                Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) if self.shadow => {
                 tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
-                Verdict::Pass(self.figures(&decision))
+                Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
             Err(error) => {
