@@ -350,6 +350,29 @@ rule_sets:
 }
 
 #[tokio::test]
+async fn ietf_names_stay_distinct() {
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: burst
+        priority: 1
+        bands: [{ capacity: 5, window: 1s }]
+      - id: other
+        bands:
+          - { capacity: 9, window: 1m, label: burst }
+          - { capacity: 99, window: 1h }
+"#;
+    let app = app(layer(engine(&Memory, rules)).build().unwrap());
+    let r = get_from(&app, "/api/users", "192.0.2.62").await;
+    assert_eq!(
+        r.header("ratelimit-policy"),
+        Some("\"burst:b0\";q=5;w=1, \"other:burst\";q=9;w=60, \"other:b1\";q=99;w=3600")
+    );
+    assert_eq!(r.header("ratelimit"), Some("\"burst:b0\";r=4;t=1"));
+}
+
+#[tokio::test]
 async fn bad_layer_options_are_named() {
     let engine = engine(&Memory, "rule_sets: []");
     let err = RateLimitLayer::builder(engine.clone())

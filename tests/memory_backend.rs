@@ -30,6 +30,11 @@ async fn per_ip_and_global_rejection_consumes_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn remaining_is_the_least_over_all_bands() {
+    scenarios::remaining_is_the_least(&Memory).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn keys_are_isolated() {
     scenarios::isolation(&Memory).await;
 }

@@ -130,6 +130,38 @@ rule_sets:
     assert!(d.retry_after_secs().is_none());
 }
 
+/// The reported remaining is the least over every band, even when the binding (rejecting)
+/// band has more left.
+pub async fn remaining_is_the_least(backend: &dyn Backend) {
+    let engine = engine(
+        backend,
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: costly
+        priority: 10
+        permits: 6
+        bands: [{ capacity: 10, window: 1h }]
+      - id: small
+        bands: [{ capacity: 3, window: 1h }]
+"#,
+    );
+    let c = ctx("198.51.100.13");
+    let d = check(&engine, &c).await;
+    assert!(d.allowed);
+    assert_eq!(d.remaining(), Some(2));
+    let d = check(&engine, &c).await;
+    assert!(!d.allowed);
+    assert_eq!(
+        d.rule().map(|r| &**r),
+        Some("costly"),
+        "costly (4 left, needs 6) rejects"
+    );
+    assert_eq!(d.binding().unwrap().remaining, 4);
+    assert_eq!(d.remaining(), Some(2), "small has 2 left");
+}
+
 /// Per-IP 100/min plus global 10000/10min: 101 requests from one IP leave the global
 /// band at 9900; the 101st consumed nothing anywhere.
 pub async fn per_ip_and_global(backend: &dyn Backend) {

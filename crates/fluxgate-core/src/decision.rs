@@ -138,7 +138,7 @@ impl Decision {
 
     /// The least remaining over the enforced bands.
     pub fn remaining(&self) -> Option<u64> {
-        self.binding().map(|b| b.remaining)
+        self.bands.iter().map(|b| b.remaining).min()
     }
 
     /// When the binding band is full again, in whole Unix seconds (rounded up).

@@ -439,6 +439,10 @@ impl RuleSet {
                 ));
             }
         }
+        // Rules validated for another rule set get counters of this one.
+        for rule in &mut rules {
+            rule.bind_to(&id);
+        }
         rules.sort_by_key(|r| std::cmp::Reverse(r.priority));
         Ok(Self {
             id,
@@ -598,6 +602,20 @@ impl Rule {
     pub fn id(&self) -> &Arc<str> {
         &self.id
     }
+
+    /// Recomputes the bands' identities for the rule set `rule_set`.
+    fn bind_to(&mut self, rule_set: &str) {
+        let bands: Vec<Band> = self
+            .bands
+            .iter()
+            .map(|b| Band {
+                ident: band_ident(rule_set, &self.id, &b.name, b.capacity, b.window),
+                ..b.clone()
+            })
+            .collect();
+        self.bands = bands.into();
+    }
+
     /// Whether the rule takes part in decisions.
     pub fn enabled(&self) -> bool {
         self.enabled

@@ -197,23 +197,34 @@ fn policy_header(decision: &Decision) -> HeaderValue {
     })
 }
 
-/// A band's name in the IETF headers: its label when no other rule uses the same one,
-/// the rule id for a rule's only band, `rule.band` otherwise.
-fn policy_name(out: &mut String, decision: &Decision, band: &BandReport) {
-    let rule_bands = decision.bands.iter().filter(|b| b.rule == band.rule).count();
-    let label_shared = decision
-        .bands
-        .iter()
-        .any(|b| b.band == band.band && b.rule != band.rule);
-    out.push('"');
-    if band.labeled && !label_shared {
-        out.push_str(&band.band);
-    } else if rule_bands == 1 {
-        out.push_str(&band.rule);
+/// A band's preferred name in the IETF headers: its label, else the rule id for a rule's
+/// only band, else `rule:band`.
+fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Option<&'a str>) {
+    if band.labeled {
+        (&band.band, None)
+    } else if decision.bands.iter().filter(|b| b.rule == band.rule).count() == 1 {
+        (&band.rule, None)
     } else {
-        out.push_str(&band.rule);
-        out.push('.');
-        out.push_str(&band.band);
+        (&band.rule, Some(&band.band))
+    }
+}
+
+/// Writes a band's name, quoted. When two bands of the decision would get the same
+/// preferred name, every band is named `rule:band` instead: ids and labels never contain
+/// `:`, so those names are distinct.
+fn policy_name(out: &mut String, decision: &Decision, band: &BandReport) {
+    let names: Vec<_> = decision.bands.iter().map(|b| preferred_name(decision, b)).collect();
+    let distinct = names.iter().enumerate().all(|(i, n)| names[..i].iter().all(|m| m != n));
+    let (first, second) = if distinct {
+        preferred_name(decision, band)
+    } else {
+        (&*band.rule, Some(&*band.band))
+    };
+    out.push('"');
+    out.push_str(first);
+    if let Some(second) = second {
+        out.push(':');
+        out.push_str(second);
     }
     out.push('"');
 }

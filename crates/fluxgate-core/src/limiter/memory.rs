@@ -429,6 +429,27 @@ mod tests {
     }
 
     #[test]
+    fn a_rule_in_two_rule_sets_has_two_counters() {
+        use crate::rule::RuleSet;
+        let limiter = MemoryLimiter::default();
+        let shared = rule(1, 3600);
+        let a = RuleSet::new("a", [shared.clone()]).unwrap();
+        let b = RuleSet::new("b", [shared]).unwrap();
+        for set in [&a, &b] {
+            let buckets = [BucketRequest {
+                rule_set: set.id(),
+                rule: &set.rules()[0],
+                key: "k".into(),
+            }];
+            assert!(
+                limiter.acquire_now(&AcquireRequest { buckets: &buckets }).allowed,
+                "{}",
+                set.id()
+            );
+        }
+    }
+
+    #[test]
     fn sweeping_does_not_forget_active_buckets() {
         let clock = ManualClock::new(1_000_000_000);
         let limiter = MemoryLimiter::builder()
