@@ -4,7 +4,10 @@
 //!
 //! Three apps with the same trivial handler: (a) bare, (b) FluxGate's layer with one
 //! per-IP rule of one band in memory, (c) `tower_governor` with the same per-IP quota
-//! (10^9 per hour; both with their rate-limit headers on). Every request is admitted (the quota is far
+//! (10^9 per hour; both with their rate-limit headers on). FluxGate runs with its default
+//! options (legacy and IETF headers, user and API-key headers read), with the legacy
+//! headers only, and with the legacy headers only and no user / API-key headers read (a
+//! per-IP limiter like `tower_governor`'s). Every request is admitted (the quota is far
 //! above the request rate); clients rotate over 1,000 addresses. The overhead of a layer
 //! is its time per request minus the bare app's.
 
@@ -31,7 +34,7 @@ fn bare() -> Router {
     Router::new().route("/api/items", get(|| async { "ok" }))
 }
 
-fn fluxgate(ietf_headers: bool) -> Router {
+fn fluxgate(ietf_headers: bool, identity_headers: bool) -> Router {
     let rules = RuleSets::from_yaml_str(
         r#"
 rule_sets:
@@ -95,8 +98,9 @@ fn layers(c: &mut Criterion) {
         .expect("runtime");
     let apps = [
         ("a_bare", bare()),
-        ("b_fluxgate", fluxgate(true)),
-        ("b_fluxgate_legacy_headers_only", fluxgate(false)),
+        ("b_fluxgate", fluxgate(true, true)),
+        ("b_fluxgate_legacy_headers_only", fluxgate(false, true)),
+        ("b_fluxgate_legacy_headers_no_identity_headers", fluxgate(false, false)),
         ("c_tower_governor", governor()),
     ];
     // Warm every limiter with all clients so no variant pays for first inserts.

@@ -156,8 +156,9 @@ where
                 req = Request::from_parts(parts, body);
             }
         }
-        let ctx = builder.build();
-        match self.config.handler.check(&ctx).into_ready() {
+        // The path is set, so the context as built so far is complete: no need to move it.
+        let ctx = builder.peek();
+        match self.config.handler.check(ctx).into_ready() {
             Ok(result) => match self.config.verdict(result) {
                 Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
                 Verdict::Reject(response) => ResponseFuture::rejected(response),
