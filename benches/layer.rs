@@ -46,11 +46,11 @@ rule_sets:
 "#,
     )
     .expect("rules");
-    let layer = RateLimitLayer::builder(Engine::in_memory(rules))
-        .ietf_headers(ietf_headers)
-        .build()
-        .expect("layer");
-    bare().layer(layer)
+    let mut layer = RateLimitLayer::builder(Engine::in_memory(rules)).ietf_headers(ietf_headers);
+    if !identity_headers {
+        layer = layer.no_user_header().no_api_key_header();
+    }
+    bare().layer(layer.build().expect("layer"))
 }
 
 fn governor() -> Router {
