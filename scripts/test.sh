@@ -18,8 +18,15 @@ step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo test (unit, integration and doc tests)"
-cargo test --workspace --locked
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+passed=$(grep -Eo '^test result: [A-Za-z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
+failed=$(grep -Eo '; [0-9]+ failed' "$log" | awk '{s += $2} END {print s + 0}')
 
 step "cargo package (every publishable crate, built from its packaged sources)"
 cargo package --workspace --locked --allow-dirty --quiet
 echo "packaged: $(ls "${CARGO_TARGET_DIR:-target}"/package/*.crate | xargs -n1 basename | tr '\n' ' ')"
+
+echo
+echo "tests: $passed passed, $failed failed"
