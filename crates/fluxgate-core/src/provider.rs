@@ -65,7 +65,60 @@ impl RuleSetProvider for StaticRuleSetProvider {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
     use super::*;
+
+    /// A source that counts its lookups and can be told to fail.
+    #[derive(Debug, Default)]
+    struct Counting {
+        lookups: AtomicUsize,
+        fail: Mutex<bool>,
+        sets: RuleSets,
+    }
+
+    impl RuleSetProvider for Counting {
+        fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+            self.lookups.fetch_add(1, Ordering::SeqCst);
+            if *self.fail.lock().unwrap() {
+                return MaybeReady::ready(Err("source down".into()));
+            }
+            let found = self.sets.get(id).cloned();
+            // An asynchronous source: the lookup completes later.
+            MaybeReady::boxed(async move { Ok(found) })
+        }
+    }
+
+    #[tokio::test]
+    async fn caching_provider_caches_invalidates_and_skips_errors() {
+        let sets = RuleSets::from_yaml_str("rule_sets: [{id: api, rules: []}]").unwrap();
+        let cached = CachingRuleSetProvider::builder(Counting {
+            sets,
+            ..Counting::default()
+        })
+        .build();
+        let lookups = |c: &CachingRuleSetProvider<Counting>| c.get_ref().lookups.load(Ordering::SeqCst);
+
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        assert!(cached.rule_set("api").into_ready().unwrap().unwrap().is_some(), "a hit is synchronous");
+        assert_eq!(lookups(&cached), 1);
+        // Unknown ids are cached too.
+        assert!(cached.rule_set("nope").await.unwrap().is_none());
+        assert!(cached.rule_set("nope").await.unwrap().is_none());
+        assert_eq!(lookups(&cached), 2);
+
+        cached.invalidate("api");
+        *cached.get_ref().fail.lock().unwrap() = true;
+        assert!(cached.rule_set("api").await.is_err());
+        assert!(cached.rule_set("api").await.is_err(), "errors are not cached");
+        assert_eq!(lookups(&cached), 4);
+        *cached.get_ref().fail.lock().unwrap() = false;
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        cached.invalidate_all();
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        assert_eq!(lookups(&cached), 6);
+    }
 
     #[test]
     fn lookups_by_id() {
