@@ -101,7 +101,10 @@ mod tests {
         let lookups = |c: &CachingRuleSetProvider<Counting>| c.get_ref().lookups.load(Ordering::SeqCst);
 
         assert!(cached.rule_set("api").await.unwrap().is_some());
-        assert!(cached.rule_set("api").into_ready().unwrap().unwrap().is_some(), "a hit is synchronous");
+        assert!(
+            cached.rule_set("api").into_ready().unwrap().unwrap().is_some(),
+            "a hit is synchronous"
+        );
         assert_eq!(lookups(&cached), 1);
         // Unknown ids are cached too.
         assert!(cached.rule_set("nope").await.unwrap().is_none());

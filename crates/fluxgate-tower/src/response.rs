@@ -58,19 +58,28 @@ fn number(n: u64) -> HeaderValue {
         .unwrap_or_else(|| HeaderValue::from(n))
 }
 
-/// A header value for a Unix timestamp: the last one is reused by each thread, since
-/// consecutive responses mostly share their reset second.
-fn timestamp(secs: u64) -> HeaderValue {
+/// Header values that repeat from one response to the next (a band's capacity, the reset
+/// second): each thread keeps the last value of each kind and reuses it while it matches.
+#[derive(Clone, Copy)]
+enum Repeating {
+    Limit = 0,
+    Reset = 1,
+}
+
+fn repeating(kind: Repeating, n: u64) -> HeaderValue {
+    if n <= 1024 {
+        return number(n);
+    }
     thread_local! {
-        static LAST: RefCell<Option<(u64, HeaderValue)>> = const { RefCell::new(None) };
+        static LAST: RefCell<[Option<(u64, HeaderValue)>; 2]> = const { RefCell::new([None, None]) };
     }
     LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        match &*last {
-            Some((s, v)) if *s == secs => v.clone(),
+        let slot = &mut last.borrow_mut()[kind as usize];
+        match slot {
+            Some((m, v)) if *m == n => v.clone(),
             _ => {
-                let v = HeaderValue::from(secs);
-                *last = Some((secs, v.clone()));
+                let v = HeaderValue::from(n);
+                *slot = Some((n, v.clone()));
                 v
             }
         }
@@ -122,9 +131,9 @@ impl Figures {
             }
         };
         if legacy {
-            put(X_RATELIMIT_LIMIT, number(self.limit));
+            put(X_RATELIMIT_LIMIT, repeating(Repeating::Limit, self.limit));
             put(X_RATELIMIT_REMAINING, number(self.remaining));
-            put(X_RATELIMIT_RESET, timestamp(self.reset));
+            put(X_RATELIMIT_RESET, repeating(Repeating::Reset, self.reset));
         }
         if let Some(ietf) = self.ietf {
             let [policy, current] = *ietf;
@@ -260,12 +269,16 @@ pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes>
 
 #[cfg(test)]
 mod tests {
-    use super::number;
+    use super::{number, repeating, Repeating};
 
     #[test]
     fn numbers() {
         for n in [0u64, 7, 10, 99, 100, 999, 1000, 1024, 1025, 1_700_000_000] {
             assert_eq!(number(n).to_str().unwrap(), n.to_string());
+            for kind in [Repeating::Limit, Repeating::Reset] {
+                assert_eq!(repeating(kind, n).to_str().unwrap(), n.to_string());
+                assert_eq!(repeating(kind, n).to_str().unwrap(), n.to_string());
+            }
         }
     }
 }
