@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: formatting, lints, unit, integration and doc tests, and
-# the packaging check of every publishable crate. Installs what it needs when missing.
+# Runs the whole test suite: formatting, lints, unit, integration and doc tests (the Redis
+# ones against real redis-server processes the tests start on free loopback ports), and the
+# packaging check of every publishable crate. Installs redis-server when it is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +11,16 @@ if ! command -v cargo >/dev/null 2>&1; then
   echo "error: cargo is not installed; install Rust from https://rustup.rs first" >&2
   exit 1
 fi
+
+# The Redis tests start their own redis-server processes; install the server when missing.
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
+  step "installing redis-server, redis-tools and redis-sentinel (Debian packages)"
+  sudo_cmd=""
+  if [ "$(id -u)" -ne 0 ]; then sudo_cmd="sudo"; fi
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq redis-server redis-tools redis-sentinel >/dev/null
+fi
+echo "redis-server: $(redis-server --version)"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check

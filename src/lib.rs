@@ -28,6 +28,7 @@
 //! | --- | --- | --- |
 //! | `tower` | yes | [`RateLimitLayer`] and the rest of [`fluxgate_tower`] |
 //! | `axum` | yes | the client address from axum's `ConnectInfo` |
+//! | `redis` | no | the Redis backend ([`fluxgate_redis`], as `redis`) |
 
 #![deny(unsafe_code)]
 
@@ -37,6 +38,8 @@ pub use fluxgate_core::{
     RequestContextBuilder, RuleError, RuleSets,
 };
 
+#[cfg(feature = "redis")]
+pub use fluxgate_redis as redis;
 #[cfg(feature = "tower")]
 pub use fluxgate_tower as tower;
 #[cfg(feature = "tower")]

@@ -1,0 +1,186 @@
+//! The shared decision scenarios, run against a real `redis-server` in real time.
+
+mod support;
+
+use support::redis::Redis;
+use support::scenarios;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_per_minute_through_the_engine() {
+    scenarios::hundred_per_minute_engine(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_per_minute_through_the_layer() {
+    scenarios::hundred_per_minute_layer(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_bands_reject_the_eleventh() {
+    scenarios::two_bands(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_three_five_three() {
+    scenarios::permits(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_ip_and_global_rejection_consumes_nothing() {
+    scenarios::per_ip_and_global(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remaining_is_the_least_over_all_bands() {
+    scenarios::remaining_is_the_least(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_isolated() {
+    scenarios::isolation(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ipv6_clients() {
+    scenarios::ipv6(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_refill_in_real_time() {
+    scenarios::exact_refill(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrency_is_exact() {
+    scenarios::concurrency(&Redis::start().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_header_values() {
+    scenarios::hostile_header_values(&Redis::start().await).await;
+}
+
+mod redis_only {
+    use fluxgate::core::RequestContext;
+
+    use super::support::redis::Redis;
+    use super::support::{check, engine};
+
+    const THREE_BY_TWO: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 100, window: 1m, label: minute }, { capacity: 1000, window: 1h, label: hour }]
+      - id: per-user
+        scope: user
+        bands: [{ capacity: 100, window: 1m, label: minute }, { capacity: 1000, window: 1h, label: hour }]
+      - id: global
+        scope: global
+        bands: [{ capacity: 100, window: 1m, label: minute }, { capacity: 1000, window: 1h, label: hour }]
+"#;
+
+    fn evalsha_calls(redis: &Redis) -> u64 {
+        let stats = redis.server.cli(&["INFO", "commandstats"]);
+        stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split("calls=").nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0, |v| v.parse().expect("a call count"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_script_call_per_decision_whatever_the_rule_count() {
+        let redis = Redis::start().await;
+        let engine = engine(&redis, THREE_BY_TWO);
+        let before = evalsha_calls(&redis);
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.1".parse().unwrap())
+            .user_id("u")
+            .build();
+        for _ in 0..10 {
+            let d = check(&engine, &ctx).await;
+            assert!(d.allowed);
+            assert_eq!(d.bands.len(), 6);
+        }
+        assert_eq!(evalsha_calls(&redis) - before, 10);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn script_flush_fails_no_request() {
+        let redis = Redis::start().await;
+        let engine = engine(&redis, THREE_BY_TWO);
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.2".parse().unwrap())
+            .user_id("u")
+            .build();
+        for i in 0..30 {
+            if i % 10 == 5 {
+                assert_eq!(redis.server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+            }
+            let d = engine.check(&ctx).await.expect("no request fails after SCRIPT FLUSH");
+            assert_eq!(d.remaining(), Some(99 - i));
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn keys_are_bounded_tagged_and_expire() {
+        let redis = Redis::start().await;
+        let engine = engine(&redis, THREE_BY_TWO);
+        let hostile = format!("}}{{x:{}\n", "y".repeat(10_000));
+        let ctx = RequestContext::builder()
+            .client_ip("2001:db8::1".parse().unwrap())
+            .user_id(hostile)
+            .build();
+        assert!(check(&engine, &ctx).await.allowed);
+        let keys = redis.server.cli(&["--scan", "--pattern", "*"]);
+        let keys: Vec<&str> = keys.lines().collect();
+        assert_eq!(keys.len(), 6, "{keys:?}");
+        for key in keys {
+            assert!(key.starts_with("test0:{default:"), "{key}");
+            assert!(key.len() < 200, "{key}");
+            // Exactly one hash tag, and nothing of the user's value outside it.
+            assert_eq!(key.matches('{').count(), 1, "{key}");
+            assert_eq!(key.matches('}').count(), 1, "{key}");
+            let ttl: i64 = redis.server.cli(&["PTTL", key]).trim().parse().unwrap();
+            let window_ms: i64 = key.rsplit('/').next().unwrap().parse().unwrap();
+            assert!(ttl > window_ms && ttl <= window_ms + 1_000, "{key}: ttl {ttl}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn four_engines_on_separate_connections_share_one_limit() {
+        let redis = Redis::start().await;
+        let rules = super::support::rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        bands: [{ capacity: 100, window: 1h }]\n",
+        );
+        let mut tasks = Vec::new();
+        for _ in 0..4 {
+            let limiter = fluxgate_redis::RedisLimiter::builder(redis.server.url())
+                .prefix("shared")
+                .pool_size(2)
+                .timeout(std::time::Duration::from_secs(2))
+                .connect()
+                .await
+                .unwrap();
+            let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules.clone()))
+                .limiter(limiter)
+                .build();
+            for _ in 0..50 {
+                let engine = engine.clone();
+                tasks.push(tokio::spawn(async move {
+                    let ctx = RequestContext::builder()
+                        .client_ip("192.0.2.3".parse().unwrap())
+                        .build();
+                    engine.check(&ctx).await.unwrap().allowed
+                }));
+            }
+        }
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap());
+        }
+        assert_eq!(admitted, 100);
+    }
+}

@@ -1,0 +1,150 @@
+//! A real `redis-server` for the tests: started on a free loopback port in a temporary
+//! directory, stopped when dropped. No test skips when `redis-server` is missing: it fails
+//! and says how to install it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::RateLimiter;
+use fluxgate_redis::RedisLimiter;
+
+use super::Backend;
+
+/// A running `redis-server`.
+pub struct RedisServer {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl RedisServer {
+    /// Starts a standalone server.
+    pub fn start() -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!(
+                "fluxgate-redis-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::SeqCst)
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .arg("--dir")
+                .arg(&dir)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "cannot start redis-server ({e}): the Redis tests need it; ./scripts/test.sh installs it \
+                         (Debian: apt-get install redis-server redis-tools redis-sentinel)"
+                    )
+                });
+            let mut server = Self { child, port, dir };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if ping(port) {
+                    return server;
+                }
+                if let Ok(Some(_)) = server.child.try_wait() {
+                    break; // the port was taken in between: try another
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            server.stop();
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli (package redis-tools) runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// The Redis backend: one server per test, a fresh key prefix per limiter.
+pub struct Redis {
+    pub server: RedisServer,
+    base: RedisLimiter,
+    next: AtomicUsize,
+}
+
+impl Redis {
+    pub async fn start() -> Self {
+        let server = RedisServer::start();
+        let base = RedisLimiter::builder(server.url())
+            .timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("connect to the test redis-server");
+        Self {
+            server,
+            base,
+            next: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Backend for Redis {
+    fn name(&self) -> &'static str {
+        "redis"
+    }
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        let n = self.next.fetch_add(1, Ordering::SeqCst);
+        Arc::new(self.base.with_prefix(format!("test{n}")))
+    }
+    fn refill_tolerance(&self) -> usize {
+        2
+    }
+}
