@@ -149,6 +149,29 @@ rule_sets:
         }
     }
 
+    /// 3 per second refills one token every 333,333.33 µs: the script keeps the fraction.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fractional_refill_is_exact() {
+        let redis = Redis::start().await;
+        let engine = engine(
+            &redis,
+            "rule_sets:\n  - id: default\n    rules:\n      - id: thirds\n        scope: global\n        bands: [{ capacity: 3, window: 1s }]\n",
+        );
+        let ctx = RequestContext::builder().build();
+        let start = tokio::time::Instant::now();
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
+        let mut admitted = 0;
+        while start.elapsed() < std::time::Duration::from_secs(3) {
+            tick.tick().await;
+            if start.elapsed() >= std::time::Duration::from_secs(3) {
+                break;
+            }
+            admitted += usize::from(check(&engine, &ctx).await.allowed);
+        }
+        // 3 at once, then 3 per second for 3 s.
+        assert!(admitted.abs_diff(12) <= 1, "admitted {admitted}, expected 12 ± 1");
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn four_engines_on_separate_connections_share_one_limit() {
         let redis = Redis::start().await;
