@@ -1,19 +1,21 @@
-//! An axum app limited by FluxGate with the in-memory backend.
+//! An axum app limited by FluxGate, in memory by default or in Redis with `--redis`.
 //!
 //! Run with: `cargo run --example quickstart` (options: `--listen ADDR`, `--rules FILE`,
-//! `--demo` to send ~15 requests to itself, print each status and the rate-limit
-//! headers, and exit).
+//! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send ~15
+//! requests to itself, print each status and the rate-limit headers, and exit).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use axum::routing::get;
 use axum::Router;
+use fluxgate::core::StaticRuleSetProvider;
 use fluxgate::{Engine, RateLimitLayer, RuleSets};
 
 struct Args {
     listen: SocketAddr,
     rules: PathBuf,
+    redis: Option<String>,
     demo: bool,
 }
 
@@ -21,6 +23,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         listen: "127.0.0.1:3000".parse().expect("valid default address"),
         rules: PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/examples/rules/quickstart.yaml")),
+        redis: None,
         demo: false,
     };
     let mut it = std::env::args().skip(1);
@@ -31,9 +34,10 @@ fn parse_args() -> Result<Args, String> {
                 args.listen = v.parse().map_err(|e| format!("--listen {v}: {e}"))?;
             }
             "--rules" => args.rules = it.next().ok_or("--rules needs a file")?.into(),
+            "--redis" => args.redis = Some(it.next().ok_or("--redis needs a URL, e.g. redis://127.0.0.1:6379")?),
             "--demo" => args.demo = true,
             "-h" | "--help" => {
-                println!("usage: quickstart [--listen ADDR] [--rules FILE] [--demo]");
+                println!("usage: quickstart [--listen ADDR] [--rules FILE] [--redis URL] [--demo]");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument `{other}` (try --help)")),
@@ -42,13 +46,13 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-fn app(rules: RuleSets) -> Router {
+fn app(engine: Engine) -> Router {
     Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
         .route("/api/orders", get(|| async { "[]\n" }).post(|| async { "created\n" }))
         .route("/health", get(|| async { "ok\n" }))
         .layer(
-            RateLimitLayer::builder(Engine::in_memory(rules))
+            RateLimitLayer::builder(engine)
                 .exclude(["/health"])
                 .build()
                 .expect("valid layer"),
@@ -65,20 +69,43 @@ async fn main() {
         eprintln!("error: {e}");
         std::process::exit(1);
     });
+    let engine = match &args.redis {
+        None => Engine::in_memory(rules),
+        Some(url) => {
+            let limiter = fluxgate_redis::RedisLimiter::builder(url.as_str())
+                .connect()
+                .await
+                .unwrap_or_else(|e| {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                });
+            Engine::builder(StaticRuleSetProvider::new(rules))
+                .limiter(limiter)
+                .build()
+        }
+    };
+    let backend = args
+        .redis
+        .as_deref()
+        .map_or_else(|| "in memory".to_owned(), |url| format!("in Redis at {url}"));
     let listener = tokio::net::TcpListener::bind(args.listen).await.unwrap_or_else(|e| {
         eprintln!("error: cannot listen on {}: {e}", args.listen);
         std::process::exit(1);
     });
     let addr = listener.local_addr().expect("bound address");
-    let server = axum::serve(listener, app(rules).into_make_service_with_connect_info::<SocketAddr>());
+    let server = axum::serve(
+        listener,
+        app(engine).into_make_service_with_connect_info::<SocketAddr>(),
+    );
 
     if args.demo {
         tokio::spawn(async move { server.await.expect("server") });
+        println!("Buckets {backend}.");
         demo(addr).await;
         return;
     }
     println!(
-        "FluxGate quickstart listening on http://{addr} (rules: {})",
+        "FluxGate quickstart listening on http://{addr} (rules: {}, buckets {backend})",
         args.rules.display()
     );
     println!("Try it:");
