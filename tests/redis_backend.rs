@@ -149,6 +149,65 @@ rule_sets:
         }
     }
 
+    /// A flood on one key costs a handful of script calls per retry-after period, and the
+    /// key is admitted again as soon as the wait has passed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deny_cache_absorbs_a_flood() {
+        let redis = Redis::start().await;
+        let rules = super::support::rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1s }]\n",
+        );
+        let engine_with = |deny_cache: bool| {
+            let rules = rules.clone();
+            let url = redis.server.url();
+            async move {
+                let limiter = fluxgate_redis::RedisLimiter::builder(url)
+                    .prefix(format!("deny-{deny_cache}"))
+                    .deny_cache(deny_cache)
+                    .timeout(std::time::Duration::from_secs(2))
+                    .connect()
+                    .await
+                    .unwrap();
+                fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules))
+                    .limiter(limiter)
+                    .build()
+            }
+        };
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.9".parse().unwrap())
+            .build();
+
+        let cached = engine_with(true).await;
+        let before = evalsha_calls(&redis);
+        let mut admitted = 0;
+        let mut last = None;
+        for _ in 0..10_000 {
+            let d = check(&cached, &ctx).await;
+            admitted += usize::from(d.allowed);
+            if !d.allowed {
+                assert!(d.retry_after.unwrap() <= std::time::Duration::from_secs(1));
+                last = Some(d);
+            }
+        }
+        let calls = evalsha_calls(&redis) - before;
+        eprintln!("deny cache: {calls} script calls for 10,000 requests on one key ({admitted} admitted)");
+        let flood_secs = 1 + admitted as u64 / 2;
+        assert!(calls <= 4 * flood_secs, "{calls} script calls for {admitted} admitted");
+        assert!(admitted >= 2, "{admitted}");
+        assert_eq!(last.unwrap().retry_after_secs(), Some(1));
+        // After the wait, the key is admitted again.
+        tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
+        assert!(check(&cached, &ctx).await.allowed);
+
+        // Without the cache every request is a script call.
+        let uncached = engine_with(false).await;
+        let before = evalsha_calls(&redis);
+        for _ in 0..200 {
+            check(&uncached, &ctx).await;
+        }
+        assert_eq!(evalsha_calls(&redis) - before, 200);
+    }
+
     /// 3 per second refills one token every 333,333.33 µs: the script keeps the fraction.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fractional_refill_is_exact() {

@@ -41,7 +41,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter, Wait};
 use fluxgate_core::{BandReport, BoxError, MaybeReady};
@@ -114,6 +114,25 @@ struct Inner {
     script: Script,
     prefix: String,
     timeout: Duration,
+    denied: Option<DenyCache>,
+}
+
+/// Bands known to reject a request until an instant: answered locally, without Redis.
+type DenyCache = moka::sync::Cache<String, Denial>;
+
+/// A band that rejected: until `until` it rejects every request of the same cost, because
+/// only time adds tokens to a bucket.
+#[derive(Debug, Clone, Copy)]
+struct Denial {
+    until: Instant,
+    remaining: u64,
+}
+
+fn deny_cache() -> DenyCache {
+    moka::sync::Cache::builder()
+        .max_capacity(100_000)
+        .time_to_live(Duration::from_secs(60))
+        .build()
 }
 
 enum Clients {
@@ -147,6 +166,7 @@ pub struct RedisLimiterBuilder {
     prefix: String,
     timeout: Duration,
     pool_size: usize,
+    deny_cache: bool,
 }
 
 impl RedisLimiter {
@@ -157,6 +177,7 @@ impl RedisLimiter {
             prefix: "fluxgate".to_owned(),
             timeout: DEFAULT_TIMEOUT,
             pool_size: 4,
+            deny_cache: true,
         }
     }
 
@@ -169,6 +190,7 @@ impl RedisLimiter {
                 script: Script::from_lua(TOKEN_BUCKET_LUA),
                 prefix: prefix.into(),
                 timeout: DEFAULT_TIMEOUT,
+                denied: Some(deny_cache()),
             }),
         }
     }
@@ -181,6 +203,7 @@ impl RedisLimiter {
                 script: self.inner.script.clone(),
                 prefix: prefix.into(),
                 timeout: self.inner.timeout,
+                denied: self.inner.denied.as_ref().map(|_| deny_cache()),
             }),
         }
     }
@@ -212,6 +235,15 @@ impl RedisLimiterBuilder {
     /// The number of connections, used in turn. Default 4.
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
+        self
+    }
+
+    /// The local deny cache (on by default): after a band rejects a request with a
+    /// retry-after of T, requests of the same cost that need that band are rejected
+    /// locally, without a Redis call, until T has passed. Only time adds tokens, so this
+    /// never rejects a request Redis would admit, and never admits one.
+    pub fn deny_cache(mut self, on: bool) -> Self {
+        self.deny_cache = on;
         self
     }
 
@@ -254,6 +286,7 @@ impl RedisLimiterBuilder {
                 script,
                 prefix: self.prefix,
                 timeout: self.timeout,
+                denied: self.deny_cache.then(deny_cache),
             }),
         })
     }
@@ -284,11 +317,14 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
 struct Call {
     keys: Vec<String>,
     args: Vec<i64>,
+    /// Per band: the deny-cache key of an enforced band (its key and the cost), or `None`.
+    deny_keys: Vec<Option<String>>,
 }
 
 impl RedisLimiter {
     fn encode(&self, request: &AcquireRequest<'_>) -> Result<Call, RedisError> {
         let mut keys = Vec::new();
+        let mut deny_keys = Vec::new();
         let mut args = vec![request.buckets.len() as i64];
         for bucket in request.buckets {
             let rule = bucket.rule;
@@ -323,10 +359,11 @@ impl RedisLimiter {
                     band.name()
                 ));
                 let ttl_ms = i64::try_from(window_ms).unwrap_or(i64::MAX / 2) + 1_000;
+                deny_keys.push((!bucket.shadow()).then(|| format!("{}#{}", keys[keys.len() - 1], rule.permits())));
                 args.extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
             }
         }
-        Ok(Call { keys, args })
+        Ok(Call { keys, args, deny_keys })
     }
 }
 
@@ -381,6 +418,43 @@ fn decode(shape: &Shape, reply: &[i64]) -> Result<AcquireOutcome, RedisError> {
     })
 }
 
+impl RedisLimiter {
+    /// A rejection from the deny cache, when a band of the request is known to reject it.
+    fn denied_locally(&self, shape: &Shape, deny_keys: &[Option<String>], now: Instant) -> Option<AcquireOutcome> {
+        let cache = self.inner.denied.as_ref()?;
+        let (index, denial) = deny_keys.iter().enumerate().find_map(|(i, key)| {
+            let denial = cache.get(key.as_ref()?)?;
+            (denial.until > now).then_some((i, denial))
+        })?;
+        let (rule, shadow, band) = &shape.bands[index];
+        let wait = denial.until - now;
+        let now_unix = std::time::SystemTime::now();
+        let now_ns = now_unix
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        // Only the denying band is known; the others were not asked.
+        let report = BandReport {
+            rule: rule.clone(),
+            band: band.name().clone(),
+            labeled: band.label().is_some(),
+            limit: band.capacity(),
+            remaining: denial.remaining,
+            window: band.window(),
+            reset_after: band.window(),
+            reset_at: now_unix + band.window(),
+            allowed: false,
+            shadow: *shadow,
+            wait: Wait::After(wait.max(Duration::from_micros(1))),
+        };
+        Some(AcquireOutcome {
+            allowed: false,
+            shadow_allowed: true,
+            now_unix_nanos: now_ns,
+            bands: vec![report],
+        })
+    }
+}
+
 impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let call = match self.encode(request) {
@@ -400,18 +474,36 @@ impl RateLimiter for RedisLimiter {
                 })
                 .collect(),
         };
+        let start = Instant::now();
+        if let Some(outcome) = self.denied_locally(&shape, &call.deny_keys, start) {
+            return MaybeReady::ready(Ok(outcome));
+        }
         let this = self.inner.clone();
         MaybeReady::boxed(async move {
             let client = this.clients.next();
-            let call = this
-                .script
-                .evalsha_with_reload::<Vec<i64>, _, _>(client, call.keys, call.args);
-            let reply = match tokio::time::timeout(this.timeout, call).await {
+            let Call { keys, args, deny_keys } = call;
+            let script = this.script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+            let reply = match tokio::time::timeout(this.timeout, script).await {
                 Ok(Ok(reply)) => reply,
                 Ok(Err(e)) => return Err(RedisError::Command(e).into()),
                 Err(_) => return Err(RedisError::Timeout(this.timeout).into()),
             };
-            decode(&shape, &reply).map_err(Into::into)
+            let outcome = decode(&shape, &reply)?;
+            if let Some(cache) = &this.denied {
+                // Counted from before the call, so a denial never outlives the real wait.
+                for (report, key) in outcome.bands.iter().zip(deny_keys) {
+                    if let (Wait::After(wait), Some(key)) = (report.wait, key) {
+                        cache.insert(
+                            key,
+                            Denial {
+                                until: start + wait,
+                                remaining: report.remaining,
+                            },
+                        );
+                    }
+                }
+            }
+            Ok(outcome)
         })
     }
 }
