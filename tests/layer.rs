@@ -519,6 +519,48 @@ rule_sets:
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+#[derive(Debug)]
+struct Broken;
+
+impl fluxgate::core::RateLimitHandler for Broken {
+    fn check(
+        &self,
+        _: &fluxgate::core::RequestContext,
+    ) -> fluxgate::core::MaybeReady<Result<Decision, fluxgate::core::Error>> {
+        fluxgate::core::MaybeReady::ready(Err(fluxgate::core::Error::Backend("backend down".into())))
+    }
+}
+
+#[tokio::test]
+async fn failure_policy_open_or_closed() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = calls.clone();
+    let inner = service_fn(move |_req: Request<Body>| {
+        counter.fetch_add(1, Ordering::SeqCst);
+        async move { Ok::<_, Infallible>(Response::new(Body::from("fn"))) }
+    });
+    let open = RateLimitLayer::new(Broken).layer_service(inner.clone());
+    let resp = open.oneshot(request("GET", "/x", "192.0.2.90", &[])).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert!(resp.headers().get("x-ratelimit-limit").is_none());
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    let closed = RateLimitLayer::builder(Broken)
+        .on_error(fluxgate::tower::FailurePolicy::fail_closed())
+        .build()
+        .unwrap()
+        .layer_service(inner);
+    let resp = closed.oneshot(request("GET", "/x", "192.0.2.90", &[])).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(&body[..], br#"{"error":"Rate limiter unavailable"}"#);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "a refused request does not reach the inner service"
+    );
+}
+
 trait LayerService {
     fn layer_service<S>(&self, inner: S) -> fluxgate::tower::RateLimit<S>;
 }

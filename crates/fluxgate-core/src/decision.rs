@@ -100,6 +100,8 @@ pub struct Decision {
     pub shadow_rejected_by: Option<Arc<str>>,
     /// Index of the binding band in `bands`.
     pub binding_index: Option<usize>,
+    /// Whether the fallback limiter decided, because the backend failed.
+    pub degraded: bool,
 }
 
 impl Decision {
@@ -110,6 +112,7 @@ impl Decision {
             outcome,
             rule_set,
             binding_index: None,
+            degraded: false,
             retry_after: None,
             bands: Vec::new(),
             shadow_bands: Vec::new(),

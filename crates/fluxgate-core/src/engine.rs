@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
-use crate::error::Error;
+use crate::error::{BoxError, Error};
 use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
 use crate::provider::{RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
 use crate::rule::{Mode, RuleSets};
+use crate::text::Text;
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -55,6 +56,7 @@ pub struct Engine {
 struct Inner {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Arc<dyn RateLimiter>,
+    fallback: Option<MemoryLimiter>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
 }
@@ -64,6 +66,7 @@ struct Inner {
 pub struct EngineBuilder {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Option<Arc<dyn RateLimiter>>,
+    fallback: Option<MemoryLimiter>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
 }
@@ -78,6 +81,15 @@ impl EngineBuilder {
     /// The limiter backend, shared.
     pub fn shared_limiter(mut self, limiter: Arc<dyn RateLimiter>) -> Self {
         self.limiter = Some(limiter);
+        self
+    }
+
+    /// Decides with this in-memory limiter, and the same rules, whenever the limiter
+    /// fails (an error, a deadline, an open [`CircuitBreaker`](crate::limiter::CircuitBreaker)):
+    /// the `fallback_local` failure policy. Such decisions have [`Decision::degraded`] set.
+    /// Without a fallback, the failure reaches the handler's caller.
+    pub fn fallback(mut self, limiter: MemoryLimiter) -> Self {
+        self.fallback = Some(limiter);
         self
     }
 
@@ -103,6 +115,7 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
+                fallback: self.fallback,
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
             }),
@@ -116,6 +129,7 @@ impl Engine {
         EngineBuilder {
             provider: Arc::new(provider),
             limiter: None,
+            fallback: None,
             resolver: KeyResolver::default(),
             unknown_rule_set: UnknownRuleSet::default(),
         }
@@ -162,9 +176,10 @@ impl Engine {
         };
 
         let mut buckets: SmallVec<[BucketRequest<'_>; 4]> = SmallVec::new();
+        let mut applied: SmallVec<[usize; 4]> = SmallVec::new();
         let mut denied_by = None;
         with_segments(ctx.path(), |segments| {
-            for rule in set.rules() {
+            for (i, rule) in set.rules().iter().enumerate() {
                 if !rule.applies_to(segments, ctx.method()) {
                     continue;
                 }
@@ -175,6 +190,7 @@ impl Engine {
                             rule,
                             key,
                         });
+                        applied.push(i);
                     }
                     KeyResolution::Skip => {}
                     KeyResolution::Deny if rule.mode() == Mode::Shadow => {}
@@ -197,13 +213,61 @@ impl Engine {
             )));
         }
         // The request borrows the rule set; the limiter's future does not.
-        let pending = self.inner.limiter.acquire(&AcquireRequest { buckets: &buckets });
+        let request = AcquireRequest { buckets: &buckets };
         let rule_set = set.id().clone();
-        pending.map(move |result| match result {
-            Ok(outcome) => Ok(decision_from(rule_set, outcome)),
-            Err(e) => Err(Error::Backend(e)),
-        })
+        match self.inner.limiter.acquire(&request).into_ready() {
+            Ok(Ok(outcome)) => MaybeReady::ready(Ok(decision_from(rule_set, outcome))),
+            Ok(Err(error)) => MaybeReady::ready(fall_back(self.inner.fallback.as_ref(), &request, error)),
+            Err(pending) => {
+                let fallback = self.inner.fallback.clone();
+                let set = set.clone();
+                // What the fallback needs after an asynchronous failure: which rules, which keys.
+                let keys: Option<Vec<(usize, Text)>> = fallback.as_ref().map(|_| {
+                    applied
+                        .iter()
+                        .zip(buckets.iter())
+                        .map(|(&i, b)| (i, b.key.clone()))
+                        .collect()
+                });
+                MaybeReady::boxed(async move {
+                    match pending.await {
+                        Ok(outcome) => Ok(decision_from(rule_set, outcome)),
+                        Err(error) => {
+                            let keys = keys.unwrap_or_default();
+                            let buckets: Vec<BucketRequest<'_>> = keys
+                                .into_iter()
+                                .map(|(i, key)| BucketRequest {
+                                    rule_set: set.id(),
+                                    rule: &set.rules()[i],
+                                    key,
+                                })
+                                .collect();
+                            fall_back(fallback.as_ref(), &AcquireRequest { buckets: &buckets }, error)
+                        }
+                    }
+                })
+            }
+        }
     }
+}
+
+/// The decision of the fallback limiter after the backend failed, or the failure.
+fn fall_back(
+    fallback: Option<&MemoryLimiter>,
+    request: &AcquireRequest<'_>,
+    error: BoxError,
+) -> Result<Decision, Error> {
+    let Some(fallback) = fallback else {
+        return Err(Error::Backend(error));
+    };
+    tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
+    let rule_set = request
+        .buckets
+        .first()
+        .map_or_else(|| Arc::from(""), |b| Arc::from(b.rule_set));
+    let mut decision = decision_from(rule_set, fallback.acquire_now(request));
+    decision.degraded = true;
+    Ok(decision)
 }
 
 /// Runs `f` with the non-empty segments of `path`, without allocating for usual paths.
@@ -266,6 +330,7 @@ fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {
         },
         rule_set,
         binding_index,
+        degraded: false,
         retry_after,
         bands,
         shadow_bands,

@@ -47,7 +47,7 @@ use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter, Wait};
 use fluxgate_core::{BandReport, BoxError, MaybeReady};
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
-use fred::types::config::Config;
+use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::scripts::Script;
 use fred::types::Builder;
 
@@ -167,6 +167,7 @@ pub struct RedisLimiterBuilder {
     timeout: Duration,
     pool_size: usize,
     deny_cache: bool,
+    reconnect_delay: Duration,
 }
 
 impl RedisLimiter {
@@ -178,6 +179,7 @@ impl RedisLimiter {
             timeout: DEFAULT_TIMEOUT,
             pool_size: 4,
             deny_cache: true,
+            reconnect_delay: Duration::from_millis(100),
         }
     }
 
@@ -247,6 +249,13 @@ impl RedisLimiterBuilder {
         self
     }
 
+    /// The delay between reconnection attempts after a connection is lost; attempts never
+    /// stop. Default 100 ms.
+    pub fn reconnect_delay(mut self, delay: Duration) -> Self {
+        self.reconnect_delay = delay;
+        self
+    }
+
     /// Checks the URL, connects and loads the script.
     ///
     /// # Errors
@@ -274,6 +283,10 @@ impl RedisLimiterBuilder {
         }
         let config = Config::from_url(&self.url).map_err(|e| url_error(e.details().to_string()))?;
         let mut builder = Builder::from_config(config);
+        let delay = u32::try_from(self.reconnect_delay.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
+        builder.set_policy(ReconnectPolicy::new_constant(0, delay));
         builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
         builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;

@@ -18,6 +18,27 @@ pub type Customizer = dyn Fn(&mut RequestContextBuilder, &Parts) + Send + Sync;
 /// Builds the response for a rejected request.
 pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
 
+/// What the layer does when no decision can be made (the backend failed and the engine
+/// has no fallback limiter).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Admit the request without rate-limit headers, log a warning; the handler's metrics
+    /// recorder counts the error.
+    #[default]
+    FailOpen,
+    /// Answer with this status (`503 Service Unavailable` by [`FailurePolicy::fail_closed`])
+    /// and a JSON body, without calling the inner service.
+    FailClosed(http::StatusCode),
+}
+
+impl FailurePolicy {
+    /// `FailClosed` with `503 Service Unavailable`.
+    pub const fn fail_closed() -> Self {
+        Self::FailClosed(http::StatusCode::SERVICE_UNAVAILABLE)
+    }
+}
+
 /// Applies rate limiting to a service. See the [crate documentation](crate).
 #[derive(Clone)]
 pub struct RateLimitLayer {
@@ -35,6 +56,7 @@ pub(crate) struct Config {
     pub(crate) legacy_headers: bool,
     pub(crate) ietf_headers: bool,
     pub(crate) shadow: bool,
+    pub(crate) on_error: FailurePolicy,
     pub(crate) customizer: Option<Arc<Customizer>>,
     pub(crate) rejection: Option<Arc<RejectionResponder>>,
 }
@@ -53,6 +75,7 @@ impl fmt::Debug for Config {
             .field("legacy_headers", &self.legacy_headers)
             .field("ietf_headers", &self.ietf_headers)
             .field("shadow", &self.shadow)
+            .field("on_error", &self.on_error)
             .field("customizer", &self.customizer.is_some())
             .field("rejection", &self.rejection.is_some())
             .finish()
@@ -136,6 +159,7 @@ pub struct RateLimitLayerBuilder {
     legacy_headers: bool,
     ietf_headers: bool,
     shadow: bool,
+    on_error: FailurePolicy,
     customizer: Option<Arc<Customizer>>,
     rejection: Option<Arc<RejectionResponder>>,
 }
@@ -170,6 +194,7 @@ impl RateLimitLayer {
             legacy_headers: true,
             ietf_headers: true,
             shadow: false,
+            on_error: FailurePolicy::default(),
             customizer: None,
             rejection: None,
         }
@@ -266,6 +291,14 @@ impl RateLimitLayerBuilder {
         self
     }
 
+    /// What to do when no decision can be made. Default [`FailurePolicy::FailOpen`]. For
+    /// the `fallback_local` policy, give the engine a fallback limiter
+    /// ([`EngineBuilder::fallback`](fluxgate_core::EngineBuilder::fallback)).
+    pub fn on_error(mut self, policy: FailurePolicy) -> Self {
+        self.on_error = policy;
+        self
+    }
+
     /// Adjusts every request's context: set the client IP from `CF-Connecting-IP`, a
     /// tenant header as an attribute, the rule set, a JWT claim…
     pub fn customizer(mut self, f: impl Fn(&mut RequestContextBuilder, &Parts) + Send + Sync + 'static) -> Self {
@@ -330,6 +363,7 @@ impl RateLimitLayerBuilder {
                 legacy_headers: self.legacy_headers,
                 ietf_headers: self.ietf_headers,
                 shadow: self.shadow,
+                on_error: self.on_error,
                 customizer: self.customizer,
                 rejection: self.rejection,
             }),

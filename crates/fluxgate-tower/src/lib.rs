@@ -40,8 +40,9 @@
 //!
 //! # Failures
 //!
-//! When the handler fails (a backend error), the request is admitted without headers and
-//! a warning is logged. Errors of the inner service pass through untouched.
+//! When the handler fails (a backend error and no fallback limiter in the engine), the
+//! [`FailurePolicy`] decides: admit without headers and log a warning (the default), or
+//! answer `503` (or another status). Errors of the inner service pass through untouched.
 
 #![deny(unsafe_code)]
 
@@ -53,7 +54,7 @@ mod service;
 
 pub use client_ip::{ClientIp, IpNet, IpNetError};
 pub use future::ResponseFuture;
-pub use layer::{ConfigError, Customizer, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
+pub use layer::{ConfigError, Customizer, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
 pub use response::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
 pub use service::RateLimit;
 

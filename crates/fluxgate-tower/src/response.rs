@@ -238,6 +238,16 @@ fn policy_name(out: &mut String, decision: &Decision, band: &BandReport) {
     out.push('"');
 }
 
+/// The response when no decision could be made and the policy is to fail closed.
+pub(crate) fn unavailable(status: StatusCode) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Rate limiter unavailable\"}"));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
 /// The `429` response: the user's, or the JSON body of the Java original.
 pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes> {
     let mut response = match &config.rejection {

@@ -9,7 +9,7 @@ use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
 use crate::future::ResponseFuture;
-use crate::layer::{Config, RateLimitLayer};
+use crate::layer::{Config, FailurePolicy, RateLimitLayer};
 use crate::response::Figures;
 use crate::{ApiKey, UserId};
 
@@ -106,10 +106,16 @@ impl Config {
                 Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
-            Err(error) => {
-                tracing::warn!(%error, "rate-limit check failed; admitting the request");
-                Verdict::Pass(None)
-            }
+            Err(error) => match self.on_error {
+                FailurePolicy::FailOpen => {
+                    tracing::warn!(%error, "rate-limit check failed; admitting the request");
+                    Verdict::Pass(None)
+                }
+                FailurePolicy::FailClosed(status) => {
+                    tracing::warn!(%error, "rate-limit check failed; refusing the request");
+                    Verdict::Reject(crate::response::unavailable(status))
+                }
+            },
         }
     }
 }

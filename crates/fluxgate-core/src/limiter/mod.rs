@@ -10,9 +10,11 @@ use crate::future::MaybeReady;
 use crate::rule::{Mode, Rule};
 use crate::text::Text;
 
+mod breaker;
 mod memory;
 pub mod token_bucket;
 
+pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use memory::{MemoryLimiter, MemoryLimiterBuilder};
 
 /// One rule's counter for one request: the rule (its id, algorithm, bands, cost and

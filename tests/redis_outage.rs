@@ -1,0 +1,121 @@
+//! Redis going away and coming back: the failure policy answers within the deadline, the
+//! circuit breaker stops paying the deadline, and decisions come from Redis again soon
+//! after it returns. In a test binary of its own, so that timing is not disturbed by the
+//! other Redis tests.
+
+mod support;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::limiter::CircuitBreaker;
+use fluxgate::core::{Engine, MemoryLimiter, RequestContext, StaticRuleSetProvider};
+use fluxgate_redis::RedisLimiter;
+use support::redis::RedisServer;
+use support::rules;
+
+const DEADLINE: Duration = Duration::from_millis(50);
+const SLACK: Duration = Duration::from_millis(20);
+
+async fn engine(server: &RedisServer) -> Engine {
+    let limiter = RedisLimiter::builder(server.url())
+        .timeout(DEADLINE)
+        .reconnect_delay(Duration::from_millis(50))
+        .deny_cache(false)
+        .connect()
+        .await
+        .expect("connect");
+    let rules = rules(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
+    );
+    Engine::builder(StaticRuleSetProvider::new(rules))
+        .limiter(
+            CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(Duration::from_millis(100)),
+        )
+        .fallback(MemoryLimiter::default())
+        .build()
+}
+
+fn ctx() -> RequestContext {
+    RequestContext::builder()
+        .client_ip("192.0.2.77".parse().expect("an address"))
+        .build()
+}
+
+/// Requests until one is decided by Redis again; returns how long that took.
+async fn until_recovered(engine: &Engine) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(5) {
+        let d = engine.check(&ctx()).await.expect("the fallback decides");
+        if !d.degraded {
+            return start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("decisions did not come from Redis again within 5 s");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_then_restarted() {
+    let mut server = RedisServer::start();
+    let engine = engine(&server).await;
+    assert!(!engine.check(&ctx()).await.unwrap().degraded);
+
+    server.kill();
+    let mut slowest = Duration::ZERO;
+    for _ in 0..50 {
+        let start = Instant::now();
+        let d = engine.check(&ctx()).await.expect("the fallback decides");
+        slowest = slowest.max(start.elapsed());
+        assert!(d.degraded && d.allowed);
+    }
+    assert!(
+        slowest <= DEADLINE + SLACK,
+        "a request waited {slowest:?} during the outage"
+    );
+
+    server.restart();
+    let recovered = until_recovered(&engine).await;
+    eprintln!("outage: slowest answer {slowest:?}; Redis decided again {recovered:?} after the restart");
+    assert!(
+        recovered <= Duration::from_secs(1),
+        "Redis decided again only after {recovered:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frozen_redis_blocks_no_request_beyond_the_deadline() {
+    let server = RedisServer::start();
+    let engine = engine(&server).await;
+    assert!(!engine.check(&ctx()).await.unwrap().degraded);
+
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &server.pid().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    signal("-STOP");
+    let mut slowest = Duration::ZERO;
+    for _ in 0..50 {
+        let start = Instant::now();
+        let d = engine.check(&ctx()).await.expect("the fallback decides");
+        slowest = slowest.max(start.elapsed());
+        assert!(d.degraded);
+    }
+    signal("-CONT");
+    assert!(
+        slowest <= DEADLINE + SLACK,
+        "a request waited {slowest:?} while Redis was frozen"
+    );
+    let recovered = until_recovered(&engine).await;
+    eprintln!("frozen: slowest answer {slowest:?}; Redis decided again {recovered:?} after SIGCONT");
+    assert!(
+        recovered <= Duration::from_secs(1),
+        "Redis decided again only after {recovered:?}"
+    );
+}
