@@ -17,14 +17,18 @@ use support::rules;
 const DEADLINE: Duration = Duration::from_millis(50);
 const SLACK: Duration = Duration::from_millis(20);
 
-async fn engine(server: &RedisServer) -> Engine {
-    let limiter = RedisLimiter::builder(server.url())
+async fn limiter(server: &RedisServer) -> RedisLimiter {
+    RedisLimiter::builder(server.url())
         .timeout(DEADLINE)
         .reconnect_delay(Duration::from_millis(50))
         .deny_cache(false)
         .connect()
         .await
-        .expect("connect");
+        .expect("connect")
+}
+
+async fn engine(server: &RedisServer) -> Engine {
+    let limiter = limiter(server).await;
     let rules = rules(
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
     );
@@ -99,6 +103,8 @@ async fn frozen_redis_blocks_no_request_beyond_the_deadline() {
             .success();
         assert!(ok, "kill {sig}");
     };
+    let health = limiter(&server).await;
+    assert!(health.health().await.unwrap().latency < DEADLINE);
     signal("-STOP");
     let mut slowest = Duration::ZERO;
     for _ in 0..50 {
@@ -107,6 +113,9 @@ async fn frozen_redis_blocks_no_request_beyond_the_deadline() {
         slowest = slowest.max(start.elapsed());
         assert!(d.degraded);
     }
+    let start = Instant::now();
+    assert!(health.health().await.is_err(), "a frozen Redis is not healthy");
+    assert!(start.elapsed() <= DEADLINE + SLACK);
     signal("-CONT");
     assert!(
         slowest <= DEADLINE + SLACK,

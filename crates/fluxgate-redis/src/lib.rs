@@ -431,7 +431,31 @@ fn decode(shape: &Shape, reply: &[i64]) -> Result<AcquireOutcome, RedisError> {
     })
 }
 
+/// The result of [`RedisLimiter::health`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Health {
+    /// How long a `PING` took.
+    pub latency: Duration,
+}
+
 impl RedisLimiter {
+    /// Sends `PING` within the limiter's deadline and reports how long it took.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Command`] or [`RedisError::Timeout`] when Redis does not answer.
+    pub async fn health(&self) -> Result<Health, RedisError> {
+        let start = Instant::now();
+        let ping = self.inner.clients.next().ping::<String>(None);
+        match tokio::time::timeout(self.inner.timeout, ping).await {
+            Ok(Ok(_)) => Ok(Health {
+                latency: start.elapsed(),
+            }),
+            Ok(Err(e)) => Err(RedisError::Command(e)),
+            Err(_) => Err(RedisError::Timeout(self.inner.timeout)),
+        }
+    }
+
     /// A rejection from the deny cache, when a band of the request is known to reject it.
     fn denied_locally(&self, shape: &Shape, deny_keys: &[Option<String>], now: Instant) -> Option<AcquireOutcome> {
         let cache = self.inner.denied.as_ref()?;
