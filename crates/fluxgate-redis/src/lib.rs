@@ -54,6 +54,9 @@ use fred::types::Builder;
 /// The token-bucket script (see `lua/README.md`).
 pub const TOKEN_BUCKET_LUA: &str = include_str!("../lua/token_bucket.lua");
 
+/// The refund script, for requests that a cluster's hash slots decided differently.
+pub const REFUND_LUA: &str = include_str!("../lua/refund.lua");
+
 /// The largest `capacity × window / gcd(capacity, window µs)` the script computes with:
 /// twice it stays below 2^53, so every number in the script is an exact integer.
 pub const MAX_SCALED_CAPACITY: u64 = 1 << 52;
@@ -112,6 +115,8 @@ pub struct RedisLimiter {
 struct Inner {
     clients: Arc<Clients>,
     script: Script,
+    refund: Script,
+    cluster: bool,
     prefix: String,
     timeout: Duration,
     denied: Option<DenyCache>,
@@ -188,8 +193,10 @@ impl RedisLimiter {
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
         Self {
             inner: Arc::new(Inner {
+                cluster: client.is_clustered(),
                 clients: Arc::new(Clients::One(client)),
                 script: Script::from_lua(TOKEN_BUCKET_LUA),
+                refund: Script::from_lua(REFUND_LUA),
                 prefix: prefix.into(),
                 timeout: DEFAULT_TIMEOUT,
                 denied: Some(deny_cache()),
@@ -203,6 +210,8 @@ impl RedisLimiter {
             inner: Arc::new(Inner {
                 clients: self.inner.clients.clone(),
                 script: self.inner.script.clone(),
+                refund: self.inner.refund.clone(),
+                cluster: self.inner.cluster,
                 prefix: prefix.into(),
                 timeout: self.inner.timeout,
                 denied: self.inner.denied.as_ref().map(|_| deny_cache()),
@@ -268,20 +277,13 @@ impl RedisLimiterBuilder {
             url: shown.clone(),
             reason,
         };
-        if self.url.contains(',') || self.url.starts_with("redis-cluster://") {
-            return Err(url_error(
-                "Redis Cluster is not supported yet; use a standalone redis:// URL".into(),
-            ));
-        }
         if self.url.starts_with("redis-sentinel://") {
             return Err(url_error(
-                "Redis Sentinel is not supported yet; use a standalone redis:// URL".into(),
+                "Redis Sentinel is not supported yet; use redis:// (standalone or cluster)".into(),
             ));
         }
-        if !(self.url.starts_with("redis://") || self.url.starts_with("rediss://")) {
-            return Err(url_error("expected a URL starting with redis:// or rediss://".into()));
-        }
-        let config = Config::from_url(&self.url).map_err(|e| url_error(e.details().to_string()))?;
+        let config = parse_url(&self.url).map_err(url_error)?;
+        let cluster = matches!(config.server, fred::types::config::ServerConfig::Clustered { .. });
         let mut builder = Builder::from_config(config);
         let delay = u32::try_from(self.reconnect_delay.as_millis())
             .unwrap_or(u32::MAX)
@@ -291,18 +293,53 @@ impl RedisLimiterBuilder {
         builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
         pool.init().await.map_err(RedisError::Connect)?;
+        // Loaded on every primary of a cluster.
         let script = Script::from_lua(TOKEN_BUCKET_LUA);
         script.load(pool.next()).await.map_err(RedisError::Connect)?;
+        let refund = Script::from_lua(REFUND_LUA);
+        refund.load(pool.next()).await.map_err(RedisError::Connect)?;
         Ok(RedisLimiter {
             inner: Arc::new(Inner {
                 clients: Arc::new(Clients::Pool(pool)),
                 script,
+                refund,
+                cluster,
                 prefix: self.prefix,
                 timeout: self.timeout,
                 denied: self.deny_cache.then(deny_cache),
             }),
         })
     }
+}
+
+/// A standalone or cluster configuration from a URL. Several comma-separated nodes name a
+/// cluster (`redis://host1:6379,host2:6379`), as does a `redis-cluster://` URL.
+fn parse_url(url: &str) -> Result<Config, String> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .filter(|(scheme, _)| matches!(*scheme, "redis" | "rediss" | "redis-cluster" | "rediss-cluster"))
+        .ok_or_else(|| "expected a URL starting with redis:// or rediss://".to_owned())?;
+    let nodes: Vec<&str> = rest.split(',').map(str::trim).collect();
+    if nodes.iter().any(|n| n.is_empty()) {
+        return Err("a node is empty; list the nodes as host:port,host:port".to_owned());
+    }
+    if nodes.len() == 1 && !scheme.ends_with("-cluster") {
+        return Config::from_url(url).map_err(|e| e.details().to_string());
+    }
+    let tls = if scheme.starts_with("rediss") { "rediss" } else { "redis" };
+    let (first, query) = nodes[0].split_once('?').unwrap_or((nodes[0], ""));
+    // A cluster has no databases: a `/db` path is dropped.
+    let first = first.split('/').next().unwrap_or(first);
+    let params: Vec<String> = std::iter::once(query.to_owned())
+        .filter(|q| !q.is_empty())
+        .chain(nodes[1..].iter().map(|n| format!("node={}", n.split('/').next().unwrap_or(n))))
+        .collect();
+    let mut cluster_url = format!("{tls}-cluster://{first}");
+    if !params.is_empty() {
+        cluster_url.push('?');
+        cluster_url.push_str(&params.join("&"));
+    }
+    Config::from_url_clustered(&cluster_url).map_err(|e| e.details().to_string())
 }
 
 /// The URL without its password.
@@ -326,35 +363,47 @@ fn gcd(mut a: u64, mut b: u64) -> u64 {
     a
 }
 
-/// A request encoded for the script.
+/// One script call: the buckets of one hash slot (all buckets on a standalone Redis).
+#[derive(Default)]
 struct Call {
     keys: Vec<String>,
     args: Vec<i64>,
+    buckets: i64,
+    /// Per band of the call: its position among all bands of the request.
+    positions: Vec<usize>,
+    /// Per band: whether its rule is in shadow mode.
+    shadow: Vec<bool>,
     /// Per band: the deny-cache key of an enforced band (its key and the cost), or `None`.
     deny_keys: Vec<Option<String>>,
+    /// Per band: what `refund.lua` needs to give its consumption back.
+    refund: Vec<[i64; 4]>,
 }
 
 impl RedisLimiter {
-    fn encode(&self, request: &AcquireRequest<'_>) -> Result<Call, RedisError> {
-        let mut keys = Vec::new();
-        let mut deny_keys = Vec::new();
-        let mut args = vec![request.buckets.len() as i64];
+    /// Encodes a request: one call on a standalone Redis, one call per hash slot on a cluster.
+    fn encode(&self, request: &AcquireRequest<'_>) -> Result<Vec<Call>, RedisError> {
+        let mut calls: Vec<(u16, Call)> = Vec::new();
+        let mut position = 0;
         for bucket in request.buckets {
             let rule = bucket.rule;
-            args.extend([
-                rule.permits() as i64,
-                i64::from(bucket.shadow()),
-                rule.bands().len() as i64,
-            ]);
+            let tag = format!("{{{}:{}:{}}}", bucket.rule_set, rule.id(), bucket.key.as_str());
+            let slot = if self.inner.cluster { fred::util::redis_keyslot(tag.as_bytes()) } else { 0 };
+            let at = match calls.iter().position(|(s, _)| *s == slot) {
+                Some(at) => at,
+                None => {
+                    calls.push((slot, Call::default()));
+                    calls.len() - 1
+                }
+            };
+            let call = &mut calls[at].1;
+            call.buckets += 1;
+            call.args.extend([rule.permits() as i64, i64::from(bucket.shadow()), rule.bands().len() as i64]);
             for band in rule.bands().iter() {
                 let capacity = band.capacity();
                 let window_us = u64::try_from(band.window().as_micros()).unwrap_or(u64::MAX);
                 let g = gcd(capacity, window_us);
                 let (scale, interval) = (capacity / g, window_us / g);
-                if capacity
-                    .checked_mul(interval)
-                    .is_none_or(|cap| cap > MAX_SCALED_CAPACITY)
-                {
+                if capacity.checked_mul(interval).is_none_or(|cap| cap > MAX_SCALED_CAPACITY) {
                     return Err(RedisError::BandTooLarge {
                         rule: rule.id().to_string(),
                         band: band.name().to_string(),
@@ -363,20 +412,29 @@ impl RedisLimiter {
                     });
                 }
                 let window_ms = band.window().as_millis();
-                keys.push(format!(
-                    "{}:{{{}:{}:{}}}:{}:{capacity}/{window_ms}",
-                    self.inner.prefix,
-                    bucket.rule_set,
-                    rule.id(),
-                    bucket.key.as_str(),
-                    band.name()
-                ));
+                let key = format!("{}:{tag}:{}:{capacity}/{window_ms}", self.inner.prefix, band.name());
                 let ttl_ms = i64::try_from(window_ms).unwrap_or(i64::MAX / 2) + 1_000;
-                deny_keys.push((!bucket.shadow()).then(|| format!("{}#{}", keys[keys.len() - 1], rule.permits())));
-                args.extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
+                call.args.extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
+                call.deny_keys.push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
+                call.refund.push([
+                    (rule.permits().min(capacity) * interval) as i64,
+                    capacity as i64,
+                    scale as i64,
+                    interval as i64,
+                ]);
+                call.keys.push(key);
+                call.shadow.push(bucket.shadow());
+                call.positions.push(position);
+                position += 1;
             }
         }
-        Ok(Call { keys, args, deny_keys })
+        Ok(calls
+            .into_iter()
+            .map(|(_, mut call)| {
+                call.args.insert(0, call.buckets);
+                call
+            })
+            .collect())
     }
 }
 
@@ -386,21 +444,15 @@ struct Shape {
     bands: Vec<(Arc<str>, bool, fluxgate_core::Band)>,
 }
 
-fn decode(shape: &Shape, reply: &[i64]) -> Result<AcquireOutcome, RedisError> {
-    let expected = 3 + 4 * shape.bands.len();
-    if reply.len() != expected {
-        return Err(RedisError::Reply(format!(
-            "{} numbers, expected {expected}",
-            reply.len()
-        )));
-    }
-    let now_us = u64::try_from(reply[2]).map_err(|_| RedisError::Reply("negative time".into()))?;
-    let now_ns = now_us.saturating_mul(1_000);
+/// The combined reply: `allowed, shadow_allowed, now_us`, and per band (in request
+/// order) `allowed, remaining, reset_after_us, wait_us`.
+fn decode(shape: &Shape, allowed: bool, shadow_allowed: bool, now_us: i64, per_band: &[[i64; 4]]) -> AcquireOutcome {
+    let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
     let nonneg = |v: i64| u64::try_from(v).unwrap_or(0);
     let bands = shape
         .bands
         .iter()
-        .zip(reply[3..].chunks_exact(4))
+        .zip(per_band)
         .map(|((rule, shadow, band), r)| {
             let wait = match r[3] {
                 0 => Wait::None,
@@ -423,12 +475,63 @@ fn decode(shape: &Shape, reply: &[i64]) -> Result<AcquireOutcome, RedisError> {
             }
         })
         .collect();
-    Ok(AcquireOutcome {
-        allowed: reply[0] == 1,
-        shadow_allowed: reply[1] == 1,
+    AcquireOutcome {
+        allowed,
+        shadow_allowed,
         now_unix_nanos: now_ns,
         bands,
-    })
+    }
+}
+
+/// Runs one call within the deadline.
+async fn run(inner: &Inner, call: &Call) -> Result<Vec<i64>, RedisError> {
+    let client = inner.clients.next();
+    let script = inner
+        .script
+        .evalsha_with_reload::<Vec<i64>, _, _>(client, call.keys.clone(), call.args.clone());
+    let reply = match tokio::time::timeout(inner.timeout, script).await {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(e)) => return Err(RedisError::Command(e)),
+        Err(_) => return Err(RedisError::Timeout(inner.timeout)),
+    };
+    if reply.len() != 3 + 4 * call.keys.len() {
+        return Err(RedisError::Reply(format!("{} numbers for {} bands", reply.len(), call.keys.len())));
+    }
+    Ok(reply)
+}
+
+/// Gives back what the admitted calls of a rejected request consumed. Returns, per band
+/// position, the figures after the refund.
+async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<Vec<(usize, i64, i64)>, RedisError> {
+    let mut figures = Vec::new();
+    for (call, reply) in calls.iter().zip(replies) {
+        if reply[0] != 1 {
+            continue; // this slot consumed nothing
+        }
+        let mut keys = Vec::new();
+        let mut args = Vec::new();
+        let mut positions = Vec::new();
+        for (j, key) in call.keys.iter().enumerate() {
+            let committed = reply[3 + 4 * j] == 1 && (!call.shadow[j] || reply[1] == 1);
+            if committed {
+                keys.push(key.clone());
+                args.extend(call.refund[j]);
+                positions.push(call.positions[j]);
+            }
+        }
+        if keys.is_empty() {
+            continue;
+        }
+        let client = inner.clients.next();
+        let script = inner.refund.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
+        let reply = match tokio::time::timeout(inner.timeout, script).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => return Err(RedisError::Command(e)),
+            Err(_) => return Err(RedisError::Timeout(inner.timeout)),
+        };
+        figures.extend(positions.into_iter().zip(reply.chunks_exact(2)).map(|(p, r)| (p, r[0], r[1])));
+    }
+    Ok(figures)
 }
 
 /// The result of [`RedisLimiter::health`].
@@ -457,12 +560,15 @@ impl RedisLimiter {
     }
 
     /// A rejection from the deny cache, when a band of the request is known to reject it.
-    fn denied_locally(&self, shape: &Shape, deny_keys: &[Option<String>], now: Instant) -> Option<AcquireOutcome> {
+    fn denied_locally(&self, shape: &Shape, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
         let cache = self.inner.denied.as_ref()?;
-        let (index, denial) = deny_keys.iter().enumerate().find_map(|(i, key)| {
-            let denial = cache.get(key.as_ref()?)?;
-            (denial.until > now).then_some((i, denial))
-        })?;
+        let (index, denial) = calls
+            .iter()
+            .flat_map(|call| call.deny_keys.iter().zip(&call.positions))
+            .find_map(|(key, &p)| {
+                let denial = cache.get(key.as_ref()?)?;
+                (denial.until > now).then_some((p, denial))
+            })?;
         let (rule, shadow, band) = &shape.bands[index];
         let wait = denial.until - now;
         let now_unix = std::time::SystemTime::now();
@@ -494,8 +600,8 @@ impl RedisLimiter {
 
 impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let call = match self.encode(request) {
-            Ok(call) => call,
+        let calls = match self.encode(request) {
+            Ok(calls) => calls,
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let shape = Shape {
@@ -504,39 +610,62 @@ impl RateLimiter for RedisLimiter {
                 .iter()
                 .flat_map(|b| {
                     let (rule, shadow) = (b.rule.id(), b.shadow());
-                    b.rule
-                        .bands()
-                        .iter()
-                        .map(move |band| (rule.clone(), shadow, band.clone()))
+                    b.rule.bands().iter().map(move |band| (rule.clone(), shadow, band.clone()))
                 })
                 .collect(),
         };
         let start = Instant::now();
-        if let Some(outcome) = self.denied_locally(&shape, &call.deny_keys, start) {
+        if let Some(outcome) = self.denied_locally(&shape, &calls, start) {
             return MaybeReady::ready(Ok(outcome));
         }
         let this = self.inner.clone();
         MaybeReady::boxed(async move {
-            let client = this.clients.next();
-            let Call { keys, args, deny_keys } = call;
-            let script = this.script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
-            let reply = match tokio::time::timeout(this.timeout, script).await {
-                Ok(Ok(reply)) => reply,
-                Ok(Err(e)) => return Err(RedisError::Command(e).into()),
-                Err(_) => return Err(RedisError::Timeout(this.timeout).into()),
-            };
-            let outcome = decode(&shape, &reply)?;
+            // One call per hash slot, concurrently (a single call on a standalone Redis).
+            let results = futures_util::future::join_all(calls.iter().map(|call| run(&this, call))).await;
+            let mut replies = Vec::with_capacity(results.len());
+            let mut failure = None;
+            for result in results {
+                match result {
+                    Ok(reply) => replies.push(reply),
+                    Err(e) => {
+                        failure = Some(e);
+                        replies.push(vec![0; 3]);
+                    }
+                }
+            }
+            let allowed = failure.is_none() && replies.iter().all(|r| r[0] == 1);
+            let shadow_allowed = replies.iter().all(|r| r[1] == 1);
+            let now_us = replies.iter().map(|r| r[2]).max().unwrap_or(0);
+            let mut per_band = vec![[0i64; 4]; shape.bands.len()];
+            for (call, reply) in calls.iter().zip(&replies) {
+                if reply.len() == 3 + 4 * call.keys.len() {
+                    for (j, &p) in call.positions.iter().enumerate() {
+                        per_band[p].copy_from_slice(&reply[3 + 4 * j..7 + 4 * j]);
+                    }
+                }
+            }
+            if !allowed && calls.len() > 1 {
+                // Another slot rejected (or failed): what the admitting slots took goes back.
+                for (p, remaining, reset) in refund(&this, &calls, &replies).await? {
+                    per_band[p][1] = remaining;
+                    per_band[p][2] = reset;
+                }
+            }
+            if let Some(e) = failure {
+                return Err(e.into());
+            }
+            let outcome = decode(&shape, allowed, shadow_allowed, now_us, &per_band);
             if let Some(cache) = &this.denied {
                 // Counted from before the call, so a denial never outlives the real wait.
-                for (report, key) in outcome.bands.iter().zip(deny_keys) {
-                    if let (Wait::After(wait), Some(key)) = (report.wait, key) {
-                        cache.insert(
-                            key,
-                            Denial {
+                for call in &calls {
+                    for (key, &p) in call.deny_keys.iter().zip(&call.positions) {
+                        if let (Wait::After(wait), Some(key)) = (outcome.bands[p].wait, key) {
+                            let denial = Denial {
                                 until: start + wait,
-                                remaining: report.remaining,
-                            },
-                        );
+                                remaining: outcome.bands[p].remaining,
+                            };
+                            cache.insert(key.clone(), denial);
+                        }
                     }
                 }
             }
@@ -556,6 +685,23 @@ mod tests {
             "redis://user:***@host:6379/0"
         );
         assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    #[test]
+    fn urls() {
+        use fred::types::config::ServerConfig;
+        let standalone = parse_url("redis://user:pw@127.0.0.1:6380/2").unwrap();
+        assert!(matches!(standalone.server, ServerConfig::Centralized { .. }));
+        assert_eq!(standalone.database, Some(2));
+        let cluster = parse_url("redis://:pw@10.0.0.1:7000,10.0.0.2:7001,10.0.0.3:7002").unwrap();
+        match cluster.server {
+            ServerConfig::Clustered { hosts, .. } => assert_eq!(hosts.len(), 3),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(cluster.password.as_deref(), Some("pw"));
+        for bad in ["http://x", "redis://a,,b", "127.0.0.1:6379", "redis://host:notaport"] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
