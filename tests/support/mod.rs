@@ -24,6 +24,11 @@ pub trait Backend: Send + Sync {
     fn limiter(&self) -> Arc<dyn RateLimiter>;
     /// How many admissions the exact-refill scenario may be off by.
     fn refill_tolerance(&self) -> usize;
+    /// Whether every rule of a request is decided in one atomic step (not so for rules in
+    /// different slots of a Redis Cluster, which are refunded instead).
+    fn atomic_across_rules(&self) -> bool {
+        true
+    }
 }
 
 /// The in-memory backend on tokio's clock (controlled by `start_paused`).

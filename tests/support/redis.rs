@@ -38,6 +38,11 @@ fn ping(port: u16) -> bool {
 impl RedisServer {
     /// Starts a standalone server.
     pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra configuration arguments.
+    pub fn start_with(extra: &[&str]) -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         for _ in 0..5 {
             let port = free_port();
@@ -58,6 +63,7 @@ impl RedisServer {
                     "--appendonly",
                     "no",
                 ])
+                .args(extra)
                 .arg("--dir")
                 .arg(&dir)
                 .stdout(Stdio::null())
@@ -191,6 +197,108 @@ impl Redis {
 impl Backend for Redis {
     fn name(&self) -> &'static str {
         "redis"
+    }
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        let n = self.next.fetch_add(1, Ordering::SeqCst);
+        Arc::new(self.base.with_prefix(format!("test{n}")))
+    }
+    fn refill_tolerance(&self) -> usize {
+        2
+    }
+}
+
+/// A 3-primary Redis Cluster on free loopback ports, stopped when dropped.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "5000",
+            ]));
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cluster
+            .nodes
+            .iter()
+            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        {
+            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster
+    }
+
+    /// The seed's convention: comma-separated nodes.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        format!("redis://{}", nodes.join(","))
+    }
+
+    /// `EVALSHA` calls counted by every node.
+    pub fn evalsha_calls(&self) -> u64 {
+        self.nodes
+            .iter()
+            .map(|n| {
+                n.cli(&["INFO", "commandstats"])
+                    .lines()
+                    .find(|l| l.starts_with("cmdstat_evalsha:"))
+                    .and_then(|l| l.split("calls=").nth(1))
+                    .and_then(|v| v.split(',').next())
+                    .map_or(0, |v| v.parse().expect("a call count"))
+            })
+            .sum()
+    }
+}
+
+/// The Redis backend on a cluster: a fresh key prefix per limiter.
+pub struct Cluster {
+    pub cluster: RedisCluster,
+    base: RedisLimiter,
+    next: AtomicUsize,
+}
+
+impl Cluster {
+    pub async fn start() -> Self {
+        let cluster = RedisCluster::start();
+        let base = RedisLimiter::builder(cluster.url())
+            .timeout(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("connect to the test cluster");
+        Self {
+            cluster,
+            base,
+            next: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl Backend for Cluster {
+    fn name(&self) -> &'static str {
+        "redis cluster"
+    }
+    fn atomic_across_rules(&self) -> bool {
+        false
     }
     fn limiter(&self) -> Arc<dyn RateLimiter> {
         let n = self.next.fetch_add(1, Ordering::SeqCst);

@@ -329,9 +329,18 @@ rule_sets:
             .build()
     })
     .await;
-    assert_eq!(admitted, 90, "three users × 30 before the global band of 100 runs out");
+    if backend.atomic_across_rules() {
+        assert_eq!(admitted, 90, "three users × 30 before the global band of 100 runs out");
+    } else {
+        // Rules in different cluster slots are consumed, then refunded when another slot
+        // rejects: a request may be rejected while refunds are in flight, never admitted
+        // beyond a limit.
+        assert!((60..=90).contains(&admitted), "{admitted}");
+    }
+    // Either way, only admitted requests consumed the global band.
     let d = check(&engine, &RequestContext::builder().user_id("fresh").build()).await;
-    assert_eq!(d.bands.iter().find(|b| &*b.rule == "global").unwrap().remaining, 9);
+    let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap().remaining;
+    assert_eq!(global, 100 - admitted as u64 - 1);
 }
 
 async fn run_concurrently(engine: &fluxgate::core::Engine, ctx_for: impl Fn(usize) -> RequestContext) -> usize {

@@ -252,7 +252,8 @@ impl RedisLimiterBuilder {
     /// The local deny cache (on by default): after a band rejects a request with a
     /// retry-after of T, requests of the same cost that need that band are rejected
     /// locally, without a Redis call, until T has passed. Only time adds tokens, so this
-    /// never rejects a request Redis would admit, and never admits one.
+    /// never rejects a request Redis would admit, and never admits one. On a cluster,
+    /// refunds give tokens back too, so the cache stays off there.
     pub fn deny_cache(mut self, on: bool) -> Self {
         self.deny_cache = on;
         self
@@ -306,7 +307,8 @@ impl RedisLimiterBuilder {
                 cluster,
                 prefix: self.prefix,
                 timeout: self.timeout,
-                denied: self.deny_cache.then(deny_cache),
+                // Refunds give tokens back, so on a cluster a denial could end early.
+                denied: (self.deny_cache && !cluster).then(deny_cache),
             }),
         })
     }
@@ -326,13 +328,21 @@ fn parse_url(url: &str) -> Result<Config, String> {
     if nodes.len() == 1 && !scheme.ends_with("-cluster") {
         return Config::from_url(url).map_err(|e| e.details().to_string());
     }
-    let tls = if scheme.starts_with("rediss") { "rediss" } else { "redis" };
+    let tls = if scheme.starts_with("rediss") {
+        "rediss"
+    } else {
+        "redis"
+    };
     let (first, query) = nodes[0].split_once('?').unwrap_or((nodes[0], ""));
     // A cluster has no databases: a `/db` path is dropped.
     let first = first.split('/').next().unwrap_or(first);
     let params: Vec<String> = std::iter::once(query.to_owned())
         .filter(|q| !q.is_empty())
-        .chain(nodes[1..].iter().map(|n| format!("node={}", n.split('/').next().unwrap_or(n))))
+        .chain(
+            nodes[1..]
+                .iter()
+                .map(|n| format!("node={}", n.split('/').next().unwrap_or(n))),
+        )
         .collect();
     let mut cluster_url = format!("{tls}-cluster://{first}");
     if !params.is_empty() {
@@ -387,7 +397,11 @@ impl RedisLimiter {
         for bucket in request.buckets {
             let rule = bucket.rule;
             let tag = format!("{{{}:{}:{}}}", bucket.rule_set, rule.id(), bucket.key.as_str());
-            let slot = if self.inner.cluster { fred::util::redis_keyslot(tag.as_bytes()) } else { 0 };
+            let slot = if self.inner.cluster {
+                fred::util::redis_keyslot(tag.as_bytes())
+            } else {
+                0
+            };
             let at = match calls.iter().position(|(s, _)| *s == slot) {
                 Some(at) => at,
                 None => {
@@ -397,13 +411,20 @@ impl RedisLimiter {
             };
             let call = &mut calls[at].1;
             call.buckets += 1;
-            call.args.extend([rule.permits() as i64, i64::from(bucket.shadow()), rule.bands().len() as i64]);
+            call.args.extend([
+                rule.permits() as i64,
+                i64::from(bucket.shadow()),
+                rule.bands().len() as i64,
+            ]);
             for band in rule.bands().iter() {
                 let capacity = band.capacity();
                 let window_us = u64::try_from(band.window().as_micros()).unwrap_or(u64::MAX);
                 let g = gcd(capacity, window_us);
                 let (scale, interval) = (capacity / g, window_us / g);
-                if capacity.checked_mul(interval).is_none_or(|cap| cap > MAX_SCALED_CAPACITY) {
+                if capacity
+                    .checked_mul(interval)
+                    .is_none_or(|cap| cap > MAX_SCALED_CAPACITY)
+                {
                     return Err(RedisError::BandTooLarge {
                         rule: rule.id().to_string(),
                         band: band.name().to_string(),
@@ -414,8 +435,10 @@ impl RedisLimiter {
                 let window_ms = band.window().as_millis();
                 let key = format!("{}:{tag}:{}:{capacity}/{window_ms}", self.inner.prefix, band.name());
                 let ttl_ms = i64::try_from(window_ms).unwrap_or(i64::MAX / 2) + 1_000;
-                call.args.extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
-                call.deny_keys.push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
+                call.args
+                    .extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
+                call.deny_keys
+                    .push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
                 call.refund.push([
                     (rule.permits().min(capacity) * interval) as i64,
                     capacity as i64,
@@ -495,7 +518,11 @@ async fn run(inner: &Inner, call: &Call) -> Result<Vec<i64>, RedisError> {
         Err(_) => return Err(RedisError::Timeout(inner.timeout)),
     };
     if reply.len() != 3 + 4 * call.keys.len() {
-        return Err(RedisError::Reply(format!("{} numbers for {} bands", reply.len(), call.keys.len())));
+        return Err(RedisError::Reply(format!(
+            "{} numbers for {} bands",
+            reply.len(),
+            call.keys.len()
+        )));
     }
     Ok(reply)
 }
@@ -529,7 +556,12 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
             Ok(Err(e)) => return Err(RedisError::Command(e)),
             Err(_) => return Err(RedisError::Timeout(inner.timeout)),
         };
-        figures.extend(positions.into_iter().zip(reply.chunks_exact(2)).map(|(p, r)| (p, r[0], r[1])));
+        figures.extend(
+            positions
+                .into_iter()
+                .zip(reply.chunks_exact(2))
+                .map(|(p, r)| (p, r[0], r[1])),
+        );
     }
     Ok(figures)
 }
@@ -610,7 +642,10 @@ impl RateLimiter for RedisLimiter {
                 .iter()
                 .flat_map(|b| {
                     let (rule, shadow) = (b.rule.id(), b.shadow());
-                    b.rule.bands().iter().map(move |band| (rule.clone(), shadow, band.clone()))
+                    b.rule
+                        .bands()
+                        .iter()
+                        .map(move |band| (rule.clone(), shadow, band.clone()))
                 })
                 .collect(),
         };
