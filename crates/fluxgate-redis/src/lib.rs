@@ -32,10 +32,14 @@
 //! bound. The braces make all bands of one rule share a hash slot. A key expires one
 //! second after its band's window, when the bucket is full again anyway.
 //!
-//! # Scope of this release
+//! # Deployments
 //!
-//! A standalone Redis (`redis://` or `rediss://`, with database, user and password).
-//! Cluster and Sentinel URLs are rejected with an error saying so.
+//! A standalone Redis (`redis://` or `rediss://`, with database, user and password), or a
+//! Redis Cluster named by several comma-separated nodes (`redis://h1:7000,h2:7001`) or a
+//! `redis-cluster://` URL. On a cluster the buckets of a request are grouped by hash slot,
+//! one call per slot goes out concurrently, and when a slot rejects, the slots that
+//! admitted give back what they consumed (`lua/refund.lua`). Sentinel URLs are rejected
+//! with an error saying they are not supported yet.
 
 #![deny(unsafe_code)]
 
@@ -176,7 +180,8 @@ pub struct RedisLimiterBuilder {
 }
 
 impl RedisLimiter {
-    /// A builder for `url`: `redis://[user:password@]host:port[/db]` or `rediss://…`.
+    /// A builder for `url`: `redis://[user:password@]host:port[/db]`, `rediss://…`, or
+    /// several comma-separated `host:port` nodes of a cluster.
     pub fn builder(url: impl Into<String>) -> RedisLimiterBuilder {
         RedisLimiterBuilder {
             url: url.into(),
