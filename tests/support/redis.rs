@@ -91,6 +91,11 @@ impl RedisServer {
         panic!("redis-server did not start");
     }
 
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// `redis://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
@@ -306,5 +311,103 @@ impl Backend for Cluster {
     }
     fn refill_tolerance(&self) -> usize {
         2
+    }
+}
+
+/// A primary, a replica and three sentinels monitoring them as `mymaster`.
+pub struct RedisSentinels {
+    pub primary: RedisServer,
+    pub replica: RedisServer,
+    sentinels: Vec<(Child, u16)>,
+    dir: PathBuf,
+}
+
+impl RedisSentinels {
+    pub fn start() -> Self {
+        let primary = RedisServer::start();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        let dir = std::env::temp_dir().join(format!("fluxgate-sentinels-{}-{}", std::process::id(), primary.port));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sentinels = Vec::new();
+        for i in 0..3 {
+            let port = free_port();
+            let conf = dir.join(format!("sentinel-{i}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n\
+                     sentinel parallel-syncs mymaster 1\n",
+                    dir.display(),
+                    primary.port
+                ),
+            )
+            .unwrap();
+            let child = Command::new("redis-server")
+                .arg(&conf)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server --sentinel (package redis-sentinel)");
+            sentinels.push((child, port));
+        }
+        let this = Self {
+            primary,
+            replica,
+            sentinels,
+            dir,
+        };
+        // Every sentinel knows the primary, its replica and the other sentinels.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = this.sentinels.iter().all(|(_, port)| {
+                let replicas = sentinel_cli(*port, &["SENTINEL", "REPLICAS", "mymaster"]);
+                let others = sentinel_cli(*port, &["SENTINEL", "SENTINELS", "mymaster"]);
+                replicas.contains(&this.replica.port.to_string()) && others.matches("runid").count() >= 2
+            });
+            if ready {
+                return this;
+            }
+            assert!(Instant::now() < deadline, "the sentinels did not discover each other");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `redis-sentinel://s1?node=s2&node=s3&sentinelServiceName=mymaster`.
+    pub fn url(&self) -> String {
+        let ports: Vec<u16> = self.sentinels.iter().map(|(_, p)| *p).collect();
+        format!(
+            "redis-sentinel://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}&sentinelServiceName=mymaster",
+            ports[0], ports[1], ports[2]
+        )
+    }
+
+    /// The port of the primary the sentinels currently name.
+    pub fn primary_port(&self) -> Option<u16> {
+        let out = sentinel_cli(
+            self.sentinels[0].1,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
+        );
+        out.lines().nth(1).and_then(|p| p.trim().parse().ok())
+    }
+}
+
+fn sentinel_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl Drop for RedisSentinels {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.sentinels {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

@@ -38,8 +38,9 @@
 //! Redis Cluster named by several comma-separated nodes (`redis://h1:7000,h2:7001`) or a
 //! `redis-cluster://` URL. On a cluster the buckets of a request are grouped by hash slot,
 //! one call per slot goes out concurrently, and when a slot rejects, the slots that
-//! admitted give back what they consumed (`lua/refund.lua`). Sentinel URLs are rejected
-//! with an error saying they are not supported yet.
+//! admitted give back what they consumed (`lua/refund.lua`). Sentinel: a
+//! `redis-sentinel://` URL with the sentinels and `sentinelServiceName`; after a failover
+//! the client follows the new primary and reloads the scripts on `NOSCRIPT`.
 
 #![deny(unsafe_code)]
 
@@ -283,11 +284,6 @@ impl RedisLimiterBuilder {
             url: shown.clone(),
             reason,
         };
-        if self.url.starts_with("redis-sentinel://") {
-            return Err(url_error(
-                "Redis Sentinel is not supported yet; use redis:// (standalone or cluster)".into(),
-            ));
-        }
         let config = parse_url(&self.url).map_err(url_error)?;
         let cluster = matches!(config.server, fred::types::config::ServerConfig::Clustered { .. });
         let mut builder = Builder::from_config(config);
@@ -319,13 +315,26 @@ impl RedisLimiterBuilder {
     }
 }
 
-/// A standalone or cluster configuration from a URL. Several comma-separated nodes name a
-/// cluster (`redis://host1:6379,host2:6379`), as does a `redis-cluster://` URL.
+/// A standalone, cluster or Sentinel configuration from a URL. Several comma-separated
+/// nodes name a cluster (`redis://host1:6379,host2:6379`), as does a `redis-cluster://`
+/// URL; `redis-sentinel://s1:26379?node=s2:26379&sentinelServiceName=mymaster` names the
+/// sentinels of a primary.
 fn parse_url(url: &str) -> Result<Config, String> {
     let (scheme, rest) = url
         .split_once("://")
-        .filter(|(scheme, _)| matches!(*scheme, "redis" | "rediss" | "redis-cluster" | "rediss-cluster"))
-        .ok_or_else(|| "expected a URL starting with redis:// or rediss://".to_owned())?;
+        .filter(|(scheme, _)| {
+            matches!(
+                *scheme,
+                "redis" | "rediss" | "redis-cluster" | "rediss-cluster" | "redis-sentinel" | "rediss-sentinel"
+            )
+        })
+        .ok_or_else(|| "expected a URL starting with redis://, rediss:// or redis-sentinel://".to_owned())?;
+    if scheme.ends_with("-sentinel") {
+        if !rest.contains("sentinelServiceName=") {
+            return Err("a Sentinel URL needs ?sentinelServiceName=<primary name>".to_owned());
+        }
+        return Config::from_url_sentinel(url).map_err(|e| e.details().to_string());
+    }
     let nodes: Vec<&str> = rest.split(',').map(str::trim).collect();
     if nodes.iter().any(|n| n.is_empty()) {
         return Err("a node is empty; list the nodes as host:port,host:port".to_owned());
@@ -739,7 +748,16 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(cluster.password.as_deref(), Some("pw"));
-        for bad in ["http://x", "redis://a,,b", "127.0.0.1:6379", "redis://host:notaport"] {
+        let sentinel =
+            parse_url("redis-sentinel://127.0.0.1:26379?node=127.0.0.1:26380&sentinelServiceName=mymaster").unwrap();
+        assert!(matches!(sentinel.server, ServerConfig::Sentinel { .. }));
+        for bad in [
+            "http://x",
+            "redis://a,,b",
+            "127.0.0.1:6379",
+            "redis://host:notaport",
+            "redis-sentinel://127.0.0.1:26379",
+        ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }
     }
