@@ -1,8 +1,8 @@
 -- FluxGate refund: gives back what a request consumed in some hash slots of a Redis
 -- Cluster when another slot rejected it, so that a rejected request consumes nothing.
 --
--- The same state and units as token_bucket.lua (a hash {t, f} per band; a token costs
--- `interval` units of 1/scale microsecond). Refunding moves the theoretical arrival time
+-- The same state and units as token_bucket.lua (a string "<t>" or "<t>:<f>" per band; a
+-- token costs `interval` units of 1/scale microsecond). Refunding moves the theoretical arrival time
 -- back by the cost, never before now (a bucket is never fuller than full).
 --
 -- KEYS: one key per band to refund.
@@ -32,8 +32,16 @@ for i, key in ipairs(KEYS) do
   local capacity = tonumber(ARGV[at + 2])
   local scale = tonumber(ARGV[at + 3])
   local interval = tonumber(ARGV[at + 4])
-  local state = redis.call('HMGET', key, 't', 'f')
-  local tat, frac = tonumber(state[1]), tonumber(state[2]) or 0
+  local tat, frac = nil, 0
+  local v = redis.call('GET', key)
+  if v then
+    local colon = string.find(v, ':', 1, true)
+    if colon then
+      tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+    else
+      tat = tonumber(v)
+    end
+  end
   local debt = 0
   if tat and (tat > now or (tat == now and frac > 0)) then
     debt = (tat - now) * scale + frac
@@ -41,7 +49,12 @@ for i, key in ipairs(KEYS) do
   debt = math.max(0, debt - cost)
   local whole = idiv(debt, scale)
   if tat then
-    redis.call('HSET', key, 't', now + whole, 'f', debt - whole * scale)
+    local rest = debt - whole * scale
+    local value = string.format('%.0f', now + whole)
+    if rest > 0 then
+      value = value .. string.format(':%.0f', rest)
+    end
+    redis.call('SET', key, value, 'KEEPTTL')
   end
   reply[#reply + 1] = idiv(capacity * interval - debt, interval)
   reply[#reply + 1] = cdiv(debt, scale)

@@ -8,12 +8,14 @@
 -- caller guarantees capacity * interval <= 2^52, so every number below stays an exact
 -- integer in Lua's doubles. Time is Redis TIME in microseconds (about 2^51 today).
 --
--- State per band key: a hash {t = TAT in whole microseconds, f = remainder in units,
--- 0 <= f < scale}. A missing key is a full bucket.
+-- State per band key: a string "<t>" or "<t>:<f>", t the TAT in whole microseconds and f
+-- the remainder in units (0 <= f < scale). A missing key is a full bucket.
 --
 -- KEYS: one key per band, bucket by bucket, band by band.
--- ARGV: [1] number of buckets; then per bucket: permits, shadow (0|1), band count;
---       then per band of that bucket: capacity, scale, interval, ttl_ms.
+-- ARGV: [1] number of buckets; then per bucket: permits, and band count * 2 + shadow (0|1);
+--       then per band of that bucket: capacity, scale, interval.
+-- A written key expires one second after its band's window (capacity * interval / scale
+-- microseconds), when the bucket is full again anyway.
 --
 -- Enforced buckets are all or nothing. Shadow buckets consume only when the enforced
 -- ones admitted and every shadow band admits too. Nothing is written on rejection.
@@ -22,81 +24,99 @@
 --           allowed (0|1), remaining, reset_after_us, wait_us (0 = none, -1 = never)}
 -- remaining and reset_after_us describe the band after the decision.
 
--- Integer division that stays exact: a double quotient can round across an integer.
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  while q * b > a do q = q - 1 end
-  while (q + 1) * b <= a do q = q + 1 end
-  return q
-end
+local floor = math.floor
 
-local function cdiv(a, b)
-  local q = idiv(a, b)
-  if q * b < a then q = q + 1 end
+-- a // b for integers below 2^53: the double quotient is off by at most one.
+local function idiv(a, b)
+  local q = floor(a / b)
+  if q * b > a then
+    return q - 1
+  elseif (q + 1) * b <= a then
+    return q + 1
+  end
   return q
 end
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
-local bands = {}
+-- Pass 1: evaluate every band. Per band, 8 slots of `st`:
+-- debt, new debt (or -1 when the band rejects), wait, scale, interval, cap, ttl_ms, shadow.
+local st = {}
 local allowed, shadow_allowed = true, true
-local arg, key = 2, 1
+local arg, n = 2, 0
 for _ = 1, tonumber(ARGV[1]) do
   local permits = tonumber(ARGV[arg])
-  local shadow = ARGV[arg + 1] == '1'
-  local count = tonumber(ARGV[arg + 2])
-  arg = arg + 3
-  for _ = 1, count do
+  local flags = tonumber(ARGV[arg + 1])
+  local shadow = flags % 2 == 1
+  arg = arg + 2
+  for _ = 1, floor(flags / 2) do
     local capacity = tonumber(ARGV[arg])
     local scale = tonumber(ARGV[arg + 1])
     local interval = tonumber(ARGV[arg + 2])
-    local ttl = tonumber(ARGV[arg + 3])
-    arg = arg + 4
+    arg = arg + 3
+    n = n + 1
 
-    local state = redis.call('HMGET', KEYS[key], 't', 'f')
-    local tat, frac = tonumber(state[1]), tonumber(state[2]) or 0
+    local v = redis.call('GET', KEYS[n])
     local debt = 0
-    if tat and (tat > now or (tat == now and frac > 0)) then
-      debt = (tat - now) * scale + frac
+    if v then
+      local tat, frac = tonumber(v), 0
+      if not tat then
+        local colon = string.find(v, ':', 1, true)
+        tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+      end
+      if tat > now or (tat == now and frac > 0) then
+        debt = (tat - now) * scale + frac
+      end
     end
     local cap = capacity * interval
+    local ttl = cap / scale / 1000 + 1000
     if debt > cap then
       debt = cap
     end
-    local b = {
-      key = KEYS[key], ttl = ttl, shadow = shadow, scale = scale, interval = interval, cap = cap,
-      debt = debt, ok = false, wait = -1,
-    }
+    local new_debt, wait = -1, -1
     if permits <= capacity then
-      local new_debt = debt + permits * interval
-      if new_debt <= cap then
-        b.ok, b.wait, b.new_debt = true, 0, new_debt
+      local d = debt + permits * interval
+      if d <= cap then
+        new_debt, wait = d, 0
       else
-        b.wait = math.max(1, cdiv(new_debt - cap, scale))
+        local over = d - cap
+        wait = idiv(over, scale)
+        if wait * scale < over then wait = wait + 1 end
+        if wait < 1 then wait = 1 end
       end
     end
-    if not b.ok then
+    if new_debt < 0 then
       if shadow then shadow_allowed = false else allowed = false end
     end
-    bands[#bands + 1] = b
-    key = key + 1
+    local at = (n - 1) * 8
+    st[at + 1], st[at + 2], st[at + 3], st[at + 4] = debt, new_debt, wait, scale
+    st[at + 5], st[at + 6], st[at + 7], st[at + 8] = interval, cap, ttl, shadow
   end
 end
 
+-- Pass 2: commit when admitted, and report.
 local reply = {allowed and 1 or 0, shadow_allowed and 1 or 0, now}
-for _, b in ipairs(bands) do
-  local commit = b.ok and allowed and (not b.shadow or shadow_allowed)
-  local debt = b.debt
-  if commit then
-    debt = b.new_debt
-    local whole = idiv(debt, b.scale)
-    redis.call('HSET', b.key, 't', now + whole, 'f', debt - whole * b.scale)
-    redis.call('PEXPIRE', b.key, b.ttl)
+for i = 1, n do
+  local at = (i - 1) * 8
+  local debt, new_debt, scale = st[at + 1], st[at + 2], st[at + 4]
+  local ok = new_debt >= 0
+  if ok and allowed and (not st[at + 8] or shadow_allowed) then
+    debt = new_debt
+    local whole = idiv(debt, scale)
+    local frac = debt - whole * scale
+    if frac == 0 then
+      -- A number argument is written in full (no 14-digit rounding).
+      redis.call('SET', KEYS[i], now + whole, 'PX', st[at + 7])
+    else
+      redis.call('SET', KEYS[i], string.format('%.0f:%.0f', now + whole, frac), 'PX', st[at + 7])
+    end
   end
-  reply[#reply + 1] = b.ok and 1 or 0
-  reply[#reply + 1] = idiv(b.cap - debt, b.interval)
-  reply[#reply + 1] = cdiv(debt, b.scale)
-  reply[#reply + 1] = b.wait
+  local reset = idiv(debt, scale)
+  if reset * scale < debt then reset = reset + 1 end
+  reply[#reply + 1] = ok and 1 or 0
+  reply[#reply + 1] = idiv(st[at + 6] - debt, st[at + 5])
+  reply[#reply + 1] = reset
+  reply[#reply + 1] = st[at + 3]
 end
 return reply

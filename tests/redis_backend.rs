@@ -144,7 +144,8 @@ rule_sets:
             assert_eq!(key.matches('{').count(), 1, "{key}");
             assert_eq!(key.matches('}').count(), 1, "{key}");
             let ttl: i64 = redis.server.cli(&["PTTL", key]).trim().parse().unwrap();
-            let window_ms: i64 = key.rsplit('/').next().unwrap().parse().unwrap();
+            let window = fluxgate::core::parse_duration(key.rsplit('/').next().unwrap()).unwrap();
+            let window_ms = window.as_millis() as i64;
             assert!(ttl > window_ms && ttl <= window_ms + 1_000, "{key}: ttl {ttl}");
         }
     }

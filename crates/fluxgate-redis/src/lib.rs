@@ -26,7 +26,8 @@
 //!
 //! # Keys
 //!
-//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window ms>`. Rule set and
+//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>` (the window as in
+//! rule files: `500ms`, `1m`, `1h`). Rule set and
 //! rule ids and band names are validated ids, and key values are encoded by
 //! [`fluxgate_core::key`] so that no user value contains `{`, `}` or `:`, nor grows without
 //! bound. The braces make all bands of one rule share a hash slot. A key expires one
@@ -425,11 +426,8 @@ impl RedisLimiter {
             };
             let call = &mut calls[at].1;
             call.buckets += 1;
-            call.args.extend([
-                rule.permits() as i64,
-                i64::from(bucket.shadow()),
-                rule.bands().len() as i64,
-            ]);
+            let flags = rule.bands().len() as i64 * 2 + i64::from(bucket.shadow());
+            call.args.extend([rule.permits() as i64, flags]);
             for band in rule.bands().iter() {
                 let capacity = band.capacity();
                 let window_us = u64::try_from(band.window().as_micros()).unwrap_or(u64::MAX);
@@ -446,11 +444,9 @@ impl RedisLimiter {
                         window: band.window(),
                     });
                 }
-                let window_ms = band.window().as_millis();
-                let key = format!("{}:{tag}:{}:{capacity}/{window_ms}", self.inner.prefix, band.name());
-                let ttl_ms = i64::try_from(window_ms).unwrap_or(i64::MAX / 2) + 1_000;
-                call.args
-                    .extend([capacity as i64, scale as i64, interval as i64, ttl_ms]);
+                let window = fluxgate_core::format_duration(band.window());
+                let key = format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name());
+                call.args.extend([capacity as i64, scale as i64, interval as i64]);
                 call.deny_keys
                     .push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
                 call.refund.push([
@@ -521,22 +517,17 @@ fn decode(shape: &Shape, allowed: bool, shadow_allowed: bool, now_us: i64, per_b
 }
 
 /// Runs one call within the deadline.
-async fn run(inner: &Inner, call: &Call) -> Result<Vec<i64>, RedisError> {
+async fn run(inner: &Inner, keys: Vec<String>, args: Vec<i64>) -> Result<Vec<i64>, RedisError> {
+    let bands = keys.len();
     let client = inner.clients.next();
-    let script = inner
-        .script
-        .evalsha_with_reload::<Vec<i64>, _, _>(client, call.keys.clone(), call.args.clone());
+    let script = inner.script.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
     let reply = match tokio::time::timeout(inner.timeout, script).await {
         Ok(Ok(reply)) => reply,
         Ok(Err(e)) => return Err(RedisError::Command(e)),
         Err(_) => return Err(RedisError::Timeout(inner.timeout)),
     };
-    if reply.len() != 3 + 4 * call.keys.len() {
-        return Err(RedisError::Reply(format!(
-            "{} numbers for {} bands",
-            reply.len(),
-            call.keys.len()
-        )));
+    if reply.len() != 3 + 4 * bands {
+        return Err(RedisError::Reply(format!("{} numbers for {bands} bands", reply.len())));
     }
     Ok(reply)
 }
@@ -670,7 +661,14 @@ impl RateLimiter for RedisLimiter {
         let this = self.inner.clone();
         MaybeReady::boxed(async move {
             // One call per hash slot, concurrently (a single call on a standalone Redis).
-            let results = futures_util::future::join_all(calls.iter().map(|call| run(&this, call))).await;
+            let mut calls = calls;
+            let results = if let [call] = calls.as_mut_slice() {
+                // One call (always so on a standalone Redis): no refund needs the keys again.
+                let (keys, args) = (std::mem::take(&mut call.keys), std::mem::take(&mut call.args));
+                vec![run(&this, keys, args).await]
+            } else {
+                futures_util::future::join_all(calls.iter().map(|c| run(&this, c.keys.clone(), c.args.clone()))).await
+            };
             let mut replies = Vec::with_capacity(results.len());
             let mut failure = None;
             for result in results {
@@ -687,7 +685,7 @@ impl RateLimiter for RedisLimiter {
             let now_us = replies.iter().map(|r| r[2]).max().unwrap_or(0);
             let mut per_band = vec![[0i64; 4]; shape.bands.len()];
             for (call, reply) in calls.iter().zip(&replies) {
-                if reply.len() == 3 + 4 * call.keys.len() {
+                if reply.len() == 3 + 4 * call.positions.len() {
                     for (j, &p) in call.positions.iter().enumerate() {
                         per_band[p].copy_from_slice(&reply[3 + 4 * j..7 + 4 * j]);
                     }
