@@ -44,7 +44,7 @@ rule_sets:
   - id: default
     rules:
       - id: per-ip
-        bands: [{ capacity: 100000, window: 1h }]
+        bands: [{ capacity: 10000000, window: 1h }]
 "#;
 
 const THREE_BY_TWO: &str = r#"
@@ -52,13 +52,13 @@ rule_sets:
   - id: default
     rules:
       - id: per-ip
-        bands: [{ capacity: 100000, window: 1h, label: hour }, { capacity: 100000, window: 1m, label: minute }]
+        bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
       - id: per-user
         scope: user
-        bands: [{ capacity: 100000, window: 1h, label: hour }, { capacity: 100000, window: 1m, label: minute }]
+        bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
       - id: global
         scope: global
-        bands: [{ capacity: 100000, window: 1h, label: hour }, { capacity: 100000, window: 1m, label: minute }]
+        bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
 "#;
 
 fn secs() -> Duration {
@@ -211,6 +211,7 @@ async fn fluxgate_layer() -> Report {
     })
     .await;
     report.evalsha = Some(evalsha_calls(&server) - before);
+    report.server_us = evalsha_stat(&server, "usec_per_call");
     report
 }
 
@@ -267,12 +268,12 @@ fn ceiling(name: &str, bands: usize) {
         .cli(&["SCRIPT", "LOAD", fluxgate_redis::TOKEN_BUCKET_LUA])
         .trim()
         .to_owned();
-    // The arguments the limiter sends for bands of 100,000 per hour: g = 100,000, scale 1,
-    // interval 36,000 (see lua/token_bucket.lua).
+    // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
+    // scale 1, interval 360 (see lua/token_bucket.lua).
     let mut args: Vec<String> = vec!["EVALSHA".into(), sha, bands.to_string()];
     for b in 0..bands {
         args.push(format!(
-            "fluxgate:{{default:rule{}:ip=__rand_int__}}:b{}:100000/1h",
+            "fluxgate:{{default:rule{}:ip=__rand_int__}}:b{}:10000000/1h",
             b / 2,
             b % 2
         ));
@@ -282,7 +283,7 @@ fn ceiling(name: &str, bands: usize) {
     for _ in 0..(bands / per_bucket) {
         args.extend(["1".into(), (per_bucket * 2).to_string()]);
         for _ in 0..per_bucket {
-            args.extend(["100000".into(), "1".into(), "36000".into()]);
+            args.extend(["10000000".into(), "1".into(), "360".into()]);
         }
     }
     let requests = (secs().as_secs() * 40_000).to_string();
