@@ -11,6 +11,11 @@ use support::scenarios;
 async fn cluster_scenarios() {
     // One cluster for the whole suite: each scenario has its own key prefix.
     let cluster = Cluster::start().await;
+    let health = fluxgate_redis::RedisLimiter::builder(cluster.cluster.url())
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(health.health().await.unwrap().cluster_state.as_deref(), Some("ok"));
     scenarios::hundred_per_minute_engine(&cluster).await;
     scenarios::hundred_per_minute_layer(&cluster).await;
     scenarios::two_bands(&cluster).await;

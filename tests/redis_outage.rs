@@ -104,7 +104,9 @@ async fn frozen_redis_blocks_no_request_beyond_the_deadline() {
         assert!(ok, "kill {sig}");
     };
     let health = limiter(&server).await;
-    assert!(health.health().await.unwrap().latency < DEADLINE);
+    let healthy = health.health().await.unwrap();
+    assert!(healthy.latency < DEADLINE);
+    assert_eq!(healthy.cluster_state, None);
     signal("-STOP");
     let mut slowest = Duration::ZERO;
     for _ in 0..50 {

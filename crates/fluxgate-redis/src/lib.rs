@@ -572,28 +572,41 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
 }
 
 /// The result of [`RedisLimiter::health`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Health {
     /// How long a `PING` took.
     pub latency: Duration,
+    /// On a cluster, `cluster_state` from `CLUSTER INFO` (`ok` or `fail`).
+    pub cluster_state: Option<String>,
 }
 
 impl RedisLimiter {
-    /// Sends `PING` within the limiter's deadline and reports how long it took.
+    /// Sends `PING` within the limiter's deadline and reports how long it took; on a
+    /// cluster, also the cluster state.
     ///
     /// # Errors
     ///
     /// [`RedisError::Command`] or [`RedisError::Timeout`] when Redis does not answer.
     pub async fn health(&self) -> Result<Health, RedisError> {
-        let start = Instant::now();
-        let ping = self.inner.clients.next().ping::<String>(None);
-        match tokio::time::timeout(self.inner.timeout, ping).await {
-            Ok(Ok(_)) => Ok(Health {
-                latency: start.elapsed(),
-            }),
+        let deadline = |e| match e {
+            Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(RedisError::Command(e)),
             Err(_) => Err(RedisError::Timeout(self.inner.timeout)),
-        }
+        };
+        let client = self.inner.clients.next();
+        let start = Instant::now();
+        deadline(tokio::time::timeout(self.inner.timeout, client.ping::<String>(None)).await)?;
+        let latency = start.elapsed();
+        let cluster_state = if self.inner.cluster {
+            use fred::interfaces::ClusterInterface;
+            let info: String = deadline(tokio::time::timeout(self.inner.timeout, client.cluster_info()).await)?;
+            info.lines()
+                .find_map(|l| l.strip_prefix("cluster_state:"))
+                .map(|s| s.trim().to_owned())
+        } else {
+            None
+        };
+        Ok(Health { latency, cluster_state })
     }
 
     /// A rejection from the deny cache, when a band of the request is known to reject it.
