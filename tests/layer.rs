@@ -561,6 +561,95 @@ async fn failure_policy_open_or_closed() {
     );
 }
 
+/// A backend that always fails.
+#[derive(Debug)]
+struct Down;
+
+impl fluxgate::core::RateLimiter for Down {
+    fn acquire(
+        &self,
+        _: &fluxgate::core::limiter::AcquireRequest<'_>,
+    ) -> fluxgate::core::MaybeReady<Result<fluxgate::core::limiter::AcquireOutcome, fluxgate::core::BoxError>> {
+        fluxgate::core::MaybeReady::ready(Err("backend down".into()))
+    }
+}
+
+#[tokio::test]
+async fn failure_policies_per_rule() {
+    let with_rules = |yaml: &str| {
+        let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules(yaml)))
+            .limiter(Down)
+            .build();
+        app(RateLimitLayer::new(engine))
+    };
+    // fallback_local decides in memory; fail_open skips its rule.
+    let app = with_rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: local
+        on_backend_failure: fallback_local
+        bands: [{ capacity: 2, window: 1h }]
+      - id: open
+        on_backend_failure: fail_open
+        bands: [{ capacity: 1, window: 1h }]
+"#,
+    );
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(get_from(&app, "/api/users", "192.0.2.91").await.status.as_u16());
+        }
+        v
+    };
+    assert_eq!(statuses, [200, 200, 429], "decided in memory by the fallback_local rule alone");
+    let r = get_from(&app, "/api/users", "192.0.2.92").await;
+    assert_eq!(r.header("x-ratelimit-limit"), Some("2"));
+
+    // fail_closed wins over the others: 503.
+    let app = with_rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: local
+        on_backend_failure: fallback_local
+        bands: [{ capacity: 2, window: 1h }]
+      - id: strict
+        on_backend_failure: fail_closed
+        bands: [{ capacity: 100, window: 1h }]
+"#,
+    );
+    assert_eq!(get_from(&app, "/api/users", "192.0.2.93").await.status, StatusCode::SERVICE_UNAVAILABLE);
+
+    // A rule without a policy, and an engine without one: the layer's (fail open).
+    let app = with_rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: plain
+        bands: [{ capacity: 1, window: 1h }]
+"#,
+    );
+    for _ in 0..3 {
+        let r = get_from(&app, "/api/users", "192.0.2.94").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(r.header("x-ratelimit-limit").is_none());
+    }
+}
+
+#[test]
+fn unknown_failure_policy_is_named() {
+    let err = fluxgate::core::RuleSets::from_yaml_str(
+        "rule_sets:\n  - id: s\n    rules:\n      - {id: r, on_backend_failure: maybe, bands: [{capacity: 1, window: 1s}]}\n",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("rule `r`, field `on_backend_failure`") && err.contains("unknown variant `maybe`"), "{err}");
+}
+
 trait LayerService {
     fn layer_service<S>(&self, inner: S) -> fluxgate::tower::RateLimit<S>;
 }

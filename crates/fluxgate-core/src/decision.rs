@@ -25,6 +25,11 @@ pub enum Outcome {
         /// The rule.
         rule: Arc<str>,
     },
+    /// The backend failed and a rule's failure policy is `fail_closed`.
+    BackendUnavailable {
+        /// The rule.
+        rule: Arc<str>,
+    },
 }
 
 /// One band's figures after a decision.
@@ -129,7 +134,7 @@ impl Decision {
     /// The binding rule's id.
     pub fn rule(&self) -> Option<&Arc<str>> {
         match &self.outcome {
-            Outcome::MissingKey { rule } => Some(rule),
+            Outcome::MissingKey { rule } | Outcome::BackendUnavailable { rule } => Some(rule),
             _ => self.binding().map(|b| &b.rule),
         }
     }

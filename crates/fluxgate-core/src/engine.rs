@@ -12,7 +12,7 @@ use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
 use crate::provider::{RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
-use crate::rule::{Mode, RuleSets};
+use crate::rule::{BackendFailure, Mode, RuleSets};
 use crate::text::Text;
 
 /// What the engine does with a request whose rule set id is unknown.
@@ -56,7 +56,8 @@ pub struct Engine {
 struct Inner {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Arc<dyn RateLimiter>,
-    fallback: Option<MemoryLimiter>,
+    fallback: MemoryLimiter,
+    on_failure: Option<BackendFailure>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
 }
@@ -67,6 +68,7 @@ pub struct EngineBuilder {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Option<Arc<dyn RateLimiter>>,
     fallback: Option<MemoryLimiter>,
+    on_failure: Option<BackendFailure>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
 }
@@ -86,10 +88,24 @@ impl EngineBuilder {
 
     /// Decides with this in-memory limiter, and the same rules, whenever the limiter
     /// fails (an error, a deadline, an open [`CircuitBreaker`](crate::limiter::CircuitBreaker)):
-    /// the `fallback_local` failure policy. Such decisions have [`Decision::degraded`] set.
-    /// Without a fallback, the failure reaches the handler's caller.
+    /// the `fallback_local` failure policy, for every rule that does not name another.
+    /// Such decisions have [`Decision::degraded`] set.
     pub fn fallback(mut self, limiter: MemoryLimiter) -> Self {
         self.fallback = Some(limiter);
+        self.on_failure.get_or_insert(BackendFailure::FallbackLocal);
+        self
+    }
+
+    /// The failure policy of rules that do not name one (`on_backend_failure`). Default:
+    /// none, so that a failure reaches the handler's caller (the layer's
+    /// `FailurePolicy`), unless [`fallback`](Self::fallback) was given.
+    ///
+    /// When the backend fails: a `fail_closed` rule refuses the request
+    /// ([`Outcome::BackendUnavailable`]); otherwise a rule without a policy passes the
+    /// failure on; otherwise the `fallback_local` rules are decided in memory and the
+    /// `fail_open` ones skipped.
+    pub fn on_backend_failure(mut self, policy: BackendFailure) -> Self {
+        self.on_failure = Some(policy);
         self
     }
 
@@ -115,7 +131,8 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
-                fallback: self.fallback,
+                fallback: self.fallback.unwrap_or_default(),
+                on_failure: self.on_failure,
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
             }),
@@ -130,6 +147,7 @@ impl Engine {
             provider: Arc::new(provider),
             limiter: None,
             fallback: None,
+            on_failure: None,
             resolver: KeyResolver::default(),
             unknown_rule_set: UnknownRuleSet::default(),
         }
@@ -217,12 +235,15 @@ impl Engine {
         let rule_set = set.id().clone();
         match self.inner.limiter.acquire(&request).into_ready() {
             Ok(Ok(outcome)) => MaybeReady::ready(Ok(decision_from(rule_set, outcome))),
-            Ok(Err(error)) => MaybeReady::ready(fall_back(self.inner.fallback.as_ref(), &request, error)),
+            Ok(Err(error)) => MaybeReady::ready(self.inner.fall_back(&request, error)),
             Err(pending) => {
-                let fallback = self.inner.fallback.clone();
+                let this = self.inner.clone();
                 let set = set.clone();
-                // What the fallback needs after an asynchronous failure: which rules, which keys.
-                let keys: Option<Vec<(usize, Text)>> = fallback.as_ref().map(|_| {
+                // What a failure policy needs after an asynchronous failure: which rules,
+                // which keys.
+                let policies =
+                    this.on_failure.is_some() || buckets.iter().any(|b| b.rule.on_backend_failure().is_some());
+                let keys: Option<Vec<(usize, Text)>> = policies.then(|| {
                     applied
                         .iter()
                         .zip(buckets.iter())
@@ -242,7 +263,7 @@ impl Engine {
                                     key,
                                 })
                                 .collect();
-                            fall_back(fallback.as_ref(), &AcquireRequest { buckets: &buckets }, error)
+                            this.fall_back(&AcquireRequest { buckets: &buckets }, error)
                         }
                     }
                 })
@@ -251,23 +272,49 @@ impl Engine {
     }
 }
 
-/// The decision of the fallback limiter after the backend failed, or the failure.
-fn fall_back(
-    fallback: Option<&MemoryLimiter>,
-    request: &AcquireRequest<'_>,
-    error: BoxError,
-) -> Result<Decision, Error> {
-    let Some(fallback) = fallback else {
-        return Err(Error::Backend(error));
-    };
-    tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
-    let rule_set = request
-        .buckets
-        .first()
-        .map_or_else(|| Arc::from(""), |b| Arc::from(b.rule_set));
-    let mut decision = decision_from(rule_set, fallback.acquire_now(request));
-    decision.degraded = true;
-    Ok(decision)
+impl Inner {
+    /// The decision after the backend failed, by the rules' failure policies, or the
+    /// failure itself.
+    fn fall_back(&self, request: &AcquireRequest<'_>, error: BoxError) -> Result<Decision, Error> {
+        let policy = |b: &BucketRequest<'_>| b.rule.on_backend_failure().or(self.on_failure);
+        let Some(first) = request.buckets.first() else {
+            return Err(Error::Backend(error));
+        };
+        let rule_set: Arc<str> = Arc::from(first.rule_set);
+        if let Some(closed) = request
+            .buckets
+            .iter()
+            .find(|b| policy(b) == Some(BackendFailure::FailClosed))
+        {
+            tracing::debug!(%error, rule = %closed.rule.id(), "rate-limit backend failed; refusing (fail_closed)");
+            let mut decision = Decision::without_bands(
+                rule_set,
+                false,
+                Outcome::BackendUnavailable {
+                    rule: closed.rule.id().clone(),
+                },
+            );
+            decision.degraded = true;
+            return Ok(decision);
+        }
+        if request.buckets.iter().any(|b| policy(b).is_none()) {
+            return Err(Error::Backend(error));
+        }
+        tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
+        let local: Vec<BucketRequest<'_>> = request
+            .buckets
+            .iter()
+            .filter(|b| policy(b) == Some(BackendFailure::FallbackLocal))
+            .cloned()
+            .collect();
+        let mut decision = if local.is_empty() {
+            Decision::without_bands(rule_set, true, Outcome::Admitted)
+        } else {
+            decision_from(rule_set, self.fallback.acquire_now(&AcquireRequest { buckets: &local }))
+        };
+        decision.degraded = true;
+        Ok(decision)
+    }
 }
 
 /// Runs `f` with the non-empty segments of `path`, without allocating for usual paths.

@@ -66,7 +66,8 @@ pub use provider::{
     CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider,
 };
 pub use rule::{
-    format_duration, parse_duration, Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule,
-    RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
+    format_duration, parse_duration, Algorithm, BackendFailure, Band, BandSpec, Format, KeyField, MatchSpec, Mode,
+    OnMissingKey, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, MAX_CAPACITY,
+    MAX_ID_LEN, MAX_WINDOW,
 };
 pub use text::Text;

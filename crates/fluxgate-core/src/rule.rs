@@ -101,6 +101,9 @@ pub struct RuleSpec {
     /// `enforce` or `shadow`. Default `enforce`.
     #[serde(default)]
     pub mode: Mode,
+    /// What happens to this rule when the backend fails; default: the engine's policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_backend_failure: Option<BackendFailure>,
 }
 
 /// The `match` block of a rule.
@@ -153,6 +156,7 @@ impl RuleSpec {
             permits: 1,
             bands,
             mode: Mode::default(),
+            on_backend_failure: None,
         }
     }
 }
@@ -241,6 +245,18 @@ impl Algorithm {
     }
 }
 
+/// What a rule does when the limiter backend fails (an error, a deadline, an open circuit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackendFailure {
+    /// The rule does not limit the request.
+    FailOpen,
+    /// The request is refused (`503` from the layer).
+    FailClosed,
+    /// The rule is decided by the engine's in-memory fallback limiter.
+    FallbackLocal,
+}
+
 /// Whether a rule blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -278,6 +294,7 @@ pub struct Rule {
     permits: u64,
     bands: Arc<[Band]>,
     mode: Mode,
+    on_backend_failure: Option<BackendFailure>,
 }
 
 /// What a rule's limit is counted per.
@@ -595,6 +612,7 @@ impl Rule {
             permits: spec.permits,
             bands: bands.into(),
             mode: spec.mode,
+            on_backend_failure: spec.on_backend_failure,
         })
     }
 
@@ -655,6 +673,11 @@ impl Rule {
     /// Enforce or shadow.
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// What the rule does when the backend fails; `None` follows the engine.
+    pub fn on_backend_failure(&self) -> Option<BackendFailure> {
+        self.on_backend_failure
     }
 
     /// Whether the rule applies to a request with this normalized path (split in

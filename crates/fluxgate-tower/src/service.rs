@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use fluxgate_core::{Decision, Error, RequestContextBuilder};
+use fluxgate_core::{Decision, Error, Outcome, RequestContextBuilder};
 use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
@@ -100,6 +100,13 @@ impl Config {
                     tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
                 }
                 Verdict::Pass(Figures::of(self, &decision, false))
+            }
+            Ok(decision) if matches!(decision.outcome, Outcome::BackendUnavailable { .. }) && !self.shadow => {
+                let status = match self.on_error {
+                    FailurePolicy::FailClosed(status) => status,
+                    _ => http::StatusCode::SERVICE_UNAVAILABLE,
+                };
+                Verdict::Reject(crate::response::unavailable(status))
             }
             Ok(decision) if self.shadow => {
                 tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
