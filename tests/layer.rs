@@ -603,7 +603,11 @@ rule_sets:
         }
         v
     };
-    assert_eq!(statuses, [200, 200, 429], "decided in memory by the fallback_local rule alone");
+    assert_eq!(
+        statuses,
+        [200, 200, 429],
+        "decided in memory by the fallback_local rule alone"
+    );
     let r = get_from(&app, "/api/users", "192.0.2.92").await;
     assert_eq!(r.header("x-ratelimit-limit"), Some("2"));
 
@@ -621,7 +625,10 @@ rule_sets:
         bands: [{ capacity: 100, window: 1h }]
 "#,
     );
-    assert_eq!(get_from(&app, "/api/users", "192.0.2.93").await.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        get_from(&app, "/api/users", "192.0.2.93").await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
 
     // A rule without a policy, and an engine without one: the layer's (fail open).
     let app = with_rules(
@@ -647,7 +654,10 @@ fn unknown_failure_policy_is_named() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains("rule `r`, field `on_backend_failure`") && err.contains("unknown variant `maybe`"), "{err}");
+    assert!(
+        err.contains("rule `r`, field `on_backend_failure`") && err.contains("unknown variant `maybe`"),
+        "{err}"
+    );
 }
 
 trait LayerService {
