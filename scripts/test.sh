@@ -36,8 +36,14 @@ passed=$(grep -Eo '^test result: [A-Za-z]+\. [0-9]+ passed' "$log" | awk '{s += 
 failed=$(grep -Eo '; [0-9]+ failed' "$log" | awk '{s += $2} END {print s + 0}')
 
 step "cargo package (every publishable crate, built from its packaged sources)"
-cargo package --workspace --locked --allow-dirty --quiet
-echo "packaged: $(ls "${CARGO_TARGET_DIR:-target}"/package/*.crate | xargs -n1 basename | tr '\n' ' ')"
+# cargo treats the packaged, not yet published workspace crates like registry crates: it
+# neither unpacks nor rebuilds them again while their version stays the same. Build them
+# in a target directory of their own, without their earlier unpacked sources and builds.
+pkg_target="${CARGO_TARGET_DIR:-target}/package-check"
+rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/fluxgate-* "${CARGO_HOME:-$HOME/.cargo}"/registry/cache/-*/fluxgate-*
+rm -rf "$pkg_target"/package "$pkg_target"/debug/.fingerprint/fluxgate-* "$pkg_target"/debug/deps/*fluxgate*
+CARGO_TARGET_DIR="$pkg_target" cargo package --workspace --locked --allow-dirty --quiet
+echo "packaged: $(ls "$pkg_target"/package/*.crate | xargs -n1 basename | tr '\n' ' ')"
 
 echo
 echo "tests: $passed passed, $failed failed"
