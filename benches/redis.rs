@@ -146,20 +146,6 @@ where
     }
 }
 
-fn evalsha_stat(server: &RedisServer, field: &str) -> f64 {
-    server
-        .cli(&["INFO", "commandstats"])
-        .lines()
-        .find(|l| l.starts_with("cmdstat_evalsha:"))
-        .and_then(|l| l.split(&format!("{field}=")).nth(1))
-        .and_then(|v| v.split(',').next())
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
-fn evalsha_calls(server: &RedisServer) -> u64 {
-    evalsha_stat(server, "calls") as u64
-}
-
 async fn engine(server: &RedisServer, yaml: &str) -> Engine {
     let limiter = RedisLimiter::builder(server.url())
         .pool_size(8)
@@ -175,7 +161,7 @@ async fn engine(server: &RedisServer, yaml: &str) -> Engine {
 async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
     let server = RedisServer::start();
     let engine = engine(&server, yaml).await;
-    let before = evalsha_calls(&server);
+    let before = server.evalsha_calls();
     let mut report = drive(name, move |n| {
         let engine = engine.clone();
         async move {
@@ -188,8 +174,8 @@ async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
         }
     })
     .await;
-    report.evalsha = Some(evalsha_calls(&server) - before);
-    report.server_us = evalsha_stat(&server, "usec_per_call");
+    report.evalsha = Some(server.evalsha_calls() - before);
+    report.server_us = server.evalsha_stat("usec_per_call");
     report
 }
 
@@ -199,7 +185,7 @@ async fn fluxgate_layer() -> Report {
     let svc = RateLimitLayer::new(engine).layer(service_fn(|_req: Request<axum::body::Body>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
     }));
-    let before = evalsha_calls(&server);
+    let before = server.evalsha_calls();
     let mut report = drive("fluxgate layer 1x1", move |n| {
         let svc = svc.clone();
         async move {
@@ -210,8 +196,8 @@ async fn fluxgate_layer() -> Report {
         }
     })
     .await;
-    report.evalsha = Some(evalsha_calls(&server) - before);
-    report.server_us = evalsha_stat(&server, "usec_per_call");
+    report.evalsha = Some(server.evalsha_calls() - before);
+    report.server_us = server.evalsha_stat("usec_per_call");
     report
 }
 
@@ -245,7 +231,7 @@ async fn peer_layer() -> Report {
     let svc = layer.layer(service_fn(|_req: Request<axum::body::Body>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
     }));
-    let before = evalsha_calls(&server);
+    let before = server.evalsha_calls();
     let mut report = drive("tower-rate-limit-fred layer", move |n| {
         let svc = svc.clone();
         async move {
@@ -256,8 +242,8 @@ async fn peer_layer() -> Report {
         }
     })
     .await;
-    report.evalsha = Some(evalsha_calls(&server) - before);
-    report.server_us = evalsha_stat(&server, "usec_per_call");
+    report.evalsha = Some(server.evalsha_calls() - before);
+    report.server_us = server.evalsha_stat("usec_per_call");
     report
 }
 

@@ -81,13 +81,7 @@ rule_sets:
 "#;
 
     fn evalsha_calls(redis: &Redis) -> u64 {
-        let stats = redis.server.cli(&["INFO", "commandstats"]);
-        stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_evalsha:"))
-            .and_then(|l| l.split("calls=").nth(1))
-            .and_then(|v| v.split(',').next())
-            .map_or(0, |v| v.parse().expect("a call count"))
+        redis.server.evalsha_calls()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

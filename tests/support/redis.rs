@@ -26,6 +26,33 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// Starts `redis-server` on `port` with its files in `dir`.
+fn spawn(port: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
+    Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(extra)
+        .arg("--dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start redis-server ({e}): the Redis tests need it; ./scripts/test.sh installs it \
+                 (Debian: apt-get install redis-server redis-tools redis-sentinel)"
+            )
+        })
+}
+
 fn ping(port: u16) -> bool {
     let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
         return false;
@@ -52,29 +79,7 @@ impl RedisServer {
                 SEQ.fetch_add(1, Ordering::SeqCst)
             ));
             std::fs::create_dir_all(&dir).unwrap();
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(extra)
-                .arg("--dir")
-                .arg(&dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "cannot start redis-server ({e}): the Redis tests need it; ./scripts/test.sh installs it \
-                         (Debian: apt-get install redis-server redis-tools redis-sentinel)"
-                    )
-                });
+            let child = spawn(port, &dir, extra);
             let mut server = Self { child, port, dir };
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
@@ -101,6 +106,21 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A field of `cmdstat_evalsha` in `INFO commandstats` (`calls`, `usec_per_call`…).
+    pub fn evalsha_stat(&self, field: &str) -> f64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split(&format!("{field}=")).nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0.0, |v| v.parse().expect("a number"))
+    }
+
+    /// The `EVALSHA` calls this server has run.
+    pub fn evalsha_calls(&self) -> u64 {
+        self.evalsha_stat("calls") as u64
+    }
+
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -117,23 +137,7 @@ impl RedisServer {
         self.kill();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            self.child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &self.port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .arg("--dir")
-                .arg(&self.dir)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("restart redis-server");
+            self.child = spawn(self.port, &self.dir, &[]);
             let started = Instant::now();
             while started.elapsed() < Duration::from_secs(2) {
                 if ping(self.port) {
@@ -261,17 +265,7 @@ impl RedisCluster {
 
     /// `EVALSHA` calls counted by every node.
     pub fn evalsha_calls(&self) -> u64 {
-        self.nodes
-            .iter()
-            .map(|n| {
-                n.cli(&["INFO", "commandstats"])
-                    .lines()
-                    .find(|l| l.starts_with("cmdstat_evalsha:"))
-                    .and_then(|l| l.split("calls=").nth(1))
-                    .and_then(|v| v.split(',').next())
-                    .map_or(0, |v| v.parse().expect("a call count"))
-            })
-            .sum()
+        self.nodes.iter().map(RedisServer::evalsha_calls).sum()
     }
 }
 
