@@ -40,6 +40,54 @@ end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
+-- One bucket of one band, the common case: the same steps without the bookkeeping below.
+if ARGV[1] == '1' and (ARGV[3] == '2' or ARGV[3] == '3') then
+  local permits, capacity = tonumber(ARGV[2]), tonumber(ARGV[4])
+  local scale, interval = tonumber(ARGV[5]), tonumber(ARGV[6])
+  local v = redis.call('GET', KEYS[1])
+  local debt = 0
+  if v then
+    local tat, frac = tonumber(v), 0
+    if not tat then
+      local colon = string.find(v, ':', 1, true)
+      tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+    end
+    if tat > now or (tat == now and frac > 0) then
+      debt = (tat - now) * scale + frac
+    end
+  end
+  local cap = capacity * interval
+  if debt > cap then
+    debt = cap
+  end
+  local ok, wait = 0, -1
+  if permits <= capacity then
+    local d = debt + permits * interval
+    if d <= cap then
+      ok, wait, debt = 1, 0, d
+      local whole = idiv(d, scale)
+      local frac = d - whole * scale
+      local ttl = cap / scale / 1000 + 1000
+      if frac == 0 then
+        redis.call('SET', KEYS[1], now + whole, 'PX', ttl)
+      else
+        redis.call('SET', KEYS[1], string.format('%.0f:%.0f', now + whole, frac), 'PX', ttl)
+      end
+    else
+      local over = d - cap
+      wait = idiv(over, scale)
+      if wait * scale < over then wait = wait + 1 end
+      if wait < 1 then wait = 1 end
+    end
+  end
+  local reset = idiv(debt, scale)
+  if reset * scale < debt then reset = reset + 1 end
+  local shadow = ARGV[3] == '3'
+  local admitted = (ok == 1 or shadow) and 1 or 0
+  local shadow_ok = (ok == 1 or not shadow) and 1 or 0
+  return {admitted, shadow_ok, now, ok, idiv(cap - debt, interval), reset, wait}
+end
+
 -- Pass 1: evaluate every band. Per band, 8 slots of `st`:
 -- debt, new debt (or -1 when the band rejects), wait, scale, interval, cap, ttl_ms, shadow.
 local st = {}

@@ -144,6 +144,27 @@ rule_sets:
         }
     }
 
+    /// A shadow rule on Redis: decided and reported, never blocking; it consumes only what
+    /// it admits.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn shadow_rules_on_redis() {
+        let redis = Redis::start().await;
+        for rules in [
+            "rule_sets:\n  - id: default\n    rules:\n      - id: trial\n        mode: shadow\n        bands: [{ capacity: 1, window: 1h }]\n",
+            "rule_sets:\n  - id: default\n    rules:\n      - id: trial\n        mode: shadow\n        bands: [{ capacity: 1, window: 1h }, { capacity: 5, window: 1m }]\n      - id: real\n        bands: [{ capacity: 3, window: 1h }]\n",
+        ] {
+            let engine = engine(&redis, rules);
+            let ctx = RequestContext::builder().client_ip("192.0.2.66".parse().unwrap()).build();
+            let first = check(&engine, &ctx).await;
+            assert!(first.allowed && first.shadow_rejected_by.is_none());
+            assert_eq!(first.shadow_bands[0].remaining, 0);
+            let second = check(&engine, &ctx).await;
+            assert!(second.allowed, "a shadow rule never blocks");
+            assert_eq!(second.shadow_rejected_by.as_deref(), Some("trial"));
+            assert_eq!(second.shadow_bands[0].remaining, 0, "the rejected shadow band consumed nothing");
+        }
+    }
+
     /// A flood on one key costs a handful of script calls per retry-after period, and the
     /// key is admitted again as soon as the wait has passed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
