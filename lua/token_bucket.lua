@@ -37,60 +37,91 @@ local function idiv(a, b)
   return q
 end
 
+-- The ceiling of a / b.
+local function cdiv(a, b)
+  local q = idiv(a, b)
+  if q * b < a then
+    return q + 1
+  end
+  return q
+end
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+
+-- A band's debt at `now` (how far its TAT lies ahead, in units), at most `cap`.
+local function debt_of(key, scale, cap)
+  local v = redis.call('GET', key)
+  if not v then
+    return 0
+  end
+  local tat, frac = tonumber(v), 0
+  if not tat then
+    local colon = string.find(v, ':', 1, true)
+    tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+  end
+  if tat < now or (tat == now and frac == 0) then
+    return 0
+  end
+  local debt = (tat - now) * scale + frac
+  if debt > cap then
+    return cap
+  end
+  return debt
+end
+
+-- The debt after admitting `permits` (or -1 when the band rejects) and the wait in
+-- microseconds (0 = none, -1 = never).
+local function evaluate(debt, permits, capacity, scale, interval, cap)
+  if permits > capacity then
+    return -1, -1
+  end
+  local d = debt + permits * interval
+  if d <= cap then
+    return d, 0
+  end
+  local wait = cdiv(d - cap, scale)
+  if wait < 1 then
+    wait = 1
+  end
+  return -1, wait
+end
+
+-- Writes a band's state and its expiry (the window plus one second) in one command.
+local function store(key, debt, scale, cap)
+  local whole = idiv(debt, scale)
+  local frac = debt - whole * scale
+  local ttl = cap / scale / 1000 + 1000
+  if frac == 0 then
+    -- A number argument is written in full (no 14-digit rounding).
+    redis.call('SET', key, now + whole, 'PX', ttl)
+  else
+    redis.call('SET', key, string.format('%.0f:%.0f', now + whole, frac), 'PX', ttl)
+  end
+end
 
 -- One bucket of one band, the common case: the same steps without the bookkeeping below.
 if ARGV[1] == '1' and (ARGV[3] == '2' or ARGV[3] == '3') then
   local permits, capacity = tonumber(ARGV[2]), tonumber(ARGV[4])
   local scale, interval = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local v = redis.call('GET', KEYS[1])
-  local debt = 0
-  if v then
-    local tat, frac = tonumber(v), 0
-    if not tat then
-      local colon = string.find(v, ':', 1, true)
-      tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
-    end
-    if tat > now or (tat == now and frac > 0) then
-      debt = (tat - now) * scale + frac
-    end
-  end
   local cap = capacity * interval
-  if debt > cap then
-    debt = cap
+  local debt = debt_of(KEYS[1], scale, cap)
+  local new_debt, wait = evaluate(debt, permits, capacity, scale, interval, cap)
+  local ok = new_debt >= 0
+  if ok then
+    debt = new_debt
+    store(KEYS[1], debt, scale, cap)
   end
-  local ok, wait = 0, -1
-  if permits <= capacity then
-    local d = debt + permits * interval
-    if d <= cap then
-      ok, wait, debt = 1, 0, d
-      local whole = idiv(d, scale)
-      local frac = d - whole * scale
-      local ttl = cap / scale / 1000 + 1000
-      if frac == 0 then
-        redis.call('SET', KEYS[1], now + whole, 'PX', ttl)
-      else
-        redis.call('SET', KEYS[1], string.format('%.0f:%.0f', now + whole, frac), 'PX', ttl)
-      end
-    else
-      local over = d - cap
-      wait = idiv(over, scale)
-      if wait * scale < over then wait = wait + 1 end
-      if wait < 1 then wait = 1 end
-    end
-  end
-  local reset = idiv(debt, scale)
-  if reset * scale < debt then reset = reset + 1 end
   local shadow = ARGV[3] == '3'
-  local admitted = (ok == 1 or shadow) and 1 or 0
-  local shadow_ok = (ok == 1 or not shadow) and 1 or 0
-  return {admitted, shadow_ok, now, ok, idiv(cap - debt, interval), reset, wait}
+  return {
+    (ok or shadow) and 1 or 0, (ok or not shadow) and 1 or 0, now,
+    ok and 1 or 0, idiv(cap - debt, interval), cdiv(debt, scale), wait,
+  }
 end
 
--- Pass 1: evaluate every band. Per band, 8 slots of `st`:
--- debt, new debt (or -1 when the band rejects), wait, scale, interval, cap, ttl_ms, shadow.
-local st = {}
+-- Pass 1: evaluate every band. Per band, 6 slots of `st`:
+-- debt, new debt (or -1 when the band rejects), wait, scale, interval, cap; and `shadows`.
+local st, shadows = {}, {}
 local allowed, shadow_allowed = true, true
 local arg, n = 2, 0
 for _ = 1, tonumber(ARGV[1]) do
@@ -104,67 +135,32 @@ for _ = 1, tonumber(ARGV[1]) do
     local interval = tonumber(ARGV[arg + 2])
     arg = arg + 3
     n = n + 1
-
-    local v = redis.call('GET', KEYS[n])
-    local debt = 0
-    if v then
-      local tat, frac = tonumber(v), 0
-      if not tat then
-        local colon = string.find(v, ':', 1, true)
-        tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
-      end
-      if tat > now or (tat == now and frac > 0) then
-        debt = (tat - now) * scale + frac
-      end
-    end
     local cap = capacity * interval
-    local ttl = cap / scale / 1000 + 1000
-    if debt > cap then
-      debt = cap
-    end
-    local new_debt, wait = -1, -1
-    if permits <= capacity then
-      local d = debt + permits * interval
-      if d <= cap then
-        new_debt, wait = d, 0
-      else
-        local over = d - cap
-        wait = idiv(over, scale)
-        if wait * scale < over then wait = wait + 1 end
-        if wait < 1 then wait = 1 end
-      end
-    end
+    local debt = debt_of(KEYS[n], scale, cap)
+    local new_debt, wait = evaluate(debt, permits, capacity, scale, interval, cap)
     if new_debt < 0 then
       if shadow then shadow_allowed = false else allowed = false end
     end
-    local at = (n - 1) * 8
-    st[at + 1], st[at + 2], st[at + 3], st[at + 4] = debt, new_debt, wait, scale
-    st[at + 5], st[at + 6], st[at + 7], st[at + 8] = interval, cap, ttl, shadow
+    local at = (n - 1) * 6
+    st[at + 1], st[at + 2], st[at + 3] = debt, new_debt, wait
+    st[at + 4], st[at + 5], st[at + 6] = scale, interval, cap
+    shadows[n] = shadow
   end
 end
 
 -- Pass 2: commit when admitted, and report.
 local reply = {allowed and 1 or 0, shadow_allowed and 1 or 0, now}
 for i = 1, n do
-  local at = (i - 1) * 8
-  local debt, new_debt, scale = st[at + 1], st[at + 2], st[at + 4]
+  local at = (i - 1) * 6
+  local debt, new_debt, scale, cap = st[at + 1], st[at + 2], st[at + 4], st[at + 6]
   local ok = new_debt >= 0
-  if ok and allowed and (not st[at + 8] or shadow_allowed) then
+  if ok and allowed and (not shadows[i] or shadow_allowed) then
     debt = new_debt
-    local whole = idiv(debt, scale)
-    local frac = debt - whole * scale
-    if frac == 0 then
-      -- A number argument is written in full (no 14-digit rounding).
-      redis.call('SET', KEYS[i], now + whole, 'PX', st[at + 7])
-    else
-      redis.call('SET', KEYS[i], string.format('%.0f:%.0f', now + whole, frac), 'PX', st[at + 7])
-    end
+    store(KEYS[i], debt, scale, cap)
   end
-  local reset = idiv(debt, scale)
-  if reset * scale < debt then reset = reset + 1 end
   reply[#reply + 1] = ok and 1 or 0
-  reply[#reply + 1] = idiv(st[at + 6] - debt, st[at + 5])
-  reply[#reply + 1] = reset
+  reply[#reply + 1] = idiv(cap - debt, st[at + 5])
+  reply[#reply + 1] = cdiv(debt, scale)
   reply[#reply + 1] = st[at + 3]
 end
 return reply
