@@ -101,10 +101,16 @@ fn invalid_rules_name_the_rule_set_rule_and_field() {
             "not an HTTP method",
         ),
         (
-            "id: r9\nalgorithm: leaky_bucket\nbands: [{capacity: 5, window: 1s}]",
-            "field `algorithm`",
-            "not supported yet",
+            "id: r9\npreset: leaky_bucket\nbands: [{capacity: 5, window: 1s}]",
+            "field `preset`",
+            "either `preset` or `bands`",
         ),
+        (
+            "id: r15\npreset: fixed_window\nalgorithm: sliding_window_log",
+            "field `preset`",
+            "contradicts `algorithm: sliding_window_log`",
+        ),
+        ("id: r16\npreset: gcra", "field `preset`", "unknown variant `gcra`"),
         ("id: r10\nbands: []", "field `bands`", "at least one band"),
         (
             "id: r11\npermits: 0\nbands: [{capacity: 5, window: 1s}]",
@@ -122,7 +128,7 @@ fn invalid_rules_name_the_rule_set_rule_and_field() {
             "field `on_missing_key`",
             "unknown variant",
         ),
-        ("id: r14", "field `bands`", "missing field"),
+        ("id: r14", "field `bands`", "at least one band (or a `preset`)"),
         (
             "id: r15\nbands: [{capacity: 5}]",
             "field `bands[0].window`",
@@ -176,4 +182,29 @@ fn file_errors_name_the_file() {
     let msg = RuleSets::from_file(dir.join("rules.ini")).unwrap_err().to_string();
     assert!(msg.contains("unknown rule file format"), "{msg}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn every_algorithm_and_its_preset_load() {
+    use fluxgate::core::Algorithm;
+    let mut yaml = String::from("rule_sets:\n  - id: algos\n    rules:\n");
+    for a in Algorithm::ALL {
+        let name = a.as_str();
+        yaml.push_str(&format!(
+            "      - {{ id: {name}, algorithm: {name}, bands: [{{ capacity: 5, window: 2s }}] }}\n      - {{ id: {name}-preset, preset: {name} }}\n"
+        ));
+    }
+    let sets = RuleSets::from_yaml_str(&yaml).unwrap();
+    let rules = sets.get("algos").unwrap().rules();
+    for (pair, a) in rules.chunks(2).zip(Algorithm::ALL) {
+        assert_eq!(pair[0].algorithm(), a);
+        assert_eq!(pair[0].bands()[0].capacity(), 5);
+        assert_eq!(pair[1].algorithm(), a);
+        let band = &pair[1].bands()[0];
+        let expected = match a {
+            Algorithm::TokenBucket | Algorithm::LeakyBucket => (10, 10),
+            _ => (10, 60),
+        };
+        assert_eq!((band.capacity(), band.window().as_secs()), expected, "{a:?}");
+    }
 }

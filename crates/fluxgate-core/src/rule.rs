@@ -93,10 +93,15 @@ pub struct RuleSpec {
     /// The algorithm. Default `token_bucket`.
     #[serde(default)]
     pub algorithm: Algorithm,
+    /// An algorithm with its default band ([`Algorithm::preset_band`]), in place of
+    /// `algorithm` and `bands`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<Algorithm>,
     /// The cost of one request. Default `1`.
     #[serde(default = "default_permits")]
     pub permits: u64,
-    /// One or more bands; all must admit.
+    /// One or more bands; all must admit. Required unless `preset` is given.
+    #[serde(default)]
     pub bands: Vec<BandSpec>,
     /// `enforce` or `shadow`. Default `enforce`.
     #[serde(default)]
@@ -153,10 +158,29 @@ impl RuleSpec {
             fields: Vec::new(),
             on_missing_key: OnMissingKey::default(),
             algorithm: Algorithm::default(),
+            preset: None,
             permits: 1,
             bands,
             mode: Mode::default(),
             on_backend_failure: None,
+        }
+    }
+}
+
+impl RuleSpec {
+    /// A rule spec with the defaults of the file format and the preset band of `algorithm`
+    /// (see [`Algorithm::preset_band`]).
+    ///
+    /// ```
+    /// use fluxgate_core::{Algorithm, Rule, RuleSpec};
+    /// let rule = Rule::from_spec("api", RuleSpec::preset("r", Algorithm::SlidingWindowCounter)).unwrap();
+    /// assert_eq!(rule.bands()[0].capacity(), 10);
+    /// assert_eq!(rule.bands()[0].window().as_secs(), 60);
+    /// ```
+    pub fn preset(id: impl Into<String>, algorithm: Algorithm) -> Self {
+        Self {
+            algorithm,
+            ..Self::new(id, vec![algorithm.preset_band()])
         }
     }
 }
@@ -239,9 +263,25 @@ impl Algorithm {
         }
     }
 
-    /// Whether the limiters of this release implement the algorithm.
-    pub fn is_supported(self) -> bool {
-        matches!(self, Self::TokenBucket)
+    /// Every algorithm, in the order of the selection guide.
+    pub const ALL: [Algorithm; 5] = [
+        Self::TokenBucket,
+        Self::LeakyBucket,
+        Self::FixedWindow,
+        Self::SlidingWindowLog,
+        Self::SlidingWindowCounter,
+    ];
+
+    /// The algorithm's default band (the original design's defaults): a token bucket of
+    /// 10 refilled at 1 per second and a leaky bucket of 10 leaking 1 per second (both
+    /// `capacity: 10, window: 10s`); 10 per 60 seconds for the three window algorithms.
+    pub fn preset_band(self) -> BandSpec {
+        match self {
+            Self::TokenBucket | Self::LeakyBucket => BandSpec::new(10, Duration::from_secs(10)),
+            Self::FixedWindow | Self::SlidingWindowLog | Self::SlidingWindowCounter => {
+                BandSpec::new(10, Duration::from_secs(60))
+            }
+        }
     }
 }
 
@@ -339,12 +379,13 @@ pub struct Band {
 }
 
 /// A stable digest of what identifies a band's counters: rule set, rule, band name,
-/// capacity and window. A changed capacity or window starts new counters.
-fn band_ident(rule_set: &str, rule: &str, name: &str, capacity: u64, window: Duration) -> u64 {
+/// algorithm, capacity and window. A changed algorithm, capacity or window starts new
+/// counters.
+fn band_ident(rule_set: &str, rule: &str, name: &str, algorithm: Algorithm, capacity: u64, window: Duration) -> u64 {
     use std::hash::{Hash, Hasher};
     #[allow(deprecated)]
     let mut h = std::hash::SipHasher::new();
-    (rule_set, rule, name, capacity, window).hash(&mut h);
+    (rule_set, rule, name, algorithm, capacity, window).hash(&mut h);
     h.finish()
 }
 
@@ -361,11 +402,11 @@ impl Band {
             window,
             label: None,
             name: Arc::from(""),
-            ident: band_ident("", "", "", capacity, window),
+            ident: band_ident("", "", "", Algorithm::TokenBucket, capacity, window),
         })
     }
 
-    /// A stable digest of the rule set, rule, name, capacity and window: limiters key a
+    /// A stable digest of the rule set, rule, name, algorithm, capacity and window: limiters key a
     /// band's counters by it (with the key value).
     pub fn ident(&self) -> u64 {
         self.ident
@@ -557,21 +598,40 @@ impl Rule {
                 "`fields` is only allowed with `scope: composite`".into(),
             ));
         }
-        if !spec.algorithm.is_supported() {
-            return Err(invalid(
-                "algorithm",
-                format!("`{}` is not supported yet; use `token_bucket`", spec.algorithm.as_str()),
-            ));
+        let mut bands_spec = std::borrow::Cow::Borrowed(&spec.bands);
+        let mut algorithm = spec.algorithm;
+        if let Some(preset) = spec.preset {
+            if !spec.bands.is_empty() {
+                return Err(invalid(
+                    "preset",
+                    "`preset` brings its own band; give either `preset` or `bands`".into(),
+                ));
+            }
+            if spec.algorithm != Algorithm::default() && spec.algorithm != preset {
+                return Err(invalid(
+                    "preset",
+                    format!(
+                        "`preset: {}` contradicts `algorithm: {}`",
+                        preset.as_str(),
+                        spec.algorithm.as_str()
+                    ),
+                ));
+            }
+            algorithm = preset;
+            bands_spec = std::borrow::Cow::Owned(vec![preset.preset_band()]);
         }
         if spec.permits == 0 {
             return Err(invalid("permits", "permits is 0; a request costs at least 1".into()));
         }
-        if spec.bands.is_empty() {
-            return Err(invalid("bands", "a rule needs at least one band".into()));
+        if bands_spec.is_empty() {
+            return Err(invalid(
+                "bands",
+                "a rule needs at least one band (or a `preset`)".into(),
+            ));
         }
-        let mut bands = Vec::with_capacity(spec.bands.len());
+        let mut bands = Vec::with_capacity(bands_spec.len());
         let mut names = HashSet::new();
-        for (i, b) in spec.bands.iter().enumerate() {
+        for (i, b) in bands_spec.iter().enumerate() {
             let field = |f: &str| format!("bands[{i}].{f}");
             validate_band(b.capacity, b.window).map_err(|m| {
                 let f = if m.starts_with("capacity") {
@@ -595,7 +655,7 @@ impl Rule {
                 capacity: b.capacity,
                 window: b.window,
                 label: b.label.as_deref().map(Arc::from),
-                ident: band_ident(rule_set, rule_id, &name, b.capacity, b.window),
+                ident: band_ident(rule_set, rule_id, &name, algorithm, b.capacity, b.window),
                 name,
             });
         }
@@ -608,7 +668,7 @@ impl Rule {
             priority: spec.priority,
             scope,
             on_missing_key: spec.on_missing_key,
-            algorithm: spec.algorithm,
+            algorithm,
             permits: spec.permits,
             bands: bands.into(),
             mode: spec.mode,
@@ -627,7 +687,7 @@ impl Rule {
             .bands
             .iter()
             .map(|b| Band {
-                ident: band_ident(rule_set, &self.id, &b.name, b.capacity, b.window),
+                ident: band_ident(rule_set, &self.id, &b.name, self.algorithm, b.capacity, b.window),
                 ..b.clone()
             })
             .collect();

@@ -7,12 +7,19 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use super::token_bucket::{evaluate, Eval, Tat};
-use super::{AcquireOutcome, AcquireRequest, RateLimiter};
+use super::fixed_window::Window;
+use super::sliding_window_counter::Counter;
+use super::sliding_window_log::Log;
+use super::token_bucket::Tat;
+use super::{
+    fixed_window, leaky_bucket, sliding_window_counter, sliding_window_log, token_bucket, AcquireOutcome,
+    AcquireRequest, Eval, RateLimiter,
+};
 use crate::clock::{Clock, SystemClock};
 use crate::decision::BandReport;
 use crate::error::BoxError;
 use crate::future::MaybeReady;
+use crate::rule::{Algorithm, Band, Rule};
 
 /// The in-memory limiter: the embedded default backend.
 ///
@@ -23,7 +30,13 @@ use crate::future::MaybeReady;
 /// bits collide). A request's bands are checked and consumed under the locks of all the shards
 /// they live in (taken in index order), so a decision over many rules is one atomic step.
 ///
-/// Memory is bounded: a bucket that has refilled completely is the same as no bucket and
+/// Every algorithm of [`Algorithm`] is decided here, and one request may mix them. Token
+/// and leaky buckets keep one instant per band (32 bytes with its identity), fixed windows
+/// and sliding window counters a few counters (56 bytes), sliding window logs one entry
+/// per admitted request on top of that.
+///
+/// Memory is bounded: a bucket that has refilled completely (a window that has ended, a
+/// log whose entries have all left the window) is the same as no bucket and
 /// is dropped when its shard is swept (each shard sweeps itself when it has doubled since
 /// its last sweep, and [`MemoryLimiter::purge_idle`] sweeps all). Each shard holds at most
 /// `max_keys / shards` (rounded up) buckets; when a shard is full of active buckets, the
@@ -49,9 +62,89 @@ struct Inner {
     mix_seed: u64,
 }
 
+type Map<V> = HashMap<u128, V, BuildHasherDefault<PreHashed>>;
+
 struct Shard {
-    map: HashMap<u128, Tat, BuildHasherDefault<PreHashed>>,
+    /// Token and leaky buckets: one instant each.
+    gcra: Map<Tat>,
+    /// Fixed windows, sliding window counters and logs.
+    windows: Map<Slot>,
     next_sweep: usize,
+}
+
+/// A window-based band's state and the instant after which it counts nothing.
+struct Slot {
+    idle_after: u64,
+    state: State,
+}
+
+enum State {
+    Fixed(Window),
+    Counter(Counter),
+    Log(Box<Log>),
+}
+
+/// A stored state that becomes the same as no state once time has passed.
+trait Stored {
+    /// The instant from which the state counts nothing.
+    fn horizon(&self) -> u64;
+    /// Whether the state can be forgotten at `now`.
+    fn idle_at(&self, now: u64) -> bool;
+}
+
+impl Stored for Tat {
+    fn horizon(&self) -> u64 {
+        self.nanos
+    }
+    fn idle_at(&self, now: u64) -> bool {
+        self.is_full_at(now)
+    }
+}
+
+impl Stored for Slot {
+    fn horizon(&self) -> u64 {
+        self.idle_after
+    }
+    fn idle_at(&self, now: u64) -> bool {
+        self.idle_after <= now
+    }
+}
+
+impl Shard {
+    fn len(&self) -> usize {
+        self.gcra.len() + self.windows.len()
+    }
+
+    fn sweep(&mut self, now: u64) {
+        self.gcra.retain(|_, t| !t.idle_at(now));
+        self.windows.retain(|_, s| !s.idle_at(now));
+    }
+
+    /// Before an insertion: sweeps when the shard has doubled, and evicts when it is full.
+    fn make_room(&mut self, now: u64, max: usize) {
+        if self.len() < self.next_sweep {
+            return;
+        }
+        self.sweep(now);
+        if self.len() >= max {
+            let target = (max - max / 8).min(max.saturating_sub(1));
+            let excess = self.len().saturating_sub(target);
+            let from_gcra = (excess * self.gcra.len()).div_ceil(self.len().max(1));
+            evict_nearest_full(&mut self.gcra, from_gcra);
+            evict_nearest_full(&mut self.windows, excess - from_gcra);
+        }
+        self.next_sweep = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
+    }
+}
+
+/// What committing a band's evaluation stores.
+#[derive(Debug, Clone, Copy)]
+enum Next {
+    Tat(Tat),
+    Fixed(Window),
+    Counter(Counter),
+    /// A new log entry.
+    Log,
 }
 
 /// A seeded multiply-fold hash of a byte string (the wyhash construction).
@@ -139,7 +232,8 @@ impl MemoryLimiterBuilder {
         let shards = (0..self.shards)
             .map(|_| {
                 Mutex::new(Shard {
-                    map: HashMap::default(),
+                    gcra: HashMap::default(),
+                    windows: HashMap::default(),
                     next_sweep: MIN_SWEEP.min(max_per_shard),
                 })
             })
@@ -177,12 +271,13 @@ impl fmt::Debug for MemoryLimiter {
 struct Item {
     key: u128,
     shard: usize,
-    capacity: u64,
-    window: u64,
-    permits: u64,
     shadow: bool,
     bucket: usize,
     band: usize,
+}
+
+fn window_nanos(band: &Band) -> u64 {
+    u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX)
 }
 
 fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
@@ -197,7 +292,7 @@ impl MemoryLimiter {
 
     /// The number of buckets held.
     pub fn len(&self) -> usize {
-        self.inner.shards.iter().map(|s| lock(s).map.len()).sum()
+        self.inner.shards.iter().map(|s| lock(s).len()).sum()
     }
 
     /// Whether no bucket is held.
@@ -213,9 +308,9 @@ impl MemoryLimiter {
             .iter()
             .map(|s| {
                 let mut shard = lock(s);
-                let before = shard.map.len();
-                shard.map.retain(|_, tat| !tat.is_full_at(now));
-                before - shard.map.len()
+                let before = shard.len();
+                shard.sweep(now);
+                before - shard.len()
             })
             .sum()
     }
@@ -223,7 +318,9 @@ impl MemoryLimiter {
     /// Forgets every bucket.
     pub fn clear(&self) {
         for s in self.inner.shards.iter() {
-            lock(s).map.clear();
+            let mut shard = lock(s);
+            shard.gcra.clear();
+            shard.windows.clear();
         }
     }
 
@@ -254,9 +351,6 @@ impl MemoryLimiter {
                 items.push(Item {
                     key,
                     shard: (key >> 64) as usize & self.inner.shard_mask,
-                    capacity: band.capacity(),
-                    window: u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX),
-                    permits: b.rule.permits(),
                     shadow: b.shadow(),
                     bucket: bi,
                     band: ni,
@@ -271,11 +365,11 @@ impl MemoryLimiter {
         let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&s| lock(&self.inner.shards[s])).collect();
         let slot = |shard: usize| order.binary_search(&shard).unwrap_or(0);
 
-        let evals: Vec<Eval> = items
+        let evals: Vec<Eval<Next>> = items
             .iter()
             .map(|i| {
-                let state = guards[slot(i.shard)].map.get(&i.key).copied();
-                evaluate(state, now, i.capacity, i.window, i.permits)
+                let rule = request.buckets[i.bucket].rule;
+                evaluate(&guards[slot(i.shard)], i.key, rule, &rule.bands()[i.band], now)
             })
             .collect();
         let allowed = items.iter().zip(&evals).all(|(i, e)| i.shadow || e.allowed);
@@ -283,13 +377,14 @@ impl MemoryLimiter {
 
         let mut bands = Vec::with_capacity(items.len());
         for (i, e) in items.iter().zip(&evals) {
-            let commit = allowed && (!i.shadow || shadow_allowed);
+            let commit = e.allowed && allowed && (!i.shadow || shadow_allowed);
+            let rule = request.buckets[i.bucket].rule;
+            let band = &rule.bands()[i.band];
             if commit {
                 let shard = &mut *guards[slot(i.shard)];
-                self.store(shard, i.key, e.next, now);
+                self.store(shard, i.key, e.next, now, band, rule.permits());
             }
-            let rule = request.buckets[i.bucket].rule;
-            bands.push(report(rule, &rule.bands()[i.band], now, e, commit));
+            bands.push(report(rule, band, now, e, commit));
         }
         drop(guards);
         AcquireOutcome {
@@ -301,21 +396,14 @@ impl MemoryLimiter {
     }
 
     /// One bucket with one band: one lock, no intermediate allocation.
-    fn acquire_one(&self, bucket: &super::BucketRequest<'_>, band: &crate::rule::Band, now: u64) -> AcquireOutcome {
+    fn acquire_one(&self, bucket: &super::BucketRequest<'_>, band: &Band, now: u64) -> AcquireOutcome {
         let key = self.key_of(bucket, band);
-        let window = u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX);
         let mut shard = lock(&self.inner.shards[(key >> 64) as usize & self.inner.shard_mask]);
-        let e = evaluate(
-            shard.map.get(&key).copied(),
-            now,
-            band.capacity(),
-            window,
-            bucket.rule.permits(),
-        );
+        let e = evaluate(&shard, key, bucket.rule, band, now);
         let commit = e.allowed;
         let shadow = bucket.shadow();
         if commit {
-            self.store(&mut shard, key, e.next, now);
+            self.store(&mut shard, key, e.next, now, band, bucket.rule.permits());
         }
         drop(shard);
         AcquireOutcome {
@@ -326,24 +414,112 @@ impl MemoryLimiter {
         }
     }
 
-    fn store(&self, shard: &mut Shard, key: u128, tat: Tat, now: u64) {
-        if let Some(slot) = shard.map.get_mut(&key) {
-            *slot = tat;
+    /// Commits a band's evaluation.
+    fn store(&self, shard: &mut Shard, key: u128, next: Next, now: u64, band: &Band, permits: u64) {
+        let max = self.inner.max_per_shard;
+        let window = window_nanos(band);
+        if let Next::Tat(tat) = next {
+            if let Some(slot) = shard.gcra.get_mut(&key) {
+                *slot = tat;
+            } else {
+                shard.make_room(now, max);
+                shard.gcra.insert(key, tat);
+            }
             return;
         }
-        if shard.map.len() >= shard.next_sweep {
-            shard.map.retain(|_, t| !t.is_full_at(now));
-            if shard.map.len() >= self.inner.max_per_shard {
-                evict_nearest_full(&mut shard.map, self.inner.max_per_shard);
-            }
-            shard.next_sweep =
-                (shard.map.len() * 2).clamp(MIN_SWEEP.min(self.inner.max_per_shard), self.inner.max_per_shard);
+        if !shard.windows.contains_key(&key) {
+            shard.make_room(now, max);
         }
-        shard.map.insert(key, tat);
+        let slot = shard.windows.entry(key).or_insert_with(|| Slot {
+            idle_after: 0,
+            state: State::Fixed(Window::default()),
+        });
+        match next {
+            Next::Fixed(w) => {
+                *slot = Slot {
+                    idle_after: w.end,
+                    state: State::Fixed(w),
+                }
+            }
+            Next::Counter(c) => {
+                *slot = Slot {
+                    idle_after: c.end.saturating_add(window),
+                    state: State::Counter(c),
+                }
+            }
+            Next::Log => {
+                if !matches!(slot.state, State::Log(_)) {
+                    slot.state = State::Log(Box::default());
+                }
+                if let State::Log(log) = &mut slot.state {
+                    log.commit(now, window, permits);
+                }
+                slot.idle_after = now.saturating_add(window);
+            }
+            Next::Tat(_) => {}
+        }
     }
 }
 
-fn report(rule: &crate::rule::Rule, band: &crate::rule::Band, now: u64, e: &Eval, committed: bool) -> BandReport {
+/// Evaluates one band of `rule` for its key at `now`, reading the shard only.
+fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eval<Next> {
+    let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
+    fn map<S>(e: Eval<S>, f: impl FnOnce(S) -> Next) -> Eval<Next> {
+        Eval {
+            allowed: e.allowed,
+            next: f(e.next),
+            remaining_after: e.remaining_after,
+            remaining_now: e.remaining_now,
+            reset_after: e.reset_after,
+            reset_now: e.reset_now,
+            wait: e.wait,
+        }
+    }
+    let state = shard.windows.get(&key).map(|s| &s.state);
+    match rule.algorithm() {
+        Algorithm::TokenBucket => map(
+            token_bucket::evaluate(shard.gcra.get(&key).copied(), now, capacity, window, permits),
+            Next::Tat,
+        ),
+        Algorithm::LeakyBucket => map(
+            leaky_bucket::evaluate(shard.gcra.get(&key).copied(), now, capacity, window, permits),
+            Next::Tat,
+        ),
+        Algorithm::FixedWindow => {
+            let state = match state {
+                Some(State::Fixed(w)) => Some(*w),
+                _ => None,
+            };
+            map(
+                fixed_window::evaluate(state, now, capacity, window, permits),
+                Next::Fixed,
+            )
+        }
+        Algorithm::SlidingWindowCounter => {
+            let state = match state {
+                Some(State::Counter(c)) => Some(*c),
+                _ => None,
+            };
+            map(
+                sliding_window_counter::evaluate(state, now, capacity, window, permits),
+                Next::Counter,
+            )
+        }
+        Algorithm::SlidingWindowLog => {
+            let empty = Log::new();
+            let log = match state {
+                Some(State::Log(log)) => log,
+                _ => &empty,
+            };
+            map(
+                sliding_window_log::evaluate(log, now, capacity, window, permits),
+                |()| Next::Log,
+            )
+        }
+    }
+}
+
+fn report<S>(rule: &Rule, band: &Band, now: u64, e: &Eval<S>, committed: bool) -> BandReport {
     let (remaining, reset) = if committed {
         (e.remaining_after, e.reset_after)
     } else {
@@ -352,19 +528,18 @@ fn report(rule: &crate::rule::Rule, band: &crate::rule::Band, now: u64, e: &Eval
     BandReport::new(rule, band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
-/// Drops the eighth of the buckets that are closest to full (at least one).
-fn evict_nearest_full(map: &mut HashMap<u128, Tat, BuildHasherDefault<PreHashed>>, max: usize) {
-    let target = (max - max / 8).min(max.saturating_sub(1));
-    if map.len() <= target {
+/// Drops the `count` states closest to being forgotten anyway.
+fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize) {
+    if count == 0 || map.is_empty() {
         return;
     }
-    let drop_count = map.len() - target;
-    let mut tats: Vec<u64> = map.values().map(|t| t.nanos).collect();
-    let (_, cut, _) = tats.select_nth_unstable(drop_count - 1);
+    let drop_count = count.min(map.len());
+    let mut horizons: Vec<u64> = map.values().map(Stored::horizon).collect();
+    let (_, cut, _) = horizons.select_nth_unstable(drop_count - 1);
     let cut = *cut;
     let mut dropped = 0;
-    map.retain(|_, t| {
-        if dropped < drop_count && t.nanos <= cut {
+    map.retain(|_, v| {
+        if dropped < drop_count && v.horizon() <= cut {
             dropped += 1;
             false
         } else {

@@ -11,7 +11,11 @@ use crate::rule::{Mode, Rule};
 use crate::text::Text;
 
 mod breaker;
+pub mod fixed_window;
+pub mod leaky_bucket;
 mod memory;
+pub mod sliding_window_counter;
+pub mod sliding_window_log;
 pub mod token_bucket;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
@@ -57,6 +61,27 @@ pub enum Wait {
     After(Duration),
     /// Never: the request costs more than the band's capacity.
     Never,
+}
+
+/// The evaluation of one band for one request by one algorithm, at one instant: what the
+/// band says now, and what it says if the request is committed. Evaluating never changes
+/// a band; the caller stores `next` only when the whole request is admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Eval<S> {
+    /// Whether the band admits the request.
+    pub allowed: bool,
+    /// The state to store when the request is committed.
+    pub next: S,
+    /// Remaining permits if the request is committed.
+    pub remaining_after: u64,
+    /// Remaining permits if it is not.
+    pub remaining_now: u64,
+    /// Nanoseconds until the band is back to its full capacity, if committed.
+    pub reset_after: u64,
+    /// Nanoseconds until the band is back to its full capacity, if not.
+    pub reset_now: u64,
+    /// When the band admits the request.
+    pub wait: Wait,
 }
 
 /// The result of [`RateLimiter::acquire`].

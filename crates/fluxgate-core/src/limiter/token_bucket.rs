@@ -26,28 +26,12 @@ impl Tat {
     }
 }
 
-/// The evaluation of one band for one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Eval {
-    /// Whether the band admits the request.
-    pub allowed: bool,
-    /// The state to store when the request is committed.
-    pub next: Tat,
-    /// Remaining permits if the request is committed.
-    pub remaining_after: u64,
-    /// Remaining permits if it is not.
-    pub remaining_now: u64,
-    /// Nanoseconds until full, if committed.
-    pub reset_after: u64,
-    /// Nanoseconds until full, if not.
-    pub reset_now: u64,
-    /// When the band admits the request.
-    pub wait: Wait,
-}
+/// The evaluation of one token-bucket band for one request.
+pub type Eval = super::Eval<Tat>;
 
 /// `a / b`, with the hardware's 64-bit division whenever both fit (nearly always).
 #[inline]
-fn div(a: u128, b: u128) -> u128 {
+pub(crate) fn div(a: u128, b: u128) -> u128 {
     match (u64::try_from(a), u64::try_from(b)) {
         (Ok(a), Ok(b)) => u128::from(a / b),
         _ => a / b,
@@ -55,7 +39,7 @@ fn div(a: u128, b: u128) -> u128 {
 }
 
 #[inline]
-fn ceil_div(a: u128, b: u128) -> u128 {
+pub(crate) fn ceil_div(a: u128, b: u128) -> u128 {
     let q = div(a, b);
     if q * b < a {
         q + 1
@@ -65,7 +49,7 @@ fn ceil_div(a: u128, b: u128) -> u128 {
 }
 
 #[inline]
-fn to_u64(v: u128) -> u64 {
+pub(crate) fn to_u64(v: u128) -> u64 {
     u64::try_from(v).unwrap_or(u64::MAX)
 }
 
@@ -90,12 +74,28 @@ fn to_u64(v: u128) -> u64 {
 /// ```
 pub fn evaluate(state: Option<Tat>, now: u64, capacity: u64, window_nanos: u64, permits: u64) -> Eval {
     let c = u128::from(capacity);
-    let w = u128::from(window_nanos);
     // Debt: max(tat - now, 0), scaled by the capacity.
     let debt = match state {
         Some(t) if !t.is_full_at(now) => u128::from(t.nanos - now) * c + u128::from(t.frac),
         _ => 0,
     };
+    gcra(state, debt, 0, now, capacity, window_nanos, permits)
+}
+
+/// The GCRA step shared with the leaky bucket, in units of `1 / capacity` nanoseconds:
+/// `debt` is how far the stored instant lies ahead of `now`, and `credit` (only with no
+/// debt) how far an admitted request's instant is moved back before `now`.
+pub(crate) fn gcra(
+    state: Option<Tat>,
+    debt: u128,
+    credit: u128,
+    now: u64,
+    capacity: u64,
+    window_nanos: u64,
+    permits: u64,
+) -> Eval {
+    let c = u128::from(capacity);
+    let w = u128::from(window_nanos);
     let cap = c * w;
     // Stored states never exceed the capacity, but rules may have changed since.
     let debt = debt.min(cap);
@@ -118,6 +118,8 @@ pub fn evaluate(state: Option<Tat>, now: u64, capacity: u64, window_nanos: u64, 
         let wait = to_u64(ceil_div(new_debt - cap, c)).max(1);
         return not_allowed(Wait::After(Duration::from_nanos(wait)));
     }
+    // A credit is less than one leak interval, so the request's own cost covers it.
+    let new_debt = new_debt - credit.min(new_debt);
     let whole = div(new_debt, c);
     Eval {
         allowed: true,
