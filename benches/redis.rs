@@ -247,15 +247,15 @@ async fn peer_layer() -> Report {
     report
 }
 
-/// `redis-benchmark` running `EVALSHA` of the token-bucket script on random keys.
+/// `redis-benchmark` running `EVALSHA` of the decision script on random keys.
 fn ceiling(name: &str, bands: usize) {
     let server = RedisServer::start();
     let sha = server
-        .cli(&["SCRIPT", "LOAD", fluxgate_redis::TOKEN_BUCKET_LUA])
+        .cli(&["SCRIPT", "LOAD", fluxgate_redis::DECIDE_LUA])
         .trim()
         .to_owned();
     // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
-    // scale 1, interval 360 (see lua/token_bucket.lua).
+    // scale 1, interval 360 (see lua/token_bucket.lua and lua/decide.lua).
     let mut args: Vec<String> = vec!["EVALSHA".into(), sha, bands.to_string()];
     for b in 0..bands {
         args.push(format!(
@@ -267,7 +267,7 @@ fn ceiling(name: &str, bands: usize) {
     let per_bucket = if bands == 1 { 1 } else { 2 };
     args.push((bands / per_bucket).to_string());
     for _ in 0..(bands / per_bucket) {
-        args.extend(["1".into(), (per_bucket * 2).to_string()]);
+        args.extend(["1".into(), (per_bucket * 16).to_string()]);
         for _ in 0..per_bucket {
             args.extend(["10000000".into(), "1".into(), "360".into()]);
         }

@@ -1,62 +1,59 @@
 -- FluxGate refund: gives back what a request consumed in some hash slots of a Redis
 -- Cluster when another slot rejected it, so that a rejected request consumes nothing.
 --
--- The same state and units as token_bucket.lua (a string "<t>" or "<t>:<f>" per band; a
--- token costs `interval` units of 1/scale microsecond). Refunding moves the theoretical arrival time
--- back by the cost, never before now (a bucket is never fuller than full).
---
 -- KEYS: one key per band to refund.
--- ARGV: per band: cost (permits * interval), capacity, scale, interval.
+-- ARGV: [1] the decision's now_us; then per band: algorithm (as in decide.lua), permits,
+--       and the band's three numbers.
+-- Token and leaky buckets move their instant back by the cost, never before now. Fixed
+-- windows and sliding window counters take the permits off the count of the decision's
+-- window, if it is still the stored one. Sliding window logs remove that many members
+-- recorded at the decision's microsecond.
 -- Returns: per band: remaining, reset_after_us (after the refund).
 
-local function idiv(a, b)
-  local q = math.floor(a / b)
-  while q * b > a do q = q - 1 end
-  while (q + 1) * b <= a do q = q + 1 end
-  return q
-end
+local EVAL = {
+  [0] = token_bucket_eval, leaky_bucket_eval, fixed_window_eval,
+  sliding_window_log_eval, sliding_window_counter_eval,
+}
 
-local function cdiv(a, b)
-  local q = idiv(a, b)
-  if q * b < a then q = q + 1 end
-  return q
-end
-
-local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-
+local decided = tonumber(ARGV[1])
 local reply = {}
 for i, key in ipairs(KEYS) do
-  local at = (i - 1) * 4
-  local cost = tonumber(ARGV[at + 1])
-  local capacity = tonumber(ARGV[at + 2])
-  local scale = tonumber(ARGV[at + 3])
-  local interval = tonumber(ARGV[at + 4])
-  local tat, frac = nil, 0
-  local v = redis.call('GET', key)
-  if v then
-    local colon = string.find(v, ':', 1, true)
-    if colon then
-      tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
-    else
-      tat = tonumber(v)
+  local at = 1 + (i - 1) * 5
+  local algorithm, permits = tonumber(ARGV[at + 1]), tonumber(ARGV[at + 2])
+  local c, a, b = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
+  if algorithm <= 1 then
+    local tat, frac = tat_of(key)
+    local debt = debt_of(tat, frac, a)
+    if debt then
+      debt = math.max(0, debt - permits * b)
+      local whole = idiv(debt, a)
+      local value = string.format('%.0f', now + whole)
+      if debt > whole * a then
+        value = value .. string.format(':%.0f', debt - whole * a)
+      end
+      redis.call('SET', key, value, 'KEEPTTL')
+    end
+  elseif algorithm == 3 then
+    local at_us = string.format('%.0f', decided)
+    local members = redis.call('ZRANGEBYSCORE', key, at_us, at_us)
+    for j = #members, math.max(1, #members - permits + 1), -1 do
+      redis.call('ZREM', key, members[j])
+    end
+  else
+    local e = decided - imod(decided, a) + a
+    local stored_end, x, y = fields(redis.call('GET', key) or '')
+    if stored_end == e then
+      local value
+      if algorithm == 2 then
+        value = string.format('%.0f:%.0f', e, math.max(0, x - permits))
+      else
+        value = string.format('%.0f:%.0f:%.0f', e, x, math.max(0, y - permits))
+      end
+      redis.call('SET', key, value, 'KEEPTTL')
     end
   end
-  local debt = 0
-  if tat and (tat > now or (tat == now and frac > 0)) then
-    debt = (tat - now) * scale + frac
-  end
-  debt = math.max(0, debt - cost)
-  local whole = idiv(debt, scale)
-  if tat then
-    local rest = debt - whole * scale
-    local value = string.format('%.0f', now + whole)
-    if rest > 0 then
-      value = value .. string.format(':%.0f', rest)
-    end
-    redis.call('SET', key, value, 'KEEPTTL')
-  end
-  reply[#reply + 1] = idiv(capacity * interval - debt, interval)
-  reply[#reply + 1] = cdiv(debt, scale)
+  local _, _, rem, reset = EVAL[algorithm](key, 1, c, a, b)
+  reply[#reply + 1] = rem
+  reply[#reply + 1] = reset
 end
 return reply

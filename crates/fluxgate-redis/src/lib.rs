@@ -50,21 +50,39 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter, Wait};
-use fluxgate_core::{BandReport, BoxError, MaybeReady};
+use fluxgate_core::{Algorithm, BandReport, BoxError, MaybeReady};
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
 use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::scripts::Script;
 use fred::types::Builder;
 
-/// The token-bucket script (see `lua/README.md`).
-pub const TOKEN_BUCKET_LUA: &str = include_str!("../lua/token_bucket.lua");
+/// A script: the prelude, the five algorithms, then `$main`.
+macro_rules! script {
+    ($main:literal) => {
+        concat!(
+            include_str!("../lua/common.lua"),
+            include_str!("../lua/token_bucket.lua"),
+            include_str!("../lua/leaky_bucket.lua"),
+            include_str!("../lua/fixed_window.lua"),
+            include_str!("../lua/sliding_window_log.lua"),
+            include_str!("../lua/sliding_window_counter.lua"),
+            include_str!($main),
+        )
+    };
+}
+
+/// The decision script (see `lua/README.md`): every band of every rule of a request, of
+/// any algorithm, all or nothing.
+pub const DECIDE_LUA: &str = script!("../lua/decide.lua");
 
 /// The refund script, for requests that a cluster's hash slots decided differently.
-pub const REFUND_LUA: &str = include_str!("../lua/refund.lua");
+pub const REFUND_LUA: &str = script!("../lua/refund.lua");
 
-/// The largest `capacity × window / gcd(capacity, window µs)` the script computes with:
-/// twice it stays below 2^53, so every number in the script is an exact integer.
+/// The largest number a band may need in the script: token and leaky buckets need
+/// `capacity × window µs / gcd(capacity, window µs)`, sliding window counters
+/// `capacity × window µs`. Twice it stays below 2^53, so every number in the script is an
+/// exact integer.
 pub const MAX_SCALED_CAPACITY: u64 = 1 << 52;
 
 /// The default deadline of one script call.
@@ -97,10 +115,14 @@ pub enum RedisError {
     /// A band is too large for exact integer arithmetic in the script.
     #[error(
         "rule `{rule}`, band `{band}`: capacity {capacity} per {window:?} is too large for exact arithmetic in \
-         Redis (capacity × window in µs / gcd must stay below 2^52); use a smaller capacity or a window whose \
-         microseconds the capacity divides"
+         Redis ({algorithm}: capacity × window in µs{gcd} must stay below 2^52); use a smaller capacity or a \
+         shorter window",
+        algorithm = algorithm.as_str(),
+        gcd = if matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket) { " / gcd" } else { "" }
     )]
     BandTooLarge {
+        /// The rule's algorithm.
+        algorithm: Algorithm,
         /// The rule.
         rule: String,
         /// The band.
@@ -202,7 +224,7 @@ impl RedisLimiter {
             inner: Arc::new(Inner {
                 cluster: client.is_clustered(),
                 clients: Arc::new(Clients::One(client)),
-                script: Script::from_lua(TOKEN_BUCKET_LUA),
+                script: Script::from_lua(DECIDE_LUA),
                 refund: Script::from_lua(REFUND_LUA),
                 prefix: prefix.into(),
                 timeout: DEFAULT_TIMEOUT,
@@ -297,7 +319,7 @@ impl RedisLimiterBuilder {
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
         pool.init().await.map_err(RedisError::Connect)?;
         // Loaded on every primary of a cluster.
-        let script = Script::from_lua(TOKEN_BUCKET_LUA);
+        let script = Script::from_lua(DECIDE_LUA);
         script.load(pool.next()).await.map_err(RedisError::Connect)?;
         let refund = Script::from_lua(REFUND_LUA);
         refund.load(pool.next()).await.map_err(RedisError::Connect)?;
@@ -401,7 +423,7 @@ struct Call {
     /// Per band: the deny-cache key of an enforced band (its key and the cost), or `None`.
     deny_keys: Vec<Option<String>>,
     /// Per band: what `refund.lua` needs to give its consumption back.
-    refund: Vec<[i64; 4]>,
+    refund: Vec<[i64; 5]>,
 }
 
 impl RedisLimiter {
@@ -426,18 +448,25 @@ impl RedisLimiter {
             };
             let call = &mut calls[at].1;
             call.buckets += 1;
-            let flags = rule.bands().len() as i64 * 2 + i64::from(bucket.shadow());
+            let algorithm = rule.algorithm();
+            let code = algorithm_code(algorithm);
+            let flags = rule.bands().len() as i64 * 16 + code * 2 + i64::from(bucket.shadow());
             call.args.extend([rule.permits() as i64, flags]);
             for band in rule.bands().iter() {
                 let capacity = band.capacity();
                 let window_us = u64::try_from(band.window().as_micros()).unwrap_or(u64::MAX);
-                let g = gcd(capacity, window_us);
-                let (scale, interval) = (capacity / g, window_us / g);
-                if capacity
-                    .checked_mul(interval)
-                    .is_none_or(|cap| cap > MAX_SCALED_CAPACITY)
-                {
+                let (a, b, largest) = match algorithm {
+                    Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+                        let g = gcd(capacity, window_us);
+                        let (scale, interval) = (capacity / g, window_us / g);
+                        (scale, interval, capacity.checked_mul(interval))
+                    }
+                    Algorithm::SlidingWindowCounter => (window_us, 0, capacity.checked_mul(window_us)),
+                    Algorithm::FixedWindow | Algorithm::SlidingWindowLog => (window_us, 0, Some(window_us)),
+                };
+                if largest.is_none_or(|n| n > MAX_SCALED_CAPACITY) {
                     return Err(RedisError::BandTooLarge {
+                        algorithm,
                         rule: rule.id().to_string(),
                         band: band.name().to_string(),
                         capacity,
@@ -445,15 +474,23 @@ impl RedisLimiter {
                     });
                 }
                 let window = fluxgate_core::format_duration(band.window());
-                let key = format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name());
-                call.args.extend([capacity as i64, scale as i64, interval as i64]);
+                let key = match key_suffix(algorithm) {
+                    "" => format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name()),
+                    suffix => format!(
+                        "{}:{tag}:{}:{capacity}/{window}:{suffix}",
+                        self.inner.prefix,
+                        band.name()
+                    ),
+                };
+                call.args.extend([capacity as i64, a as i64, b as i64]);
                 call.deny_keys
                     .push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
                 call.refund.push([
-                    (rule.permits().min(capacity) * interval) as i64,
+                    code,
+                    rule.permits().min(capacity) as i64,
                     capacity as i64,
-                    scale as i64,
-                    interval as i64,
+                    a as i64,
+                    b as i64,
                 ]);
                 call.keys.push(key);
                 call.shadow.push(bucket.shadow());
@@ -468,6 +505,29 @@ impl RedisLimiter {
                 call
             })
             .collect())
+    }
+}
+
+/// The algorithm's number in the scripts' arguments.
+fn algorithm_code(algorithm: Algorithm) -> i64 {
+    match algorithm {
+        Algorithm::TokenBucket => 0,
+        Algorithm::LeakyBucket => 1,
+        Algorithm::FixedWindow => 2,
+        Algorithm::SlidingWindowLog => 3,
+        Algorithm::SlidingWindowCounter => 4,
+    }
+}
+
+/// The end of a band's key: nothing for the token bucket, the algorithm for the others,
+/// so that a rule whose algorithm changes starts new counters.
+fn key_suffix(algorithm: Algorithm) -> &'static str {
+    match algorithm {
+        Algorithm::TokenBucket => "",
+        Algorithm::LeakyBucket => "lb",
+        Algorithm::FixedWindow => "fw",
+        Algorithm::SlidingWindowLog => "swl",
+        Algorithm::SlidingWindowCounter => "swc",
     }
 }
 
@@ -541,7 +601,8 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
             continue; // this slot consumed nothing
         }
         let mut keys = Vec::new();
-        let mut args = Vec::new();
+        // The decision's instant tells the windows and log entries to take back.
+        let mut args = vec![reply[2]];
         let mut positions = Vec::new();
         for (j, key) in call.keys.iter().enumerate() {
             let committed = reply[3 + 4 * j] == 1 && (!call.shadow[j] || reply[1] == 1);
@@ -554,6 +615,7 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
         if keys.is_empty() {
             continue;
         }
+        let bands = keys.len();
         let client = inner.clients.next();
         let script = inner.refund.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
         let reply = match tokio::time::timeout(inner.timeout, script).await {
@@ -561,6 +623,12 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
             Ok(Err(e)) => return Err(RedisError::Command(e)),
             Err(_) => return Err(RedisError::Timeout(inner.timeout)),
         };
+        if reply.len() != 2 * bands {
+            return Err(RedisError::Reply(format!(
+                "{} numbers for {bands} refunds",
+                reply.len()
+            )));
+        }
         figures.extend(
             positions
                 .into_iter()
