@@ -1,6 +1,7 @@
 //! Test support shared by the integration tests: backends, an app, request helpers.
 #![allow(dead_code, unreachable_pub, missing_docs, clippy::unwrap_used)]
 
+pub mod conformance;
 pub mod redis;
 pub mod scenarios;
 
