@@ -14,7 +14,12 @@
 //!   65.5 s, its largest capacity) around the same;
 //! - `redis-benchmark EVALSHA 1x1` / `3x2`: the script alone, 64 clients (the ceiling).
 //!
-//! The `EVALSHA` calls counted by `INFO commandstats` are printed next to the decisions.
+//! - `fluxgate <algorithm> 1x1`: the engine with one rule of each algorithm (1,000,000
+//!   per hour), to compare the algorithms' scripts.
+//!
+//! The `EVALSHA` calls counted by `INFO commandstats` are printed next to the decisions,
+//! with the microseconds Redis spent per call. `cargo bench --bench redis -- algorithms`
+//! runs only the comparison of the algorithms.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -60,6 +65,15 @@ rule_sets:
         scope: global
         bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
 "#;
+
+/// One rule of `algorithm`, 1,000,000 per hour (within every algorithm's exact range).
+fn one_rule_of(algorithm: &str) -> &'static str {
+    let yaml = format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        algorithm: {algorithm}\n        \
+         bands: [{{ capacity: 1000000, window: 1h }}]\n"
+    );
+    Box::leak(yaml.into_boxed_str())
+}
 
 fn secs() -> Duration {
     Duration::from_secs(
@@ -317,6 +331,18 @@ fn main() {
         .build()
         .unwrap();
     println!("{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement", secs());
+    let only_algorithms = std::env::args().any(|a| a == "algorithms");
+    if !only_algorithms {
+        everything_but_the_algorithms(&rt);
+    }
+    for algorithm in fluxgate::core::Algorithm::ALL {
+        let name = format!("fluxgate {} 1x1", algorithm.as_str());
+        rt.block_on(fluxgate_engine(&name, one_rule_of(algorithm.as_str())))
+            .print();
+    }
+}
+
+fn everything_but_the_algorithms(rt: &tokio::runtime::Runtime) {
     ceiling("redis-benchmark EVALSHA 1x1", 1);
     rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
     rt.block_on(fluxgate_layer()).print();
