@@ -1,5 +1,6 @@
 -- FluxGate decision: every band of every bucket of one request, all or nothing, whatever
--- the algorithm of each rule.
+-- the algorithm of each rule. (The single-band token bucket never gets here: see
+-- fast_path.lua.)
 --
 -- KEYS: one key per band, bucket by bucket, band by band.
 -- ARGV: [1] number of buckets; then per bucket: permits, and
@@ -23,19 +24,6 @@ local STORE = {
   [0] = gcra_store, gcra_store, fixed_window_store,
   sliding_window_log_store, sliding_window_counter_store,
 }
-
--- One token bucket with one band, the common case: the same steps without bookkeeping.
-if ARGV[1] == '1' and (ARGV[3] == '16' or ARGV[3] == '17') then
-  local key, permits, capacity = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[4])
-  local scale, interval = tonumber(ARGV[5]), tonumber(ARGV[6])
-  local value, wait, rem, reset, rem_after, reset_after = token_bucket_eval(key, permits, capacity, scale, interval)
-  if value then
-    gcra_store(key, value, permits, capacity, scale, interval)
-    return {1, 1, now, 1, rem_after, reset_after, 0}
-  end
-  local shadow = ARGV[3] == '17'
-  return {shadow and 1 or 0, shadow and 0 or 1, now, 0, rem, reset, wait}
-end
 
 -- Pass 1: evaluate every band.
 local bands = {}

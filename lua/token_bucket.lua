@@ -19,8 +19,13 @@
 
 -- The stored instant and remainder, or nil for a missing key.
 local function tat_of(key)
-  local t, f = fields(redis.call('GET', key) or '')
-  return t, f or 0
+  local v = redis.call('GET', key)
+  local t = tonumber(v)
+  if t or not v then
+    return t, 0
+  end
+  local colon = string.find(v, ':', 1, true)
+  return tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
 end
 
 -- The GCRA step shared with the leaky bucket: `debt` is how far the stored instant lies

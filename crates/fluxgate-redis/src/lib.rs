@@ -57,12 +57,15 @@ use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::scripts::Script;
 use fred::types::Builder;
 
-/// A script: the prelude, the five algorithms, then `$main`.
+/// A script: the prelude, the token bucket, `$first`, the other helpers and algorithms,
+/// then `$main`.
 macro_rules! script {
-    ($main:literal) => {
+    ($first:literal, $main:literal) => {
         concat!(
             include_str!("../lua/common.lua"),
             include_str!("../lua/token_bucket.lua"),
+            include_str!($first),
+            include_str!("../lua/helpers.lua"),
             include_str!("../lua/leaky_bucket.lua"),
             include_str!("../lua/fixed_window.lua"),
             include_str!("../lua/sliding_window_log.lua"),
@@ -74,10 +77,10 @@ macro_rules! script {
 
 /// The decision script (see `lua/README.md`): every band of every rule of a request, of
 /// any algorithm, all or nothing.
-pub const DECIDE_LUA: &str = script!("../lua/decide.lua");
+pub const DECIDE_LUA: &str = script!("../lua/fast_path.lua", "../lua/decide.lua");
 
 /// The refund script, for requests that a cluster's hash slots decided differently.
-pub const REFUND_LUA: &str = script!("../lua/refund.lua");
+pub const REFUND_LUA: &str = script!("../lua/empty.lua", "../lua/refund.lua");
 
 /// The largest number a band may need in the script: token and leaky buckets need
 /// `capacity × window µs / gcd(capacity, window µs)`, sliding window counters

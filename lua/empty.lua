@@ -1,0 +1,1 @@
+-- (Nothing: the refund script has no fast path.)

@@ -1,0 +1,21 @@
+-- FluxGate: helpers of the window algorithms, the leaky bucket and the refunds (see
+-- common.lua for how the scripts are put together).
+
+-- a mod b, in [0, b), also for a negative a.
+local function imod(a, b)
+  return a - idiv(a, b) * b
+end
+
+-- The numbers of a stored value "a:b:c" (one to three of them).
+local function fields(v)
+  local a, b, c = string.match(v, '^(%d+):?(%d*):?(%d*)$')
+  if not a then
+    return nil
+  end
+  return tonumber(a), tonumber(b), tonumber(c)
+end
+
+-- The end of the window of `w` microseconds (aligned on the Unix epoch) holding now.
+local function window_end(w)
+  return now - imod(now, w) + w
+end
