@@ -281,4 +281,127 @@ rule_sets:
         }
         assert_eq!(admitted, 100);
     }
+
+    const FIVE_ALGORITHMS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: tb, algorithm: token_bucket, bands: [{ capacity: 2, window: 1m }] }
+      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 2, window: 1m }] }
+      - { id: fw, algorithm: fixed_window, bands: [{ capacity: 2, window: 1m }] }
+      - { id: swl, algorithm: sliding_window_log, bands: [{ capacity: 2, window: 1m }] }
+      - { id: swc, algorithm: sliding_window_counter, bands: [{ capacity: 2, window: 1m }] }
+"#;
+
+    /// Every algorithm's key: tagged like the token bucket's, named after its algorithm,
+    /// expiring when its state is worthless, and untouched by a rejected request.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_algorithm_has_its_key_and_expiry() {
+        let redis = Redis::start().await;
+        let engine = engine(&redis, FIVE_ALGORITHMS);
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.9".parse().unwrap())
+            .build();
+        let before = evalsha_calls(&redis);
+        for _ in 0..2 {
+            assert!(check(&engine, &ctx).await.allowed);
+        }
+        assert_eq!(
+            evalsha_calls(&redis) - before,
+            2,
+            "one call per decision for five algorithms"
+        );
+        let snapshot = |key: &str| {
+            let kind = redis.server.cli(&["TYPE", key]).trim().to_owned();
+            if kind == "zset" {
+                redis.server.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"])
+            } else {
+                redis.server.cli(&["GET", key])
+            }
+        };
+        let keys = redis.server.cli(&["--scan", "--pattern", "*"]);
+        let mut keys: Vec<String> = keys.lines().map(str::to_owned).collect();
+        keys.sort();
+        let ip = "ip=192.0.2.9";
+        let expected: Vec<String> = [
+            ("fw", ":fw"),
+            ("lb", ":lb"),
+            ("swc", ":swc"),
+            ("swl", ":swl"),
+            ("tb", ""),
+        ]
+        .iter()
+        .map(|(rule, suffix)| format!("test0:{{default:{rule}:{ip}}}:b0:2/1m{suffix}"))
+        .collect();
+        assert_eq!(keys, expected);
+        let states: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
+        // The third request is rejected by every rule and writes nothing anywhere.
+        let d = check(&engine, &ctx).await;
+        assert!(!d.allowed);
+        assert_eq!(d.bands.iter().filter(|b| !b.allowed).count(), 5);
+        let after: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
+        assert_eq!(states, after, "a rejection wrote to Redis");
+        for key in &keys {
+            let ttl: i64 = redis.server.cli(&["PTTL", key]).trim().parse().unwrap();
+            // At most: the window and one second (log, buckets), the rest of the window
+            // and one second (fixed), the rest of this window and the next (counter).
+            let most = if key.ends_with(":swc") { 121_000 } else { 61_000 };
+            assert!(ttl > 1_000 && ttl <= most, "{key}: ttl {ttl}");
+        }
+        // The log holds one member per permit, unique within the microsecond.
+        let log = keys.iter().find(|k| k.ends_with(":swl")).unwrap();
+        let members = redis.server.cli(&["ZRANGE", log, "0", "-1"]);
+        let members: Vec<&str> = members.lines().collect();
+        assert_eq!(members.len(), 2);
+        assert!(members.iter().all(|m| m.ends_with(":1")), "{members:?}");
+    }
+
+    /// Requests in one microsecond all count in the log: a request of 5 permits adds 5
+    /// members with one score.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn log_members_are_unique_within_a_microsecond() {
+        let redis = Redis::start().await;
+        let engine = engine(
+            &redis,
+            "rule_sets:\n  - id: default\n    rules:\n      - { id: swl, algorithm: sliding_window_log, permits: 5, bands: [{ capacity: 12, window: 1m }] }\n",
+        );
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.10".parse().unwrap())
+            .build();
+        for remaining in [7, 2] {
+            let d = check(&engine, &ctx).await;
+            assert!(d.allowed);
+            assert_eq!(d.remaining(), Some(remaining));
+        }
+        assert!(!check(&engine, &ctx).await.allowed);
+        let key = "test0:{default:swl:ip=192.0.2.10}:b0:12/1m:swl";
+        let scored = redis.server.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
+        let lines: Vec<&str> = scored.lines().collect();
+        assert_eq!(lines.len(), 20, "{lines:?}");
+        let first_score = lines[1];
+        for pair in lines[..10].chunks(2) {
+            assert_eq!(pair[1], first_score, "one request's members share its microsecond");
+            assert!(pair[0].starts_with(&format!("{first_score}:")), "{pair:?}");
+        }
+        let unique: std::collections::HashSet<&str> = lines.chunks(2).map(|p| p[0]).collect();
+        assert_eq!(unique.len(), 10);
+    }
+
+    /// Sliding window counters need capacity × window µs within 2^52 in Redis; beyond, the
+    /// decision fails with an error that names the rule, the band and the limit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_counter_too_large_for_exact_arithmetic_is_named() {
+        let redis = Redis::start().await;
+        let engine = engine(
+            &redis,
+            "rule_sets:\n  - id: default\n    rules:\n      - { id: big, algorithm: sliding_window_counter, bands: [{ capacity: 100000000, window: 1d, label: daily }] }\n",
+        );
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.11".parse().unwrap())
+            .build();
+        let err = engine.check(&ctx).await.expect_err("too large").to_string();
+        for part in ["rule `big`", "band `daily`", "sliding_window_counter", "2^52"] {
+            assert!(err.contains(part), "{err}");
+        }
+    }
 }
