@@ -18,20 +18,22 @@
 //!
 //! # The script
 //!
-//! `lua/token_bucket.lua` (its header states the `KEYS` / `ARGV` / reply contract) reads
-//! Redis `TIME` in microseconds, evaluates every band, and writes only when every enforced
-//! band admits the request. It is loaded with `SCRIPT LOAD` when the limiter connects and
-//! called with `EVALSHA`; after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`) it is
-//! loaded again and the call retried, so no request fails for it.
+//! [`DECIDE_LUA`], joined from one file per algorithm in `lua/` (`lua/README.md` states
+//! the `KEYS` / `ARGV` / reply contract), reads Redis `TIME` in microseconds, evaluates
+//! every band of every rule, whatever their algorithms, and writes only when every
+//! enforced band admits the request. It is loaded with `SCRIPT LOAD` when the limiter
+//! connects and called with `EVALSHA`; after `NOSCRIPT` (a restart, a failover,
+//! `SCRIPT FLUSH`) it is loaded again and the call retried, so no request fails for it.
 //!
 //! # Keys
 //!
 //! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>` (the window as in
-//! rule files: `500ms`, `1m`, `1h`). Rule set and
+//! rule files: `500ms`, `1m`, `1h`), followed by `:lb`, `:fw`, `:swl` or `:swc` for the
+//! leaky bucket, fixed window, sliding window log and sliding window counter. Rule set and
 //! rule ids and band names are validated ids, and key values are encoded by
 //! [`fluxgate_core::key`] so that no user value contains `{`, `}` or `:`, nor grows without
 //! bound. The braces make all bands of one rule share a hash slot. A key expires one
-//! second after its band's window, when the bucket is full again anyway.
+//! second after its state stops counting (see `docs/algorithms.md`).
 //!
 //! # Deployments
 //!

@@ -16,6 +16,8 @@ use super::{Eval, Wait};
 pub struct Log {
     /// `(instant in nanoseconds since the Unix epoch, permits)`, oldest first.
     entries: VecDeque<(u64, u64)>,
+    /// The permits of all entries (expired ones included until the next commit).
+    total: u64,
 }
 
 impl Log {
@@ -48,8 +50,16 @@ impl Log {
     /// Records an admitted request and drops the entries that left the window.
     pub fn commit(&mut self, now: u64, window_nanos: u64, permits: u64) {
         let live = self.live_from(now, window_nanos);
-        self.entries.drain(..live);
+        let expired: u64 = self.entries.drain(..live).map(|e| e.1).sum();
+        self.total = self.total - expired + permits;
         self.entries.push_back((now, permits));
+    }
+
+    /// The permits of the entries inside the window at `now`, and the first of them.
+    fn count(&self, now: u64, window_nanos: u64) -> (u64, usize) {
+        let live = self.live_from(now, window_nanos);
+        let expired: u64 = self.entries.range(..live).map(|e| e.1).sum();
+        (self.total - expired, live)
     }
 }
 
@@ -69,8 +79,8 @@ impl Log {
 /// assert!(evaluate(&log, 6 * S, 3, S, 3).allowed);
 /// ```
 pub fn evaluate(log: &Log, now: u64, capacity: u64, window_nanos: u64, permits: u64) -> Eval<()> {
-    let live = log.live_from(now, window_nanos);
-    let count: u64 = log.entries.range(live..).map(|e| e.1).sum::<u64>().min(capacity);
+    let (count, live) = log.count(now, window_nanos);
+    let count = count.min(capacity);
     let remaining_now = capacity - count;
     let reset_now = match log.newest() {
         Some(t) if count > 0 => t + window_nanos - now,
