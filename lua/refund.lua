@@ -35,7 +35,12 @@ for i, key in ipairs(KEYS) do
     end
   elseif algorithm == 3 then
     local at_us = string.format('%.0f', decided)
+    -- The highest sequence numbers go, so that the next member at this microsecond
+    -- (numbered from the count) is still unique.
     local members = redis.call('ZRANGEBYSCORE', key, at_us, at_us)
+    table.sort(members, function(x, y)
+      return tonumber(string.match(x, ':(%d+)$')) < tonumber(string.match(y, ':(%d+)$'))
+    end)
     for j = #members, math.max(1, #members - permits + 1), -1 do
       redis.call('ZREM', key, members[j])
     end
