@@ -208,3 +208,45 @@ fn every_algorithm_and_its_preset_load() {
         assert_eq!((band.capacity(), band.window().as_secs()), expected, "{a:?}");
     }
 }
+
+/// The example of `docs/configuration.md` section 5 loads in all three formats, with the
+/// same rules.
+#[test]
+fn the_documented_example_loads_in_every_format() {
+    let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/configuration.md")).unwrap();
+    let start = doc.find("## 5. One example").expect("section 5");
+    let end = start + doc[start..].find("\n## 6.").expect("section 6");
+    let section = &doc[start..end];
+    let block = |lang: &str| -> String {
+        let open = format!("```{lang}\n");
+        let from = section.find(&open).unwrap_or_else(|| panic!("no {lang} block")) + open.len();
+        section[from..from + section[from..].find("```").unwrap()].to_owned()
+    };
+    let yaml = RuleSets::from_yaml_str(&block("yaml")).unwrap();
+    let toml = RuleSets::from_toml_str(&block("toml")).unwrap();
+    let json = RuleSets::from_json_str(&block("json")).unwrap();
+    let shape = |sets: &RuleSets| -> Vec<String> {
+        let mut ids: Vec<&str> = sets.iter().map(|s| s.id().as_ref()).collect();
+        ids.sort_unstable();
+        ids.iter()
+            .flat_map(|id| sets.get(id).unwrap().rules().iter())
+            .map(|r| {
+                format!(
+                    "{} {:?} {:?} {} {:?}",
+                    r.id(),
+                    r.algorithm(),
+                    r.scope(),
+                    r.permits(),
+                    r.bands().iter().map(|b| (b.capacity(), b.window())).collect::<Vec<_>>()
+                )
+            })
+            .collect()
+    };
+    assert_eq!(shape(&yaml), shape(&toml));
+    assert_eq!(shape(&yaml), shape(&json));
+    assert!(
+        shape(&yaml).iter().any(|r| r.contains("SlidingWindowLog")),
+        "{:?}",
+        shape(&yaml)
+    );
+}
