@@ -192,13 +192,21 @@ rule_sets:
     assert_eq!(d.rule().map(|r| &**r), Some("per-ip"));
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap();
     let most = 9900 + refilled();
-    assert!((9900..=most).contains(&global.remaining), "{} not in 9900..={most}", global.remaining);
+    assert!(
+        (9900..=most).contains(&global.remaining),
+        "{} not in 9900..={most}",
+        global.remaining
+    );
     // Another client sees the global band at 9900 before its own request.
     let d = check(&engine, &ctx("198.51.100.5")).await;
     assert!(d.allowed);
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap();
     let most = 9899 + refilled();
-    assert!((9899..=most).contains(&global.remaining), "{} not in 9899..={most}", global.remaining);
+    assert!(
+        (9899..=most).contains(&global.remaining),
+        "{} not in 9899..={most}",
+        global.remaining
+    );
     assert_eq!(d.bands.iter().find(|b| &*b.rule == "per-ip").unwrap().remaining, 99);
 }
 
