@@ -141,6 +141,10 @@ cases! {
     sliding_window_counter_seed_examples => SLIDING_WINDOW_COUNTER_SEED,
     sliding_window_counter_boundary => SLIDING_WINDOW_COUNTER_BOUNDARY,
     sliding_window_counter_permits => SLIDING_WINDOW_COUNTER_PERMITS,
+    leaky_bucket_two_bands => LEAKY_BUCKET_TWO_BANDS,
+    fixed_window_two_bands => FIXED_WINDOW_TWO_BANDS,
+    sliding_window_log_two_bands => SLIDING_WINDOW_LOG_TWO_BANDS,
+    sliding_window_counter_two_bands => SLIDING_WINDOW_COUNTER_TWO_BANDS,
     mixed_algorithms => MIXED,
 }
 

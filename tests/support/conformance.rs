@@ -415,6 +415,64 @@ pub const SLIDING_WINDOW_COUNTER_PERMITS: Case = Case {
     steps: &permits(1025),
 };
 
+pub const LEAKY_BUCKET_TWO_BANDS: Case = Case {
+    name: "leaky bucket: two bands, the binding one changes",
+    rules: "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 2, window: 1s }, { capacity: 4, window: 10s }] }\n",
+    align_ms: None,
+    steps: &[
+        burst(0, 2, 1),
+        // The first band leaks every 500 ms, the second every 2.5 s.
+        reject(0, 0, 500),
+        admit(600, 0).bands(&[0, 1]),
+        reject(600, 0, 400),
+        // Now the second band binds: 8.9 s of 10 s queued, room again at 1.4 s from now.
+        admit(1100, 0).bands(&[0, 0]),
+        reject(1100, 0, 1400),
+    ],
+};
+
+pub const FIXED_WINDOW_TWO_BANDS: Case = Case {
+    name: "fixed window: two bands",
+    rules: "      - { id: fw, algorithm: fixed_window, bands: [{ capacity: 2, window: 500ms }, { capacity: 3, window: 2s }] }\n",
+    align_ms: Some(2000),
+    steps: &[
+        burst(100, 2, 1),
+        reject(100, 0, 400),
+        // A new half-second window, the last permit of the two-second one.
+        admit(600, 0).bands(&[1, 0]),
+        reject(600, 0, 1400),
+    ],
+};
+
+pub const SLIDING_WINDOW_LOG_TWO_BANDS: Case = Case {
+    name: "sliding window log: two bands",
+    rules: "      - { id: swl, algorithm: sliding_window_log, bands: [{ capacity: 2, window: 1s }, { capacity: 3, window: 10s }] }\n",
+    align_ms: None,
+    steps: &[
+        burst(0, 2, 1),
+        reject(0, 0, 1000),
+        admit(1100, 0).bands(&[1, 0]),
+        // The ten-second log frees its oldest entry at 10 s.
+        reject(1100, 0, 8900),
+    ],
+};
+
+pub const SLIDING_WINDOW_COUNTER_TWO_BANDS: Case = Case {
+    name: "sliding window counter: two bands",
+    rules: "      - { id: swc, algorithm: sliding_window_counter, bands: [{ capacity: 2, window: 1s }, { capacity: 3, window: 10s }] }\n",
+    align_ms: Some(10_000),
+    steps: &[
+        burst(100, 2, 1),
+        // The one-second band: previous 2 × left / 1 s + 1 <= 2 from 500 ms into the next window.
+        reject(100, 0, 1400),
+        // 2 × 0.4 + 1 = 1.8 in the first band, 3 of 3 in the second.
+        admit(1600, 0).bands(&[0, 0]),
+        // The second band: in the next ten-second window once 3 × left / 10 s + 1 <= 3,
+        // that is 6,666.67 ms before its end: 8.4 s + 3.33 s from now.
+        reject(1600, 0, 11_733),
+    ],
+};
+
 pub const MIXED: Case = Case {
     name: "one rule set of all five algorithms rejects as a whole",
     rules: "      - { id: tb, algorithm: token_bucket, bands: [{ capacity: 4, window: 10s }] }
@@ -437,7 +495,7 @@ pub const MIXED: Case = Case {
 };
 
 /// Every case.
-pub const ALL: [&Case; 15] = [
+pub const ALL: [&Case; 19] = [
     &TOKEN_BUCKET,
     &TOKEN_BUCKET_PERMITS,
     &LEAKY_BUCKET,
@@ -452,5 +510,9 @@ pub const ALL: [&Case; 15] = [
     &SLIDING_WINDOW_COUNTER_SEED,
     &SLIDING_WINDOW_COUNTER_BOUNDARY,
     &SLIDING_WINDOW_COUNTER_PERMITS,
+    &LEAKY_BUCKET_TWO_BANDS,
+    &FIXED_WINDOW_TWO_BANDS,
+    &SLIDING_WINDOW_LOG_TWO_BANDS,
+    &SLIDING_WINDOW_COUNTER_TWO_BANDS,
     &MIXED,
 ];
