@@ -15,6 +15,9 @@
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 use std::time::Duration;
@@ -68,20 +71,11 @@ fn decisions(c: &mut Criterion) {
     group.finish();
 }
 
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// In the child process: decides 1,000,000 keys once and prints the growth per key.
 fn memory_child(algorithm: Algorithm) {
     const KEYS: u32 = 1_000_000;
     let engine = engine(algorithm, "{ capacity: 100, window: 1h }");
-    let before = rss_bytes();
+    let before = rss::rss_bytes();
     for i in 0..KEYS {
         let ctx = RequestContext::builder()
             .client_ip(IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + i)))
@@ -89,7 +83,7 @@ fn memory_child(algorithm: Algorithm) {
         let d = engine.check(&ctx).into_ready().expect("in memory").expect("decision");
         assert!(d.allowed);
     }
-    let grown = rss_bytes().saturating_sub(before);
+    let grown = rss::rss_bytes().saturating_sub(before);
     println!(
         "memory: {:<24} {KEYS} active keys: {:>6.1} MiB, {:>6.1} bytes per key",
         algorithm.as_str(),

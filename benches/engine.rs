@@ -9,6 +9,9 @@
 
 #![allow(missing_docs)]
 
+#[path = "support/rss.rs"]
+mod rss;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
@@ -64,15 +67,6 @@ fn contexts(n: u32) -> Vec<RequestContext> {
         .collect()
 }
 
-fn rss_bytes() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Each key stays active: one request takes one of 100 tokens that refill over an hour.
 const ACTIVE_KEYS: &str = r#"
 rule_sets:
@@ -86,7 +80,7 @@ fn memory_per_key() {
     const KEYS: u32 = 1_000_000;
     let engine = engine(ACTIVE_KEYS, 2_000_000);
     // Build contexts in batches so their own memory is not counted.
-    let before = rss_bytes();
+    let before = rss::rss_bytes();
     for chunk in 0..(KEYS / 10_000) {
         for i in 0..10_000 {
             let ip = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + chunk * 10_000 + i));
@@ -95,7 +89,7 @@ fn memory_per_key() {
             assert!(d.allowed);
         }
     }
-    let after = rss_bytes();
+    let after = rss::rss_bytes();
     let per_key = (after.saturating_sub(before)) as f64 / f64::from(KEYS);
     println!(
         "memory: {KEYS} active keys in the in-memory limiter: resident set grew {:.1} MiB = {per_key:.1} bytes per key",

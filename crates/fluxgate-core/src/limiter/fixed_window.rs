@@ -45,15 +45,7 @@ pub fn evaluate(state: Option<Window>, now: u64, capacity: u64, window_nanos: u6
     };
     let remaining_now = capacity - count;
     let reset_now = if count > 0 { end - now } else { 0 };
-    let rejected = |wait| Eval {
-        allowed: false,
-        next: state.unwrap_or_default(),
-        remaining_after: remaining_now,
-        remaining_now,
-        reset_after: reset_now,
-        reset_now,
-        wait,
-    };
+    let rejected = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
         return rejected(Wait::Never);
     }

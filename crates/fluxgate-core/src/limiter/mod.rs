@@ -84,6 +84,21 @@ pub struct Eval<S> {
     pub wait: Wait,
 }
 
+impl<S> Eval<S> {
+    /// A rejection: the band stays as it is (`state`), with these figures.
+    pub fn rejected(state: S, remaining: u64, reset: u64, wait: Wait) -> Self {
+        Self {
+            allowed: false,
+            next: state,
+            remaining_after: remaining,
+            remaining_now: remaining,
+            reset_after: reset,
+            reset_now: reset,
+            wait,
+        }
+    }
+}
+
 /// The result of [`RateLimiter::acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AcquireOutcome {

@@ -61,15 +61,7 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
         }
     };
     let reset_now = reset(q);
-    let rejected = |wait| Eval {
-        allowed: false,
-        next: state.unwrap_or_default(),
-        remaining_after: remaining_now,
-        remaining_now,
-        reset_after: reset_now,
-        reset_now,
-        wait,
-    };
+    let rejected = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
         return rejected(Wait::Never);
     }

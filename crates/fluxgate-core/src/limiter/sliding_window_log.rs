@@ -86,15 +86,7 @@ pub fn evaluate(log: &Log, now: u64, capacity: u64, window_nanos: u64, permits: 
         Some(t) if count > 0 => t + window_nanos - now,
         _ => 0,
     };
-    let rejected = |wait| Eval {
-        allowed: false,
-        next: (),
-        remaining_after: remaining_now,
-        remaining_now,
-        reset_after: reset_now,
-        reset_now,
-        wait,
-    };
+    let rejected = |wait| Eval::rejected((), remaining_now, reset_now, wait);
     if permits > capacity {
         return rejected(Wait::Never);
     }

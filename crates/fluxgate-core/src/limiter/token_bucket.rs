@@ -101,15 +101,7 @@ pub(crate) fn gcra(
     let debt = debt.min(cap);
     let remaining_now = to_u64(div(cap - debt, w));
     let reset_now = to_u64(ceil_div(debt, c));
-    let not_allowed = |wait| Eval {
-        allowed: false,
-        next: state.unwrap_or_default(),
-        remaining_after: remaining_now,
-        remaining_now,
-        reset_after: reset_now,
-        reset_now,
-        wait,
-    };
+    let not_allowed = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
         return not_allowed(Wait::Never);
     }
