@@ -55,6 +55,9 @@ pub struct Step {
     pub expect: Expect,
     /// Every band's remaining after the (last) request, in rule order.
     pub bands: Option<&'static [u64]>,
+    /// Every band's reset (milliseconds until it is back to its full capacity) after the
+    /// (last) request, in rule order, within the harness's tolerance.
+    pub resets: Option<&'static [u64]>,
 }
 
 /// `count` requests of one permit at `at_ms`, all admitted, the first leaving `first`.
@@ -66,6 +69,7 @@ pub const fn burst(at_ms: u64, count: u64, first: u64) -> Step {
         count,
         expect: Expect::Admit { remaining: first },
         bands: None,
+        resets: None,
     }
 }
 
@@ -83,6 +87,7 @@ pub const fn reject(at_ms: u64, remaining: u64, retry_ms: u64) -> Step {
         count: 1,
         expect: Expect::Reject { remaining, retry_ms },
         bands: None,
+        resets: None,
     }
 }
 
@@ -100,6 +105,11 @@ impl Step {
     /// The same step, also checking every band's remaining.
     pub const fn bands(mut self, bands: &'static [u64]) -> Self {
         self.bands = Some(bands);
+        self
+    }
+    /// The same step, also checking every band's reset.
+    pub const fn resets(mut self, resets: &'static [u64]) -> Self {
+        self.resets = Some(resets);
         self
     }
     /// The same step, expected to be rejected for good.
@@ -179,9 +189,21 @@ fn summary(outcome: &AcquireOutcome) -> (u64, Option<Wait>) {
 
 fn check(case: &Case, i: usize, n: u64, step: &Step, outcome: &AcquireOutcome, tolerance: u64, late: u64) {
     let (remaining, wait) = summary(outcome);
-    if let (Some(expected), true) = (step.bands, n + 1 == step.count) {
+    let last = n + 1 == step.count;
+    if let (Some(expected), true) = (step.bands, last) {
         let got: Vec<u64> = outcome.bands.iter().map(|b| b.remaining).collect();
         assert_eq!(got, expected, "remaining per band: case `{}`, step {i}", case.name);
+    }
+    if let (Some(expected), true) = (step.resets, last) {
+        for (band, &ms) in outcome.bands.iter().zip(expected) {
+            let got = band.reset_after.as_secs_f64() * 1000.0;
+            let (low, high) = (ms.saturating_sub(tolerance) as f64 - 1.0, (ms + tolerance) as f64 + 1.0);
+            assert!(
+                (low..=high).contains(&got),
+                "reset {got:.3} ms, expected {ms} ± {tolerance} ms: case `{}`, step {i}",
+                case.name
+            );
+        }
     }
     let at = format!(
         "case `{}`, step {i} (at {} ms, request {} of {}, {} late ms): {:?}",
@@ -251,8 +273,8 @@ pub const TOKEN_BUCKET: Case = Case {
     align_ms: None,
     steps: &[
         burst(0, 5, 4),
-        // A token every 200 ms.
-        reject(0, 0, 200),
+        // A token every 200 ms; full again at 1000 ms.
+        reject(0, 0, 200).resets(&[1000]),
         // 2.5 tokens back at 500 ms: two admitted, the third waits 100 ms.
         burst(500, 2, 1),
         reject(500, 0, 100),
@@ -274,8 +296,8 @@ pub const LEAKY_BUCKET: Case = Case {
     align_ms: None,
     steps: &[
         burst(0, 5, 4),
-        // One unit leaks every 200 ms.
-        reject(0, 0, 200),
+        // One unit leaks every 200 ms; empty at 1000 ms.
+        reject(0, 0, 200).resets(&[1000]),
         burst(500, 2, 1),
         reject(500, 0, 100),
         // Empty since 1400 ms. At 1650 ms the grid stands at 1600 ms: the queue takes 5,
@@ -298,7 +320,8 @@ pub const FIXED_WINDOW: Case = Case {
     align_ms: Some(1000),
     steps: &[
         burst(100, 5, 4),
-        reject(100, 0, 900),
+        // The count starts over with the window, at 1000 ms.
+        reject(100, 0, 900).resets(&[900]),
         reject(900, 0, 100),
         admit(1100, 4),
     ],
@@ -331,8 +354,8 @@ pub const SLIDING_WINDOW_LOG: Case = Case {
     steps: &[
         burst(0, 3, 4),
         burst(400, 2, 1),
-        // The first entry leaves at 1000 ms.
-        reject(400, 0, 600),
+        // The first entry leaves at 1000 ms, the newest at 1400 ms.
+        reject(400, 0, 600).resets(&[1000]),
         // The three at 0 ms have left: two count.
         burst(1050, 3, 2),
         // The next to leave are the two at 400 ms.
@@ -367,8 +390,9 @@ pub const SLIDING_WINDOW_COUNTER: Case = Case {
     align_ms: Some(1000),
     steps: &[
         burst(100, 5, 4),
-        // Next window: 5 × left / 1 s + 1 <= 5 once 800 ms are left, at 1200 ms.
-        reject(100, 0, 1100),
+        // Next window: 5 × left / 1 s + 1 <= 5 once 800 ms are left, at 1200 ms; nothing
+        // counts any more once the next window has ended, at 2000 ms.
+        reject(100, 0, 1100).resets(&[1900]),
         // 5 × 0.7 + 1 = 4.5.
         admit(1300, 0),
         // The window after: previous 1, weighted 0.9, plus 1: 3 remain.
