@@ -475,7 +475,8 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
             wait: e.wait,
         }
     }
-    let state = shard.windows.get(&key).map(|s| &s.state);
+    // Looked up only by the algorithms that keep their state there.
+    let state = || shard.windows.get(&key).map(|s| &s.state);
     match rule.algorithm() {
         Algorithm::TokenBucket => map(
             token_bucket::evaluate(shard.gcra.get(&key).copied(), now, capacity, window, permits),
@@ -486,7 +487,7 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
             Next::Tat,
         ),
         Algorithm::FixedWindow => {
-            let state = match state {
+            let state = match state() {
                 Some(State::Fixed(w)) => Some(*w),
                 _ => None,
             };
@@ -496,7 +497,7 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
             )
         }
         Algorithm::SlidingWindowCounter => {
-            let state = match state {
+            let state = match state() {
                 Some(State::Counter(c)) => Some(*c),
                 _ => None,
             };
@@ -507,7 +508,7 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
         }
         Algorithm::SlidingWindowLog => {
             let empty = Log::new();
-            let log = match state {
+            let log = match state() {
                 Some(State::Log(log)) => log,
                 _ => &empty,
             };
