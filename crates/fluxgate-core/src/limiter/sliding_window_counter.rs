@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use super::fixed_window::bounds;
-use super::token_bucket::{ceil_div, div, to_u64};
+use super::token_bucket::{div, to_u64};
 use super::{Eval, Wait};
 
 /// A band's stored state: the end of the current window and the counts of the window
@@ -97,21 +97,6 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
     }
 }
 
-/// The estimate `previous × (window − elapsed) / window + current`, rounded up: what the
-/// band counts at `now`.
-pub fn estimate(state: &Counter, now: u64, window_nanos: u64) -> u64 {
-    let (start, end) = bounds(now, window_nanos);
-    let (p, q) = if state.end == end {
-        (state.previous, state.current)
-    } else if state.end == start {
-        (state.current, 0)
-    } else {
-        (0, 0)
-    };
-    let w = u128::from(window_nanos);
-    to_u64(ceil_div(u128::from(p) * u128::from(end - now) + u128::from(q) * w, w))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -134,7 +119,7 @@ mod tests {
         assert!(e.allowed);
         assert_eq!(e.remaining_now, 3);
         assert_eq!(e.remaining_after, 2);
-        assert_eq!(estimate(&e.next, 90 * SEC, 60 * SEC), 8);
+        assert_eq!(e.next.current, 4);
         // At 10%: 10.2, rejected; admitted once 8 × left / 60 <= 6, at 25% (45 s left).
         let e = seed(66 * SEC);
         assert!(!e.allowed);
