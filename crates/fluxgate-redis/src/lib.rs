@@ -59,30 +59,39 @@ use fred::types::config::{Config, ReconnectPolicy};
 use fred::types::scripts::Script;
 use fred::types::Builder;
 
-/// A script: the prelude, the token bucket, `$first`, the other helpers and algorithms,
-/// then `$main`.
-macro_rules! script {
-    ($first:literal, $main:literal) => {
-        concat!(
-            include_str!("../lua/common.lua"),
-            include_str!("../lua/token_bucket.lua"),
-            include_str!($first),
-            include_str!("../lua/helpers.lua"),
-            include_str!("../lua/leaky_bucket.lua"),
-            include_str!("../lua/fixed_window.lua"),
-            include_str!("../lua/sliding_window_log.lua"),
-            include_str!("../lua/sliding_window_counter.lua"),
-            include_str!($main),
-        )
+/// The files of `lua/`, joined in order into one script.
+macro_rules! lua {
+    ($($file:literal),+ $(,)?) => {
+        concat!($(include_str!(concat!("../lua/", $file))),+)
     };
 }
 
 /// The decision script (see `lua/README.md`): every band of every rule of a request, of
-/// any algorithm, all or nothing.
-pub const DECIDE_LUA: &str = script!("../lua/fast_path.lua", "../lua/decide.lua");
+/// any algorithm, all or nothing. The single-band token bucket returns from
+/// `fast_path.lua`, before the other algorithms' functions are created.
+pub const DECIDE_LUA: &str = lua!(
+    "common.lua",
+    "token_bucket.lua",
+    "fast_path.lua",
+    "helpers.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window_log.lua",
+    "sliding_window_counter.lua",
+    "decide.lua",
+);
 
 /// The refund script, for requests that a cluster's hash slots decided differently.
-pub const REFUND_LUA: &str = script!("../lua/empty.lua", "../lua/refund.lua");
+pub const REFUND_LUA: &str = lua!(
+    "common.lua",
+    "token_bucket.lua",
+    "helpers.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window_log.lua",
+    "sliding_window_counter.lua",
+    "refund.lua",
+);
 
 /// The largest number a band may need in the script: token and leaky buckets need
 /// `capacity × window µs / gcd(capacity, window µs)`, sliding window counters
@@ -479,14 +488,11 @@ impl RedisLimiter {
                     });
                 }
                 let window = fluxgate_core::format_duration(band.window());
-                let key = match key_suffix(algorithm) {
-                    "" => format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name()),
-                    suffix => format!(
-                        "{}:{tag}:{}:{capacity}/{window}:{suffix}",
-                        self.inner.prefix,
-                        band.name()
-                    ),
-                };
+                let mut key = format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name());
+                if let Some(suffix) = key_suffix(algorithm) {
+                    key.push(':');
+                    key.push_str(suffix);
+                }
                 call.args.extend([capacity as i64, a as i64, b as i64]);
                 call.deny_keys
                     .push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
@@ -524,15 +530,15 @@ fn algorithm_code(algorithm: Algorithm) -> i64 {
     }
 }
 
-/// The end of a band's key: nothing for the token bucket, the algorithm for the others,
-/// so that a rule whose algorithm changes starts new counters.
-fn key_suffix(algorithm: Algorithm) -> &'static str {
+/// The end of a band's key: none for the token bucket, the algorithm for the others, so
+/// that a rule whose algorithm changes starts new counters.
+fn key_suffix(algorithm: Algorithm) -> Option<&'static str> {
     match algorithm {
-        Algorithm::TokenBucket => "",
-        Algorithm::LeakyBucket => "lb",
-        Algorithm::FixedWindow => "fw",
-        Algorithm::SlidingWindowLog => "swl",
-        Algorithm::SlidingWindowCounter => "swc",
+        Algorithm::TokenBucket => None,
+        Algorithm::LeakyBucket => Some("lb"),
+        Algorithm::FixedWindow => Some("fw"),
+        Algorithm::SlidingWindowLog => Some("swl"),
+        Algorithm::SlidingWindowCounter => Some("swc"),
     }
 }
 

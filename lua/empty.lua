@@ -1,1 +1,0 @@
--- (Nothing: the refund script has no fast path.)
