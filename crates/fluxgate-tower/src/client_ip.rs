@@ -94,15 +94,51 @@ impl FromStr for IpNet {
     }
 }
 
-/// Finds the client address of a request.
+/// Finds the client address of a request: the peer, or, when the peer is a trusted
+/// proxy, what the forwarding header it maintains says.
+///
+/// Exactly one forwarding header is read: the configured one, `X-Forwarded-For` by
+/// default, or `Forwarded` (RFC 7239) when that is the one configured. A proxy rewrites
+/// the header it owns and passes any other one through from the client untouched, so a
+/// second header would let a client choose its own address. The header's hops are read
+/// right to left: each trusted hop is skipped, and the first untrusted one is the client.
+/// A hop that cannot be read ends the chain at the hop after it. Nothing is ever taken
+/// from the left of an untrusted hop.
+///
+/// ```
+/// use fluxgate_tower::ClientIpResolver;
+/// use http::HeaderMap;
+///
+/// let resolver = ClientIpResolver::new(["10.0.0.0/8".parse().unwrap()], http::header::HeaderName::from_static("x-forwarded-for"));
+/// let mut headers = HeaderMap::new();
+/// headers.insert("x-forwarded-for", "203.0.113.9, 10.0.0.7".parse().unwrap());
+/// // A client's own `Forwarded` header is not read.
+/// headers.insert("forwarded", "for=198.51.100.1".parse().unwrap());
+/// let client = resolver.resolve_from(Some("10.0.0.1".parse().unwrap()), &headers);
+/// assert_eq!(client, Some("203.0.113.9".parse().unwrap()));
+/// // From an untrusted peer, no header is believed.
+/// assert_eq!(resolver.resolve_from(Some("192.0.2.1".parse().unwrap()), &headers), Some("192.0.2.1".parse().unwrap()));
+/// ```
 #[derive(Debug, Clone)]
-pub(crate) struct ClientIpResolver {
+pub struct ClientIpResolver {
     pub(crate) trusted: Vec<IpNet>,
-    pub(crate) forwarded_for: HeaderName,
+    pub(crate) header: HeaderName,
 }
 
 impl ClientIpResolver {
-    pub(crate) fn peer(extensions: &Extensions) -> Option<IpAddr> {
+    /// A resolver believing `header` from peers in `trusted`. `header` is `Forwarded`
+    /// (read as RFC 7239 `for=` elements) or any header listing addresses separated by
+    /// commas, such as `X-Forwarded-For`.
+    pub fn new(trusted: impl IntoIterator<Item = IpNet>, header: HeaderName) -> Self {
+        Self {
+            trusted: trusted.into_iter().collect(),
+            header,
+        }
+    }
+
+    /// The peer address of a request: a [`ClientIp`] extension, else axum's
+    /// `ConnectInfo<SocketAddr>` (feature `axum`), else a `SocketAddr` extension.
+    pub fn peer(extensions: &Extensions) -> Option<IpAddr> {
         if let Some(ClientIp(ip)) = extensions.get::<ClientIp>() {
             return Some(*ip);
         }
@@ -117,10 +153,10 @@ impl ClientIpResolver {
         self.trusted.iter().any(|net| net.contains(ip))
     }
 
-    /// The peer, or — when the peer is a trusted proxy — the nearest untrusted hop of
-    /// `Forwarded` (preferred) or `X-Forwarded-For`, read right to left.
-    pub(crate) fn resolve(&self, extensions: &Extensions, headers: &HeaderMap) -> Option<IpAddr> {
-        let Some(peer) = Self::peer(extensions) else {
+    /// The client address of a request with these extensions and headers.
+    pub fn resolve(&self, extensions: &Extensions, headers: &HeaderMap) -> Option<IpAddr> {
+        let peer = Self::peer(extensions);
+        if peer.is_none() {
             static WARNED: AtomicBool = AtomicBool::new(false);
             if !WARNED.swap(true, Ordering::Relaxed) {
                 tracing::warn!(
@@ -128,29 +164,35 @@ impl ClientIpResolver {
                      serve with `into_make_service_with_connect_info::<SocketAddr>()` or insert a `ClientIp` extension"
                 );
             }
-            return None;
-        };
+        }
+        self.resolve_from(peer, headers)
+    }
+
+    /// The client address of a request from `peer` with these headers: the peer, or —
+    /// when the peer is a trusted proxy — the nearest untrusted hop of the configured
+    /// forwarding header, read right to left.
+    pub fn resolve_from(&self, peer: Option<IpAddr>, headers: &HeaderMap) -> Option<IpAddr> {
+        let peer = peer?;
         if self.trusted.is_empty() || !self.is_trusted(peer) {
             return Some(canonical(peer));
         }
         let mut hops: Vec<Option<IpAddr>> = Vec::new();
-        if headers.contains_key(FORWARDED) {
-            for value in headers.get_all(FORWARDED) {
-                let text = String::from_utf8_lossy(value.as_bytes());
-                for element in text.split(',') {
+        let rfc7239 = self.header == FORWARDED;
+        for value in headers.get_all(&self.header) {
+            let text = String::from_utf8_lossy(value.as_bytes());
+            for element in text.split(',') {
+                if rfc7239 {
+                    // `for=` of each element; an element without one is not a hop.
                     let for_value = element.split(';').find_map(|pair| {
                         let (k, v) = pair.split_once('=')?;
-                        k.trim().eq_ignore_ascii_case("for").then(|| v.trim().to_owned())
+                        k.trim().eq_ignore_ascii_case("for").then_some(v)
                     });
                     if let Some(v) = for_value {
-                        hops.push(parse_hop(v.trim_matches('"')));
+                        hops.push(parse_hop(v.trim().trim_matches('"')));
                     }
+                } else {
+                    hops.push(parse_hop(element.trim()));
                 }
-            }
-        } else {
-            for value in headers.get_all(&self.forwarded_for) {
-                let text = String::from_utf8_lossy(value.as_bytes());
-                hops.extend(text.split(',').map(|hop| parse_hop(hop.trim())));
             }
         }
         let mut client = canonical(peer);
@@ -187,10 +229,14 @@ mod tests {
     use super::*;
 
     fn resolver(trusted: &[&str]) -> ClientIpResolver {
-        ClientIpResolver {
-            trusted: trusted.iter().map(|s| s.parse().unwrap()).collect(),
-            forwarded_for: HeaderName::from_static("x-forwarded-for"),
-        }
+        with_header(trusted, "x-forwarded-for")
+    }
+
+    fn with_header(trusted: &[&str], header: &'static str) -> ClientIpResolver {
+        ClientIpResolver::new(
+            trusted.iter().map(|s| s.parse().unwrap()),
+            HeaderName::from_static(header),
+        )
     }
 
     fn ext(peer: &str) -> Extensions {
@@ -221,7 +267,7 @@ mod tests {
             "for=192.0.2.60;proto=http, for=\"[2001:db8:cafe::17]:4711\"",
         )]);
         assert_eq!(
-            r.resolve(&ext("10.0.0.1"), &h),
+            with_header(&["10.0.0.0/8"], "forwarded").resolve(&ext("10.0.0.1"), &h),
             Some("2001:db8:cafe::17".parse().unwrap())
         );
         let h = headers(&[("x-forwarded-for", "garbage, 10.0.0.3")]);
@@ -230,6 +276,23 @@ mod tests {
             resolver(&[]).resolve(&ext("10.0.0.1"), &headers(&[("x-forwarded-for", "1.2.3.4")])),
             Some("10.0.0.1".parse().unwrap())
         );
+    }
+
+    #[test]
+    fn only_the_configured_forwarding_header_is_read() {
+        // Behind a proxy that maintains X-Forwarded-For, a client's own `Forwarded`
+        // header passes through untouched: it must not choose the address.
+        let xff = resolver(&["10.0.0.0/8"]);
+        let h = headers(&[("forwarded", "for=192.0.2.99"), ("x-forwarded-for", "198.51.100.7")]);
+        assert_eq!(xff.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
+        let h = headers(&[("forwarded", "for=192.0.2.99")]);
+        assert_eq!(xff.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.1".parse().unwrap()));
+        // And the other way round: `Forwarded` configured, X-Forwarded-For ignored.
+        let fwd = with_header(&["10.0.0.0/8"], "forwarded");
+        let h = headers(&[("forwarded", "for=198.51.100.7"), ("x-forwarded-for", "192.0.2.99")]);
+        assert_eq!(fwd.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
+        let h = headers(&[("x-forwarded-for", "192.0.2.99")]);
+        assert_eq!(fwd.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.1".parse().unwrap()));
     }
 
     #[test]

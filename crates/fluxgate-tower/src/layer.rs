@@ -67,7 +67,7 @@ impl fmt::Debug for Config {
             .field("handler", &self.handler)
             .field("rule_set", &self.rule_set)
             .field("trusted_proxies", &self.client_ip.trusted)
-            .field("forwarded_for_header", &self.client_ip.forwarded_for)
+            .field("forwarded_header", &self.client_ip.header)
             .field("user_header", &self.user_header)
             .field("api_key_header", &self.api_key_header)
             .field("include", &self.include)
@@ -208,8 +208,9 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// Proxies (addresses or CIDRs) whose `Forwarded` / `X-Forwarded-For` headers are
-    /// believed. Default: none, so those headers are ignored.
+    /// Proxies (addresses or CIDRs) whose forwarding header
+    /// ([`forwarded_for_header`](Self::forwarded_for_header)) is believed. Default: none,
+    /// so no forwarding header is ever read.
     pub fn trusted_proxies<I, S>(mut self, proxies: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -219,8 +220,11 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// The header listing forwarded-for hops when no `Forwarded` header is present.
-    /// Default `X-Forwarded-For`.
+    /// The one forwarding header read from trusted proxies: the one they maintain.
+    /// Default `X-Forwarded-For`; `Forwarded` is read as RFC 7239 `for=` elements. Any
+    /// other forwarding header is ignored, because a proxy passes the headers it does not
+    /// own through from the client untouched (see
+    /// [`ClientIpResolver`](crate::ClientIpResolver)).
     pub fn forwarded_for_header(mut self, name: impl Into<String>) -> Self {
         self.forwarded_for = name.into();
         self
@@ -344,10 +348,7 @@ impl RateLimitLayerBuilder {
             config: Arc::new(Config {
                 handler: self.handler,
                 rule_set: self.rule_set,
-                client_ip: ClientIpResolver {
-                    trusted,
-                    forwarded_for: header("forwarded_for_header", &self.forwarded_for)?,
-                },
+                client_ip: ClientIpResolver::new(trusted, header("forwarded_for_header", &self.forwarded_for)?),
                 user_header: self
                     .user_header
                     .as_deref()

@@ -32,9 +32,10 @@
 //!
 //! A [`ClientIp`] extension (set by an earlier layer), else axum's
 //! `ConnectInfo<SocketAddr>` (feature `axum`, on by default), else a `SocketAddr`
-//! extension. `Forwarded` and `X-Forwarded-For` are read only when that peer is one of
-//! the configured [trusted proxies](RateLimitLayerBuilder::trusted_proxies), right to
-//! left, skipping trusted hops. The user id and API key come from [`UserId`] and
+//! extension. One forwarding header, the configured one (`X-Forwarded-For` by default, or
+//! `Forwarded`), is read, and only when that peer is one of the configured
+//! [trusted proxies](RateLimitLayerBuilder::trusted_proxies): right to left, skipping
+//! trusted hops (see [`ClientIpResolver`]). The user id and API key come from [`UserId`] and
 //! [`ApiKey`] extensions (set by an authentication layer), else from the `X-User-Id` and
 //! `X-API-Key` headers (configurable).
 //!
@@ -52,7 +53,7 @@ mod layer;
 mod response;
 mod service;
 
-pub use client_ip::{ClientIp, IpNet, IpNetError};
+pub use client_ip::{ClientIp, ClientIpResolver, IpNet, IpNetError};
 pub use future::ResponseFuture;
 pub use layer::{ConfigError, Customizer, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
 pub use response::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
