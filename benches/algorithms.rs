@@ -40,6 +40,7 @@ fn engine(algorithm: Algorithm, band: &str) -> Engine {
     Engine::builder(StaticRuleSetProvider::new(rules(algorithm, band)))
         .limiter(MemoryLimiter::builder().max_keys(2_000_000).build())
         .build()
+        .expect("the backend decides every rule")
 }
 
 fn ctx(i: u32) -> RequestContext {

@@ -53,6 +53,7 @@ fn engine(yaml: &str, max_keys: usize) -> Engine {
     Engine::builder(StaticRuleSetProvider::new(rules))
         .limiter(MemoryLimiter::builder().max_keys(max_keys).build())
         .build()
+        .expect("the backend decides every rule")
 }
 
 fn contexts(n: u32) -> Vec<RequestContext> {

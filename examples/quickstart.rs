@@ -82,6 +82,10 @@ async fn main() {
             Engine::builder(StaticRuleSetProvider::new(rules))
                 .limiter(limiter)
                 .build()
+                .unwrap_or_else(|e| {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                })
         }
     };
     let backend = args

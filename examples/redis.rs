@@ -35,7 +35,8 @@ async fn instance(name: &'static str, redis: &str) -> SocketAddr {
     let rules = RuleSets::from_yaml_str(RULES).expect("valid rules");
     let engine = Engine::builder(StaticRuleSetProvider::new(rules))
         .limiter(limiter)
-        .build();
+        .build()
+        .expect("the example's rules fit Redis");
     let app = Router::new()
         .route("/", get(move || async move { format!("hello from {name}\n") }))
         .layer(RateLimitLayer::new(engine));

@@ -4,10 +4,14 @@
 -- KEYS: one key per band to refund.
 -- ARGV: [1] the decision's now_us; then per band: algorithm (as in decide.lua), permits,
 --       and the band's three numbers.
--- Token and leaky buckets move their instant back by the cost, never before now. Fixed
--- windows and sliding window counters take the permits off the count of the decision's
--- window, if it is still the stored one. Sliding window logs remove that many members
--- recorded at the decision's microsecond.
+-- Token and leaky buckets move their instant back by the cost. A token bucket whose
+-- instant would fall before now is full: it is stored as now. A leaky bucket's instant may
+-- fall before now: it anchors the leak grid, which must not move, and moving it back by
+-- whole leak intervals keeps it where it was. Fixed windows take the permits off the count
+-- of the decision's window, if it is still the stored one. Sliding window counters take
+-- them off the decision's window: the current count if it is still the current window,
+-- the previous count if the next window has begun since. Sliding window logs remove that
+-- many members recorded at the decision's microsecond.
 -- Returns: per band: remaining, reset_after_us (after the refund).
 
 local EVAL = {
@@ -24,8 +28,14 @@ for i, key in ipairs(KEYS) do
   if algorithm <= 1 then
     local tat, frac = tat_of(key)
     local debt = debt_of(tat, frac, a)
+    -- Nothing ahead of now: a full token bucket, or an empty queue whose grid a move by
+    -- whole intervals would leave where it is.
     if debt then
-      debt = math.max(0, debt - permits * b)
+      debt = debt - permits * b
+      if algorithm == 0 and debt < 0 then
+        debt = 0
+      end
+      -- idiv floors, so a negative debt gives an instant before now and frac >= 0.
       local whole = idiv(debt, a)
       local value = string.format('%.0f', now + whole)
       if debt > whole * a then
@@ -47,13 +57,18 @@ for i, key in ipairs(KEYS) do
   else
     local e = decided - imod(decided, a) + a
     local stored_end, x, y = fields(redis.call('GET', key) or '')
+    local value
     if stored_end == e then
-      local value
       if algorithm == 2 then
         value = string.format('%.0f:%.0f', e, math.max(0, x - permits))
       else
         value = string.format('%.0f:%.0f:%.0f', e, x, math.max(0, y - permits))
       end
+    elseif algorithm == 4 and stored_end == e + a then
+      -- The window rolled over: the decision's window is now the previous one.
+      value = string.format('%.0f:%.0f:%.0f', stored_end, math.max(0, x - permits), y)
+    end
+    if value then
       redis.call('SET', key, value, 'KEEPTTL')
     end
   end

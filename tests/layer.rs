@@ -49,6 +49,100 @@ async fn dot_segments_and_double_slashes_hit_the_same_rule() {
     }
 }
 
+/// An app with a `GET` handler behind a path parameter, counting the handler's runs.
+fn login_app(rules: &str, runs: Arc<AtomicUsize>) -> axum::Router {
+    axum::Router::new()
+        .route(
+            "/api/{version}/login",
+            axum::routing::get(move |axum::extract::Path(_version): axum::extract::Path<String>| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    "login"
+                }
+            }),
+        )
+        .layer(RateLimitLayer::new(engine(&Memory, rules)))
+}
+
+const LOGIN_GET_ONE_PER_HOUR: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: login
+        match: { paths: ["/api/*/login"], methods: [GET] }
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+
+/// axum runs `GET` handlers for `HEAD`: a `GET` rule limits `HEAD` too.
+#[tokio::test]
+async fn head_requests_are_limited_by_get_rules() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = login_app(LOGIN_GET_ONE_PER_HOUR, runs.clone());
+    // GET, then HEAD on the same client: the HEAD is the second request of the rule.
+    assert_eq!(
+        send(&app, request("GET", "/api/v1/login", "192.0.2.30", &[]))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let r = send(&app, request("HEAD", "/api/v1/login", "192.0.2.30", &[])).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "HEAD escaped the GET rule");
+    // HEAD alone is limited like GET.
+    let r = send(&app, request("HEAD", "/api/v1/login", "192.0.2.31", &[])).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("1"));
+    for _ in 0..5 {
+        let r = send(&app, request("HEAD", "/api/v1/login", "192.0.2.31", &[])).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the handler ran for a rejected request");
+    // Methods the rule does not name stay outside it (axum answers 405 for them here).
+    let r = send(&app, request("POST", "/api/v1/login", "192.0.2.31", &[])).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(r.header("x-ratelimit-limit"), None);
+}
+
+/// axum routes the raw path: `/api/../login` and its kin reach `/api/{version}/login`
+/// with `version` set to `..`, `.` or the empty string. The rule `/api/*/login` applies
+/// to each of them, though their normalized paths (`/login`, `/api/login`) do not match it.
+#[tokio::test]
+async fn dot_segments_cannot_walk_around_a_rule_on_a_parameter_route() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let app = login_app(LOGIN_GET_ONE_PER_HOUR, runs.clone());
+    let variants = [
+        "/api/../login",
+        "/api/./login",
+        "/api/%2e%2e/login",
+        "/api/%2E/login",
+        "/api/%2e/login",
+        "/api//login",
+        "/api/../login?x=1",
+    ];
+    for (i, path) in variants.iter().enumerate() {
+        let peer = format!("192.0.2.{}", 40 + i);
+        let r = send(&app, request("GET", path, &peer, &[])).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: the handler is reached");
+        assert_eq!(r.header("x-ratelimit-limit"), Some("1"), "{path}: no rule applied");
+        for _ in 0..3 {
+            let r = send(&app, request("GET", path, &peer, &[])).await;
+            assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{path} got around the rule");
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), variants.len());
+    // One client mixing the forms shares one bucket.
+    assert_eq!(
+        send(&app, request("GET", "/api/v2/login", "192.0.2.60", &[]))
+            .await
+            .status,
+        StatusCode::OK
+    );
+    for path in variants {
+        let r = send(&app, request("GET", path, "192.0.2.60", &[])).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+}
+
 #[tokio::test]
 async fn forwarded_for_is_only_believed_from_trusted_proxies() {
     let rules = r#"
@@ -80,14 +174,52 @@ rule_sets:
         send(&app, via_proxy("198.51.100.1")).await.status,
         StatusCode::TOO_MANY_REQUESTS
     );
-    // The standard Forwarded header too.
-    let fwd = request(
-        "GET",
-        "/api/users",
-        "10.0.0.1",
-        &[("forwarded", "for=198.51.100.3;proto=https")],
+    // Only X-Forwarded-For, the header the proxy maintains, is read: a `Forwarded` header
+    // is the client's own, passed through untouched, and cannot pick a bucket.
+    for (i, client) in ["198.51.100.3", "198.51.100.4", "198.51.100.5"].into_iter().enumerate() {
+        let forwarded = format!("for={client};proto=https");
+        let req = request(
+            "GET",
+            "/api/users",
+            "10.0.0.1",
+            &[("forwarded", &forwarded), ("x-forwarded-for", "198.51.100.9")],
+        );
+        let expected = if i == 0 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(send(&app, req).await.status, expected, "Forwarded: {forwarded}");
+    }
+    // With `Forwarded` configured instead, it is read, and X-Forwarded-For ignored.
+    let app_rfc = support::app(
+        layer(engine(&Memory, rules))
+            .trusted_proxies(["10.0.0.0/8"])
+            .forwarded_for_header("forwarded")
+            .build()
+            .unwrap(),
     );
-    assert_eq!(send(&app, fwd).await.status, StatusCode::OK);
+    let fwd = |client: &str, xff: &str| {
+        let forwarded = format!("for={client};proto=https");
+        request(
+            "GET",
+            "/api/users",
+            "10.0.0.1",
+            &[("forwarded", &forwarded), ("x-forwarded-for", xff)],
+        )
+    };
+    assert_eq!(
+        send(&app_rfc, fwd("198.51.100.3", "1.1.1.1")).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app_rfc, fwd("198.51.100.4", "1.1.1.1")).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        send(&app_rfc, fwd("198.51.100.3", "2.2.2.2")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
     // No trusted proxies configured: never believed.
     let app = app_default(rules);
     assert_eq!(send(&app, via_proxy("198.51.100.4")).await.status, StatusCode::OK);
@@ -122,10 +254,24 @@ rule_sets:
             get_from(&app, "/metrics/a/b", "192.0.2.20").await.status,
             StatusCode::OK
         );
-        // Normalization applies to exclusions too (the router itself does not know `//health/`).
-        let r = get_from(&app, "//health/", "192.0.2.20").await;
-        assert_eq!(r.status, StatusCode::NOT_FOUND);
-        assert!(r.header("x-ratelimit-limit").is_none());
+    }
+    // An exclusion holds only when the path as routed is excluded too: normalization never
+    // takes a request out of the limiter. `/api/x/../../health` normalizes to `/health`
+    // but axum routes it to `/api/{*rest}`.
+    for (path, status) in [
+        ("/api/x/../../health", StatusCode::OK),
+        ("//health/", StatusCode::NOT_FOUND),
+    ] {
+        let peer = if status == StatusCode::OK {
+            "192.0.2.22"
+        } else {
+            "192.0.2.23"
+        };
+        let r = get_from(&app, path, peer).await;
+        assert_eq!(r.status, status, "{path}");
+        assert_eq!(r.header("x-ratelimit-limit"), Some("1"), "{path} bypassed the limiter");
+        let r = get_from(&app, path, peer).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{path}");
     }
     assert_eq!(get_from(&app, "/api/users", "192.0.2.20").await.status, StatusCode::OK);
     assert_eq!(
@@ -579,7 +725,8 @@ async fn failure_policies_per_rule() {
     let with_rules = |yaml: &str| {
         let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules(yaml)))
             .limiter(Down)
-            .build();
+            .build()
+            .expect("the backend decides every rule");
         app(RateLimitLayer::new(engine))
     };
     // fallback_local decides in memory; fail_open skips its rule.

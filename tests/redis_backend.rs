@@ -61,10 +61,15 @@ async fn hostile_header_values() {
 }
 
 mod redis_only {
-    use fluxgate::core::RequestContext;
+    use fluxgate::core::limiter::CircuitBreaker;
+    use fluxgate::core::{
+        CachingRuleSetProvider, Engine, MaybeReady, RequestContext, RuleSetLookup, RuleSetProvider,
+        StaticRuleSetProvider,
+    };
+    use fluxgate::tower::RateLimitLayer;
 
     use super::support::redis::Redis;
-    use super::support::{check, engine};
+    use super::support::{check, engine, Backend};
 
     const THREE_BY_TWO: &str = r#"
 rule_sets:
@@ -187,6 +192,7 @@ rule_sets:
                 fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules))
                     .limiter(limiter)
                     .build()
+                    .expect("the backend decides every rule")
             }
         };
         let ctx = RequestContext::builder()
@@ -264,7 +270,8 @@ rule_sets:
                 .unwrap();
             let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules.clone()))
                 .limiter(limiter)
-                .build();
+                .build()
+                .expect("the backend decides every rule");
             for _ in 0..50 {
                 let engine = engine.clone();
                 tasks.push(tokio::spawn(async move {
@@ -389,19 +396,256 @@ rule_sets:
 
     /// Sliding window counters need capacity × window µs within 2^52 in Redis; beyond, the
     /// decision fails with an error that names the rule, the band and the limit.
+    /// A band the scripts cannot decide exactly is refused when the engine is built, with
+    /// an error naming the rule set, the rule, the band and the limit: it never reaches a
+    /// request, so it can neither fail every request nor open the circuit. The in-memory
+    /// backend decides the same rules.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_counter_too_large_for_exact_arithmetic_is_named() {
+    async fn bands_beyond_exact_arithmetic_are_refused_when_loaded() {
+        let redis = Redis::start().await;
+        for (rule, band, limit) in [
+            (
+                "{ id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d, label: month }] }",
+                "month",
+                "2^52",
+            ),
+            (
+                "{ id: decade, algorithm: token_bucket, bands: [{ capacity: 1099511627776, window: 3660d, label: decade }] }",
+                "decade",
+                "2^52",
+            ),
+            (
+                "{ id: huge-log, algorithm: sliding_window_log, bands: [{ capacity: 10000000, window: 1h }] }",
+                "b0",
+                "1048576",
+            ),
+        ] {
+            let yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - {rule}\n");
+            let rules = super::support::rules(&yaml);
+            let built = Engine::builder(StaticRuleSetProvider::new(rules.clone()))
+                .shared_limiter(redis.limiter())
+                .build();
+            let err = built.expect_err("refused when loaded").to_string();
+            let id = rule.split(',').next().unwrap().trim_start_matches("{ id: ");
+            for part in ["rule set `default`".to_owned(), format!("rule `{id}`"), format!("band `{band}`"), limit.to_owned(), "redis".to_owned()] {
+                assert!(err.contains(&part), "`{part}` missing from: {err}");
+            }
+            // The in-memory backend decides it exactly.
+            let memory = Engine::builder(StaticRuleSetProvider::new(rules)).build().expect("in memory");
+            let ctx = RequestContext::builder().client_ip("192.0.2.11".parse().unwrap()).build();
+            assert!(check(&memory, &ctx).await.allowed);
+        }
+    }
+
+    /// A provider that hands out rule sets without validating them (it does not implement
+    /// `validate`).
+    #[derive(Debug)]
+    struct Unchecked(StaticRuleSetProvider);
+
+    impl RuleSetProvider for Unchecked {
+        fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+            self.0.rule_set(id)
+        }
+    }
+
+    /// Should a rule the backend cannot decide reach a request anyway, it is a
+    /// configuration error: refused with 500 whatever the failure policy, and no failure
+    /// of the backend (the circuit stays closed for the other rules).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_undecidable_rule_is_refused_and_opens_no_circuit() {
+        let redis = Redis::start().await;
+        let rules = super::support::rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d }] }
+  - id: fine
+    rules:
+      - { id: per-ip, bands: [{ capacity: 100, window: 1m }] }
+"#,
+        );
+        let breaker = CircuitBreaker::new(redis.limiter()).failure_threshold(1);
+        let engine = Engine::builder(Unchecked(StaticRuleSetProvider::new(rules)))
+            .limiter(breaker)
+            .build()
+            .expect("nothing to validate");
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.12".parse().unwrap())
+            .build();
+        for _ in 0..5 {
+            let error = engine.check(&ctx).await.expect_err("a configuration error");
+            assert!(matches!(error, fluxgate::core::Error::Rule(_)), "{error}");
+        }
+        let fine = ctx.to_builder().rule_set_id("fine").build();
+        assert!(check(&engine, &fine).await.allowed, "the circuit opened");
+        // Through the layer, with the default fail-open policy: refused, not admitted.
+        let app = super::support::app(RateLimitLayer::new(engine));
+        let r = super::support::get_from(&app, "/api/users", "192.0.2.12").await;
+        assert_eq!(r.status, http::StatusCode::INTERNAL_SERVER_ERROR);
+    }
+
+    /// A caching provider checks what its source loads with the backend's validation: a
+    /// rule set the backend cannot decide is never handed out, nor cached.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_caching_provider_refuses_undecidable_rule_sets() {
+        let redis = Redis::start().await;
+        let rules = super::support::rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - { id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d }] }\n",
+        );
+        let cached = CachingRuleSetProvider::builder(Unchecked(StaticRuleSetProvider::new(rules))).build();
+        let engine = Engine::builder(cached)
+            .shared_limiter(redis.limiter())
+            .build()
+            .expect("nothing loaded yet");
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.13".parse().unwrap())
+            .build();
+        for _ in 0..2 {
+            let error = engine.check(&ctx).await.expect_err("refused when loaded");
+            assert!(matches!(&error, fluxgate::core::Error::Rule(_)), "{error}");
+            assert!(error.to_string().contains("rule `monthly`"), "{error}");
+        }
+    }
+
+    /// `permits` beyond the largest capacity is refused when the rules are loaded: it used
+    /// to reach Redis as -1, always admitted and giving capacity back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn permits_beyond_the_range_are_refused_when_loaded() {
+        for permits in ["18446744073709551615", "9223372036854775808", "1099511627777"] {
+            let yaml = format!(
+                "rule_sets:\n  - id: default\n    rules:\n      - {{ id: costly, permits: {permits}, bands: [{{ capacity: 10, window: 1m }}] }}\n"
+            );
+            let err = fluxgate::core::RuleSets::from_yaml_str(&yaml)
+                .expect_err("refused")
+                .to_string();
+            for part in ["rule set `default`", "rule `costly`", "field `permits`", "2^40"] {
+                assert!(err.contains(part), "`{part}` missing from: {err}");
+            }
+        }
+        // The largest cost accepted is never admitted by a smaller band, on Redis as in memory.
+        let redis = Redis::start().await;
+        let yaml = "rule_sets:\n  - id: default\n    rules:\n      - { id: costly, permits: 1099511627776, bands: [{ capacity: 10, window: 1m }] }\n";
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.14".parse().unwrap())
+            .build();
+        for engine in [engine(&redis, yaml), engine(&super::support::Memory, yaml)] {
+            for _ in 0..3 {
+                let d = check(&engine, &ctx).await;
+                assert!(!d.allowed);
+                assert_eq!(d.retry_after, None, "never admissible");
+                assert_eq!(d.remaining(), Some(10), "nothing was consumed or given back");
+            }
+        }
+    }
+
+    /// A rejection from the deny cache repeats what Redis's own rejection said: the same
+    /// remaining and the same reset instant (the end of the day's window here, not a day
+    /// from now).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn deny_cache_repeats_redis_figures() {
         let redis = Redis::start().await;
         let engine = engine(
             &redis,
-            "rule_sets:\n  - id: default\n    rules:\n      - { id: big, algorithm: sliding_window_counter, bands: [{ capacity: 100000000, window: 1d, label: daily }] }\n",
+            "rule_sets:\n  - id: default\n    rules:\n      - { id: daily, algorithm: fixed_window, permits: 2, bands: [{ capacity: 3, window: 1d }] }\n",
         );
         let ctx = RequestContext::builder()
-            .client_ip("192.0.2.11".parse().unwrap())
+            .client_ip("192.0.2.15".parse().unwrap())
             .build();
-        let err = engine.check(&ctx).await.expect_err("too large").to_string();
-        for part in ["rule `big`", "band `daily`", "sliding_window_counter", "2^52"] {
-            assert!(err.contains(part), "{err}");
-        }
+        assert!(check(&engine, &ctx).await.allowed);
+        let calls = evalsha_calls(&redis);
+        let from_redis = check(&engine, &ctx).await;
+        assert!(!from_redis.allowed);
+        assert_eq!(evalsha_calls(&redis), calls + 1);
+        let local = check(&engine, &ctx).await;
+        assert!(!local.allowed);
+        assert_eq!(evalsha_calls(&redis), calls + 1, "answered by the deny cache");
+        assert_eq!(local.remaining(), Some(1));
+        assert_eq!(local.remaining(), from_redis.remaining());
+        assert_eq!(local.reset_unix_secs(), from_redis.reset_unix_secs());
+        let midnight = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            .div_ceil(86_400)
+            * 86_400;
+        assert_eq!(local.reset_unix_secs(), Some(midnight));
+        assert!(local.binding().unwrap().reset_after <= from_redis.binding().unwrap().reset_after);
+        // Both headers agree through the layer.
+        let app = super::support::app(RateLimitLayer::new(engine));
+        let r = super::support::get_from(&app, "/api/users", "192.0.2.15").await;
+        assert_eq!(r.status, http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.num("x-ratelimit-reset"), midnight);
+        assert_eq!(r.num("x-ratelimit-remaining"), 1);
+    }
+
+    /// A deny-cache hit says nothing about Redis's health: it never closes an open circuit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deny_cache_hit_closes_no_circuit() {
+        let mut redis = Redis::start().await;
+        let limiter = fluxgate_redis::RedisLimiter::builder(redis.server.url())
+            .timeout(std::time::Duration::from_millis(200))
+            .reconnect_delay(std::time::Duration::from_millis(20))
+            .connect()
+            .await
+            .unwrap();
+        let clock = fluxgate::core::ManualClock::new(1_000_000_000);
+        let breaker = std::sync::Arc::new(
+            CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(std::time::Duration::from_secs(1))
+                .clock(clock.clone()),
+        );
+        let engine = Engine::builder(StaticRuleSetProvider::new(super::support::rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - { id: per-ip, bands: [{ capacity: 1, window: 1h }] }\n",
+        )))
+        .shared_limiter(breaker.clone())
+        .build()
+        .unwrap();
+        let denied = RequestContext::builder()
+            .client_ip("192.0.2.16".parse().unwrap())
+            .build();
+        let other = RequestContext::builder()
+            .client_ip("192.0.2.17".parse().unwrap())
+            .build();
+        assert!(check(&engine, &denied).await.allowed);
+        assert!(!check(&engine, &denied).await.allowed, "remembered by the deny cache");
+        // Redis goes away: the circuit opens.
+        redis.server.kill();
+        assert!(engine.check(&other).await.is_err());
+        assert!(breaker.is_open());
+        // Half-open: the deny cache answers the probe, which proves nothing.
+        clock.advance(std::time::Duration::from_secs(1));
+        let d = check(&engine, &denied).await;
+        assert!(!d.allowed);
+        assert!(breaker.is_tripped(), "a deny-cache hit closed the circuit");
+        // The next real call probes, fails, and the circuit is open again.
+        assert!(engine.check(&other).await.is_err());
+        assert!(breaker.is_open());
+    }
+
+    /// `from_client` over a cluster client keeps the deny cache off, as the builder does:
+    /// refunds give tokens back, so a remembered rejection could outlive the real one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn from_client_keeps_the_deny_cache_off_on_a_cluster() {
+        use fred::interfaces::ClientLike;
+        let cluster = super::support::redis::RedisCluster::start();
+        let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
+        let config = fred::types::config::Config::from_url_clustered(&format!(
+            "redis-cluster://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}",
+            ports[0], ports[1], ports[2]
+        ))
+        .unwrap();
+        let client = fred::types::Builder::from_config(config).build().unwrap();
+        client.init().await.unwrap();
+        assert!(client.is_clustered());
+        let limiter = fluxgate_redis::RedisLimiter::from_client(client, "from-client");
+        assert!(!limiter.has_deny_cache());
+
+        let redis = Redis::start().await;
+        let config = fred::types::config::Config::from_url(&redis.server.url()).unwrap();
+        let client = fred::types::Builder::from_config(config).build().unwrap();
+        client.init().await.unwrap();
+        assert!(fluxgate_redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
     }
 }

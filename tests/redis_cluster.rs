@@ -108,3 +108,293 @@ rule_sets:
         crc % 16384
     }
 }
+
+/// Refunds on a cluster: what a slot committed for a request that another slot rejected
+/// is given back exactly, whatever the algorithm, the rule's mode, the timing or the fate
+/// of the caller's future.
+mod refunds {
+    use std::process::Command;
+    use std::time::Duration;
+
+    use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
+    use fluxgate_redis::RedisLimiter;
+
+    use super::support::redis::{RedisCluster, RedisServer};
+    use super::support::{check, rules};
+
+    async fn engine(cluster: &RedisCluster, prefix: &str, yaml: &str, timeout: Duration) -> Engine {
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix(prefix)
+            .timeout(timeout)
+            .connect()
+            .await
+            .expect("connect to the test cluster");
+        Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
+            .limiter(limiter)
+            .build()
+            .expect("the backend decides every rule")
+    }
+
+    fn slot(tag: &str) -> u16 {
+        fred::util::redis_keyslot(tag.as_bytes())
+    }
+
+    /// An address whose per-IP key of `rule` lives on another node than `other_tag`.
+    fn ip_away_from(cluster: &RedisCluster, rule: &str, other_tag: &str, skip: &[String]) -> String {
+        let other = cluster.node_of_key(other_tag).port();
+        (1..=250)
+            .map(|i| format!("192.0.2.{i}"))
+            .find(|ip| {
+                !skip.contains(ip) && cluster.node_of_key(&format!("{{default:{rule}:ip={ip}}}")).port() != other
+            })
+            .expect("an address on another node")
+    }
+
+    fn redis_time_us(node: &RedisServer) -> u64 {
+        let out = node.cli(&["TIME"]);
+        let mut parts = out.split_whitespace().map(|p| p.parse::<u64>().expect("TIME"));
+        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
+        secs * 1_000_000 + micros
+    }
+
+    /// Pauses a node's writes (and scripts) for `ms` milliseconds.
+    fn pause_writes(node: &RedisServer, ms: u64) {
+        let out = Command::new("redis-cli")
+            .args([
+                "-p",
+                &node.port().to_string(),
+                "CLIENT",
+                "PAUSE",
+                &ms.to_string(),
+                "WRITE",
+            ])
+            .output()
+            .expect("redis-cli");
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("OK"),
+            "CLIENT PAUSE failed"
+        );
+    }
+
+    /// A leaky bucket's refund moves its instant back by whole leak intervals: the leak
+    /// grid stays where it was. It used to be set to the refund's instant, which shifted the
+    /// grid and let the key admit early.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_leaky_bucket_refund_keeps_the_leak_grid() {
+        let cluster = RedisCluster::start();
+        let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: queue, algorithm: leaky_bucket, bands: [{ capacity: 2, window: 2s }] }
+      - { id: global, scope: global, bands: [{ capacity: 1, window: 1h }] }
+"#;
+        let engine = engine(&cluster, "lb", yaml, Duration::from_secs(2)).await;
+        let global = "{default:global:global}";
+        let first = ip_away_from(&cluster, "queue", global, &[]);
+        let ip = ip_away_from(&cluster, "queue", global, std::slice::from_ref(&first));
+        assert_ne!(slot(&format!("{{default:queue:ip={ip}}}")), slot(global));
+        // Drain the global rule.
+        let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        assert!(check(&engine, &at(&first)).await.allowed);
+        // An empty queue whose grid stands 250 ms before now (one leak per second).
+        let key = format!("lb:{{default:queue:ip={ip}}}:b0:2/2s:lb");
+        let node = cluster.node_of_key(&key);
+        let anchor = redis_time_us(node) - 250_000;
+        node.cli(&["SET", &key, &anchor.to_string(), "PX", "10000"]);
+        // The queue admits (and commits), the global rule rejects: the queue is refunded.
+        let d = check(&engine, &at(&ip)).await;
+        assert!(!d.allowed);
+        assert_eq!(d.rule().map(|r| &**r), Some("global"));
+        let decided_us = d.bands[0]
+            .reset_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64
+            - d.bands[0].reset_after.as_micros() as u64;
+        let stored: u64 = node.cli(&["GET", &key]).trim().parse().expect("a whole instant");
+        assert_eq!(
+            (stored as i64 - anchor as i64).rem_euclid(1_000_000),
+            0,
+            "the refund moved the leak grid: anchored at {anchor}, stored {stored}"
+        );
+        assert!(stored <= decided_us + 1, "the refunded queue is empty");
+    }
+
+    /// Shadow rules are all or nothing across slots too: when a shadow rule in one slot
+    /// rejects, the shadow rules that consumed in another slot give it back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shadow_rejection_in_one_slot_refunds_shadow_rules_in_another() {
+        let cluster = RedisCluster::start();
+        let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: watch-ip, mode: shadow, bands: [{ capacity: 10, window: 1h }] }
+      - { id: watch-all, mode: shadow, scope: global, bands: [{ capacity: 1, window: 1h }] }
+"#;
+        let engine = engine(&cluster, "shadow", yaml, Duration::from_secs(2)).await;
+        let global = "{default:watch-all:global}";
+        let first = ip_away_from(&cluster, "watch-ip", global, &[]);
+        let ip = ip_away_from(&cluster, "watch-ip", global, std::slice::from_ref(&first));
+        let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        // Both shadow rules admit and consume; the global one is now empty.
+        let d = check(&engine, &at(&first)).await;
+        assert!(d.allowed && d.shadow_rejected_by.is_none());
+        for n in 0..3 {
+            let d = check(&engine, &at(&ip)).await;
+            assert!(d.allowed, "shadow rules never block");
+            assert_eq!(d.shadow_rejected_by.as_deref(), Some("watch-all"));
+            let per_ip = d.shadow_bands.iter().find(|b| &*b.rule == "watch-ip").unwrap();
+            assert_eq!(
+                per_ip.remaining, 10,
+                "request {n}: the per-IP shadow rule kept a consumption"
+            );
+        }
+    }
+
+    /// The refund of a sliding window counter finds the decision's window as the previous
+    /// one when the window rolled over in between (another request committed in the next
+    /// window): the permits come off the previous count. Driven with the refund script's
+    /// arguments as the limiter sends them, at instants chosen around Redis's clock.
+    #[test]
+    fn a_sliding_window_counter_refund_survives_a_rollover() {
+        let server = RedisServer::start();
+        let w: u64 = 60_000_000; // a minute, in µs
+        let now = redis_time_us(&server);
+        let end = now - now % w + w; // the current window's end
+        let refund = |key: &str, decided: u64, algorithm: u64| {
+            let mut args = vec![
+                "EVAL".to_owned(),
+                fluxgate_redis::REFUND_LUA.to_owned(),
+                "1".to_owned(),
+                key.to_owned(),
+            ];
+            // decided, then algorithm, permits, capacity, window µs, 0.
+            args.extend([decided, algorithm, 3, 10, w, 0].map(|n| n.to_string()));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            server.cli(&args)
+        };
+        // Decided in the window before this one, refunded after this one's first commit.
+        server.cli(&["SET", "swc", &format!("{end}:5:2"), "PX", "300000"]);
+        refund("swc", end - w - w / 2, 4);
+        assert_eq!(server.cli(&["GET", "swc"]).trim(), format!("{end}:2:2"));
+        // Decided in this window: the current count.
+        refund("swc", end - w / 2, 4);
+        assert_eq!(server.cli(&["GET", "swc"]).trim(), format!("{end}:2:0"));
+        // Two windows back: nothing of it counts any more.
+        refund("swc", end - 2 * w - 1, 4);
+        assert_eq!(server.cli(&["GET", "swc"]).trim(), format!("{end}:2:0"));
+        // A fixed window that rolled over counts nothing of the decision's window.
+        server.cli(&["SET", "fw", &format!("{end}:4"), "PX", "300000"]);
+        refund("fw", end - w - 1, 2);
+        assert_eq!(server.cli(&["GET", "fw"]).trim(), format!("{end}:4"));
+        refund("fw", end - 1, 2);
+        assert_eq!(server.cli(&["GET", "fw"]).trim(), format!("{end}:1"));
+    }
+
+    /// Once a request's calls have gone out, the refunds it needs happen even if its
+    /// future is dropped (a client gone, an outer timeout) before the slots answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_request_is_refunded_anyway() {
+        let cluster = RedisCluster::start();
+        let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: per-ip, bands: [{ capacity: 1, window: 1h }] }
+      - { id: global, scope: global, bands: [{ capacity: 1, window: 1h }] }
+"#;
+        let engine = engine(&cluster, "dropped", yaml, Duration::from_secs(5)).await;
+        let global = "{default:global:global}";
+        let first = ip_away_from(&cluster, "per-ip", global, &[]);
+        let ip = ip_away_from(&cluster, "per-ip", global, std::slice::from_ref(&first));
+        let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        assert!(check(&engine, &at(&first)).await.allowed);
+        // The global slot answers late; the caller gives up first.
+        pause_writes(cluster.node_of_key(global), 1_000);
+        let gave_up = tokio::time::timeout(Duration::from_millis(200), engine.check(&at(&ip))).await;
+        assert!(gave_up.is_err(), "the paused slot answered early");
+        // After the pause the global slot rejects, and the per-IP slot is refunded.
+        let key = format!("dropped:{{default:per-ip:ip={ip}}}:b0:1/1h");
+        let node = cluster.node_of_key(&key);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let stored = node.cli(&["GET", &key]);
+            let tat: u64 = stored.trim().split(':').next().unwrap_or("0").parse().unwrap_or(0);
+            if tat <= redis_time_us(node) {
+                break; // full again
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the dropped request's consumption stayed: {stored}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The refunds of a request go to their slots at once, under one deadline: a slot that
+    /// does not answer costs one deadline, not one per slot. A refund that fails leaves the
+    /// decision as it was (a rejection), not an error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn refunds_run_concurrently_under_one_deadline() {
+        let cluster = RedisCluster::start();
+        let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - { id: a, bands: [{ capacity: 100, window: 1h }] }
+      - { id: b, scope: user, bands: [{ capacity: 100, window: 1h }] }
+      - { id: global, scope: global, bands: [{ capacity: 1, window: 1h }] }
+"#;
+        let deadline = Duration::from_millis(1_000);
+        let engine = engine(&cluster, "concurrent", yaml, deadline).await;
+        let global = "{default:global:global}";
+        let global_node = cluster.node_of_key(global).port();
+        // A client whose two other keys live on the two other nodes.
+        let (ip, user) = (1..=250)
+            .flat_map(|i| (0..50).map(move |u| (format!("192.0.2.{i}"), format!("u{u}"))))
+            .find(|(ip, user)| {
+                let a = cluster.node_of_key(&format!("{{default:a:ip={ip}}}")).port();
+                let b = cluster.node_of_key(&format!("{{default:b:user={user}}}")).port();
+                a != b && a != global_node && b != global_node
+            })
+            .expect("keys on three nodes");
+        let at = |ip: &str, user: &str| {
+            RequestContext::builder()
+                .client_ip(ip.parse().unwrap())
+                .user_id(user)
+                .build()
+        };
+        assert!(check(&engine, &at("198.51.100.1", "drain")).await.allowed);
+        let (a_node, b_node) = (
+            cluster.node_of_key(&format!("{{default:a:ip={ip}}}")),
+            cluster.node_of_key(&format!("{{default:b:user={user}}}")),
+        );
+        // The global slot answers (rejects) after 300 ms; by then the two refund slots are
+        // paused for longer than the deadline. One after the other, the refunds would cost
+        // two deadlines.
+        pause_writes(cluster.node_of_key(global), 300);
+        let started = std::time::Instant::now();
+        let request = tokio::spawn({
+            let engine = engine.clone();
+            let ctx = at(&ip, &user);
+            async move { engine.check(&ctx).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        pause_writes(a_node, 4_000);
+        pause_writes(b_node, 4_000);
+        let d = request
+            .await
+            .unwrap()
+            .expect("the decision stands when its refunds fail");
+        let took = started.elapsed();
+        assert!(!d.allowed);
+        assert_eq!(d.rule().map(|r| &**r), Some("global"));
+        // Concurrent: about 300 ms + one deadline. One after the other: 300 ms + two.
+        assert!(
+            took < Duration::from_millis(1_800),
+            "the refunds took {took:?}: they ran one after the other"
+        );
+    }
+}

@@ -40,6 +40,7 @@ async fn engine(server: &RedisServer) -> Engine {
         )
         .fallback(MemoryLimiter::default())
         .build()
+        .expect("the backend decides every rule")
 }
 
 fn ctx() -> RequestContext {

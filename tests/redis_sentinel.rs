@@ -25,7 +25,8 @@ async fn decisions_resume_after_a_failover() {
     );
     let engine = Engine::builder(StaticRuleSetProvider::new(rules))
         .limiter(limiter)
-        .build();
+        .build()
+        .expect("the backend decides every rule");
     let ctx = RequestContext::builder()
         .client_ip("192.0.2.5".parse().expect("an address"))
         .build();

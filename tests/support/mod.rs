@@ -55,6 +55,7 @@ pub fn engine(backend: &dyn Backend, yaml: &str) -> Engine {
     Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
         .shared_limiter(backend.limiter())
         .build()
+        .expect("the backend decides every rule")
 }
 
 pub fn ctx(ip: &str) -> RequestContext {

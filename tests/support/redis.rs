@@ -267,6 +267,39 @@ impl RedisCluster {
     pub fn evalsha_calls(&self) -> u64 {
         self.nodes.iter().map(RedisServer::evalsha_calls).sum()
     }
+
+    /// The node that serves a hash slot, from `CLUSTER NODES`.
+    pub fn node_of_slot(&self, slot: u16) -> &RedisServer {
+        let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]);
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = fields
+                .get(1)
+                .and_then(|a| a.split('@').next())
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse::<u16>().ok())
+            else {
+                continue;
+            };
+            let serves = fields.iter().skip(8).any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                matches!((low.parse::<u16>(), high.parse::<u16>()), (Ok(l), Ok(h)) if (l..=h).contains(&slot))
+            });
+            if serves {
+                return self
+                    .nodes
+                    .iter()
+                    .find(|n| n.port() == port)
+                    .expect("a node of this cluster");
+            }
+        }
+        panic!("no node serves slot {slot}:\n{nodes}");
+    }
+
+    /// The node that serves a key's hash slot.
+    pub fn node_of_key(&self, key: &str) -> &RedisServer {
+        self.node_of_slot(fred::util::redis_keyslot(key.as_bytes()))
+    }
 }
 
 /// The Redis backend on a cluster: a fresh key prefix per limiter.

@@ -112,6 +112,7 @@ rule_sets:
         fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules(&yaml(p))))
             .shared_limiter(limiter.clone())
             .build()
+            .expect("the backend decides every rule")
     };
     let (three, five) = (engine_for(3), engine_for(5));
     let c = ctx("198.51.100.3");

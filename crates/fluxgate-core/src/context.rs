@@ -31,6 +31,8 @@ pub const DEFAULT_RULE_SET: &str = "default";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestContext {
     path: Text,
+    /// The path as given, when it differs from the normalized one.
+    routed: Option<Text>,
     method: Method,
     client_ip: Option<IpAddr>,
     user_id: Option<String>,
@@ -48,6 +50,23 @@ impl RequestContext {
     /// The normalized path.
     pub fn path(&self) -> &str {
         &self.path
+    }
+    /// The path as a router sees it: the raw path given to
+    /// [`RequestContextBuilder::path`], without its query. Rules match it as well as the
+    /// normalized path (see [`routed_segments`](crate::routed_segments)).
+    ///
+    /// ```
+    /// use fluxgate_core::RequestContext;
+    /// let ctx = RequestContext::builder().path("/api/../login?x=1").build();
+    /// assert_eq!(ctx.path(), "/login");
+    /// assert_eq!(ctx.routed_path(), "/api/../login");
+    /// ```
+    pub fn routed_path(&self) -> &str {
+        self.routed.as_deref().unwrap_or(&self.path)
+    }
+    /// The routed path, when it differs from the normalized one.
+    pub(crate) fn distinct_routed_path(&self) -> Option<&str> {
+        self.routed.as_deref()
     }
     /// The method.
     pub fn method(&self) -> &Method {
@@ -103,6 +122,7 @@ impl RequestContextBuilder {
         Self {
             ctx: RequestContext {
                 path: Text::new(),
+                routed: None,
                 method: Method::GET,
                 client_ip: None,
                 user_id: None,
@@ -113,7 +133,8 @@ impl RequestContextBuilder {
         }
     }
 
-    /// Sets the path; it is normalized (see [`normalize_path`](crate::normalize_path)).
+    /// Sets the path: the request's raw path, as the router sees it. Rules match it and
+    /// its normalized form (see [`normalize_path`](crate::normalize_path)).
     pub fn path(mut self, path: &str) -> Self {
         self.set_path(path);
         self
@@ -149,9 +170,11 @@ impl RequestContextBuilder {
         self
     }
 
-    /// Sets the path in place; it is normalized.
+    /// Sets the path in place: the raw path, kept as routed, and its normalized form.
     pub fn set_path(&mut self, path: &str) -> &mut Self {
         self.ctx.path = normalized(path);
+        let raw = path.find(['?', '#']).map_or(path, |end| &path[..end]);
+        self.ctx.routed = (raw != &*self.ctx.path).then(|| Text::from(raw));
         self
     }
     /// Sets the method in place.

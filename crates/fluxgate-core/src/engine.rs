@@ -7,12 +7,13 @@ use std::time::Duration;
 
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
-use crate::error::{BoxError, Error};
+use crate::error::{BoxError, Error, RuleError};
 use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
-use crate::provider::{RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
-use crate::rule::{BackendFailure, Mode, RuleSets};
+use crate::path::{with_routed_segments, with_segments};
+use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
+use crate::rule::{BackendFailure, Mode, RuleSet, RuleSets};
 use crate::text::Text;
 
 /// What the engine does with a request whose rule set id is unknown.
@@ -125,8 +126,23 @@ impl EngineBuilder {
         self
     }
 
-    /// Builds the engine.
-    pub fn build(self) -> Engine {
+    /// Builds the engine, after checking that the limiter decides every rule of the
+    /// provider exactly ([`RateLimiter::validate`]). The provider keeps that check for
+    /// the rule sets it loads later ([`RuleSetProvider::validate`]).
+    ///
+    /// # Errors
+    ///
+    /// A [`RuleError::Unsupported`] naming the rule set, the rule, the band and the limit
+    /// of the backend that it exceeds.
+    pub fn build(self) -> Result<Engine, RuleError> {
+        let engine = self.build_unchecked();
+        let limiter = engine.inner.limiter.clone();
+        let check: RuleCheck = Arc::new(move |set: &RuleSet| limiter.validate(set));
+        engine.inner.provider.validate(check)?;
+        Ok(engine)
+    }
+
+    fn build_unchecked(self) -> Engine {
         Engine {
             inner: Arc::new(Inner {
                 provider: self.provider,
@@ -153,9 +169,20 @@ impl Engine {
         }
     }
 
-    /// An engine with fixed rules and the in-memory limiter.
+    /// An engine with fixed rules and the in-memory limiter, which decides every valid
+    /// rule exactly.
     pub fn in_memory(rules: RuleSets) -> Self {
-        Self::builder(StaticRuleSetProvider::new(rules)).build()
+        Self::builder(StaticRuleSetProvider::new(rules)).build_unchecked()
+    }
+
+    /// Checks that the engine's limiter decides every rule of `set` exactly; rule sources
+    /// call it before they swap a rule set in.
+    ///
+    /// # Errors
+    ///
+    /// See [`RateLimiter::validate`].
+    pub fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        self.inner.limiter.validate(set)
     }
 
     /// Decides one request.
@@ -186,19 +213,29 @@ impl Engine {
                 return MaybeReady::ready(Ok(Decision::without_bands(id, allowed, outcome)));
             }
             Err(source) => {
-                return MaybeReady::ready(Err(Error::Provider {
-                    rule_set: ctx.rule_set_id().to_owned(),
-                    source,
-                }))
+                return MaybeReady::ready(Err(match source.downcast::<RuleError>() {
+                    // A rule set refused by the limiter's validation when it was loaded.
+                    Ok(rule) => Error::Rule(*rule),
+                    Err(source) => Error::Provider {
+                        rule_set: ctx.rule_set_id().to_owned(),
+                        source,
+                    },
+                }));
             }
         };
 
         let mut buckets: SmallVec<[BucketRequest<'_>; 4]> = SmallVec::new();
         let mut applied: SmallVec<[usize; 4]> = SmallVec::new();
         let mut denied_by = None;
-        with_segments(ctx.path(), |segments| {
+        let method = ctx.method();
+        // A rule applies when its pattern matches the normalized path or the path as the
+        // router sees it: normalization adds rules, never removes one.
+        with_paths(ctx, |normalized, routed| {
             for (i, rule) in set.rules().iter().enumerate() {
-                if !rule.applies_to(segments, ctx.method()) {
+                let applies = rule.enabled()
+                    && rule.matches_method(method)
+                    && (rule.matches_path(normalized) || routed.is_some_and(|r| rule.matches_path(r)));
+                if !applies {
                     continue;
                 }
                 match self.inner.resolver.resolve(rule, ctx) {
@@ -276,6 +313,14 @@ impl Inner {
     /// The decision after the backend failed, by the rules' failure policies, or the
     /// failure itself.
     fn fall_back(&self, request: &AcquireRequest<'_>, error: BoxError) -> Result<Decision, Error> {
+        let error = match Error::from_limiter(error) {
+            // A configuration error: no failure policy applies.
+            Error::Rule(rule) => {
+                tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
+                return Err(Error::Rule(rule));
+            }
+            Error::Backend(error) | Error::Provider { source: error, .. } => error,
+        };
         let policy = |b: &BucketRequest<'_>| b.rule.on_backend_failure().or(self.on_failure);
         let Some(first) = request.buckets.first() else {
             return Err(Error::Backend(error));
@@ -317,19 +362,13 @@ impl Inner {
     }
 }
 
-/// Runs `f` with the non-empty segments of `path`, without allocating for usual paths.
-fn with_segments<R>(path: &str, f: impl FnOnce(&[&str]) -> R) -> R {
-    let mut buf = [""; 16];
-    let mut n = 0;
-    for s in path.split('/').filter(|s| !s.is_empty()) {
-        if n == buf.len() {
-            let all: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
-            return f(&all);
-        }
-        buf[n] = s;
-        n += 1;
-    }
-    f(&buf[..n])
+/// Runs `f` with the segments of the normalized path and, when it differs, of the path as
+/// routed; without allocating for usual paths.
+fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&[&str], Option<&[&str]>) -> R) -> R {
+    with_segments(ctx.path(), |normalized| match ctx.distinct_routed_path() {
+        None => f(normalized, None),
+        Some(raw) => with_routed_segments(raw, |routed| f(normalized, Some(routed))),
+    })
 }
 
 fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {

@@ -34,6 +34,20 @@ pub enum RuleError {
     /// The file could not be read.
     #[error("cannot read: {0}")]
     Io(#[from] std::io::Error),
+    /// A limiter backend cannot decide a rule exactly (a number beyond its exact range).
+    #[error("rule set `{rule_set}`, rule `{rule}`, band `{band}`: the {backend} backend cannot decide it exactly: {message}")]
+    Unsupported {
+        /// The backend (`redis`, …).
+        backend: &'static str,
+        /// The rule set's id.
+        rule_set: String,
+        /// The rule's id.
+        rule: String,
+        /// The band's name (its label, or `b<position>`).
+        band: String,
+        /// What is out of range, the limit, and how to fix it.
+        message: String,
+    },
     /// An error in a rule file.
     #[error("rule file `{}`: {source}", path.display())]
     File {
@@ -75,4 +89,21 @@ pub enum Error {
     /// The limiter backend failed.
     #[error("rate-limit backend failed: {0}")]
     Backend(#[source] BoxError),
+    /// A rule of the request cannot be decided: a configuration error, found at request
+    /// time because the rule set was never validated against the limiter (see
+    /// [`RateLimiter::validate`](crate::RateLimiter::validate)). Never a backend failure:
+    /// it opens no circuit and no failure policy admits the request.
+    #[error("rate-limit rules cannot be decided: {0}")]
+    Rule(#[source] RuleError),
+}
+
+impl Error {
+    /// A limiter's error: a [`RuleError`] is a configuration error, anything else a
+    /// backend failure.
+    pub(crate) fn from_limiter(error: BoxError) -> Self {
+        match error.downcast::<RuleError>() {
+            Ok(rule) => Self::Rule(*rule),
+            Err(other) => Self::Backend(other),
+        }
+    }
 }

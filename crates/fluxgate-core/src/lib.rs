@@ -47,7 +47,7 @@ mod future;
 mod handler;
 pub mod key;
 pub mod limiter;
-mod path;
+pub mod path;
 mod provider;
 mod rule;
 mod text;
@@ -61,9 +61,10 @@ pub use future::{BoxFuture, MaybeReady};
 pub use handler::{EngineHandler, RateLimitHandler, RateLimitMetricsRecorder};
 pub use key::{KeyResolution, KeyResolver};
 pub use limiter::{MemoryLimiter, MemoryLimiterBuilder, RateLimiter};
-pub use path::{normalize_path, PathPattern, PatternError};
+pub use path::{normalize_path, routed_segments, PathPattern, PatternError};
 pub use provider::{
-    CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider,
+    CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleCheck, RuleSetLookup, RuleSetProvider,
+    StaticRuleSetProvider,
 };
 pub use rule::{
     format_duration, parse_duration, Algorithm, BackendFailure, Band, BandSpec, Format, KeyField, MatchSpec, Mode,

@@ -1,4 +1,9 @@
 //! Path normalization and Ant-style path patterns.
+//!
+//! A rule's patterns are matched against two views of a request's path: the normalized
+//! path ([`normalize_path`]) and the path as a router sees it ([`routed_segments`]). A rule
+//! applies when either matches, so normalization can only add rules to a request, never
+//! take one away.
 
 use std::fmt;
 use std::str::FromStr;
@@ -128,6 +133,52 @@ fn hex(b: u8) -> Option<u8> {
     }
 }
 
+/// Runs `f` with the non-empty segments of a normalized path, without allocating for
+/// paths of up to 16 segments.
+pub(crate) fn with_segments<'a, R>(path: &'a str, f: impl FnOnce(&[&'a str]) -> R) -> R {
+    with_split(path.split('/').filter(|s| !s.is_empty()), f)
+}
+
+/// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
+pub(crate) fn with_routed_segments<'a, R>(raw_path: &'a str, f: impl FnOnce(&[&'a str]) -> R) -> R {
+    let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
+    let path = path.strip_prefix('/').unwrap_or(path);
+    if path.is_empty() {
+        return f(&[]);
+    }
+    with_split(path.split('/'), f)
+}
+
+fn with_split<'a, R>(parts: impl Iterator<Item = &'a str> + Clone, f: impl FnOnce(&[&'a str]) -> R) -> R {
+    let mut buf = [""; 16];
+    let mut n = 0;
+    for s in parts.clone() {
+        if n == buf.len() {
+            let all: Vec<&str> = parts.collect();
+            return f(&all);
+        }
+        buf[n] = s;
+        n += 1;
+    }
+    f(&buf[..n])
+}
+
+/// The segments of a path as a router sees it, which is what decides the handler that
+/// runs: the query and fragment dropped, the leading `/` dropped, then (unless nothing is
+/// left) split at every `/`, with empty, `.` and `..` segments kept and nothing percent-decoded. axum (through
+/// `matchit`) routes `/api/../login`, `/api//login` and `/api/%2e%2e/login` to a
+/// `/api/{version}/login` handler, with `version` set to `..`, the empty string and `..`.
+///
+/// ```
+/// use fluxgate_core::path::routed_segments;
+/// assert_eq!(routed_segments("/api/../login"), ["api", "..", "login"]);
+/// assert_eq!(routed_segments("/api//login/"), ["api", "", "login", ""]);
+/// assert!(routed_segments("/").is_empty());
+/// ```
+pub fn routed_segments(raw_path: &str) -> Vec<&str> {
+    with_routed_segments(raw_path, <[&str]>::to_vec)
+}
+
 /// An Ant-style path pattern: `?` matches one character, `*` any characters within one
 /// segment, `**` any number of whole segments (including none).
 ///
@@ -219,28 +270,29 @@ impl PathPattern {
 
     /// Whether a normalized path matches.
     pub fn matches(&self, normalized_path: &str) -> bool {
-        let mut segs = [""; 32];
-        let mut n = 0;
-        let mut overflow = Vec::new();
-        for s in normalized_path.split('/').filter(|s| !s.is_empty()) {
-            if n < segs.len() {
-                segs[n] = s;
-                n += 1;
-            } else {
-                if overflow.is_empty() {
-                    overflow.extend_from_slice(&segs);
-                }
-                overflow.push(s);
-            }
-        }
-        if overflow.is_empty() {
-            self.matches_segments(&segs[..n])
-        } else {
-            self.matches_segments(&overflow)
-        }
+        with_segments(normalized_path, |segments| self.matches_segments(segments))
     }
 
-    /// Whether a path already split into its non-empty segments matches.
+    /// Whether a path matches as a router sees it: the raw path, split at every `/`,
+    /// empty segments and `.` or `..` segments kept, nothing decoded (see
+    /// [`routed_segments`]).
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// let p: PathPattern = "/api/*/login".parse().unwrap();
+    /// // axum routes all three to `/api/{version}/login`.
+    /// assert!(p.matches_routed("/api/../login"));
+    /// assert!(p.matches_routed("/api//login"));
+    /// assert!(p.matches_routed("/api/%2e%2e/login"));
+    /// assert!(!p.matches("/login"));
+    /// ```
+    pub fn matches_routed(&self, raw_path: &str) -> bool {
+        with_routed_segments(raw_path, |segments| self.matches_segments(segments))
+    }
+
+    /// Whether a path already split into segments matches: the non-empty segments of a
+    /// normalized path, or the segments of a path as routed ([`routed_segments`]), where
+    /// `*` also matches an empty segment.
     pub fn matches_segments(&self, path: &[&str]) -> bool {
         // Iterative wildcard matching over segments, `**` as the star.
         let pat = &self.segments;

@@ -1,15 +1,19 @@
 //! Rule set providers: where the engine gets its rules.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use crate::error::BoxError;
+use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
 use crate::rule::{RuleSet, RuleSets};
 
 /// The result of a rule set lookup: `Ok(None)` when no rule set has the id.
 pub type RuleSetLookup = Result<Option<Arc<RuleSet>>, BoxError>;
+
+/// A check that a rule set can be decided: the limiter's
+/// [`validate`](crate::RateLimiter::validate), handed to providers by the engine.
+pub type RuleCheck = Arc<dyn Fn(&RuleSet) -> Result<(), RuleError> + Send + Sync>;
 
 /// A source of rule sets by id.
 ///
@@ -17,11 +21,31 @@ pub type RuleSetLookup = Result<Option<Arc<RuleSet>>, BoxError>;
 pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     /// The rule set with this id.
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup>;
+
+    /// Checks every rule set the provider holds now with `check`, and keeps `check` for
+    /// the rule sets it loads later: a rule set that fails it is never handed out (its
+    /// lookups fail with the [`RuleError`], which the engine reports as
+    /// [`Error::Rule`](crate::Error::Rule)). The engine calls this once, when it is built,
+    /// with its limiter's validation.
+    ///
+    /// The default does nothing: providers that load rule sets must override it.
+    ///
+    /// # Errors
+    ///
+    /// The first rule set held now that fails `check`.
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        let _ = check;
+        Ok(())
+    }
 }
 
 impl<P: RuleSetProvider + ?Sized> RuleSetProvider for Arc<P> {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
         (**self).rule_set(id)
+    }
+
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        (**self).validate(check)
     }
 }
 
@@ -60,6 +84,13 @@ impl From<RuleSets> for StaticRuleSetProvider {
 impl RuleSetProvider for StaticRuleSetProvider {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
         MaybeReady::ready(Ok(self.sets.get(id).cloned()))
+    }
+
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        let mut sets: Vec<&Arc<RuleSet>> = self.sets.iter().collect();
+        // The same error first whatever the map's order.
+        sets.sort_by(|a, b| a.id().cmp(b.id()));
+        sets.into_iter().try_for_each(|set| check(set))
     }
 }
 
@@ -159,6 +190,7 @@ mod tests {
 pub struct CachingRuleSetProvider<P> {
     inner: Arc<P>,
     cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
+    check: Arc<OnceLock<RuleCheck>>,
 }
 
 /// Builds a [`CachingRuleSetProvider`].
@@ -216,6 +248,7 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
                 .max_capacity(self.max_capacity)
                 .time_to_live(self.ttl)
                 .build(),
+            check: Arc::new(OnceLock::new()),
         }
     }
 }
@@ -227,12 +260,30 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         }
         let key: Arc<str> = Arc::from(id);
         let cache = self.cache.clone();
+        let check = self.check.clone();
         self.inner.rule_set(id).map(move |result| {
-            if let Ok(found) = &result {
-                cache.insert(key, found.clone());
+            let found = result?;
+            if let (Some(set), Some(check)) = (&found, check.get()) {
+                if let Err(error) = check(set) {
+                    tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
+                    return Err(error.into());
+                }
             }
-            result
+            cache.insert(key, found.clone());
+            Ok(found)
         })
+    }
+
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        self.inner.validate(check.clone())?;
+        for (_, set) in &self.cache {
+            if let Some(set) = set {
+                check(&set)?;
+            }
+        }
+        // Rule sets loaded from now on are checked before they are cached.
+        let _ = self.check.set(check);
+        Ok(())
     }
 }
 

@@ -623,6 +623,15 @@ impl Rule {
         if spec.permits == 0 {
             return Err(invalid("permits", "permits is 0; a request costs at least 1".into()));
         }
+        if spec.permits > MAX_CAPACITY {
+            return Err(invalid(
+                "permits",
+                format!(
+                    "permits is {}; a request costs at most 2^40 ({MAX_CAPACITY}), the largest capacity",
+                    spec.permits
+                ),
+            ));
+        }
         if bands_spec.is_empty() {
             return Err(invalid(
                 "bands",
@@ -740,12 +749,55 @@ impl Rule {
         self.on_backend_failure
     }
 
-    /// Whether the rule applies to a request with this normalized path (split in
-    /// segments) and method.
+    /// Whether the rule applies to a request with this path (split in segments, see
+    /// [`PathPattern::matches_segments`]) and method.
     pub fn applies_to(&self, path_segments: &[&str], method: &Method) -> bool {
-        self.enabled
-            && (self.methods.is_empty() || self.methods.contains(method))
-            && (self.paths.is_empty() || self.paths.iter().any(|p| p.matches_segments(path_segments)))
+        self.enabled && self.matches_method(method) && self.matches_path(path_segments)
+    }
+
+    /// Whether the rule applies to a request: enabled, its method matches, and its path,
+    /// normalized or as routed, matches (see [`crate::path`]).
+    ///
+    /// ```
+    /// use fluxgate_core::{RequestContext, RuleSets};
+    /// let sets = RuleSets::from_yaml_str(r#"
+    /// rule_sets:
+    ///   - id: api
+    ///     rules:
+    ///       - id: login
+    ///         match: { paths: ["/api/*/login"], methods: [GET] }
+    ///         bands: [{ capacity: 5, window: 1m }]
+    /// "#).unwrap();
+    /// let rule = &sets.get("api").unwrap().rules()[0];
+    /// let at = |method: &str, path: &str| {
+    ///     RequestContext::builder().method(method.parse().unwrap()).path(path).build()
+    /// };
+    /// assert!(rule.applies(&at("GET", "/api/v1/login")));
+    /// // HEAD runs GET handlers; `/api/../login` reaches a `/api/{version}/login` route.
+    /// assert!(rule.applies(&at("HEAD", "/api/../login")));
+    /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
+    /// ```
+    pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
+        if !self.enabled || !self.matches_method(ctx.method()) {
+            return false;
+        }
+        crate::path::with_segments(ctx.path(), |s| self.matches_path(s))
+            || ctx
+                .distinct_routed_path()
+                .is_some_and(|raw| crate::path::with_routed_segments(raw, |s| self.matches_path(s)))
+    }
+
+    /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
+    /// because routers (axum among them) run `GET` handlers for `HEAD` requests.
+    pub fn matches_method(&self, method: &Method) -> bool {
+        self.methods.is_empty()
+            || self.methods.contains(method)
+            || (*method == Method::HEAD && self.methods.contains(&Method::GET))
+    }
+
+    /// Whether one of the rule's patterns matches a path split in segments.
+    pub fn matches_path(&self, path_segments: &[&str]) -> bool {
+        self.paths.is_empty() || self.paths.iter().any(|p| p.matches_segments(path_segments))
     }
 }
 

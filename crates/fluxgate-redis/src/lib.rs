@@ -49,10 +49,10 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter, Wait};
-use fluxgate_core::{Algorithm, BandReport, BoxError, MaybeReady};
+use fluxgate_core::{Algorithm, Band, BandReport, BoxError, MaybeReady, Rule, RuleError, RuleSet};
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
 use fred::types::config::{Config, ReconnectPolicy};
@@ -99,6 +99,11 @@ pub const REFUND_LUA: &str = lua!(
 /// exact integer.
 pub const MAX_SCALED_CAPACITY: u64 = 1 << 52;
 
+/// The largest capacity of a sliding window log band: the log keeps one sorted-set member
+/// per admitted permit, and a request adds its permits one member each, so both the key's
+/// size and the time one script call takes grow with it.
+pub const MAX_LOG_CAPACITY: u64 = 1 << 20;
+
 /// The default deadline of one script call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -126,26 +131,10 @@ pub enum RedisError {
     /// The script's reply does not have the expected shape.
     #[error("unexpected reply from the rate-limit script: {0}")]
     Reply(String),
-    /// A band is too large for exact integer arithmetic in the script.
-    #[error(
-        "rule `{rule}`, band `{band}`: capacity {capacity} per {window:?} is too large for exact arithmetic in \
-         Redis ({algorithm}: capacity × window in µs{gcd} must stay below 2^52); use a smaller capacity or a \
-         shorter window",
-        algorithm = algorithm.as_str(),
-        gcd = if matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket) { " / gcd" } else { "" }
-    )]
-    BandTooLarge {
-        /// The rule's algorithm.
-        algorithm: Algorithm,
-        /// The rule.
-        rule: String,
-        /// The band.
-        band: String,
-        /// Its capacity.
-        capacity: u64,
-        /// Its window.
-        window: Duration,
-    },
+    /// The task deciding a request across hash slots ended without an answer (the runtime
+    /// shut down).
+    #[error("the rate-limit decision was interrupted")]
+    Interrupted,
 }
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -168,11 +157,13 @@ struct Inner {
 type DenyCache = moka::sync::Cache<String, Denial>;
 
 /// A band that rejected: until `until` it rejects every request of the same cost, because
-/// only time adds tokens to a bucket.
+/// only time adds tokens to a bucket. A local rejection repeats Redis's figures: the
+/// remaining permits and the instant the band is full again.
 #[derive(Debug, Clone, Copy)]
 struct Denial {
     until: Instant,
     remaining: u64,
+    reset_at: SystemTime,
 }
 
 fn deny_cache() -> DenyCache {
@@ -232,19 +223,27 @@ impl RedisLimiter {
     }
 
     /// A limiter over a client the application already connected. The script is loaded
-    /// on the first call that finds it missing.
+    /// on the first call that finds it missing. The deny cache is on, except on a
+    /// cluster (see [`RedisLimiterBuilder::deny_cache`]).
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
+        let cluster = client.is_clustered();
         Self {
             inner: Arc::new(Inner {
-                cluster: client.is_clustered(),
+                cluster,
                 clients: Arc::new(Clients::One(client)),
                 script: Script::from_lua(DECIDE_LUA),
                 refund: Script::from_lua(REFUND_LUA),
                 prefix: prefix.into(),
                 timeout: DEFAULT_TIMEOUT,
-                denied: Some(deny_cache()),
+                // Refunds give tokens back, so on a cluster a denial could end early.
+                denied: (!cluster).then(deny_cache),
             }),
         }
+    }
+
+    /// Whether rejections are remembered and repeated locally (the deny cache).
+    pub fn has_deny_cache(&self) -> bool {
+        self.inner.denied.is_some()
     }
 
     /// A limiter sharing this one's connections, with another key prefix.
@@ -440,9 +439,80 @@ struct Call {
     refund: Vec<[i64; 5]>,
 }
 
+/// A number for the scripts: below 2^53 for every value the validation lets through.
+fn script_number(n: u64, rule_set: &str, rule: &Rule, band: &Band) -> Result<i64, RuleError> {
+    i64::try_from(n).ok().filter(|&n| n < 1 << 53).ok_or_else(|| {
+        unsupported(
+            rule_set,
+            rule,
+            band,
+            format!("{n} is beyond 2^53, the exact integers of the scripts"),
+        )
+    })
+}
+
+fn unsupported(rule_set: &str, rule: &Rule, band: &Band, message: String) -> RuleError {
+    RuleError::Unsupported {
+        backend: "redis",
+        rule_set: rule_set.to_owned(),
+        rule: rule.id().to_string(),
+        band: band.name().to_string(),
+        message,
+    }
+}
+
+/// A band's three numbers in the scripts (see `lua/README.md`), or why the scripts cannot
+/// decide it exactly.
+fn band_args(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleError> {
+    let fail = |message: String| unsupported(rule_set, rule, band, message);
+    let algorithm = rule.algorithm();
+    let capacity = band.capacity();
+    let window = band.window();
+    if window.subsec_nanos() % 1_000 != 0 {
+        return Err(fail(format!(
+            "the window {window:?} is not a whole number of microseconds, the unit of Redis time"
+        )));
+    }
+    let window_us =
+        u64::try_from(window.as_micros()).map_err(|_| fail(format!("the window {window:?} is too long")))?;
+    let (a, b, largest, what) = match algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            let g = gcd(capacity, window_us);
+            let (scale, interval) = (capacity / g, window_us / g);
+            (
+                scale,
+                interval,
+                capacity.checked_mul(interval),
+                "capacity × window in µs / gcd(capacity, window in µs)",
+            )
+        }
+        Algorithm::SlidingWindowCounter => (window_us, 0, capacity.checked_mul(window_us), "capacity × window in µs"),
+        Algorithm::FixedWindow | Algorithm::SlidingWindowLog => (window_us, 0, Some(window_us), "the window in µs"),
+    };
+    match largest {
+        Some(n) if n <= MAX_SCALED_CAPACITY => {}
+        largest => {
+            let shown = largest.map_or_else(|| "beyond 2^64".to_owned(), |n| n.to_string());
+            return Err(fail(format!(
+                "{} per {}: {what} is {shown}, above 2^52 ({MAX_SCALED_CAPACITY}), the largest the script computes \
+                 exactly; use a smaller capacity or a shorter window",
+                capacity,
+                fluxgate_core::format_duration(window),
+            )));
+        }
+    }
+    if algorithm == Algorithm::SlidingWindowLog && capacity > MAX_LOG_CAPACITY {
+        return Err(fail(format!(
+            "a sliding window log keeps one sorted-set member per permit: capacity {capacity} is above \
+             {MAX_LOG_CAPACITY}; use a sliding window counter or a smaller capacity"
+        )));
+    }
+    Ok([capacity, a, b])
+}
+
 impl RedisLimiter {
     /// Encodes a request: one call on a standalone Redis, one call per hash slot on a cluster.
-    fn encode(&self, request: &AcquireRequest<'_>) -> Result<Vec<Call>, RedisError> {
+    fn encode(&self, request: &AcquireRequest<'_>) -> Result<Vec<Call>, RuleError> {
         let mut calls: Vec<(u16, Call)> = Vec::new();
         let mut position = 0;
         for bucket in request.buckets {
@@ -461,48 +531,30 @@ impl RedisLimiter {
                 }
             };
             let call = &mut calls[at].1;
-            call.buckets += 1;
             let algorithm = rule.algorithm();
             let code = algorithm_code(algorithm);
-            let flags = rule.bands().len() as i64 * 16 + code * 2 + i64::from(bucket.shadow());
-            call.args.extend([rule.permits() as i64, flags]);
+            let bands = i64::try_from(rule.bands().len()).unwrap_or(i64::MAX);
+            let Some(first) = rule.bands().first() else {
+                continue; // validated rules have at least one band
+            };
+            let permits = script_number(rule.permits(), bucket.rule_set, rule, first)?;
+            call.buckets += 1;
+            call.args
+                .extend([permits, bands * 16 + code * 2 + i64::from(bucket.shadow())]);
             for band in rule.bands().iter() {
-                let capacity = band.capacity();
-                let window_us = u64::try_from(band.window().as_micros()).unwrap_or(u64::MAX);
-                let (a, b, largest) = match algorithm {
-                    Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-                        let g = gcd(capacity, window_us);
-                        let (scale, interval) = (capacity / g, window_us / g);
-                        (scale, interval, capacity.checked_mul(interval))
-                    }
-                    Algorithm::SlidingWindowCounter => (window_us, 0, capacity.checked_mul(window_us)),
-                    Algorithm::FixedWindow | Algorithm::SlidingWindowLog => (window_us, 0, Some(window_us)),
-                };
-                if largest.is_none_or(|n| n > MAX_SCALED_CAPACITY) {
-                    return Err(RedisError::BandTooLarge {
-                        algorithm,
-                        rule: rule.id().to_string(),
-                        band: band.name().to_string(),
-                        capacity,
-                        window: band.window(),
-                    });
-                }
+                let numbers = band_args(bucket.rule_set, rule, band)?;
+                let [capacity, a, b] = numbers.map(|n| script_number(n, bucket.rule_set, rule, band));
+                let (capacity, a, b) = (capacity?, a?, b?);
                 let window = fluxgate_core::format_duration(band.window());
                 let mut key = format!("{}:{tag}:{}:{capacity}/{window}", self.inner.prefix, band.name());
                 if let Some(suffix) = key_suffix(algorithm) {
                     key.push(':');
                     key.push_str(suffix);
                 }
-                call.args.extend([capacity as i64, a as i64, b as i64]);
+                call.args.extend([capacity, a, b]);
                 call.deny_keys
                     .push((!bucket.shadow()).then(|| format!("{key}#{}", rule.permits())));
-                call.refund.push([
-                    code,
-                    rule.permits().min(capacity) as i64,
-                    capacity as i64,
-                    a as i64,
-                    b as i64,
-                ]);
+                call.refund.push([code, permits.min(capacity), capacity, a, b]);
                 call.keys.push(key);
                 call.shadow.push(bucket.shadow());
                 call.positions.push(position);
@@ -545,7 +597,7 @@ fn key_suffix(algorithm: Algorithm) -> Option<&'static str> {
 /// What the limiter needs of the request to read the reply, owned: per band, its rule's
 /// id and mode and the band.
 struct Shape {
-    bands: Vec<(Arc<str>, bool, fluxgate_core::Band)>,
+    bands: Vec<(Arc<str>, bool, Band)>,
 }
 
 /// The combined reply: `allowed, shadow_allowed, now_us`, and per band (in request
@@ -572,7 +624,7 @@ fn decode(shape: &Shape, allowed: bool, shadow_allowed: bool, now_us: i64, per_b
                 remaining: nonneg(r[1]),
                 window: band.window(),
                 reset_after,
-                reset_at: std::time::UNIX_EPOCH + Duration::from_nanos(now_ns) + reset_after,
+                reset_at: UNIX_EPOCH + Duration::from_nanos(now_ns) + reset_after,
                 allowed: r[0] == 1,
                 shadow: *shadow,
                 wait,
@@ -584,10 +636,11 @@ fn decode(shape: &Shape, allowed: bool, shadow_allowed: bool, now_us: i64, per_b
         shadow_allowed,
         now_unix_nanos: now_ns,
         bands,
+        local: false,
     }
 }
 
-/// Runs one call within the deadline.
+/// Runs one decision call within the deadline.
 async fn run(inner: &Inner, keys: Vec<String>, args: Vec<i64>) -> Result<Vec<i64>, RedisError> {
     let bands = keys.len();
     let client = inner.clients.next();
@@ -603,41 +656,64 @@ async fn run(inner: &Inner, keys: Vec<String>, args: Vec<i64>) -> Result<Vec<i64
     Ok(reply)
 }
 
-/// Gives back what the admitted calls of a rejected request consumed. Returns, per band
-/// position, the figures after the refund.
-async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<Vec<(usize, i64, i64)>, RedisError> {
-    let mut figures = Vec::new();
+/// The bands a call committed that the request as a whole must not keep: every band of
+/// a slot that admitted when another slot rejected (or failed), and the shadow bands of a
+/// slot whose shadow rules admitted when another slot's shadow rules rejected.
+fn to_refund(call: &Call, reply: &[i64], allowed: bool, shadow_allowed: bool) -> Vec<usize> {
+    (0..call.keys.len())
+        .filter(|&j| {
+            let band_allowed = reply[3 + 4 * j] == 1;
+            let committed = reply[0] == 1 && band_allowed && (!call.shadow[j] || reply[1] == 1);
+            let keep = allowed && band_allowed && (!call.shadow[j] || shadow_allowed);
+            committed && !keep
+        })
+        .collect()
+}
+
+/// Gives back what the slots of a request committed and the request must not keep, all
+/// slots at once under one deadline. Returns, per band position, the figures after the
+/// refund.
+async fn refund(
+    inner: &Inner,
+    calls: &[Call],
+    replies: &[Option<Vec<i64>>],
+    allowed: bool,
+    shadow_allowed: bool,
+) -> Result<Vec<(usize, i64, i64)>, RedisError> {
+    let mut pending = Vec::new();
     for (call, reply) in calls.iter().zip(replies) {
-        if reply[0] != 1 {
-            continue; // this slot consumed nothing
-        }
-        let mut keys = Vec::new();
-        // The decision's instant tells the windows and log entries to take back.
-        let mut args = vec![reply[2]];
-        let mut positions = Vec::new();
-        for (j, key) in call.keys.iter().enumerate() {
-            let committed = reply[3 + 4 * j] == 1 && (!call.shadow[j] || reply[1] == 1);
-            if committed {
-                keys.push(key.clone());
-                args.extend(call.refund[j]);
-                positions.push(call.positions[j]);
-            }
-        }
-        if keys.is_empty() {
+        let Some(reply) = reply else {
+            continue; // this slot failed: it consumed nothing
+        };
+        let bands = to_refund(call, reply, allowed, shadow_allowed);
+        if bands.is_empty() {
             continue;
         }
-        let bands = keys.len();
+        // The decision's instant tells the windows and log entries to take back.
+        let mut args = vec![reply[2]];
+        for &j in &bands {
+            args.extend(call.refund[j]);
+        }
+        let keys: Vec<String> = bands.iter().map(|&j| call.keys[j].clone()).collect();
+        let positions: Vec<usize> = bands.iter().map(|&j| call.positions[j]).collect();
         let client = inner.clients.next();
         let script = inner.refund.evalsha_with_reload::<Vec<i64>, _, _>(client, keys, args);
-        let reply = match tokio::time::timeout(inner.timeout, script).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => return Err(RedisError::Command(e)),
-            Err(_) => return Err(RedisError::Timeout(inner.timeout)),
-        };
-        if reply.len() != 2 * bands {
+        pending.push(async move { (positions, script.await) });
+    }
+    if pending.is_empty() {
+        return Ok(Vec::new());
+    }
+    let results = tokio::time::timeout(inner.timeout, futures_util::future::join_all(pending))
+        .await
+        .map_err(|_| RedisError::Timeout(inner.timeout))?;
+    let mut figures = Vec::new();
+    for (positions, result) in results {
+        let reply = result.map_err(RedisError::Command)?;
+        if reply.len() != 2 * positions.len() {
             return Err(RedisError::Reply(format!(
-                "{} numbers for {bands} refunds",
-                reply.len()
+                "{} numbers for {} refunds",
+                reply.len(),
+                positions.len()
             )));
         }
         figures.extend(
@@ -648,6 +724,52 @@ async fn refund(inner: &Inner, calls: &[Call], replies: &[Vec<i64>]) -> Result<V
         );
     }
     Ok(figures)
+}
+
+/// Decides a request whose buckets live in several hash slots of a cluster: one call per
+/// slot, concurrently, then the refunds the decision calls for. Runs as a task of its own,
+/// so that a caller who stops waiting (a client gone, an outer timeout) cannot leave a
+/// consumption that should have been given back.
+async fn decide_across_slots(inner: Arc<Inner>, calls: Vec<Call>, shape: Shape) -> Result<AcquireOutcome, RedisError> {
+    let results =
+        futures_util::future::join_all(calls.iter().map(|c| run(&inner, c.keys.clone(), c.args.clone()))).await;
+    let mut replies = Vec::with_capacity(results.len());
+    let mut failure = None;
+    for result in results {
+        match result {
+            Ok(reply) => replies.push(Some(reply)),
+            Err(e) => {
+                failure = Some(e);
+                replies.push(None);
+            }
+        }
+    }
+    let answered = || replies.iter().flatten();
+    let allowed = failure.is_none() && answered().all(|r| r[0] == 1);
+    let shadow_allowed = failure.is_none() && answered().all(|r| r[1] == 1);
+    let now_us = answered().map(|r| r[2]).max().unwrap_or(0);
+    let mut per_band = vec![[0i64; 4]; shape.bands.len()];
+    for (call, reply) in calls.iter().zip(&replies) {
+        if let Some(reply) = reply {
+            for (j, &p) in call.positions.iter().enumerate() {
+                per_band[p].copy_from_slice(&reply[3 + 4 * j..7 + 4 * j]);
+            }
+        }
+    }
+    match refund(&inner, &calls, &replies, allowed, shadow_allowed).await {
+        Ok(figures) => {
+            for (p, remaining, reset) in figures {
+                per_band[p][1] = remaining;
+                per_band[p][2] = reset;
+            }
+        }
+        // The decision stands; what could not be given back errs towards admitting less.
+        Err(error) => tracing::warn!(%error, "rate-limit refund failed: a rejected request's consumption stays"),
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    Ok(decode(&shape, allowed, shadow_allowed, now_us, &per_band))
 }
 
 /// The result of [`RedisLimiter::health`].
@@ -689,6 +811,8 @@ impl RedisLimiter {
     }
 
     /// A rejection from the deny cache, when a band of the request is known to reject it.
+    /// It repeats what Redis said of that band: its remaining permits and the instant it
+    /// is full again; the retry-after counts down to the end of the denial.
     fn denied_locally(&self, shape: &Shape, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
         let cache = self.inner.denied.as_ref()?;
         let (index, denial) = calls
@@ -700,10 +824,10 @@ impl RedisLimiter {
             })?;
         let (rule, shadow, band) = &shape.bands[index];
         let wait = denial.until - now;
-        let now_unix = std::time::SystemTime::now();
+        let now_unix = SystemTime::now();
         let now_ns = now_unix
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
         // Only the denying band is known; the others were not asked.
         let report = BandReport {
             rule: rule.clone(),
@@ -712,8 +836,8 @@ impl RedisLimiter {
             limit: band.capacity(),
             remaining: denial.remaining,
             window: band.window(),
-            reset_after: band.window(),
-            reset_at: now_unix + band.window(),
+            reset_after: denial.reset_at.duration_since(now_unix).unwrap_or_default(),
+            reset_at: denial.reset_at,
             allowed: false,
             shadow: *shadow,
             wait: Wait::After(wait.max(Duration::from_micros(1))),
@@ -723,14 +847,37 @@ impl RedisLimiter {
             shadow_allowed: true,
             now_unix_nanos: now_ns,
             bands: vec![report],
+            local: true,
         })
+    }
+
+    /// Remembers the bands that rejected, counted from before the call so that a denial
+    /// never outlives the real wait.
+    fn remember_denials(inner: &Inner, calls: &[Call], outcome: &AcquireOutcome, start: Instant) {
+        let Some(cache) = &inner.denied else {
+            return;
+        };
+        for call in calls {
+            for (key, &p) in call.deny_keys.iter().zip(&call.positions) {
+                let band = &outcome.bands[p];
+                if let (Wait::After(wait), Some(key)) = (band.wait, key) {
+                    let denial = Denial {
+                        until: start + wait,
+                        remaining: band.remaining,
+                        reset_at: band.reset_at,
+                    };
+                    cache.insert(key.clone(), denial);
+                }
+            }
+        }
     }
 }
 
 impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let calls = match self.encode(request) {
+        let mut calls = match self.encode(request) {
             Ok(calls) => calls,
+            // A configuration error, not a backend failure (see `RateLimiter::validate`).
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let shape = Shape {
@@ -750,66 +897,37 @@ impl RateLimiter for RedisLimiter {
         if let Some(outcome) = self.denied_locally(&shape, &calls, start) {
             return MaybeReady::ready(Ok(outcome));
         }
-        let this = self.inner.clone();
+        let inner = self.inner.clone();
+        if let [call] = calls.as_mut_slice() {
+            // One call (always so on a standalone Redis): nothing to refund.
+            let (keys, args) = (std::mem::take(&mut call.keys), std::mem::take(&mut call.args));
+            return MaybeReady::boxed(async move {
+                let reply = run(&inner, keys, args).await?;
+                let per_band: Vec<[i64; 4]> = reply[3..].chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]).collect();
+                let outcome = decode(&shape, reply[0] == 1, reply[1] == 1, reply[2], &per_band);
+                Self::remember_denials(&inner, &calls, &outcome, start);
+                Ok(outcome)
+            });
+        }
         MaybeReady::boxed(async move {
-            // One call per hash slot, concurrently (a single call on a standalone Redis).
-            let mut calls = calls;
-            let results = if let [call] = calls.as_mut_slice() {
-                // One call (always so on a standalone Redis): no refund needs the keys again.
-                let (keys, args) = (std::mem::take(&mut call.keys), std::mem::take(&mut call.args));
-                vec![run(&this, keys, args).await]
-            } else {
-                futures_util::future::join_all(calls.iter().map(|c| run(&this, c.keys.clone(), c.args.clone()))).await
-            };
-            let mut replies = Vec::with_capacity(results.len());
-            let mut failure = None;
-            for result in results {
-                match result {
-                    Ok(reply) => replies.push(reply),
-                    Err(e) => {
-                        failure = Some(e);
-                        replies.push(vec![0; 3]);
-                    }
-                }
+            // Spawned at the first poll: once a call has gone out, the refunds it may need
+            // happen whether or not this future is still awaited.
+            let task = tokio::spawn(decide_across_slots(inner, calls, shape));
+            match task.await {
+                Ok(result) => Ok(result?),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(RedisError::Interrupted.into()),
             }
-            let allowed = failure.is_none() && replies.iter().all(|r| r[0] == 1);
-            let shadow_allowed = replies.iter().all(|r| r[1] == 1);
-            let now_us = replies.iter().map(|r| r[2]).max().unwrap_or(0);
-            let mut per_band = vec![[0i64; 4]; shape.bands.len()];
-            for (call, reply) in calls.iter().zip(&replies) {
-                if reply.len() == 3 + 4 * call.positions.len() {
-                    for (j, &p) in call.positions.iter().enumerate() {
-                        per_band[p].copy_from_slice(&reply[3 + 4 * j..7 + 4 * j]);
-                    }
-                }
-            }
-            if !allowed && calls.len() > 1 {
-                // Another slot rejected (or failed): what the admitting slots took goes back.
-                for (p, remaining, reset) in refund(&this, &calls, &replies).await? {
-                    per_band[p][1] = remaining;
-                    per_band[p][2] = reset;
-                }
-            }
-            if let Some(e) = failure {
-                return Err(e.into());
-            }
-            let outcome = decode(&shape, allowed, shadow_allowed, now_us, &per_band);
-            if let Some(cache) = &this.denied {
-                // Counted from before the call, so a denial never outlives the real wait.
-                for call in &calls {
-                    for (key, &p) in call.deny_keys.iter().zip(&call.positions) {
-                        if let (Wait::After(wait), Some(key)) = (outcome.bands[p].wait, key) {
-                            let denial = Denial {
-                                until: start + wait,
-                                remaining: outcome.bands[p].remaining,
-                            };
-                            cache.insert(key.clone(), denial);
-                        }
-                    }
-                }
-            }
-            Ok(outcome)
         })
+    }
+
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        for rule in set.rules() {
+            for band in rule.bands().iter() {
+                band_args(set.id(), rule, band)?;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -248,6 +248,17 @@ pub(crate) fn unavailable(status: StatusCode) -> Response<Bytes> {
     response
 }
 
+/// The response when a rule cannot be decided (a configuration error): `500`, without
+/// details for the client; the log names the rule.
+pub(crate) fn misconfigured() -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Rate limiter misconfigured\"}"));
+    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
 /// The `429` response: the user's, or the JSON body of the Java original.
 pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes> {
     let mut response = match &config.rejection {

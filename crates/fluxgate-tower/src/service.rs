@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use fluxgate_core::{Decision, Error, Outcome, RequestContextBuilder};
+use fluxgate_core::{Decision, Error, Outcome, PathPattern, RequestContext, RequestContextBuilder};
 use http::{Extensions, HeaderMap, Method, Request, Response};
 use tower_service::Service;
 
@@ -68,11 +68,20 @@ pub(crate) enum Verdict {
 }
 
 impl Config {
-    fn limits(&self, path: &str) -> bool {
-        if self.exclude.iter().any(|p| p.matches(path)) {
-            return false;
+    /// Whether the limiter sees the request: included and not excluded, by its normalized
+    /// path or by its path as routed. A path is left alone only when both views say so,
+    /// so that `/api/x/../../health` (routed to an `/api/{*rest}` handler) is not let
+    /// through by an exclusion of `/health`.
+    fn limits(&self, ctx: &RequestContext) -> bool {
+        let normalized = ctx.path();
+        let view = |matches: &dyn Fn(&PathPattern) -> bool| {
+            !self.exclude.iter().any(matches) && (self.include.is_empty() || self.include.iter().any(matches))
+        };
+        if view(&|p| p.matches(normalized)) {
+            return true;
         }
-        self.include.is_empty() || self.include.iter().any(|p| p.matches(path))
+        let routed = ctx.routed_path();
+        routed != normalized && view(&|p| p.matches_routed(routed))
     }
 
     /// Fills a context from the request, before the customizer.
@@ -113,6 +122,11 @@ impl Config {
                 Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
+            Err(Error::Rule(error)) => {
+                // A configuration error: no failure policy admits the request.
+                tracing::error!(%error, "rate-limit rules cannot be decided; refusing the request");
+                Verdict::Reject(crate::response::misconfigured())
+            }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
                     tracing::warn!(%error, "rate-limit check failed; admitting the request");
@@ -156,7 +170,7 @@ where
         let config = &self.config;
         let mut builder = RequestContextBuilder::with_rule_set(config.rule_set.clone());
         builder.set_path(req.uri().path());
-        if !config.limits(builder.peek().path()) {
+        if !config.limits(builder.peek()) {
             return ResponseFuture::calling(self.inner.call(req), None);
         }
         match &config.customizer {

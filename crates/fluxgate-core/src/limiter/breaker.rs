@@ -3,11 +3,13 @@
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::{AcquireOutcome, AcquireRequest, RateLimiter};
-use crate::error::BoxError;
+use super::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
+use crate::clock::{Clock, SystemClock};
+use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
+use crate::rule::RuleSet;
 
 /// The error of a call refused because the circuit is open.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -17,6 +19,13 @@ pub struct CircuitOpen;
 /// Wraps a backend: after `failure_threshold` failures in a row the circuit opens and calls
 /// fail at once, without waiting for the backend's deadline; after `cool_down` one call is
 /// let through as a probe, and its success closes the circuit again.
+///
+/// Only the backend's own answers count. A call that is abandoned (its future dropped: a
+/// client gone, an outer timeout) counts neither way, and a probe abandoned so lets the
+/// next call probe. An answer the backend gave from local knowledge
+/// ([`AcquireOutcome::local`], a deny-cache hit) is no evidence that the store is back,
+/// and a configuration error ([`RuleError`]) is no failure of the backend: neither
+/// resets the failure count nor closes the circuit, and neither opens it.
 ///
 /// ```
 /// use std::time::Duration;
@@ -33,25 +42,23 @@ pub struct CircuitBreaker<L> {
 }
 
 struct State {
-    origin: Instant,
+    clock: Arc<dyn Clock>,
     threshold: u32,
     cool_down: Duration,
     failures: AtomicU32,
-    /// Nanoseconds since `origin` until which the circuit is open; 0 when closed.
+    /// The clock's reading until which the circuit is open; 0 when closed.
     open_until: AtomicU64,
+    /// Whether a probe is in flight.
     probing: AtomicBool,
 }
 
 impl State {
     fn now(&self) -> u64 {
-        u64::try_from(self.origin.elapsed().as_nanos())
-            .unwrap_or(u64::MAX)
-            .max(1)
+        self.clock.now_nanos().max(1)
     }
 
     fn succeeded(&self) {
         self.failures.store(0, Ordering::Relaxed);
-        self.probing.store(false, Ordering::Relaxed);
         if self.open_until.swap(0, Ordering::AcqRel) != 0 {
             tracing::warn!("rate-limit backend is back: circuit closed");
         }
@@ -68,7 +75,16 @@ impl State {
                 tracing::warn!(failures, "rate-limit backend failing: circuit open");
             }
         }
-        self.probing.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Held by a probe in flight: when the probe ends, however it ends (answered, failed or
+/// its future dropped), the next call may probe.
+struct Probe(Arc<State>);
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.0.probing.store(false, Ordering::Release);
     }
 }
 
@@ -78,7 +94,7 @@ impl<L> CircuitBreaker<L> {
         Self {
             inner,
             state: Arc::new(State {
-                origin: Instant::now(),
+                clock: Arc::new(SystemClock::new()),
                 threshold: 3,
                 cool_down: Duration::from_millis(250),
                 failures: AtomicU32::new(0),
@@ -100,9 +116,17 @@ impl<L> CircuitBreaker<L> {
         self
     }
 
+    /// The clock that times the cool-down. Default [`SystemClock`]; tests use a
+    /// [`ManualClock`](crate::ManualClock).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        let clock: Arc<dyn Clock> = Arc::new(clock);
+        self.rebuild(|s| s.clock = clock);
+        self
+    }
+
     fn rebuild(&mut self, f: impl FnOnce(&mut State)) {
         let mut state = State {
-            origin: self.state.origin,
+            clock: self.state.clock.clone(),
             threshold: self.state.threshold,
             cool_down: self.state.cool_down,
             failures: AtomicU32::new(0),
@@ -117,6 +141,12 @@ impl<L> CircuitBreaker<L> {
     pub fn is_open(&self) -> bool {
         let until = self.state.open_until.load(Ordering::Acquire);
         until != 0 && until > self.state.now()
+    }
+
+    /// Whether the circuit has opened and not closed since: refusing calls, or waiting for
+    /// a probe to succeed.
+    pub fn is_tripped(&self) -> bool {
+        self.state.open_until.load(Ordering::Acquire) != 0
     }
 
     /// The wrapped backend.
@@ -145,73 +175,206 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
             // Open, or half-open with a probe already in flight.
             return MaybeReady::ready(Err(Box::new(CircuitOpen)));
         }
+        let guard = probe.then(|| Probe(state.clone()));
         let state = self.state.clone();
         self.inner.acquire(request).map(move |result| {
             match &result {
+                // A local answer or a configuration error says nothing about the backend.
+                Ok(outcome) if outcome.local => {}
+                Err(error) if is_rule_error(error) => {}
                 Ok(_) => state.succeeded(),
                 Err(_) => state.failed(probe),
             }
+            drop(guard);
             result
         })
+    }
+
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        self.inner.validate(set)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicUsize;
+    use std::sync::Mutex;
 
     use super::*;
+    use crate::clock::ManualClock;
 
-    /// A backend that fails while `down` is set, and counts its calls.
-    #[derive(Debug, Default)]
-    struct Flaky {
-        down: AtomicBool,
+    /// What the test backend answers.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Answer {
+        Up,
+        Down,
+        /// Admitted from local knowledge (a deny-cache hit).
+        Local,
+        /// A rule the backend cannot decide.
+        BadRule,
+        /// Never answers.
+        Hang,
+    }
+
+    /// A backend that answers as told, and counts its calls.
+    #[derive(Debug)]
+    struct Backend {
+        answer: Mutex<Answer>,
         calls: AtomicUsize,
     }
 
-    impl RateLimiter for Arc<Flaky> {
+    impl Backend {
+        fn new() -> Arc<Self> {
+            Arc::new(Self {
+                answer: Mutex::new(Answer::Up),
+                calls: AtomicUsize::new(0),
+            })
+        }
+        fn set(&self, answer: Answer) {
+            *self.answer.lock().unwrap() = answer;
+        }
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+    }
+
+    impl RateLimiter for Arc<Backend> {
         fn acquire(&self, _: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
-            if self.down.load(Ordering::SeqCst) {
-                return MaybeReady::ready(Err("down".into()));
-            }
-            MaybeReady::ready(Ok(AcquireOutcome {
+            let outcome = |local| AcquireOutcome {
                 allowed: true,
                 shadow_allowed: true,
                 now_unix_nanos: 0,
                 bands: Vec::new(),
-            }))
+                local,
+            };
+            match *self.answer.lock().unwrap() {
+                Answer::Up => MaybeReady::ready(Ok(outcome(false))),
+                Answer::Local => MaybeReady::ready(Ok(outcome(true))),
+                Answer::Down => MaybeReady::ready(Err("down".into())),
+                Answer::BadRule => MaybeReady::ready(Err(Box::new(RuleError::invalid("s", "r", "bands", "too large")))),
+                Answer::Hang => MaybeReady::boxed(std::future::pending()),
+            }
         }
+    }
+
+    const COOL_DOWN: Duration = Duration::from_millis(250);
+
+    fn breaker(backend: &Arc<Backend>, clock: &ManualClock) -> CircuitBreaker<Arc<Backend>> {
+        CircuitBreaker::new(backend.clone())
+            .failure_threshold(2)
+            .cool_down(COOL_DOWN)
+            .clock(clock.clone())
+    }
+
+    fn call(breaker: &CircuitBreaker<Arc<Backend>>) -> Result<AcquireOutcome, BoxError> {
+        breaker
+            .acquire(&AcquireRequest::default())
+            .into_ready()
+            .expect("a ready answer")
+    }
+
+    /// Opens the circuit of a breaker with a threshold of 2.
+    fn trip(backend: &Backend, breaker: &CircuitBreaker<Arc<Backend>>) {
+        backend.set(Answer::Down);
+        assert!(call(breaker).is_err());
+        assert!(call(breaker).is_err());
+        assert!(breaker.is_open());
     }
 
     #[test]
     fn opens_after_the_threshold_probes_and_closes() {
-        let flaky = Arc::new(Flaky::default());
-        let breaker = CircuitBreaker::new(flaky.clone())
-            .failure_threshold(2)
-            .cool_down(Duration::from_millis(30));
-        let call = || breaker.acquire(&AcquireRequest::default()).into_ready().unwrap();
-        assert!(call().is_ok());
-        flaky.down.store(true, Ordering::SeqCst);
-        assert!(call().is_err());
+        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
+        let breaker = breaker(&backend, &clock);
+        assert!(call(&breaker).is_ok());
+        backend.set(Answer::Down);
+        assert!(call(&breaker).is_err());
         assert!(!breaker.is_open());
-        assert!(call().is_err());
+        assert!(call(&breaker).is_err());
         assert!(breaker.is_open());
-        // Open: refused without calling the backend.
-        let before = flaky.calls.load(Ordering::SeqCst);
+        // Open: refused without calling the backend, until the cool-down has passed.
+        let before = backend.calls();
         for _ in 0..10 {
-            assert!(call().unwrap_err().is::<CircuitOpen>());
+            assert!(call(&breaker).unwrap_err().is::<CircuitOpen>());
         }
-        assert_eq!(flaky.calls.load(Ordering::SeqCst), before);
+        clock.advance(COOL_DOWN - Duration::from_nanos(1));
+        assert!(call(&breaker).unwrap_err().is::<CircuitOpen>());
+        assert_eq!(backend.calls(), before);
         // A failed probe keeps it open for another cool-down.
-        std::thread::sleep(Duration::from_millis(40));
-        assert!(!call().unwrap_err().is::<CircuitOpen>());
+        clock.advance(Duration::from_nanos(1));
+        assert!(!call(&breaker).unwrap_err().is::<CircuitOpen>());
+        assert_eq!(backend.calls(), before + 1);
         assert!(breaker.is_open());
         // The backend is back: the next probe closes the circuit.
-        flaky.down.store(false, Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(40));
-        assert!(call().is_ok());
-        assert!(!breaker.is_open());
-        assert!(call().is_ok());
+        backend.set(Answer::Up);
+        clock.advance(COOL_DOWN);
+        assert!(call(&breaker).is_ok());
+        assert!(!breaker.is_open() && !breaker.is_tripped());
+        assert!(call(&breaker).is_ok());
+    }
+
+    #[test]
+    fn a_dropped_probe_lets_the_next_call_probe() {
+        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
+        let breaker = breaker(&backend, &clock);
+        trip(&backend, &breaker);
+        clock.advance(COOL_DOWN);
+        // The probe's future is dropped before the backend answers (a client gone, an
+        // outer timeout).
+        backend.set(Answer::Hang);
+        let probe = breaker.acquire(&AcquireRequest::default());
+        assert!(probe.into_ready().is_err(), "the probe is in flight");
+        // Backend back: the next call probes and closes the circuit.
+        backend.set(Answer::Up);
+        assert!(call(&breaker).is_ok(), "the circuit stayed open after a dropped probe");
+        assert!(!breaker.is_tripped());
+    }
+
+    #[test]
+    fn a_probe_in_flight_refuses_other_calls() {
+        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
+        let breaker = breaker(&backend, &clock);
+        trip(&backend, &breaker);
+        clock.advance(COOL_DOWN);
+        backend.set(Answer::Hang);
+        let probe = breaker.acquire(&AcquireRequest::default());
+        backend.set(Answer::Up);
+        assert!(call(&breaker).unwrap_err().is::<CircuitOpen>());
+        drop(probe);
+        assert!(call(&breaker).is_ok());
+    }
+
+    #[test]
+    fn local_answers_neither_close_the_circuit_nor_reset_the_count() {
+        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
+        let breaker = breaker(&backend, &clock);
+        // One failure, a local answer, one more failure: two failures in a row.
+        backend.set(Answer::Down);
+        assert!(call(&breaker).is_err());
+        backend.set(Answer::Local);
+        assert!(call(&breaker).is_ok());
+        backend.set(Answer::Down);
+        assert!(call(&breaker).is_err());
+        assert!(breaker.is_open(), "a local answer reset the failure count");
+        // Half-open, a local answer is no probe's success: the circuit stays tripped, and
+        // the next call probes again.
+        clock.advance(COOL_DOWN);
+        backend.set(Answer::Local);
+        assert!(call(&breaker).is_ok());
+        assert!(breaker.is_tripped(), "a local answer closed the circuit");
+        backend.set(Answer::Down);
+        assert!(call(&breaker).is_err());
+        assert!(breaker.is_open(), "one failed probe reopens the circuit");
+    }
+
+    #[test]
+    fn rule_errors_are_not_backend_failures() {
+        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
+        let breaker = breaker(&backend, &clock);
+        backend.set(Answer::BadRule);
+        for _ in 0..5 {
+            assert!(is_rule_error(&call(&breaker).unwrap_err()));
+        }
+        assert!(!breaker.is_tripped(), "configuration errors opened the circuit");
     }
 }

@@ -392,6 +392,7 @@ impl MemoryLimiter {
             shadow_allowed,
             now_unix_nanos: now,
             bands,
+            local: false,
         }
     }
 
@@ -411,6 +412,7 @@ impl MemoryLimiter {
             shadow_allowed: !shadow || e.allowed,
             now_unix_nanos: now,
             bands: vec![report(bucket.rule, band, now, &e, commit)],
+            local: false,
         }
     }
 

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::decision::BandReport;
-use crate::error::BoxError;
+use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
-use crate::rule::{Mode, Rule};
+use crate::rule::{Mode, Rule, RuleSet};
 use crate::text::Text;
 
 mod breaker;
@@ -110,6 +110,10 @@ pub struct AcquireOutcome {
     pub now_unix_nanos: u64,
     /// Every band of every bucket, bucket by bucket, in the order of the request.
     pub bands: Vec<BandReport>,
+    /// Whether the backend answered from local knowledge without asking its store (a
+    /// deny-cache hit of the Redis backend): such an answer says nothing about the store's
+    /// health, so a [`CircuitBreaker`] neither closes nor counts a success for it.
+    pub local: bool,
 }
 
 /// A limiter backend: applies an [`AcquireRequest`] atomically.
@@ -122,10 +126,38 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     /// The returned future must not borrow the request: backends that go over the network
     /// encode what they send before returning.
     fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
+
+    /// Checks that this backend decides every rule of `set` exactly: the numbers each
+    /// band needs stay within the backend's exact range. Called when rules are loaded or
+    /// swapped in (the engine calls it for its provider's rule sets when it is built), so
+    /// that a rule the backend cannot decide is refused as a configuration error instead
+    /// of failing on every request.
+    ///
+    /// A backend that meets such a rule in [`acquire`](Self::acquire) anyway fails with
+    /// the [`RuleError`] itself, which the engine reports as [`crate::Error::Rule`], never
+    /// as a backend failure. The default accepts every rule.
+    ///
+    /// # Errors
+    ///
+    /// A [`RuleError::Unsupported`] naming the rule set, the rule, the band and the limit.
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        let _ = set;
+        Ok(())
+    }
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
     fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         (**self).acquire(request)
     }
+
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        (**self).validate(set)
+    }
+}
+
+/// Whether a limiter's error is a configuration error (a rule the backend cannot decide)
+/// rather than a failure of the backend.
+pub fn is_rule_error(error: &BoxError) -> bool {
+    error.is::<RuleError>()
 }
