@@ -236,21 +236,23 @@ rule_sets:
         let redis = Redis::start().await;
         let engine = engine(
             &redis,
-            "rule_sets:\n  - id: default\n    rules:\n      - id: thirds\n        scope: global\n        bands: [{ capacity: 3, window: 1s }]\n",
+            "rule_sets:\n  - id: default\n    rules:\n      - id: thirds\n        scope: attribute\n        attribute: run\n        bands: [{ capacity: 3, window: 1s }]\n",
         );
-        let ctx = RequestContext::builder().build();
-        let start = tokio::time::Instant::now();
-        let mut tick = tokio::time::interval(std::time::Duration::from_millis(50));
-        let mut admitted = 0;
-        while start.elapsed() < std::time::Duration::from_secs(3) {
-            tick.tick().await;
-            if start.elapsed() >= std::time::Duration::from_secs(3) {
-                break;
+        let mut late = Vec::new();
+        for attempt in 0..3 {
+            // A fresh key per run.
+            let ctx = RequestContext::builder().attribute("run", attempt.to_string()).build();
+            let every = std::time::Duration::from_millis(50);
+            match super::support::scenarios::ticks(every, std::time::Duration::from_secs(3), &engine, &ctx).await {
+                Ok(admitted) => {
+                    // 3 at once, then 3 per second for 3 s.
+                    assert!(admitted.abs_diff(12) <= 1, "admitted {admitted}, expected 12 ± 1");
+                    return;
+                }
+                Err(ms) => late.push(ms),
             }
-            admitted += usize::from(check(&engine, &ctx).await.allowed);
         }
-        // 3 at once, then 3 per second for 3 s.
-        assert!(admitted.abs_diff(12) <= 1, "admitted {admitted}, expected 12 ± 1");
+        panic!("a request was late on each run, by {late:?} ms: the machine is too busy");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

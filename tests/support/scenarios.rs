@@ -271,37 +271,62 @@ pub async fn ipv6(backend: &dyn Backend) {
 }
 
 /// 10 per second, a request every 66 ms for 6 s: 10 + 60 admitted, within tolerance.
+/// In real time, a run in which a request went out more than 40 ms late proves nothing
+/// (the machine stalled): it runs again, and fails saying how late it was after three
+/// such runs.
 pub async fn exact_refill(backend: &dyn Backend) {
-    let engine = engine(
-        backend,
-        r#"
+    let tolerance = backend.refill_tolerance();
+    let mut late = Vec::new();
+    for attempt in 0..3 {
+        let engine = engine(
+            backend,
+            r#"
 rule_sets:
   - id: default
     rules:
       - id: per-ip
         bands: [{ capacity: 10, window: 1s }]
 "#,
+        );
+        let c = ctx(&format!("198.51.100.{}", 9 + attempt));
+        match ticks(Duration::from_millis(66), Duration::from_secs(6), &engine, &c).await {
+            Ok(admitted) => {
+                assert!(
+                    admitted.abs_diff(70) <= tolerance,
+                    "{}: admitted {admitted}, expected 70 ± {tolerance}",
+                    backend.name()
+                );
+                return;
+            }
+            Err(ms) => late.push(ms),
+        }
+    }
+    panic!(
+        "{}: a request was late on each run, by {late:?} ms: the machine is too busy",
+        backend.name()
     );
-    let c = ctx("198.51.100.9");
+}
+
+/// Sends a request every `every` for `total` and counts the admitted ones, or says how
+/// many milliseconds late a request went out when one was more than 40 ms late.
+pub async fn ticks(every: Duration, total: Duration, engine: &Engine, c: &RequestContext) -> Result<usize, u128> {
     let start = tokio::time::Instant::now();
     let mut admitted = 0usize;
-    let mut tick = tokio::time::interval(Duration::from_millis(66));
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    while start.elapsed() < Duration::from_secs(6) {
-        tick.tick().await;
-        if start.elapsed() >= Duration::from_secs(6) {
-            break;
+    loop {
+        let scheduled = tick.tick().await;
+        if scheduled.duration_since(start) >= total {
+            return Ok(admitted);
         }
-        if check(&engine, &c).await.allowed {
+        let late = scheduled.elapsed();
+        if late > Duration::from_millis(40) {
+            return Err(late.as_millis());
+        }
+        if check(engine, c).await.allowed {
             admitted += 1;
         }
     }
-    let tolerance = backend.refill_tolerance();
-    assert!(
-        admitted.abs_diff(70) <= tolerance,
-        "{}: admitted {admitted}, expected 70 ± {tolerance}",
-        backend.name()
-    );
 }
 
 /// 20 tasks × 50 requests against capacity 100 admit exactly 100; with two rules over
