@@ -2,6 +2,7 @@
 #![allow(dead_code, unreachable_pub, missing_docs, clippy::unwrap_used)]
 
 pub mod conformance;
+pub mod model;
 pub mod redis;
 pub mod scenarios;
 
