@@ -447,6 +447,7 @@ pub fn report(decision: &ModelDecision, request: &AcquireRequest<'_>, t: Tick, u
         shadow_allowed: decision.shadow_allowed,
         now_unix_nanos,
         bands,
+        local: false,
     }
 }
 
