@@ -11,7 +11,7 @@ use crate::error::{BoxError, Error, RuleError};
 use crate::future::MaybeReady;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
-use crate::path::{with_routed_segments, with_segments};
+use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
 use crate::rule::{BackendFailure, Mode, RuleSet, RuleSets};
 use crate::text::Text;
@@ -232,10 +232,7 @@ impl Engine {
         // router sees it: normalization adds rules, never removes one.
         with_paths(ctx, |normalized, routed| {
             for (i, rule) in set.rules().iter().enumerate() {
-                let applies = rule.enabled()
-                    && rule.matches_method(method)
-                    && (rule.matches_path(normalized) || routed.is_some_and(|r| rule.matches_path(r)));
-                if !applies {
+                if !rule.applies_to_paths(normalized, routed, method) {
                     continue;
                 }
                 match self.inner.resolver.resolve(rule, ctx) {
@@ -360,15 +357,6 @@ impl Inner {
         decision.degraded = true;
         Ok(decision)
     }
-}
-
-/// Runs `f` with the segments of the normalized path and, when it differs, of the path as
-/// routed; without allocating for usual paths.
-fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&[&str], Option<&[&str]>) -> R) -> R {
-    with_segments(ctx.path(), |normalized| match ctx.distinct_routed_path() {
-        None => f(normalized, None),
-        Some(raw) => with_routed_segments(raw, |routed| f(normalized, Some(routed))),
-    })
 }
 
 fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {

@@ -8,6 +8,7 @@
 use std::fmt;
 use std::str::FromStr;
 
+use crate::context::RequestContext;
 use crate::text::Text;
 
 /// Normalizes a request path before any matching.
@@ -137,6 +138,15 @@ fn hex(b: u8) -> Option<u8> {
 /// paths of up to 16 segments.
 pub(crate) fn with_segments<'a, R>(path: &'a str, f: impl FnOnce(&[&'a str]) -> R) -> R {
     with_split(path.split('/').filter(|s| !s.is_empty()), f)
+}
+
+/// Runs `f` with the segments of a request's normalized path and, when it differs, of its
+/// path as routed; without allocating for usual paths.
+pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&[&str], Option<&[&str]>) -> R) -> R {
+    with_segments(ctx.path(), |normalized| match ctx.distinct_routed_path() {
+        None => f(normalized, None),
+        Some(raw) => with_routed_segments(raw, |routed| f(normalized, Some(routed))),
+    })
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).

@@ -778,13 +778,17 @@ impl Rule {
     /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
     /// ```
     pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
-        if !self.enabled || !self.matches_method(ctx.method()) {
-            return false;
-        }
-        crate::path::with_segments(ctx.path(), |s| self.matches_path(s))
-            || ctx
-                .distinct_routed_path()
-                .is_some_and(|raw| crate::path::with_routed_segments(raw, |s| self.matches_path(s)))
+        crate::path::with_paths(ctx, |normalized, routed| {
+            self.applies_to_paths(normalized, routed, ctx.method())
+        })
+    }
+
+    /// Whether the rule applies to a request with these segments of its normalized path
+    /// and, when they differ, of its routed path.
+    pub(crate) fn applies_to_paths(&self, normalized: &[&str], routed: Option<&[&str]>, method: &Method) -> bool {
+        self.enabled
+            && self.matches_method(method)
+            && (self.matches_path(normalized) || routed.is_some_and(|r| self.matches_path(r)))
     }
 
     /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
