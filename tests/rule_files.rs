@@ -162,6 +162,57 @@ fn duplicate_ids_and_syntax_errors() {
     assert!(msg.contains("field `rules`"), "{msg}");
 }
 
+/// Found by fuzzing: an empty id or key used to be echoed as the name of the place
+/// (rule set ``), and YAML errors at the first character named no line.
+#[test]
+fn every_error_names_its_place() {
+    let cases: [(&str, &[&str]); 6] = [
+        (
+            r#"{"rule_sets":[{"id":"","rules":[]}]}"#,
+            &["rule set `#1`", "field `id`", "must not be empty"],
+        ),
+        (
+            r#"{"rule_sets":[{"id":"a","rules":[{"id":"","bands":[{"capacity":1,"window":"1s"}]}]}]}"#,
+            &["rule set `a`", "rule `#1`", "field `id`"],
+        ),
+        (
+            r#"{"rule_sets":[{"id":"a","rules":[{"":1}]}]}"#,
+            &["rule set `a`", "rule `#1`"],
+        ),
+        (r#"{"":1}"#, &["field `\"\"`", "unknown field"]),
+        (
+            r#"{"rule_sets":[{"id":"a","rules":[]},{"id":"b","rules":[{"id":"x","bands":[{"capacity":1,"window":"1s"}]},{"id":"","bands":[{"capacity":0,"window":"1s"}]}]}]}"#,
+            &["rule set `b`", "rule `#2`"],
+        ),
+        (
+            r#"{"rule_sets":[{"id":"a","rules":[]},{"id":"","rules":[]}]}"#,
+            &["rule set `#2`"],
+        ),
+    ];
+    for (json, parts) in cases {
+        let msg = RuleSets::from_json_str(json).unwrap_err().to_string();
+        for part in parts {
+            assert!(msg.contains(part), "`{part}` missing from: {msg}");
+        }
+        for empty in ["set ``,", "rule ``,", "field ``:"] {
+            assert!(!msg.contains(empty), "an empty name: {msg}");
+        }
+    }
+    for (yaml, at) in [
+        ("]", "at line 1 column 1"),
+        ("\0", "at line 1 column 1"),
+        ("*a", "at line 1 column 1"),
+        ("rule_sets: [1,\n", "at line 2 column 1"),
+        ("a: 1\n---\nb: 1\n", "in the text as a whole"),
+    ] {
+        let msg = RuleSets::from_yaml_str(yaml).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("YAML syntax error") && msg.contains(at),
+            "{yaml:?}: {msg}"
+        );
+    }
+}
+
 #[test]
 fn file_errors_name_the_file() {
     let dir = std::env::temp_dir().join(format!("fluxgate-rules-{}", std::process::id()));

@@ -59,14 +59,31 @@ pub enum RuleError {
     },
 }
 
+/// How an empty name (an `id: ""`, a key `""`) is shown where an error names its place.
+const EMPTY: &str = "\"\"";
+
 impl RuleError {
     pub(crate) fn invalid(rule_set: &str, rule: &str, field: &str, message: impl Into<String>) -> Self {
+        let name = |s: &str| if s.is_empty() { EMPTY.to_owned() } else { s.to_owned() };
         Self::Invalid {
-            rule_set: rule_set.to_owned(),
-            rule: rule.to_owned(),
-            field: field.to_owned(),
+            rule_set: name(rule_set),
+            rule: name(rule),
+            field: name(field),
             message: message.into(),
         }
+    }
+
+    /// Names a rule set or rule whose id is empty by its position (`#1` for the first).
+    pub(crate) fn at_position(mut self, set: Option<usize>, rule: Option<usize>) -> Self {
+        if let Self::Invalid { rule_set, rule: r, .. } = &mut self {
+            if let (Some(i), true) = (set, rule_set == EMPTY) {
+                *rule_set = format!("#{}", i + 1);
+            }
+            if let (Some(j), true) = (rule, r == EMPTY) {
+                *r = format!("#{}", j + 1);
+            }
+        }
+        self
     }
 }
 

@@ -14,8 +14,10 @@ use crate::text::Text;
 /// Normalizes a request path before any matching.
 ///
 /// Drops the query and fragment, percent-decodes unreserved characters
-/// (`A-Z a-z 0-9 - . _ ~`), collapses repeated `/`, resolves `.` and `..` segments (never
-/// above the root) and drops a trailing `/`. The result always starts with `/`.
+/// (`A-Z a-z 0-9 - . _ ~`; other escapes are kept with upper-case hex digits, and a `%`
+/// that starts no escape becomes `%25`), collapses repeated `/`, resolves `.` and `..`
+/// segments (never above the root) and drops a trailing `/`. The result always starts
+/// with `/`, and normalizing it again changes nothing.
 ///
 /// ```
 /// use fluxgate_core::normalize_path;
@@ -94,7 +96,9 @@ fn is_normal(path: &str) -> bool {
 }
 
 /// Decodes `%XX` escapes of unreserved characters; every other escape is kept (with
-/// upper-case hex digits) so that a decoded `/` cannot create new segments.
+/// upper-case hex digits) so that a decoded `/` cannot create new segments. A `%` that
+/// starts no escape is written `%25`, so that decoded characters after it can never form
+/// a new escape: the result is normal, and normalizing it again changes nothing.
 fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
     if !raw.contains('%') {
         return std::borrow::Cow::Borrowed(raw);
@@ -116,6 +120,11 @@ fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
                 i += 3;
                 continue;
             }
+        }
+        if bytes[i] == b'%' {
+            out.push_str("%25");
+            i += 1;
+            continue;
         }
         // Copy one whole UTF-8 character.
         let ch_len = raw[i..].chars().next().map_or(1, char::len_utf8);
@@ -393,9 +402,22 @@ mod tests {
         assert_eq!(normalize_path("/../.."), "/");
         assert_eq!(normalize_path("/a%2Fb"), "/a%2Fb");
         assert_eq!(normalize_path("/a%2fb"), "/a%2Fb");
-        assert_eq!(normalize_path("/a%zz"), "/a%zz");
-        assert_eq!(normalize_path("/a%"), "/a%");
-        assert_eq!(normalize_path("/a%4"), "/a%4");
+        // A `%` that starts no escape is one: decoding cannot make a new escape after it.
+        assert_eq!(normalize_path("/a%zz"), "/a%25zz");
+        assert_eq!(normalize_path("/a%"), "/a%25");
+        assert_eq!(normalize_path("/a%4"), "/a%254");
+        assert_eq!(normalize_path("/%%34%31"), "/%2541");
+        assert_eq!(normalize_path("/a/%%32%65%%32%65/b"), "/a/%252e%252e/b");
+        for raw in [
+            "/%%34%31",
+            "/a/%%32%65%%32%65/b",
+            "/%%41e",
+            "/%2f%2F%",
+            "/x/%2e%2E/../%%2e",
+        ] {
+            let once = normalize_path(raw);
+            assert_eq!(normalize_path(&once), once, "{raw}");
+        }
         assert_eq!(normalize_path("/caf\u{e9}/%41"), "/caf\u{e9}/A");
         assert_eq!(normalize_path("/x/%2E%2E/api/users#frag"), "/api/users");
         for normal in [

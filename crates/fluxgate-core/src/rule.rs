@@ -462,16 +462,14 @@ impl RuleSet {
         check_id(&spec.id).map_err(|m| RuleError::invalid(&spec.id, "-", "id", m))?;
         let mut seen = HashSet::new();
         let mut rules = Vec::with_capacity(spec.rules.len());
-        for rule in spec.rules {
+        for (j, rule) in spec.rules.into_iter().enumerate() {
             if !seen.insert(rule.id.clone()) {
-                return Err(RuleError::invalid(
-                    &spec.id,
-                    &rule.id,
-                    "id",
-                    "duplicate rule id in this rule set",
-                ));
+                return Err(
+                    RuleError::invalid(&spec.id, &rule.id, "id", "duplicate rule id in this rule set")
+                        .at_position(None, Some(j)),
+                );
             }
-            rules.push(Rule::from_spec(&spec.id, rule)?);
+            rules.push(Rule::from_spec(&spec.id, rule).map_err(|e| e.at_position(None, Some(j)))?);
         }
         // Stable: ties keep file order.
         rules.sort_by_key(|r| std::cmp::Reverse(r.priority));
@@ -876,8 +874,8 @@ impl RuleSets {
     /// The first invalid rule, or a duplicate rule set id.
     pub fn from_specs(specs: impl IntoIterator<Item = RuleSetSpec>) -> Result<Self, RuleError> {
         let mut sets = HashMap::new();
-        for spec in specs {
-            let set = RuleSet::from_spec(spec)?;
+        for (i, spec) in specs.into_iter().enumerate() {
+            let set = RuleSet::from_spec(spec).map_err(|e| e.at_position(Some(i), None))?;
             let id = set.id.clone();
             if sets.insert(id.clone(), Arc::new(set)).is_some() {
                 return Err(RuleError::invalid(&id, "-", "id", "duplicate rule set id"));
@@ -895,7 +893,7 @@ impl RuleSets {
     pub fn parse(text: &str, format: Format) -> Result<Self, RuleError> {
         let syntax = |message: String| RuleError::Syntax { format, message };
         let value: serde_json::Value = match format {
-            Format::Yaml => serde_yaml::from_str(text).map_err(|e| syntax(e.to_string()))?,
+            Format::Yaml => serde_yaml::from_str(text).map_err(|e| syntax(yaml_error(&e)))?,
             Format::Toml => toml::from_str(text).map_err(|e| syntax(e.to_string()))?,
             Format::Json => serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?,
         };
@@ -985,6 +983,19 @@ impl FromIterator<RuleSet> for RuleSets {
     }
 }
 
+/// serde_yaml's message, with the place it names: it leaves out `line 1 column 1`, and a
+/// few errors have no position at all.
+fn yaml_error(e: &serde_yaml::Error) -> String {
+    let message = e.to_string();
+    match e.location() {
+        Some(at) if !message.contains(" at line ") => {
+            format!("{message} at line {} column {}", at.line(), at.column())
+        }
+        Some(_) => message,
+        None => format!("{message} (in the text as a whole)"),
+    }
+}
+
 /// Deserializes the specs one rule at a time, so errors name the rule set, the rule and
 /// the field whatever the format.
 fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleError> {
@@ -1014,7 +1025,7 @@ fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleEr
             ));
         };
         let set_name = match set.get("id") {
-            Some(Value::String(id)) => id.clone(),
+            Some(Value::String(id)) if !id.is_empty() => id.clone(),
             _ => format!("#{}", i + 1),
         };
         let rules = match set.remove("rules") {
@@ -1026,7 +1037,7 @@ fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleEr
             deserialize_at(Value::Object(set)).map_err(|(field, m)| RuleError::invalid(&set_name, "-", &field, m))?;
         for (j, rule) in rules.into_iter().enumerate() {
             let rule_name = match rule.get("id") {
-                Some(Value::String(id)) => id.clone(),
+                Some(Value::String(id)) if !id.is_empty() => id.clone(),
                 _ => format!("#{}", j + 1),
             };
             let rule: RuleSpec =
