@@ -1,0 +1,7 @@
+//! Fuzz target `rule_file`: the property check of the same name in `fuzz/checks.rs`.
+#![no_main]
+
+#[path = "../checks.rs"]
+mod checks;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| checks::rule_file(data));
