@@ -1,7 +1,7 @@
 //! Rule set providers: where the engine gets its rules.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use crate::error::{BoxError, RuleError};
@@ -190,7 +190,8 @@ mod tests {
 pub struct CachingRuleSetProvider<P> {
     inner: Arc<P>,
     cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
-    check: Arc<OnceLock<RuleCheck>>,
+    /// The checks of the engines built on this provider, run on every rule set it loads.
+    checks: Arc<RwLock<Vec<RuleCheck>>>,
 }
 
 /// Builds a [`CachingRuleSetProvider`].
@@ -248,7 +249,7 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
                 .max_capacity(self.max_capacity)
                 .time_to_live(self.ttl)
                 .build(),
-            check: Arc::new(OnceLock::new()),
+            checks: Arc::new(RwLock::new(Vec::new())),
         }
     }
 }
@@ -260,11 +261,12 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         }
         let key: Arc<str> = Arc::from(id);
         let cache = self.cache.clone();
-        let check = self.check.clone();
+        let checks = self.checks.clone();
         self.inner.rule_set(id).map(move |result| {
             let found = result?;
-            if let (Some(set), Some(check)) = (&found, check.get()) {
-                if let Err(error) = check(set) {
+            if let Some(set) = &found {
+                let checks = checks.read().unwrap_or_else(PoisonError::into_inner);
+                if let Err(error) = checks.iter().try_for_each(|check| check(set)) {
                     tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
                     return Err(error.into());
                 }
@@ -282,7 +284,7 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
             }
         }
         // Rule sets loaded from now on are checked before they are cached.
-        let _ = self.check.set(check);
+        self.checks.write().unwrap_or_else(PoisonError::into_inner).push(check);
         Ok(())
     }
 }
