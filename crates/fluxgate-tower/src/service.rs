@@ -122,6 +122,10 @@ impl Config {
                 Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
+            Err(Error::Rule(error)) if self.shadow => {
+                tracing::error!(%error, "rate-limit rules cannot be decided; shadow mode: admitting the request");
+                Verdict::Pass(None)
+            }
             Err(Error::Rule(error)) => {
                 // A configuration error: no failure policy admits the request.
                 tracing::error!(%error, "rate-limit rules cannot be decided; refusing the request");
