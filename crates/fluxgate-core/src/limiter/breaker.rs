@@ -313,16 +313,26 @@ mod tests {
         assert!(call(&breaker).is_ok());
     }
 
-    #[test]
-    fn a_dropped_probe_lets_the_next_call_probe() {
+    /// A call the backend has not answered yet.
+    type Pending = MaybeReady<Result<AcquireOutcome, BoxError>>;
+
+    /// A breaker whose circuit opened and whose cool-down has just passed, and a probe
+    /// sent to a backend that does not answer.
+    fn probe_in_flight() -> (Arc<Backend>, CircuitBreaker<Arc<Backend>>, Pending) {
         let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
         let breaker = breaker(&backend, &clock);
         trip(&backend, &breaker);
         clock.advance(COOL_DOWN);
-        // The probe's future is dropped before the backend answers (a client gone, an
-        // outer timeout).
         backend.set(Answer::Hang);
         let probe = breaker.acquire(&AcquireRequest::default());
+        (backend, breaker, probe)
+    }
+
+    #[test]
+    fn a_dropped_probe_lets_the_next_call_probe() {
+        // The probe's future is dropped before the backend answers (a client gone, an
+        // outer timeout).
+        let (backend, breaker, probe) = probe_in_flight();
         assert!(probe.into_ready().is_err(), "the probe is in flight");
         // Backend back: the next call probes and closes the circuit.
         backend.set(Answer::Up);
@@ -332,12 +342,7 @@ mod tests {
 
     #[test]
     fn a_probe_in_flight_refuses_other_calls() {
-        let (backend, clock) = (Backend::new(), ManualClock::new(1_000_000_000));
-        let breaker = breaker(&backend, &clock);
-        trip(&backend, &breaker);
-        clock.advance(COOL_DOWN);
-        backend.set(Answer::Hang);
-        let probe = breaker.acquire(&AcquireRequest::default());
+        let (backend, breaker, probe) = probe_in_flight();
         backend.set(Answer::Up);
         assert!(call(&breaker).unwrap_err().is::<CircuitOpen>());
         drop(probe);
