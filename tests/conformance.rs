@@ -8,40 +8,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fluxgate::core::{Clock, ManualClock, MemoryLimiter, RateLimiter};
+use fluxgate::core::{MemoryLimiter, RateLimiter};
 use fluxgate_redis::RedisLimiter;
-use support::conformance::{self, Harness};
+use support::conformance::{self, Harness, OnManualClock};
 use support::redis::{RedisCluster, RedisServer};
 
 /// The in-memory limiter on a clock that moves only when a step says so.
-struct Memory {
-    clock: ManualClock,
-}
-
-impl Memory {
-    fn new() -> Self {
-        // An arbitrary instant, not on any window boundary.
-        Self {
-            clock: ManualClock::new(1_764_000_000_123_456_789),
-        }
-    }
-}
-
-impl Harness for Memory {
-    fn limiter(&self) -> Arc<dyn RateLimiter> {
-        Arc::new(MemoryLimiter::builder().clock(self.clock.clone()).build())
-    }
-    fn now(&self) -> u64 {
-        self.clock.now_nanos()
-    }
-    async fn wait_until(&self, t: u64) {
-        let now = self.clock.now_nanos();
-        self.clock.advance(Duration::from_nanos(t.saturating_sub(now)));
-    }
-    fn tolerance_ms(&self) -> u64 {
-        // Expected figures are whole milliseconds; a third of a second is not.
-        1
-    }
+fn memory() -> OnManualClock {
+    OnManualClock::new(|clock| Arc::new(MemoryLimiter::builder().clock(clock).build()))
 }
 
 fn wall_clock() -> u64 {
@@ -112,7 +86,7 @@ macro_rules! cases {
             $(
                 #[tokio::test]
                 async fn $test() {
-                    conformance::run(&Memory::new(), &conformance::$case).await;
+                    conformance::run(&memory(), &conformance::$case).await;
                 }
             )*
         }

@@ -21,7 +21,7 @@ use fluxgate_redis::RedisLimiter;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
-use support::conformance::{self, Harness};
+use support::conformance;
 use support::model::{self, Model, ModelDecision, ModelLimiter, ModelWait, Tick, Unit};
 use support::redis::RedisServer;
 
@@ -718,35 +718,11 @@ fn redis_limiter_agrees_with_the_model() {
 // The model itself, against figures worked out by hand.
 // ---------------------------------------------------------------------------------------
 
-/// The model as a backend of the conformance suite, on a controlled clock, with no
-/// tolerance: every hand-worked figure of every case must come out exactly.
-struct ModelHarness {
-    clock: ManualClock,
-}
-
-impl Harness for ModelHarness {
-    fn limiter(&self) -> Arc<dyn RateLimiter> {
-        Arc::new(ModelLimiter::new(self.clock.clone()))
-    }
-    fn now(&self) -> u64 {
-        self.clock.now_nanos()
-    }
-    async fn wait_until(&self, t: u64) {
-        let now = self.clock.now_nanos();
-        self.clock.advance(Duration::from_nanos(t.saturating_sub(now)));
-    }
-    fn tolerance_ms(&self) -> u64 {
-        // The suite's figures are whole milliseconds; a third of a second is not.
-        1
-    }
-}
-
 #[tokio::test]
 async fn the_model_passes_the_conformance_suite() {
+    // Every hand-worked figure of every case, from the model on a controlled clock.
+    let harness = conformance::OnManualClock::new(|clock| Arc::new(ModelLimiter::new(clock)));
     for case in conformance::ALL {
-        let harness = ModelHarness {
-            clock: ManualClock::new(1_764_000_000_123_456_789),
-        };
         conformance::run(&harness, case).await;
     }
 }

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
-use fluxgate::core::{RateLimiter, Rule, RuleSet, RuleSets};
+use fluxgate::core::{Clock, ManualClock, RateLimiter, Rule, RuleSet, RuleSets};
 
 /// A backend with a clock the suite can wait on.
 pub trait Harness {
@@ -33,6 +33,40 @@ pub trait Harness {
     /// How many milliseconds a duration may be off beyond the measured lateness (the
     /// backend's rounding).
     fn tolerance_ms(&self) -> u64;
+}
+
+/// A limiter on a clock that moves only when a step says so, so that every figure is
+/// exact; `make` builds a fresh limiter on that clock.
+pub struct OnManualClock {
+    clock: ManualClock,
+    make: fn(ManualClock) -> Arc<dyn RateLimiter>,
+}
+
+impl OnManualClock {
+    /// Starts at an arbitrary instant, not on any window boundary.
+    pub fn new(make: fn(ManualClock) -> Arc<dyn RateLimiter>) -> Self {
+        Self {
+            clock: ManualClock::new(1_764_000_000_123_456_789),
+            make,
+        }
+    }
+}
+
+impl Harness for OnManualClock {
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        (self.make)(self.clock.clone())
+    }
+    fn now(&self) -> u64 {
+        self.clock.now_nanos()
+    }
+    async fn wait_until(&self, t: u64) {
+        let now = self.clock.now_nanos();
+        self.clock.advance(Duration::from_nanos(t.saturating_sub(now)));
+    }
+    fn tolerance_ms(&self) -> u64 {
+        // Expected figures are whole milliseconds; a third of a second is not.
+        1
+    }
 }
 
 /// What a step must get.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use http::Method;
 
-use crate::path::normalized;
+use crate::path::normalized_and_routed;
 use crate::text::Text;
 
 /// The rule set id used when nothing else is configured.
@@ -172,9 +172,7 @@ impl RequestContextBuilder {
 
     /// Sets the path in place: the raw path, kept as routed, and its normalized form.
     pub fn set_path(&mut self, path: &str) -> &mut Self {
-        self.ctx.path = normalized(path);
-        let raw = path.find(['?', '#']).map_or(path, |end| &path[..end]);
-        self.ctx.routed = (raw != &*self.ctx.path).then(|| Text::from(raw));
+        (self.ctx.path, self.ctx.routed) = normalized_and_routed(path);
         self
     }
     /// Sets the method in place.

@@ -33,11 +33,19 @@ pub fn normalize_path(raw: &str) -> String {
 
 /// [`normalize_path`] into a [`Text`]: no allocation for short paths that are normal already.
 pub(crate) fn normalized(raw: &str) -> Text {
+    normalized_and_routed(raw).0
+}
+
+/// The normalized path and, when it differs, the path as routed (the raw path without its
+/// query and fragment): one pass, and no comparison for a path that is normal already.
+pub(crate) fn normalized_and_routed(raw: &str) -> (Text, Option<Text>) {
     let raw = raw.find(['?', '#']).map_or(raw, |end| &raw[..end]);
     if is_normal(raw) {
-        return Text::from(raw);
+        return (Text::from(raw), None);
     }
-    Text::from(normalize_slow(raw))
+    let normal = normalize_slow(raw);
+    let routed = (normal != raw).then(|| Text::from(raw));
+    (Text::from(normal), routed)
 }
 
 fn normalize_slow(raw: &str) -> String {
