@@ -28,14 +28,16 @@
 //! | --- | --- | --- |
 //! | `tower` | yes | [`RateLimitLayer`] and the rest of [`fluxgate_tower`] |
 //! | `axum` | yes | the client address from axum's `ConnectInfo` |
-//! | `redis` | no | the Redis backend ([`fluxgate_redis`], as `redis`) |
+//! | `redis` | no | the Redis backend (the `fluxgate-redis` crate, as `fluxgate::redis`) |
 
 #![deny(unsafe_code)]
 
 pub use fluxgate_core as core;
+pub use fluxgate_core::limiter::CircuitBreaker;
 pub use fluxgate_core::{
-    Decision, Engine, EngineHandler, MemoryLimiter, RateLimitHandler, RateLimiter, RequestContext,
-    RequestContextBuilder, RuleError, RuleSets,
+    Algorithm, BackendFailure, Band, CachingRuleSetProvider, Decision, Engine, EngineBuilder, Error, MemoryLimiter,
+    Mode, Outcome, RateLimitHandler, RateLimitMetricsRecorder, RateLimiter, RequestContext, RequestContextBuilder,
+    Rule, RuleError, RuleSet, RuleSetProvider, RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet,
 };
 
 #[cfg(feature = "redis")]

@@ -53,7 +53,7 @@ impl RequestContext {
     }
     /// The path as a router sees it: the raw path given to
     /// [`RequestContextBuilder::path`], without its query. Rules match it as well as the
-    /// normalized path (see [`routed_segments`](crate::routed_segments)).
+    /// normalized path (see [`routed_segments`](crate::path::routed_segments)).
     ///
     /// ```
     /// use fluxgate_core::RequestContext;
@@ -134,7 +134,7 @@ impl RequestContextBuilder {
     }
 
     /// Sets the path: the request's raw path, as the router sees it. Rules match it and
-    /// its normalized form (see [`normalize_path`](crate::normalize_path)).
+    /// its normalized form (see [`normalize_path`](crate::path::normalize_path)).
     pub fn path(mut self, path: &str) -> Self {
         self.set_path(path);
         self

@@ -4,6 +4,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::limiter::Wait;
+use crate::num::ceil_secs;
 use crate::rule::{Band, Mode, Rule};
 
 /// Why a decision came out the way it did.
@@ -32,8 +33,21 @@ pub enum Outcome {
     },
 }
 
+impl Outcome {
+    /// Whether the request may pass.
+    pub fn allows(&self) -> bool {
+        match self {
+            Self::Admitted | Self::NoMatchingRule | Self::UnknownRuleSetAllowed => true,
+            Self::UnknownRuleSetDenied | Self::RateLimited | Self::MissingKey { .. } | Self::BackendUnavailable { .. } => {
+                false
+            }
+        }
+    }
+}
+
 /// One band's figures after a decision.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BandReport {
     /// The rule.
     pub rule: Arc<str>,
@@ -87,10 +101,9 @@ impl BandReport {
 
 /// The decision for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Decision {
-    /// Whether the request may pass.
-    pub allowed: bool,
-    /// Why.
+    /// Whether the request may pass, and why: see [`Decision::allowed`].
     pub outcome: Outcome,
     /// The rule set that decided.
     pub rule_set: Arc<str>,
@@ -111,9 +124,8 @@ pub struct Decision {
 
 impl Decision {
     /// A decision that involves no band.
-    pub fn without_bands(rule_set: Arc<str>, allowed: bool, outcome: Outcome) -> Self {
+    pub fn without_bands(rule_set: Arc<str>, outcome: Outcome) -> Self {
         Self {
-            allowed,
             outcome,
             rule_set,
             binding_index: None,
@@ -123,6 +135,11 @@ impl Decision {
             shadow_bands: Vec::new(),
             shadow_rejected_by: None,
         }
+    }
+
+    /// Whether the request may pass (what its [`Outcome`] says).
+    pub fn allowed(&self) -> bool {
+        self.outcome.allows()
     }
 
     /// The binding band of the enforced rules: on rejection, the rejecting band with the
@@ -159,9 +176,4 @@ impl Decision {
     pub fn retry_after_secs(&self) -> Option<u64> {
         self.retry_after.map(|d| ceil_secs(d).max(1))
     }
-}
-
-/// Whole seconds, rounded up.
-pub fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }

@@ -2,19 +2,18 @@
 
 use std::sync::Arc;
 
-use smallvec::SmallVec;
 use std::time::Duration;
 
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::error::{BoxError, Error, RuleError};
 use crate::future::MaybeReady;
+use crate::handler::RateLimitMetricsRecorder;
 use crate::key::{KeyResolution, KeyResolver};
-use crate::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, MemoryLimiter, RateLimiter, Wait};
+use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter, RateLimiter, Wait};
 use crate::path::with_paths;
-use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider, StaticRuleSetProvider};
+use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{BackendFailure, Mode, RuleSet, RuleSets};
-use crate::text::Text;
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -46,7 +45,7 @@ pub enum UnknownRuleSet {
 /// let check = |ctx| engine.check(ctx).into_ready().unwrap().unwrap();
 /// assert_eq!(check(&ctx).remaining(), Some(1));
 /// assert_eq!(check(&ctx).remaining(), Some(0));
-/// assert!(!check(&ctx).allowed);
+/// assert!(!check(&ctx).allowed());
 /// ```
 #[derive(Debug, Clone)]
 pub struct Engine {
@@ -61,6 +60,7 @@ struct Inner {
     on_failure: Option<BackendFailure>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
+    recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
 }
 
 /// Builds an [`Engine`].
@@ -72,6 +72,7 @@ pub struct EngineBuilder {
     on_failure: Option<BackendFailure>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
+    recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
 }
 
 impl EngineBuilder {
@@ -126,6 +127,13 @@ impl EngineBuilder {
         self
     }
 
+    /// Sends every decision, and every error that leaves the engine, to `recorder`.
+    /// Default: none.
+    pub fn recorder(mut self, recorder: impl RateLimitMetricsRecorder) -> Self {
+        self.recorder = Some(Arc::new(recorder));
+        self
+    }
+
     /// Builds the engine, after checking that the limiter decides every rule of the
     /// provider exactly ([`RateLimiter::validate`]). The provider keeps that check for
     /// the rule sets it loads later ([`RuleSetProvider::validate`]).
@@ -151,13 +159,14 @@ impl EngineBuilder {
                 on_failure: self.on_failure,
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
+                recorder: self.recorder,
             }),
         }
     }
 }
 
 impl Engine {
-    /// A builder around a rule provider.
+    /// A builder around a rule provider: fixed [`RuleSets`], or any [`RuleSetProvider`].
     pub fn builder(provider: impl RuleSetProvider) -> EngineBuilder {
         EngineBuilder {
             provider: Arc::new(provider),
@@ -166,13 +175,14 @@ impl Engine {
             on_failure: None,
             resolver: KeyResolver::default(),
             unknown_rule_set: UnknownRuleSet::default(),
+            recorder: None,
         }
     }
 
     /// An engine with fixed rules and the in-memory limiter, which decides every valid
     /// rule exactly.
     pub fn in_memory(rules: RuleSets) -> Self {
-        Self::builder(StaticRuleSetProvider::new(rules)).build_unchecked()
+        Self::builder(rules).build_unchecked()
     }
 
     /// Checks that the engine's limiter decides every rule of `set` exactly; rule sources
@@ -187,6 +197,28 @@ impl Engine {
 
     /// Decides one request.
     pub fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        let check = self.check_unrecorded(ctx);
+        let Some(recorder) = &self.inner.recorder else {
+            return check;
+        };
+        match check.into_ready() {
+            Ok(result) => {
+                record(&**recorder, ctx.rule_set_id(), &result);
+                MaybeReady::ready(result)
+            }
+            Err(pending) => {
+                let recorder = recorder.clone();
+                let rule_set = ctx.rule_set_id().to_owned();
+                MaybeReady::boxed(async move {
+                    let result = pending.await;
+                    record(&*recorder, &rule_set, &result);
+                    result
+                })
+            }
+        }
+    }
+
+    fn check_unrecorded(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         match self.inner.provider.rule_set(ctx.rule_set_id()).into_ready() {
             Ok(lookup) => self.decide(lookup, ctx),
             Err(pending) => {
@@ -204,13 +236,13 @@ impl Engine {
         let set = match lookup {
             Ok(Some(set)) => set,
             Ok(None) => {
-                let (allowed, outcome) = match self.inner.unknown_rule_set {
-                    UnknownRuleSet::Allow => (true, Outcome::UnknownRuleSetAllowed),
-                    UnknownRuleSet::Deny => (false, Outcome::UnknownRuleSetDenied),
+                let outcome = match self.inner.unknown_rule_set {
+                    UnknownRuleSet::Allow => Outcome::UnknownRuleSetAllowed,
+                    UnknownRuleSet::Deny => Outcome::UnknownRuleSetDenied,
                 };
-                tracing::trace!(rule_set = ctx.rule_set_id(), allowed, "unknown rule set");
+                tracing::trace!(rule_set = ctx.rule_set_id(), ?outcome, "unknown rule set");
                 let id: Arc<str> = Arc::from(ctx.rule_set_id());
-                return MaybeReady::ready(Ok(Decision::without_bands(id, allowed, outcome)));
+                return MaybeReady::ready(Ok(Decision::without_bands(id, outcome)));
             }
             Err(source) => {
                 return MaybeReady::ready(Err(match source.downcast::<RuleError>() {
@@ -224,8 +256,7 @@ impl Engine {
             }
         };
 
-        let mut buckets: SmallVec<[BucketRequest<'_>; 4]> = SmallVec::new();
-        let mut applied: SmallVec<[usize; 4]> = SmallVec::new();
+        let mut request = AcquireRequest::new(set.clone());
         let mut denied_by = None;
         let method = ctx.method();
         // A rule applies when its pattern matches the normalized path or the path as the
@@ -236,14 +267,7 @@ impl Engine {
                     continue;
                 }
                 match self.inner.resolver.resolve(rule, ctx) {
-                    KeyResolution::Key(key) => {
-                        buckets.push(BucketRequest {
-                            rule_set: set.id(),
-                            rule,
-                            key,
-                        });
-                        applied.push(i);
-                    }
+                    KeyResolution::Key(key) => request.push(i, key),
                     KeyResolution::Skip => {}
                     KeyResolution::Deny if rule.mode() == Mode::Shadow => {}
                     KeyResolution::Deny => {
@@ -255,50 +279,20 @@ impl Engine {
         });
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };
-            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), false, outcome)));
+            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), outcome)));
         }
-        if buckets.is_empty() {
-            return MaybeReady::ready(Ok(Decision::without_bands(
-                set.id().clone(),
-                true,
-                Outcome::NoMatchingRule,
-            )));
+        if request.is_empty() {
+            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule)));
         }
-        // The request borrows the rule set; the limiter's future does not.
-        let request = AcquireRequest { buckets: &buckets };
-        let rule_set = set.id().clone();
         match self.inner.limiter.acquire(&request).into_ready() {
-            Ok(Ok(outcome)) => MaybeReady::ready(Ok(decision_from(rule_set, outcome))),
-            Ok(Err(error)) => MaybeReady::ready(self.inner.fall_back(&request, error)),
+            Ok(Ok(outcome)) => MaybeReady::ready(Ok(decision_from(set.id().clone(), outcome))),
+            Ok(Err(error)) => MaybeReady::ready(self.inner.fall_back(request, error)),
             Err(pending) => {
                 let this = self.inner.clone();
-                let set = set.clone();
-                // What a failure policy needs after an asynchronous failure: which rules,
-                // which keys.
-                let policies =
-                    this.on_failure.is_some() || buckets.iter().any(|b| b.rule.on_backend_failure().is_some());
-                let keys: Option<Vec<(usize, Text)>> = policies.then(|| {
-                    applied
-                        .iter()
-                        .zip(buckets.iter())
-                        .map(|(&i, b)| (i, b.key.clone()))
-                        .collect()
-                });
                 MaybeReady::boxed(async move {
                     match pending.await {
-                        Ok(outcome) => Ok(decision_from(rule_set, outcome)),
-                        Err(error) => {
-                            let keys = keys.unwrap_or_default();
-                            let buckets: Vec<BucketRequest<'_>> = keys
-                                .into_iter()
-                                .map(|(i, key)| BucketRequest {
-                                    rule_set: set.id(),
-                                    rule: &set.rules()[i],
-                                    key,
-                                })
-                                .collect();
-                            this.fall_back(&AcquireRequest { buckets: &buckets }, error)
-                        }
+                        Ok(outcome) => Ok(decision_from(request.rule_set().id().clone(), outcome)),
+                        Err(error) => this.fall_back(request, error),
                     }
                 })
             }
@@ -309,7 +303,7 @@ impl Engine {
 impl Inner {
     /// The decision after the backend failed, by the rules' failure policies, or the
     /// failure itself.
-    fn fall_back(&self, request: &AcquireRequest<'_>, error: BoxError) -> Result<Decision, Error> {
+    fn fall_back(&self, mut request: AcquireRequest, error: BoxError) -> Result<Decision, Error> {
         let error = match Error::from_limiter(error) {
             // A configuration error: no failure policy applies.
             Error::Rule(rule) => {
@@ -318,44 +312,37 @@ impl Inner {
             }
             Error::Backend(error) | Error::Provider { source: error, .. } => error,
         };
-        let policy = |b: &BucketRequest<'_>| b.rule.on_backend_failure().or(self.on_failure);
-        let Some(first) = request.buckets.first() else {
-            return Err(Error::Backend(error));
-        };
-        let rule_set: Arc<str> = Arc::from(first.rule_set);
+        let policy = |b: &Bucket<'_>| b.rule.on_backend_failure().or(self.on_failure);
+        let rule_set = request.rule_set().id().clone();
         if let Some(closed) = request
-            .buckets
-            .iter()
+            .buckets()
             .find(|b| policy(b) == Some(BackendFailure::FailClosed))
         {
             tracing::debug!(%error, rule = %closed.rule.id(), "rate-limit backend failed; refusing (fail_closed)");
-            let mut decision = Decision::without_bands(
-                rule_set,
-                false,
-                Outcome::BackendUnavailable {
-                    rule: closed.rule.id().clone(),
-                },
-            );
+            let rule = closed.rule.id().clone();
+            let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
             decision.degraded = true;
             return Ok(decision);
         }
-        if request.buckets.iter().any(|b| policy(b).is_none()) {
+        if request.is_empty() || request.buckets().any(|b| policy(&b).is_none()) {
             return Err(Error::Backend(error));
         }
         tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
-        let local: Vec<BucketRequest<'_>> = request
-            .buckets
-            .iter()
-            .filter(|b| policy(b) == Some(BackendFailure::FallbackLocal))
-            .cloned()
-            .collect();
-        let mut decision = if local.is_empty() {
-            Decision::without_bands(rule_set, true, Outcome::Admitted)
+        request.retain(|b| policy(&b) == Some(BackendFailure::FallbackLocal));
+        let mut decision = if request.is_empty() {
+            Decision::without_bands(rule_set, Outcome::Admitted)
         } else {
-            decision_from(rule_set, self.fallback.acquire_now(&AcquireRequest { buckets: &local }))
+            decision_from(rule_set, self.fallback.acquire_now(&request))
         };
         decision.degraded = true;
         Ok(decision)
+    }
+}
+
+fn record(recorder: &dyn RateLimitMetricsRecorder, rule_set: &str, result: &Result<Decision, Error>) {
+    match result {
+        Ok(decision) => recorder.record_decision(decision),
+        Err(error) => recorder.record_error(rule_set, error),
     }
 }
 
@@ -396,7 +383,6 @@ fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {
         (worst, retry)
     };
     Decision {
-        allowed: outcome.allowed,
         outcome: if outcome.allowed {
             Outcome::Admitted
         } else {

@@ -9,8 +9,8 @@ use crate::engine::Engine;
 use crate::error::Error;
 use crate::future::MaybeReady;
 
-/// Decides requests for the middleware: the local engine ([`EngineHandler`]) or, in
-/// HTTP API mode, a remote rate-limit service.
+/// Decides requests for the middleware: the local [`Engine`] or, in HTTP API mode, a
+/// remote rate-limit service.
 pub trait RateLimitHandler: Send + Sync + fmt::Debug + 'static {
     /// Decides one request.
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>>;
@@ -28,7 +28,8 @@ impl RateLimitHandler for Engine {
     }
 }
 
-/// Receives every decision and error, for a custom metrics sink.
+/// Receives every decision and error, for a custom metrics sink: an engine option
+/// ([`EngineBuilder::recorder`](crate::EngineBuilder::recorder)).
 ///
 /// Implementations should label by rule set, rule and outcome only: paths and key values
 /// are unbounded and are not passed.
@@ -49,58 +50,5 @@ impl<R: RateLimitMetricsRecorder + ?Sized> RateLimitMetricsRecorder for Arc<R> {
 
     fn record_error(&self, rule_set: &str, error: &Error) {
         (**self).record_error(rule_set, error);
-    }
-}
-
-/// The handler that runs the [`Engine`] in process.
-///
-/// ```
-/// use fluxgate_core::{Engine, EngineHandler, RuleSets};
-/// let handler = EngineHandler::new(Engine::in_memory(RuleSets::default()));
-/// ```
-#[derive(Debug, Clone)]
-pub struct EngineHandler {
-    engine: Engine,
-    recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
-}
-
-impl EngineHandler {
-    /// A handler around an engine.
-    pub fn new(engine: Engine) -> Self {
-        Self { engine, recorder: None }
-    }
-
-    /// Sends every decision to `recorder`.
-    pub fn with_recorder(mut self, recorder: impl RateLimitMetricsRecorder) -> Self {
-        self.recorder = Some(Arc::new(recorder));
-        self
-    }
-
-    /// The engine.
-    pub fn engine(&self) -> &Engine {
-        &self.engine
-    }
-}
-
-impl From<Engine> for EngineHandler {
-    fn from(engine: Engine) -> Self {
-        Self::new(engine)
-    }
-}
-
-impl RateLimitHandler for EngineHandler {
-    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let check = self.engine.check(ctx);
-        let Some(recorder) = self.recorder.clone() else {
-            return check;
-        };
-        let rule_set = ctx.rule_set_id().to_owned();
-        check.map(move |result| {
-            match &result {
-                Ok(decision) => recorder.record_decision(decision),
-                Err(error) => recorder.record_error(&rule_set, error),
-            }
-            result
-        })
     }
 }

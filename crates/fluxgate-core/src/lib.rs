@@ -7,12 +7,16 @@
 //!   API key, rule set, attributes).
 //! - The rule model ([`RuleSets`], [`RuleSet`], [`Rule`], [`Band`], [`Scope`]) with its
 //!   YAML / TOML / JSON file format and validation.
-//! - [`PathPattern`] (Ant-style) and [`normalize_path`].
-//! - [`KeyResolver`]: a rule's key for a request, encoded so that no user value can
-//!   collide with another or grow without bound.
-//! - [`RateLimiter`] (backend trait) and [`MemoryLimiter`], the exact in-memory token bucket.
-//! - [`RuleSetProvider`] with [`StaticRuleSetProvider`] and [`CachingRuleSetProvider`].
-//! - [`Engine`], [`RateLimitHandler`], [`EngineHandler`] and [`Decision`].
+//! - [`PathPattern`] (Ant-style) and the two views of a request path ([`path`]).
+//! - [`key`]: a rule's key for a request, encoded so that no user value can collide with
+//!   another or grow without bound.
+//! - [`RateLimiter`] (backend trait) and [`MemoryLimiter`], the exact in-memory limiter of
+//!   every algorithm; the [`limiter`] module holds the algorithms and the
+//!   [`AcquireRequest`](limiter::AcquireRequest) backends receive.
+//! - [`RuleSetProvider`] with [`StaticRuleSetProvider`] and [`CachingRuleSetProvider`];
+//!   fixed [`RuleSets`] are a provider too.
+//! - [`Engine`] (a [`RateLimitHandler`], with an optional [`RateLimitMetricsRecorder`])
+//!   and [`Decision`].
 //!
 //! ```
 //! use fluxgate_core::{Engine, RequestContext, RuleSets};
@@ -31,7 +35,7 @@
 //!     .client_ip("192.0.2.7".parse()?)
 //!     .build();
 //! let decision = engine.check(&ctx).into_ready().expect("in memory").expect("decided");
-//! assert!(decision.allowed);
+//! assert!(decision.allowed());
 //! assert_eq!(decision.remaining(), Some(99));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
@@ -47,28 +51,27 @@ mod future;
 mod handler;
 pub mod key;
 pub mod limiter;
+pub mod num;
 pub mod path;
 mod provider;
-mod rule;
+pub mod rule;
 mod text;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
-pub use decision::{ceil_secs, BandReport, Decision, Outcome};
+pub use decision::{BandReport, Decision, Outcome};
 pub use engine::{Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};
 pub use future::{BoxFuture, MaybeReady};
-pub use handler::{EngineHandler, RateLimitHandler, RateLimitMetricsRecorder};
-pub use key::{KeyResolution, KeyResolver};
-pub use limiter::{MemoryLimiter, MemoryLimiterBuilder, RateLimiter};
-pub use path::{normalize_path, routed_segments, PathPattern, PatternError};
+pub use handler::{RateLimitHandler, RateLimitMetricsRecorder};
+pub use limiter::{MemoryLimiter, RateLimiter};
+pub use path::PathPattern;
 pub use provider::{
     CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleCheck, RuleSetLookup, RuleSetProvider,
     StaticRuleSetProvider,
 };
 pub use rule::{
-    format_duration, parse_duration, Algorithm, BackendFailure, Band, BandSpec, Format, KeyField, MatchSpec, Mode,
-    OnMissingKey, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, MAX_CAPACITY,
-    MAX_ID_LEN, MAX_WINDOW,
+    Algorithm, BackendFailure, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
+    RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind,
 };
 pub use text::Text;

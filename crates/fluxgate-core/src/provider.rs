@@ -83,11 +83,22 @@ impl From<RuleSets> for StaticRuleSetProvider {
 
 impl RuleSetProvider for StaticRuleSetProvider {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
-        MaybeReady::ready(Ok(self.sets.get(id).cloned()))
+        self.sets.rule_set(id)
     }
 
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
-        let mut sets: Vec<&Arc<RuleSet>> = self.sets.iter().collect();
+        self.sets.validate(check)
+    }
+}
+
+/// Fixed rule sets are a provider of their own.
+impl RuleSetProvider for RuleSets {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        MaybeReady::ready(Ok(self.get(id).cloned()))
+    }
+
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        let mut sets: Vec<&Arc<RuleSet>> = self.iter().collect();
         // The same error first whatever the map's order.
         sets.sort_by(|a, b| a.id().cmp(b.id()));
         sets.into_iter().try_for_each(|set| check(set))

@@ -175,7 +175,7 @@ impl fmt::Debug for RateLimitLayerBuilder {
 
 impl RateLimitLayer {
     /// A layer with the default options around a handler (an [`Engine`](fluxgate_core::Engine),
-    /// an [`EngineHandler`](fluxgate_core::EngineHandler), …).
+    /// or any other [`RateLimitHandler`]).
     pub fn new(handler: impl RateLimitHandler) -> Self {
         Self::builder(handler).build().expect("the default options are valid")
     }

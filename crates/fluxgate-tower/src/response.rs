@@ -5,7 +5,8 @@ use std::fmt::Write as _;
 use std::sync::OnceLock;
 
 use bytes::Bytes;
-use fluxgate_core::{ceil_secs, BandReport, Decision};
+use fluxgate_core::num::ceil_secs;
+use fluxgate_core::{BandReport, Decision};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 

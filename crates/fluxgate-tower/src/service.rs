@@ -104,7 +104,7 @@ impl Config {
 
     pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
         match result {
-            Ok(decision) if decision.allowed => {
+            Ok(decision) if decision.allowed() => {
                 if let Some(rule) = &decision.shadow_rejected_by {
                     tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
                 }

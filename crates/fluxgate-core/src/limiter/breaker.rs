@@ -167,7 +167,7 @@ impl<L: fmt::Debug> fmt::Debug for CircuitBreaker<L> {
 }
 
 impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let state = &self.state;
         let until = state.open_until.load(Ordering::Acquire);
         let probe = until != 0;
@@ -239,7 +239,7 @@ mod tests {
     }
 
     impl RateLimiter for Arc<Backend> {
-        fn acquire(&self, _: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        fn acquire(&self, _: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
             self.calls.fetch_add(1, Ordering::SeqCst);
             let outcome = |local| AcquireOutcome {
                 allowed: true,
@@ -260,6 +260,11 @@ mod tests {
 
     const COOL_DOWN: Duration = Duration::from_millis(250);
 
+    fn empty_request() -> AcquireRequest {
+        let rules: [crate::rule::Rule; 0] = [];
+        AcquireRequest::new(Arc::new(crate::rule::RuleSet::new("s", rules).unwrap()))
+    }
+
     fn breaker(backend: &Arc<Backend>, clock: &ManualClock) -> CircuitBreaker<Arc<Backend>> {
         CircuitBreaker::new(backend.clone())
             .failure_threshold(2)
@@ -269,7 +274,7 @@ mod tests {
 
     fn call(breaker: &CircuitBreaker<Arc<Backend>>) -> Result<AcquireOutcome, BoxError> {
         breaker
-            .acquire(&AcquireRequest::default())
+            .acquire(&empty_request())
             .into_ready()
             .expect("a ready answer")
     }
@@ -324,7 +329,7 @@ mod tests {
         trip(&backend, &breaker);
         clock.advance(COOL_DOWN);
         backend.set(Answer::Hang);
-        let probe = breaker.acquire(&AcquireRequest::default());
+        let probe = breaker.acquire(&empty_request());
         (backend, breaker, probe)
     }
 

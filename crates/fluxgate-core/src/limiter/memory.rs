@@ -13,7 +13,7 @@ use super::sliding_window_log::Log;
 use super::token_bucket::Tat;
 use super::{
     fixed_window, leaky_bucket, sliding_window_counter, sliding_window_log, token_bucket, AcquireOutcome,
-    AcquireRequest, Eval, RateLimiter,
+    AcquireRequest, Bucket, Eval, RateLimiter,
 };
 use crate::clock::{Clock, SystemClock};
 use crate::decision::BandReport;
@@ -268,12 +268,11 @@ impl fmt::Debug for MemoryLimiter {
     }
 }
 
-struct Item {
+struct Item<'a> {
     key: u128,
     shard: usize,
-    shadow: bool,
-    bucket: usize,
-    band: usize,
+    bucket: Bucket<'a>,
+    band: &'a Band,
 }
 
 fn window_nanos(band: &Band) -> u64 {
@@ -327,7 +326,7 @@ impl MemoryLimiter {
     /// A bucket's 128-bit identity: the keyed SipHash of its band and key value, and a
     /// second, cheaper keyed mix of the same bytes. Two buckets share state only if both
     /// collide, so the identity is at least as strong as the 64-bit keyed SipHash alone.
-    fn key_of(&self, b: &super::BucketRequest<'_>, band: &crate::rule::Band) -> u128 {
+    fn key_of(&self, b: &Bucket<'_>, band: &Band) -> u128 {
         let mut h = self.inner.hasher.build_hasher();
         h.write_u64(band.ident());
         h.write(b.key.as_bytes());
@@ -337,25 +336,24 @@ impl MemoryLimiter {
     }
 
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
-    pub fn acquire_now(&self, request: &AcquireRequest<'_>) -> AcquireOutcome {
+    pub fn acquire_now(&self, request: &AcquireRequest) -> AcquireOutcome {
         let now = self.inner.clock.now_nanos();
-        if let [only] = request.buckets {
-            if let [band] = &**only.rule.bands() {
-                return self.acquire_one(only, band, now);
+        if request.len() == 1 {
+            if let Some(only) = request.bucket(0) {
+                if let [band] = &**only.rule.bands() {
+                    return self.acquire_one(&only, band, now);
+                }
             }
         }
-        let mut items = Vec::with_capacity(request.buckets.iter().map(|b| b.rule.bands().len()).sum());
-        for (bi, b) in request.buckets.iter().enumerate() {
-            for (ni, band) in b.rule.bands().iter().enumerate() {
-                let key = self.key_of(b, band);
-                items.push(Item {
-                    key,
-                    shard: (key >> 64) as usize & self.inner.shard_mask,
-                    shadow: b.shadow(),
-                    bucket: bi,
-                    band: ni,
-                });
-            }
+        let mut items = Vec::with_capacity(request.band_count());
+        for (b, band) in request.bands() {
+            let key = self.key_of(&b, band);
+            items.push(Item {
+                key,
+                shard: (key >> 64) as usize & self.inner.shard_mask,
+                bucket: b,
+                band,
+            });
         }
 
         // Lock every shard involved, in index order (no deadlock between requests).
@@ -367,37 +365,26 @@ impl MemoryLimiter {
 
         let evals: Vec<Eval<Next>> = items
             .iter()
-            .map(|i| {
-                let rule = request.buckets[i.bucket].rule;
-                evaluate(&guards[slot(i.shard)], i.key, rule, &rule.bands()[i.band], now)
-            })
+            .map(|i| evaluate(&guards[slot(i.shard)], i.key, i.bucket.rule, i.band, now))
             .collect();
-        let allowed = items.iter().zip(&evals).all(|(i, e)| i.shadow || e.allowed);
-        let shadow_allowed = items.iter().zip(&evals).all(|(i, e)| !i.shadow || e.allowed);
+        let allowed = items.iter().zip(&evals).all(|(i, e)| i.bucket.shadow() || e.allowed);
+        let shadow_allowed = items.iter().zip(&evals).all(|(i, e)| !i.bucket.shadow() || e.allowed);
 
         let mut bands = Vec::with_capacity(items.len());
         for (i, e) in items.iter().zip(&evals) {
-            let commit = e.allowed && allowed && (!i.shadow || shadow_allowed);
-            let rule = request.buckets[i.bucket].rule;
-            let band = &rule.bands()[i.band];
+            let commit = e.allowed && allowed && (!i.bucket.shadow() || shadow_allowed);
             if commit {
                 let shard = &mut *guards[slot(i.shard)];
-                self.store(shard, i.key, e.next, now, band, rule.permits());
+                self.store(shard, i.key, e.next, now, i.band, i.bucket.rule.permits());
             }
-            bands.push(report(rule, band, now, e, commit));
+            bands.push(report(&i.bucket, i.band, now, e, commit));
         }
         drop(guards);
-        AcquireOutcome {
-            allowed,
-            shadow_allowed,
-            now_unix_nanos: now,
-            bands,
-            local: false,
-        }
+        AcquireOutcome::new(allowed, shadow_allowed, now, bands)
     }
 
     /// One bucket with one band: one lock, no intermediate allocation.
-    fn acquire_one(&self, bucket: &super::BucketRequest<'_>, band: &Band, now: u64) -> AcquireOutcome {
+    fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band, now: u64) -> AcquireOutcome {
         let key = self.key_of(bucket, band);
         let mut shard = lock(&self.inner.shards[(key >> 64) as usize & self.inner.shard_mask]);
         let e = evaluate(&shard, key, bucket.rule, band, now);
@@ -407,13 +394,12 @@ impl MemoryLimiter {
             self.store(&mut shard, key, e.next, now, band, bucket.rule.permits());
         }
         drop(shard);
-        AcquireOutcome {
-            allowed: commit || shadow,
-            shadow_allowed: !shadow || e.allowed,
-            now_unix_nanos: now,
-            bands: vec![report(bucket.rule, band, now, &e, commit)],
-            local: false,
-        }
+        AcquireOutcome::new(
+            commit || shadow,
+            !shadow || e.allowed,
+            now,
+            vec![report(bucket, band, now, &e, commit)],
+        )
     }
 
     /// Commits a band's evaluation.
@@ -522,13 +508,13 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
     }
 }
 
-fn report<S>(rule: &Rule, band: &Band, now: u64, e: &Eval<S>, committed: bool) -> BandReport {
+fn report<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>, committed: bool) -> BandReport {
     let (remaining, reset) = if committed {
         (e.remaining_after, e.reset_after)
     } else {
         (e.remaining_now, e.reset_now)
     };
-    BandReport::new(rule, band, now, remaining, Duration::from_nanos(reset), e.wait)
+    bucket.report(band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
 /// Drops the `count` states closest to being forgotten anyway.
@@ -556,7 +542,7 @@ fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize) {
 }
 
 impl RateLimiter for MemoryLimiter {
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         MaybeReady::ready(Ok(self.acquire_now(request)))
     }
 }
@@ -567,7 +553,6 @@ mod tests {
 
     use super::*;
     use crate::clock::ManualClock;
-    use crate::limiter::BucketRequest;
     use crate::rule::{BandSpec, Rule, RuleSpec};
 
     fn rule(cap: u64, secs: u64) -> Rule {
@@ -578,12 +563,11 @@ mod tests {
         .unwrap()
     }
 
-    fn bucket<'a>(rule: &'a Rule, key: &str) -> BucketRequest<'a> {
-        BucketRequest {
-            rule_set: "s",
-            rule,
-            key: key.into(),
-        }
+    fn request(rule: &Rule, key: &str) -> AcquireRequest {
+        let set = crate::rule::RuleSet::new("s", [rule.clone()]).unwrap();
+        let mut request = AcquireRequest::new(Arc::new(set));
+        request.push(0, key.into());
+        request
     }
 
     #[test]
@@ -596,9 +580,7 @@ mod tests {
             .build();
         let r = rule(10, 1);
         for i in 0..5_000 {
-            let buckets = [bucket(&r, &format!("k{i}"))];
-            let req = AcquireRequest { buckets: &buckets };
-            assert!(limiter.acquire_now(&req).allowed);
+            assert!(limiter.acquire_now(&request(&r, &format!("k{i}"))).allowed);
         }
         assert!(limiter.len() <= 2_000, "{}", limiter.len());
         clock.advance(Duration::from_secs(2));
@@ -613,17 +595,11 @@ mod tests {
         let shared = rule(1, 3600);
         let a = RuleSet::new("a", [shared.clone()]).unwrap();
         let b = RuleSet::new("b", [shared]).unwrap();
-        for set in [&a, &b] {
-            let buckets = [BucketRequest {
-                rule_set: set.id(),
-                rule: &set.rules()[0],
-                key: "k".into(),
-            }];
-            assert!(
-                limiter.acquire_now(&AcquireRequest { buckets: &buckets }).allowed,
-                "{}",
-                set.id()
-            );
+        for set in [a, b] {
+            let id = set.id().clone();
+            let mut request = AcquireRequest::new(Arc::new(set));
+            request.push(0, "k".into());
+            assert!(limiter.acquire_now(&request).allowed, "{id}");
         }
     }
 
@@ -636,13 +612,10 @@ mod tests {
             .clock(clock.clone())
             .build();
         let (hourly, per_second) = (rule(1, 3600), rule(10, 1));
-        let hot_bucket = [bucket(&hourly, "hot")];
-        let hot = AcquireRequest { buckets: &hot_bucket };
+        let hot = request(&hourly, "hot");
         assert!(limiter.acquire_now(&hot).allowed);
         for i in 0..10_000 {
-            let buckets = [bucket(&per_second, &format!("k{i}"))];
-            let req = AcquireRequest { buckets: &buckets };
-            limiter.acquire_now(&req);
+            limiter.acquire_now(&request(&per_second, &format!("k{i}")));
             clock.advance(Duration::from_millis(1));
         }
         assert!(!limiter.acquire_now(&hot).allowed, "an active bucket was forgotten");

@@ -7,50 +7,20 @@ use std::time::Duration;
 use crate::decision::BandReport;
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
-use crate::rule::{Mode, Rule, RuleSet};
-use crate::text::Text;
+use crate::rule::RuleSet;
 
 mod breaker;
 pub mod fixed_window;
 pub mod leaky_bucket;
 mod memory;
+mod request;
 pub mod sliding_window_counter;
 pub mod sliding_window_log;
 pub mod token_bucket;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use memory::{MemoryLimiter, MemoryLimiterBuilder};
-
-/// One rule's counter for one request: the rule (its id, algorithm, bands, cost and
-/// mode) and the encoded key value.
-#[derive(Debug, Clone)]
-pub struct BucketRequest<'a> {
-    /// The rule set's id.
-    pub rule_set: &'a str,
-    /// The rule.
-    pub rule: &'a Rule,
-    /// The encoded key value (see [`crate::key`]).
-    pub key: Text,
-}
-
-impl BucketRequest<'_> {
-    /// Whether the rule is in shadow mode.
-    pub fn shadow(&self) -> bool {
-        self.rule.mode() == Mode::Shadow
-    }
-}
-
-/// Everything one request consumes, checked and applied as one atomic step.
-///
-/// The enforced buckets are all or nothing: either every band of every enforced bucket
-/// admits the request and all of them consume, or none consumes. The shadow buckets
-/// consume only when the enforced buckets admitted and every shadow band admits too, as
-/// they would if they were enforced.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AcquireRequest<'a> {
-    /// The buckets, in rule priority order.
-    pub buckets: &'a [BucketRequest<'a>],
-}
+pub use request::{AcquireRequest, Bucket};
 
 /// When a band that rejects would admit the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +71,7 @@ impl<S> Eval<S> {
 
 /// The result of [`RateLimiter::acquire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AcquireOutcome {
     /// Whether the enforced buckets admitted the request (and consumed).
     pub allowed: bool,
@@ -116,6 +87,27 @@ pub struct AcquireOutcome {
     pub local: bool,
 }
 
+impl AcquireOutcome {
+    /// An outcome decided by the backend's store at `now_unix_nanos`, with the report of
+    /// every band of the request (see [`AcquireRequest::bands`]).
+    pub fn new(allowed: bool, shadow_allowed: bool, now_unix_nanos: u64, bands: Vec<BandReport>) -> Self {
+        Self {
+            allowed,
+            shadow_allowed,
+            now_unix_nanos,
+            bands,
+            local: false,
+        }
+    }
+
+    /// Marks the outcome as answered from local knowledge (see [`local`](Self::local)).
+    #[must_use]
+    pub fn answered_locally(mut self) -> Self {
+        self.local = true;
+        self
+    }
+}
+
 /// A limiter backend: applies an [`AcquireRequest`] atomically.
 ///
 /// The trait is object safe; the engine holds an `Arc<dyn RateLimiter>`. Backends that
@@ -123,9 +115,9 @@ pub struct AcquireOutcome {
 pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     /// Checks every band of every bucket and consumes all or nothing.
     ///
-    /// The returned future must not borrow the request: backends that go over the network
-    /// encode what they send before returning.
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
+    /// The returned future must not borrow the request: a backend that needs it after
+    /// returning clones it (cheap: an [`Arc`] of the rule set and the keys).
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>>;
 
     /// Checks that this backend decides every rule of `set` exactly: the numbers each
     /// band needs stay within the backend's exact range. Called when rules are loaded or
@@ -147,7 +139,7 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         (**self).acquire(request)
     }
 

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use super::fixed_window::bounds;
-use super::token_bucket::{div, to_u64};
+use crate::num::{div, to_u64};
 use super::{Eval, Wait};
 
 /// A band's stored state: the end of the current window and the counts of the window

@@ -9,6 +9,7 @@
 use std::time::Duration;
 
 use super::Wait;
+use crate::num::{ceil_div, div, to_u64};
 
 /// A band's stored state: the scaled TAT as whole nanoseconds and a remainder `< C`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -28,30 +29,6 @@ impl Tat {
 
 /// The evaluation of one token-bucket band for one request.
 pub type Eval = super::Eval<Tat>;
-
-/// `a / b`, with the hardware's 64-bit division whenever both fit (nearly always).
-#[inline]
-pub(crate) fn div(a: u128, b: u128) -> u128 {
-    match (u64::try_from(a), u64::try_from(b)) {
-        (Ok(a), Ok(b)) => u128::from(a / b),
-        _ => a / b,
-    }
-}
-
-#[inline]
-pub(crate) fn ceil_div(a: u128, b: u128) -> u128 {
-    let q = div(a, b);
-    if q * b < a {
-        q + 1
-    } else {
-        q
-    }
-}
-
-#[inline]
-pub(crate) fn to_u64(v: u128) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
-}
 
 /// Evaluates a band of `capacity` per `window_nanos` for a request of `permits` at `now`.
 ///

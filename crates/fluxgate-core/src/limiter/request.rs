@@ -1,0 +1,171 @@
+//! [`AcquireRequest`]: what one request consumes, owned, so that it can cross an `await`
+//! and be handed to a fallback limiter without being taken apart and rebuilt.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use super::Wait;
+use crate::decision::BandReport;
+use crate::rule::{Band, Mode, Rule, RuleSet};
+use crate::text::Text;
+
+/// Everything one request consumes, checked and applied as one atomic step: the rule set
+/// and, per applicable rule (in priority order), the rule's index in the set and the
+/// encoded key value (see [`crate::key`]).
+///
+/// The enforced buckets are all or nothing: either every band of every enforced bucket
+/// admits the request and all of them consume, or none consumes. The shadow buckets
+/// consume only when the enforced buckets admitted and every shadow band admits too, as
+/// they would if they were enforced.
+///
+/// The request owns what it refers to (an [`Arc`] of the rule set and the keys), so it
+/// is `'static`: a backend may keep it for as long as its answer takes.
+///
+/// ```
+/// use std::sync::Arc;
+/// use fluxgate_core::limiter::AcquireRequest;
+/// use fluxgate_core::{RuleSets, Text};
+///
+/// let rules = RuleSets::from_yaml_str(r#"
+/// rule_sets:
+///   - id: api
+///     rules:
+///       - id: per-ip
+///         bands: [{ capacity: 10, window: 1s }]
+/// "#)?;
+/// let set = rules.get("api").expect("defined above").clone();
+/// let mut request = AcquireRequest::new(set);
+/// request.push(0, Text::from("ip=192.0.2.7"));
+/// let bucket = request.buckets().next().expect("one bucket");
+/// assert_eq!(&**bucket.rule.id(), "per-ip");
+/// assert_eq!(bucket.key, "ip=192.0.2.7");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct AcquireRequest {
+    set: Arc<RuleSet>,
+    buckets: SmallVec<[Entry; 4]>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    rule: usize,
+    key: Text,
+}
+
+/// One rule's counter for one request, as a view into an [`AcquireRequest`]: the rule (its
+/// id, algorithm, bands, cost and mode) and the encoded key value.
+#[derive(Debug, Clone, Copy)]
+pub struct Bucket<'a> {
+    /// The rule set.
+    pub rule_set: &'a RuleSet,
+    /// The rule.
+    pub rule: &'a Rule,
+    /// The encoded key value (see [`crate::key`]).
+    pub key: &'a Text,
+}
+
+impl Bucket<'_> {
+    /// Whether the rule is in shadow mode.
+    pub fn shadow(&self) -> bool {
+        self.rule.mode() == Mode::Shadow
+    }
+
+    /// The report of `band` (one of this bucket's rule's bands) after a decision taken at
+    /// `now_unix_nanos`: the one way every backend builds a [`BandReport`].
+    pub fn report(
+        &self,
+        band: &Band,
+        now_unix_nanos: u64,
+        remaining: u64,
+        reset_after: Duration,
+        wait: Wait,
+    ) -> BandReport {
+        BandReport::new(self.rule, band, now_unix_nanos, remaining, reset_after, wait)
+    }
+}
+
+impl AcquireRequest {
+    /// A request that consumes nothing yet, from the rules of `set`.
+    pub fn new(set: Arc<RuleSet>) -> Self {
+        Self {
+            set,
+            buckets: SmallVec::new(),
+        }
+    }
+
+    /// Adds the bucket of the rule at `rule` in the rule set, for the key value `key`.
+    /// Buckets are decided in the order they are added.
+    ///
+    /// # Panics
+    ///
+    /// When the rule set has no rule at `rule`.
+    pub fn push(&mut self, rule: usize, key: Text) {
+        assert!(
+            rule < self.set.rules().len(),
+            "rule index {rule} out of range: rule set `{}` has {} rules",
+            self.set.id(),
+            self.set.rules().len()
+        );
+        self.buckets.push(Entry { rule, key });
+    }
+
+    /// The rule set.
+    pub fn rule_set(&self) -> &Arc<RuleSet> {
+        &self.set
+    }
+
+    /// The buckets, in the order they were added.
+    pub fn buckets(&self) -> impl ExactSizeIterator<Item = Bucket<'_>> + Clone + '_ {
+        self.buckets.iter().map(move |e| self.view(e))
+    }
+
+    /// The bucket at `index`.
+    pub fn bucket(&self, index: usize) -> Option<Bucket<'_>> {
+        self.buckets.get(index).map(|e| self.view(e))
+    }
+
+    /// Every band of every bucket, bucket by bucket: the order of
+    /// [`AcquireOutcome::bands`](super::AcquireOutcome::bands).
+    pub fn bands(&self) -> impl Iterator<Item = (Bucket<'_>, &Band)> + Clone + '_ {
+        self.buckets().flat_map(|b| b.rule.bands().iter().map(move |band| (b, band)))
+    }
+
+    /// The number of bands over all buckets.
+    pub fn band_count(&self) -> usize {
+        self.buckets().map(|b| b.rule.bands().len()).sum()
+    }
+
+    /// The number of buckets.
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Whether the request consumes nothing.
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+
+    /// Keeps only the buckets for which `keep` says so.
+    pub fn retain(&mut self, mut keep: impl FnMut(Bucket<'_>) -> bool) {
+        let set = &self.set;
+        self.buckets.retain(|e| {
+            keep(Bucket {
+                rule_set: set,
+                rule: &set.rules()[e.rule],
+                key: &e.key,
+            })
+        });
+    }
+
+    fn view<'a>(&'a self, e: &'a Entry) -> Bucket<'a> {
+        Bucket {
+            rule_set: &self.set,
+            // `push` checked the index.
+            rule: &self.set.rules()[e.rule],
+            key: &e.key,
+        }
+    }
+}
