@@ -33,9 +33,8 @@
 #![deny(unsafe_code)]
 
 pub use fluxgate_core as core;
-pub use fluxgate_core::limiter::CircuitBreaker;
 pub use fluxgate_core::{
-    Algorithm, BackendFailure, Band, CachingRuleSetProvider, Decision, Engine, EngineBuilder, Error, MemoryLimiter,
+    Algorithm, Band, CachingRuleSetProvider, CircuitBreaker, Decision, Engine, EngineBuilder, Error, FailurePolicy, MemoryLimiter,
     Mode, Outcome, RateLimitHandler, RateLimitMetricsRecorder, RateLimiter, RequestContext, RequestContextBuilder,
     Rule, RuleError, RuleSet, RuleSetProvider, RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet,
 };

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use crate::limiter::Wait;
+use crate::limiter::{AcquireOutcome, Wait};
 use crate::num::ceil_secs;
 use crate::rule::{Band, Mode, Rule};
 
@@ -134,6 +134,60 @@ impl Decision {
             bands: Vec::new(),
             shadow_bands: Vec::new(),
             shadow_rejected_by: None,
+        }
+    }
+
+    /// The decision from a limiter's outcome: the enforced and shadow bands apart, the
+    /// binding band and the retry-after.
+    pub(crate) fn from_outcome(rule_set: Arc<str>, outcome: AcquireOutcome) -> Self {
+        let mut bands = outcome.bands;
+        let shadow_bands = if bands.iter().any(|b| b.shadow) {
+            let (shadow, enforced): (Vec<_>, Vec<_>) = bands.into_iter().partition(|b| b.shadow);
+            bands = enforced;
+            shadow
+        } else {
+            Vec::new()
+        };
+        let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
+        // On rejection: the rejecting band with the longest wait (`Never` the longest of all).
+        let rank = |w: &Wait| match w {
+            Wait::None => None,
+            Wait::After(d) => Some((0, *d)),
+            Wait::Never => Some((1, Duration::ZERO)),
+        };
+        let (binding_index, retry_after) = if outcome.allowed {
+            let least = bands
+                .iter()
+                .enumerate()
+                .min_by_key(|(i, b)| (b.remaining, *i))
+                .map(|(i, _)| i);
+            (least, None)
+        } else {
+            let worst = bands
+                .iter()
+                .enumerate()
+                .filter_map(|(i, b)| rank(&b.wait).map(|r| (r, std::cmp::Reverse(i))))
+                .max()
+                .map(|(_, std::cmp::Reverse(i))| i);
+            let retry = worst.and_then(|i| match bands[i].wait {
+                Wait::After(d) => Some(d),
+                Wait::None | Wait::Never => None,
+            });
+            (worst, retry)
+        };
+        Decision {
+            outcome: if outcome.allowed {
+                Outcome::Admitted
+            } else {
+                Outcome::RateLimited
+            },
+            rule_set,
+            binding_index,
+            degraded: false,
+            retry_after,
+            bands,
+            shadow_bands,
+            shadow_rejected_by,
         }
     }
 

@@ -2,18 +2,18 @@
 
 use std::sync::Arc;
 
-use std::time::Duration;
 
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
-use crate::error::{BoxError, Error, RuleError};
+use crate::error::{Error, RuleError};
 use crate::future::MaybeReady;
 use crate::handler::RateLimitMetricsRecorder;
 use crate::key::{KeyResolution, KeyResolver};
-use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter, RateLimiter, Wait};
+use crate::limiter::{AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
-use crate::rule::{BackendFailure, Mode, RuleSet, RuleSets};
+use crate::failure::{Fallback, FailurePolicy};
+use crate::rule::{Mode, RuleSet, RuleSets};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -56,8 +56,7 @@ pub struct Engine {
 struct Inner {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Arc<dyn RateLimiter>,
-    fallback: MemoryLimiter,
-    on_failure: Option<BackendFailure>,
+    fallback: Fallback,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
@@ -69,7 +68,7 @@ pub struct EngineBuilder {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Option<Arc<dyn RateLimiter>>,
     fallback: Option<MemoryLimiter>,
-    on_failure: Option<BackendFailure>,
+    on_failure: Option<FailurePolicy>,
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
@@ -89,24 +88,24 @@ impl EngineBuilder {
     }
 
     /// Decides with this in-memory limiter, and the same rules, whenever the limiter
-    /// fails (an error, a deadline, an open [`CircuitBreaker`](crate::limiter::CircuitBreaker)):
+    /// fails (an error, a deadline, an open [`CircuitBreaker`](crate::CircuitBreaker)):
     /// the `fallback_local` failure policy, for every rule that does not name another.
     /// Such decisions have [`Decision::degraded`] set.
     pub fn fallback(mut self, limiter: MemoryLimiter) -> Self {
         self.fallback = Some(limiter);
-        self.on_failure.get_or_insert(BackendFailure::FallbackLocal);
+        self.on_failure.get_or_insert(FailurePolicy::FallbackLocal);
         self
     }
 
     /// The failure policy of rules that do not name one (`on_backend_failure`). Default:
-    /// none, so that a failure reaches the handler's caller (the layer's
-    /// `FailurePolicy`), unless [`fallback`](Self::fallback) was given.
+    /// none, so that a failure reaches the handler's caller (the layer's `on_error`
+    /// policy), unless [`fallback`](Self::fallback) was given.
     ///
     /// When the backend fails: a `fail_closed` rule refuses the request
     /// ([`Outcome::BackendUnavailable`]); otherwise a rule without a policy passes the
     /// failure on; otherwise the `fallback_local` rules are decided in memory and the
     /// `fail_open` ones skipped.
-    pub fn on_backend_failure(mut self, policy: BackendFailure) -> Self {
+    pub fn on_backend_failure(mut self, policy: FailurePolicy) -> Self {
         self.on_failure = Some(policy);
         self
     }
@@ -155,8 +154,10 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
-                fallback: self.fallback.unwrap_or_default(),
-                on_failure: self.on_failure,
+                fallback: Fallback {
+                    default: self.on_failure,
+                    limiter: self.fallback.unwrap_or_default(),
+                },
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
                 recorder: self.recorder,
@@ -285,57 +286,18 @@ impl Engine {
             return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule)));
         }
         match self.inner.limiter.acquire(&request).into_ready() {
-            Ok(Ok(outcome)) => MaybeReady::ready(Ok(decision_from(set.id().clone(), outcome))),
-            Ok(Err(error)) => MaybeReady::ready(self.inner.fall_back(request, error)),
+            Ok(Ok(outcome)) => MaybeReady::ready(Ok(Decision::from_outcome(set.id().clone(), outcome))),
+            Ok(Err(error)) => MaybeReady::ready(self.inner.fallback.decide(request, error)),
             Err(pending) => {
                 let this = self.inner.clone();
                 MaybeReady::boxed(async move {
                     match pending.await {
-                        Ok(outcome) => Ok(decision_from(request.rule_set().id().clone(), outcome)),
-                        Err(error) => this.fall_back(request, error),
+                        Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
+                        Err(error) => this.fallback.decide(request, error),
                     }
                 })
             }
         }
-    }
-}
-
-impl Inner {
-    /// The decision after the backend failed, by the rules' failure policies, or the
-    /// failure itself.
-    fn fall_back(&self, mut request: AcquireRequest, error: BoxError) -> Result<Decision, Error> {
-        let error = match Error::from_limiter(error) {
-            // A configuration error: no failure policy applies.
-            Error::Rule(rule) => {
-                tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
-                return Err(Error::Rule(rule));
-            }
-            Error::Backend(error) | Error::Provider { source: error, .. } => error,
-        };
-        let policy = |b: &Bucket<'_>| b.rule.on_backend_failure().or(self.on_failure);
-        let rule_set = request.rule_set().id().clone();
-        if let Some(closed) = request
-            .buckets()
-            .find(|b| policy(b) == Some(BackendFailure::FailClosed))
-        {
-            tracing::debug!(%error, rule = %closed.rule.id(), "rate-limit backend failed; refusing (fail_closed)");
-            let rule = closed.rule.id().clone();
-            let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
-            decision.degraded = true;
-            return Ok(decision);
-        }
-        if request.is_empty() || request.buckets().any(|b| policy(&b).is_none()) {
-            return Err(Error::Backend(error));
-        }
-        tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
-        request.retain(|b| policy(&b) == Some(BackendFailure::FallbackLocal));
-        let mut decision = if request.is_empty() {
-            Decision::without_bands(rule_set, Outcome::Admitted)
-        } else {
-            decision_from(rule_set, self.fallback.acquire_now(&request))
-        };
-        decision.degraded = true;
-        Ok(decision)
     }
 }
 
@@ -346,54 +308,3 @@ fn record(recorder: &dyn RateLimitMetricsRecorder, rule_set: &str, result: &Resu
     }
 }
 
-fn decision_from(rule_set: Arc<str>, outcome: AcquireOutcome) -> Decision {
-    let mut bands = outcome.bands;
-    let shadow_bands = if bands.iter().any(|b| b.shadow) {
-        let (shadow, enforced): (Vec<_>, Vec<_>) = bands.into_iter().partition(|b| b.shadow);
-        bands = enforced;
-        shadow
-    } else {
-        Vec::new()
-    };
-    let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
-    // On rejection: the rejecting band with the longest wait (`Never` the longest of all).
-    let rank = |w: &Wait| match w {
-        Wait::None => None,
-        Wait::After(d) => Some((0, *d)),
-        Wait::Never => Some((1, Duration::ZERO)),
-    };
-    let (binding_index, retry_after) = if outcome.allowed {
-        let least = bands
-            .iter()
-            .enumerate()
-            .min_by_key(|(i, b)| (b.remaining, *i))
-            .map(|(i, _)| i);
-        (least, None)
-    } else {
-        let worst = bands
-            .iter()
-            .enumerate()
-            .filter_map(|(i, b)| rank(&b.wait).map(|r| (r, std::cmp::Reverse(i))))
-            .max()
-            .map(|(_, std::cmp::Reverse(i))| i);
-        let retry = worst.and_then(|i| match bands[i].wait {
-            Wait::After(d) => Some(d),
-            Wait::None | Wait::Never => None,
-        });
-        (worst, retry)
-    };
-    Decision {
-        outcome: if outcome.allowed {
-            Outcome::Admitted
-        } else {
-            Outcome::RateLimited
-        },
-        rule_set,
-        binding_index,
-        degraded: false,
-        retry_after,
-        bands,
-        shadow_bands,
-        shadow_rejected_by,
-    }
-}

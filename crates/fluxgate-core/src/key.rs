@@ -65,7 +65,8 @@ impl KeyResolver {
     /// Resolves the key of `rule` for `ctx`.
     ///
     /// ```
-    /// use fluxgate_core::{KeyResolver, KeyResolution, RequestContext, Rule, RuleSpec, BandSpec};
+    /// use fluxgate_core::key::{KeyResolution, KeyResolver};
+    /// use fluxgate_core::{BandSpec, RequestContext, Rule, RuleSpec};
     /// use std::time::Duration;
     /// let rule = Rule::from_spec("api", RuleSpec::new("per-ip", vec![BandSpec::new(10, Duration::from_secs(1))])).unwrap();
     /// let ctx = RequestContext::builder().client_ip("10.1.2.3".parse().unwrap()).build();

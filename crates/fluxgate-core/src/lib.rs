@@ -47,6 +47,7 @@ mod context;
 mod decision;
 mod engine;
 mod error;
+pub mod failure;
 mod future;
 mod handler;
 pub mod key;
@@ -62,6 +63,7 @@ pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
 pub use decision::{BandReport, Decision, Outcome};
 pub use engine::{Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};
+pub use failure::{CircuitBreaker, FailurePolicy};
 pub use future::{BoxFuture, MaybeReady};
 pub use handler::{RateLimitHandler, RateLimitMetricsRecorder};
 pub use limiter::{MemoryLimiter, RateLimiter};
@@ -71,7 +73,7 @@ pub use provider::{
     StaticRuleSetProvider,
 };
 pub use rule::{
-    Algorithm, BackendFailure, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
+    Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
     RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind,
 };
 pub use text::Text;

@@ -20,7 +20,7 @@ use crate::text::Text;
 /// with `/`, and normalizing it again changes nothing.
 ///
 /// ```
-/// use fluxgate_core::normalize_path;
+/// use fluxgate_core::path::normalize_path;
 /// assert_eq!(normalize_path("/api//users"), "/api/users");
 /// assert_eq!(normalize_path("/api/./users"), "/api/users");
 /// assert_eq!(normalize_path("/api/x/../users?page=2"), "/api/users");

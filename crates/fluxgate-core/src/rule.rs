@@ -31,6 +31,7 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 
 use crate::error::RuleError;
+use crate::failure::FailurePolicy;
 use crate::path::PathPattern;
 
 /// The largest capacity a band may have.
@@ -108,7 +109,7 @@ pub struct RuleSpec {
     pub mode: Mode,
     /// What happens to this rule when the backend fails; default: the engine's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_backend_failure: Option<BackendFailure>,
+    pub on_backend_failure: Option<FailurePolicy>,
 }
 
 /// The `match` block of a rule.
@@ -285,18 +286,6 @@ impl Algorithm {
     }
 }
 
-/// What a rule does when the limiter backend fails (an error, a deadline, an open circuit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BackendFailure {
-    /// The rule does not limit the request.
-    FailOpen,
-    /// The request is refused (`503` from the layer).
-    FailClosed,
-    /// The rule is decided by the engine's in-memory fallback limiter.
-    FallbackLocal,
-}
-
 /// Whether a rule blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -334,7 +323,7 @@ pub struct Rule {
     permits: u64,
     bands: Arc<[Band]>,
     mode: Mode,
-    on_backend_failure: Option<BackendFailure>,
+    on_backend_failure: Option<FailurePolicy>,
 }
 
 /// What a rule's limit is counted per.
@@ -743,7 +732,7 @@ impl Rule {
     }
 
     /// What the rule does when the backend fails; `None` follows the engine.
-    pub fn on_backend_failure(&self) -> Option<BackendFailure> {
+    pub fn on_backend_failure(&self) -> Option<FailurePolicy> {
         self.on_backend_failure
     }
 
@@ -1072,7 +1061,7 @@ fn deserialize_at<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> R
 ///
 /// ```
 /// use std::time::Duration;
-/// use fluxgate_core::parse_duration;
+/// use fluxgate_core::rule::parse_duration;
 /// assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
 /// assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
 /// assert!(parse_duration("1x").is_err());

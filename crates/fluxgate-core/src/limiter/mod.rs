@@ -9,7 +9,6 @@ use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
 use crate::rule::RuleSet;
 
-mod breaker;
 pub mod fixed_window;
 pub mod leaky_bucket;
 mod memory;
@@ -18,7 +17,6 @@ pub mod sliding_window_counter;
 pub mod sliding_window_log;
 pub mod token_bucket;
 
-pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use memory::{MemoryLimiter, MemoryLimiterBuilder};
 pub use request::{AcquireRequest, Bucket};
 
@@ -83,7 +81,7 @@ pub struct AcquireOutcome {
     pub bands: Vec<BandReport>,
     /// Whether the backend answered from local knowledge without asking its store (a
     /// deny-cache hit of the Redis backend): such an answer says nothing about the store's
-    /// health, so a [`CircuitBreaker`] neither closes nor counts a success for it.
+    /// health, so a [`CircuitBreaker`](crate::CircuitBreaker) neither closes nor counts a success for it.
     pub local: bool,
 }
 

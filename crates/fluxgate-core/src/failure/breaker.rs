@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
+use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
@@ -29,7 +29,7 @@ pub struct CircuitOpen;
 ///
 /// ```
 /// use std::time::Duration;
-/// use fluxgate_core::limiter::CircuitBreaker;
+/// use fluxgate_core::CircuitBreaker;
 /// use fluxgate_core::MemoryLimiter;
 /// let guarded = CircuitBreaker::new(MemoryLimiter::default())
 ///     .failure_threshold(3)

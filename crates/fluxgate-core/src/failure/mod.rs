@@ -1,0 +1,87 @@
+//! What happens when the limiter backend fails: the [`FailurePolicy`] of rules, the
+//! engine and the layer, the [`CircuitBreaker`] that stops waiting for a backend that is
+//! down, and the in-memory fallback that decides `fallback_local` rules meanwhile.
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::decision::{Decision, Outcome};
+use crate::error::{BoxError, Error};
+use crate::limiter::{AcquireRequest, Bucket, MemoryLimiter};
+
+mod breaker;
+
+pub use breaker::{CircuitBreaker, CircuitOpen};
+
+/// What to do with a request when the limiter backend fails (an error, a deadline, an
+/// open [`CircuitBreaker`]).
+///
+/// The same policy is named in three places, from the most to the least specific: a
+/// rule's `on_backend_failure`, the engine's
+/// [`on_backend_failure`](crate::EngineBuilder::on_backend_failure), and the tower
+/// layer's `on_error` for the failures that leave the engine undecided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Admit: the rule does not limit the request.
+    FailOpen,
+    /// Refuse the request ([`Outcome::BackendUnavailable`]; `503` from the layer).
+    FailClosed,
+    /// Decide the rule with the engine's in-memory fallback limiter.
+    FallbackLocal,
+}
+
+/// The engine's answer to a failed backend: each rule's policy, else the engine's
+/// default, and the in-memory limiter that decides the `fallback_local` rules.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Fallback {
+    /// The policy of rules that name none; `None` passes the failure on.
+    pub(crate) default: Option<FailurePolicy>,
+    pub(crate) limiter: MemoryLimiter,
+}
+
+impl Fallback {
+    /// Whether some rule of the request has a policy: if none has, the failure itself is
+    /// the answer.
+    fn policy(&self, bucket: &Bucket<'_>) -> Option<FailurePolicy> {
+        bucket.rule.on_backend_failure().or(self.default)
+    }
+
+    /// The decision after the backend failed, by the rules' failure policies, or the
+    /// failure itself when a rule has no policy. A configuration error ([`Error::Rule`])
+    /// is never covered by a policy.
+    pub(crate) fn decide(&self, mut request: AcquireRequest, error: BoxError) -> Result<Decision, Error> {
+        let error = match Error::from_limiter(error) {
+            Error::Rule(rule) => {
+                tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
+                return Err(Error::Rule(rule));
+            }
+            Error::Backend(error) | Error::Provider { source: error, .. } => error,
+        };
+        let rule_set: Arc<str> = request.rule_set().id().clone();
+        if let Some(closed) = request
+            .buckets()
+            .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))
+        {
+            tracing::debug!(%error, rule = %closed.rule.id(), "rate-limit backend failed; refusing (fail_closed)");
+            let rule = closed.rule.id().clone();
+            let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
+            decision.degraded = true;
+            return Ok(decision);
+        }
+        if request.is_empty() || request.buckets().any(|b| self.policy(&b).is_none()) {
+            return Err(Error::Backend(error));
+        }
+        tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
+        request.retain(|b| self.policy(&b) == Some(FailurePolicy::FallbackLocal));
+        let mut decision = if request.is_empty() {
+            Decision::without_bands(rule_set, Outcome::Admitted)
+        } else {
+            Decision::from_outcome(rule_set, self.limiter.acquire_now(&request))
+        };
+        decision.degraded = true;
+        Ok(decision)
+    }
+}
