@@ -20,13 +20,13 @@ mod rss;
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, Criterion};
-use fluxgate::core::limiter::{AcquireRequest, BucketRequest};
-use fluxgate::core::{
-    Algorithm, Engine, ManualClock, MemoryLimiter, RequestContext, Rule, RuleSets, StaticRuleSetProvider,
-};
+use fluxgate::core::limiter::AcquireRequest;
+use fluxgate::core::ManualClock;
+use fluxgate::{Algorithm, Engine, MemoryLimiter, RequestContext, RuleSet, RuleSets};
 
 fn rules(algorithm: Algorithm, band: &str) -> RuleSets {
     RuleSets::from_yaml_str(&format!(
@@ -37,7 +37,7 @@ fn rules(algorithm: Algorithm, band: &str) -> RuleSets {
 }
 
 fn engine(algorithm: Algorithm, band: &str) -> Engine {
-    Engine::builder(StaticRuleSetProvider::new(rules(algorithm, band)))
+    Engine::builder(rules(algorithm, band))
         .limiter(MemoryLimiter::builder().max_keys(2_000_000).build())
         .build()
         .expect("the backend decides every rule")
@@ -167,19 +167,16 @@ fn compare(name: &str, events: &[(u64, u32)], keys: u32) {
     }
     let clock = ManualClock::new(1_764_000_000_000_000_000);
     let limiter = || MemoryLimiter::builder().clock(clock.clone()).max_keys(10_000).build();
-    let rule = |algorithm: Algorithm| -> Rule {
+    let rule = |algorithm: Algorithm| -> Arc<RuleSet> {
         let sets = rules(algorithm, &format!("{{ capacity: {CAPACITY}, window: 10s }}"));
-        sets.get("default").unwrap().rules()[0].clone()
+        sets.get("default").unwrap().clone()
     };
     let (counter_rule, log_rule) = (rule(Algorithm::SlidingWindowCounter), rule(Algorithm::SlidingWindowLog));
     let (counter, log) = (limiter(), limiter());
-    let decide = |limiter: &MemoryLimiter, rule: &Rule, key: &str| {
-        let buckets = [BucketRequest {
-            rule_set: "default",
-            rule,
-            key: key.into(),
-        }];
-        limiter.acquire_now(&AcquireRequest { buckets: &buckets }).allowed
+    let decide = |limiter: &MemoryLimiter, set: &Arc<RuleSet>, key: &str| {
+        let mut request = AcquireRequest::new(set.clone());
+        request.push(0, key.into());
+        limiter.acquire_now(&request).allowed
     };
     let names: Vec<String> = (0..keys).map(|k| format!("k{k}")).collect();
     let (mut counter_only, mut log_only, mut by_counter, mut by_log) = (0u64, 0u64, 0u64, 0u64);

@@ -16,7 +16,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use fluxgate::core::{Engine, MemoryLimiter, RequestContext, RuleSets, StaticRuleSetProvider};
+use fluxgate::{Engine, MemoryLimiter, RequestContext, RuleSets};
 
 const ONE_RULE: &str = r#"
 rule_sets:
@@ -50,7 +50,7 @@ rule_sets:
 
 fn engine(yaml: &str, max_keys: usize) -> Engine {
     let rules = RuleSets::from_yaml_str(yaml).expect("rules");
-    Engine::builder(StaticRuleSetProvider::new(rules))
+    Engine::builder(rules)
         .limiter(MemoryLimiter::builder().max_keys(max_keys).build())
         .build()
         .expect("the backend decides every rule")

@@ -33,9 +33,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fluxgate::core::{Engine, RequestContext, RuleSets, StaticRuleSetProvider};
+use fluxgate::{Engine, RequestContext, RuleSets};
 use fluxgate::tower::{ClientIp, RateLimitLayer};
-use fluxgate_redis::RedisLimiter;
+use fluxgate::redis::RedisLimiter;
 use fred::interfaces::ClientLike as _;
 use http::{Request, Response};
 use support::redis::RedisServer;
@@ -167,7 +167,7 @@ async fn engine(server: &RedisServer, yaml: &str) -> Engine {
         .await
         .unwrap();
     let rules = RuleSets::from_yaml_str(yaml).unwrap();
-    Engine::builder(StaticRuleSetProvider::new(rules))
+    Engine::builder(rules)
         .limiter(limiter)
         .build()
         .expect("the backend decides every rule")
@@ -266,7 +266,7 @@ async fn peer_layer() -> Report {
 fn ceiling(name: &str, bands: usize) {
     let server = RedisServer::start();
     let sha = server
-        .cli(&["SCRIPT", "LOAD", fluxgate_redis::DECIDE_LUA])
+        .cli(&["SCRIPT", "LOAD", fluxgate::redis::DECIDE_LUA])
         .trim()
         .to_owned();
     // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
@@ -336,7 +336,7 @@ fn main() {
     if !only_algorithms {
         everything_but_the_algorithms(&rt);
     }
-    for algorithm in fluxgate::core::Algorithm::ALL {
+    for algorithm in fluxgate::Algorithm::ALL {
         let name = format!("fluxgate {} 1x1", algorithm.as_str());
         rt.block_on(fluxgate_engine(&name, one_rule_of(algorithm.as_str())))
             .print();

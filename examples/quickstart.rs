@@ -9,7 +9,6 @@ use std::path::PathBuf;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate::core::StaticRuleSetProvider;
 use fluxgate::{Engine, RateLimitLayer, RuleSets};
 
 struct Args {
@@ -72,14 +71,14 @@ async fn main() {
     let engine = match &args.redis {
         None => Engine::in_memory(rules),
         Some(url) => {
-            let limiter = fluxgate_redis::RedisLimiter::builder(url.as_str())
+            let limiter = fluxgate::redis::RedisLimiter::builder(url.as_str())
                 .connect()
                 .await
                 .unwrap_or_else(|e| {
                     eprintln!("error: {e}");
                     std::process::exit(1);
                 });
-            Engine::builder(StaticRuleSetProvider::new(rules))
+            Engine::builder(rules)
                 .limiter(limiter)
                 .build()
                 .unwrap_or_else(|e| {

@@ -11,9 +11,8 @@ use std::net::SocketAddr;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate::core::StaticRuleSetProvider;
 use fluxgate::{Engine, RateLimitLayer, RuleSets};
-use fluxgate_redis::RedisLimiter;
+use fluxgate::redis::RedisLimiter;
 
 const RULES: &str = r#"
 rule_sets:
@@ -33,7 +32,7 @@ async fn instance(name: &'static str, redis: &str) -> SocketAddr {
             std::process::exit(1);
         });
     let rules = RuleSets::from_yaml_str(RULES).expect("valid rules");
-    let engine = Engine::builder(StaticRuleSetProvider::new(rules))
+    let engine = Engine::builder(rules)
         .limiter(limiter)
         .build()
         .expect("the example's rules fit Redis");

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs the whole test suite: formatting, lints, unit, integration and doc tests (the Redis
+# Runs the whole test suite: formatting, lints, docs, unit, integration and doc tests (the Redis
 # ones against real redis-server processes the tests start on free loopback ports), and the
 # packaging check of every publishable crate. Installs redis-server when it is missing.
 set -euo pipefail
@@ -27,6 +27,9 @@ cargo fmt --all -- --check
 
 step "cargo clippy (all targets, warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo doc (every crate, warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --no-deps --workspace --locked --quiet
 
 step "cargo test (unit, integration and doc tests)"
 log=$(mktemp)
