@@ -17,6 +17,7 @@ use crate::rule::{Mode, RuleSet, RuleSets};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum UnknownRuleSet {
     /// Admit it (no headers).
     #[default]

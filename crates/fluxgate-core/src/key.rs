@@ -21,6 +21,7 @@ pub const MAX_ENCODED_VALUE: usize = 64;
 
 /// How a rule's key resolved for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KeyResolution {
     /// Count the request under this encoded key value.
     Key(Text),
