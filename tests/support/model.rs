@@ -1,5 +1,5 @@
 //! A reference model of the five algorithms, written from their definitions
-//! (docs/algorithms.md) and nothing else: the differential test (`tests/differential.rs`)
+//! (docs/algorithms.md) and nothing else: the differential test (`tests/redis/differential.rs`)
 //! runs the same requests through it and through a real limiter and compares every figure.
 //!
 //! It is meant to be plainly correct, not fast:

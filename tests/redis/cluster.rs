@@ -2,10 +2,8 @@
 //! whose rules hash to different slots (one concurrent script call per slot, refunds when
 //! a slot rejects).
 
-mod support;
-
-use support::redis::Cluster;
-use support::scenarios;
+use crate::support::redis::Cluster;
+use crate::support::scenarios;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_scenarios() {
@@ -32,8 +30,8 @@ async fn cluster_scenarios() {
 mod cross_slot {
     use fluxgate::core::RequestContext;
 
-    use super::support::redis::Cluster;
-    use super::support::{check, engine};
+    use crate::support::redis::Cluster;
+    use crate::support::{check, engine};
 
     /// Per-IP 2 and per-user 100 land in different slots: when the per-IP slot rejects,
     /// the per-user slot gives back what it took.
@@ -119,8 +117,8 @@ mod refunds {
     use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
     use fluxgate_redis::RedisLimiter;
 
-    use super::support::redis::{RedisCluster, RedisServer};
-    use super::support::{check, rules};
+    use crate::support::redis::{RedisCluster, RedisServer};
+    use crate::support::{check, rules};
 
     async fn engine(cluster: &RedisCluster, prefix: &str, yaml: &str, timeout: Duration) -> Engine {
         let limiter = RedisLimiter::builder(cluster.url())

@@ -1,9 +1,7 @@
 //! The shared decision scenarios, run against a real `redis-server` in real time.
 
-mod support;
-
-use support::redis::Redis;
-use support::scenarios;
+use crate::support::redis::Redis;
+use crate::support::scenarios;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_per_minute_through_the_engine() {
@@ -68,8 +66,8 @@ mod redis_only {
     };
     use fluxgate::tower::RateLimitLayer;
 
-    use super::support::redis::Redis;
-    use super::support::{check, engine, Backend};
+    use crate::support::redis::Redis;
+    use crate::support::{check, engine, Backend};
 
     const THREE_BY_TWO: &str = r#"
 rule_sets:
@@ -175,7 +173,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deny_cache_absorbs_a_flood() {
         let redis = Redis::start().await;
-        let rules = super::support::rules(
+        let rules = crate::support::rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1s }]\n",
         );
         let engine_with = |deny_cache: bool| {
@@ -243,7 +241,7 @@ rule_sets:
             // A fresh key per run.
             let ctx = RequestContext::builder().attribute("run", attempt.to_string()).build();
             let every = std::time::Duration::from_millis(50);
-            match super::support::scenarios::ticks(every, std::time::Duration::from_secs(3), &engine, &ctx).await {
+            match crate::support::scenarios::ticks(every, std::time::Duration::from_secs(3), &engine, &ctx).await {
                 Ok(admitted) => {
                     // 3 at once, then 3 per second for 3 s.
                     assert!(admitted.abs_diff(12) <= 1, "admitted {admitted}, expected 12 ± 1");
@@ -258,7 +256,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn four_engines_on_separate_connections_share_one_limit() {
         let redis = Redis::start().await;
-        let rules = super::support::rules(
+        let rules = crate::support::rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        bands: [{ capacity: 100, window: 1h }]\n",
         );
         let mut tasks = Vec::new();
@@ -423,7 +421,7 @@ rule_sets:
             ),
         ] {
             let yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - {rule}\n");
-            let rules = super::support::rules(&yaml);
+            let rules = crate::support::rules(&yaml);
             let built = Engine::builder(StaticRuleSetProvider::new(rules.clone()))
                 .shared_limiter(redis.limiter())
                 .build();
@@ -456,7 +454,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_undecidable_rule_is_refused_and_opens_no_circuit() {
         let redis = Redis::start().await;
-        let rules = super::support::rules(
+        let rules = crate::support::rules(
             r#"
 rule_sets:
   - id: default
@@ -482,8 +480,8 @@ rule_sets:
         let fine = ctx.to_builder().rule_set_id("fine").build();
         assert!(check(&engine, &fine).await.allowed, "the circuit opened");
         // Through the layer, with the default fail-open policy: refused, not admitted.
-        let app = super::support::app(RateLimitLayer::new(engine));
-        let r = super::support::get_from(&app, "/api/users", "192.0.2.12").await;
+        let app = crate::support::app(RateLimitLayer::new(engine));
+        let r = crate::support::get_from(&app, "/api/users", "192.0.2.12").await;
         assert_eq!(r.status, http::StatusCode::INTERNAL_SERVER_ERROR);
     }
 
@@ -492,7 +490,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_caching_provider_refuses_undecidable_rule_sets() {
         let redis = Redis::start().await;
-        let rules = super::support::rules(
+        let rules = crate::support::rules(
             "rule_sets:\n  - id: default\n    rules:\n      - { id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d }] }\n",
         );
         let cached = CachingRuleSetProvider::builder(Unchecked(StaticRuleSetProvider::new(rules))).build();
@@ -531,7 +529,7 @@ rule_sets:
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.14".parse().unwrap())
             .build();
-        for engine in [engine(&redis, yaml), engine(&super::support::Memory, yaml)] {
+        for engine in [engine(&redis, yaml), engine(&crate::support::Memory, yaml)] {
             for _ in 0..3 {
                 let d = check(&engine, &ctx).await;
                 assert!(!d.allowed);
@@ -574,8 +572,8 @@ rule_sets:
         assert_eq!(local.reset_unix_secs(), Some(midnight));
         assert!(local.binding().unwrap().reset_after <= from_redis.binding().unwrap().reset_after);
         // Both headers agree through the layer.
-        let app = super::support::app(RateLimitLayer::new(engine));
-        let r = super::support::get_from(&app, "/api/users", "192.0.2.15").await;
+        let app = crate::support::app(RateLimitLayer::new(engine));
+        let r = crate::support::get_from(&app, "/api/users", "192.0.2.15").await;
         assert_eq!(r.status, http::StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.num("x-ratelimit-reset"), midnight);
         assert_eq!(r.num("x-ratelimit-remaining"), 1);
@@ -598,7 +596,7 @@ rule_sets:
                 .cool_down(std::time::Duration::from_secs(1))
                 .clock(clock.clone()),
         );
-        let engine = Engine::builder(StaticRuleSetProvider::new(super::support::rules(
+        let engine = Engine::builder(StaticRuleSetProvider::new(crate::support::rules(
             "rule_sets:\n  - id: default\n    rules:\n      - { id: per-ip, bands: [{ capacity: 1, window: 1h }] }\n",
         )))
         .shared_limiter(breaker.clone())
@@ -631,7 +629,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn from_client_keeps_the_deny_cache_off_on_a_cluster() {
         use fred::interfaces::ClientLike;
-        let cluster = super::support::redis::RedisCluster::start();
+        let cluster = crate::support::redis::RedisCluster::start();
         let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
         let config = fred::types::config::Config::from_url_clustered(&format!(
             "redis-cluster://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}",

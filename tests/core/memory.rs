@@ -1,8 +1,6 @@
 //! The shared decision scenarios, run against the in-memory backend on a paused clock.
 
-mod support;
-
-use support::{scenarios, Memory};
+use crate::support::{scenarios, Memory};
 
 #[tokio::test(start_paused = true)]
 async fn hundred_per_minute_through_the_engine() {

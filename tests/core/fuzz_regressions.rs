@@ -3,7 +3,7 @@
 //! are replayed, and each property of `fuzz/checks.rs` is run on a few thousand
 //! pseudo-random inputs from a fixed seed.
 
-#[path = "../fuzz/checks.rs"]
+#[path = "../../fuzz/checks.rs"]
 mod checks;
 
 use std::cell::Cell;

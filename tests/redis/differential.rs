@@ -4,15 +4,16 @@
 //!
 //! Each test prints its seed; a failure prints the seed, how to replay it and the minimal
 //! failing case that proptest shrank it to. Replay with
-//! `FLUXGATE_PROPTEST_SEED=<seed> cargo test --test differential`.
-
-mod support;
+//! `FLUXGATE_PROPTEST_SEED=<seed> cargo test --test redis differential`.
 
 use std::cell::Cell;
 use std::fmt::{self, Write as _};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use crate::support::conformance;
+use crate::support::model::{self, Model, ModelDecision, ModelLimiter, ModelWait, Tick, Unit};
+use crate::support::redis::RedisServer;
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
 use fluxgate::core::{
     Algorithm, BandSpec, Clock, ManualClock, MemoryLimiter, Mode, RateLimiter, Rule, RuleSet, RuleSpec,
@@ -21,9 +22,6 @@ use fluxgate_redis::RedisLimiter;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
-use support::conformance;
-use support::model::{self, Model, ModelDecision, ModelLimiter, ModelWait, Tick, Unit};
-use support::redis::RedisServer;
 
 // ---------------------------------------------------------------------------------------
 // The generated cases.
@@ -650,7 +648,7 @@ fn config(seed: u64, cases: u32, max_shrink_time_ms: u32) -> Config {
 }
 
 fn report(test: &str, seed: u64, result: Result<(), TestError<CaseGen>>) {
-    let replay = format!("{SEED_VAR}={seed} cargo test --test differential {test}");
+    let replay = format!("{SEED_VAR}={seed} cargo test --test redis {test}");
     match result {
         Ok(()) => {}
         Err(TestError::Fail(reason, case)) => panic!(
@@ -729,7 +727,7 @@ async fn the_model_passes_the_conformance_suite() {
 
 mod model_examples {
     use super::*;
-    use support::model::{BandSpec, BucketSpec};
+    use crate::support::model::{BandSpec, BucketSpec};
 
     const S: Tick = 1_000_000_000;
 

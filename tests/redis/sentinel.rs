@@ -2,14 +2,12 @@
 //! without restarting the application (the client follows the new primary and reloads the
 //! script on `NOSCRIPT`).
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::redis::RedisSentinels;
+use crate::support::rules;
 use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
 use fluxgate_redis::RedisLimiter;
-use support::redis::RedisSentinels;
-use support::rules;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_resume_after_a_failover() {

@@ -2,16 +2,14 @@
 //! the in-memory limiter on a controlled clock, a real `redis-server` and a real 3-primary
 //! Redis Cluster, both in real time.
 
-mod support;
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use crate::support::conformance::{self, Harness, OnManualClock};
+use crate::support::redis::{RedisCluster, RedisServer};
 use fluxgate::core::{MemoryLimiter, RateLimiter};
 use fluxgate_redis::RedisLimiter;
-use support::conformance::{self, Harness, OnManualClock};
-use support::redis::{RedisCluster, RedisServer};
 
 /// The in-memory limiter on a clock that moves only when a step says so.
 fn memory() -> OnManualClock {

@@ -1,6 +1,7 @@
 //! The tower layer: context extraction, path handling, headers, shadow mode and the
 //! service contract, driven with `oneshot` (no sockets).
 
+#[path = "../support/mod.rs"]
 mod support;
 
 use std::convert::Infallible;
