@@ -1,8 +1,17 @@
 //! The rules, the fuzz properties and the in-memory backend, with no server to start.
 
-#[path = "../support/mod.rs"]
-mod support;
+/// The shared test support: the modules of `tests/support/` this binary uses. Like the tests,
+/// it panics on what it does not expect.
+#[path = "../support"]
+#[allow(clippy::unwrap_used)]
+mod support {
+    pub(crate) mod app;
+    pub(crate) mod backend;
+    pub(crate) mod conformance;
+    pub(crate) mod scenarios;
+}
 
+mod conformance;
 mod fuzz_regressions;
 mod memory;
 mod rule_files;

@@ -1,8 +1,13 @@
 //! The tower layer: context extraction, path handling, headers, shadow mode and the
 //! service contract, driven with `oneshot` (no sockets).
 
-#[path = "../support/mod.rs"]
-mod support;
+/// The shared test support: the modules of `tests/support/` this binary uses. Like the tests,
+/// it panics on what it does not expect.
+#[path = "../support"]
+#[allow(clippy::unwrap_used)]
+mod support {
+    pub(crate) mod app;
+}
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -10,12 +15,22 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use fluxgate::core::{Decision, Engine, EngineHandler, RateLimitMetricsRecorder};
+use fluxgate::core::{
+    Decision, Engine, EngineHandler, MemoryLimiter, RateLimitMetricsRecorder, StaticRuleSetProvider, TokioClock,
+};
 use fluxgate::tower::{ApiKey, ClientIp, RateLimitLayer, UserId};
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
-use support::*;
+use support::app::*;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
+
+/// An engine over the rules of `yaml` and a fresh in-memory limiter on tokio's clock.
+fn engine(yaml: &str) -> Engine {
+    Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
+        .shared_limiter(Arc::new(MemoryLimiter::builder().clock(TokioClock::new()).build()))
+        .build()
+        .expect("the in-memory limiter decides every rule")
+}
 
 const API_ONE_PER_HOUR: &str = r#"
 rule_sets:
@@ -30,7 +45,7 @@ rule_sets:
 
 #[tokio::test]
 async fn dot_segments_and_double_slashes_hit_the_same_rule() {
-    let app = app(layer(engine(&Memory, API_ONE_PER_HOUR)).build().unwrap());
+    let app = app(layer(engine(API_ONE_PER_HOUR)).build().unwrap());
     let r = get_from(&app, "/api/users", "192.0.2.10").await;
     assert_eq!(r.status, StatusCode::OK);
     for path in [
@@ -63,7 +78,7 @@ fn login_app(rules: &str, runs: Arc<AtomicUsize>) -> axum::Router {
                 }
             }),
         )
-        .layer(RateLimitLayer::new(engine(&Memory, rules)))
+        .layer(RateLimitLayer::new(engine(rules)))
 }
 
 const LOGIN_GET_ONE_PER_HOUR: &str = r#"
@@ -153,10 +168,7 @@ rule_sets:
       - id: per-ip
         bands: [{ capacity: 1, window: 1h }]
 "#;
-    let app = app(layer(engine(&Memory, rules))
-        .trusted_proxies(["10.0.0.0/8"])
-        .build()
-        .unwrap());
+    let app = app(layer(engine(rules)).trusted_proxies(["10.0.0.0/8"]).build().unwrap());
     // From an untrusted peer, X-Forwarded-For is ignored: the two requests share the peer's bucket.
     let from_untrusted = |xff: &'static str| request("GET", "/api/users", "203.0.113.50", &[("x-forwarded-for", xff)]);
     assert_eq!(send(&app, from_untrusted("198.51.100.1")).await.status, StatusCode::OK);
@@ -193,8 +205,8 @@ rule_sets:
         assert_eq!(send(&app, req).await.status, expected, "Forwarded: {forwarded}");
     }
     // With `Forwarded` configured instead, it is read, and X-Forwarded-For ignored.
-    let app_rfc = support::app(
-        layer(engine(&Memory, rules))
+    let app_rfc = support::app::app(
+        layer(engine(rules))
             .trusted_proxies(["10.0.0.0/8"])
             .forwarded_for_header("forwarded")
             .build()
@@ -231,7 +243,7 @@ rule_sets:
 }
 
 fn app_default(rules: &str) -> axum::Router {
-    app(RateLimitLayer::new(engine(&Memory, rules)))
+    app(RateLimitLayer::new(engine(rules)))
 }
 
 #[tokio::test]
@@ -243,7 +255,7 @@ rule_sets:
       - id: everything
         bands: [{ capacity: 1, window: 1h }]
 "#;
-    let app = app(layer(engine(&Memory, rules))
+    let app = app(layer(engine(rules))
         .exclude(["/health", "/metrics/**"])
         .build()
         .unwrap());
@@ -280,7 +292,7 @@ rule_sets:
         StatusCode::TOO_MANY_REQUESTS
     );
 
-    let app = support::app(layer(engine(&Memory, rules)).include(["/api/orders"]).build().unwrap());
+    let app = support::app::app(layer(engine(rules)).include(["/api/orders"]).build().unwrap());
     for _ in 0..3 {
         assert_eq!(get_from(&app, "/api/users", "192.0.2.21").await.status, StatusCode::OK);
     }
@@ -320,7 +332,7 @@ rule_sets:
         bands: [{ capacity: 2, window: 1h }]
 "#;
     let counting = Arc::new(Counting::default());
-    let handler = EngineHandler::new(engine(&Memory, rules)).with_recorder(counting.clone());
+    let handler = EngineHandler::new(engine(rules)).with_recorder(counting.clone());
     let app = app(RateLimitLayer::builder(handler).shadow(true).build().unwrap());
     for i in 0..5u64 {
         let r = get_from(&app, "/api/users", "192.0.2.30").await;
@@ -345,7 +357,7 @@ rule_sets:
         bands: [{ capacity: 4, window: 1h }]
 "#;
     let counting = Arc::new(Counting::default());
-    let handler = EngineHandler::new(engine(&Memory, rules)).with_recorder(counting.clone());
+    let handler = EngineHandler::new(engine(rules)).with_recorder(counting.clone());
     let app = app(RateLimitLayer::new(handler));
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -379,7 +391,7 @@ rule_sets:
         on_missing_key: skip
         bands: [{ capacity: 1, window: 1h }]
 "#;
-    let app = app(layer(engine(&Memory, rules))
+    let app = app(layer(engine(rules))
         .customizer(|ctx, parts| {
             if let Some(t) = parts.headers.get("x-tenant-id").and_then(|v| v.to_str().ok()) {
                 ctx.set_attribute("tenant", t);
@@ -427,7 +439,7 @@ rule_sets:
       - id: per-ip
         bands: [{ capacity: 1, window: 1h }]
 "#;
-    let app = app(layer(engine(&Memory, rules))
+    let app = app(layer(engine(rules))
         .customizer(|ctx, parts| {
             if let Some(ip) = parts
                 .headers
@@ -462,7 +474,7 @@ rule_sets:
           - { capacity: 1, window: 1s, label: burst }
           - { capacity: 100, window: 1m, label: sustained }
 "#;
-    let app = app(layer(engine(&Memory, rules)).build().unwrap());
+    let app = app(layer(engine(rules)).build().unwrap());
     let r = get_from(&app, "/api/users", "192.0.2.60").await;
     assert_eq!(
         r.header("ratelimit-policy"),
@@ -471,8 +483,8 @@ rule_sets:
     assert_eq!(r.header("ratelimit"), Some("\"burst\";r=0;t=1"));
     assert_eq!(r.num("x-ratelimit-limit"), 1);
 
-    let app = support::app(
-        layer(engine(&Memory, rules))
+    let app = support::app::app(
+        layer(engine(rules))
             .legacy_headers(false)
             .ietf_headers(false)
             .on_rejection(|d| {
@@ -510,7 +522,7 @@ rule_sets:
           - { capacity: 9, window: 1m, label: burst }
           - { capacity: 99, window: 1h }
 "#;
-    let app = app(layer(engine(&Memory, rules)).build().unwrap());
+    let app = app(layer(engine(rules)).build().unwrap());
     let r = get_from(&app, "/api/users", "192.0.2.62").await;
     assert_eq!(
         r.header("ratelimit-policy"),
@@ -521,7 +533,7 @@ rule_sets:
 
 #[tokio::test]
 async fn bad_layer_options_are_named() {
-    let engine = engine(&Memory, "rule_sets: []");
+    let engine = engine("rule_sets: []");
     let err = RateLimitLayer::builder(engine.clone())
         .trusted_proxies(["10.0.0.0/40"])
         .build()
@@ -590,7 +602,7 @@ rule_sets:
 "#;
     let calls = Arc::new(AtomicUsize::new(0));
     let svc = ServiceBuilder::new()
-        .layer(RateLimitLayer::new(engine(&Memory, rules)))
+        .layer(RateLimitLayer::new(engine(rules)))
         .service(Plain { calls: calls.clone() });
     // The service is Clone; clones share the limiter.
     let resp = svc.clone().oneshot(plain_request("/a")).await.unwrap();
@@ -650,7 +662,7 @@ rule_sets:
         counter.fetch_add(1, Ordering::SeqCst);
         async move { Ok::<_, Infallible>(Response::new(Body::from("fn"))) }
     });
-    let mut svc = RateLimitLayer::new(Slow(engine(&Memory, rules))).layer_service(inner);
+    let mut svc = RateLimitLayer::new(Slow(engine(rules))).layer_service(inner);
     let mut statuses = Vec::new();
     for _ in 0..4 {
         let resp = svc

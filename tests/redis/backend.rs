@@ -1,62 +1,14 @@
-//! The shared decision scenarios, run against a real `redis-server` in real time.
+//! The shared decision scenarios, run against a real `redis-server` in real time, one
+//! server per test; and what only the Redis backend does.
 
-use crate::support::redis::Redis;
-use crate::support::scenarios;
+use crate::support::redis::{Redis, Servers};
+use crate::support::scenarios::scenario_tests;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hundred_per_minute_through_the_engine() {
-    scenarios::hundred_per_minute_engine(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hundred_per_minute_through_the_layer() {
-    scenarios::hundred_per_minute_layer(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_bands_reject_the_eleventh() {
-    scenarios::two_bands(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permits_three_five_three() {
-    scenarios::permits(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn per_ip_and_global_rejection_consumes_nothing() {
-    scenarios::per_ip_and_global(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn remaining_is_the_least_over_all_bands() {
-    scenarios::remaining_is_the_least(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn keys_are_isolated() {
-    scenarios::isolation(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ipv6_clients() {
-    scenarios::ipv6(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn exact_refill_in_real_time() {
-    scenarios::exact_refill(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrency_is_exact() {
-    scenarios::concurrency(&Redis::start().await).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hostile_header_values() {
-    scenarios::hostile_header_values(&Redis::start().await).await;
-}
+scenario_tests!(
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    Redis::start(Servers::standalone()).await
+);
 
 mod redis_only {
     use fluxgate::core::limiter::CircuitBreaker;
@@ -66,8 +18,9 @@ mod redis_only {
     };
     use fluxgate::tower::RateLimitLayer;
 
-    use crate::support::redis::Redis;
-    use crate::support::{check, engine, Backend};
+    use crate::support::app::{app, get_from, rules};
+    use crate::support::backend::{check, engine, Backend, Memory};
+    use crate::support::redis::{Redis, RedisCluster, Servers};
 
     const THREE_BY_TWO: &str = r#"
 rule_sets:
@@ -84,12 +37,12 @@ rule_sets:
 "#;
 
     fn evalsha_calls(redis: &Redis) -> u64 {
-        redis.server.evalsha_calls()
+        redis.server().evalsha_calls()
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_script_call_per_decision_whatever_the_rule_count() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(&redis, THREE_BY_TWO);
         let before = evalsha_calls(&redis);
         let ctx = RequestContext::builder()
@@ -106,7 +59,7 @@ rule_sets:
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn script_flush_fails_no_request() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(&redis, THREE_BY_TWO);
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.2".parse().unwrap())
@@ -114,7 +67,7 @@ rule_sets:
             .build();
         for i in 0..30 {
             if i % 10 == 5 {
-                assert_eq!(redis.server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+                assert_eq!(redis.server().cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
             }
             let d = engine.check(&ctx).await.expect("no request fails after SCRIPT FLUSH");
             assert_eq!(d.remaining(), Some(99 - i));
@@ -123,7 +76,7 @@ rule_sets:
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_are_bounded_tagged_and_expire() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(&redis, THREE_BY_TWO);
         let hostile = format!("}}{{x:{}\n", "y".repeat(10_000));
         let ctx = RequestContext::builder()
@@ -131,7 +84,7 @@ rule_sets:
             .user_id(hostile)
             .build();
         assert!(check(&engine, &ctx).await.allowed);
-        let keys = redis.server.cli(&["--scan", "--pattern", "*"]);
+        let keys = redis.server().cli(&["--scan", "--pattern", "*"]);
         let keys: Vec<&str> = keys.lines().collect();
         assert_eq!(keys.len(), 6, "{keys:?}");
         for key in keys {
@@ -140,7 +93,7 @@ rule_sets:
             // Exactly one hash tag, and nothing of the user's value outside it.
             assert_eq!(key.matches('{').count(), 1, "{key}");
             assert_eq!(key.matches('}').count(), 1, "{key}");
-            let ttl: i64 = redis.server.cli(&["PTTL", key]).trim().parse().unwrap();
+            let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
             let window = fluxgate::core::parse_duration(key.rsplit('/').next().unwrap()).unwrap();
             let window_ms = window.as_millis() as i64;
             assert!(ttl > window_ms && ttl <= window_ms + 1_000, "{key}: ttl {ttl}");
@@ -151,7 +104,7 @@ rule_sets:
     /// it admits.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shadow_rules_on_redis() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         for rules in [
             "rule_sets:\n  - id: default\n    rules:\n      - id: trial\n        mode: shadow\n        bands: [{ capacity: 1, window: 1h }]\n",
             "rule_sets:\n  - id: default\n    rules:\n      - id: trial\n        mode: shadow\n        bands: [{ capacity: 1, window: 1h }, { capacity: 5, window: 1m }]\n      - id: real\n        bands: [{ capacity: 3, window: 1h }]\n",
@@ -172,13 +125,13 @@ rule_sets:
     /// key is admitted again as soon as the wait has passed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deny_cache_absorbs_a_flood() {
-        let redis = Redis::start().await;
-        let rules = crate::support::rules(
+        let redis = Redis::start(Servers::standalone()).await;
+        let rules = rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1s }]\n",
         );
         let engine_with = |deny_cache: bool| {
             let rules = rules.clone();
-            let url = redis.server.url();
+            let url = redis.url();
             async move {
                 let limiter = fluxgate_redis::RedisLimiter::builder(url)
                     .prefix(format!("deny-{deny_cache}"))
@@ -231,7 +184,7 @@ rule_sets:
     /// 3 per second refills one token every 333,333.33 µs: the script keeps the fraction.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fractional_refill_is_exact() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(
             &redis,
             "rule_sets:\n  - id: default\n    rules:\n      - id: thirds\n        scope: attribute\n        attribute: run\n        bands: [{ capacity: 3, window: 1s }]\n",
@@ -255,13 +208,13 @@ rule_sets:
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
     async fn four_engines_on_separate_connections_share_one_limit() {
-        let redis = Redis::start().await;
-        let rules = crate::support::rules(
+        let redis = Redis::start(Servers::standalone()).await;
+        let rules = rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        bands: [{ capacity: 100, window: 1h }]\n",
         );
         let mut tasks = Vec::new();
         for _ in 0..4 {
-            let limiter = fluxgate_redis::RedisLimiter::builder(redis.server.url())
+            let limiter = fluxgate_redis::RedisLimiter::builder(redis.url())
                 .prefix("shared")
                 .pool_size(2)
                 .timeout(std::time::Duration::from_secs(2))
@@ -304,7 +257,7 @@ rule_sets:
     /// expiring when its state is worthless, and untouched by a rejected request.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_algorithm_has_its_key_and_expiry() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(&redis, FIVE_ALGORITHMS);
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.9".parse().unwrap())
@@ -319,14 +272,14 @@ rule_sets:
             "one call per decision for five algorithms"
         );
         let snapshot = |key: &str| {
-            let kind = redis.server.cli(&["TYPE", key]).trim().to_owned();
+            let kind = redis.server().cli(&["TYPE", key]).trim().to_owned();
             if kind == "zset" {
-                redis.server.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"])
+                redis.server().cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"])
             } else {
-                redis.server.cli(&["GET", key])
+                redis.server().cli(&["GET", key])
             }
         };
-        let keys = redis.server.cli(&["--scan", "--pattern", "*"]);
+        let keys = redis.server().cli(&["--scan", "--pattern", "*"]);
         let mut keys: Vec<String> = keys.lines().map(str::to_owned).collect();
         keys.sort();
         let ip = "ip=192.0.2.9";
@@ -349,7 +302,7 @@ rule_sets:
         let after: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         assert_eq!(states, after, "a rejection wrote to Redis");
         for key in &keys {
-            let ttl: i64 = redis.server.cli(&["PTTL", key]).trim().parse().unwrap();
+            let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
             // At most: the window and one second (log, buckets), the rest of the window
             // and one second (fixed), the rest of this window and the next (counter).
             let most = if key.ends_with(":swc") { 121_000 } else { 61_000 };
@@ -357,7 +310,7 @@ rule_sets:
         }
         // The log holds one member per permit, unique within the microsecond.
         let log = keys.iter().find(|k| k.ends_with(":swl")).unwrap();
-        let members = redis.server.cli(&["ZRANGE", log, "0", "-1"]);
+        let members = redis.server().cli(&["ZRANGE", log, "0", "-1"]);
         let members: Vec<&str> = members.lines().collect();
         assert_eq!(members.len(), 2);
         assert!(members.iter().all(|m| m.ends_with(":1")), "{members:?}");
@@ -367,7 +320,7 @@ rule_sets:
     /// members with one score.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn log_members_are_unique_within_a_microsecond() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(
             &redis,
             "rule_sets:\n  - id: default\n    rules:\n      - { id: swl, algorithm: sliding_window_log, permits: 5, bands: [{ capacity: 12, window: 1m }] }\n",
@@ -382,7 +335,7 @@ rule_sets:
         }
         assert!(!check(&engine, &ctx).await.allowed);
         let key = "test0:{default:swl:ip=192.0.2.10}:b0:12/1m:swl";
-        let scored = redis.server.cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
+        let scored = redis.server().cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
         let lines: Vec<&str> = scored.lines().collect();
         assert_eq!(lines.len(), 20, "{lines:?}");
         let first_score = lines[1];
@@ -402,7 +355,7 @@ rule_sets:
     /// backend decides the same rules.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bands_beyond_exact_arithmetic_are_refused_when_loaded() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         for (rule, band, limit) in [
             (
                 "{ id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d, label: month }] }",
@@ -421,7 +374,7 @@ rule_sets:
             ),
         ] {
             let yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - {rule}\n");
-            let rules = crate::support::rules(&yaml);
+            let rules = rules(&yaml);
             let built = Engine::builder(StaticRuleSetProvider::new(rules.clone()))
                 .shared_limiter(redis.limiter())
                 .build();
@@ -453,8 +406,8 @@ rule_sets:
     /// of the backend (the circuit stays closed for the other rules).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_undecidable_rule_is_refused_and_opens_no_circuit() {
-        let redis = Redis::start().await;
-        let rules = crate::support::rules(
+        let redis = Redis::start(Servers::standalone()).await;
+        let rules = rules(
             r#"
 rule_sets:
   - id: default
@@ -480,8 +433,8 @@ rule_sets:
         let fine = ctx.to_builder().rule_set_id("fine").build();
         assert!(check(&engine, &fine).await.allowed, "the circuit opened");
         // Through the layer, with the default fail-open policy: refused, not admitted.
-        let app = crate::support::app(RateLimitLayer::new(engine));
-        let r = crate::support::get_from(&app, "/api/users", "192.0.2.12").await;
+        let app = app(RateLimitLayer::new(engine));
+        let r = get_from(&app, "/api/users", "192.0.2.12").await;
         assert_eq!(r.status, http::StatusCode::INTERNAL_SERVER_ERROR);
     }
 
@@ -489,8 +442,8 @@ rule_sets:
     /// rule set the backend cannot decide is never handed out, nor cached.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_caching_provider_refuses_undecidable_rule_sets() {
-        let redis = Redis::start().await;
-        let rules = crate::support::rules(
+        let redis = Redis::start(Servers::standalone()).await;
+        let rules = rules(
             "rule_sets:\n  - id: default\n    rules:\n      - { id: monthly, algorithm: sliding_window_counter, bands: [{ capacity: 2000, window: 30d }] }\n",
         );
         let cached = CachingRuleSetProvider::builder(Unchecked(StaticRuleSetProvider::new(rules))).build();
@@ -524,12 +477,12 @@ rule_sets:
             }
         }
         // The largest cost accepted is never admitted by a smaller band, on Redis as in memory.
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let yaml = "rule_sets:\n  - id: default\n    rules:\n      - { id: costly, permits: 1099511627776, bands: [{ capacity: 10, window: 1m }] }\n";
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.14".parse().unwrap())
             .build();
-        for engine in [engine(&redis, yaml), engine(&crate::support::Memory, yaml)] {
+        for engine in [engine(&redis, yaml), engine(&Memory::tokio(), yaml)] {
             for _ in 0..3 {
                 let d = check(&engine, &ctx).await;
                 assert!(!d.allowed);
@@ -544,7 +497,7 @@ rule_sets:
     /// from now).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deny_cache_repeats_redis_figures() {
-        let redis = Redis::start().await;
+        let redis = Redis::start(Servers::standalone()).await;
         let engine = engine(
             &redis,
             "rule_sets:\n  - id: default\n    rules:\n      - { id: daily, algorithm: fixed_window, permits: 2, bands: [{ capacity: 3, window: 1d }] }\n",
@@ -572,8 +525,8 @@ rule_sets:
         assert_eq!(local.reset_unix_secs(), Some(midnight));
         assert!(local.binding().unwrap().reset_after <= from_redis.binding().unwrap().reset_after);
         // Both headers agree through the layer.
-        let app = crate::support::app(RateLimitLayer::new(engine));
-        let r = crate::support::get_from(&app, "/api/users", "192.0.2.15").await;
+        let app = app(RateLimitLayer::new(engine));
+        let r = get_from(&app, "/api/users", "192.0.2.15").await;
         assert_eq!(r.status, http::StatusCode::TOO_MANY_REQUESTS);
         assert_eq!(r.num("x-ratelimit-reset"), midnight);
         assert_eq!(r.num("x-ratelimit-remaining"), 1);
@@ -582,8 +535,8 @@ rule_sets:
     /// A deny-cache hit says nothing about Redis's health: it never closes an open circuit.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_deny_cache_hit_closes_no_circuit() {
-        let mut redis = Redis::start().await;
-        let limiter = fluxgate_redis::RedisLimiter::builder(redis.server.url())
+        let mut redis = Redis::start(Servers::standalone()).await;
+        let limiter = fluxgate_redis::RedisLimiter::builder(redis.url())
             .timeout(std::time::Duration::from_millis(200))
             .reconnect_delay(std::time::Duration::from_millis(20))
             .connect()
@@ -596,7 +549,7 @@ rule_sets:
                 .cool_down(std::time::Duration::from_secs(1))
                 .clock(clock.clone()),
         );
-        let engine = Engine::builder(StaticRuleSetProvider::new(crate::support::rules(
+        let engine = Engine::builder(StaticRuleSetProvider::new(rules(
             "rule_sets:\n  - id: default\n    rules:\n      - { id: per-ip, bands: [{ capacity: 1, window: 1h }] }\n",
         )))
         .shared_limiter(breaker.clone())
@@ -611,7 +564,7 @@ rule_sets:
         assert!(check(&engine, &denied).await.allowed);
         assert!(!check(&engine, &denied).await.allowed, "remembered by the deny cache");
         // Redis goes away: the circuit opens.
-        redis.server.kill();
+        redis.server_mut().kill();
         assert!(engine.check(&other).await.is_err());
         assert!(breaker.is_open());
         // Half-open: the deny cache answers the probe, which proves nothing.
@@ -629,7 +582,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn from_client_keeps_the_deny_cache_off_on_a_cluster() {
         use fred::interfaces::ClientLike;
-        let cluster = crate::support::redis::RedisCluster::start();
+        let cluster = RedisCluster::start();
         let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
         let config = fred::types::config::Config::from_url_clustered(&format!(
             "redis-cluster://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}",
@@ -642,8 +595,8 @@ rule_sets:
         let limiter = fluxgate_redis::RedisLimiter::from_client(client, "from-client");
         assert!(!limiter.has_deny_cache());
 
-        let redis = Redis::start().await;
-        let config = fred::types::config::Config::from_url(&redis.server.url()).unwrap();
+        let redis = Redis::start(Servers::standalone()).await;
+        let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
         let client = fred::types::Builder::from_config(config).build().unwrap();
         client.init().await.unwrap();
         assert!(fluxgate_redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());

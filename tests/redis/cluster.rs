@@ -2,44 +2,42 @@
 //! whose rules hash to different slots (one concurrent script call per slot, refunds when
 //! a slot rejects).
 
-use crate::support::redis::Cluster;
-use crate::support::scenarios;
+/// The scenarios on the cluster that these tests share, one test each, each with its own
+/// client and key prefixes.
+mod scenarios {
+    use crate::support::redis::{Redis, Servers};
+    use crate::support::scenarios::scenario_tests;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_scenarios() {
-    // One cluster for the whole suite: each scenario has its own key prefix.
-    let cluster = Cluster::start().await;
-    let health = fluxgate_redis::RedisLimiter::builder(cluster.cluster.url())
-        .connect()
-        .await
-        .unwrap();
-    assert_eq!(health.health().await.unwrap().cluster_state.as_deref(), Some("ok"));
-    scenarios::hundred_per_minute_engine(&cluster).await;
-    scenarios::hundred_per_minute_layer(&cluster).await;
-    scenarios::two_bands(&cluster).await;
-    scenarios::permits(&cluster).await;
-    scenarios::per_ip_and_global(&cluster).await;
-    scenarios::remaining_is_the_least(&cluster).await;
-    scenarios::isolation(&cluster).await;
-    scenarios::ipv6(&cluster).await;
-    scenarios::concurrency(&cluster).await;
-    scenarios::hostile_header_values(&cluster).await;
-    scenarios::exact_refill(&cluster).await;
+    scenario_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        Redis::start(Servers::shared_cluster()).await
+    );
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_cluster_reports_its_state() {
+        let redis = Redis::start(Servers::shared_cluster()).await;
+        let health = fluxgate_redis::RedisLimiter::builder(redis.url())
+            .connect()
+            .await
+            .unwrap();
+        assert_eq!(health.health().await.unwrap().cluster_state.as_deref(), Some("ok"));
+    }
 }
 
 mod cross_slot {
     use fluxgate::core::RequestContext;
 
-    use crate::support::redis::Cluster;
-    use crate::support::{check, engine};
+    use crate::support::backend::{check, engine};
+    use crate::support::redis::{Redis, Servers};
 
     /// Per-IP 2 and per-user 100 land in different slots: when the per-IP slot rejects,
     /// the per-user slot gives back what it took.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rejecting_slot_refunds_the_others() {
-        let cluster = Cluster::start().await;
+        let redis = Redis::start(Servers::cluster()).await;
         let engine = engine(
-            &cluster,
+            &redis,
             r#"
 rule_sets:
   - id: default
@@ -63,11 +61,11 @@ rule_sets:
             "the two rules must hash to different slots for this test"
         );
 
-        let before = cluster.cluster.evalsha_calls();
+        let before = redis.cluster().evalsha_calls();
         assert!(check(&engine, &ctx).await.allowed);
         assert!(check(&engine, &ctx).await.allowed);
         assert_eq!(
-            cluster.cluster.evalsha_calls() - before,
+            redis.cluster().evalsha_calls() - before,
             4,
             "one call per slot per decision"
         );
@@ -117,8 +115,9 @@ mod refunds {
     use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
     use fluxgate_redis::RedisLimiter;
 
+    use crate::support::app::rules;
+    use crate::support::backend::check;
     use crate::support::redis::{RedisCluster, RedisServer};
-    use crate::support::{check, rules};
 
     async fn engine(cluster: &RedisCluster, prefix: &str, yaml: &str, timeout: Duration) -> Engine {
         let limiter = RedisLimiter::builder(cluster.url())

@@ -8,17 +8,14 @@
 
 use std::cell::Cell;
 use std::fmt::{self, Write as _};
-use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::support::conformance;
-use crate::support::model::{self, Model, ModelDecision, ModelLimiter, ModelWait, Tick, Unit};
-use crate::support::redis::RedisServer;
+use crate::support::backend::{Backend, Memory};
+use crate::support::conformance::{conformance_tests, START_NANOS};
+use crate::support::model::{self, Model, ModelBackend, ModelDecision, ModelWait, Tick, Unit};
+use crate::support::redis::{Redis, Servers};
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
-use fluxgate::core::{
-    Algorithm, BandSpec, Clock, ManualClock, MemoryLimiter, Mode, RateLimiter, Rule, RuleSet, RuleSpec,
-};
-use fluxgate_redis::RedisLimiter;
+use fluxgate::core::{Algorithm, BandSpec, Clock, ManualClock, Mode, Rule, RuleSet, RuleSpec};
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestError, TestRunner};
@@ -494,7 +491,7 @@ const BASE_NANOS: u64 = 1_764_000_000_000_000_000;
 fn run_memory(case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
     let set = rule_set(case);
     let clock = ManualClock::new(BASE_NANOS + case.start);
-    let limiter = MemoryLimiter::builder().clock(clock.clone()).build();
+    let limiter = Memory::manual(clock.clone()).memory_limiter();
     let mut model = Model::new();
     let bands = all_bands(case, Unit::Nanos);
     let mut last: Option<ModelDecision> = None;
@@ -535,9 +532,9 @@ const REDIS_CASE_BUDGET_US: Tick = 2_000_000;
 
 /// One case on Redis, in real time: each step sleeps its advance, and the model decides
 /// at the instant Redis decided at (the reply's `TIME`, in microseconds).
-async fn run_redis(base: &RedisLimiter, prefix: String, case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
+async fn run_redis(redis: &Redis, case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
     let set = rule_set(case);
-    let limiter = base.with_prefix(prefix);
+    let limiter = redis.limiter();
     let mut model = Model::redis();
     let bands = all_bands(case, Unit::Micros);
     let mut last: Option<ModelDecision> = None;
@@ -688,15 +685,7 @@ fn redis_limiter_agrees_with_the_model() {
         .enable_all()
         .build()
         .expect("a tokio runtime");
-    let server = RedisServer::start();
-    let base = rt
-        .block_on(
-            RedisLimiter::builder(server.url())
-                .timeout(Duration::from_secs(2))
-                .deny_cache(false)
-                .connect(),
-        )
-        .expect("connect to the test Redis");
+    let redis = rt.block_on(Redis::scripts_only(Servers::standalone()));
     let stats = Stats::default();
     let mut runner = TestRunner::new(config(seed, 24, 90_000));
     let profile = Profile {
@@ -704,9 +693,8 @@ fn redis_limiter_agrees_with_the_model() {
         steps: (4, 16),
     };
     let result = runner.run(&case(profile), |case| {
-        let n = stats.cases.get();
-        stats.cases.set(n + 1);
-        rt.block_on(run_redis(&base, format!("diff{n}"), &case, &stats))
+        stats.cases.set(stats.cases.get() + 1);
+        rt.block_on(run_redis(&redis, &case, &stats))
     });
     eprintln!("redis_limiter_agrees_with_the_model: {:?}; {stats}", started.elapsed());
     report("redis_limiter_agrees_with_the_model", seed, result);
@@ -716,13 +704,14 @@ fn redis_limiter_agrees_with_the_model() {
 // The model itself, against figures worked out by hand.
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
-async fn the_model_passes_the_conformance_suite() {
-    // Every hand-worked figure of every case, from the model on a controlled clock.
-    let harness = conformance::OnManualClock::new(|clock| Arc::new(ModelLimiter::new(clock)));
-    for case in conformance::ALL {
-        conformance::run(&harness, case).await;
-    }
+/// Every hand-worked figure of every case, from the model on a controlled clock.
+mod model_conformance {
+    use super::*;
+
+    conformance_tests!(
+        #[tokio::test]
+        ModelBackend::new(ManualClock::new(START_NANOS))
+    );
 }
 
 mod model_examples {

@@ -3,8 +3,18 @@
 //! and on a 3-primary cluster, the differential test against the reference model,
 //! refunds across cluster slots, outages and a Sentinel failover.
 
-#[path = "../support/mod.rs"]
-mod support;
+/// The shared test support: the modules of `tests/support/` this binary uses. Like the tests,
+/// it panics on what it does not expect.
+#[path = "../support"]
+#[allow(clippy::unwrap_used)]
+mod support {
+    pub(crate) mod app;
+    pub(crate) mod backend;
+    pub(crate) mod conformance;
+    pub(crate) mod model;
+    pub(crate) mod redis;
+    pub(crate) mod scenarios;
+}
 
 mod backend;
 mod cluster;

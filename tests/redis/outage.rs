@@ -7,8 +7,8 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::support::app::rules;
 use crate::support::redis::RedisServer;
-use crate::support::rules;
 use fluxgate::core::limiter::CircuitBreaker;
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext, StaticRuleSetProvider};
 use fluxgate_redis::RedisLimiter;

@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::support::app::rules;
 use crate::support::redis::RedisSentinels;
-use crate::support::rules;
 use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
 use fluxgate_redis::RedisLimiter;
 

@@ -1,77 +1,40 @@
 //! The algorithm conformance suite: request sequences with the expected decision at each
 //! step, run unchanged against every backend.
 //!
-//! A [`Harness`] gives a limiter and a clock. On the in-memory backend the clock is a
-//! [`ManualClock`] set to each step's instant, so every figure is exact. On Redis the
-//! steps run in real time (Redis `TIME`, on this machine's clock): every step is placed at
-//! least 20 ms away from any instant where its decision would change. Each decision
+//! A [`Backend`] gives a limiter and a clock. On the in-memory backend and the model the
+//! clock is a `ManualClock` set to each step's instant, so every figure is exact. On Redis
+//! the steps run in real time (Redis `TIME`, on this machine's clock): every step is placed
+//! at least 20 ms away from any instant where its decision would change. Each decision
 //! reports the instant it was taken at, so the suite measures how late each step was: an
 //! attempt with a step more than [`MAX_LATE_MS`] late proves nothing and the case runs
 //! again, and after [`ATTEMPTS`] late attempts it fails saying by how much it was late,
 //! rather than asserting a wrong decision. Decisions and remaining counts must match
 //! exactly on every backend; durations (retry-after, reset) within the lateness measured
-//! so far plus the harness's rounding ([`Harness::tolerance_ms`]).
+//! so far plus [`ROUNDING_MS`].
 //!
 //! Each case names one rule set; every rule of it applies to every request, with the key
 //! of the step. Cases that need window boundaries start at one (`align_ms`).
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
-use fluxgate::core::{Clock, ManualClock, RateLimiter, Rule, RuleSet, RuleSets};
+use fluxgate::core::{Rule, RuleSet, RuleSets};
 
-/// A backend with a clock the suite can wait on.
-pub trait Harness {
-    /// A fresh limiter, isolated from the others.
-    fn limiter(&self) -> Arc<dyn RateLimiter>;
-    /// The backend's clock, in nanoseconds since the Unix epoch.
-    fn now(&self) -> u64;
-    /// Returns once the backend's clock reads at least `t`.
-    fn wait_until(&self, t: u64) -> impl Future<Output = ()>;
-    /// How many milliseconds a duration may be off beyond the measured lateness (the
-    /// backend's rounding).
-    fn tolerance_ms(&self) -> u64;
-}
+use super::backend::Backend;
 
-/// A limiter on a clock that moves only when a step says so, so that every figure is
-/// exact; `make` builds a fresh limiter on that clock.
-pub struct OnManualClock {
-    clock: ManualClock,
-    make: fn(ManualClock) -> Arc<dyn RateLimiter>,
-}
+/// Where the suite's backends on a controlled clock start: an arbitrary instant, not on
+/// any window boundary.
+pub(crate) const START_NANOS: u64 = 1_764_000_000_123_456_789;
 
-impl OnManualClock {
-    /// Starts at an arbitrary instant, not on any window boundary.
-    pub fn new(make: fn(ManualClock) -> Arc<dyn RateLimiter>) -> Self {
-        Self {
-            clock: ManualClock::new(1_764_000_000_123_456_789),
-            make,
-        }
-    }
-}
-
-impl Harness for OnManualClock {
-    fn limiter(&self) -> Arc<dyn RateLimiter> {
-        (self.make)(self.clock.clone())
-    }
-    fn now(&self) -> u64 {
-        self.clock.now_nanos()
-    }
-    async fn wait_until(&self, t: u64) {
-        let now = self.clock.now_nanos();
-        self.clock.advance(Duration::from_nanos(t.saturating_sub(now)));
-    }
-    fn tolerance_ms(&self) -> u64 {
-        // Expected figures are whole milliseconds; a third of a second is not.
-        1
-    }
-}
+/// How many milliseconds a duration may be off beyond the measured lateness: expected
+/// figures are whole milliseconds, while a third of a second is not, and Redis counts
+/// microseconds.
+pub(crate) const ROUNDING_MS: u64 = 1;
 
 /// What a step must get.
 #[derive(Debug, Clone, Copy)]
-pub enum Expect {
+pub(crate) enum Expect {
     /// Admitted, leaving `remaining` (the least over the bands).
     Admit { remaining: u64 },
     /// Rejected, with `remaining` and a retry-after of `retry_ms` from the step's instant.
@@ -83,24 +46,24 @@ pub enum Expect {
 
 /// One or more identical requests at one instant.
 #[derive(Debug, Clone, Copy)]
-pub struct Step {
+pub(crate) struct Step {
     /// Milliseconds from the case's start.
-    pub at_ms: u64,
-    pub key: &'static str,
-    pub permits: u64,
+    pub(crate) at_ms: u64,
+    pub(crate) key: &'static str,
+    pub(crate) permits: u64,
     /// How many requests; with `Admit`, `remaining` is the first one's and falls by
     /// `permits` with each.
-    pub count: u64,
-    pub expect: Expect,
+    pub(crate) count: u64,
+    pub(crate) expect: Expect,
     /// Every band's remaining after the (last) request, in rule order.
-    pub bands: Option<&'static [u64]>,
+    pub(crate) bands: Option<&'static [u64]>,
     /// Every band's reset (milliseconds until it is back to its full capacity) after the
     /// (last) request, in rule order, within the harness's tolerance.
-    pub resets: Option<&'static [u64]>,
+    pub(crate) resets: Option<&'static [u64]>,
 }
 
 /// `count` requests of one permit at `at_ms`, all admitted, the first leaving `first`.
-pub const fn burst(at_ms: u64, count: u64, first: u64) -> Step {
+pub(crate) const fn burst(at_ms: u64, count: u64, first: u64) -> Step {
     Step {
         at_ms,
         key: "k1",
@@ -113,12 +76,12 @@ pub const fn burst(at_ms: u64, count: u64, first: u64) -> Step {
 }
 
 /// One request of one permit at `at_ms`, admitted, leaving `remaining`.
-pub const fn admit(at_ms: u64, remaining: u64) -> Step {
+pub(crate) const fn admit(at_ms: u64, remaining: u64) -> Step {
     burst(at_ms, 1, remaining)
 }
 
 /// One request of one permit at `at_ms`, rejected.
-pub const fn reject(at_ms: u64, remaining: u64, retry_ms: u64) -> Step {
+pub(crate) const fn reject(at_ms: u64, remaining: u64, retry_ms: u64) -> Step {
     Step {
         at_ms,
         key: "k1",
@@ -132,27 +95,27 @@ pub const fn reject(at_ms: u64, remaining: u64, retry_ms: u64) -> Step {
 
 impl Step {
     /// The same step for another key.
-    pub const fn key(mut self, key: &'static str) -> Self {
+    pub(crate) const fn key(mut self, key: &'static str) -> Self {
         self.key = key;
         self
     }
     /// The same step costing `permits`.
-    pub const fn permits(mut self, permits: u64) -> Self {
+    pub(crate) const fn permits(mut self, permits: u64) -> Self {
         self.permits = permits;
         self
     }
     /// The same step, also checking every band's remaining.
-    pub const fn bands(mut self, bands: &'static [u64]) -> Self {
+    pub(crate) const fn bands(mut self, bands: &'static [u64]) -> Self {
         self.bands = Some(bands);
         self
     }
     /// The same step, also checking every band's reset.
-    pub const fn resets(mut self, resets: &'static [u64]) -> Self {
+    pub(crate) const fn resets(mut self, resets: &'static [u64]) -> Self {
         self.resets = Some(resets);
         self
     }
     /// A step rejected for good, leaving `remaining`.
-    pub const fn never(at_ms: u64, remaining: u64) -> Self {
+    pub(crate) const fn never(at_ms: u64, remaining: u64) -> Self {
         Step {
             expect: Expect::Never { remaining },
             ..reject(at_ms, remaining, 0)
@@ -162,13 +125,13 @@ impl Step {
 
 /// A request sequence and its rules.
 #[derive(Debug, Clone, Copy)]
-pub struct Case {
-    pub name: &'static str,
+pub(crate) struct Case {
+    pub(crate) name: &'static str,
     /// The rules of the case's rule set, as a YAML list.
-    pub rules: &'static str,
+    pub(crate) rules: &'static str,
     /// Start at a multiple of this many milliseconds since the Unix epoch.
-    pub align_ms: Option<u64>,
-    pub steps: &'static [Step],
+    pub(crate) align_ms: Option<u64>,
+    pub(crate) steps: &'static [Step],
 }
 
 const MS: u64 = 1_000_000;
@@ -183,9 +146,9 @@ fn rule_set(case: &Case, permits: u64) -> Arc<RuleSet> {
 
 /// How late a real-time step may be and still prove its decision: every step sits at
 /// least 20 ms from any instant where its decision would change.
-pub const MAX_LATE_MS: u64 = 15;
+pub(crate) const MAX_LATE_MS: u64 = 15;
 /// How many times a case runs before lateness fails it.
-pub const ATTEMPTS: usize = 5;
+pub(crate) const ATTEMPTS: usize = 5;
 
 /// A step that ran too late to prove anything.
 #[derive(Debug)]
@@ -195,25 +158,26 @@ struct Late {
 }
 
 /// Runs a case and checks every step; runs it again when a step was too late.
-pub async fn run(h: &impl Harness, case: &Case) {
+pub(crate) async fn run(backend: &dyn Backend, case: &Case) {
     let mut late = Vec::new();
     for _ in 0..ATTEMPTS {
-        match attempt(h, case).await {
+        match attempt(backend, case).await {
             Ok(()) => return,
             Err(l) => late.push(l),
         }
     }
     let shown: Vec<String> = late.iter().map(|l| format!("step {} by {} ms", l.step, l.ms)).collect();
     panic!(
-        "case `{}`: late on each of {ATTEMPTS} attempts ({}): the machine is too busy to check it in real time",
+        "{}: case `{}`: late on each of {ATTEMPTS} attempts ({}): the machine is too busy to check it in real time",
+        backend.name(),
         case.name,
         shown.join(", ")
     );
 }
 
-async fn attempt(h: &impl Harness, case: &Case) -> Result<(), Late> {
-    let limiter = h.limiter();
-    let now = h.now();
+async fn attempt(backend: &dyn Backend, case: &Case) -> Result<(), Late> {
+    let limiter = backend.limiter();
+    let now = backend.now_nanos();
     // A little ahead, so that the first step is not late.
     let ahead = now + 30 * MS;
     let start = match case.align_ms {
@@ -223,7 +187,7 @@ async fn attempt(h: &impl Harness, case: &Case) -> Result<(), Late> {
     let mut latest = 0;
     for (i, step) in case.steps.iter().enumerate() {
         let at = start + step.at_ms * MS;
-        h.wait_until(at).await;
+        backend.wait_until(at).await;
         let set = rule_set(case, step.permits);
         let rules: Vec<&Rule> = set.rules().iter().collect();
         for n in 0..step.count {
@@ -245,7 +209,7 @@ async fn attempt(h: &impl Harness, case: &Case) -> Result<(), Late> {
                 return Err(Late { step: i, ms: late / MS });
             }
             latest = latest.max(late);
-            let tolerance = Duration::from_nanos(latest) + Duration::from_millis(h.tolerance_ms());
+            let tolerance = Duration::from_nanos(latest) + Duration::from_millis(ROUNDING_MS);
             check(case, i, n, step, &outcome, tolerance, late);
         }
     }
@@ -346,7 +310,7 @@ const fn permits(retry_ms: u64) -> [Step; 4] {
     ]
 }
 
-pub const TOKEN_BUCKET: Case = Case {
+pub(crate) const TOKEN_BUCKET: Case = Case {
     name: "token bucket: burst, rejection, exact refill",
     rules: TB5,
     align_ms: None,
@@ -362,14 +326,14 @@ pub const TOKEN_BUCKET: Case = Case {
     ],
 };
 
-pub const TOKEN_BUCKET_PERMITS: Case = Case {
+pub(crate) const TOKEN_BUCKET_PERMITS: Case = Case {
     name: "token bucket: permits",
     rules: "      - { id: tb, algorithm: token_bucket, bands: [{ capacity: 10, window: 1s }] }\n",
     align_ms: None,
     steps: &permits(100),
 };
 
-pub const LEAKY_BUCKET: Case = Case {
+pub(crate) const LEAKY_BUCKET: Case = Case {
     name: "leaky bucket: burst, rejection, leaks on a fixed grid",
     rules: LB5,
     align_ms: None,
@@ -386,14 +350,14 @@ pub const LEAKY_BUCKET: Case = Case {
     ],
 };
 
-pub const LEAKY_BUCKET_PERMITS: Case = Case {
+pub(crate) const LEAKY_BUCKET_PERMITS: Case = Case {
     name: "leaky bucket: permits",
     rules: "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 10, window: 1s }] }\n",
     align_ms: None,
     steps: &permits(100),
 };
 
-pub const FIXED_WINDOW: Case = Case {
+pub(crate) const FIXED_WINDOW: Case = Case {
     name: "fixed window: burst, rejection until the next window",
     rules: FW5,
     align_ms: Some(1000),
@@ -406,7 +370,7 @@ pub const FIXED_WINDOW: Case = Case {
     ],
 };
 
-pub const FIXED_WINDOW_BOUNDARY: Case = Case {
+pub(crate) const FIXED_WINDOW_BOUNDARY: Case = Case {
     name: "fixed window: twice the limit across a boundary",
     rules: FW5,
     align_ms: Some(1000),
@@ -419,14 +383,14 @@ pub const FIXED_WINDOW_BOUNDARY: Case = Case {
     ],
 };
 
-pub const FIXED_WINDOW_PERMITS: Case = Case {
+pub(crate) const FIXED_WINDOW_PERMITS: Case = Case {
     name: "fixed window: permits",
     rules: "      - { id: fw, algorithm: fixed_window, bands: [{ capacity: 10, window: 1s }] }\n",
     align_ms: Some(1000),
     steps: &permits(900),
 };
 
-pub const SLIDING_WINDOW_LOG: Case = Case {
+pub(crate) const SLIDING_WINDOW_LOG: Case = Case {
     name: "sliding window log: exact over the sliding window",
     rules: SWL5,
     align_ms: None,
@@ -442,7 +406,7 @@ pub const SLIDING_WINDOW_LOG: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_LOG_ONE_INSTANT: Case = Case {
+pub(crate) const SLIDING_WINDOW_LOG_ONE_INSTANT: Case = Case {
     name: "sliding window log: many requests at one instant all count",
     rules: SWL5,
     align_ms: None,
@@ -456,14 +420,14 @@ pub const SLIDING_WINDOW_LOG_ONE_INSTANT: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_LOG_PERMITS: Case = Case {
+pub(crate) const SLIDING_WINDOW_LOG_PERMITS: Case = Case {
     name: "sliding window log: permits",
     rules: "      - { id: swl, algorithm: sliding_window_log, bands: [{ capacity: 10, window: 1s }] }\n",
     align_ms: None,
     steps: &permits(1000),
 };
 
-pub const SLIDING_WINDOW_COUNTER: Case = Case {
+pub(crate) const SLIDING_WINDOW_COUNTER: Case = Case {
     name: "sliding window counter: burst, rejection, the weighted previous window",
     rules: SWC5,
     align_ms: Some(1000),
@@ -479,7 +443,7 @@ pub const SLIDING_WINDOW_COUNTER: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_COUNTER_SEED: Case = Case {
+pub(crate) const SLIDING_WINDOW_COUNTER_SEED: Case = Case {
     name: "sliding window counter: the seed's examples (previous 8, current 3)",
     // The seed's figures with a capacity of 11: with 10, the third request of the current
     // window would itself be refused before 12.5% of it (8 × 0.875 + 3 = 10), so the state
@@ -498,7 +462,7 @@ pub const SLIDING_WINDOW_COUNTER_SEED: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_COUNTER_BOUNDARY: Case = Case {
+pub(crate) const SLIDING_WINDOW_COUNTER_BOUNDARY: Case = Case {
     name: "sliding window counter: no double burst across a boundary",
     rules: SWC5,
     align_ms: Some(1000),
@@ -510,7 +474,7 @@ pub const SLIDING_WINDOW_COUNTER_BOUNDARY: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_COUNTER_PERMITS: Case = Case {
+pub(crate) const SLIDING_WINDOW_COUNTER_PERMITS: Case = Case {
     name: "sliding window counter: permits",
     rules: "      - { id: swc, algorithm: sliding_window_counter, bands: [{ capacity: 10, window: 1s }] }\n",
     align_ms: Some(1000),
@@ -518,7 +482,7 @@ pub const SLIDING_WINDOW_COUNTER_PERMITS: Case = Case {
     steps: &permits(1025),
 };
 
-pub const LEAKY_BUCKET_TWO_BANDS: Case = Case {
+pub(crate) const LEAKY_BUCKET_TWO_BANDS: Case = Case {
     name: "leaky bucket: two bands, the binding one changes",
     rules: "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 2, window: 1s }, { capacity: 4, window: 10s }] }\n",
     align_ms: None,
@@ -534,7 +498,7 @@ pub const LEAKY_BUCKET_TWO_BANDS: Case = Case {
     ],
 };
 
-pub const FIXED_WINDOW_TWO_BANDS: Case = Case {
+pub(crate) const FIXED_WINDOW_TWO_BANDS: Case = Case {
     name: "fixed window: two bands",
     rules: "      - { id: fw, algorithm: fixed_window, bands: [{ capacity: 2, window: 500ms }, { capacity: 3, window: 2s }] }\n",
     align_ms: Some(2000),
@@ -547,7 +511,7 @@ pub const FIXED_WINDOW_TWO_BANDS: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_LOG_TWO_BANDS: Case = Case {
+pub(crate) const SLIDING_WINDOW_LOG_TWO_BANDS: Case = Case {
     name: "sliding window log: two bands",
     rules: "      - { id: swl, algorithm: sliding_window_log, bands: [{ capacity: 2, window: 1s }, { capacity: 3, window: 10s }] }\n",
     align_ms: None,
@@ -560,7 +524,7 @@ pub const SLIDING_WINDOW_LOG_TWO_BANDS: Case = Case {
     ],
 };
 
-pub const SLIDING_WINDOW_COUNTER_TWO_BANDS: Case = Case {
+pub(crate) const SLIDING_WINDOW_COUNTER_TWO_BANDS: Case = Case {
     name: "sliding window counter: two bands",
     rules: "      - { id: swc, algorithm: sliding_window_counter, bands: [{ capacity: 2, window: 1s }, { capacity: 3, window: 10s }] }\n",
     align_ms: Some(10_000),
@@ -576,7 +540,7 @@ pub const SLIDING_WINDOW_COUNTER_TWO_BANDS: Case = Case {
     ],
 };
 
-pub const MIXED: Case = Case {
+pub(crate) const MIXED: Case = Case {
     name: "one rule set of all five algorithms rejects as a whole",
     rules: "      - { id: tb, algorithm: token_bucket, bands: [{ capacity: 4, window: 10s }] }
       - { id: fw, algorithm: fixed_window, bands: [{ capacity: 3, window: 1s }] }
@@ -597,25 +561,40 @@ pub const MIXED: Case = Case {
     ],
 };
 
-/// Every case.
-pub const ALL: [&Case; 19] = [
-    &TOKEN_BUCKET,
-    &TOKEN_BUCKET_PERMITS,
-    &LEAKY_BUCKET,
-    &LEAKY_BUCKET_PERMITS,
-    &FIXED_WINDOW,
-    &FIXED_WINDOW_BOUNDARY,
-    &FIXED_WINDOW_PERMITS,
-    &SLIDING_WINDOW_LOG,
-    &SLIDING_WINDOW_LOG_ONE_INSTANT,
-    &SLIDING_WINDOW_LOG_PERMITS,
-    &SLIDING_WINDOW_COUNTER,
-    &SLIDING_WINDOW_COUNTER_SEED,
-    &SLIDING_WINDOW_COUNTER_BOUNDARY,
-    &SLIDING_WINDOW_COUNTER_PERMITS,
-    &LEAKY_BUCKET_TWO_BANDS,
-    &FIXED_WINDOW_TWO_BANDS,
-    &SLIDING_WINDOW_LOG_TWO_BANDS,
-    &SLIDING_WINDOW_COUNTER_TWO_BANDS,
-    &MIXED,
-];
+/// One test per case, on the backend that `$backend` (evaluated in each test) gives, each
+/// with the attribute `#[$test]`: `conformance_tests!(#[tokio::test] Memory::manual(…))`.
+macro_rules! conformance_tests {
+    (#[$test:meta] $backend:expr) => {
+        $crate::support::conformance::conformance_tests! {
+            @cases #[$test] $backend;
+            token_bucket => TOKEN_BUCKET,
+            token_bucket_permits => TOKEN_BUCKET_PERMITS,
+            leaky_bucket => LEAKY_BUCKET,
+            leaky_bucket_permits => LEAKY_BUCKET_PERMITS,
+            fixed_window => FIXED_WINDOW,
+            fixed_window_boundary_burst => FIXED_WINDOW_BOUNDARY,
+            fixed_window_permits => FIXED_WINDOW_PERMITS,
+            sliding_window_log => SLIDING_WINDOW_LOG,
+            sliding_window_log_one_instant => SLIDING_WINDOW_LOG_ONE_INSTANT,
+            sliding_window_log_permits => SLIDING_WINDOW_LOG_PERMITS,
+            sliding_window_counter => SLIDING_WINDOW_COUNTER,
+            sliding_window_counter_seed_examples => SLIDING_WINDOW_COUNTER_SEED,
+            sliding_window_counter_boundary => SLIDING_WINDOW_COUNTER_BOUNDARY,
+            sliding_window_counter_permits => SLIDING_WINDOW_COUNTER_PERMITS,
+            leaky_bucket_two_bands => LEAKY_BUCKET_TWO_BANDS,
+            fixed_window_two_bands => FIXED_WINDOW_TWO_BANDS,
+            sliding_window_log_two_bands => SLIDING_WINDOW_LOG_TWO_BANDS,
+            sliding_window_counter_two_bands => SLIDING_WINDOW_COUNTER_TWO_BANDS,
+            mixed_algorithms => MIXED,
+        }
+    };
+    (@cases #[$test:meta] $backend:expr; $($name:ident => $case:ident,)*) => {
+        $(
+            #[$test]
+            async fn $name() {
+                $crate::support::conformance::run(&$backend, &$crate::support::conformance::$case).await;
+            }
+        )*
+    };
+}
+pub(crate) use conformance_tests;

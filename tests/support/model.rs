@@ -31,18 +31,20 @@
 //!   `end`, `previous × (end − t) / W + current` is used.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
 use fluxgate::core::{Algorithm, BandReport, BoxError, Clock, ManualClock, MaybeReady, Mode, RateLimiter};
 
+use super::backend::{advance_to, Backend, Waiting};
+
 /// An instant or a duration, in ticks.
-pub type Tick = u64;
+pub(crate) type Tick = u64;
 
 /// What a tick is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unit {
+pub(crate) enum Unit {
     /// The in-memory limiter's nanoseconds.
     Nanos,
     /// Redis `TIME` microseconds.
@@ -50,7 +52,7 @@ pub enum Unit {
 }
 
 impl Unit {
-    pub fn nanos_per_tick(self) -> u64 {
+    pub(crate) fn nanos_per_tick(self) -> u64 {
         match self {
             Unit::Nanos => 1,
             Unit::Micros => 1_000,
@@ -58,22 +60,22 @@ impl Unit {
     }
 
     /// A whole number of ticks (windows are whole milliseconds).
-    pub fn ticks(self, d: Duration) -> Tick {
+    pub(crate) fn ticks(self, d: Duration) -> Tick {
         let nanos = u64::try_from(d.as_nanos()).expect("a duration within u64 nanoseconds");
         nanos / self.nanos_per_tick()
     }
 
-    pub fn duration(self, ticks: Tick) -> Duration {
+    pub(crate) fn duration(self, ticks: Tick) -> Duration {
         Duration::from_nanos(ticks * self.nanos_per_tick())
     }
 }
 
 /// One band: its algorithm, capacity and window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct BandSpec {
-    pub algorithm: Algorithm,
-    pub capacity: u64,
-    pub window: Tick,
+pub(crate) struct BandSpec {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) capacity: u64,
+    pub(crate) window: Tick,
 }
 
 /// A band's state; `None` (in [`Model`]) is a band that has never admitted anything.
@@ -289,7 +291,7 @@ fn wait(band: BandSpec, state: Option<&State>, t: Tick, permits: u64) -> ModelWa
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ModelWait {
+pub(crate) enum ModelWait {
     None,
     After(Tick),
     Never,
@@ -297,35 +299,35 @@ pub enum ModelWait {
 
 /// One rule's share of a request: its bands (with their state's names), cost and mode.
 #[derive(Debug, Clone)]
-pub struct BucketSpec {
+pub(crate) struct BucketSpec {
     /// One name per band, identifying its state.
-    pub names: Vec<String>,
-    pub bands: Vec<BandSpec>,
-    pub permits: u64,
-    pub shadow: bool,
+    pub(crate) names: Vec<String>,
+    pub(crate) bands: Vec<BandSpec>,
+    pub(crate) permits: u64,
+    pub(crate) shadow: bool,
 }
 
 /// One band's figures after a decision.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Figures {
+pub(crate) struct Figures {
     /// Whether this band alone admits the request.
-    pub allowed: bool,
-    pub remaining: u64,
-    pub reset_after: Tick,
-    pub wait: ModelWait,
+    pub(crate) allowed: bool,
+    pub(crate) remaining: u64,
+    pub(crate) reset_after: Tick,
+    pub(crate) wait: ModelWait,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelDecision {
-    pub allowed: bool,
-    pub shadow_allowed: bool,
+pub(crate) struct ModelDecision {
+    pub(crate) allowed: bool,
+    pub(crate) shadow_allowed: bool,
     /// Bucket by bucket, band by band.
-    pub bands: Vec<Figures>,
+    pub(crate) bands: Vec<Figures>,
 }
 
 /// The model: every band's state, by name.
 #[derive(Debug, Default)]
-pub struct Model {
+pub(crate) struct Model {
     states: HashMap<String, State>,
     /// Redis only: a written leaky bucket is forgotten this long after the write.
     leaky_ttl: Option<fn(Tick) -> Tick>,
@@ -334,7 +336,7 @@ pub struct Model {
 impl Model {
     /// The model of the in-memory limiter: nothing is ever forgotten (a bucket is only
     /// dropped when it is the same as no bucket, or by sweeps of large shards).
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
@@ -343,7 +345,7 @@ impl Model {
     /// (`px()` in `lua/common.lua`), and the grid then starts over at the next admitted
     /// request (docs/algorithms.md, "Leaky bucket", Redis). The other algorithms' keys
     /// expire only once they count nothing, which changes no figure.
-    pub fn redis() -> Self {
+    pub(crate) fn redis() -> Self {
         Self {
             states: HashMap::new(),
             leaky_ttl: Some(|window_us| (window_us / 1000 + 1001) * 1000),
@@ -351,7 +353,10 @@ impl Model {
     }
 
     /// The instants at which the leaky buckets named `names` will be forgotten (Redis).
-    pub fn expiries<'a>(&'a self, names: impl IntoIterator<Item = &'a str> + 'a) -> impl Iterator<Item = Tick> + 'a {
+    pub(crate) fn expiries<'a>(
+        &'a self,
+        names: impl IntoIterator<Item = &'a str> + 'a,
+    ) -> impl Iterator<Item = Tick> + 'a {
         names.into_iter().filter_map(|n| match self.states.get(n) {
             Some(State::Queue {
                 expires: Some(expires), ..
@@ -362,7 +367,7 @@ impl Model {
 
     /// Decides a request at `t`: all or nothing for the enforced buckets; the shadow ones
     /// consume only when the enforced ones did and every shadow band admits too.
-    pub fn decide(&mut self, buckets: &[BucketSpec], t: Tick) -> ModelDecision {
+    pub(crate) fn decide(&mut self, buckets: &[BucketSpec], t: Tick) -> ModelDecision {
         let mut allowed = true;
         let mut shadow_allowed = true;
         for b in buckets {
@@ -408,19 +413,19 @@ impl Model {
 
     /// The library's request in the model's terms: each band's state is named by the rule
     /// set, rule, key value, band name, algorithm, capacity and window.
-    pub fn buckets(request: &AcquireRequest<'_>, unit: Unit) -> Vec<BucketSpec> {
+    pub(crate) fn buckets(request: &AcquireRequest<'_>, unit: Unit) -> Vec<BucketSpec> {
         request.buckets.iter().map(|b| bucket(b, unit)).collect()
     }
 
     /// Decides a library request at `t` ticks and reports it as the library does.
-    pub fn acquire(&mut self, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
+    pub(crate) fn acquire(&mut self, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
         let decision = self.decide(&Self::buckets(request, unit), t);
         report(&decision, request, t, unit)
     }
 }
 
 /// A decision of the model on `request` at `t` ticks, reported as the library reports it.
-pub fn report(decision: &ModelDecision, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
+pub(crate) fn report(decision: &ModelDecision, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
     let now_unix_nanos = t * unit.nanos_per_tick();
     let mut figures = decision.bands.iter();
     let mut bands = Vec::new();
@@ -485,16 +490,15 @@ fn bucket(b: &BucketRequest<'_>, unit: Unit) -> BucketSpec {
     }
 }
 
-/// The model as a [`RateLimiter`] on a controlled clock (ticks = nanoseconds), so that the
-/// conformance suite's hand-worked cases can check the model itself.
+/// The model as a [`RateLimiter`] on a controlled clock (ticks = nanoseconds).
 #[derive(Debug)]
-pub struct ModelLimiter {
+pub(crate) struct ModelLimiter {
     clock: ManualClock,
     model: Mutex<Model>,
 }
 
 impl ModelLimiter {
-    pub fn new(clock: ManualClock) -> Self {
+    pub(crate) fn new(clock: ManualClock) -> Self {
         Self {
             clock,
             model: Mutex::new(Model::new()),
@@ -507,5 +511,36 @@ impl RateLimiter for ModelLimiter {
         let now = self.clock.now_nanos();
         let mut model = self.model.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         MaybeReady::ready(Ok(model.acquire(request, now, Unit::Nanos)))
+    }
+}
+
+/// The model as a backend on a controlled clock, so that the conformance suite's
+/// hand-worked cases check the model itself.
+pub(crate) struct ModelBackend {
+    clock: ManualClock,
+}
+
+impl ModelBackend {
+    pub(crate) fn new(clock: ManualClock) -> Self {
+        Self { clock }
+    }
+}
+
+impl Backend for ModelBackend {
+    fn name(&self) -> &'static str {
+        "model"
+    }
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        Arc::new(ModelLimiter::new(self.clock.clone()))
+    }
+    fn now_nanos(&self) -> u64 {
+        self.clock.now_nanos()
+    }
+    fn wait_until(&self, t: u64) -> Waiting<'_> {
+        advance_to(&self.clock, t)
+    }
+    fn refill_tolerance(&self) -> usize {
+        // Exact on its clock, as the in-memory limiter.
+        1
     }
 }

@@ -1,22 +1,24 @@
-//! A real `redis-server` for the tests: started on a free loopback port in a temporary
-//! directory, stopped when dropped. No test skips when `redis-server` is missing: it fails
-//! and says how to install it.
+//! Real `redis-server` processes for the tests, each started on a free loopback port in a
+//! temporary directory and stopped when dropped: a standalone server, a 3-primary cluster,
+//! a primary with a replica and three sentinels; and [`Redis`], the backend the decision
+//! tests run on. No test skips when `redis-server` is missing: it fails and says how to
+//! install it.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fluxgate::core::RateLimiter;
-use fluxgate_redis::RedisLimiter;
+use fluxgate_redis::{RedisLimiter, RedisLimiterBuilder};
 
-use super::Backend;
+use super::backend::{Backend, Waiting};
 
 /// A running `redis-server`.
-pub struct RedisServer {
+pub(crate) struct RedisServer {
     child: Child,
     port: u16,
     dir: PathBuf,
@@ -64,12 +66,12 @@ fn ping(port: u16) -> bool {
 
 impl RedisServer {
     /// Starts a standalone server.
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self::start_with(&[])
     }
 
     /// Starts a server with extra configuration arguments.
-    pub fn start_with(extra: &[&str]) -> Self {
+    pub(crate) fn start_with(extra: &[&str]) -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         for _ in 0..5 {
             let port = free_port();
@@ -97,17 +99,17 @@ impl RedisServer {
     }
 
     /// The port.
-    pub fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         self.port
     }
 
     /// `redis://127.0.0.1:<port>`.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
     /// A field of `cmdstat_evalsha` in `INFO commandstats` (`calls`, `usec_per_call`…).
-    pub fn evalsha_stat(&self, field: &str) -> f64 {
+    pub(crate) fn evalsha_stat(&self, field: &str) -> f64 {
         self.cli(&["INFO", "commandstats"])
             .lines()
             .find(|l| l.starts_with("cmdstat_evalsha:"))
@@ -117,23 +119,23 @@ impl RedisServer {
     }
 
     /// The `EVALSHA` calls this server has run.
-    pub fn evalsha_calls(&self) -> u64 {
+    pub(crate) fn evalsha_calls(&self) -> u64 {
         self.evalsha_stat("calls") as u64
     }
 
     /// The server's process id.
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// Kills the server (its data is gone, as after a crash).
-    pub fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 
     /// Starts the server again on the same port.
-    pub fn restart(&mut self) {
+    pub(crate) fn restart(&mut self) {
         self.kill();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -158,7 +160,7 @@ impl RedisServer {
     }
 
     /// Runs `redis-cli` against this server and returns its output.
-    pub fn cli(&self, args: &[&str]) -> String {
+    pub(crate) fn cli(&self, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
             .args(["-p", &self.port.to_string()])
             .args(args)
@@ -180,49 +182,13 @@ impl Drop for RedisServer {
     }
 }
 
-/// The Redis backend: one server per test, a fresh key prefix per limiter.
-pub struct Redis {
-    pub server: RedisServer,
-    base: RedisLimiter,
-    next: AtomicUsize,
-}
-
-impl Redis {
-    pub async fn start() -> Self {
-        let server = RedisServer::start();
-        let base = RedisLimiter::builder(server.url())
-            .timeout(Duration::from_secs(2))
-            .connect()
-            .await
-            .expect("connect to the test redis-server");
-        Self {
-            server,
-            base,
-            next: AtomicUsize::new(0),
-        }
-    }
-}
-
-impl Backend for Redis {
-    fn name(&self) -> &'static str {
-        "redis"
-    }
-    fn limiter(&self) -> Arc<dyn RateLimiter> {
-        let n = self.next.fetch_add(1, Ordering::SeqCst);
-        Arc::new(self.base.with_prefix(format!("test{n}")))
-    }
-    fn refill_tolerance(&self) -> usize {
-        2
-    }
-}
-
 /// A 3-primary Redis Cluster on free loopback ports, stopped when dropped.
-pub struct RedisCluster {
-    pub nodes: Vec<RedisServer>,
+pub(crate) struct RedisCluster {
+    pub(crate) nodes: Vec<RedisServer>,
 }
 
 impl RedisCluster {
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let mut nodes = Vec::new();
         for _ in 0..3 {
             nodes.push(RedisServer::start_with(&[
@@ -258,18 +224,18 @@ impl RedisCluster {
     }
 
     /// The seed's convention: comma-separated nodes.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         format!("redis://{}", nodes.join(","))
     }
 
     /// `EVALSHA` calls counted by every node.
-    pub fn evalsha_calls(&self) -> u64 {
+    pub(crate) fn evalsha_calls(&self) -> u64 {
         self.nodes.iter().map(RedisServer::evalsha_calls).sum()
     }
 
     /// The node that serves a hash slot, from `CLUSTER NODES`.
-    pub fn node_of_slot(&self, slot: u16) -> &RedisServer {
+    pub(crate) fn node_of_slot(&self, slot: u16) -> &RedisServer {
         let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]);
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -297,60 +263,21 @@ impl RedisCluster {
     }
 
     /// The node that serves a key's hash slot.
-    pub fn node_of_key(&self, key: &str) -> &RedisServer {
+    pub(crate) fn node_of_key(&self, key: &str) -> &RedisServer {
         self.node_of_slot(fred::util::redis_keyslot(key.as_bytes()))
     }
 }
 
-/// The Redis backend on a cluster: a fresh key prefix per limiter.
-pub struct Cluster {
-    pub cluster: RedisCluster,
-    base: RedisLimiter,
-    next: AtomicUsize,
-}
-
-impl Cluster {
-    pub async fn start() -> Self {
-        let cluster = RedisCluster::start();
-        let base = RedisLimiter::builder(cluster.url())
-            .timeout(Duration::from_secs(2))
-            .connect()
-            .await
-            .expect("connect to the test cluster");
-        Self {
-            cluster,
-            base,
-            next: AtomicUsize::new(0),
-        }
-    }
-}
-
-impl Backend for Cluster {
-    fn name(&self) -> &'static str {
-        "redis cluster"
-    }
-    fn atomic_across_rules(&self) -> bool {
-        false
-    }
-    fn limiter(&self) -> Arc<dyn RateLimiter> {
-        let n = self.next.fetch_add(1, Ordering::SeqCst);
-        Arc::new(self.base.with_prefix(format!("test{n}")))
-    }
-    fn refill_tolerance(&self) -> usize {
-        2
-    }
-}
-
 /// A primary, a replica and three sentinels monitoring them as `mymaster`.
-pub struct RedisSentinels {
-    pub primary: RedisServer,
-    pub replica: RedisServer,
+pub(crate) struct RedisSentinels {
+    pub(crate) primary: RedisServer,
+    pub(crate) replica: RedisServer,
     sentinels: Vec<(Child, u16)>,
     dir: PathBuf,
 }
 
 impl RedisSentinels {
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let primary = RedisServer::start();
         let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
         let dir = std::env::temp_dir().join(format!("fluxgate-sentinels-{}-{}", std::process::id(), primary.port));
@@ -402,7 +329,7 @@ impl RedisSentinels {
     }
 
     /// `redis-sentinel://s1?node=s2&node=s3&sentinelServiceName=mymaster`.
-    pub fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         let ports: Vec<u16> = self.sentinels.iter().map(|(_, p)| *p).collect();
         format!(
             "redis-sentinel://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}&sentinelServiceName=mymaster",
@@ -411,7 +338,7 @@ impl RedisSentinels {
     }
 
     /// The port of the primary the sentinels currently name.
-    pub fn primary_port(&self) -> Option<u16> {
+    pub(crate) fn primary_port(&self) -> Option<u16> {
         let out = sentinel_cli(
             self.sentinels[0].1,
             &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
@@ -436,5 +363,145 @@ impl Drop for RedisSentinels {
             let _ = child.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Where a [`Redis`] backend runs.
+pub(crate) enum Servers {
+    /// A standalone server of its own.
+    Standalone(RedisServer),
+    /// A cluster, its own or shared (see [`Servers::shared_cluster`]).
+    Cluster(Arc<RedisCluster>),
+}
+
+impl Servers {
+    /// A standalone server of its own.
+    pub(crate) fn standalone() -> Self {
+        Self::Standalone(RedisServer::start())
+    }
+
+    /// A cluster of its own, for a test that looks at or disturbs the servers.
+    pub(crate) fn cluster() -> Self {
+        Self::Cluster(Arc::new(RedisCluster::start()))
+    }
+
+    /// The cluster that the tests of this binary running at the same time share (each with
+    /// its own client and key prefixes): started by the first, stopped when the last one
+    /// still running drops it.
+    pub(crate) fn shared_cluster() -> Self {
+        static SHARED: Mutex<Weak<RedisCluster>> = Mutex::new(Weak::new());
+        let mut shared = SHARED.lock().unwrap_or_else(PoisonError::into_inner);
+        let cluster = shared.upgrade().unwrap_or_else(|| {
+            let cluster = Arc::new(RedisCluster::start());
+            *shared = Arc::downgrade(&cluster);
+            cluster
+        });
+        Self::Cluster(cluster)
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Self::Standalone(server) => server.url(),
+            Self::Cluster(cluster) => cluster.url(),
+        }
+    }
+}
+
+/// Redis as a backend under test: its servers, a client configured for the test, and a
+/// fresh key prefix for every limiter (`test0`, `test1`… on a standalone server).
+pub(crate) struct Redis {
+    servers: Servers,
+    base: RedisLimiter,
+    prefix: String,
+    next: AtomicUsize,
+}
+
+impl Redis {
+    /// On `servers`, with the library's default client options and a 2 s timeout.
+    pub(crate) async fn start(servers: Servers) -> Self {
+        Self::connect(servers, |builder| builder).await
+    }
+
+    /// On `servers`, with the deny cache off: every decision is the scripts' own.
+    pub(crate) async fn scripts_only(servers: Servers) -> Self {
+        Self::connect(servers, |builder| builder.deny_cache(false)).await
+    }
+
+    async fn connect(servers: Servers, configure: fn(RedisLimiterBuilder) -> RedisLimiterBuilder) -> Self {
+        static SHARED_CLIENTS: AtomicUsize = AtomicUsize::new(0);
+        // A cluster may be shared: the prefixes of every client on it differ.
+        let prefix = match &servers {
+            Servers::Standalone(_) => "test".to_owned(),
+            Servers::Cluster(_) => format!("test{}-", SHARED_CLIENTS.fetch_add(1, Ordering::SeqCst)),
+        };
+        let base = configure(RedisLimiter::builder(servers.url()).timeout(Duration::from_secs(2)))
+            .connect()
+            .await
+            .expect("connect to the test Redis");
+        Self {
+            servers,
+            base,
+            prefix,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The URL of its servers.
+    pub(crate) fn url(&self) -> String {
+        self.servers.url()
+    }
+
+    /// Its standalone server.
+    pub(crate) fn server(&self) -> &RedisServer {
+        match &self.servers {
+            Servers::Standalone(server) => server,
+            Servers::Cluster(_) => panic!("a cluster, not a standalone server"),
+        }
+    }
+
+    /// Its standalone server, to stop it.
+    pub(crate) fn server_mut(&mut self) -> &mut RedisServer {
+        match &mut self.servers {
+            Servers::Standalone(server) => server,
+            Servers::Cluster(_) => panic!("a cluster, not a standalone server"),
+        }
+    }
+
+    /// Its cluster.
+    pub(crate) fn cluster(&self) -> &RedisCluster {
+        match &self.servers {
+            Servers::Cluster(cluster) => cluster,
+            Servers::Standalone(_) => panic!("a standalone server, not a cluster"),
+        }
+    }
+}
+
+impl Backend for Redis {
+    fn name(&self) -> &'static str {
+        match self.servers {
+            Servers::Standalone(_) => "redis",
+            Servers::Cluster(_) => "redis cluster",
+        }
+    }
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        let n = self.next.fetch_add(1, Ordering::SeqCst);
+        Arc::new(self.base.with_prefix(format!("{}{n}", self.prefix)))
+    }
+    /// Redis `TIME`, which runs on this machine's clock.
+    fn now_nanos(&self) -> u64 {
+        let since = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .expect("a clock after 1970");
+        u64::try_from(since.as_nanos()).expect("nanoseconds within u64")
+    }
+    fn wait_until(&self, t: u64) -> Waiting<'_> {
+        let now = self.now_nanos();
+        Box::pin(tokio::time::sleep(Duration::from_nanos(t.saturating_sub(now))))
+    }
+    fn refill_tolerance(&self) -> usize {
+        2
+    }
+    fn atomic_across_rules(&self) -> bool {
+        matches!(self.servers, Servers::Standalone(_))
     }
 }

@@ -1,13 +1,15 @@
 //! The decision scenarios every backend must pass. Each takes a [`Backend`] and builds
-//! its own engine and app, so a backend runs the same suite unchanged.
+//! its own engine and app, so a backend runs the same suite unchanged; [`scenario_tests`]
+//! makes one test of each.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::{Outcome, RequestContext};
+use fluxgate::core::{Engine, Outcome, RequestContext};
 use http::StatusCode;
 
-use super::*;
+use super::app::{app, get_from, layer, request, rules, send};
+use super::backend::{check, ctx, engine, Backend};
 
 const PER_IP_100_PER_MIN: &str = r#"
 rule_sets:
@@ -20,7 +22,7 @@ rule_sets:
 "#;
 
 /// 100 per minute admits 100; the 101st is rejected with Retry-After >= 1, remaining 0.
-pub async fn hundred_per_minute_engine(backend: &dyn Backend) {
+pub(crate) async fn hundred_per_minute_engine(backend: &dyn Backend) {
     let engine = engine(backend, PER_IP_100_PER_MIN);
     let c = ctx("198.51.100.1");
     for i in 0..100 {
@@ -37,7 +39,7 @@ pub async fn hundred_per_minute_engine(backend: &dyn Backend) {
     assert_eq!(d.rule().map(|r| &**r), Some("per-ip"));
 }
 
-pub async fn hundred_per_minute_layer(backend: &dyn Backend) {
+pub(crate) async fn hundred_per_minute_layer(backend: &dyn Backend) {
     let app = app(layer(engine(backend, PER_IP_100_PER_MIN)).build().unwrap());
     for i in 0..100u64 {
         let r = get_from(&app, "/api/users", "198.51.100.1").await;
@@ -64,7 +66,7 @@ pub async fn hundred_per_minute_layer(backend: &dyn Backend) {
 }
 
 /// 10 per minute and 100 per hour: the 11th is rejected by the minute band.
-pub async fn two_bands(backend: &dyn Backend) {
+pub(crate) async fn two_bands(backend: &dyn Backend) {
     let engine = engine(
         backend,
         r#"
@@ -91,7 +93,7 @@ rule_sets:
 }
 
 /// Permits 3, 5, 3 against capacity 10: remaining 7, 2, then a rejection that leaves 2.
-pub async fn permits(backend: &dyn Backend) {
+pub(crate) async fn permits(backend: &dyn Backend) {
     let yaml = |permits: u64| {
         format!(
             r#"
@@ -133,7 +135,7 @@ rule_sets:
 
 /// The reported remaining is the least over every band, even when the binding (rejecting)
 /// band has more left.
-pub async fn remaining_is_the_least(backend: &dyn Backend) {
+pub(crate) async fn remaining_is_the_least(backend: &dyn Backend) {
     let engine = engine(
         backend,
         r#"
@@ -165,7 +167,7 @@ rule_sets:
 
 /// Per-IP 100/min plus global 10000/10min: 101 requests from one IP leave the global
 /// band at 9900; the 101st consumed nothing anywhere.
-pub async fn per_ip_and_global(backend: &dyn Backend) {
+pub(crate) async fn per_ip_and_global(backend: &dyn Backend) {
     let engine = engine(
         backend,
         r#"
@@ -212,7 +214,7 @@ rule_sets:
 }
 
 /// Two IPs and two users count separately.
-pub async fn isolation(backend: &dyn Backend) {
+pub(crate) async fn isolation(backend: &dyn Backend) {
     let engine = engine(
         backend,
         r#"
@@ -249,7 +251,7 @@ rule_sets:
 }
 
 /// IPv6 clients: keyed per /64 by default.
-pub async fn ipv6(backend: &dyn Backend) {
+pub(crate) async fn ipv6(backend: &dyn Backend) {
     let app = app(layer(engine(backend, PER_IP_100_PER_MIN)).build().unwrap());
     for _ in 0..100 {
         assert_eq!(
@@ -274,7 +276,7 @@ pub async fn ipv6(backend: &dyn Backend) {
 /// In real time, a run in which a request went out more than 40 ms late proves nothing
 /// (the machine stalled): it runs again, and fails saying how late it was after three
 /// such runs.
-pub async fn exact_refill(backend: &dyn Backend) {
+pub(crate) async fn exact_refill(backend: &dyn Backend) {
     let tolerance = backend.refill_tolerance();
     let mut late = Vec::new();
     for attempt in 0..3 {
@@ -309,7 +311,12 @@ rule_sets:
 
 /// Sends a request every `every` for `total` and counts the admitted ones, or says how
 /// many milliseconds late a request went out when one was more than 40 ms late.
-pub async fn ticks(every: Duration, total: Duration, engine: &Engine, c: &RequestContext) -> Result<usize, u128> {
+pub(crate) async fn ticks(
+    every: Duration,
+    total: Duration,
+    engine: &Engine,
+    c: &RequestContext,
+) -> Result<usize, u128> {
     let start = tokio::time::Instant::now();
     let mut admitted = 0usize;
     let mut tick = tokio::time::interval(every);
@@ -331,7 +338,7 @@ pub async fn ticks(every: Duration, total: Duration, engine: &Engine, c: &Reques
 
 /// 20 tasks × 50 requests against capacity 100 admit exactly 100; with two rules over
 /// the same clients, all or nothing holds under concurrency too.
-pub async fn concurrency(backend: &dyn Backend) {
+pub(crate) async fn concurrency(backend: &dyn Backend) {
     let single = engine(
         backend,
         r#"
@@ -409,7 +416,7 @@ async fn run_concurrently(engine: &fluxgate::core::Engine, ctx_for: impl Fn(usiz
 }
 
 /// Hostile header values get their own buckets and never panic.
-pub async fn hostile_header_values(backend: &dyn Backend) {
+pub(crate) async fn hostile_header_values(backend: &dyn Backend) {
     let app = app(layer(engine(
         backend,
         r#"
@@ -474,3 +481,65 @@ rule_sets:
         assert!(check(&engine, &c).await.allowed, "{v:?}");
     }
 }
+
+/// One test per scenario, on the backend that `$backend` (evaluated in each test) gives:
+/// the concurrency scenario with the attribute `#[$concurrent]`, every other with `#[$test]`.
+macro_rules! scenario_tests {
+    (#[$test:meta] #[$concurrent:meta] $backend:expr) => {
+        #[$test]
+        async fn hundred_per_minute_through_the_engine() {
+            $crate::support::scenarios::hundred_per_minute_engine(&$backend).await;
+        }
+
+        #[$test]
+        async fn hundred_per_minute_through_the_layer() {
+            $crate::support::scenarios::hundred_per_minute_layer(&$backend).await;
+        }
+
+        #[$test]
+        async fn two_bands_reject_the_eleventh() {
+            $crate::support::scenarios::two_bands(&$backend).await;
+        }
+
+        #[$test]
+        async fn permits_three_five_three() {
+            $crate::support::scenarios::permits(&$backend).await;
+        }
+
+        #[$test]
+        async fn per_ip_and_global_rejection_consumes_nothing() {
+            $crate::support::scenarios::per_ip_and_global(&$backend).await;
+        }
+
+        #[$test]
+        async fn remaining_is_the_least_over_all_bands() {
+            $crate::support::scenarios::remaining_is_the_least(&$backend).await;
+        }
+
+        #[$test]
+        async fn keys_are_isolated() {
+            $crate::support::scenarios::isolation(&$backend).await;
+        }
+
+        #[$test]
+        async fn ipv6_clients() {
+            $crate::support::scenarios::ipv6(&$backend).await;
+        }
+
+        #[$test]
+        async fn exact_refill() {
+            $crate::support::scenarios::exact_refill(&$backend).await;
+        }
+
+        #[$concurrent]
+        async fn concurrency_is_exact() {
+            $crate::support::scenarios::concurrency(&$backend).await;
+        }
+
+        #[$test]
+        async fn hostile_header_values() {
+            $crate::support::scenarios::hostile_header_values(&$backend).await;
+        }
+    };
+}
+pub(crate) use scenario_tests;

@@ -1,0 +1,118 @@
+//! The one harness of the decision tests: a [`Backend`] gives fresh, isolated limiters and
+//! the clock they decide on, so that the scenarios (`scenarios.rs`), the conformance suite
+//! (`conformance.rs`) and the differential test run unchanged on every backend: the
+//! in-memory limiter here, the reference model (`model.rs`), and Redis, standalone or a
+//! cluster (`redis.rs`).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fluxgate::core::{
+    Clock, Decision, Engine, ManualClock, MemoryLimiter, RateLimiter, RequestContext, StaticRuleSetProvider, TokioClock,
+};
+
+use super::app::rules;
+
+/// What [`Backend::wait_until`] returns.
+pub(crate) type Waiting<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// A limiter backend under test.
+pub(crate) trait Backend: Send + Sync {
+    /// The backend's name, in failure messages.
+    fn name(&self) -> &'static str;
+    /// A fresh limiter, isolated from every other: its own key prefix, or its own state.
+    fn limiter(&self) -> Arc<dyn RateLimiter>;
+    /// The backend's clock, in nanoseconds since the Unix epoch.
+    fn now_nanos(&self) -> u64;
+    /// Returns once the backend's clock reads at least `t` (moving a controlled clock there).
+    fn wait_until(&self, t: u64) -> Waiting<'_>;
+    /// How many admissions the exact-refill scenario may be off by.
+    fn refill_tolerance(&self) -> usize;
+    /// Whether every rule of a request is decided in one atomic step (not so for rules in
+    /// different slots of a Redis Cluster, which are refunded instead).
+    fn atomic_across_rules(&self) -> bool {
+        true
+    }
+}
+
+/// The in-memory limiter, on tokio's clock or on a clock that moves only when told to.
+pub(crate) struct Memory {
+    /// `None`: tokio's clock (paused by `start_paused`).
+    manual: Option<ManualClock>,
+}
+
+impl Memory {
+    /// On tokio's clock, which `#[tokio::test(start_paused = true)]` controls.
+    pub(crate) const fn tokio() -> Self {
+        Self { manual: None }
+    }
+
+    /// On `clock`, which moves only when the test (or [`Backend::wait_until`]) moves it, so
+    /// that every figure is exact.
+    pub(crate) fn manual(clock: ManualClock) -> Self {
+        Self { manual: Some(clock) }
+    }
+
+    /// A fresh limiter, as its own type.
+    pub(crate) fn memory_limiter(&self) -> MemoryLimiter {
+        match &self.manual {
+            None => MemoryLimiter::builder().clock(TokioClock::new()).build(),
+            Some(clock) => MemoryLimiter::builder().clock(clock.clone()).build(),
+        }
+    }
+}
+
+impl Backend for Memory {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+    fn limiter(&self) -> Arc<dyn RateLimiter> {
+        Arc::new(self.memory_limiter())
+    }
+    fn now_nanos(&self) -> u64 {
+        match &self.manual {
+            None => TokioClock::new().now_nanos(),
+            Some(clock) => clock.now_nanos(),
+        }
+    }
+    fn wait_until(&self, t: u64) -> Waiting<'_> {
+        match &self.manual {
+            None => {
+                let now = self.now_nanos();
+                Box::pin(tokio::time::sleep(Duration::from_nanos(t.saturating_sub(now))))
+            }
+            Some(clock) => advance_to(clock, t),
+        }
+    }
+    fn refill_tolerance(&self) -> usize {
+        1
+    }
+}
+
+/// Moves a controlled clock to `t` (never back).
+pub(crate) fn advance_to(clock: &ManualClock, t: u64) -> Waiting<'static> {
+    let now = clock.now_nanos();
+    clock.advance(Duration::from_nanos(t.saturating_sub(now)));
+    Box::pin(std::future::ready(()))
+}
+
+/// An engine over the rules of `yaml` and a fresh limiter of `backend`.
+pub(crate) fn engine(backend: &dyn Backend, yaml: &str) -> Engine {
+    Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
+        .shared_limiter(backend.limiter())
+        .build()
+        .expect("the backend decides every rule")
+}
+
+pub(crate) fn ctx(ip: &str) -> RequestContext {
+    RequestContext::builder()
+        .path("/api/users")
+        .client_ip(ip.parse().unwrap())
+        .build()
+}
+
+pub(crate) async fn check(engine: &Engine, ctx: &RequestContext) -> Decision {
+    engine.check(ctx).await.expect("decision")
+}
