@@ -23,8 +23,10 @@
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+/// The test support's `redis-server` processes; the benchmark starts standalone servers only.
+#[path = "../tests/support/servers.rs"]
+#[allow(dead_code)]
+mod servers;
 
 use std::convert::Infallible;
 use std::net::{IpAddr, Ipv4Addr};
@@ -38,7 +40,7 @@ use fluxgate::tower::{ClientIp, RateLimitLayer};
 use fluxgate::redis::RedisLimiter;
 use fred::interfaces::ClientLike as _;
 use http::{Request, Response};
-use support::redis::RedisServer;
+use servers::RedisServer;
 use tower::{service_fn, Layer, ServiceExt};
 
 const IN_FLIGHT: usize = 64;

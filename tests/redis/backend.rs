@@ -20,7 +20,8 @@ mod redis_only {
 
     use crate::support::app::{app, get_from, rules};
     use crate::support::backend::{check, engine, Backend, Memory};
-    use crate::support::redis::{Redis, RedisCluster, Servers};
+    use crate::support::redis::{Redis, Servers};
+    use crate::support::servers::RedisCluster;
 
     const THREE_BY_TWO: &str = r#"
 rule_sets:
@@ -133,7 +134,7 @@ rule_sets:
             let rules = rules.clone();
             let url = redis.url();
             async move {
-                let limiter = fluxgate_redis::RedisLimiter::builder(url)
+                let limiter = fluxgate::redis::RedisLimiter::builder(url)
                     .prefix(format!("deny-{deny_cache}"))
                     .deny_cache(deny_cache)
                     .timeout(std::time::Duration::from_secs(2))
@@ -214,7 +215,7 @@ rule_sets:
         );
         let mut tasks = Vec::new();
         for _ in 0..4 {
-            let limiter = fluxgate_redis::RedisLimiter::builder(redis.url())
+            let limiter = fluxgate::redis::RedisLimiter::builder(redis.url())
                 .prefix("shared")
                 .pool_size(2)
                 .timeout(std::time::Duration::from_secs(2))
@@ -536,7 +537,7 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_deny_cache_hit_closes_no_circuit() {
         let mut redis = Redis::start(Servers::standalone()).await;
-        let limiter = fluxgate_redis::RedisLimiter::builder(redis.url())
+        let limiter = fluxgate::redis::RedisLimiter::builder(redis.url())
             .timeout(std::time::Duration::from_millis(200))
             .reconnect_delay(std::time::Duration::from_millis(20))
             .connect()
@@ -592,13 +593,13 @@ rule_sets:
         let client = fred::types::Builder::from_config(config).build().unwrap();
         client.init().await.unwrap();
         assert!(client.is_clustered());
-        let limiter = fluxgate_redis::RedisLimiter::from_client(client, "from-client");
+        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "from-client");
         assert!(!limiter.has_deny_cache());
 
         let redis = Redis::start(Servers::standalone()).await;
         let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
         let client = fred::types::Builder::from_config(config).build().unwrap();
         client.init().await.unwrap();
-        assert!(fluxgate_redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
+        assert!(fluxgate::redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
     }
 }

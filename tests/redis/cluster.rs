@@ -17,7 +17,7 @@ mod scenarios {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_cluster_reports_its_state() {
         let redis = Redis::start(Servers::shared_cluster()).await;
-        let health = fluxgate_redis::RedisLimiter::builder(redis.url())
+        let health = fluxgate::redis::RedisLimiter::builder(redis.url())
             .connect()
             .await
             .unwrap();
@@ -113,11 +113,11 @@ mod refunds {
     use std::time::Duration;
 
     use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
-    use fluxgate_redis::RedisLimiter;
+    use fluxgate::redis::RedisLimiter;
 
     use crate::support::app::rules;
     use crate::support::backend::check;
-    use crate::support::redis::{RedisCluster, RedisServer};
+    use crate::support::servers::{RedisCluster, RedisServer};
 
     async fn engine(cluster: &RedisCluster, prefix: &str, yaml: &str, timeout: Duration) -> Engine {
         let limiter = RedisLimiter::builder(cluster.url())
@@ -263,7 +263,7 @@ rule_sets:
         let refund = |key: &str, decided: u64, algorithm: u64| {
             let mut args = vec![
                 "EVAL".to_owned(),
-                fluxgate_redis::REFUND_LUA.to_owned(),
+                fluxgate::redis::REFUND_LUA.to_owned(),
                 "1".to_owned(),
                 key.to_owned(),
             ];

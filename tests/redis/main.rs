@@ -14,6 +14,7 @@ mod support {
     pub(crate) mod model;
     pub(crate) mod redis;
     pub(crate) mod scenarios;
+    pub(crate) mod servers;
 }
 
 mod backend;

@@ -8,10 +8,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
-use crate::support::redis::RedisServer;
+use crate::support::servers::RedisServer;
 use fluxgate::core::limiter::CircuitBreaker;
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext, StaticRuleSetProvider};
-use fluxgate_redis::RedisLimiter;
+use fluxgate::redis::RedisLimiter;
 
 const DEADLINE: Duration = Duration::from_millis(50);
 const SLACK: Duration = Duration::from_millis(20);

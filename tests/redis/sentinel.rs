@@ -5,9 +5,9 @@
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
-use crate::support::redis::RedisSentinels;
+use crate::support::servers::RedisSentinels;
 use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
-use fluxgate_redis::RedisLimiter;
+use fluxgate::redis::RedisLimiter;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_resume_after_a_failover() {

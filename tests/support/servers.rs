@@ -1,0 +1,362 @@
+//! Real `redis-server` processes for the tests and benchmarks, each started on a free
+//! loopback port in a temporary directory and stopped when dropped: a standalone server, a
+//! 3-primary cluster, a primary with a replica and three sentinels. No test skips when
+//! `redis-server` is missing: it fails and says how to install it.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+
+/// A running `redis-server`.
+pub(crate) struct RedisServer {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Starts `redis-server` on `port` with its files in `dir`.
+fn spawn(port: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
+    Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(extra)
+        .arg("--dir")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start redis-server ({e}): the Redis tests need it; ./scripts/test.sh installs it \
+                 (Debian: apt-get install redis-server redis-tools redis-sentinel)"
+            )
+        })
+}
+
+fn ping(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+impl RedisServer {
+    /// Starts a standalone server.
+    pub(crate) fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// Starts a server with extra configuration arguments.
+    pub(crate) fn start_with(extra: &[&str]) -> Self {
+        static SEQ: AtomicUsize = AtomicUsize::new(0);
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = std::env::temp_dir().join(format!(
+                "fluxgate-redis-{}-{}",
+                std::process::id(),
+                SEQ.fetch_add(1, Ordering::SeqCst)
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let child = spawn(port, &dir, extra);
+            let mut server = Self { child, port, dir };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if ping(port) {
+                    return server;
+                }
+                if let Ok(Some(_)) = server.child.try_wait() {
+                    break; // the port was taken in between: try another
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            server.stop();
+        }
+        panic!("redis-server did not start");
+    }
+
+    /// The port.
+    pub(crate) fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub(crate) fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// A field of `cmdstat_evalsha` in `INFO commandstats` (`calls`, `usec_per_call`…).
+    pub(crate) fn evalsha_stat(&self, field: &str) -> f64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split(&format!("{field}=")).nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0.0, |v| v.parse().expect("a number"))
+    }
+
+    /// The `EVALSHA` calls this server has run.
+    pub(crate) fn evalsha_calls(&self) -> u64 {
+        self.evalsha_stat("calls") as u64
+    }
+
+    /// The server's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Kills the server (its data is gone, as after a crash).
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the server again on the same port.
+    pub(crate) fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            self.child = spawn(self.port, &self.dir, &[]);
+            let started = Instant::now();
+            while started.elapsed() < Duration::from_secs(2) {
+                if ping(self.port) {
+                    return;
+                }
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not restart on port {}",
+                self.port
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Runs `redis-cli` against this server and returns its output.
+    pub(crate) fn cli(&self, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string()])
+            .args(args)
+            .output()
+            .expect("redis-cli (package redis-tools) runs");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A 3-primary Redis Cluster on free loopback ports, stopped when dropped.
+pub(crate) struct RedisCluster {
+    pub(crate) nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub(crate) fn start() -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            nodes.push(RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "5000",
+            ]));
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !cluster
+            .nodes
+            .iter()
+            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
+        {
+            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        cluster
+    }
+
+    /// The seed's convention: comma-separated nodes.
+    pub(crate) fn url(&self) -> String {
+        let nodes: Vec<String> = self.nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        format!("redis://{}", nodes.join(","))
+    }
+
+    /// `EVALSHA` calls counted by every node.
+    pub(crate) fn evalsha_calls(&self) -> u64 {
+        self.nodes.iter().map(RedisServer::evalsha_calls).sum()
+    }
+
+    /// The node that serves a hash slot, from `CLUSTER NODES`.
+    pub(crate) fn node_of_slot(&self, slot: u16) -> &RedisServer {
+        let nodes = self.nodes[0].cli(&["CLUSTER", "NODES"]);
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let Some(port) = fields
+                .get(1)
+                .and_then(|a| a.split('@').next())
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse::<u16>().ok())
+            else {
+                continue;
+            };
+            let serves = fields.iter().skip(8).any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                matches!((low.parse::<u16>(), high.parse::<u16>()), (Ok(l), Ok(h)) if (l..=h).contains(&slot))
+            });
+            if serves {
+                return self
+                    .nodes
+                    .iter()
+                    .find(|n| n.port() == port)
+                    .expect("a node of this cluster");
+            }
+        }
+        panic!("no node serves slot {slot}:\n{nodes}");
+    }
+
+    /// The node that serves a key's hash slot.
+    pub(crate) fn node_of_key(&self, key: &str) -> &RedisServer {
+        self.node_of_slot(fred::util::redis_keyslot(key.as_bytes()))
+    }
+}
+
+/// A primary, a replica and three sentinels monitoring them as `mymaster`.
+pub(crate) struct RedisSentinels {
+    pub(crate) primary: RedisServer,
+    pub(crate) replica: RedisServer,
+    sentinels: Vec<(Child, u16)>,
+    dir: PathBuf,
+}
+
+impl RedisSentinels {
+    pub(crate) fn start() -> Self {
+        let primary = RedisServer::start();
+        let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+        let dir = std::env::temp_dir().join(format!("fluxgate-sentinels-{}-{}", std::process::id(), primary.port));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut sentinels = Vec::new();
+        for i in 0..3 {
+            let port = free_port();
+            let conf = dir.join(format!("sentinel-{i}.conf"));
+            std::fs::write(
+                &conf,
+                format!(
+                    "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {} 2\n\
+                     sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n\
+                     sentinel parallel-syncs mymaster 1\n",
+                    dir.display(),
+                    primary.port
+                ),
+            )
+            .unwrap();
+            let child = Command::new("redis-server")
+                .arg(&conf)
+                .arg("--sentinel")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start redis-server --sentinel (package redis-sentinel)");
+            sentinels.push((child, port));
+        }
+        let this = Self {
+            primary,
+            replica,
+            sentinels,
+            dir,
+        };
+        // Every sentinel knows the primary, its replica and the other sentinels.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ready = this.sentinels.iter().all(|(_, port)| {
+                let replicas = sentinel_cli(*port, &["SENTINEL", "REPLICAS", "mymaster"]);
+                let others = sentinel_cli(*port, &["SENTINEL", "SENTINELS", "mymaster"]);
+                replicas.contains(&this.replica.port.to_string()) && others.matches("runid").count() >= 2
+            });
+            if ready {
+                return this;
+            }
+            assert!(Instant::now() < deadline, "the sentinels did not discover each other");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `redis-sentinel://s1?node=s2&node=s3&sentinelServiceName=mymaster`.
+    pub(crate) fn url(&self) -> String {
+        let ports: Vec<u16> = self.sentinels.iter().map(|(_, p)| *p).collect();
+        format!(
+            "redis-sentinel://127.0.0.1:{}?node=127.0.0.1:{}&node=127.0.0.1:{}&sentinelServiceName=mymaster",
+            ports[0], ports[1], ports[2]
+        )
+    }
+
+    /// The port of the primary the sentinels currently name.
+    pub(crate) fn primary_port(&self) -> Option<u16> {
+        let out = sentinel_cli(
+            self.sentinels[0].1,
+            &["SENTINEL", "GET-MASTER-ADDR-BY-NAME", "mymaster"],
+        );
+        out.lines().nth(1).and_then(|p| p.trim().parse().ok())
+    }
+}
+
+fn sentinel_cli(port: u16, args: &[&str]) -> String {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .output()
+        .expect("redis-cli");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+impl Drop for RedisSentinels {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.sentinels {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
