@@ -1,0 +1,187 @@
+//! Loading: rule files and texts in YAML, TOML or JSON.
+
+use std::fmt;
+use std::path::Path;
+
+use super::{RuleSetSpec, RuleSets, RuleSpec};
+use crate::error::RuleError;
+
+/// The rule formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Format {
+    /// YAML (`.yaml`, `.yml`).
+    Yaml,
+    /// TOML (`.toml`).
+    Toml,
+    /// JSON (`.json`).
+    Json,
+}
+
+impl Format {
+    /// The format for a file name's extension.
+    pub fn from_path(path: &Path) -> Option<Self> {
+        match path.extension()?.to_str()?.to_ascii_lowercase().as_str() {
+            "yaml" | "yml" => Some(Self::Yaml),
+            "toml" => Some(Self::Toml),
+            "json" => Some(Self::Json),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Yaml => "YAML",
+            Self::Toml => "TOML",
+            Self::Json => "JSON",
+        })
+    }
+}
+
+impl RuleSets {
+    /// Parses and validates rules in the given format.
+    ///
+    /// # Errors
+    ///
+    /// [`RuleError::Syntax`] for text that is not valid in the format, and
+    /// [`RuleError::Invalid`] naming the rule set, the rule and the field otherwise.
+    pub fn parse(text: &str, format: Format) -> Result<Self, RuleError> {
+        let syntax = |message: String| RuleError::Syntax { format, message };
+        let value: serde_json::Value = match format {
+            Format::Yaml => serde_yaml::from_str(text).map_err(|e| syntax(yaml_error(&e)))?,
+            Format::Toml => toml::from_str(text).map_err(|e| syntax(e.to_string()))?,
+            Format::Json => serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?,
+        };
+        Self::from_specs(specs_from_value(value)?)
+    }
+
+    /// Parses YAML rules.
+    ///
+    /// # Errors
+    ///
+    /// See [`RuleSets::parse`].
+    pub fn from_yaml_str(text: &str) -> Result<Self, RuleError> {
+        Self::parse(text, Format::Yaml)
+    }
+
+    /// Parses TOML rules.
+    ///
+    /// # Errors
+    ///
+    /// See [`RuleSets::parse`].
+    pub fn from_toml_str(text: &str) -> Result<Self, RuleError> {
+        Self::parse(text, Format::Toml)
+    }
+
+    /// Parses JSON rules.
+    ///
+    /// # Errors
+    ///
+    /// See [`RuleSets::parse`].
+    pub fn from_json_str(text: &str) -> Result<Self, RuleError> {
+        Self::parse(text, Format::Json)
+    }
+
+    /// Reads a rule file; the extension (`.yaml`, `.yml`, `.toml`, `.json`) picks the format.
+    ///
+    /// # Errors
+    ///
+    /// [`RuleError::File`] naming the file and what is wrong in it.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, RuleError> {
+        let path = path.as_ref();
+        let wrap = |source: RuleError| RuleError::File {
+            path: path.to_owned(),
+            source: Box::new(source),
+        };
+        let format = Format::from_path(path).ok_or_else(|| wrap(RuleError::UnknownFormat))?;
+        let text = std::fs::read_to_string(path).map_err(|e| wrap(RuleError::Io(e)))?;
+        Self::parse(&text, format).map_err(wrap)
+    }
+}
+
+/// serde_yaml's message, with the place it names: it leaves out `line 1 column 1`, and a
+/// few errors have no position at all.
+fn yaml_error(e: &serde_yaml::Error) -> String {
+    let message = e.to_string();
+    match e.location() {
+        Some(at) if !message.contains(" at line ") => {
+            format!("{message} at line {} column {}", at.line(), at.column())
+        }
+        Some(_) => message,
+        None => format!("{message} (in the text as a whole)"),
+    }
+}
+
+/// Deserializes the specs one rule at a time, so errors name the rule set, the rule and
+/// the field whatever the format.
+fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleError> {
+    use serde_json::Value;
+    let top = |m: &str| RuleError::invalid("-", "-", "rule_sets", m);
+    let mut obj = match value {
+        Value::Object(obj) => obj,
+        Value::Null => return Err(top("the rules are empty; expected `rule_sets: [...]`")),
+        _ => return Err(top("expected a map with `rule_sets: [...]` at the top level")),
+    };
+    if let Some(key) = obj.keys().find(|k| *k != "rule_sets") {
+        return Err(RuleError::invalid("-", "-", key, "unknown field; expected `rule_sets`"));
+    }
+    let sets = match obj.remove("rule_sets") {
+        Some(Value::Array(sets)) => sets,
+        Some(_) => return Err(top("expected a list of rule sets")),
+        None => return Err(top("missing `rule_sets`")),
+    };
+    let mut specs = Vec::with_capacity(sets.len());
+    for (i, set) in sets.into_iter().enumerate() {
+        let Value::Object(mut set) = set else {
+            return Err(RuleError::invalid(
+                &format!("#{}", i + 1),
+                "-",
+                "-",
+                "expected a map with `id` and `rules`",
+            ));
+        };
+        let set_name = match set.get("id") {
+            Some(Value::String(id)) if !id.is_empty() => id.clone(),
+            _ => format!("#{}", i + 1),
+        };
+        let rules = match set.remove("rules") {
+            Some(Value::Array(rules)) => rules,
+            Some(Value::Null) | None => Vec::new(),
+            Some(_) => return Err(RuleError::invalid(&set_name, "-", "rules", "expected a list of rules")),
+        };
+        let mut spec: RuleSetSpec =
+            deserialize_at(Value::Object(set)).map_err(|(field, m)| RuleError::invalid(&set_name, "-", &field, m))?;
+        for (j, rule) in rules.into_iter().enumerate() {
+            let rule_name = match rule.get("id") {
+                Some(Value::String(id)) if !id.is_empty() => id.clone(),
+                _ => format!("#{}", j + 1),
+            };
+            let rule: RuleSpec =
+                deserialize_at(rule).map_err(|(field, m)| RuleError::invalid(&set_name, &rule_name, &field, m))?;
+            spec.rules.push(rule);
+        }
+        specs.push(spec);
+    }
+    Ok(specs)
+}
+
+fn deserialize_at<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> Result<T, (String, String)> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let message = e.into_inner().to_string();
+        // A missing field is reported at its parent: name the field itself.
+        let missing = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+            .map(str::to_owned);
+        let field = match (path.as_str(), missing) {
+            (".", Some(name)) => name,
+            (".", None) => "-".to_owned(),
+            (parent, Some(name)) => format!("{parent}.{name}"),
+            (parent, None) => parent.to_owned(),
+        };
+        (field, message)
+    })
+}

@@ -1,0 +1,306 @@
+//! The validated model: rule sets, rules, bands and scopes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Method;
+
+use super::validate::validate_band;
+use super::{Algorithm, BackendFailure, Mode, OnMissingKey};
+use crate::path::PathPattern;
+
+/// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
+/// order of the file).
+#[derive(Debug, Clone)]
+pub struct RuleSet {
+    pub(super) id: Arc<str>,
+    pub(super) rules: Arc<[Rule]>,
+}
+
+/// A validated rule.
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub(super) id: Arc<str>,
+    pub(super) enabled: bool,
+    pub(super) paths: Vec<PathPattern>,
+    pub(super) methods: Vec<Method>,
+    pub(super) priority: i32,
+    pub(super) scope: Scope,
+    pub(super) on_missing_key: OnMissingKey,
+    pub(super) algorithm: Algorithm,
+    pub(super) permits: u64,
+    pub(super) bands: Arc<[Band]>,
+    pub(super) mode: Mode,
+    pub(super) on_backend_failure: Option<BackendFailure>,
+}
+
+/// What a rule's limit is counted per.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Scope {
+    /// One counter for everybody.
+    Global,
+    /// Per client IP.
+    Ip,
+    /// Per user id.
+    User,
+    /// Per API key.
+    ApiKey,
+    /// Per value of the named attribute.
+    Attribute(Arc<str>),
+    /// Per combination of the fields.
+    Composite(Vec<KeyField>),
+}
+
+/// One part of a composite key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KeyField {
+    /// The client IP.
+    Ip,
+    /// The user id.
+    User,
+    /// The API key.
+    ApiKey,
+    /// The named attribute.
+    Attribute(Arc<str>),
+}
+
+/// A validated band: `capacity` per `window`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Band {
+    pub(super) capacity: u64,
+    pub(super) window: Duration,
+    pub(super) label: Option<Arc<str>>,
+    pub(super) name: Arc<str>,
+    pub(super) ident: u64,
+}
+
+/// A stable digest of what identifies a band's counters: rule set, rule, band name,
+/// algorithm, capacity and window. A changed algorithm, capacity or window starts new
+/// counters.
+pub(super) fn band_ident(
+    rule_set: &str,
+    rule: &str,
+    name: &str,
+    algorithm: Algorithm,
+    capacity: u64,
+    window: Duration,
+) -> u64 {
+    use std::hash::{Hash, Hasher};
+    #[allow(deprecated)]
+    let mut h = std::hash::SipHasher::new();
+    (rule_set, rule, name, algorithm, capacity, window).hash(&mut h);
+    h.finish()
+}
+
+impl Band {
+    /// A band of `capacity` per `window`.
+    ///
+    /// # Errors
+    ///
+    /// When capacity or window is zero or beyond [`MAX_CAPACITY`](super::MAX_CAPACITY) / [`MAX_WINDOW`](super::MAX_WINDOW).
+    pub fn new(capacity: u64, window: Duration) -> Result<Self, &'static str> {
+        validate_band(capacity, window)?;
+        Ok(Self {
+            capacity,
+            window,
+            label: None,
+            name: Arc::from(""),
+            ident: band_ident("", "", "", Algorithm::TokenBucket, capacity, window),
+        })
+    }
+
+    /// A stable digest of the rule set, rule, name, algorithm, capacity and window: limiters key a
+    /// band's counters by it (with the key value).
+    pub fn ident(&self) -> u64 {
+        self.ident
+    }
+
+    /// The capacity: tokens, or requests per window.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The window.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// The label, if one was given.
+    pub fn label(&self) -> Option<&str> {
+        self.label.as_deref()
+    }
+
+    /// The label, or `b<position>` for unlabeled bands: the band's name in keys.
+    pub fn name(&self) -> &Arc<str> {
+        &self.name
+    }
+}
+
+impl RuleSet {
+    /// The id.
+    pub fn id(&self) -> &Arc<str> {
+        &self.id
+    }
+
+    /// The rules, highest priority first.
+    pub fn rules(&self) -> &[Rule] {
+        &self.rules
+    }
+}
+
+impl Rule {
+    /// The id, unique in its rule set.
+    pub fn id(&self) -> &Arc<str> {
+        &self.id
+    }
+
+    /// Whether the rule takes part in decisions.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+    /// The path patterns; empty means all paths.
+    pub fn paths(&self) -> &[PathPattern] {
+        &self.paths
+    }
+    /// The methods; empty means all methods.
+    pub fn methods(&self) -> &[Method] {
+        &self.methods
+    }
+    /// The priority: higher first.
+    pub fn priority(&self) -> i32 {
+        self.priority
+    }
+    /// The scope.
+    pub fn scope(&self) -> &Scope {
+        &self.scope
+    }
+    /// What happens when the scope's value is missing.
+    pub fn on_missing_key(&self) -> OnMissingKey {
+        self.on_missing_key
+    }
+    /// The algorithm.
+    pub fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+    /// The cost of one request.
+    pub fn permits(&self) -> u64 {
+        self.permits
+    }
+    /// The bands; all must admit.
+    pub fn bands(&self) -> &Arc<[Band]> {
+        &self.bands
+    }
+    /// Enforce or shadow.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// What the rule does when the backend fails; `None` follows the engine.
+    pub fn on_backend_failure(&self) -> Option<BackendFailure> {
+        self.on_backend_failure
+    }
+
+    /// Whether the rule applies to a request with this path (split in segments, see
+    /// [`PathPattern::matches_segments`]) and method.
+    pub fn applies_to(&self, path_segments: &[&str], method: &Method) -> bool {
+        self.enabled && self.matches_method(method) && self.matches_path(path_segments)
+    }
+
+    /// Whether the rule applies to a request: enabled, its method matches, and its path,
+    /// normalized or as routed, matches (see [`crate::path`]).
+    ///
+    /// ```
+    /// use fluxgate_core::{RequestContext, RuleSets};
+    /// let sets = RuleSets::from_yaml_str(r#"
+    /// rule_sets:
+    ///   - id: api
+    ///     rules:
+    ///       - id: login
+    ///         match: { paths: ["/api/*/login"], methods: [GET] }
+    ///         bands: [{ capacity: 5, window: 1m }]
+    /// "#).unwrap();
+    /// let rule = &sets.get("api").unwrap().rules()[0];
+    /// let at = |method: &str, path: &str| {
+    ///     RequestContext::builder().method(method.parse().unwrap()).path(path).build()
+    /// };
+    /// assert!(rule.applies(&at("GET", "/api/v1/login")));
+    /// // HEAD runs GET handlers; `/api/../login` reaches a `/api/{version}/login` route.
+    /// assert!(rule.applies(&at("HEAD", "/api/../login")));
+    /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
+    /// ```
+    pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
+        crate::path::with_paths(ctx, |normalized, routed| {
+            self.applies_to_paths(normalized, routed, ctx.method())
+        })
+    }
+
+    /// Whether the rule applies to a request with these segments of its normalized path
+    /// and, when they differ, of its routed path.
+    pub(crate) fn applies_to_paths(&self, normalized: &[&str], routed: Option<&[&str]>, method: &Method) -> bool {
+        self.enabled
+            && self.matches_method(method)
+            && (self.matches_path(normalized) || routed.is_some_and(|r| self.matches_path(r)))
+    }
+
+    /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
+    /// because routers (axum among them) run `GET` handlers for `HEAD` requests.
+    pub fn matches_method(&self, method: &Method) -> bool {
+        self.methods.is_empty()
+            || self.methods.contains(method)
+            || (*method == Method::HEAD && self.methods.contains(&Method::GET))
+    }
+
+    /// Whether one of the rule's patterns matches a path split in segments.
+    pub fn matches_path(&self, path_segments: &[&str]) -> bool {
+        self.paths.is_empty() || self.paths.iter().any(|p| p.matches_segments(path_segments))
+    }
+}
+
+/// Validated rule sets by id, as loaded from one source.
+#[derive(Debug, Clone, Default)]
+pub struct RuleSets {
+    pub(super) sets: HashMap<Arc<str>, Arc<RuleSet>>,
+}
+
+impl RuleSets {
+    /// A rule set by id.
+    pub fn get(&self, id: &str) -> Option<&Arc<RuleSet>> {
+        // A handful of rule sets is the common case: comparing ids is cheaper than hashing.
+        if self.sets.len() <= 8 {
+            return self.sets.iter().find(|(k, _)| ***k == *id).map(|(_, v)| v);
+        }
+        self.sets.get(id)
+    }
+
+    /// Adds or replaces a rule set.
+    pub fn insert(&mut self, set: RuleSet) {
+        self.sets.insert(set.id.clone(), Arc::new(set));
+    }
+
+    /// The rule sets.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<RuleSet>> {
+        self.sets.values()
+    }
+
+    /// The number of rule sets.
+    pub fn len(&self) -> usize {
+        self.sets.len()
+    }
+
+    /// Whether there are no rule sets.
+    pub fn is_empty(&self) -> bool {
+        self.sets.is_empty()
+    }
+}
+
+impl FromIterator<RuleSet> for RuleSets {
+    fn from_iter<I: IntoIterator<Item = RuleSet>>(iter: I) -> Self {
+        let mut sets = Self::default();
+        for set in iter {
+            sets.insert(set);
+        }
+        sets
+    }
+}

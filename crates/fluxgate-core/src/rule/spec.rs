@@ -1,0 +1,166 @@
+//! The serde shape of the file format: what a rule file holds, before validation.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::duration::duration_str;
+use super::{Algorithm, BackendFailure, Mode, OnMissingKey, ScopeKind};
+
+/// A rule file: `{ rule_sets: [...] }`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RulesFileSpec {
+    /// The rule sets of the file.
+    pub rule_sets: Vec<RuleSetSpec>,
+}
+
+/// A rule set as written in a file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSetSpec {
+    /// The rule set's id, unique in its source.
+    pub id: String,
+    /// Its rules.
+    #[serde(default)]
+    pub rules: Vec<RuleSpec>,
+}
+
+/// A rule as written in a file. See [`Rule`](super::Rule) for the meaning of each field.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuleSpec {
+    /// Unique within the rule set.
+    pub id: String,
+    /// Disabled rules are ignored. Default `true`.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Which requests the rule applies to. Default: all.
+    #[serde(default, rename = "match")]
+    pub matcher: MatchSpec,
+    /// Higher first. Default `0`.
+    #[serde(default)]
+    pub priority: i32,
+    /// What the limit is counted per. Default `ip`.
+    #[serde(default)]
+    pub scope: ScopeKind,
+    /// The attribute name, for `scope: attribute`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attribute: Option<String>,
+    /// The fields, for `scope: composite`: `ip`, `user`, `api_key` or attribute names.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fields: Vec<String>,
+    /// What happens when the scope's value is absent. Default `fallback_ip`.
+    #[serde(default)]
+    pub on_missing_key: OnMissingKey,
+    /// The algorithm. Default `token_bucket`.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// An algorithm with its default band ([`Algorithm::preset_band`]), in place of
+    /// `algorithm` and `bands`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preset: Option<Algorithm>,
+    /// The cost of one request. Default `1`.
+    #[serde(default = "default_permits")]
+    pub permits: u64,
+    /// One or more bands; all must admit. Required unless `preset` is given.
+    #[serde(default)]
+    pub bands: Vec<BandSpec>,
+    /// `enforce` or `shadow`. Default `enforce`.
+    #[serde(default)]
+    pub mode: Mode,
+    /// What happens to this rule when the backend fails; default: the engine's policy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_backend_failure: Option<BackendFailure>,
+}
+
+/// The `match` block of a rule.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchSpec {
+    /// Ant-style path patterns; empty means every path.
+    #[serde(default)]
+    pub paths: Vec<String>,
+    /// HTTP methods; empty means every method.
+    #[serde(default)]
+    pub methods: Vec<String>,
+}
+
+/// A band as written in a file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BandSpec {
+    /// Tokens (or requests) per window.
+    pub capacity: u64,
+    /// The window: `500ms`, `1s`, `1m`, `1h`, `1d`.
+    #[serde(with = "duration_str")]
+    pub window: Duration,
+    /// A name for headers and keys; defaults to the band's position.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_permits() -> u64 {
+    1
+}
+
+impl RuleSpec {
+    /// A rule spec with the defaults of the file format and the given bands.
+    pub fn new(id: impl Into<String>, bands: Vec<BandSpec>) -> Self {
+        Self {
+            id: id.into(),
+            enabled: true,
+            matcher: MatchSpec::default(),
+            priority: 0,
+            scope: ScopeKind::default(),
+            attribute: None,
+            fields: Vec::new(),
+            on_missing_key: OnMissingKey::default(),
+            algorithm: Algorithm::default(),
+            preset: None,
+            permits: 1,
+            bands,
+            mode: Mode::default(),
+            on_backend_failure: None,
+        }
+    }
+}
+
+impl RuleSpec {
+    /// A rule spec with the defaults of the file format and the preset band of `algorithm`
+    /// (see [`Algorithm::preset_band`]).
+    ///
+    /// ```
+    /// use fluxgate_core::{Algorithm, Rule, RuleSpec};
+    /// let rule = Rule::from_spec("api", RuleSpec::preset("r", Algorithm::SlidingWindowCounter)).unwrap();
+    /// assert_eq!(rule.bands()[0].capacity(), 10);
+    /// assert_eq!(rule.bands()[0].window().as_secs(), 60);
+    /// ```
+    pub fn preset(id: impl Into<String>, algorithm: Algorithm) -> Self {
+        Self {
+            algorithm,
+            ..Self::new(id, vec![algorithm.preset_band()])
+        }
+    }
+}
+
+impl BandSpec {
+    /// A band of `capacity` per `window`, unlabeled.
+    pub fn new(capacity: u64, window: Duration) -> Self {
+        Self {
+            capacity,
+            window,
+            label: None,
+        }
+    }
+
+    /// Sets the label.
+    pub fn label(mut self, label: impl Into<String>) -> Self {
+        self.label = Some(label.into());
+        self
+    }
+}
