@@ -41,46 +41,53 @@ impl RuleSet {
     ///
     /// A [`RuleError::Invalid`] naming the rule set, the rule and the field.
     pub fn from_spec(spec: RuleSetSpec) -> Result<Self, RuleError> {
-        check_id(&spec.id).map_err(|m| RuleError::invalid(&spec.id, "-", "id", m))?;
-        let mut seen = HashSet::new();
-        let mut rules = Vec::with_capacity(spec.rules.len());
-        for (j, rule) in spec.rules.into_iter().enumerate() {
-            if !seen.insert(rule.id.clone()) {
-                return Err(
-                    RuleError::invalid(&spec.id, &rule.id, "id", "duplicate rule id in this rule set")
-                        .at_position(None, Some(j)),
-                );
-            }
-            rules.push(Rule::from_spec(&spec.id, rule).map_err(|e| e.at_position(None, Some(j)))?);
-        }
-        // Stable: ties keep file order.
-        rules.sort_by_key(|r| std::cmp::Reverse(r.priority));
-        Ok(Self {
-            id: Arc::from(spec.id),
-            rules: rules.into(),
-        })
+        let id: Arc<str> = Arc::from(spec.id);
+        Self::assemble(
+            id.clone(),
+            spec.rules,
+            |rule| &rule.id,
+            |rule| Rule::from_spec(&id, rule),
+        )
     }
 
     /// A rule set from already validated rules.
     pub fn new(id: impl Into<Arc<str>>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
         let id = id.into();
+        Self::assemble(
+            id.clone(),
+            rules,
+            |rule| &rule.id,
+            |mut rule| {
+                // Rules validated for another rule set get counters of this one.
+                rule.bind_to(&id);
+                Ok(rule)
+            },
+        )
+    }
+
+    /// The one place where a rule set is put together: checks its id, then each rule in
+    /// order, its id unique before the rule itself (`into_rule`), and orders the rules by
+    /// priority, highest first; ties keep their order. Errors name a rule with an empty id
+    /// by its position.
+    fn assemble<T>(
+        id: Arc<str>,
+        items: impl IntoIterator<Item = T>,
+        rule_id: impl Fn(&T) -> &str,
+        mut into_rule: impl FnMut(T) -> Result<Rule, RuleError>,
+    ) -> Result<Self, RuleError> {
         check_id(&id).map_err(|m| RuleError::invalid(&id, "-", "id", m))?;
-        let mut rules: Vec<Rule> = rules.into_iter().collect();
+        let items = items.into_iter();
         let mut seen = HashSet::new();
-        for rule in &rules {
-            if !seen.insert(rule.id.clone()) {
-                return Err(RuleError::invalid(
-                    &id,
-                    &rule.id,
-                    "id",
-                    "duplicate rule id in this rule set",
-                ));
+        let mut rules = Vec::with_capacity(items.size_hint().0);
+        for (j, item) in items.enumerate() {
+            let at_position = |e: RuleError| e.at_position(None, Some(j));
+            if !seen.insert(rule_id(&item).to_owned()) {
+                let duplicate = RuleError::invalid(&id, rule_id(&item), "id", "duplicate rule id in this rule set");
+                return Err(at_position(duplicate));
             }
+            rules.push(into_rule(item).map_err(at_position)?);
         }
-        // Rules validated for another rule set get counters of this one.
-        for rule in &mut rules {
-            rule.bind_to(&id);
-        }
+        // Stable: ties keep their order.
         rules.sort_by_key(|r| std::cmp::Reverse(r.priority));
         Ok(Self {
             id,
@@ -304,5 +311,64 @@ impl RuleSets {
             }
         }
         Ok(Self { sets })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rule::BandSpec;
+
+    fn rule(id: &str, priority: i32) -> Rule {
+        let mut spec = RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))]);
+        spec.priority = priority;
+        Rule::from_spec("elsewhere", spec).unwrap()
+    }
+
+    #[test]
+    fn both_constructors_order_by_priority_and_reject_duplicate_ids() {
+        let order = |set: &RuleSet| set.rules().iter().map(|r| r.id().to_string()).collect::<Vec<_>>();
+        let set = RuleSet::new("s", [rule("a", 0), rule("b", 5), rule("c", 0)]).unwrap();
+        assert_eq!(order(&set), ["b", "a", "c"]);
+        let spec = RuleSetSpec {
+            id: "s".into(),
+            rules: [("a", 0), ("b", 5), ("c", 0)]
+                .map(|(id, priority)| RuleSpec {
+                    priority,
+                    ..RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))])
+                })
+                .into(),
+        };
+        assert_eq!(order(&RuleSet::from_spec(spec).unwrap()), ["b", "a", "c"]);
+
+        let msg = RuleSet::new("s", [rule("a", 0), rule("a", 1)]).unwrap_err().to_string();
+        assert_eq!(
+            msg,
+            "rule set `s`, rule `a`, field `id`: duplicate rule id in this rule set"
+        );
+    }
+
+    #[test]
+    fn a_duplicate_id_is_reported_before_the_rule_is_validated() {
+        let valid = RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))]);
+        let invalid = RuleSpec::new("a", vec![BandSpec::new(0, Duration::from_secs(1))]);
+        let spec = RuleSetSpec {
+            id: "s".into(),
+            rules: vec![valid, invalid],
+        };
+        let msg = RuleSet::from_spec(spec).unwrap_err().to_string();
+        assert!(msg.contains("duplicate rule id"), "{msg}");
+    }
+
+    #[test]
+    fn rules_from_another_rule_set_get_counters_of_this_one() {
+        let set = RuleSet::new("s", [rule("a", 0)]).unwrap();
+        let spec = RuleSetSpec {
+            id: "s".into(),
+            rules: vec![RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))])],
+        };
+        let same = RuleSet::from_spec(spec).unwrap();
+        assert_eq!(set.rules()[0].bands()[0].ident(), same.rules()[0].bands()[0].ident());
+        assert_ne!(rule("a", 0).bands()[0].ident(), same.rules()[0].bands()[0].ident());
     }
 }
