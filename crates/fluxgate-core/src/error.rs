@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::rule::Format;
+use crate::rule::{Format, Problem};
 
 /// Why rules could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -17,8 +17,8 @@ pub enum RuleError {
         rule: String,
         /// The field, as a path such as `bands[1].capacity`.
         field: String,
-        /// What is wrong, and how to fix it.
-        message: String,
+        /// What is wrong, and how to fix it; its `Display` is the message.
+        message: Problem,
     },
     /// The text is not valid YAML, TOML or JSON.
     #[error("{format} syntax error: {message}")]
@@ -63,7 +63,14 @@ pub enum RuleError {
 const EMPTY: &str = "\"\"";
 
 impl RuleError {
-    pub(crate) fn invalid(rule_set: &str, rule: &str, field: &str, message: impl Into<String>) -> Self {
+    /// A [`RuleError::Invalid`] at the field the problem is about.
+    pub(crate) fn at(rule_set: &str, rule: &str, problem: impl Into<Problem>) -> Self {
+        let problem = problem.into();
+        Self::invalid(rule_set, rule, &problem.field(), problem)
+    }
+
+    /// A [`RuleError::Invalid`] at a field named by the caller (the deserializer's path).
+    pub(crate) fn invalid(rule_set: &str, rule: &str, field: &str, message: impl Into<Problem>) -> Self {
         let name = |s: &str| if s.is_empty() { EMPTY.to_owned() } else { s.to_owned() };
         Self::Invalid {
             rule_set: name(rule_set),

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::path::Path;
 
-use super::{RuleSetSpec, RuleSets, RuleSpec};
+use super::{RuleSetSpec, RuleSets, RuleSpec, ShapeError};
 use crate::error::RuleError;
 
 /// The rule formats.
@@ -118,29 +118,24 @@ fn yaml_error(e: &serde_yaml::Error) -> String {
 /// the field whatever the format.
 fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleError> {
     use serde_json::Value;
-    let top = |m: &str| RuleError::invalid("-", "-", "rule_sets", m);
+    let top = |shape: ShapeError| RuleError::at("-", "-", shape);
     let mut obj = match value {
         Value::Object(obj) => obj,
-        Value::Null => return Err(top("the rules are empty; expected `rule_sets: [...]`")),
-        _ => return Err(top("expected a map with `rule_sets: [...]` at the top level")),
+        Value::Null => return Err(top(ShapeError::Empty)),
+        _ => return Err(top(ShapeError::NotAMap)),
     };
     if let Some(key) = obj.keys().find(|k| *k != "rule_sets") {
-        return Err(RuleError::invalid("-", "-", key, "unknown field; expected `rule_sets`"));
+        return Err(top(ShapeError::UnknownField { field: key.clone() }));
     }
     let sets = match obj.remove("rule_sets") {
         Some(Value::Array(sets)) => sets,
-        Some(_) => return Err(top("expected a list of rule sets")),
-        None => return Err(top("missing `rule_sets`")),
+        Some(_) => return Err(top(ShapeError::RuleSetsNotAList)),
+        None => return Err(top(ShapeError::MissingRuleSets)),
     };
     let mut specs = Vec::with_capacity(sets.len());
     for (i, set) in sets.into_iter().enumerate() {
         let Value::Object(mut set) = set else {
-            return Err(RuleError::invalid(
-                &format!("#{}", i + 1),
-                "-",
-                "-",
-                "expected a map with `id` and `rules`",
-            ));
+            return Err(RuleError::at(&format!("#{}", i + 1), "-", ShapeError::RuleSetNotAMap));
         };
         let set_name = match set.get("id") {
             Some(Value::String(id)) if !id.is_empty() => id.clone(),
@@ -149,7 +144,7 @@ fn specs_from_value(value: serde_json::Value) -> Result<Vec<RuleSetSpec>, RuleEr
         let rules = match set.remove("rules") {
             Some(Value::Array(rules)) => rules,
             Some(Value::Null) | None => Vec::new(),
-            Some(_) => return Err(RuleError::invalid(&set_name, "-", "rules", "expected a list of rules")),
+            Some(_) => return Err(RuleError::at(&set_name, "-", ShapeError::RulesNotAList)),
         };
         let mut spec: RuleSetSpec =
             deserialize_at(Value::Object(set)).map_err(|(field, m)| RuleError::invalid(&set_name, "-", &field, m))?;

@@ -21,15 +21,19 @@
 //! ```
 
 mod duration;
+mod error;
 mod load;
 mod model;
 mod options;
 mod spec;
+#[cfg(test)]
+mod tests;
 mod validate;
 
 use std::time::Duration;
 
 pub use duration::{format_duration, parse_duration};
+pub use error::{BandError, BandRangeError, IdError, MatchError, Problem, ScopeError, ShapeError};
 pub use load::Format;
 pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
 pub use options::{Algorithm, BackendFailure, Mode, OnMissingKey, ScopeKind};

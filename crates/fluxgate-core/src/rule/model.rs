@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::Method;
 
 use super::validate::validate_band;
-use super::{Algorithm, BackendFailure, Mode, OnMissingKey};
+use super::{Algorithm, BackendFailure, BandRangeError, Mode, OnMissingKey};
 use crate::path::PathPattern;
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
@@ -100,7 +100,7 @@ impl Band {
     /// # Errors
     ///
     /// When capacity or window is zero or beyond [`MAX_CAPACITY`](super::MAX_CAPACITY) / [`MAX_WINDOW`](super::MAX_WINDOW).
-    pub fn new(capacity: u64, window: Duration) -> Result<Self, &'static str> {
+    pub fn new(capacity: u64, window: Duration) -> Result<Self, BandRangeError> {
         validate_band(capacity, window)?;
         Ok(Self {
             capacity,

@@ -1,5 +1,11 @@
 //! Validation: from the specs of a file to the validated model.
+//!
+//! [`Rule::from_spec`] runs one step per concern (identifier, `match`, scope, preset,
+//! permits, bands), each returning its own typed error; the error is then placed in the
+//! rule set and rule as a [`RuleError::Invalid`]. The checks run in that order, so the
+//! first problem of a rule is the one reported.
 
+use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -9,29 +15,29 @@ use http::Method;
 
 use super::model::band_ident;
 use super::{
-    Algorithm, Band, KeyField, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeKind, MAX_CAPACITY,
-    MAX_ID_LEN, MAX_WINDOW,
+    Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, MatchError, MatchSpec, Problem, Rule,
+    RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
 };
 use crate::error::RuleError;
 use crate::path::PathPattern;
 
-pub(super) fn validate_band(capacity: u64, window: Duration) -> Result<(), &'static str> {
-    if capacity == 0 {
-        return Err("capacity is 0; capacity must be at least 1");
+impl RuleSets {
+    /// Validates rule set specs.
+    ///
+    /// # Errors
+    ///
+    /// The first invalid rule, or a duplicate rule set id.
+    pub fn from_specs(specs: impl IntoIterator<Item = RuleSetSpec>) -> Result<Self, RuleError> {
+        let mut sets = HashMap::new();
+        for (i, spec) in specs.into_iter().enumerate() {
+            let set = RuleSet::from_spec(spec).map_err(|e| e.at_position(Some(i), None))?;
+            let id = set.id.clone();
+            if sets.insert(id.clone(), Arc::new(set)).is_some() {
+                return Err(RuleError::at(&id, "-", Problem::DuplicateRuleSetId));
+            }
+        }
+        Ok(Self { sets })
     }
-    if capacity > MAX_CAPACITY {
-        return Err("capacity is larger than 2^40");
-    }
-    if window.is_zero() {
-        return Err("window is 0; a window must be at least 1ms");
-    }
-    if window < Duration::from_millis(1) {
-        return Err("window is shorter than 1ms; a window must be at least 1ms");
-    }
-    if window > MAX_WINDOW {
-        return Err("window is longer than ten years");
-    }
-    Ok(())
 }
 
 impl RuleSet {
@@ -51,6 +57,10 @@ impl RuleSet {
     }
 
     /// A rule set from already validated rules.
+    ///
+    /// # Errors
+    ///
+    /// A [`RuleError::Invalid`] for an invalid id or a duplicate rule id.
     pub fn new(id: impl Into<Arc<str>>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
         let id = id.into();
         Self::assemble(
@@ -75,15 +85,18 @@ impl RuleSet {
         rule_id: impl Fn(&T) -> &str,
         mut into_rule: impl FnMut(T) -> Result<Rule, RuleError>,
     ) -> Result<Self, RuleError> {
-        check_id(&id).map_err(|m| RuleError::invalid(&id, "-", "id", m))?;
+        check_id(&id).map_err(|e| RuleError::at(&id, "-", e))?;
         let items = items.into_iter();
         let mut seen = HashSet::new();
         let mut rules = Vec::with_capacity(items.size_hint().0);
         for (j, item) in items.enumerate() {
             let at_position = |e: RuleError| e.at_position(None, Some(j));
             if !seen.insert(rule_id(&item).to_owned()) {
-                let duplicate = RuleError::invalid(&id, rule_id(&item), "id", "duplicate rule id in this rule set");
-                return Err(at_position(duplicate));
+                return Err(at_position(RuleError::at(
+                    &id,
+                    rule_id(&item),
+                    Problem::DuplicateRuleId,
+                )));
             }
             rules.push(into_rule(item).map_err(at_position)?);
         }
@@ -103,151 +116,18 @@ impl Rule {
     ///
     /// A [`RuleError::Invalid`] naming the rule set, the rule and the field.
     pub fn from_spec(rule_set: &str, spec: RuleSpec) -> Result<Self, RuleError> {
-        let rule_id = spec.id.as_str();
-        let invalid = |field: &str, message: String| RuleError::invalid(rule_set, rule_id, field, message);
-        check_id(rule_id).map_err(|m| invalid("id", m))?;
+        Self::validate(rule_set, &spec).map_err(|problem| RuleError::at(rule_set, &spec.id, problem))
+    }
 
-        let mut paths = Vec::with_capacity(spec.matcher.paths.len());
-        for (i, p) in spec.matcher.paths.iter().enumerate() {
-            let pattern = p
-                .parse::<PathPattern>()
-                .map_err(|e| invalid(&format!("match.paths[{i}]"), e.to_string()))?;
-            paths.push(pattern);
-        }
-        let mut methods = Vec::with_capacity(spec.matcher.methods.len());
-        for (i, m) in spec.matcher.methods.iter().enumerate() {
-            let upper = m.to_ascii_uppercase();
-            let method = Method::from_str(&upper)
-                .ok()
-                .filter(|_| !upper.is_empty())
-                .ok_or_else(|| invalid(&format!("match.methods[{i}]"), format!("`{m}` is not an HTTP method")))?;
-            methods.push(method);
-        }
-
-        let scope = match spec.scope {
-            ScopeKind::Global => Scope::Global,
-            ScopeKind::Ip => Scope::Ip,
-            ScopeKind::User => Scope::User,
-            ScopeKind::ApiKey => Scope::ApiKey,
-            ScopeKind::Attribute => {
-                let name = spec
-                    .attribute
-                    .as_deref()
-                    .ok_or_else(|| invalid("attribute", "scope `attribute` needs `attribute: <name>`".into()))?;
-                check_id(name).map_err(|m| invalid("attribute", m))?;
-                Scope::Attribute(Arc::from(name))
-            }
-            ScopeKind::Composite => {
-                if spec.fields.is_empty() {
-                    return Err(invalid(
-                        "fields",
-                        "scope `composite` needs `fields: [...]` (ip, user, api_key or attribute names)".into(),
-                    ));
-                }
-                let mut fields = Vec::with_capacity(spec.fields.len());
-                for (i, f) in spec.fields.iter().enumerate() {
-                    let field = match f.as_str() {
-                        "ip" => KeyField::Ip,
-                        "user" => KeyField::User,
-                        "api_key" => KeyField::ApiKey,
-                        name => {
-                            check_id(name).map_err(|m| invalid(&format!("fields[{i}]"), m))?;
-                            KeyField::Attribute(Arc::from(name))
-                        }
-                    };
-                    if fields.contains(&field) {
-                        return Err(invalid(&format!("fields[{i}]"), format!("`{f}` is listed twice")));
-                    }
-                    fields.push(field);
-                }
-                Scope::Composite(fields)
-            }
-        };
-        if spec.attribute.is_some() && spec.scope != ScopeKind::Attribute {
-            return Err(invalid(
-                "attribute",
-                "`attribute` is only allowed with `scope: attribute`".into(),
-            ));
-        }
-        if !spec.fields.is_empty() && spec.scope != ScopeKind::Composite {
-            return Err(invalid(
-                "fields",
-                "`fields` is only allowed with `scope: composite`".into(),
-            ));
-        }
-        let mut bands_spec = std::borrow::Cow::Borrowed(&spec.bands);
-        let mut algorithm = spec.algorithm;
-        if let Some(preset) = spec.preset {
-            if !spec.bands.is_empty() {
-                return Err(invalid(
-                    "preset",
-                    "`preset` brings its own band; give either `preset` or `bands`".into(),
-                ));
-            }
-            if spec.algorithm != Algorithm::default() && spec.algorithm != preset {
-                return Err(invalid(
-                    "preset",
-                    format!(
-                        "`preset: {}` contradicts `algorithm: {}`",
-                        preset.as_str(),
-                        spec.algorithm.as_str()
-                    ),
-                ));
-            }
-            algorithm = preset;
-            bands_spec = std::borrow::Cow::Owned(vec![preset.preset_band()]);
-        }
-        if spec.permits == 0 {
-            return Err(invalid("permits", "permits is 0; a request costs at least 1".into()));
-        }
-        if spec.permits > MAX_CAPACITY {
-            return Err(invalid(
-                "permits",
-                format!(
-                    "permits is {}; a request costs at most 2^40 ({MAX_CAPACITY}), the largest capacity",
-                    spec.permits
-                ),
-            ));
-        }
-        if bands_spec.is_empty() {
-            return Err(invalid(
-                "bands",
-                "a rule needs at least one band (or a `preset`)".into(),
-            ));
-        }
-        let mut bands = Vec::with_capacity(bands_spec.len());
-        let mut names = HashSet::new();
-        for (i, b) in bands_spec.iter().enumerate() {
-            let field = |f: &str| format!("bands[{i}].{f}");
-            validate_band(b.capacity, b.window).map_err(|m| {
-                let f = if m.starts_with("capacity") {
-                    "capacity"
-                } else {
-                    "window"
-                };
-                invalid(&field(f), format!("band {}: {m}", i + 1))
-            })?;
-            if let Some(label) = &b.label {
-                check_id(label).map_err(|m| invalid(&field("label"), m))?;
-            }
-            let name: Arc<str> = match &b.label {
-                Some(l) => Arc::from(l.as_str()),
-                None => Arc::from(format!("b{i}")),
-            };
-            if !names.insert(name.clone()) {
-                return Err(invalid(&field("label"), format!("band name `{name}` is used twice")));
-            }
-            bands.push(Band {
-                capacity: b.capacity,
-                window: b.window,
-                label: b.label.as_deref().map(Arc::from),
-                ident: band_ident(rule_set, rule_id, &name, algorithm, b.capacity, b.window),
-                name,
-            });
-        }
-
+    fn validate(rule_set: &str, spec: &RuleSpec) -> Result<Self, Problem> {
+        check_id(&spec.id)?;
+        let (paths, methods) = matcher(&spec.matcher)?;
+        let scope = scope(spec)?;
+        let (algorithm, band_specs) = preset(spec)?;
+        let permits = permits(spec.permits)?;
+        let bands = bands(rule_set, &spec.id, algorithm, &band_specs)?;
         Ok(Self {
-            id: Arc::from(rule_id),
+            id: Arc::from(spec.id.as_str()),
             enabled: spec.enabled,
             paths,
             methods,
@@ -255,7 +135,7 @@ impl Rule {
             scope,
             on_missing_key: spec.on_missing_key,
             algorithm,
-            permits: spec.permits,
+            permits,
             bands: bands.into(),
             mode: spec.mode,
             on_backend_failure: spec.on_backend_failure,
@@ -277,98 +157,178 @@ impl Rule {
 }
 
 /// Ids, labels and attribute names: 1 to 64 of `A-Z a-z 0-9 _ - .`.
-fn check_id(id: &str) -> Result<(), String> {
+fn check_id(id: &str) -> Result<(), IdError> {
     if id.is_empty() {
-        return Err("must not be empty".into());
+        return Err(IdError::Empty);
     }
     if id.len() > MAX_ID_LEN {
-        return Err(format!("`{id}` is longer than {MAX_ID_LEN} characters"));
+        return Err(IdError::TooLong { id: id.to_owned() });
     }
-    if let Some(c) = id
+    if let Some(character) = id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
     {
-        return Err(format!(
-            "`{id}` contains {c:?}; use only letters, digits, `_`, `-` and `.`"
-        ));
+        return Err(IdError::InvalidCharacter {
+            id: id.to_owned(),
+            character,
+        });
     }
     Ok(())
 }
 
-impl RuleSets {
-    /// Validates rule set specs.
-    ///
-    /// # Errors
-    ///
-    /// The first invalid rule, or a duplicate rule set id.
-    pub fn from_specs(specs: impl IntoIterator<Item = RuleSetSpec>) -> Result<Self, RuleError> {
-        let mut sets = HashMap::new();
-        for (i, spec) in specs.into_iter().enumerate() {
-            let set = RuleSet::from_spec(spec).map_err(|e| e.at_position(Some(i), None))?;
-            let id = set.id.clone();
-            if sets.insert(id.clone(), Arc::new(set)).is_some() {
-                return Err(RuleError::invalid(&id, "-", "id", "duplicate rule set id"));
-            }
+/// The `match` block: the path patterns, then the methods.
+fn matcher(spec: &MatchSpec) -> Result<(Vec<PathPattern>, Vec<Method>), MatchError> {
+    let paths = spec
+        .paths
+        .iter()
+        .enumerate()
+        .map(|(index, p)| p.parse().map_err(|error| MatchError::Path { index, error }))
+        .collect::<Result<_, _>>()?;
+    let methods = spec
+        .methods
+        .iter()
+        .enumerate()
+        .map(|(index, m)| {
+            let upper = m.to_ascii_uppercase();
+            Method::from_str(&upper)
+                .ok()
+                .filter(|_| !upper.is_empty())
+                .ok_or_else(|| MatchError::Method {
+                    index,
+                    method: m.clone(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    Ok((paths, methods))
+}
+
+/// The scope, with the `attribute` or `fields` it needs and no other.
+fn scope(spec: &RuleSpec) -> Result<Scope, ScopeError> {
+    let scope = match spec.scope {
+        ScopeKind::Global => Scope::Global,
+        ScopeKind::Ip => Scope::Ip,
+        ScopeKind::User => Scope::User,
+        ScopeKind::ApiKey => Scope::ApiKey,
+        ScopeKind::Attribute => {
+            let name = spec.attribute.as_deref().ok_or(ScopeError::MissingAttribute)?;
+            check_id(name).map_err(ScopeError::AttributeName)?;
+            Scope::Attribute(Arc::from(name))
         }
-        Ok(Self { sets })
+        ScopeKind::Composite => Scope::Composite(key_fields(&spec.fields)?),
+    };
+    if spec.attribute.is_some() && spec.scope != ScopeKind::Attribute {
+        return Err(ScopeError::UnexpectedAttribute);
+    }
+    if !spec.fields.is_empty() && spec.scope != ScopeKind::Composite {
+        return Err(ScopeError::UnexpectedFields);
+    }
+    Ok(scope)
+}
+
+/// The fields of a composite scope: at least one, none twice.
+fn key_fields(names: &[String]) -> Result<Vec<KeyField>, ScopeError> {
+    if names.is_empty() {
+        return Err(ScopeError::MissingFields);
+    }
+    let mut fields = Vec::with_capacity(names.len());
+    for (index, name) in names.iter().enumerate() {
+        let field = match name.as_str() {
+            "ip" => KeyField::Ip,
+            "user" => KeyField::User,
+            "api_key" => KeyField::ApiKey,
+            attribute => {
+                check_id(attribute).map_err(|error| ScopeError::FieldName { index, error })?;
+                KeyField::Attribute(Arc::from(attribute))
+            }
+        };
+        if fields.contains(&field) {
+            return Err(ScopeError::RepeatedField {
+                index,
+                name: name.clone(),
+            });
+        }
+        fields.push(field);
+    }
+    Ok(fields)
+}
+
+/// The algorithm and the bands to validate: a `preset` brings both, in place of
+/// `algorithm` (unless it is the default or the same) and `bands`.
+fn preset(spec: &RuleSpec) -> Result<(Algorithm, Cow<'_, [BandSpec]>), BandError> {
+    let Some(preset) = spec.preset else {
+        return Ok((spec.algorithm, Cow::Borrowed(&spec.bands)));
+    };
+    if !spec.bands.is_empty() {
+        return Err(BandError::PresetWithBands);
+    }
+    if spec.algorithm != Algorithm::default() && spec.algorithm != preset {
+        return Err(BandError::PresetContradictsAlgorithm {
+            preset,
+            algorithm: spec.algorithm,
+        });
+    }
+    Ok((preset, Cow::Owned(vec![preset.preset_band()])))
+}
+
+/// The cost of one request: 1 to [`MAX_CAPACITY`].
+fn permits(permits: u64) -> Result<u64, Problem> {
+    match permits {
+        0 => Err(Problem::PermitsZero),
+        p if p > MAX_CAPACITY => Err(Problem::PermitsTooLarge { permits }),
+        p => Ok(p),
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::rule::BandSpec;
-
-    fn rule(id: &str, priority: i32) -> Rule {
-        let mut spec = RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))]);
-        spec.priority = priority;
-        Rule::from_spec("elsewhere", spec).unwrap()
+/// The bands, each with the identity of its counters: at least one, each in range, their
+/// names (labels, or `b<position>`) unique.
+fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -> Result<Vec<Band>, BandError> {
+    if specs.is_empty() {
+        return Err(BandError::NoBand);
     }
-
-    #[test]
-    fn both_constructors_order_by_priority_and_reject_duplicate_ids() {
-        let order = |set: &RuleSet| set.rules().iter().map(|r| r.id().to_string()).collect::<Vec<_>>();
-        let set = RuleSet::new("s", [rule("a", 0), rule("b", 5), rule("c", 0)]).unwrap();
-        assert_eq!(order(&set), ["b", "a", "c"]);
-        let spec = RuleSetSpec {
-            id: "s".into(),
-            rules: [("a", 0), ("b", 5), ("c", 0)]
-                .map(|(id, priority)| RuleSpec {
-                    priority,
-                    ..RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))])
-                })
-                .into(),
+    let mut names = HashSet::new();
+    let mut bands = Vec::with_capacity(specs.len());
+    for (index, b) in specs.iter().enumerate() {
+        validate_band(b.capacity, b.window).map_err(|error| BandError::OutOfRange { index, error })?;
+        if let Some(label) = &b.label {
+            check_id(label).map_err(|error| BandError::Label { index, error })?;
+        }
+        let name: Arc<str> = match &b.label {
+            Some(l) => Arc::from(l.as_str()),
+            None => Arc::from(format!("b{index}")),
         };
-        assert_eq!(order(&RuleSet::from_spec(spec).unwrap()), ["b", "a", "c"]);
-
-        let msg = RuleSet::new("s", [rule("a", 0), rule("a", 1)]).unwrap_err().to_string();
-        assert_eq!(
-            msg,
-            "rule set `s`, rule `a`, field `id`: duplicate rule id in this rule set"
-        );
+        if !names.insert(name.clone()) {
+            return Err(BandError::RepeatedName {
+                index,
+                name: name.to_string(),
+            });
+        }
+        bands.push(Band {
+            capacity: b.capacity,
+            window: b.window,
+            label: b.label.as_deref().map(Arc::from),
+            ident: band_ident(rule_set, rule, &name, algorithm, b.capacity, b.window),
+            name,
+        });
     }
+    Ok(bands)
+}
 
-    #[test]
-    fn a_duplicate_id_is_reported_before_the_rule_is_validated() {
-        let valid = RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))]);
-        let invalid = RuleSpec::new("a", vec![BandSpec::new(0, Duration::from_secs(1))]);
-        let spec = RuleSetSpec {
-            id: "s".into(),
-            rules: vec![valid, invalid],
-        };
-        let msg = RuleSet::from_spec(spec).unwrap_err().to_string();
-        assert!(msg.contains("duplicate rule id"), "{msg}");
+/// A band's capacity (1 to [`MAX_CAPACITY`]) and window (1ms to [`MAX_WINDOW`]).
+pub(super) fn validate_band(capacity: u64, window: Duration) -> Result<(), BandRangeError> {
+    if capacity == 0 {
+        return Err(BandRangeError::CapacityZero);
     }
-
-    #[test]
-    fn rules_from_another_rule_set_get_counters_of_this_one() {
-        let set = RuleSet::new("s", [rule("a", 0)]).unwrap();
-        let spec = RuleSetSpec {
-            id: "s".into(),
-            rules: vec![RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))])],
-        };
-        let same = RuleSet::from_spec(spec).unwrap();
-        assert_eq!(set.rules()[0].bands()[0].ident(), same.rules()[0].bands()[0].ident());
-        assert_ne!(rule("a", 0).bands()[0].ident(), same.rules()[0].bands()[0].ident());
+    if capacity > MAX_CAPACITY {
+        return Err(BandRangeError::CapacityTooLarge);
     }
+    if window.is_zero() {
+        return Err(BandRangeError::WindowZero);
+    }
+    if window < Duration::from_millis(1) {
+        return Err(BandRangeError::WindowTooShort);
+    }
+    if window > MAX_WINDOW {
+        return Err(BandRangeError::WindowTooLong);
+    }
+    Ok(())
 }

@@ -1,0 +1,125 @@
+//! Tests of validation: how rule sets are put together, and the typed problems errors carry.
+
+use std::time::Duration;
+
+use super::*;
+use crate::error::RuleError;
+
+fn rule(id: &str, priority: i32) -> Rule {
+    let mut spec = RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))]);
+    spec.priority = priority;
+    Rule::from_spec("elsewhere", spec).unwrap()
+}
+
+#[test]
+fn both_constructors_order_by_priority_and_reject_duplicate_ids() {
+    let order = |set: &RuleSet| set.rules().iter().map(|r| r.id().to_string()).collect::<Vec<_>>();
+    let set = RuleSet::new("s", [rule("a", 0), rule("b", 5), rule("c", 0)]).unwrap();
+    assert_eq!(order(&set), ["b", "a", "c"]);
+    let spec = RuleSetSpec {
+        id: "s".into(),
+        rules: [("a", 0), ("b", 5), ("c", 0)]
+            .map(|(id, priority)| RuleSpec {
+                priority,
+                ..RuleSpec::new(id, vec![BandSpec::new(1, Duration::from_secs(1))])
+            })
+            .into(),
+    };
+    assert_eq!(order(&RuleSet::from_spec(spec).unwrap()), ["b", "a", "c"]);
+
+    let msg = RuleSet::new("s", [rule("a", 0), rule("a", 1)]).unwrap_err().to_string();
+    assert_eq!(
+        msg,
+        "rule set `s`, rule `a`, field `id`: duplicate rule id in this rule set"
+    );
+}
+
+#[test]
+fn a_duplicate_id_is_reported_before_the_rule_is_validated() {
+    let valid = RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))]);
+    let invalid = RuleSpec::new("a", vec![BandSpec::new(0, Duration::from_secs(1))]);
+    let spec = RuleSetSpec {
+        id: "s".into(),
+        rules: vec![valid, invalid],
+    };
+    let msg = RuleSet::from_spec(spec).unwrap_err().to_string();
+    assert!(msg.contains("duplicate rule id"), "{msg}");
+}
+
+#[test]
+fn rules_from_another_rule_set_get_counters_of_this_one() {
+    let set = RuleSet::new("s", [rule("a", 0)]).unwrap();
+    let spec = RuleSetSpec {
+        id: "s".into(),
+        rules: vec![RuleSpec::new("a", vec![BandSpec::new(1, Duration::from_secs(1))])],
+    };
+    let same = RuleSet::from_spec(spec).unwrap();
+    assert_eq!(set.rules()[0].bands()[0].ident(), same.rules()[0].bands()[0].ident());
+    assert_ne!(rule("a", 0).bands()[0].ident(), same.rules()[0].bands()[0].ident());
+}
+
+#[test]
+fn errors_carry_the_typed_problem_at_its_field() {
+    let invalid = |bands: Vec<BandSpec>, edit: fn(&mut RuleSpec)| {
+        let mut spec = RuleSpec::new("r", bands);
+        edit(&mut spec);
+        match Rule::from_spec("s", spec) {
+            Err(RuleError::Invalid { field, message, .. }) => (field, message),
+            other => panic!("{other:?}"),
+        }
+    };
+    let second_too_short = vec![
+        BandSpec::new(1, Duration::from_secs(1)),
+        BandSpec::new(1, Duration::from_micros(10)),
+    ];
+    assert_eq!(
+        invalid(second_too_short, |_| {}),
+        (
+            "bands[1].window".to_owned(),
+            Problem::Band(BandError::OutOfRange {
+                index: 1,
+                error: BandRangeError::WindowTooShort
+            })
+        )
+    );
+    let one = || vec![BandSpec::new(1, Duration::from_secs(1))];
+    assert_eq!(
+        invalid(one(), |s| s.matcher.methods = vec!["GET".into(), "GE T".into()]),
+        (
+            "match.methods[1]".to_owned(),
+            Problem::Match(MatchError::Method {
+                index: 1,
+                method: "GE T".into()
+            })
+        )
+    );
+    assert_eq!(
+        invalid(one(), |s| {
+            s.scope = ScopeKind::Composite;
+            s.fields = vec!["ip".into(), "a:b".into()];
+        }),
+        (
+            "fields[1]".to_owned(),
+            Problem::Scope(ScopeError::FieldName {
+                index: 1,
+                error: IdError::InvalidCharacter {
+                    id: "a:b".into(),
+                    character: ':'
+                }
+            })
+        )
+    );
+    assert_eq!(
+        invalid(one(), |s| s.permits = MAX_CAPACITY + 1),
+        (
+            "permits".to_owned(),
+            Problem::PermitsTooLarge {
+                permits: MAX_CAPACITY + 1
+            }
+        )
+    );
+    assert_eq!(
+        Band::new(0, Duration::from_secs(1)).unwrap_err(),
+        BandRangeError::CapacityZero
+    );
+}
