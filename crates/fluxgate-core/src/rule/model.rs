@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Method;
+use sha2::{Digest, Sha256};
 
 use super::validate::validate_band;
 use super::{Algorithm, BackendFailure, BandRangeError, Mode, OnMissingKey};
@@ -76,9 +77,14 @@ pub struct Band {
     pub(super) ident: u64,
 }
 
-/// A stable digest of what identifies a band's counters: rule set, rule, band name,
-/// algorithm, capacity and window. A changed algorithm, capacity or window starts new
-/// counters.
+/// A digest of what identifies a band's counters: rule set, rule, band name, algorithm,
+/// capacity and window. Equal bands get equal identities, so a reloaded rule keeps its
+/// counters; a changed algorithm, capacity, window or name starts new ones.
+///
+/// The first 64 bits of the SHA-256 of a fixed encoding (each text length-prefixed, the
+/// algorithm by its file name, numbers little-endian): the same on every platform, in
+/// every process and release, though only one process's in-memory limiter relies on it
+/// today. The memory limiter mixes it with its own random seed.
 pub(super) fn band_ident(
     rule_set: &str,
     rule: &str,
@@ -87,11 +93,18 @@ pub(super) fn band_ident(
     capacity: u64,
     window: Duration,
 ) -> u64 {
-    use std::hash::{Hash, Hasher};
-    #[allow(deprecated)]
-    let mut h = std::hash::SipHasher::new();
-    (rule_set, rule, name, algorithm, capacity, window).hash(&mut h);
-    h.finish()
+    let mut h = Sha256::new();
+    for text in [rule_set, rule, name, algorithm.as_str()] {
+        h.update((text.len() as u64).to_le_bytes());
+        h.update(text.as_bytes());
+    }
+    h.update(capacity.to_le_bytes());
+    h.update(window.as_secs().to_le_bytes());
+    h.update(window.subsec_nanos().to_le_bytes());
+    let digest = h.finalize();
+    let mut first = [0; 8];
+    first.copy_from_slice(&digest[..8]);
+    u64::from_le_bytes(first)
 }
 
 impl Band {

@@ -123,3 +123,33 @@ fn errors_carry_the_typed_problem_at_its_field() {
         BandRangeError::CapacityZero
     );
 }
+
+#[test]
+fn a_band_identity_covers_every_part_and_is_pinned() {
+    use super::model::band_ident;
+    let second = Duration::from_secs(1);
+    let base = band_ident("s", "r", "b0", Algorithm::TokenBucket, 10, second);
+    assert_eq!(base, band_ident("s", "r", "b0", Algorithm::TokenBucket, 10, second));
+    let others = [
+        band_ident("t", "r", "b0", Algorithm::TokenBucket, 10, second),
+        band_ident("s", "q", "b0", Algorithm::TokenBucket, 10, second),
+        band_ident("s", "r", "b1", Algorithm::TokenBucket, 10, second),
+        band_ident("s", "r", "b0", Algorithm::LeakyBucket, 10, second),
+        band_ident("s", "r", "b0", Algorithm::TokenBucket, 11, second),
+        band_ident(
+            "s",
+            "r",
+            "b0",
+            Algorithm::TokenBucket,
+            10,
+            second + Duration::from_millis(1),
+        ),
+        // Texts are length-prefixed: moving a character from one to the next changes it.
+        band_ident("s", "rb", "0", Algorithm::TokenBucket, 10, second),
+    ];
+    for other in others {
+        assert_ne!(base, other);
+    }
+    // The encoding is part of the identity's stability: it must not change by accident.
+    assert_eq!(base, 0xa8e8_a423_fb20_e5e2);
+}
