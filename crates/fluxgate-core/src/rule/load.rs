@@ -50,7 +50,7 @@ impl RuleSets {
     pub fn parse(text: &str, format: Format) -> Result<Self, RuleError> {
         let syntax = |message: String| RuleError::Syntax { format, message };
         let value: serde_json::Value = match format {
-            Format::Yaml => serde_yaml::from_str(text).map_err(|e| syntax(yaml_error(&e)))?,
+            Format::Yaml => yaml_serde::from_str(text).map_err(|e| syntax(yaml_error(&e)))?,
             Format::Toml => toml::from_str(text).map_err(|e| syntax(e.to_string()))?,
             Format::Json => serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?,
         };
@@ -101,9 +101,9 @@ impl RuleSets {
     }
 }
 
-/// serde_yaml's message, with the place it names: it leaves out `line 1 column 1`, and a
+/// The YAML parser's message, with the place it names: it leaves out `line 1 column 1`, and a
 /// few errors have no position at all.
-fn yaml_error(e: &serde_yaml::Error) -> String {
+fn yaml_error(e: &yaml_serde::Error) -> String {
     let message = e.to_string();
     match e.location() {
         Some(at) if !message.contains(" at line ") => {
