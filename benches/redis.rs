@@ -35,9 +35,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fluxgate::{Engine, RequestContext, RuleSets};
-use fluxgate::tower::{ClientIp, RateLimitLayer};
 use fluxgate::redis::RedisLimiter;
+use fluxgate::tower::{ClientIp, RateLimitLayer};
+use fluxgate::{Engine, RequestContext, RuleSets};
 use fred::interfaces::ClientLike as _;
 use http::{Request, Response};
 use servers::RedisServer;

@@ -78,13 +78,10 @@ async fn main() {
                     eprintln!("error: {e}");
                     std::process::exit(1);
                 });
-            Engine::builder(rules)
-                .limiter(limiter)
-                .build()
-                .unwrap_or_else(|e| {
-                    eprintln!("error: {e}");
-                    std::process::exit(1);
-                })
+            Engine::builder(rules).limiter(limiter).build().unwrap_or_else(|e| {
+                eprintln!("error: {e}");
+                std::process::exit(1);
+            })
         }
     };
     let backend = args

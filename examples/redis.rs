@@ -11,8 +11,8 @@ use std::net::SocketAddr;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate::{Engine, RateLimitLayer, RuleSets};
 use fluxgate::redis::RedisLimiter;
+use fluxgate::{Engine, RateLimitLayer, RuleSets};
 
 const RULES: &str = r#"
 rule_sets:

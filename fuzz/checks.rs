@@ -1,4 +1,4 @@
-//! The properties checked by the fuzz targets and by `tests/fuzz_regressions.rs`.
+//! The properties checked by the fuzz targets and by `tests/core/fuzz_regressions.rs`.
 //!
 //! Each public function takes raw bytes, decodes them into a structured input, and panics
 //! when a property of the limiter's hostile-input surfaces fails. The same file is compiled
@@ -63,7 +63,7 @@ pub fn rule_file(data: &[u8]) {
                 !field.is_empty(),
                 "invalid-rule error without a field: rule set `{rule_set}`, rule `{rule}`: {message}"
             );
-            assert!(!message.is_empty(), "invalid-rule error without a message");
+            assert!(!message.to_string().is_empty(), "invalid-rule error without a message");
         }
         Err(RuleError::Syntax { format: f, message }) => {
             assert_eq!(f, format, "syntax error names another format");
@@ -76,8 +76,8 @@ pub fn rule_file(data: &[u8]) {
     }
 }
 
-/// Whether a parser's message says where the error is: serde_json and serde_yaml write
-/// `at line L column C`, toml `at line L, column C`; serde_yaml's reader errors (a
+/// Whether a parser's message says where the error is: serde_json and the YAML reader write
+/// `at line L column C`, toml `at line L, column C`; the YAML reader's errors (a
 /// control character, invalid UTF-8) give a byte offset, `at position N`.
 fn has_location(message: &str) -> bool {
     let followed_by_digit = |word: &str| {
@@ -87,7 +87,7 @@ fn has_location(message: &str) -> bool {
     };
     (followed_by_digit("line ") && message.contains("column"))
         || followed_by_digit("position ")
-        // serde_yaml's few errors without a position (more than one document).
+        // The YAML reader's few errors without a position (more than one document).
         || message.ends_with("(in the text as a whole)")
 }
 

@@ -113,6 +113,6 @@ if [ "$found" -ne 0 ]; then
   echo
   echo "A target found an input that breaks a property: replay it with"
   echo "  cargo +nightly fuzz run <target> <file>   (in fuzz/)"
-  echo "and keep it under fuzz/regressions/<target>/ so that tests/fuzz_regressions.rs replays it."
+  echo "and keep it under fuzz/regressions/<target>/ so that tests/core/fuzz_regressions.rs replays it."
   exit 1
 fi

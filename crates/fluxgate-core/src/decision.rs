@@ -38,9 +38,10 @@ impl Outcome {
     pub fn allows(&self) -> bool {
         match self {
             Self::Admitted | Self::NoMatchingRule | Self::UnknownRuleSetAllowed => true,
-            Self::UnknownRuleSetDenied | Self::RateLimited | Self::MissingKey { .. } | Self::BackendUnavailable { .. } => {
-                false
-            }
+            Self::UnknownRuleSetDenied
+            | Self::RateLimited
+            | Self::MissingKey { .. }
+            | Self::BackendUnavailable { .. } => false,
         }
     }
 }

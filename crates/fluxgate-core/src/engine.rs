@@ -2,17 +2,16 @@
 
 use std::sync::Arc;
 
-
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::error::{Error, RuleError};
+use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
 use crate::handler::RateLimitMetricsRecorder;
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
-use crate::failure::{Fallback, FailurePolicy};
 use crate::rule::{Mode, RuleSet, RuleSets};
 
 /// What the engine does with a request whose rule set id is unknown.
@@ -308,4 +307,3 @@ fn record(recorder: &dyn RateLimitMetricsRecorder, rule_set: &str, result: &Resu
         Err(error) => recorder.record_error(rule_set, error),
     }
 }
-

@@ -73,7 +73,7 @@ pub use provider::{
     StaticRuleSetProvider,
 };
 pub use rule::{
-    Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
-    RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind,
+    Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet, RuleSetSpec, RuleSets,
+    RuleSpec, RulesFileSpec, Scope, ScopeKind,
 };
 pub use text::Text;

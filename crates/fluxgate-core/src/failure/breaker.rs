@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
+use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::rule::RuleSet;
 
 /// The error of a call refused because the circuit is open.
@@ -273,10 +273,7 @@ mod tests {
     }
 
     fn call(breaker: &CircuitBreaker<Arc<Backend>>) -> Result<AcquireOutcome, BoxError> {
-        breaker
-            .acquire(&empty_request())
-            .into_ready()
-            .expect("a ready answer")
+        breaker.acquire(&empty_request()).into_ready().expect("a ready answer")
     }
 
     /// Opens the circuit of a breaker with a threshold of 2.

@@ -130,7 +130,8 @@ impl AcquireRequest {
     /// Every band of every bucket, bucket by bucket: the order of
     /// [`AcquireOutcome::bands`](super::AcquireOutcome::bands).
     pub fn bands(&self) -> impl Iterator<Item = (Bucket<'_>, &Band)> + Clone + '_ {
-        self.buckets().flat_map(|b| b.rule.bands().iter().map(move |band| (b, band)))
+        self.buckets()
+            .flat_map(|b| b.rule.bands().iter().map(move |band| (b, band)))
     }
 
     /// The number of bands over all buckets.

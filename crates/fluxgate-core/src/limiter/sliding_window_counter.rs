@@ -11,8 +11,8 @@
 use std::time::Duration;
 
 use super::fixed_window::bounds;
-use crate::num::{div, to_u64};
 use super::{Eval, Wait};
+use crate::num::{div, to_u64};
 
 /// A band's stored state: the end of the current window and the counts of the window
 /// before it and of the current one.

@@ -6,7 +6,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use fluxgate_core::parse_duration;
+/// use fluxgate_core::rule::parse_duration;
 /// assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
 /// assert_eq!(parse_duration("10m"), Ok(Duration::from_secs(600)));
 /// assert!(parse_duration("1x").is_err());

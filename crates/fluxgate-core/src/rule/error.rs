@@ -68,12 +68,6 @@ impl Problem {
             Self::Message(_) => "-".into(),
         }
     }
-
-    /// Whether the problem has no text to show: only a [`Problem::Message`] can.
-    #[doc(hidden)] // For the fuzz checks (`fuzz/checks.rs`), which read `message` as text.
-    pub fn is_empty(&self) -> bool {
-        matches!(self, Self::Message(m) if m.is_empty())
-    }
 }
 
 impl From<String> for Problem {

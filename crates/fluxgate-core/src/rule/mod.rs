@@ -36,7 +36,7 @@ pub use duration::{format_duration, parse_duration};
 pub use error::{BandError, BandRangeError, IdError, MatchError, Problem, ScopeError, ShapeError};
 pub use load::Format;
 pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
-pub use options::{Algorithm, BackendFailure, Mode, OnMissingKey, ScopeKind};
+pub use options::{Algorithm, Mode, OnMissingKey, ScopeKind};
 pub use spec::{BandSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
 
 /// The largest capacity a band may have.

@@ -8,7 +8,8 @@ use http::Method;
 use sha2::{Digest, Sha256};
 
 use super::validate::validate_band;
-use super::{Algorithm, BackendFailure, BandRangeError, Mode, OnMissingKey};
+use super::{Algorithm, BandRangeError, Mode, OnMissingKey};
+use crate::failure::FailurePolicy;
 use crate::path::PathPattern;
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
@@ -33,7 +34,7 @@ pub struct Rule {
     pub(super) permits: u64,
     pub(super) bands: Arc<[Band]>,
     pub(super) mode: Mode,
-    pub(super) on_backend_failure: Option<BackendFailure>,
+    pub(super) on_backend_failure: Option<FailurePolicy>,
 }
 
 /// What a rule's limit is counted per.
@@ -211,7 +212,7 @@ impl Rule {
     }
 
     /// What the rule does when the backend fails; `None` follows the engine.
-    pub fn on_backend_failure(&self) -> Option<BackendFailure> {
+    pub fn on_backend_failure(&self) -> Option<FailurePolicy> {
         self.on_backend_failure
     }
 

@@ -89,18 +89,6 @@ impl Algorithm {
     }
 }
 
-/// What a rule does when the limiter backend fails (an error, a deadline, an open circuit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BackendFailure {
-    /// The rule does not limit the request.
-    FailOpen,
-    /// The request is refused (`503` from the layer).
-    FailClosed,
-    /// The rule is decided by the engine's in-memory fallback limiter.
-    FallbackLocal,
-}
-
 /// Whether a rule blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -5,7 +5,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use super::duration::duration_str;
-use super::{Algorithm, BackendFailure, Mode, OnMissingKey, ScopeKind};
+use super::{Algorithm, Mode, OnMissingKey, ScopeKind};
+use crate::failure::FailurePolicy;
 
 /// A rule file: `{ rule_sets: [...] }`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -71,7 +72,7 @@ pub struct RuleSpec {
     pub mode: Mode,
     /// What happens to this rule when the backend fails; default: the engine's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub on_backend_failure: Option<BackendFailure>,
+    pub on_backend_failure: Option<FailurePolicy>,
 }
 
 /// The `match` block of a rule.
