@@ -16,7 +16,7 @@ use std::sync::Arc;
 use axum::body::Body;
 use bytes::Bytes;
 use fluxgate::core::{
-    Decision, Engine, EngineHandler, MemoryLimiter, RateLimitMetricsRecorder, StaticRuleSetProvider, TokioClock,
+    Decision, Engine, EngineBuilder, MemoryLimiter, RateLimitMetricsRecorder, TokioClock,
 };
 use fluxgate::tower::{ApiKey, ClientIp, RateLimitLayer, UserId};
 use http::{Request, Response, StatusCode};
@@ -25,11 +25,12 @@ use support::app::*;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 
 /// An engine over the rules of `yaml` and a fresh in-memory limiter on tokio's clock.
+fn builder(yaml: &str) -> EngineBuilder {
+    Engine::builder(rules(yaml)).shared_limiter(Arc::new(MemoryLimiter::builder().clock(TokioClock::new()).build()))
+}
+
 fn engine(yaml: &str) -> Engine {
-    Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
-        .shared_limiter(Arc::new(MemoryLimiter::builder().clock(TokioClock::new()).build()))
-        .build()
-        .expect("the in-memory limiter decides every rule")
+    builder(yaml).build().expect("the in-memory limiter decides every rule")
 }
 
 const API_ONE_PER_HOUR: &str = r#"
@@ -332,7 +333,7 @@ rule_sets:
         bands: [{ capacity: 2, window: 1h }]
 "#;
     let counting = Arc::new(Counting::default());
-    let handler = EngineHandler::new(engine(rules)).with_recorder(counting.clone());
+    let handler = builder(rules).recorder(counting.clone()).build().unwrap();
     let app = app(RateLimitLayer::builder(handler).shadow(true).build().unwrap());
     for i in 0..5u64 {
         let r = get_from(&app, "/api/users", "192.0.2.30").await;
@@ -357,7 +358,7 @@ rule_sets:
         bands: [{ capacity: 4, window: 1h }]
 "#;
     let counting = Arc::new(Counting::default());
-    let handler = EngineHandler::new(engine(rules)).with_recorder(counting.clone());
+    let handler = builder(rules).recorder(counting.clone()).build().unwrap();
     let app = app(RateLimitLayer::new(handler));
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -727,7 +728,7 @@ struct Down;
 impl fluxgate::core::RateLimiter for Down {
     fn acquire(
         &self,
-        _: &fluxgate::core::limiter::AcquireRequest<'_>,
+        _: &fluxgate::core::limiter::AcquireRequest,
     ) -> fluxgate::core::MaybeReady<Result<fluxgate::core::limiter::AcquireOutcome, fluxgate::core::BoxError>> {
         fluxgate::core::MaybeReady::ready(Err("backend down".into()))
     }
@@ -736,7 +737,7 @@ impl fluxgate::core::RateLimiter for Down {
 #[tokio::test]
 async fn failure_policies_per_rule() {
     let with_rules = |yaml: &str| {
-        let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules(yaml)))
+        let engine = fluxgate::core::Engine::builder(rules(yaml))
             .limiter(Down)
             .build()
             .expect("the backend decides every rule");

@@ -8,13 +8,14 @@
 
 use std::cell::Cell;
 use std::fmt::{self, Write as _};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crate::support::backend::{Backend, Memory};
-use crate::support::conformance::{conformance_tests, START_NANOS};
+use crate::support::conformance::{conformance_tests, every_rule, START_NANOS};
 use crate::support::model::{self, Model, ModelBackend, ModelDecision, ModelWait, Tick, Unit};
 use crate::support::redis::{Redis, Servers};
-use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
+use fluxgate::core::limiter::{AcquireOutcome, Wait};
 use fluxgate::core::{Algorithm, BandSpec, Clock, ManualClock, Mode, Rule, RuleSet, RuleSpec};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -263,17 +264,6 @@ fn rule_set(case: &CaseGen) -> RuleSet {
     RuleSet::new("diff", rules).unwrap_or_else(|e| panic!("generated rule set: {e}"))
 }
 
-fn buckets<'a>(set: &'a RuleSet, key: &str) -> Vec<BucketRequest<'a>> {
-    set.rules()
-        .iter()
-        .map(|rule| BucketRequest {
-            rule_set: set.id(),
-            rule,
-            key: key.into(),
-        })
-        .collect()
-}
-
 /// Every band of the case as (capacity, window in ticks).
 fn all_bands(case: &CaseGen, unit: Unit) -> Vec<(u64, Tick)> {
     case.rules
@@ -489,7 +479,7 @@ const BASE_NANOS: u64 = 1_764_000_000_000_000_000;
 
 /// One case on the in-memory limiter, on a clock that moves only by the steps' advances.
 fn run_memory(case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
-    let set = rule_set(case);
+    let set = Arc::new(rule_set(case));
     let clock = ManualClock::new(BASE_NANOS + case.start);
     let limiter = Memory::manual(clock.clone()).memory_limiter();
     let mut model = Model::new();
@@ -501,8 +491,7 @@ fn run_memory(case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
         clock.advance(Duration::from_nanos(advance));
         let t = clock.now_nanos();
         let key = KEYS[step.key];
-        let buckets = buckets(&set, key);
-        let request = AcquireRequest { buckets: &buckets };
+        let request = every_rule(&set, key);
         let got = limiter.acquire_now(&request);
         let decision = model.decide(&Model::buckets(&request, Unit::Nanos), t);
         let expected = model::report(&decision, &request, t, Unit::Nanos);
@@ -533,7 +522,7 @@ const REDIS_CASE_BUDGET_US: Tick = 2_000_000;
 /// One case on Redis, in real time: each step sleeps its advance, and the model decides
 /// at the instant Redis decided at (the reply's `TIME`, in microseconds).
 async fn run_redis(redis: &Redis, case: &CaseGen, stats: &Stats) -> Result<(), TestCaseError> {
-    let set = rule_set(case);
+    let set = Arc::new(rule_set(case));
     let limiter = redis.limiter();
     let mut model = Model::redis();
     let bands = all_bands(case, Unit::Micros);
@@ -543,8 +532,7 @@ async fn run_redis(redis: &Redis, case: &CaseGen, stats: &Stats) -> Result<(), T
     let mut slept = 0;
     for (i, step) in case.steps.iter().enumerate() {
         let key = KEYS[step.key];
-        let buckets = buckets(&set, key);
-        let request = AcquireRequest { buckets: &buckets };
+        let request = every_rule(&set, key);
         let names: Vec<String> = Model::buckets(&request, Unit::Micros)
             .into_iter()
             .flat_map(|b| b.names)

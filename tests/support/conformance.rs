@@ -18,8 +18,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
-use fluxgate::core::{Rule, RuleSet, RuleSets};
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, Wait};
+use fluxgate::core::{RuleSet, RuleSets};
 
 use super::backend::Backend;
 
@@ -137,6 +137,15 @@ pub(crate) struct Case {
 const MS: u64 = 1_000_000;
 
 /// The case's rules with every rule costing `permits` (rules are written `- { id: …`).
+/// A request that counts `key` under every rule of `set`.
+pub(crate) fn every_rule(set: &Arc<RuleSet>, key: &str) -> AcquireRequest {
+    let mut request = AcquireRequest::new(set.clone());
+    for rule in 0..set.rules().len() {
+        request.push(rule, key.into());
+    }
+    request
+}
+
 fn rule_set(case: &Case, permits: u64) -> Arc<RuleSet> {
     let rules = case.rules.replace("{ id:", &format!("{{ permits: {permits}, id:"));
     let yaml = format!("rule_sets:\n  - id: conformance\n    rules:\n{rules}");
@@ -189,18 +198,9 @@ async fn attempt(backend: &dyn Backend, case: &Case) -> Result<(), Late> {
         let at = start + step.at_ms * MS;
         backend.wait_until(at).await;
         let set = rule_set(case, step.permits);
-        let rules: Vec<&Rule> = set.rules().iter().collect();
         for n in 0..step.count {
-            let buckets: Vec<BucketRequest<'_>> = rules
-                .iter()
-                .map(|rule| BucketRequest {
-                    rule_set: set.id(),
-                    rule,
-                    key: step.key.into(),
-                })
-                .collect();
             let outcome = limiter
-                .acquire(&AcquireRequest { buckets: &buckets })
+                .acquire(&every_rule(&set, step.key))
                 .await
                 .unwrap_or_else(|e| panic!("{}: step {i}: {e}", case.name));
             // The instant the backend decided at, against the step's.

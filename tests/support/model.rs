@@ -34,8 +34,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, BucketRequest, Wait};
-use fluxgate::core::{Algorithm, BandReport, BoxError, Clock, ManualClock, MaybeReady, Mode, RateLimiter};
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, Bucket, Wait};
+use fluxgate::core::{Algorithm, BoxError, Clock, ManualClock, MaybeReady, Mode, RateLimiter};
 
 use super::backend::{advance_to, Backend, Waiting};
 
@@ -413,32 +413,31 @@ impl Model {
 
     /// The library's request in the model's terms: each band's state is named by the rule
     /// set, rule, key value, band name, algorithm, capacity and window.
-    pub(crate) fn buckets(request: &AcquireRequest<'_>, unit: Unit) -> Vec<BucketSpec> {
-        request.buckets.iter().map(|b| bucket(b, unit)).collect()
+    pub(crate) fn buckets(request: &AcquireRequest, unit: Unit) -> Vec<BucketSpec> {
+        request.buckets().map(|b| bucket(&b, unit)).collect()
     }
 
     /// Decides a library request at `t` ticks and reports it as the library does.
-    pub(crate) fn acquire(&mut self, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
+    pub(crate) fn acquire(&mut self, request: &AcquireRequest, t: Tick, unit: Unit) -> AcquireOutcome {
         let decision = self.decide(&Self::buckets(request, unit), t);
         report(&decision, request, t, unit)
     }
 }
 
 /// A decision of the model on `request` at `t` ticks, reported as the library reports it.
-pub(crate) fn report(decision: &ModelDecision, request: &AcquireRequest<'_>, t: Tick, unit: Unit) -> AcquireOutcome {
+pub(crate) fn report(decision: &ModelDecision, request: &AcquireRequest, t: Tick, unit: Unit) -> AcquireOutcome {
     let now_unix_nanos = t * unit.nanos_per_tick();
     let mut figures = decision.bands.iter();
     let mut bands = Vec::new();
-    for b in request.buckets {
-        for band in b.rule.bands().iter() {
+    for (b, band) in request.bands() {
+        {
             let f = figures.next().expect("one figure per band");
             let wait = match f.wait {
                 ModelWait::None => Wait::None,
                 ModelWait::After(d) => Wait::After(unit.duration(d)),
                 ModelWait::Never => Wait::Never,
             };
-            bands.push(BandReport::new(
-                b.rule,
+            bands.push(b.report(
                 band,
                 now_unix_nanos,
                 f.remaining,
@@ -447,16 +446,10 @@ pub(crate) fn report(decision: &ModelDecision, request: &AcquireRequest<'_>, t: 
             ));
         }
     }
-    AcquireOutcome {
-        allowed: decision.allowed,
-        shadow_allowed: decision.shadow_allowed,
-        now_unix_nanos,
-        bands,
-        local: false,
-    }
+    AcquireOutcome::new(decision.allowed, decision.shadow_allowed, now_unix_nanos, bands)
 }
 
-fn bucket(b: &BucketRequest<'_>, unit: Unit) -> BucketSpec {
+fn bucket(b: &Bucket<'_>, unit: Unit) -> BucketSpec {
     let rule = b.rule;
     let bands: Vec<BandSpec> = rule
         .bands()
@@ -507,7 +500,7 @@ impl ModelLimiter {
 }
 
 impl RateLimiter for ModelLimiter {
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let now = self.clock.now_nanos();
         let mut model = self.model.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         MaybeReady::ready(Ok(model.acquire(request, now, Unit::Nanos)))
