@@ -57,6 +57,7 @@ pub enum Scope {
 
 /// One part of a composite key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KeyField {
     /// The client IP.
     Ip,

@@ -9,6 +9,7 @@ use super::BandSpec;
 /// The kind of scope, as named in files.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum ScopeKind {
     /// One counter for everybody.
     Global,
@@ -28,6 +29,7 @@ pub enum ScopeKind {
 /// What a rule does when its scope's value is missing from the request.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum OnMissingKey {
     /// Count the request per client IP instead.
     #[default]
@@ -92,6 +94,7 @@ impl Algorithm {
 /// Whether a rule blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Mode {
     /// Rejections block the request.
     #[default]

@@ -11,6 +11,7 @@ use crate::failure::FailurePolicy;
 /// A rule file: `{ rule_sets: [...] }`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RulesFileSpec {
     /// The rule sets of the file.
     pub rule_sets: Vec<RuleSetSpec>,
@@ -19,6 +20,7 @@ pub struct RulesFileSpec {
 /// A rule set as written in a file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RuleSetSpec {
     /// The rule set's id, unique in its source.
     pub id: String,
@@ -30,6 +32,7 @@ pub struct RuleSetSpec {
 /// A rule as written in a file. See [`Rule`](super::Rule) for the meaning of each field.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RuleSpec {
     /// Unique within the rule set.
     pub id: String,
@@ -78,6 +81,7 @@ pub struct RuleSpec {
 /// The `match` block of a rule.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct MatchSpec {
     /// Ant-style path patterns; empty means every path.
     #[serde(default)]
@@ -90,6 +94,7 @@ pub struct MatchSpec {
 /// A band as written in a file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct BandSpec {
     /// Tokens (or requests) per window.
     pub capacity: u64,
@@ -107,6 +112,13 @@ fn default_true() -> bool {
 
 fn default_permits() -> u64 {
     1
+}
+
+impl RuleSetSpec {
+    /// A rule set spec with these rules.
+    pub fn new(id: impl Into<String>, rules: Vec<RuleSpec>) -> Self {
+        Self { id: id.into(), rules }
+    }
 }
 
 impl RuleSpec {
