@@ -11,9 +11,9 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use crate::layer::Config;
+use crate::config::Config;
+use crate::config::Verdict;
 use crate::response::Figures;
-use crate::service::Verdict;
 
 pin_project! {
     /// The response future of [`RateLimit`](crate::RateLimit): waits for the decision

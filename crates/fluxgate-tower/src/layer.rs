@@ -10,6 +10,7 @@ use http::{HeaderName, Response};
 use tower_layer::Layer;
 
 use crate::client_ip::{ClientIpResolver, IpNet};
+use crate::config::Config;
 use crate::service::RateLimit;
 
 /// The customizer: adjusts the context built from each request.
@@ -43,43 +44,6 @@ impl FailurePolicy {
 #[derive(Clone)]
 pub struct RateLimitLayer {
     pub(crate) config: Arc<Config>,
-}
-
-pub(crate) struct Config {
-    pub(crate) handler: Arc<dyn RateLimitHandler>,
-    pub(crate) rule_set: Arc<str>,
-    pub(crate) client_ip: ClientIpResolver,
-    pub(crate) user_header: Option<HeaderName>,
-    pub(crate) api_key_header: Option<HeaderName>,
-    pub(crate) include: Vec<PathPattern>,
-    pub(crate) exclude: Vec<PathPattern>,
-    pub(crate) legacy_headers: bool,
-    pub(crate) ietf_headers: bool,
-    pub(crate) shadow: bool,
-    pub(crate) on_error: FailurePolicy,
-    pub(crate) customizer: Option<Arc<Customizer>>,
-    pub(crate) rejection: Option<Arc<RejectionResponder>>,
-}
-
-impl fmt::Debug for Config {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RateLimitConfig")
-            .field("handler", &self.handler)
-            .field("rule_set", &self.rule_set)
-            .field("trusted_proxies", &self.client_ip.trusted)
-            .field("forwarded_header", &self.client_ip.header)
-            .field("user_header", &self.user_header)
-            .field("api_key_header", &self.api_key_header)
-            .field("include", &self.include)
-            .field("exclude", &self.exclude)
-            .field("legacy_headers", &self.legacy_headers)
-            .field("ietf_headers", &self.ietf_headers)
-            .field("shadow", &self.shadow)
-            .field("on_error", &self.on_error)
-            .field("customizer", &self.customizer.is_some())
-            .field("rejection", &self.rejection.is_some())
-            .finish()
-    }
 }
 
 impl fmt::Debug for RateLimitLayer {

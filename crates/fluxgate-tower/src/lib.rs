@@ -48,6 +48,7 @@
 #![deny(unsafe_code)]
 
 mod client_ip;
+mod config;
 mod future;
 mod layer;
 mod response;

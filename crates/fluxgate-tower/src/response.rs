@@ -10,7 +10,7 @@ use fluxgate_core::{BandReport, Decision};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
-use crate::layer::Config;
+use crate::config::Config;
 
 /// `X-RateLimit-Limit`.
 pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");

@@ -1,0 +1,157 @@
+//! The layer's checked options and what they decide for a request: whether the limiter
+//! sees it, its context, and what to do with the decision.
+
+use std::fmt;
+use std::sync::Arc;
+
+use fluxgate_core::{Decision, Error, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder};
+use http::{Extensions, HeaderMap, HeaderName, Method, Response};
+
+use crate::client_ip::ClientIpResolver;
+use crate::layer::{Customizer, FailurePolicy, RejectionResponder};
+use crate::response::Figures;
+use crate::{ApiKey, UserId};
+
+/// The options of a layer, checked by
+/// [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build) and shared by
+/// every service the layer makes.
+pub(crate) struct Config {
+    pub(crate) handler: Arc<dyn RateLimitHandler>,
+    pub(crate) rule_set: Arc<str>,
+    pub(crate) client_ip: ClientIpResolver,
+    pub(crate) user_header: Option<HeaderName>,
+    pub(crate) api_key_header: Option<HeaderName>,
+    pub(crate) include: Vec<PathPattern>,
+    pub(crate) exclude: Vec<PathPattern>,
+    pub(crate) legacy_headers: bool,
+    pub(crate) ietf_headers: bool,
+    pub(crate) shadow: bool,
+    pub(crate) on_error: FailurePolicy,
+    pub(crate) customizer: Option<Arc<Customizer>>,
+    pub(crate) rejection: Option<Arc<RejectionResponder>>,
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitConfig")
+            .field("handler", &self.handler)
+            .field("rule_set", &self.rule_set)
+            .field("trusted_proxies", &self.client_ip.trusted)
+            .field("forwarded_header", &self.client_ip.header)
+            .field("user_header", &self.user_header)
+            .field("api_key_header", &self.api_key_header)
+            .field("include", &self.include)
+            .field("exclude", &self.exclude)
+            .field("legacy_headers", &self.legacy_headers)
+            .field("ietf_headers", &self.ietf_headers)
+            .field("shadow", &self.shadow)
+            .field("on_error", &self.on_error)
+            .field("customizer", &self.customizer.is_some())
+            .field("rejection", &self.rejection.is_some())
+            .finish()
+    }
+}
+
+/// What happens to a request after its decision.
+pub(crate) enum Verdict {
+    /// Call the inner service; add these headers to the response.
+    Pass(Option<Figures>),
+    /// Answer with this response.
+    Reject(Response<bytes::Bytes>),
+}
+
+impl Config {
+    /// Whether the limiter sees the request: included and not excluded, by its normalized
+    /// path or by its path as routed. A path is left alone only when both views say so,
+    /// so that `/api/x/../../health` (routed to an `/api/{*rest}` handler) is not let
+    /// through by an exclusion of `/health`.
+    pub(crate) fn limits(&self, ctx: &RequestContext) -> bool {
+        let normalized = ctx.path();
+        let view = |matches: &dyn Fn(&PathPattern) -> bool| {
+            !self.exclude.iter().any(matches) && (self.include.is_empty() || self.include.iter().any(matches))
+        };
+        if view(&|p| p.matches(normalized)) {
+            return true;
+        }
+        let routed = ctx.routed_path();
+        routed != normalized && view(&|p| p.matches_routed(routed))
+    }
+
+    /// Fills a context from the request, before the customizer.
+    pub(crate) fn fill(
+        &self,
+        builder: &mut RequestContextBuilder,
+        method: &Method,
+        headers: &HeaderMap,
+        extensions: &Extensions,
+    ) {
+        let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| headers.get(n)).map(header_text);
+        let user = extensions
+            .get::<UserId>()
+            .map(|u| u.0.clone())
+            .or_else(|| header(&self.user_header));
+        let key = extensions
+            .get::<ApiKey>()
+            .map(|k| k.0.clone())
+            .or_else(|| header(&self.api_key_header));
+        builder
+            .set_method(method.clone())
+            .set_client_ip(self.client_ip.resolve(extensions, headers))
+            .set_user_id(user)
+            .set_api_key(key);
+    }
+
+    pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
+        match result {
+            Ok(decision) if decision.allowed() => {
+                if let Some(rule) = &decision.shadow_rejected_by {
+                    tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
+                }
+                Verdict::Pass(Figures::of(self, &decision, false))
+            }
+            Ok(decision) if matches!(decision.outcome, Outcome::BackendUnavailable { .. }) && !self.shadow => {
+                let status = match self.on_error {
+                    FailurePolicy::FailClosed(status) => status,
+                    _ => http::StatusCode::SERVICE_UNAVAILABLE,
+                };
+                Verdict::Reject(crate::response::unavailable(status))
+            }
+            Ok(decision) if self.shadow => {
+                tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
+                Verdict::Pass(Figures::of(self, &decision, false))
+            }
+            Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
+            Err(Error::Rule(error)) if self.shadow => {
+                tracing::error!(%error, "rate-limit rules cannot be decided; shadow mode: admitting the request");
+                Verdict::Pass(None)
+            }
+            Err(Error::Rule(error)) => {
+                // A configuration error: no failure policy admits the request.
+                tracing::error!(%error, "rate-limit rules cannot be decided; refusing the request");
+                Verdict::Reject(crate::response::misconfigured())
+            }
+            Err(error) => match self.on_error {
+                FailurePolicy::FailOpen => {
+                    tracing::warn!(%error, "rate-limit check failed; admitting the request");
+                    Verdict::Pass(None)
+                }
+                FailurePolicy::FailClosed(status) => {
+                    tracing::warn!(%error, "rate-limit check failed; refusing the request");
+                    Verdict::Reject(crate::response::unavailable(status))
+                }
+            },
+        }
+    }
+}
+
+/// A header value as text, injectively: valid UTF-8 as it is; anything else as `\0` (which
+/// no header value can contain) followed by its bytes read as Latin-1. Two different
+/// values never give the same text.
+fn header_text(value: &http::HeaderValue) -> String {
+    match std::str::from_utf8(value.as_bytes()) {
+        Ok(text) => text.to_owned(),
+        Err(_) => std::iter::once('\0')
+            .chain(value.as_bytes().iter().map(|&b| char::from(b)))
+            .collect(),
+    }
+}
