@@ -1,6 +1,5 @@
 //! The client address: the peer, or what trusted proxies say it is.
 
-use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,15 +28,13 @@ pub struct IpNet {
 }
 
 /// Why a network could not be parsed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct IpNetError(String);
-
-impl std::error::Error for IpNetError {}
-
-impl fmt::Display for IpNetError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid trusted proxy `{value}`: {reason}")]
+pub struct IpNetError {
+    /// The text given.
+    pub value: String,
+    /// What is wrong with it.
+    pub reason: &'static str,
 }
 
 impl IpNet {
@@ -72,7 +69,10 @@ impl FromStr for IpNet {
     type Err = IpNetError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let err = |why: &str| IpNetError(format!("invalid trusted proxy `{s}`: {why}"));
+        let err = |reason| IpNetError {
+            value: s.to_owned(),
+            reason,
+        };
         let (addr, prefix) = match s.split_once('/') {
             Some((a, p)) => (a, Some(p)),
             None => (s, None),
@@ -80,14 +80,18 @@ impl FromStr for IpNet {
         let addr = canonical(
             IpAddr::from_str(addr.trim()).map_err(|_| err("expected an IP address or a CIDR such as 10.0.0.0/8"))?,
         );
-        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let (max, range) = if addr.is_ipv4() {
+            (32, "the prefix length must be 0 to 32")
+        } else {
+            (128, "the prefix length must be 0 to 128")
+        };
         let prefix = match prefix {
             Some(p) => p
                 .trim()
                 .parse::<u8>()
                 .ok()
                 .filter(|p| *p <= max)
-                .ok_or_else(|| err(&format!("the prefix length must be 0 to {max}")))?,
+                .ok_or_else(|| err(range))?,
             None => max,
         };
         Ok(Self { addr, prefix })
@@ -315,5 +319,13 @@ mod tests {
             .contains("2001:db8:ffff::1".parse().unwrap()));
         assert!("nope".parse::<IpNet>().is_err());
         assert!("10.0.0.0/x".parse::<IpNet>().is_err());
+        assert_eq!(
+            "10.0.0.0/33".parse::<IpNet>().unwrap_err().to_string(),
+            "invalid trusted proxy `10.0.0.0/33`: the prefix length must be 0 to 32"
+        );
+        assert_eq!(
+            "::1/129".parse::<IpNet>().unwrap_err().to_string(),
+            "invalid trusted proxy `::1/129`: the prefix length must be 0 to 128"
+        );
     }
 }

@@ -52,20 +52,28 @@ impl fmt::Debug for RateLimitLayer {
     }
 }
 
-/// Why a layer configuration was rejected.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Why a layer configuration was rejected: the option and the bad value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ConfigError {
     /// A trusted proxy is not an address or CIDR.
-    TrustedProxy(String),
+    #[error("rate-limit layer option `trusted_proxies`: invalid trusted proxy `{value}`: {reason}")]
+    TrustedProxy {
+        /// The value given.
+        value: String,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// An include or exclude pattern is malformed.
+    #[error("rate-limit layer option `{option}`: {message}")]
     Pattern {
         /// `include` or `exclude`.
         option: &'static str,
-        /// What is wrong.
+        /// What is wrong, naming the pattern.
         message: String,
     },
     /// A header name is not valid.
+    #[error("rate-limit layer option `{option}`: `{name}` is not a valid header name")]
     HeaderName {
         /// The option being set.
         option: &'static str,
@@ -73,23 +81,6 @@ pub enum ConfigError {
         name: String,
     },
 }
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::TrustedProxy(m) => write!(f, "rate-limit layer option `trusted_proxies`: {m}"),
-            Self::Pattern { option, message } => write!(f, "rate-limit layer option `{option}`: {message}"),
-            Self::HeaderName { option, name } => {
-                write!(
-                    f,
-                    "rate-limit layer option `{option}`: `{name}` is not a valid header name"
-                )
-            }
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
 
 /// Builds a [`RateLimitLayer`]; every option is checked in [`build`](Self::build).
 ///
@@ -290,7 +281,12 @@ impl RateLimitLayerBuilder {
         let trusted = self
             .trusted
             .iter()
-            .map(|s| s.parse::<IpNet>().map_err(|e| ConfigError::TrustedProxy(e.to_string())))
+            .map(|s| {
+                s.parse::<IpNet>().map_err(|e| ConfigError::TrustedProxy {
+                    value: e.value,
+                    reason: e.reason,
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let header = |option: &'static str, name: &str| {
             HeaderName::from_bytes(name.as_bytes()).map_err(|_| ConfigError::HeaderName {
