@@ -1,5 +1,6 @@
 //! The client address: the peer, or what trusted proxies say it is.
 
+use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,20 +13,25 @@ use http::{Extensions, HeaderMap, HeaderName};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ClientIp(pub IpAddr);
 
-/// A network in CIDR notation (`10.0.0.0/8`, `2001:db8::/32`) or a single address.
+/// A network in CIDR notation (`10.0.0.0/8`, `2001:db8::/32`) or a single address (a /32
+/// or a /128): an [`ipnet::IpNet`] read with two rules of its own. An IPv4-mapped IPv6
+/// address (`::ffff:10.0.0.1`) is read as the IPv4 address, both when parsing and in
+/// [`contains`](Self::contains), so that a proxy seen through a dual-stack socket is still
+/// recognised; and spaces around the address or the prefix length are ignored.
 ///
 /// ```
 /// use fluxgate_tower::IpNet;
 /// let net: IpNet = "10.0.0.0/8".parse().unwrap();
 /// assert!(net.contains("10.1.2.3".parse().unwrap()));
+/// assert!(net.contains("::ffff:10.1.2.3".parse().unwrap()));
 /// assert!(!net.contains("11.0.0.1".parse().unwrap()));
+/// let one: IpNet = "2001:db8::1".parse().unwrap();
+/// assert!(one.contains("2001:db8::1".parse().unwrap()));
+/// assert!(!one.contains("2001:db8::2".parse().unwrap()));
 /// assert!("10.0.0.0/33".parse::<IpNet>().is_err());
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct IpNet {
-    addr: IpAddr,
-    prefix: u8,
-}
+pub struct IpNet(ipnet::IpNet);
 
 /// Why a network could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -40,22 +46,14 @@ pub struct IpNetError {
 impl IpNet {
     /// Whether `ip` is in this network (IPv4-mapped IPv6 addresses count as IPv4).
     pub fn contains(&self, ip: IpAddr) -> bool {
-        match (self.addr, canonical(ip)) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                mask(u128::from(u32::from(net)), u128::from(u32::from(ip)), 32, self.prefix)
-            }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => mask(u128::from(net), u128::from(ip), 128, self.prefix),
-            _ => false,
-        }
+        self.0.contains(&canonical(ip))
     }
 }
 
-fn mask(net: u128, ip: u128, bits: u8, prefix: u8) -> bool {
-    if prefix == 0 {
-        return true;
+impl fmt::Display for IpNet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
     }
-    let shift = u32::from(bits - prefix);
-    (net >> shift) == (ip >> shift)
 }
 
 fn canonical(ip: IpAddr) -> IpAddr {
@@ -69,6 +67,8 @@ impl FromStr for IpNet {
     type Err = IpNetError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // Not `ipnet`'s parser: it wants a prefix length, rejects spaces, and would read
+        // `::ffff:10.0.0.0/104` as an IPv6 network that no canonical address is in.
         let err = |reason| IpNetError {
             value: s.to_owned(),
             reason,
@@ -80,21 +80,16 @@ impl FromStr for IpNet {
         let addr = canonical(
             IpAddr::from_str(addr.trim()).map_err(|_| err("expected an IP address or a CIDR such as 10.0.0.0/8"))?,
         );
-        let (max, range) = if addr.is_ipv4() {
-            (32, "the prefix length must be 0 to 32")
+        let Some(prefix) = prefix else {
+            return Ok(Self(ipnet::IpNet::from(addr)));
+        };
+        let range = if addr.is_ipv4() {
+            "the prefix length must be 0 to 32"
         } else {
-            (128, "the prefix length must be 0 to 128")
+            "the prefix length must be 0 to 128"
         };
-        let prefix = match prefix {
-            Some(p) => p
-                .trim()
-                .parse::<u8>()
-                .ok()
-                .filter(|p| *p <= max)
-                .ok_or_else(|| err(range))?,
-            None => max,
-        };
-        Ok(Self { addr, prefix })
+        let prefix = prefix.trim().parse::<u8>().map_err(|_| err(range))?;
+        ipnet::IpNet::new(addr, prefix).map(Self).map_err(|_| err(range))
     }
 }
 
@@ -317,6 +312,19 @@ mod tests {
             .parse::<IpNet>()
             .unwrap()
             .contains("2001:db8:ffff::1".parse().unwrap()));
+        let net = |s: &str| s.parse::<IpNet>().unwrap().to_string();
+        assert_eq!(net("10.0.0.1"), "10.0.0.1/32");
+        assert_eq!(net("::ffff:10.0.0.1"), "10.0.0.1/32");
+        assert_eq!(net("2001:db8::1"), "2001:db8::1/128");
+        assert_eq!(net(" 10.0.0.0 / 8 "), "10.0.0.0/8");
+        assert!(!"10.0.0.1"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("10.0.0.2".parse().unwrap()));
+        assert!(!"10.0.0.0/8"
+            .parse::<IpNet>()
+            .unwrap()
+            .contains("::a00:1".parse().unwrap()));
         assert!("nope".parse::<IpNet>().is_err());
         assert!("10.0.0.0/x".parse::<IpNet>().is_err());
         assert_eq!(
