@@ -107,6 +107,11 @@ fn is_normal(path: &str) -> bool {
 /// upper-case hex digits) so that a decoded `/` cannot create new segments. A `%` that
 /// starts no escape is written `%25`, so that decoded characters after it can never form
 /// a new escape: the result is normal, and normalizing it again changes nothing.
+///
+/// Not the `percent-encoding` crate: its decoder decodes every escape and yields bytes
+/// without saying which came from an escape (so `%2F` could not stay apart from `/`), and
+/// leaves a stray `%` as it is; re-encoding afterwards with an `AsciiSet` works by byte
+/// class, so it would also encode characters that came in raw (`:`, `@`, `é`).
 fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
     if !raw.contains('%') {
         return std::borrow::Cow::Borrowed(raw);
