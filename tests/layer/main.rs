@@ -15,10 +15,9 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use bytes::Bytes;
-use fluxgate::core::{
-    Decision, Engine, EngineBuilder, MemoryLimiter, RateLimitMetricsRecorder, TokioClock,
-};
-use fluxgate::tower::{ApiKey, ClientIp, RateLimitLayer, UserId};
+use fluxgate::core::{Decision, Engine, EngineBuilder, MemoryLimiter, RateLimitMetricsRecorder, TokioClock};
+use fluxgate::tower::{ApiKey, ClientIp, ConfigError, RateLimitLayer, UserId};
+use fluxgate::FailurePolicy;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use support::app::*;
@@ -706,10 +705,10 @@ async fn failure_policy_open_or_closed() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 
     let closed = RateLimitLayer::builder(Broken)
-        .on_error(fluxgate::tower::FailurePolicy::fail_closed())
+        .on_error(FailurePolicy::FailClosed)
         .build()
         .unwrap()
-        .layer_service(inner);
+        .layer_service(inner.clone());
     let resp = closed.oneshot(request("GET", "/x", "192.0.2.90", &[])).await.unwrap();
     assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
     let body = resp.into_body().collect().await.unwrap().to_bytes();
@@ -719,6 +718,35 @@ async fn failure_policy_open_or_closed() {
         1,
         "a refused request does not reach the inner service"
     );
+
+    let other_status = RateLimitLayer::builder(Broken)
+        .on_error(FailurePolicy::FailClosed)
+        .unavailable_status(StatusCode::BAD_GATEWAY)
+        .build()
+        .unwrap()
+        .layer_service(inner);
+    let resp = other_status
+        .oneshot(request("GET", "/x", "192.0.2.90", &[]))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_GATEWAY);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn failure_options_the_layer_cannot_apply_are_refused() {
+    let local = RateLimitLayer::builder(Broken)
+        .on_error(FailurePolicy::FallbackLocal)
+        .build()
+        .unwrap_err();
+    assert!(matches!(local, ConfigError::FailurePolicy { .. }), "{local:?}");
+    assert!(local.to_string().contains("EngineBuilder::fallback"), "{local}");
+    let ok = RateLimitLayer::builder(Broken)
+        .unavailable_status(StatusCode::OK)
+        .build()
+        .unwrap_err();
+    assert!(matches!(ok, ConfigError::UnavailableStatus { .. }), "{ok:?}");
+    assert!(ok.to_string().contains("200"), "{ok}");
 }
 
 /// A backend that always fails.

@@ -437,13 +437,7 @@ pub(crate) fn report(decision: &ModelDecision, request: &AcquireRequest, t: Tick
                 ModelWait::After(d) => Wait::After(unit.duration(d)),
                 ModelWait::Never => Wait::Never,
             };
-            bands.push(b.report(
-                band,
-                now_unix_nanos,
-                f.remaining,
-                unit.duration(f.reset_after),
-                wait,
-            ));
+            bands.push(b.report(band, now_unix_nanos, f.remaining, unit.duration(f.reset_after), wait));
         }
     }
     AcquireOutcome::new(decision.allowed, decision.shadow_allowed, now_unix_nanos, bands)

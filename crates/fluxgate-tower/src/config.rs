@@ -4,11 +4,13 @@
 use std::fmt;
 use std::sync::Arc;
 
-use fluxgate_core::{Decision, Error, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder};
+use fluxgate_core::{
+    Decision, Error, FailurePolicy, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
+};
 use http::{Extensions, HeaderMap, HeaderName, Method, Response};
 
 use crate::client_ip::ClientIpResolver;
-use crate::layer::{Customizer, FailurePolicy, RejectionResponder};
+use crate::layer::{Customizer, RejectionResponder};
 use crate::response::Figures;
 use crate::{ApiKey, UserId};
 
@@ -27,6 +29,7 @@ pub(crate) struct Config {
     pub(crate) ietf_headers: bool,
     pub(crate) shadow: bool,
     pub(crate) on_error: FailurePolicy,
+    pub(crate) unavailable_status: http::StatusCode,
     pub(crate) customizer: Option<Arc<Customizer>>,
     pub(crate) rejection: Option<Arc<RejectionResponder>>,
 }
@@ -46,6 +49,7 @@ impl fmt::Debug for Config {
             .field("ietf_headers", &self.ietf_headers)
             .field("shadow", &self.shadow)
             .field("on_error", &self.on_error)
+            .field("unavailable_status", &self.unavailable_status)
             .field("customizer", &self.customizer.is_some())
             .field("rejection", &self.rejection.is_some())
             .finish()
@@ -110,11 +114,7 @@ impl Config {
                 Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) if matches!(decision.outcome, Outcome::BackendUnavailable { .. }) && !self.shadow => {
-                let status = match self.on_error {
-                    FailurePolicy::FailClosed(status) => status,
-                    _ => http::StatusCode::SERVICE_UNAVAILABLE,
-                };
-                Verdict::Reject(crate::response::unavailable(status))
+                Verdict::Reject(crate::response::unavailable(self.unavailable_status))
             }
             Ok(decision) if self.shadow => {
                 tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
@@ -135,9 +135,10 @@ impl Config {
                     tracing::warn!(%error, "rate-limit check failed; admitting the request");
                     Verdict::Pass(None)
                 }
-                FailurePolicy::FailClosed(status) => {
+                // `fail_closed`; `fallback_local` is refused when the layer is built.
+                _ => {
                     tracing::warn!(%error, "rate-limit check failed; refusing the request");
-                    Verdict::Reject(crate::response::unavailable(status))
+                    Verdict::Reject(crate::response::unavailable(self.unavailable_status))
                 }
             },
         }

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fluxgate_core::{Decision, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET};
+use fluxgate_core::{Decision, FailurePolicy, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET};
 use http::request::Parts;
 use http::{HeaderName, Response};
 use tower_layer::Layer;
@@ -18,27 +18,6 @@ pub type Customizer = dyn Fn(&mut RequestContextBuilder, &Parts) + Send + Sync;
 
 /// Builds the response for a rejected request.
 pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
-
-/// What the layer does when no decision can be made (the backend failed and the engine
-/// has no fallback limiter).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FailurePolicy {
-    /// Admit the request without rate-limit headers, log a warning; the handler's metrics
-    /// recorder counts the error.
-    #[default]
-    FailOpen,
-    /// Answer with this status (`503 Service Unavailable` by [`FailurePolicy::fail_closed`])
-    /// and a JSON body, without calling the inner service.
-    FailClosed(http::StatusCode),
-}
-
-impl FailurePolicy {
-    /// `FailClosed` with `503 Service Unavailable`.
-    pub const fn fail_closed() -> Self {
-        Self::FailClosed(http::StatusCode::SERVICE_UNAVAILABLE)
-    }
-}
 
 /// Applies rate limiting to a service. See the [crate documentation](crate).
 #[derive(Clone)]
@@ -80,6 +59,20 @@ pub enum ConfigError {
         /// The name given.
         name: String,
     },
+    /// The failure policy needs what the layer does not have.
+    #[error("rate-limit layer option `on_error`: {policy:?} {reason}")]
+    FailurePolicy {
+        /// The policy given.
+        policy: FailurePolicy,
+        /// Why the layer cannot apply it.
+        reason: &'static str,
+    },
+    /// The status of the answer to a request refused by a failure is not an error status.
+    #[error("rate-limit layer option `unavailable_status`: {status} is not a 4xx or 5xx status")]
+    UnavailableStatus {
+        /// The status given.
+        status: http::StatusCode,
+    },
 }
 
 /// Builds a [`RateLimitLayer`]; every option is checked in [`build`](Self::build).
@@ -115,6 +108,7 @@ pub struct RateLimitLayerBuilder {
     ietf_headers: bool,
     shadow: bool,
     on_error: FailurePolicy,
+    unavailable_status: http::StatusCode,
     customizer: Option<Arc<Customizer>>,
     rejection: Option<Arc<RejectionResponder>>,
 }
@@ -149,7 +143,8 @@ impl RateLimitLayer {
             legacy_headers: true,
             ietf_headers: true,
             shadow: false,
-            on_error: FailurePolicy::default(),
+            on_error: FailurePolicy::FailOpen,
+            unavailable_status: http::StatusCode::SERVICE_UNAVAILABLE,
             customizer: None,
             rejection: None,
         }
@@ -250,11 +245,22 @@ impl RateLimitLayerBuilder {
         self
     }
 
-    /// What to do when no decision can be made. Default [`FailurePolicy::FailOpen`]. For
-    /// the `fallback_local` policy, give the engine a fallback limiter
+    /// What to do when the handler makes no decision (the backend failed and no failure
+    /// policy of the rules or the engine covered it). Default [`FailurePolicy::FailOpen`]:
+    /// admit without rate-limit headers and log a warning. [`FailurePolicy::FailClosed`]
+    /// answers [`unavailable_status`](Self::unavailable_status).
+    /// [`FailurePolicy::FallbackLocal`] is refused by [`build`](Self::build): the local
+    /// fallback belongs to the engine
     /// ([`EngineBuilder::fallback`](fluxgate_core::EngineBuilder::fallback)).
     pub fn on_error(mut self, policy: FailurePolicy) -> Self {
         self.on_error = policy;
+        self
+    }
+
+    /// The status of the answer to a request that a failure refuses (a `fail_closed` rule,
+    /// or `on_error(FailurePolicy::FailClosed)`). Default `503 Service Unavailable`.
+    pub fn unavailable_status(mut self, status: http::StatusCode) -> Self {
+        self.unavailable_status = status;
         self
     }
 
@@ -304,6 +310,17 @@ impl RateLimitLayerBuilder {
                 })
                 .collect::<Result<Vec<_>, _>>()
         };
+        if self.on_error == FailurePolicy::FallbackLocal {
+            return Err(ConfigError::FailurePolicy {
+                policy: self.on_error,
+                reason: "needs a local limiter: give the engine one with `EngineBuilder::fallback`",
+            });
+        }
+        if !(self.unavailable_status.is_client_error() || self.unavailable_status.is_server_error()) {
+            return Err(ConfigError::UnavailableStatus {
+                status: self.unavailable_status,
+            });
+        }
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 handler: self.handler,
@@ -325,6 +342,7 @@ impl RateLimitLayerBuilder {
                 ietf_headers: self.ietf_headers,
                 shadow: self.shadow,
                 on_error: self.on_error,
+                unavailable_status: self.unavailable_status,
                 customizer: self.customizer,
                 rejection: self.rejection,
             }),

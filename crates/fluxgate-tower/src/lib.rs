@@ -41,9 +41,12 @@
 //!
 //! # Failures
 //!
-//! When the handler fails (a backend error and no fallback limiter in the engine), the
-//! [`FailurePolicy`] decides: admit without headers and log a warning (the default), or
-//! answer `503` (or another status). Errors of the inner service pass through untouched.
+//! When the handler fails (a backend error that no failure policy of the rules or the
+//! engine covers), the layer's [`FailurePolicy`](fluxgate_core::FailurePolicy)
+//! ([`RateLimitLayerBuilder::on_error`]) decides: admit without headers and log a warning
+//! (`FailOpen`, the default), or answer `503` (`FailClosed`; another status with
+//! [`RateLimitLayerBuilder::unavailable_status`]). Errors of the inner service pass through
+//! untouched.
 
 #![deny(unsafe_code)]
 
@@ -56,7 +59,7 @@ mod service;
 
 pub use client_ip::{ClientIp, ClientIpResolver, IpNet, IpNetError};
 pub use future::ResponseFuture;
-pub use layer::{ConfigError, Customizer, FailurePolicy, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
+pub use layer::{ConfigError, Customizer, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
 pub use response::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
 pub use service::RateLimit;
 
