@@ -1,9 +1,10 @@
 -- FluxGate: the prelude of the decision and refund scripts.
 --
--- The Redis backend sends one script: common.lua, token_bucket.lua, fast_path.lua,
--- helpers.lua, the four other algorithm files and decide.lua, joined in that order (the
--- refund script: the same without fast_path.lua, and refund.lua last). This part reads
--- the clock and defines what the token bucket needs; helpers.lua the rest.
+-- The Redis backend sends one script: common.lua, protocol.lua, token_bucket.lua,
+-- fast_path.lua, helpers.lua, the four other algorithm files, algorithms.lua and
+-- decide.lua, joined in that order (the refund script: the same without fast_path.lua, and
+-- refund.lua last; README.md lists them). This part reads the clock and defines what the
+-- token bucket needs; helpers.lua the rest.
 --
 -- Time is Redis TIME in microseconds (about 2^51 today): no client clock. Every number
 -- stays an exact integer below 2^53 in Lua's doubles; the caller refuses bands that could

@@ -1,12 +1,13 @@
--- FluxGate decision, the common case: one token bucket with one band (the arguments of
--- decide.lua with one bucket whose flags are 16 or 17). It comes right after
--- token_bucket.lua in the decision script, so that it returns before the other
--- algorithms' functions are even created: a call costs what a token-bucket-only script
--- would.
+-- FluxGate decision, the common case: one bucket of one token-bucket band (the arguments
+-- of decide.lua with one bucket whose flags are ONE_TOKEN_BUCKET_BAND or
+-- ONE_SHADOW_TOKEN_BUCKET_BAND, see protocol.lua). It comes right after token_bucket.lua
+-- in the decision script, so that it returns before the other algorithms' functions are
+-- even created: a call costs what a token-bucket-only script would. Its reply is
+-- decide.lua's, for one band.
 
--- One token bucket with one band: the admission test of gcra() inline, and gcra() itself
--- only for the figures of a rejection.
-if ARGV[1] == '1' and (ARGV[3] == '16' or ARGV[3] == '17') then
+-- The admission test of gcra() inline, and gcra() itself only for the figures of a
+-- rejection.
+if ARGV[1] == '1' and (ARGV[3] == ONE_TOKEN_BUCKET_BAND or ARGV[3] == ONE_SHADOW_TOKEN_BUCKET_BAND) then
   local key, permits, capacity = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[4])
   local scale, interval = tonumber(ARGV[5]), tonumber(ARGV[6])
   local cap = capacity * interval
@@ -21,6 +22,6 @@ if ARGV[1] == '1' and (ARGV[3] == '16' or ARGV[3] == '17') then
     return {1, 1, now, 1, idiv(cap - d, interval), cdiv(d, scale), 0}
   end
   local _, wait, rem, reset = gcra(debt, 0, permits, capacity, scale, interval)
-  local shadow = ARGV[3] == '17'
+  local shadow = ARGV[3] == ONE_SHADOW_TOKEN_BUCKET_BAND
   return {shadow and 1 or 0, shadow and 0 or 1, now, 0, rem, reset, wait}
 end

@@ -30,3 +30,13 @@ end
 local function fixed_window_store(key, value, _, _, w)
   redis.call('SET', key, value, 'PX', px(window_end(w) - now))
 end
+
+-- Refund: the permits come off the count of the decision's window, if it is still the
+-- stored one.
+local function fixed_window_refund(key, decided, permits, _, w)
+  local e = window_end(w, decided)
+  local stored_end, count = fields(redis.call('GET', key) or '')
+  if stored_end == e then
+    redis.call('SET', key, string.format('%.0f:%.0f', e, math.max(0, count - permits)), 'KEEPTTL')
+  end
+end

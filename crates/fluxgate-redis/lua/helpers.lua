@@ -15,7 +15,9 @@ local function fields(v)
   return tonumber(a), tonumber(b), tonumber(c)
 end
 
--- The end of the window of `w` microseconds (aligned on the Unix epoch) holding now.
-local function window_end(w)
-  return now - imod(now, w) + w
+-- The end of the window of `w` microseconds (aligned on the Unix epoch) holding the
+-- instant `t`, now by default.
+local function window_end(w, t)
+  t = t or now
+  return t - imod(t, w) + w
 end

@@ -53,3 +53,20 @@ end
 local function sliding_window_counter_store(key, value, _, _, w)
   redis.call('SET', key, value, 'PX', px(window_end(w) + w - now))
 end
+
+-- Refund: the permits come off the decision's window: the current count if it is still the
+-- current window, the previous count if the next window has begun since.
+local function sliding_window_counter_refund(key, decided, permits, _, w)
+  local e = window_end(w, decided)
+  local stored_end, previous, current = fields(redis.call('GET', key) or '')
+  local value
+  if stored_end == e then
+    value = string.format('%.0f:%.0f:%.0f', e, previous, math.max(0, current - permits))
+  elseif stored_end == e + w then
+    -- The window rolled over: the decision's window is now the previous one.
+    value = string.format('%.0f:%.0f:%.0f', stored_end, math.max(0, previous - permits), current)
+  end
+  if value then
+    redis.call('SET', key, value, 'KEEPTTL')
+  end
+end

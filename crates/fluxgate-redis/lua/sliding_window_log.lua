@@ -47,3 +47,17 @@ local function sliding_window_log_store(key, _, permits, _, w)
   end
   redis.call('PEXPIRE', key, px(w))
 end
+
+-- Refund: removes as many members as the request added at the decision's microsecond,
+-- the highest sequence numbers first, so that the next member at that microsecond
+-- (numbered from the count) is still unique.
+local function sliding_window_log_refund(key, decided, permits)
+  local at = string.format('%.0f', decided)
+  local members = redis.call('ZRANGEBYSCORE', key, at, at)
+  table.sort(members, function(x, y)
+    return tonumber(string.match(x, ':(%d+)$')) < tonumber(string.match(y, ':(%d+)$'))
+  end)
+  for j = #members, math.max(1, #members - permits + 1), -1 do
+    redis.call('ZREM', key, members[j])
+  end
+end

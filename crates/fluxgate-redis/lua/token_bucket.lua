@@ -16,6 +16,8 @@
 --   the wait in microseconds (0 none, -1 never);
 --   remaining and reset_after_us if not committed; the same if committed.
 -- Every `*_store(key, value, permits, capacity, a, b)` commits.
+-- Every `*_refund(key, decided_us, permits, capacity, a, b)` gives back what a request
+-- committed at decided_us (the decision's now), for refund.lua.
 
 -- The stored instant and remainder, or nil for a missing key.
 local function tat_of(key)
@@ -76,4 +78,29 @@ local function gcra_store(key, debt, _, capacity, scale, interval)
   else
     redis.call('SET', key, string.format('%.0f:%.0f', now + whole, frac), 'PX', ttl)
   end
+end
+
+-- Refund, shared with the leaky bucket: the stored instant moves back by the cost, as if
+-- the request had never come. Nothing ahead of now is a full token bucket, or an empty
+-- queue whose grid a move by whole intervals would leave where it is: nothing to do. A
+-- token bucket whose instant would fall before now is full: it is stored as now. With
+-- `keep_grid` (the leaky bucket) the instant may fall before now: it anchors the leak grid,
+-- which must not move, and moving it back by whole leak intervals keeps it where it was.
+local function gcra_refund(key, _, permits, _, scale, interval, keep_grid)
+  local tat, frac = tat_of(key)
+  local debt = debt_of(tat, frac, scale)
+  if not debt then
+    return
+  end
+  debt = debt - permits * interval
+  if not keep_grid and debt < 0 then
+    debt = 0
+  end
+  -- idiv floors, so a negative debt gives an instant before now and frac >= 0.
+  local whole = idiv(debt, scale)
+  local value = string.format('%.0f', now + whole)
+  if debt > whole * scale then
+    value = value .. string.format(':%.0f', debt - whole * scale)
+  end
+  redis.call('SET', key, value, 'KEEPTTL')
 end

@@ -71,6 +71,7 @@ macro_rules! lua {
 /// `fast_path.lua`, before the other algorithms' functions are created.
 pub const DECIDE_LUA: &str = lua!(
     "common.lua",
+    "protocol.lua",
     "token_bucket.lua",
     "fast_path.lua",
     "helpers.lua",
@@ -78,18 +79,21 @@ pub const DECIDE_LUA: &str = lua!(
     "fixed_window.lua",
     "sliding_window_log.lua",
     "sliding_window_counter.lua",
+    "algorithms.lua",
     "decide.lua",
 );
 
 /// The refund script, for requests that a cluster's hash slots decided differently.
 pub const REFUND_LUA: &str = lua!(
     "common.lua",
+    "protocol.lua",
     "token_bucket.lua",
     "helpers.lua",
     "leaky_bucket.lua",
     "fixed_window.lua",
     "sliding_window_log.lua",
     "sliding_window_counter.lua",
+    "algorithms.lua",
     "refund.lua",
 );
 

@@ -1,0 +1,24 @@
+-- FluxGate: the names of the numbers the caller puts in ARGV, shared by the decision and
+-- refund scripts. README.md ("Protocol") lays out ARGV and the replies field by field;
+-- the Rust side encodes the same values in one place (src/protocol.rs).
+--
+-- Plain locals, not a table: they cost nothing per call, and fast_path.lua, which returns
+-- before anything else is created, reads them.
+
+-- The algorithm of a bucket.
+local TOKEN_BUCKET = 0
+local LEAKY_BUCKET = 1
+local FIXED_WINDOW = 2
+local SLIDING_WINDOW_LOG = 3
+local SLIDING_WINDOW_COUNTER = 4
+
+-- The flags of a bucket: band count * FLAG_BANDS + algorithm * FLAG_ALGORITHM, plus
+-- FLAG_SHADOW when its rule is in shadow mode.
+local FLAG_SHADOW = 1
+local FLAG_ALGORITHM = 2
+local FLAG_BANDS = 16
+
+-- The flags of a bucket of one token-bucket band, enforced and in shadow mode, as ARGV
+-- carries them (text): fast_path.lua compares them without converting ARGV to numbers.
+local ONE_TOKEN_BUCKET_BAND = '16'
+local ONE_SHADOW_TOKEN_BUCKET_BAND = '17'
