@@ -1,0 +1,134 @@
+//! A band as the scripts compute it: its three numbers, and the range in which they decide
+//! it exactly.
+
+use fluxgate_core::{Algorithm, Band, Rule, RuleError};
+
+use crate::protocol::BandArgs;
+
+/// The largest number a band may need in the script: token and leaky buckets need
+/// `capacity × window µs / gcd(capacity, window µs)`, sliding window counters
+/// `capacity × window µs`. Twice it stays below 2^53, so every number in the script is an
+/// exact integer.
+pub const MAX_SCALED_CAPACITY: u64 = 1 << 52;
+
+/// The largest capacity of a sliding window log band: the log keeps one sorted-set member
+/// per admitted permit, and a request adds its permits one member each, so both the key's
+/// size and the time one script call takes grow with it.
+pub const MAX_LOG_CAPACITY: u64 = 1 << 20;
+
+/// Whether the scripts decide `band` exactly, as checked when rules are loaded.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] saying why not.
+pub(crate) fn check(rule_set: &str, rule: &Rule, band: &Band) -> Result<(), RuleError> {
+    numbers(rule_set, rule, band).map(drop)
+}
+
+/// A band's three numbers for the scripts.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] when the scripts cannot decide it exactly.
+pub(crate) fn band_args(rule_set: &str, rule: &Rule, band: &Band) -> Result<BandArgs, RuleError> {
+    let [capacity, a, b] = numbers(rule_set, rule, band)?.map(|n| script_number(n, rule_set, rule, band));
+    Ok(BandArgs {
+        capacity: capacity?,
+        a: a?,
+        b: b?,
+    })
+}
+
+/// A number for the scripts: below 2^53 for every value the validation lets through.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] for a larger one.
+pub(crate) fn script_number(n: u64, rule_set: &str, rule: &Rule, band: &Band) -> Result<i64, RuleError> {
+    i64::try_from(n).ok().filter(|&n| n < 1 << 53).ok_or_else(|| {
+        unsupported(
+            rule_set,
+            rule,
+            band,
+            format!("{n} is beyond 2^53, the exact integers of the scripts"),
+        )
+    })
+}
+
+fn unsupported(rule_set: &str, rule: &Rule, band: &Band, message: String) -> RuleError {
+    RuleError::Unsupported {
+        backend: "redis",
+        rule_set: rule_set.to_owned(),
+        rule: rule.id().to_string(),
+        band: band.name().to_string(),
+        message,
+    }
+}
+
+/// A band's three numbers in the scripts (see `lua/README.md`), or why the scripts cannot
+/// decide it exactly.
+fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleError> {
+    let fail = |message: String| unsupported(rule_set, rule, band, message);
+    let algorithm = rule.algorithm();
+    let capacity = band.capacity();
+    let window = band.window();
+    if window.subsec_nanos() % 1_000 != 0 {
+        return Err(fail(format!(
+            "the window {window:?} is not a whole number of microseconds, the unit of Redis time"
+        )));
+    }
+    let window_us =
+        u64::try_from(window.as_micros()).map_err(|_| fail(format!("the window {window:?} is too long")))?;
+    let (a, b, largest, what) = match algorithm {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            let g = gcd(capacity, window_us);
+            let (scale, interval) = (capacity / g, window_us / g);
+            (
+                scale,
+                interval,
+                capacity.checked_mul(interval),
+                "capacity × window in µs / gcd(capacity, window in µs)",
+            )
+        }
+        Algorithm::SlidingWindowCounter => (window_us, 0, capacity.checked_mul(window_us), "capacity × window in µs"),
+        Algorithm::FixedWindow | Algorithm::SlidingWindowLog => (window_us, 0, Some(window_us), "the window in µs"),
+    };
+    match largest {
+        Some(n) if n <= MAX_SCALED_CAPACITY => {}
+        largest => {
+            let shown = largest.map_or_else(|| "beyond 2^64".to_owned(), |n| n.to_string());
+            return Err(fail(format!(
+                "{} per {}: {what} is {shown}, above 2^52 ({MAX_SCALED_CAPACITY}), the largest the script computes \
+                 exactly; use a smaller capacity or a shorter window",
+                capacity,
+                fluxgate_core::format_duration(window),
+            )));
+        }
+    }
+    if algorithm == Algorithm::SlidingWindowLog && capacity > MAX_LOG_CAPACITY {
+        return Err(fail(format!(
+            "a sliding window log keeps one sorted-set member per permit: capacity {capacity} is above \
+             {MAX_LOG_CAPACITY}; use a sliding window counter or a smaller capacity"
+        )));
+    }
+    Ok([capacity, a, b])
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gcd_scales() {
+        assert_eq!(gcd(10, 1_000_000), 10);
+        assert_eq!(gcd(7, 1_000_000), 1);
+        assert_eq!(gcd(1_000_000, 86_400_000_000), 1_000_000);
+    }
+}

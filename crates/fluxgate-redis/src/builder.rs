@@ -1,0 +1,104 @@
+//! [`RedisLimiterBuilder`]: a [`RedisLimiter`] from a URL.
+
+use std::time::Duration;
+
+use fred::interfaces::ClientLike;
+use fred::types::config::{ReconnectPolicy, ServerConfig};
+use fred::types::Builder;
+
+use crate::connection::{Connection, DEFAULT_TIMEOUT};
+use crate::error::RedisError;
+use crate::limiter::RedisLimiter;
+use crate::script::Scripts;
+use crate::url::{parse_url, redact};
+
+/// Builds a [`RedisLimiter`] from a URL.
+#[derive(Debug, Clone)]
+pub struct RedisLimiterBuilder {
+    url: String,
+    prefix: String,
+    timeout: Duration,
+    pool_size: usize,
+    deny_cache: bool,
+    reconnect_delay: Duration,
+}
+
+impl RedisLimiter {
+    /// A builder for `url`: `redis://[user:password@]host:port[/db]`, `rediss://…`, or
+    /// several comma-separated `host:port` nodes of a cluster.
+    pub fn builder(url: impl Into<String>) -> RedisLimiterBuilder {
+        RedisLimiterBuilder {
+            url: url.into(),
+            prefix: "fluxgate".to_owned(),
+            timeout: DEFAULT_TIMEOUT,
+            pool_size: 4,
+            deny_cache: true,
+            reconnect_delay: Duration::from_millis(100),
+        }
+    }
+}
+
+impl RedisLimiterBuilder {
+    /// The key prefix. Default `fluxgate`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The deadline of one script call (including a reload after `NOSCRIPT`). Default 50 ms.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The number of connections, used in turn. Default 4.
+    pub fn pool_size(mut self, size: usize) -> Self {
+        self.pool_size = size.max(1);
+        self
+    }
+
+    /// The local deny cache (on by default): after a band rejects a request with a
+    /// retry-after of T, requests of the same cost that need that band are rejected
+    /// locally, without a Redis call, until T has passed. Only time adds tokens, so this
+    /// never rejects a request Redis would admit, and never admits one. On a cluster,
+    /// refunds give tokens back too, so the cache stays off there.
+    pub fn deny_cache(mut self, on: bool) -> Self {
+        self.deny_cache = on;
+        self
+    }
+
+    /// The delay between reconnection attempts after a connection is lost; attempts never
+    /// stop. Default 100 ms.
+    pub fn reconnect_delay(mut self, delay: Duration) -> Self {
+        self.reconnect_delay = delay;
+        self
+    }
+
+    /// Checks the URL, connects and loads the script.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Url`] for a URL that cannot be used, [`RedisError::Connect`] when
+    /// Redis cannot be reached or the script not loaded.
+    pub async fn connect(self) -> Result<RedisLimiter, RedisError> {
+        let shown = redact(&self.url);
+        let url_error = |reason: String| RedisError::Url {
+            url: shown.clone(),
+            reason,
+        };
+        let config = parse_url(&self.url).map_err(url_error)?;
+        let cluster = matches!(config.server, ServerConfig::Clustered { .. });
+        let mut builder = Builder::from_config(config);
+        let delay = u32::try_from(self.reconnect_delay.as_millis())
+            .unwrap_or(u32::MAX)
+            .max(1);
+        builder.set_policy(ReconnectPolicy::new_constant(0, delay));
+        builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
+        builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
+        let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
+        pool.init().await.map_err(RedisError::Connect)?;
+        let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster));
+        scripts.load().await?;
+        Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache))
+    }
+}

@@ -1,0 +1,134 @@
+//! A request whose buckets live in several hash slots of a Redis Cluster: one decision call
+//! per slot, concurrently, then the refunds the combined decision calls for.
+
+use std::sync::Arc;
+
+use fluxgate_core::limiter::AcquireOutcome;
+use futures_util::future::join_all;
+
+use crate::error::RedisError;
+use crate::protocol::{BandReply, RefundArgs, RefundedBand, Reply};
+use crate::request::{Call, Shape};
+use crate::script::Scripts;
+
+/// Decides a request across the hash slots of `calls`. Runs as a task of its own, so that
+/// a caller who stops waiting (a client gone, an outer timeout) cannot leave a consumption
+/// that should have been given back.
+///
+/// # Errors
+///
+/// The error of a slot that failed, after the other slots' refunds.
+pub(crate) async fn decide_across_slots(
+    scripts: Arc<Scripts>,
+    calls: Vec<Call>,
+    shape: Shape,
+) -> Result<AcquireOutcome, RedisError> {
+    let results = join_all(calls.iter().map(|c| scripts.decide(c.keys.clone(), c.args.clone()))).await;
+    let mut replies = Vec::with_capacity(results.len());
+    let mut failure = None;
+    for result in results {
+        match result {
+            Ok(reply) => replies.push(Some(reply)),
+            Err(e) => {
+                failure = Some(e);
+                replies.push(None);
+            }
+        }
+    }
+    let answered = || replies.iter().flatten();
+    let allowed = failure.is_none() && answered().all(|r| r.allowed);
+    let shadow_allowed = failure.is_none() && answered().all(|r| r.shadow_allowed);
+    let now_us = answered().map(|r| r.now_us).max().unwrap_or(0);
+    let mut per_band: Vec<Option<BandReply>> = vec![None; shape.len()];
+    for (call, reply) in calls.iter().zip(&replies) {
+        if let Some(reply) = reply {
+            for (band, reply) in call.bands.iter().zip(reply.bands()) {
+                per_band[band.position] = Some(reply);
+            }
+        }
+    }
+    match refund(&scripts, &calls, &replies, allowed, shadow_allowed).await {
+        Ok(refunded) => {
+            for (position, after) in refunded {
+                if let Some(band) = &mut per_band[position] {
+                    band.remaining = after.remaining;
+                    band.reset_after = after.reset_after;
+                }
+            }
+        }
+        // The decision stands; what could not be given back errs towards admitting less.
+        Err(error) => tracing::warn!(%error, "rate-limit refund failed: a rejected request's consumption stays"),
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    if let Some(position) = per_band.iter().position(Option::is_none) {
+        return Err(RedisError::Reply(format!("no reply for band {position}")));
+    }
+    Ok(shape.outcome(allowed, shadow_allowed, now_us, per_band.into_iter().flatten()))
+}
+
+/// The bands of a call that it committed and the request as a whole must not keep: every
+/// band of a slot that admitted when another slot rejected (or failed), and the shadow
+/// bands of a slot whose shadow rules admitted when another slot's shadow rules rejected.
+fn to_refund<'a>(
+    call: &'a Call,
+    reply: &'a Reply,
+    allowed: bool,
+    shadow_allowed: bool,
+) -> impl Iterator<Item = usize> + 'a {
+    call.bands
+        .iter()
+        .zip(reply.bands())
+        .enumerate()
+        .filter(move |(_, (band, band_reply))| {
+            let committed = reply.allowed && band_reply.allowed && (!band.shadow || reply.shadow_allowed);
+            let keep = allowed && band_reply.allowed && (!band.shadow || shadow_allowed);
+            committed && !keep
+        })
+        .map(|(j, _)| j)
+}
+
+/// Gives back what the slots of a request committed and the request must not keep, all
+/// slots at once. Returns, per band position, the figures after the refund.
+///
+/// # Errors
+///
+/// The first error of a slot's refund: then no figures are returned.
+async fn refund(
+    scripts: &Scripts,
+    calls: &[Call],
+    replies: &[Option<Reply>],
+    allowed: bool,
+    shadow_allowed: bool,
+) -> Result<Vec<(usize, RefundedBand)>, RedisError> {
+    let mut pending = Vec::new();
+    for (call, reply) in calls.iter().zip(replies) {
+        let Some(reply) = reply else {
+            continue; // this slot failed: it consumed nothing
+        };
+        let mut bands = to_refund(call, reply, allowed, shadow_allowed).peekable();
+        if bands.peek().is_none() {
+            continue;
+        }
+        let mut args = RefundArgs::new(reply.now_us);
+        let mut keys = Vec::new();
+        let mut positions = Vec::new();
+        for j in bands {
+            args.band(&call.bands[j].refund);
+            keys.push(call.keys[j].clone());
+            positions.push(call.bands[j].position);
+        }
+        let call = scripts.refund(keys, args);
+        pending.push(async move { (positions, call.await) });
+    }
+    if pending.is_empty() {
+        return Ok(Vec::new());
+    }
+    // The calls start together: one deadline for all of them.
+    let mut refunded = Vec::new();
+    for (positions, result) in join_all(pending).await {
+        refunded.extend(positions.into_iter().zip(result?.bands()));
+    }
+    Ok(refunded)
+}

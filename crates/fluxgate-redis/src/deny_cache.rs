@@ -1,0 +1,90 @@
+//! The local deny cache: bands known to reject a request until an instant, answered
+//! without Redis. Only time adds capacity to a band (refunds aside, which is why a
+//! cluster has no deny cache), so a remembered denial never outlives the real one.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use fluxgate_core::limiter::{AcquireOutcome, Wait};
+use fluxgate_core::BandReport;
+
+use crate::request::{Call, CallBand, Shape};
+
+/// Denials by deny-cache key (a band's key and the cost, see `key::deny_key`).
+pub(crate) struct DenyCache {
+    denials: moka::sync::Cache<String, Denial>,
+}
+
+/// A band that rejected: until `until` it rejects every request of the same cost, because
+/// only time adds tokens to a bucket. A local rejection repeats Redis's figures: the
+/// remaining permits and the instant the band is full again.
+#[derive(Debug, Clone, Copy)]
+struct Denial {
+    until: Instant,
+    remaining: u64,
+    reset_at: SystemTime,
+}
+
+impl DenyCache {
+    /// An empty cache.
+    pub(crate) fn new() -> Self {
+        Self {
+            denials: moka::sync::Cache::builder()
+                .max_capacity(100_000)
+                .time_to_live(Duration::from_secs(60))
+                .build(),
+        }
+    }
+
+    /// A rejection, when a band of the request is known to reject it. It repeats what Redis
+    /// said of that band: its remaining permits and the instant it is full again; the
+    /// retry-after counts down to the end of the denial.
+    pub(crate) fn check(&self, shape: &Shape, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
+        let (position, denial) = calls.iter().flat_map(|call| &call.bands).find_map(|band| {
+            let denial = self.denials.get(band.deny_key.as_ref()?)?;
+            (denial.until > now).then_some((band.position, denial))
+        })?;
+        let denied = shape.band(position);
+        let wait = denial.until - now;
+        let now_unix = SystemTime::now();
+        let now_ns = now_unix
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        // Only the denying band is known; the others were not asked.
+        let report = BandReport {
+            rule: denied.rule.clone(),
+            band: denied.band.name().clone(),
+            labeled: denied.band.label().is_some(),
+            limit: denied.band.capacity(),
+            remaining: denial.remaining,
+            window: denied.band.window(),
+            reset_after: denial.reset_at.duration_since(now_unix).unwrap_or_default(),
+            reset_at: denial.reset_at,
+            allowed: false,
+            shadow: denied.shadow,
+            wait: Wait::After(wait.max(Duration::from_micros(1))),
+        };
+        Some(AcquireOutcome {
+            allowed: false,
+            shadow_allowed: true,
+            now_unix_nanos: now_ns,
+            bands: vec![report],
+            local: true,
+        })
+    }
+
+    /// Remembers the bands of a call that rejected, counted from `start`, before the call,
+    /// so that a denial never outlives the real wait.
+    pub(crate) fn remember(&self, bands: &[CallBand], outcome: &AcquireOutcome, start: Instant) {
+        for band in bands {
+            let report = &outcome.bands[band.position];
+            if let (Wait::After(wait), Some(key)) = (report.wait, &band.deny_key) {
+                let denial = Denial {
+                    until: start + wait,
+                    remaining: report.remaining,
+                    reset_at: report.reset_at,
+                };
+                self.denials.insert(key.clone(), denial);
+            }
+        }
+    }
+}

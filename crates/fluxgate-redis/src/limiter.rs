@@ -1,0 +1,149 @@
+//! [`RedisLimiter`], the [`RateLimiter`] over Redis.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Instant;
+
+use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
+use fluxgate_core::{BoxError, MaybeReady, RuleError, RuleSet};
+use fred::clients::Client;
+
+use crate::band;
+use crate::cluster::decide_across_slots;
+use crate::connection::Connection;
+use crate::deny_cache::DenyCache;
+use crate::error::RedisError;
+use crate::health::{self, Health};
+use crate::request::{encode, Call, Shape};
+use crate::script::Scripts;
+
+/// The Redis limiter. Cheap to clone: clones share the connections.
+#[derive(Clone)]
+pub struct RedisLimiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    scripts: Arc<Scripts>,
+    prefix: String,
+    denied: Option<DenyCache>,
+}
+
+impl fmt::Debug for RedisLimiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLimiter")
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.scripts.connection().timeout())
+            .field("script_sha1", &self.script_sha1())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisLimiter {
+    /// A limiter running `scripts`, with a deny cache if `deny_cache` and not on a cluster:
+    /// refunds give tokens back, so on a cluster a denial could end early.
+    pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool) -> Self {
+        let deny_cache = deny_cache && !scripts.connection().is_cluster();
+        Self {
+            inner: Arc::new(Inner {
+                scripts: Arc::new(scripts),
+                prefix,
+                denied: deny_cache.then(DenyCache::new),
+            }),
+        }
+    }
+
+    /// A limiter over a client the application already connected. The script is loaded
+    /// on the first call that finds it missing. The deny cache is on, except on a
+    /// cluster (see [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
+    pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
+        Self::new(Scripts::new(Connection::client(client)), prefix.into(), true)
+    }
+
+    /// Whether rejections are remembered and repeated locally (the deny cache).
+    pub fn has_deny_cache(&self) -> bool {
+        self.inner.denied.is_some()
+    }
+
+    /// A limiter sharing this one's connections, with another key prefix.
+    pub fn with_prefix(&self, prefix: impl Into<String>) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                scripts: self.inner.scripts.clone(),
+                prefix: prefix.into(),
+                denied: self.inner.denied.as_ref().map(|_| DenyCache::new()),
+            }),
+        }
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The SHA-1 of the script, as used with `EVALSHA`.
+    pub fn script_sha1(&self) -> &str {
+        self.inner.scripts.decide_sha1()
+    }
+
+    /// Sends `PING` within the limiter's deadline and reports how long it took; on a
+    /// cluster, also the cluster state.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Command`] or [`RedisError::Timeout`] when Redis does not answer.
+    pub async fn health(&self) -> Result<Health, RedisError> {
+        health::check(self.inner.scripts.connection()).await
+    }
+}
+
+impl RateLimiter for RedisLimiter {
+    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        let inner = &self.inner;
+        let cluster = inner.scripts.connection().is_cluster();
+        let calls = match encode(request, &inner.prefix, cluster, inner.denied.is_some()) {
+            Ok(calls) => calls,
+            // A configuration error, not a backend failure (see `RateLimiter::validate`).
+            Err(e) => return MaybeReady::ready(Err(e.into())),
+        };
+        let shape = Shape::of(request);
+        let start = Instant::now();
+        if let Some(outcome) = inner.denied.as_ref().and_then(|c| c.check(&shape, &calls, start)) {
+            return MaybeReady::ready(Ok(outcome));
+        }
+        let inner = inner.clone();
+        let calls = match <[Call; 1]>::try_from(calls) {
+            // One call (always so on a standalone Redis): nothing to refund.
+            Ok([Call { keys, args, bands }]) => {
+                return MaybeReady::boxed(async move {
+                    let reply = inner.scripts.decide(keys, args).await?;
+                    let outcome = shape.outcome(reply.allowed, reply.shadow_allowed, reply.now_us, reply.bands());
+                    if let Some(cache) = &inner.denied {
+                        cache.remember(&bands, &outcome, start);
+                    }
+                    Ok(outcome)
+                });
+            }
+            Err(calls) => calls,
+        };
+        MaybeReady::boxed(async move {
+            // Spawned at the first poll: once a call has gone out, the refunds it may need
+            // happen whether or not this future is still awaited.
+            let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, shape));
+            match task.await {
+                Ok(result) => Ok(result?),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(RedisError::Interrupted.into()),
+            }
+        })
+    }
+
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        for rule in set.rules() {
+            for band in rule.bands().iter() {
+                band::check(set.id(), rule, band)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,109 @@
+//! Redis URLs: a standalone, cluster or Sentinel configuration from one, and the URL as
+//! shown in errors, without its password.
+
+use fred::types::config::Config;
+
+/// A standalone, cluster or Sentinel configuration from a URL. Several comma-separated
+/// nodes name a cluster (`redis://host1:6379,host2:6379`), as does a `redis-cluster://`
+/// URL; `redis-sentinel://s1:26379?node=s2:26379&sentinelServiceName=mymaster` names the
+/// sentinels of a primary.
+pub(crate) fn parse_url(url: &str) -> Result<Config, String> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .filter(|(scheme, _)| {
+            matches!(
+                *scheme,
+                "redis" | "rediss" | "redis-cluster" | "rediss-cluster" | "redis-sentinel" | "rediss-sentinel"
+            )
+        })
+        .ok_or_else(|| "expected a URL starting with redis://, rediss:// or redis-sentinel://".to_owned())?;
+    if scheme.ends_with("-sentinel") {
+        if !rest.contains("sentinelServiceName=") {
+            return Err("a Sentinel URL needs ?sentinelServiceName=<primary name>".to_owned());
+        }
+        return Config::from_url_sentinel(url).map_err(|e| e.details().to_string());
+    }
+    let nodes: Vec<&str> = rest.split(',').map(str::trim).collect();
+    if nodes.iter().any(|n| n.is_empty()) {
+        return Err("a node is empty; list the nodes as host:port,host:port".to_owned());
+    }
+    if nodes.len() == 1 && !scheme.ends_with("-cluster") {
+        return Config::from_url(url).map_err(|e| e.details().to_string());
+    }
+    let tls = if scheme.starts_with("rediss") {
+        "rediss"
+    } else {
+        "redis"
+    };
+    let (first, query) = nodes[0].split_once('?').unwrap_or((nodes[0], ""));
+    // A cluster has no databases: a `/db` path is dropped.
+    let first = first.split('/').next().unwrap_or(first);
+    let params: Vec<String> = std::iter::once(query.to_owned())
+        .filter(|q| !q.is_empty())
+        .chain(
+            nodes[1..]
+                .iter()
+                .map(|n| format!("node={}", n.split('/').next().unwrap_or(n))),
+        )
+        .collect();
+    let mut cluster_url = format!("{tls}-cluster://{first}");
+    if !params.is_empty() {
+        cluster_url.push('?');
+        cluster_url.push_str(&params.join("&"));
+    }
+    Config::from_url_clustered(&cluster_url).map_err(|e| e.details().to_string())
+}
+
+/// The URL without its password.
+pub(crate) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &url[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..scheme + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_are_not_shown() {
+        assert_eq!(
+            redact("redis://user:secret@host:6379/0"),
+            "redis://user:***@host:6379/0"
+        );
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    #[test]
+    fn urls() {
+        use fred::types::config::ServerConfig;
+        let standalone = parse_url("redis://user:pw@127.0.0.1:6380/2").unwrap();
+        assert!(matches!(standalone.server, ServerConfig::Centralized { .. }));
+        assert_eq!(standalone.database, Some(2));
+        let cluster = parse_url("redis://:pw@10.0.0.1:7000,10.0.0.2:7001,10.0.0.3:7002").unwrap();
+        match cluster.server {
+            ServerConfig::Clustered { hosts, .. } => assert_eq!(hosts.len(), 3),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(cluster.password.as_deref(), Some("pw"));
+        let sentinel =
+            parse_url("redis-sentinel://127.0.0.1:26379?node=127.0.0.1:26380&sentinelServiceName=mymaster").unwrap();
+        assert!(matches!(sentinel.server, ServerConfig::Sentinel { .. }));
+        for bad in [
+            "http://x",
+            "redis://a,,b",
+            "127.0.0.1:6379",
+            "redis://host:notaport",
+            "redis-sentinel://127.0.0.1:26379",
+        ] {
+            assert!(parse_url(bad).is_err(), "{bad}");
+        }
+    }
+}
