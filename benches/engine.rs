@@ -87,7 +87,7 @@ fn memory_per_key() {
             let ip = IpAddr::V4(Ipv4Addr::from(0x0b00_0000 + chunk * 10_000 + i));
             let ctx = RequestContext::builder().client_ip(ip).build();
             let d = engine.check(&ctx).into_ready().expect("in memory").expect("decision");
-            assert!(d.allowed);
+            assert!(d.allowed());
         }
     }
     let after = rss::rss_bytes();
@@ -117,7 +117,7 @@ fn decisions(c: &mut Criterion) {
                     .into_ready()
                     .expect("in memory")
                     .expect("decision");
-                assert!(d.allowed);
+                assert!(d.allowed());
                 black_box(d)
             })
         });

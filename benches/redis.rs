@@ -187,7 +187,7 @@ async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
                 .user_id(format!("u{}", n % KEYS))
                 .build();
             let d = engine.check(&ctx).await.unwrap();
-            assert!(d.allowed);
+            assert!(d.allowed());
         }
     })
     .await;

@@ -18,9 +18,12 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
 use std::time::Duration;
 
+use fluxgate::core::key::{KeyResolution, KeyResolver};
+use fluxgate::core::path::{normalize_path, routed_segments};
+use fluxgate::core::rule::{MAX_CAPACITY, MAX_WINDOW};
 use fluxgate::core::{
-    normalize_path, routed_segments, BandSpec, Engine, Format, KeyResolution, KeyResolver, OnMissingKey, Outcome,
-    PathPattern, RequestContext, Rule, RuleError, RuleSet, RuleSets, RuleSpec, ScopeKind, MAX_CAPACITY, MAX_WINDOW,
+    BandSpec, Engine, Format, OnMissingKey, Outcome, PathPattern, RequestContext, Rule, RuleError, RuleSet, RuleSets,
+    RuleSpec, ScopeKind,
 };
 use fluxgate::tower::{ClientIpResolver, IpNet};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Uri};

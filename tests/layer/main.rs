@@ -313,7 +313,7 @@ struct Counting {
 impl RateLimitMetricsRecorder for Counting {
     fn record_decision(&self, decision: &Decision) {
         self.decisions.fetch_add(1, Ordering::SeqCst);
-        if !decision.allowed {
+        if !decision.allowed() {
             self.rejections.fetch_add(1, Ordering::SeqCst);
         }
         if decision.shadow_rejected_by.is_some() {

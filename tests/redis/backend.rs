@@ -11,7 +11,7 @@ scenario_tests!(
 );
 
 mod redis_only {
-    use fluxgate::core::limiter::CircuitBreaker;
+    use fluxgate::core::CircuitBreaker;
     use fluxgate::core::{
         CachingRuleSetProvider, Engine, MaybeReady, RequestContext, RuleSetLookup, RuleSetProvider,
         StaticRuleSetProvider,
@@ -52,7 +52,7 @@ rule_sets:
             .build();
         for _ in 0..10 {
             let d = check(&engine, &ctx).await;
-            assert!(d.allowed);
+            assert!(d.allowed());
             assert_eq!(d.bands.len(), 6);
         }
         assert_eq!(evalsha_calls(&redis) - before, 10);
@@ -84,7 +84,7 @@ rule_sets:
             .client_ip("2001:db8::1".parse().unwrap())
             .user_id(hostile)
             .build();
-        assert!(check(&engine, &ctx).await.allowed);
+        assert!(check(&engine, &ctx).await.allowed());
         let keys = redis.server().cli(&["--scan", "--pattern", "*"]);
         let keys: Vec<&str> = keys.lines().collect();
         assert_eq!(keys.len(), 6, "{keys:?}");
@@ -95,7 +95,7 @@ rule_sets:
             assert_eq!(key.matches('{').count(), 1, "{key}");
             assert_eq!(key.matches('}').count(), 1, "{key}");
             let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
-            let window = fluxgate::core::parse_duration(key.rsplit('/').next().unwrap()).unwrap();
+            let window = fluxgate::core::rule::parse_duration(key.rsplit('/').next().unwrap()).unwrap();
             let window_ms = window.as_millis() as i64;
             assert!(ttl > window_ms && ttl <= window_ms + 1_000, "{key}: ttl {ttl}");
         }
@@ -113,10 +113,10 @@ rule_sets:
             let engine = engine(&redis, rules);
             let ctx = RequestContext::builder().client_ip("192.0.2.66".parse().unwrap()).build();
             let first = check(&engine, &ctx).await;
-            assert!(first.allowed && first.shadow_rejected_by.is_none());
+            assert!(first.allowed() && first.shadow_rejected_by.is_none());
             assert_eq!(first.shadow_bands[0].remaining, 0);
             let second = check(&engine, &ctx).await;
-            assert!(second.allowed, "a shadow rule never blocks");
+            assert!(second.allowed(), "a shadow rule never blocks");
             assert_eq!(second.shadow_rejected_by.as_deref(), Some("trial"));
             assert_eq!(second.shadow_bands[0].remaining, 0, "the rejected shadow band consumed nothing");
         }
@@ -157,8 +157,8 @@ rule_sets:
         let mut last = None;
         for _ in 0..10_000 {
             let d = check(&cached, &ctx).await;
-            admitted += usize::from(d.allowed);
-            if !d.allowed {
+            admitted += usize::from(d.allowed());
+            if !d.allowed() {
                 assert!(d.retry_after.unwrap() <= std::time::Duration::from_secs(1));
                 last = Some(d);
             }
@@ -171,7 +171,7 @@ rule_sets:
         assert_eq!(last.unwrap().retry_after_secs(), Some(1));
         // After the wait, the key is admitted again.
         tokio::time::sleep(std::time::Duration::from_millis(1_100)).await;
-        assert!(check(&cached, &ctx).await.allowed);
+        assert!(check(&cached, &ctx).await.allowed());
 
         // Without the cache every request is a script call.
         let uncached = engine_with(false).await;
@@ -232,7 +232,7 @@ rule_sets:
                     let ctx = RequestContext::builder()
                         .client_ip("192.0.2.3".parse().unwrap())
                         .build();
-                    engine.check(&ctx).await.unwrap().allowed
+                    engine.check(&ctx).await.unwrap().allowed()
                 }));
             }
         }
@@ -265,7 +265,7 @@ rule_sets:
             .build();
         let before = evalsha_calls(&redis);
         for _ in 0..2 {
-            assert!(check(&engine, &ctx).await.allowed);
+            assert!(check(&engine, &ctx).await.allowed());
         }
         assert_eq!(
             evalsha_calls(&redis) - before,
@@ -298,7 +298,7 @@ rule_sets:
         let states: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         // The third request is rejected by every rule and writes nothing anywhere.
         let d = check(&engine, &ctx).await;
-        assert!(!d.allowed);
+        assert!(!d.allowed());
         assert_eq!(d.bands.iter().filter(|b| !b.allowed).count(), 5);
         let after: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         assert_eq!(states, after, "a rejection wrote to Redis");
@@ -331,10 +331,10 @@ rule_sets:
             .build();
         for remaining in [7, 2] {
             let d = check(&engine, &ctx).await;
-            assert!(d.allowed);
+            assert!(d.allowed());
             assert_eq!(d.remaining(), Some(remaining));
         }
-        assert!(!check(&engine, &ctx).await.allowed);
+        assert!(!check(&engine, &ctx).await.allowed());
         let key = "test0:{default:swl:ip=192.0.2.10}:b0:12/1m:swl";
         let scored = redis.server().cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
         let lines: Vec<&str> = scored.lines().collect();
@@ -387,7 +387,7 @@ rule_sets:
             // The in-memory backend decides it exactly.
             let memory = Engine::builder(StaticRuleSetProvider::new(rules)).build().expect("in memory");
             let ctx = RequestContext::builder().client_ip("192.0.2.11".parse().unwrap()).build();
-            assert!(check(&memory, &ctx).await.allowed);
+            assert!(check(&memory, &ctx).await.allowed());
         }
     }
 
@@ -432,7 +432,7 @@ rule_sets:
             assert!(matches!(error, fluxgate::core::Error::Rule(_)), "{error}");
         }
         let fine = ctx.to_builder().rule_set_id("fine").build();
-        assert!(check(&engine, &fine).await.allowed, "the circuit opened");
+        assert!(check(&engine, &fine).await.allowed(), "the circuit opened");
         // Through the layer, with the default fail-open policy: refused, not admitted.
         let app = app(RateLimitLayer::new(engine));
         let r = get_from(&app, "/api/users", "192.0.2.12").await;
@@ -486,7 +486,7 @@ rule_sets:
         for engine in [engine(&redis, yaml), engine(&Memory::tokio(), yaml)] {
             for _ in 0..3 {
                 let d = check(&engine, &ctx).await;
-                assert!(!d.allowed);
+                assert!(!d.allowed());
                 assert_eq!(d.retry_after, None, "never admissible");
                 assert_eq!(d.remaining(), Some(10), "nothing was consumed or given back");
             }
@@ -506,13 +506,13 @@ rule_sets:
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.15".parse().unwrap())
             .build();
-        assert!(check(&engine, &ctx).await.allowed);
+        assert!(check(&engine, &ctx).await.allowed());
         let calls = evalsha_calls(&redis);
         let from_redis = check(&engine, &ctx).await;
-        assert!(!from_redis.allowed);
+        assert!(!from_redis.allowed());
         assert_eq!(evalsha_calls(&redis), calls + 1);
         let local = check(&engine, &ctx).await;
-        assert!(!local.allowed);
+        assert!(!local.allowed());
         assert_eq!(evalsha_calls(&redis), calls + 1, "answered by the deny cache");
         assert_eq!(local.remaining(), Some(1));
         assert_eq!(local.remaining(), from_redis.remaining());
@@ -562,8 +562,8 @@ rule_sets:
         let other = RequestContext::builder()
             .client_ip("192.0.2.17".parse().unwrap())
             .build();
-        assert!(check(&engine, &denied).await.allowed);
-        assert!(!check(&engine, &denied).await.allowed, "remembered by the deny cache");
+        assert!(check(&engine, &denied).await.allowed());
+        assert!(!check(&engine, &denied).await.allowed(), "remembered by the deny cache");
         // Redis goes away: the circuit opens.
         redis.server_mut().kill();
         assert!(engine.check(&other).await.is_err());
@@ -571,7 +571,7 @@ rule_sets:
         // Half-open: the deny cache answers the probe, which proves nothing.
         clock.advance(std::time::Duration::from_secs(1));
         let d = check(&engine, &denied).await;
-        assert!(!d.allowed);
+        assert!(!d.allowed());
         assert!(breaker.is_tripped(), "a deny-cache hit closed the circuit");
         // The next real call probes, fails, and the circuit is open again.
         assert!(engine.check(&other).await.is_err());

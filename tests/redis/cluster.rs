@@ -62,20 +62,20 @@ rule_sets:
         );
 
         let before = redis.cluster().evalsha_calls();
-        assert!(check(&engine, &ctx).await.allowed);
-        assert!(check(&engine, &ctx).await.allowed);
+        assert!(check(&engine, &ctx).await.allowed());
+        assert!(check(&engine, &ctx).await.allowed());
         assert_eq!(
             redis.cluster().evalsha_calls() - before,
             4,
             "one call per slot per decision"
         );
         let d = check(&engine, &ctx).await;
-        assert!(!d.allowed);
+        assert!(!d.allowed());
         assert_eq!(d.rule().map(|r| &**r), Some("per-ip"));
         let user = d.bands.iter().find(|b| &*b.rule == "per-user").unwrap();
         assert_eq!(user.remaining, 98, "the per-user slot was refunded");
         for _ in 0..5 {
-            assert!(!check(&engine, &ctx).await.allowed);
+            assert!(!check(&engine, &ctx).await.allowed());
         }
         // Another IP for the same user sees the user's 98: the rejections consumed nothing.
         let other = RequestContext::builder()
@@ -83,7 +83,7 @@ rule_sets:
             .user_id("alice")
             .build();
         let d = check(&engine, &other).await;
-        assert!(d.allowed);
+        assert!(d.allowed());
         assert_eq!(d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining, 97);
     }
 
@@ -193,7 +193,7 @@ rule_sets:
         assert_ne!(slot(&format!("{{default:queue:ip={ip}}}")), slot(global));
         // Drain the global rule.
         let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
-        assert!(check(&engine, &at(&first)).await.allowed);
+        assert!(check(&engine, &at(&first)).await.allowed());
         // An empty queue whose grid stands 250 ms before now (one leak per second).
         let key = format!("lb:{{default:queue:ip={ip}}}:b0:2/2s:lb");
         let node = cluster.node_of_key(&key);
@@ -201,7 +201,7 @@ rule_sets:
         node.cli(&["SET", &key, &anchor.to_string(), "PX", "10000"]);
         // The queue admits (and commits), the global rule rejects: the queue is refunded.
         let d = check(&engine, &at(&ip)).await;
-        assert!(!d.allowed);
+        assert!(!d.allowed());
         assert_eq!(d.rule().map(|r| &**r), Some("global"));
         let decided_us = d.bands[0]
             .reset_at
@@ -237,10 +237,10 @@ rule_sets:
         let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
         // Both shadow rules admit and consume; the global one is now empty.
         let d = check(&engine, &at(&first)).await;
-        assert!(d.allowed && d.shadow_rejected_by.is_none());
+        assert!(d.allowed() && d.shadow_rejected_by.is_none());
         for n in 0..3 {
             let d = check(&engine, &at(&ip)).await;
-            assert!(d.allowed, "shadow rules never block");
+            assert!(d.allowed(), "shadow rules never block");
             assert_eq!(d.shadow_rejected_by.as_deref(), Some("watch-all"));
             let per_ip = d.shadow_bands.iter().find(|b| &*b.rule == "watch-ip").unwrap();
             assert_eq!(
@@ -307,7 +307,7 @@ rule_sets:
         let first = ip_away_from(&cluster, "per-ip", global, &[]);
         let ip = ip_away_from(&cluster, "per-ip", global, std::slice::from_ref(&first));
         let at = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
-        assert!(check(&engine, &at(&first)).await.allowed);
+        assert!(check(&engine, &at(&first)).await.allowed());
         // The global slot answers late; the caller gives up first.
         pause_writes(cluster.node_of_key(global), 1_000);
         let gave_up = tokio::time::timeout(Duration::from_millis(200), engine.check(&at(&ip))).await;
@@ -363,7 +363,7 @@ rule_sets:
                 .user_id(user)
                 .build()
         };
-        assert!(check(&engine, &at("198.51.100.1", "drain")).await.allowed);
+        assert!(check(&engine, &at("198.51.100.1", "drain")).await.allowed());
         let (a_node, b_node) = (
             cluster.node_of_key(&format!("{{default:a:ip={ip}}}")),
             cluster.node_of_key(&format!("{{default:b:user={user}}}")),
@@ -386,7 +386,7 @@ rule_sets:
             .unwrap()
             .expect("the decision stands when its refunds fail");
         let took = started.elapsed();
-        assert!(!d.allowed);
+        assert!(!d.allowed());
         assert_eq!(d.rule().map(|r| &**r), Some("global"));
         // Concurrent: about 300 ms + one deadline. One after the other: 300 ms + two.
         assert!(

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisServer;
-use fluxgate::core::limiter::CircuitBreaker;
+use fluxgate::core::CircuitBreaker;
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext, StaticRuleSetProvider};
 use fluxgate::redis::RedisLimiter;
 

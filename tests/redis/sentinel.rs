@@ -29,7 +29,7 @@ async fn decisions_resume_after_a_failover() {
         .client_ip("192.0.2.5".parse().expect("an address"))
         .build();
     for _ in 0..3 {
-        assert!(engine.check(&ctx).await.expect("decided by the primary").allowed);
+        assert!(engine.check(&ctx).await.expect("decided by the primary").allowed());
     }
 
     let old = sentinels.primary.port();
@@ -39,7 +39,7 @@ async fn decisions_resume_after_a_failover() {
     while start.elapsed() < Duration::from_secs(30) {
         if let Ok(d) = engine.check(&ctx).await {
             if sentinels.primary_port().is_some_and(|p| p != old) {
-                assert!(d.allowed);
+                assert!(d.allowed());
                 resumed = Some(start.elapsed());
                 break;
             }

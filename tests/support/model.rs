@@ -461,7 +461,7 @@ fn bucket(b: &Bucket<'_>, unit: Unit) -> BucketSpec {
         .map(|(band, spec)| {
             format!(
                 "{}\u{1}{}\u{1}{}\u{1}{}\u{1}{:?}",
-                b.rule_set,
+                b.rule_set.id(),
                 rule.id(),
                 b.key.as_str(),
                 band.name(),

@@ -27,12 +27,12 @@ pub(crate) async fn hundred_per_minute_engine(backend: &dyn Backend) {
     let c = ctx("198.51.100.1");
     for i in 0..100 {
         let d = check(&engine, &c).await;
-        assert!(d.allowed, "request {} rejected", i + 1);
+        assert!(d.allowed(), "request {} rejected", i + 1);
         assert_eq!(d.remaining(), Some(99 - i));
         assert_eq!(d.limit(), Some(100));
     }
     let d = check(&engine, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(d.outcome, Outcome::RateLimited);
     assert_eq!(d.remaining(), Some(0));
     assert!(d.retry_after_secs().unwrap() >= 1);
@@ -81,10 +81,10 @@ rule_sets:
     );
     let c = ctx("198.51.100.2");
     for _ in 0..10 {
-        assert!(check(&engine, &c).await.allowed);
+        assert!(check(&engine, &c).await.allowed());
     }
     let d = check(&engine, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(&*d.binding().unwrap().band, "minute");
     // The hour band still shows 90: the rejection consumed nothing.
     let hour = d.bands.iter().find(|b| &*b.band == "hour").unwrap();
@@ -121,14 +121,14 @@ rule_sets:
     assert_eq!(check(&three, &c).await.remaining(), Some(7));
     assert_eq!(check(&five, &c).await.remaining(), Some(2));
     let d = check(&three, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(d.remaining(), Some(2));
     let d = check(&three, &c).await;
-    assert!(!d.allowed, "the rejection must not have consumed");
+    assert!(!d.allowed(), "the rejection must not have consumed");
     assert_eq!(d.remaining(), Some(2));
     let never = engine_for(11);
     let d = check(&never, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(d.retry_after, None, "more permits than capacity is never admissible");
     assert!(d.retry_after_secs().is_none());
 }
@@ -152,10 +152,10 @@ rule_sets:
     );
     let c = ctx("198.51.100.13");
     let d = check(&engine, &c).await;
-    assert!(d.allowed);
+    assert!(d.allowed());
     assert_eq!(d.remaining(), Some(2));
     let d = check(&engine, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(
         d.rule().map(|r| &**r),
         Some("costly"),
@@ -188,10 +188,10 @@ rule_sets:
     let start = tokio::time::Instant::now();
     let refilled = || (start.elapsed().as_millis() / 60) as u64;
     for _ in 0..100 {
-        assert!(check(&engine, &c).await.allowed);
+        assert!(check(&engine, &c).await.allowed());
     }
     let d = check(&engine, &c).await;
-    assert!(!d.allowed);
+    assert!(!d.allowed());
     assert_eq!(d.rule().map(|r| &**r), Some("per-ip"));
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap();
     let most = 9900 + refilled();
@@ -202,7 +202,7 @@ rule_sets:
     );
     // Another client sees the global band at 9900 before its own request.
     let d = check(&engine, &ctx("198.51.100.5")).await;
-    assert!(d.allowed);
+    assert!(d.allowed());
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap();
     let most = 9899 + refilled();
     assert!(
@@ -236,18 +236,18 @@ rule_sets:
             .build()
     };
     for _ in 0..2 {
-        assert!(check(&engine, &user("198.51.100.6", "alice")).await.allowed);
+        assert!(check(&engine, &user("198.51.100.6", "alice")).await.allowed());
     }
-    assert!(!check(&engine, &user("198.51.100.6", "alice")).await.allowed);
+    assert!(!check(&engine, &user("198.51.100.6", "alice")).await.allowed());
     // Bob from the same IP: his own user bucket; the IP has 1 left of 3.
     let d = check(&engine, &user("198.51.100.6", "bob")).await;
-    assert!(d.allowed);
+    assert!(d.allowed());
     assert_eq!(d.bands.iter().find(|b| &*b.rule == "per-ip").unwrap().remaining, 0);
-    assert!(!check(&engine, &user("198.51.100.6", "carol")).await.allowed);
+    assert!(!check(&engine, &user("198.51.100.6", "carol")).await.allowed());
     // Alice from another IP is still out of her user quota; a new user there is not.
-    assert!(!check(&engine, &user("198.51.100.7", "alice")).await.allowed);
-    assert!(check(&engine, &user("198.51.100.7", "dave")).await.allowed);
-    assert!(check(&engine, &ctx("198.51.100.8")).await.allowed);
+    assert!(!check(&engine, &user("198.51.100.7", "alice")).await.allowed());
+    assert!(check(&engine, &user("198.51.100.7", "dave")).await.allowed());
+    assert!(check(&engine, &ctx("198.51.100.8")).await.allowed());
 }
 
 /// IPv6 clients: keyed per /64 by default.
@@ -330,7 +330,7 @@ pub(crate) async fn ticks(
         if late > Duration::from_millis(40) {
             return Err(late.as_millis());
         }
-        if check(engine, c).await.allowed {
+        if check(engine, c).await.allowed() {
             admitted += 1;
         }
     }
@@ -401,7 +401,7 @@ async fn run_concurrently(engine: &fluxgate::core::Engine, ctx_for: impl Fn(usiz
             barrier.wait().await;
             let mut ok = 0;
             for _ in 0..50 {
-                if engine.check(&c).await.unwrap().allowed {
+                if engine.check(&c).await.unwrap().allowed() {
                     ok += 1;
                 }
             }
@@ -478,7 +478,7 @@ rule_sets:
     );
     for v in ["a\nb", "a\r\nb", "a b", "a%0Ab", "a"] {
         let c = RequestContext::builder().user_id(v).build();
-        assert!(check(&engine, &c).await.allowed, "{v:?}");
+        assert!(check(&engine, &c).await.allowed(), "{v:?}");
     }
 }
 

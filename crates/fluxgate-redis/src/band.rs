@@ -101,7 +101,7 @@ fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleErr
                 "{} per {}: {what} is {shown}, above 2^52 ({MAX_SCALED_CAPACITY}), the largest the script computes \
                  exactly; use a smaller capacity or a shorter window",
                 capacity,
-                fluxgate_core::format_duration(window),
+                fluxgate_core::rule::format_duration(window),
             )));
         }
     }

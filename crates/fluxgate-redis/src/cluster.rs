@@ -3,12 +3,12 @@
 
 use std::sync::Arc;
 
-use fluxgate_core::limiter::AcquireOutcome;
+use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use futures_util::future::join_all;
 
 use crate::error::RedisError;
 use crate::protocol::{BandReply, RefundArgs, RefundedBand, Reply};
-use crate::request::{Call, Shape};
+use crate::request::{outcome, Call};
 use crate::script::Scripts;
 
 /// Decides a request across the hash slots of `calls`. Runs as a task of its own, so that
@@ -21,7 +21,7 @@ use crate::script::Scripts;
 pub(crate) async fn decide_across_slots(
     scripts: Arc<Scripts>,
     calls: Vec<Call>,
-    shape: Shape,
+    request: AcquireRequest,
 ) -> Result<AcquireOutcome, RedisError> {
     let results = join_all(calls.iter().map(|c| scripts.decide(c.keys.clone(), c.args.clone()))).await;
     let mut replies = Vec::with_capacity(results.len());
@@ -39,7 +39,7 @@ pub(crate) async fn decide_across_slots(
     let allowed = failure.is_none() && answered().all(|r| r.allowed);
     let shadow_allowed = failure.is_none() && answered().all(|r| r.shadow_allowed);
     let now_us = answered().map(|r| r.now_us).max().unwrap_or(0);
-    let mut per_band: Vec<Option<BandReply>> = vec![None; shape.len()];
+    let mut per_band: Vec<Option<BandReply>> = vec![None; request.band_count()];
     for (call, reply) in calls.iter().zip(&replies) {
         if let Some(reply) = reply {
             for (band, reply) in call.bands.iter().zip(reply.bands()) {
@@ -65,7 +65,13 @@ pub(crate) async fn decide_across_slots(
     if let Some(position) = per_band.iter().position(Option::is_none) {
         return Err(RedisError::Reply(format!("no reply for band {position}")));
     }
-    Ok(shape.outcome(allowed, shadow_allowed, now_us, per_band.into_iter().flatten()))
+    Ok(outcome(
+        &request,
+        allowed,
+        shadow_allowed,
+        now_us,
+        per_band.into_iter().flatten(),
+    ))
 }
 
 /// The bands of a call that it committed and the request as a whole must not keep: every

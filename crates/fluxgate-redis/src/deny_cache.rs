@@ -4,10 +4,9 @@
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fluxgate_core::limiter::{AcquireOutcome, Wait};
-use fluxgate_core::BandReport;
+use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Wait};
 
-use crate::request::{Call, CallBand, Shape};
+use crate::request::{Call, CallBand};
 
 /// Denials by deny-cache key (a band's key and the cost, see `key::deny_key`).
 pub(crate) struct DenyCache {
@@ -38,38 +37,26 @@ impl DenyCache {
     /// A rejection, when a band of the request is known to reject it. It repeats what Redis
     /// said of that band: its remaining permits and the instant it is full again; the
     /// retry-after counts down to the end of the denial.
-    pub(crate) fn check(&self, shape: &Shape, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
+    pub(crate) fn check(&self, request: &AcquireRequest, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
         let (position, denial) = calls.iter().flat_map(|call| &call.bands).find_map(|band| {
             let denial = self.denials.get(band.deny_key.as_ref()?)?;
             (denial.until > now).then_some((band.position, denial))
         })?;
-        let denied = shape.band(position);
+        let (bucket, band) = request.bands().nth(position)?;
         let wait = denial.until - now;
         let now_unix = SystemTime::now();
         let now_ns = now_unix
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
         // Only the denying band is known; the others were not asked.
-        let report = BandReport {
-            rule: denied.rule.clone(),
-            band: denied.band.name().clone(),
-            labeled: denied.band.label().is_some(),
-            limit: denied.band.capacity(),
-            remaining: denial.remaining,
-            window: denied.band.window(),
-            reset_after: denial.reset_at.duration_since(now_unix).unwrap_or_default(),
-            reset_at: denial.reset_at,
-            allowed: false,
-            shadow: denied.shadow,
-            wait: Wait::After(wait.max(Duration::from_micros(1))),
-        };
-        Some(AcquireOutcome {
-            allowed: false,
-            shadow_allowed: true,
-            now_unix_nanos: now_ns,
-            bands: vec![report],
-            local: true,
-        })
+        let report = bucket.report(
+            band,
+            now_ns,
+            denial.remaining,
+            denial.reset_at.duration_since(now_unix).unwrap_or_default(),
+            Wait::After(wait.max(Duration::from_micros(1))),
+        );
+        Some(AcquireOutcome::new(false, true, now_ns, vec![report]).answered_locally())
     }
 
     /// Remembers the bands of a call that rejected, counted from `start`, before the call,

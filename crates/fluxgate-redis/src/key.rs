@@ -12,7 +12,7 @@ pub(crate) fn hash_tag(rule_set: &str, rule: &Rule, key: &str) -> String {
 
 /// The key of a band of a bucket (`tag`, from [`hash_tag`]).
 pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: Algorithm) -> String {
-    let window = fluxgate_core::format_duration(band.window());
+    let window = fluxgate_core::rule::format_duration(band.window());
     let mut key = format!("{prefix}:{tag}:{}:{capacity}/{window}", band.name());
     if let Some(suffix) = suffix(algorithm) {
         key.push(':');

@@ -14,7 +14,7 @@ use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
-use crate::request::{encode, Call, Shape};
+use crate::request::{encode, outcome, Call};
 use crate::script::Scripts;
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -98,7 +98,7 @@ impl RedisLimiter {
 }
 
 impl RateLimiter for RedisLimiter {
-    fn acquire(&self, request: &AcquireRequest<'_>) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let inner = &self.inner;
         let cluster = inner.scripts.connection().is_cluster();
         let calls = match encode(request, &inner.prefix, cluster, inner.denied.is_some()) {
@@ -106,18 +106,25 @@ impl RateLimiter for RedisLimiter {
             // A configuration error, not a backend failure (see `RateLimiter::validate`).
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
-        let shape = Shape::of(request);
         let start = Instant::now();
-        if let Some(outcome) = inner.denied.as_ref().and_then(|c| c.check(&shape, &calls, start)) {
+        if let Some(outcome) = inner.denied.as_ref().and_then(|c| c.check(request, &calls, start)) {
             return MaybeReady::ready(Ok(outcome));
         }
         let inner = inner.clone();
+        // What reading the replies needs: an `Arc` of the rule set and the keys.
+        let request = request.clone();
         let calls = match <[Call; 1]>::try_from(calls) {
             // One call (always so on a standalone Redis): nothing to refund.
             Ok([Call { keys, args, bands }]) => {
                 return MaybeReady::boxed(async move {
                     let reply = inner.scripts.decide(keys, args).await?;
-                    let outcome = shape.outcome(reply.allowed, reply.shadow_allowed, reply.now_us, reply.bands());
+                    let outcome = outcome(
+                        &request,
+                        reply.allowed,
+                        reply.shadow_allowed,
+                        reply.now_us,
+                        reply.bands(),
+                    );
                     if let Some(cache) = &inner.denied {
                         cache.remember(&bands, &outcome, start);
                     }
@@ -129,7 +136,7 @@ impl RateLimiter for RedisLimiter {
         MaybeReady::boxed(async move {
             // Spawned at the first poll: once a call has gone out, the refunds it may need
             // happen whether or not this future is still awaited.
-            let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, shape));
+            let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, request));
             match task.await {
                 Ok(result) => Ok(result?),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

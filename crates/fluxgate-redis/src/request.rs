@@ -1,10 +1,7 @@
 //! A request as script calls, one per hash slot, and their replies back as an outcome.
 
-use std::sync::Arc;
-use std::time::{Duration, UNIX_EPOCH};
-
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate_core::{Band, BandReport, RuleError};
+use fluxgate_core::RuleError;
 
 use crate::band::{band_args, script_number};
 use crate::key;
@@ -40,16 +37,17 @@ pub(crate) struct CallBand {
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated).
 pub(crate) fn encode(
-    request: &AcquireRequest<'_>,
+    request: &AcquireRequest,
     prefix: &str,
     cluster: bool,
     with_deny_keys: bool,
 ) -> Result<Vec<Call>, RuleError> {
     let mut calls: Vec<(u16, Call)> = Vec::new();
     let mut position = 0;
-    for bucket in request.buckets {
+    for bucket in request.buckets() {
         let rule = bucket.rule;
-        let tag = key::hash_tag(bucket.rule_set, rule, bucket.key.as_str());
+        let rule_set = bucket.rule_set.id();
+        let tag = key::hash_tag(rule_set, rule, bucket.key.as_str());
         let slot = if cluster {
             fred::util::redis_keyslot(tag.as_bytes())
         } else {
@@ -74,14 +72,14 @@ pub(crate) fn encode(
         let Some(first) = rule.bands().first() else {
             continue; // validated rules have at least one band
         };
-        let permits = script_number(rule.permits(), bucket.rule_set, rule, first)?;
+        let permits = script_number(rule.permits(), rule_set, rule, first)?;
         let shadow = bucket.shadow();
         call.args.bucket(BucketArgs {
             permits,
             flags: Flags::new(rule.bands().len(), algorithm.into(), shadow),
         });
         for band in rule.bands().iter() {
-            let args = band_args(bucket.rule_set, rule, band)?;
+            let args = band_args(rule_set, rule, band)?;
             let band_key = key::band_key(prefix, &tag, band, args.capacity, algorithm);
             call.args.band(args);
             call.bands.push(CallBand {
@@ -101,80 +99,20 @@ pub(crate) fn encode(
     Ok(calls.into_iter().map(|(_, call)| call).collect())
 }
 
-/// What the limiter needs of the request to read the replies, owned.
-pub(crate) struct Shape {
-    bands: Vec<ShapeBand>,
-}
-
-/// A band of the request: its rule's id and mode and the band.
-pub(crate) struct ShapeBand {
-    pub(crate) rule: Arc<str>,
-    pub(crate) shadow: bool,
-    pub(crate) band: Band,
-}
-
-impl Shape {
-    /// The bands of `request`, in order.
-    pub(crate) fn of(request: &AcquireRequest<'_>) -> Self {
-        let bands = request
-            .buckets
-            .iter()
-            .flat_map(|b| {
-                let (rule, shadow) = (b.rule.id(), b.shadow());
-                b.rule.bands().iter().map(move |band| ShapeBand {
-                    rule: rule.clone(),
-                    shadow,
-                    band: band.clone(),
-                })
-            })
-            .collect();
-        Self { bands }
-    }
-
-    /// The band at `position` among all bands of the request.
-    pub(crate) fn band(&self, position: usize) -> &ShapeBand {
-        &self.bands[position]
-    }
-
-    /// The number of bands.
-    pub(crate) fn len(&self) -> usize {
-        self.bands.len()
-    }
-
-    /// The outcome of a decision taken at `now_us` (Redis time), with what Redis said of
-    /// each band, in order.
-    pub(crate) fn outcome(
-        &self,
-        allowed: bool,
-        shadow_allowed: bool,
-        now_us: i64,
-        replies: impl Iterator<Item = BandReply>,
-    ) -> AcquireOutcome {
-        let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
-        let bands = self
-            .bands
-            .iter()
-            .zip(replies)
-            .map(|(ShapeBand { rule, shadow, band }, reply)| BandReport {
-                rule: rule.clone(),
-                band: band.name().clone(),
-                labeled: band.label().is_some(),
-                limit: band.capacity(),
-                remaining: reply.remaining,
-                window: band.window(),
-                reset_after: reply.reset_after,
-                reset_at: UNIX_EPOCH + Duration::from_nanos(now_ns) + reply.reset_after,
-                allowed: reply.allowed,
-                shadow: *shadow,
-                wait: reply.wait,
-            })
-            .collect();
-        AcquireOutcome {
-            allowed,
-            shadow_allowed,
-            now_unix_nanos: now_ns,
-            bands,
-            local: false,
-        }
-    }
+/// The outcome of a decision on `request` taken at `now_us` (Redis time), with what Redis
+/// said of each of its bands, in order.
+pub(crate) fn outcome(
+    request: &AcquireRequest,
+    allowed: bool,
+    shadow_allowed: bool,
+    now_us: i64,
+    replies: impl Iterator<Item = BandReply>,
+) -> AcquireOutcome {
+    let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
+    let bands = request
+        .bands()
+        .zip(replies)
+        .map(|((bucket, band), reply)| bucket.report(band, now_ns, reply.remaining, reply.reset_after, reply.wait))
+        .collect();
+    AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands)
 }
