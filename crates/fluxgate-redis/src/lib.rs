@@ -7,12 +7,12 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use fluxgate_core::{Engine, RuleSets, StaticRuleSetProvider};
+//! use fluxgate_core::{Engine, RuleSets};
 //! use fluxgate_redis::RedisLimiter;
 //!
 //! let limiter = RedisLimiter::builder("redis://127.0.0.1:6379/0").prefix("myapp").connect().await?;
 //! let rules = RuleSets::from_file("rules.yaml")?;
-//! let engine = Engine::builder(StaticRuleSetProvider::new(rules)).limiter(limiter).build();
+//! let engine = Engine::builder(rules).limiter(limiter).build()?; // refuses a rule Redis cannot decide
 //! # Ok(()) }
 //! ```
 //!
