@@ -204,6 +204,7 @@ fn usage(band: BandSpec, state: Option<&State>, t: Tick) -> Usage {
                 scale: w,
             }
         }
+        (algorithm, _) => panic!("the model has no {algorithm:?}"),
     }
 }
 
@@ -249,6 +250,7 @@ fn commit(band: BandSpec, state: Option<State>, t: Tick, permits: u64, ttl: Opti
             *counts.entry(t / band.window).or_insert(0) += permits;
             State::Counts(counts)
         }
+        algorithm => panic!("the model has no {algorithm:?}"),
     }
 }
 

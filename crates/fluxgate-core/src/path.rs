@@ -243,6 +243,7 @@ enum Segment {
 /// Why a path pattern was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid path pattern `{pattern}`: {reason}")]
+#[non_exhaustive]
 pub struct PatternError {
     /// The pattern as given.
     pub pattern: String,

@@ -1,9 +1,9 @@
 //! A band as the scripts compute it: its three numbers, and the range in which they decide
 //! it exactly.
 
-use fluxgate_core::{Algorithm, Band, Rule, RuleError};
+use fluxgate_core::{Band, Rule, RuleError};
 
-use crate::protocol::BandArgs;
+use crate::protocol::{BandArgs, ScriptAlgorithm};
 
 /// The largest number a band may need in the script: token and leaky buckets need
 /// `capacity × window µs / gcd(capacity, window µs)`, sliding window counters
@@ -55,6 +55,18 @@ pub(crate) fn script_number(n: u64, rule_set: &str, rule: &Rule, band: &Band) ->
     })
 }
 
+/// The scripts' version of the rule's algorithm.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] for an algorithm the scripts do not have.
+pub(crate) fn script_algorithm(rule_set: &str, rule: &Rule, band: &Band) -> Result<ScriptAlgorithm, RuleError> {
+    ScriptAlgorithm::of(rule.algorithm()).ok_or_else(|| {
+        let message = format!("the Redis scripts have no {} algorithm", rule.algorithm().as_str());
+        unsupported(rule_set, rule, band, message)
+    })
+}
+
 fn unsupported(rule_set: &str, rule: &Rule, band: &Band, message: String) -> RuleError {
     RuleError::Unsupported {
         backend: "redis",
@@ -69,7 +81,6 @@ fn unsupported(rule_set: &str, rule: &Rule, band: &Band, message: String) -> Rul
 /// decide it exactly.
 fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleError> {
     let fail = |message: String| unsupported(rule_set, rule, band, message);
-    let algorithm = rule.algorithm();
     let capacity = band.capacity();
     let window = band.window();
     if window.subsec_nanos() % 1_000 != 0 {
@@ -79,8 +90,9 @@ fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleErr
     }
     let window_us =
         u64::try_from(window.as_micros()).map_err(|_| fail(format!("the window {window:?} is too long")))?;
+    let algorithm = script_algorithm(rule_set, rule, band)?;
     let (a, b, largest, what) = match algorithm {
-        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+        ScriptAlgorithm::TokenBucket | ScriptAlgorithm::LeakyBucket => {
             let g = gcd(capacity, window_us);
             let (scale, interval) = (capacity / g, window_us / g);
             (
@@ -90,8 +102,12 @@ fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleErr
                 "capacity × window in µs / gcd(capacity, window in µs)",
             )
         }
-        Algorithm::SlidingWindowCounter => (window_us, 0, capacity.checked_mul(window_us), "capacity × window in µs"),
-        Algorithm::FixedWindow | Algorithm::SlidingWindowLog => (window_us, 0, Some(window_us), "the window in µs"),
+        ScriptAlgorithm::SlidingWindowCounter => {
+            (window_us, 0, capacity.checked_mul(window_us), "capacity × window in µs")
+        }
+        ScriptAlgorithm::FixedWindow | ScriptAlgorithm::SlidingWindowLog => {
+            (window_us, 0, Some(window_us), "the window in µs")
+        }
     };
     match largest {
         Some(n) if n <= MAX_SCALED_CAPACITY => {}
@@ -105,7 +121,7 @@ fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleErr
             )));
         }
     }
-    if algorithm == Algorithm::SlidingWindowLog && capacity > MAX_LOG_CAPACITY {
+    if algorithm == ScriptAlgorithm::SlidingWindowLog && capacity > MAX_LOG_CAPACITY {
         return Err(fail(format!(
             "a sliding window log keeps one sorted-set member per permit: capacity {capacity} is above \
              {MAX_LOG_CAPACITY}; use a sliding window counter or a smaller capacity"

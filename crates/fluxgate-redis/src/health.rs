@@ -9,6 +9,7 @@ use crate::error::RedisError;
 
 /// The result of [`RedisLimiter::health`](crate::RedisLimiter::health).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Health {
     /// How long a `PING` took.
     pub latency: Duration,

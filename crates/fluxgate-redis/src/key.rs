@@ -2,7 +2,9 @@
 //! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>[:<suffix>]`, and
 //! the deny cache's keys.
 
-use fluxgate_core::{Algorithm, Band, Rule};
+use fluxgate_core::{Band, Rule};
+
+use crate::protocol::ScriptAlgorithm;
 
 /// The hash tag of a bucket, `{<rule set>:<rule>:<key value>}`: all bands of a rule share
 /// a hash slot.
@@ -11,7 +13,7 @@ pub(crate) fn hash_tag(rule_set: &str, rule: &Rule, key: &str) -> String {
 }
 
 /// The key of a band of a bucket (`tag`, from [`hash_tag`]).
-pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: Algorithm) -> String {
+pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
     let window = fluxgate_core::rule::format_duration(band.window());
     let mut key = format!("{prefix}:{tag}:{}:{capacity}/{window}", band.name());
     if let Some(suffix) = suffix(algorithm) {
@@ -28,12 +30,12 @@ pub(crate) fn deny_key(band_key: &str, permits: u64) -> String {
 
 /// The end of a band's key: none for the token bucket, the algorithm for the others, so
 /// that a rule whose algorithm changes starts new counters.
-fn suffix(algorithm: Algorithm) -> Option<&'static str> {
+fn suffix(algorithm: ScriptAlgorithm) -> Option<&'static str> {
     match algorithm {
-        Algorithm::TokenBucket => None,
-        Algorithm::LeakyBucket => Some("lb"),
-        Algorithm::FixedWindow => Some("fw"),
-        Algorithm::SlidingWindowLog => Some("swl"),
-        Algorithm::SlidingWindowCounter => Some("swc"),
+        ScriptAlgorithm::TokenBucket => None,
+        ScriptAlgorithm::LeakyBucket => Some("lb"),
+        ScriptAlgorithm::FixedWindow => Some("fw"),
+        ScriptAlgorithm::SlidingWindowLog => Some("swl"),
+        ScriptAlgorithm::SlidingWindowCounter => Some("swc"),
     }
 }

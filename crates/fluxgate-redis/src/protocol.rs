@@ -28,15 +28,18 @@ impl ScriptAlgorithm {
     }
 }
 
-impl From<Algorithm> for ScriptAlgorithm {
-    fn from(algorithm: Algorithm) -> Self {
-        match algorithm {
+impl ScriptAlgorithm {
+    /// The scripts' version of `algorithm`; `None` for an algorithm they do not have,
+    /// which [`crate::band::check`] refuses when rules load.
+    pub(crate) fn of(algorithm: Algorithm) -> Option<Self> {
+        Some(match algorithm {
             Algorithm::TokenBucket => Self::TokenBucket,
             Algorithm::LeakyBucket => Self::LeakyBucket,
             Algorithm::FixedWindow => Self::FixedWindow,
             Algorithm::SlidingWindowLog => Self::SlidingWindowLog,
             Algorithm::SlidingWindowCounter => Self::SlidingWindowCounter,
-        }
+            _ => return None,
+        })
     }
 }
 

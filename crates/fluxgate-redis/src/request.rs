@@ -3,9 +3,9 @@
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate_core::RuleError;
 
-use crate::band::{band_args, script_number};
+use crate::band::{band_args, script_algorithm, script_number};
 use crate::key;
-use crate::protocol::{BandReply, BucketArgs, DecideArgs, Flags, RefundBand, ScriptAlgorithm};
+use crate::protocol::{BandReply, BucketArgs, DecideArgs, Flags, RefundBand};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -68,15 +68,15 @@ pub(crate) fn encode(
             }
         };
         let call = &mut calls[at].1;
-        let algorithm = rule.algorithm();
         let Some(first) = rule.bands().first() else {
             continue; // validated rules have at least one band
         };
+        let algorithm = script_algorithm(rule_set, rule, first)?;
         let permits = script_number(rule.permits(), rule_set, rule, first)?;
         let shadow = bucket.shadow();
         call.args.bucket(BucketArgs {
             permits,
-            flags: Flags::new(rule.bands().len(), algorithm.into(), shadow),
+            flags: Flags::new(rule.bands().len(), algorithm, shadow),
         });
         for band in rule.bands().iter() {
             let args = band_args(rule_set, rule, band)?;
@@ -87,7 +87,7 @@ pub(crate) fn encode(
                 shadow,
                 deny_key: (with_deny_keys && !shadow).then(|| key::deny_key(&band_key, rule.permits())),
                 refund: RefundBand {
-                    algorithm: ScriptAlgorithm::from(algorithm),
+                    algorithm,
                     permits: permits.min(args.capacity),
                     band: args,
                 },

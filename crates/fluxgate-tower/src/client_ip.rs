@@ -36,6 +36,7 @@ pub struct IpNet(ipnet::IpNet);
 /// Why a network could not be parsed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid trusted proxy `{value}`: {reason}")]
+#[non_exhaustive]
 pub struct IpNetError {
     /// The text given.
     pub value: String,

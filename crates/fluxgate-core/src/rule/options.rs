@@ -43,6 +43,7 @@ pub enum OnMissingKey {
 /// The limiting algorithm of a rule.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Algorithm {
     /// Continuous refill at `capacity / window`, bursts up to `capacity`.
     #[default]
