@@ -14,13 +14,12 @@ use std::time::Duration;
 ///
 /// # Errors
 ///
-/// A message saying what is wrong.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// A [`DurationError`] naming the text.
+pub fn parse_duration(s: &str) -> Result<Duration, DurationError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let bad =
-        || format!("invalid duration `{s}`: expected a whole number followed by ms, s, m, h or d (e.g. `500ms`, `1m`)");
+    let bad = || DurationError { text: s.to_owned() };
     let n: u64 = num.parse().map_err(|_| bad())?;
     let ms = match unit.trim() {
         "ms" => Some(n),
@@ -31,6 +30,15 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         _ => return Err(bad()),
     };
     ms.map(Duration::from_millis).ok_or_else(bad)
+}
+
+/// A duration that is not `<integer><unit>` or does not fit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid duration `{text}`: expected a whole number followed by ms, s, m, h or d (e.g. `500ms`, `1m`)")]
+#[non_exhaustive]
+pub struct DurationError {
+    /// The text given.
+    pub text: String,
 }
 
 /// Writes a duration in the shortest exact unit of the file format.

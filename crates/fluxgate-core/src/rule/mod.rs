@@ -32,7 +32,7 @@ mod validate;
 
 use std::time::Duration;
 
-pub use duration::{format_duration, parse_duration};
+pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::{BandError, BandRangeError, IdError, MatchError, Problem, ScopeError, ShapeError};
 pub use load::Format;
 pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
