@@ -7,7 +7,7 @@ use crate::decision::{Decision, Outcome};
 use crate::error::{Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
-use crate::handler::RateLimitMetricsRecorder;
+use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
@@ -298,6 +298,12 @@ impl Engine {
                 })
             }
         }
+    }
+}
+
+impl RateLimitHandler for Engine {
+    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        Engine::check(self, ctx)
     }
 }
 

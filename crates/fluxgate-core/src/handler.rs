@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use crate::context::RequestContext;
 use crate::decision::Decision;
-use crate::engine::Engine;
 use crate::error::Error;
 use crate::future::MaybeReady;
 
@@ -19,12 +18,6 @@ pub trait RateLimitHandler: Send + Sync + fmt::Debug + 'static {
 impl<H: RateLimitHandler + ?Sized> RateLimitHandler for Arc<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         (**self).check(ctx)
-    }
-}
-
-impl RateLimitHandler for Engine {
-    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        Engine::check(self, ctx)
     }
 }
 

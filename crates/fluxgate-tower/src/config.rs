@@ -4,15 +4,22 @@
 use std::fmt;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use fluxgate_core::{
     Decision, Error, FailurePolicy, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
 };
+use http::request::Parts;
 use http::{Extensions, HeaderMap, HeaderName, Method, Response};
 
 use crate::client_ip::ClientIpResolver;
-use crate::layer::{Customizer, RejectionResponder};
 use crate::response::Figures;
 use crate::{ApiKey, UserId};
+
+/// The customizer: adjusts the context built from each request.
+pub type Customizer = dyn Fn(&mut RequestContextBuilder, &Parts) + Send + Sync;
+
+/// Builds the response for a rejected request.
+pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
 
 /// The options of a layer, checked by
 /// [`RateLimitLayerBuilder::build`](crate::RateLimitLayerBuilder::build) and shared by

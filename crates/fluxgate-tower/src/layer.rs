@@ -10,14 +10,8 @@ use http::{HeaderName, Response};
 use tower_layer::Layer;
 
 use crate::client_ip::{ClientIpResolver, IpNet};
-use crate::config::Config;
+use crate::config::{Config, Customizer, RejectionResponder};
 use crate::service::RateLimit;
-
-/// The customizer: adjusts the context built from each request.
-pub type Customizer = dyn Fn(&mut RequestContextBuilder, &Parts) + Send + Sync;
-
-/// Builds the response for a rejected request.
-pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync;
 
 /// Applies rate limiting to a service. See the [crate documentation](crate).
 #[derive(Clone)]

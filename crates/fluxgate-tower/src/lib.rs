@@ -58,8 +58,9 @@ mod response;
 mod service;
 
 pub use client_ip::{ClientIp, ClientIpResolver, IpNet, IpNetError};
+pub use config::{Customizer, RejectionResponder};
 pub use future::ResponseFuture;
-pub use layer::{ConfigError, Customizer, RateLimitLayer, RateLimitLayerBuilder, RejectionResponder};
+pub use layer::{ConfigError, RateLimitLayer, RateLimitLayerBuilder};
 pub use response::{RATELIMIT, RATELIMIT_POLICY, X_RATELIMIT_LIMIT, X_RATELIMIT_REMAINING, X_RATELIMIT_RESET};
 pub use service::RateLimit;
 
