@@ -8,7 +8,7 @@ use crate::decision::Decision;
 use crate::error::Error;
 use crate::future::MaybeReady;
 
-/// Decides requests for the middleware: the local [`Engine`] or, in HTTP API mode, a
+/// Decides requests for the middleware: the local [`Engine`](crate::Engine) or, in HTTP API mode, a
 /// remote rate-limit service.
 pub trait RateLimitHandler: Send + Sync + fmt::Debug + 'static {
     /// Decides one request.
