@@ -319,7 +319,7 @@ mod tests {
     use super::*;
 
     /// The Lua side's names of the numbers, part of both scripts.
-    const PROTOCOL_LUA: &str = include_str!("../lua/protocol.lua");
+    const PROTOCOL_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/protocol.lua"));
 
     const ALGORITHMS: [(ScriptAlgorithm, &str); 5] = [
         (ScriptAlgorithm::TokenBucket, "TOKEN_BUCKET"),

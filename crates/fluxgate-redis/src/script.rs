@@ -7,43 +7,15 @@ use crate::connection::Connection;
 use crate::error::RedisError;
 use crate::protocol::{DecideArgs, RefundArgs, RefundReply, Reply};
 
-/// The files of `lua/`, joined in order into one script.
-macro_rules! lua {
-    ($($file:literal),+ $(,)?) => {
-        concat!($(include_str!(concat!("../lua/", $file))),+)
-    };
-}
-
 /// The decision script (see `lua/README.md`): every band of every rule of a request, of
-/// any algorithm, all or nothing. The single-band token bucket returns from
-/// `fast_path.lua`, before the other algorithms' functions are created.
-pub const DECIDE_LUA: &str = lua!(
-    "common.lua",
-    "protocol.lua",
-    "token_bucket.lua",
-    "fast_path.lua",
-    "helpers.lua",
-    "leaky_bucket.lua",
-    "fixed_window.lua",
-    "sliding_window_log.lua",
-    "sliding_window_counter.lua",
-    "algorithms.lua",
-    "decide.lua",
-);
+/// any algorithm, all or nothing. The build script joins it from the files of `lua/`; the
+/// single-band token bucket returns from `fast_path.lua`, before the other algorithms'
+/// functions are created.
+pub const DECIDE_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/decide.lua"));
 
-/// The refund script, for requests that a cluster's hash slots decided differently.
-pub const REFUND_LUA: &str = lua!(
-    "common.lua",
-    "protocol.lua",
-    "token_bucket.lua",
-    "helpers.lua",
-    "leaky_bucket.lua",
-    "fixed_window.lua",
-    "sliding_window_log.lua",
-    "sliding_window_counter.lua",
-    "algorithms.lua",
-    "refund.lua",
-);
+/// The refund script, for requests that a cluster's hash slots decided differently: the
+/// same parts without the fast path, with `refund.lua` last.
+pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"));
 
 /// The scripts and the connections they run on.
 pub(crate) struct Scripts {

@@ -1,0 +1,79 @@
+//! Joins the Redis scripts from their files, one per algorithm, into the two scripts the
+//! crate sends (`DECIDE_LUA`, `REFUND_LUA`), written to `OUT_DIR`.
+//!
+//! The files have one home, `lua/` at the top of the repository. The crate reaches it
+//! through its `lua` link, which `cargo package` follows, so that a packaged crate carries
+//! the files themselves. A checkout without symbolic links (Git's `core.symlinks=false`)
+//! turns the link into a small text file: then the files are read from `../../lua`.
+
+use std::path::{Path, PathBuf};
+use std::{env, fs};
+
+/// The decision script's parts, in order: the single-band token bucket returns from
+/// `fast_path.lua`, before the other algorithms' functions are created.
+const DECIDE: &[&str] = &[
+    "common.lua",
+    "protocol.lua",
+    "token_bucket.lua",
+    "fast_path.lua",
+    "helpers.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window_log.lua",
+    "sliding_window_counter.lua",
+    "algorithms.lua",
+    "decide.lua",
+];
+
+/// The refund script's parts: the same without the fast path, with `refund.lua` last.
+const REFUND: &[&str] = &[
+    "common.lua",
+    "protocol.lua",
+    "token_bucket.lua",
+    "helpers.lua",
+    "leaky_bucket.lua",
+    "fixed_window.lua",
+    "sliding_window_log.lua",
+    "sliding_window_counter.lua",
+    "algorithms.lua",
+    "refund.lua",
+];
+
+fn scripts_dir(manifest: &Path) -> PathBuf {
+    let candidates = [manifest.join("lua"), manifest.join("../../lua")];
+    for dir in &candidates {
+        if dir.join("decide.lua").is_file() {
+            return dir.clone();
+        }
+    }
+    panic!(
+        "the Redis scripts are missing: neither {} nor {} holds decide.lua",
+        candidates[0].display(),
+        candidates[1].display()
+    );
+}
+
+fn join(dir: &Path, parts: &[&str], out: &Path) {
+    let mut script = String::new();
+    for part in parts {
+        let path = dir.join(part);
+        println!("cargo:rerun-if-changed={}", path.display());
+        match fs::read_to_string(&path) {
+            Ok(text) => script.push_str(&text),
+            Err(e) => panic!("cannot read the Redis script part {}: {e}", path.display()),
+        }
+    }
+    if let Err(e) = fs::write(out, script) {
+        panic!("cannot write {}: {e}", out.display());
+    }
+}
+
+fn main() {
+    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let dir = scripts_dir(&manifest);
+    println!("cargo:rerun-if-changed={}", manifest.join("lua").display());
+    join(&dir, DECIDE, &out.join("decide.lua"));
+    join(&dir, REFUND, &out.join("refund.lua"));
+    join(&dir, &["protocol.lua"], &out.join("protocol.lua"));
+}
