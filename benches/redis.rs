@@ -272,7 +272,7 @@ fn ceiling(name: &str, bands: usize) {
         .trim()
         .to_owned();
     // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
-    // scale 1, interval 360 (see crates/fluxgate-redis/lua/token_bucket.lua and decide.lua).
+    // scale 1, interval 360 (see lua/token_bucket.lua and lua/decide.lua).
     let mut args: Vec<String> = vec!["EVALSHA".into(), sha, bands.to_string()];
     for b in 0..bands {
         args.push(format!(

@@ -344,7 +344,7 @@ impl Model {
 
     /// The model of the Redis backend, in microseconds. The one documented difference: a
     /// leaky bucket's key expires `floor(W / 1 ms) + 1001` ms after it was last written
-    /// (`px()` in `crates/fluxgate-redis/lua/common.lua`), and the grid then starts over at the next admitted
+    /// (`px()` in `lua/common.lua`), and the grid then starts over at the next admitted
     /// request (docs/algorithms.md, "Leaky bucket", Redis). The other algorithms' keys
     /// expire only once they count nothing, which changes no figure.
     pub(crate) fn redis() -> Self {

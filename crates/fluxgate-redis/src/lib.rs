@@ -41,7 +41,7 @@
 //! Redis Cluster named by several comma-separated nodes (`redis://h1:7000,h2:7001`) or a
 //! `redis-cluster://` URL. On a cluster the buckets of a request are grouped by hash slot,
 //! one call per slot goes out concurrently, and when a slot rejects, the slots that
-//! admitted give back what they consumed (`lua/refund.lua`). Sentinel: a
+//! admitted give back what they consumed (each algorithm's refund, next to its decision in its file of `lua/`). Sentinel: a
 //! `redis-sentinel://` URL with the sentinels and `sentinelServiceName`; after a failover
 //! the client follows the new primary and reloads the scripts on `NOSCRIPT`.
 
