@@ -141,7 +141,7 @@ rule_sets:
                     .connect()
                     .await
                     .unwrap();
-                fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules))
+                fluxgate::core::Engine::builder(rules)
                     .limiter(limiter)
                     .build()
                     .expect("the backend decides every rule")
@@ -222,7 +222,7 @@ rule_sets:
                 .connect()
                 .await
                 .unwrap();
-            let engine = fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules.clone()))
+            let engine = fluxgate::core::Engine::builder(rules.clone())
                 .limiter(limiter)
                 .build()
                 .expect("the backend decides every rule");
@@ -376,7 +376,7 @@ rule_sets:
         ] {
             let yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - {rule}\n");
             let rules = rules(&yaml);
-            let built = Engine::builder(StaticRuleSetProvider::new(rules.clone()))
+            let built = Engine::builder(rules.clone())
                 .shared_limiter(redis.limiter())
                 .build();
             let err = built.expect_err("refused when loaded").to_string();
@@ -385,7 +385,7 @@ rule_sets:
                 assert!(err.contains(&part), "`{part}` missing from: {err}");
             }
             // The in-memory backend decides it exactly.
-            let memory = Engine::builder(StaticRuleSetProvider::new(rules)).build().expect("in memory");
+            let memory = Engine::builder(rules).build().expect("in memory");
             let ctx = RequestContext::builder().client_ip("192.0.2.11".parse().unwrap()).build();
             assert!(check(&memory, &ctx).await.allowed());
         }
@@ -550,9 +550,9 @@ rule_sets:
                 .cool_down(std::time::Duration::from_secs(1))
                 .clock(clock.clone()),
         );
-        let engine = Engine::builder(StaticRuleSetProvider::new(rules(
+        let engine = Engine::builder(rules(
             "rule_sets:\n  - id: default\n    rules:\n      - { id: per-ip, bands: [{ capacity: 1, window: 1h }] }\n",
-        )))
+        ))
         .shared_limiter(breaker.clone())
         .build()
         .unwrap();

@@ -112,7 +112,7 @@ mod refunds {
     use std::process::Command;
     use std::time::Duration;
 
-    use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
+    use fluxgate::core::{Engine, RequestContext};
     use fluxgate::redis::RedisLimiter;
 
     use crate::support::app::rules;
@@ -126,7 +126,7 @@ mod refunds {
             .connect()
             .await
             .expect("connect to the test cluster");
-        Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
+        Engine::builder(rules(yaml))
             .limiter(limiter)
             .build()
             .expect("the backend decides every rule")

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::support::app::rules;
 use crate::support::servers::RedisServer;
 use fluxgate::core::CircuitBreaker;
-use fluxgate::core::{Engine, MemoryLimiter, RequestContext, StaticRuleSetProvider};
+use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
 use fluxgate::redis::RedisLimiter;
 
 const DEADLINE: Duration = Duration::from_millis(50);
@@ -31,7 +31,7 @@ async fn engine(server: &RedisServer) -> Engine {
     let rules = rules(
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
     );
-    Engine::builder(StaticRuleSetProvider::new(rules))
+    Engine::builder(rules)
         .limiter(
             CircuitBreaker::new(limiter)
                 .failure_threshold(1)

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisSentinels;
-use fluxgate::core::{Engine, RequestContext, StaticRuleSetProvider};
+use fluxgate::core::{Engine, RequestContext};
 use fluxgate::redis::RedisLimiter;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -21,7 +21,7 @@ async fn decisions_resume_after_a_failover() {
     let rules = rules(
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
     );
-    let engine = Engine::builder(StaticRuleSetProvider::new(rules))
+    let engine = Engine::builder(rules)
         .limiter(limiter)
         .build()
         .expect("the backend decides every rule");

@@ -9,9 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::{
-    Clock, Decision, Engine, ManualClock, MemoryLimiter, RateLimiter, RequestContext, StaticRuleSetProvider, TokioClock,
-};
+use fluxgate::core::{Clock, Decision, Engine, ManualClock, MemoryLimiter, RateLimiter, RequestContext, TokioClock};
 
 use super::app::rules;
 
@@ -100,7 +98,7 @@ pub(crate) fn advance_to(clock: &ManualClock, t: u64) -> Waiting<'static> {
 
 /// An engine over the rules of `yaml` and a fresh limiter of `backend`.
 pub(crate) fn engine(backend: &dyn Backend, yaml: &str) -> Engine {
-    Engine::builder(StaticRuleSetProvider::new(rules(yaml)))
+    Engine::builder(rules(yaml))
         .shared_limiter(backend.limiter())
         .build()
         .expect("the backend decides every rule")

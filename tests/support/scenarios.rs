@@ -111,7 +111,7 @@ rule_sets:
     // the bucket; only the cost differs.
     let limiter = backend.limiter();
     let engine_for = |p| {
-        fluxgate::core::Engine::builder(fluxgate::core::StaticRuleSetProvider::new(rules(&yaml(p))))
+        fluxgate::core::Engine::builder(rules(&yaml(p)))
             .shared_limiter(limiter.clone())
             .build()
             .expect("the backend decides every rule")

@@ -76,7 +76,7 @@ pub struct BandReport {
 
 impl BandReport {
     /// The report of `band` of `rule` after a decision taken at `now_unix_nanos`.
-    pub fn new(
+    pub(crate) fn new(
         rule: &Rule,
         band: &Band,
         now_unix_nanos: u64,

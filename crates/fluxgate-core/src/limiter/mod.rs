@@ -35,6 +35,7 @@ pub enum Wait {
 /// band says now, and what it says if the request is committed. Evaluating never changes
 /// a band; the caller stores `next` only when the whole request is admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Eval<S> {
     /// Whether the band admits the request.
     pub allowed: bool,

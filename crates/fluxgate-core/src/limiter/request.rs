@@ -58,6 +58,7 @@ struct Entry {
 /// One rule's counter for one request, as a view into an [`AcquireRequest`]: the rule (its
 /// id, algorithm, bands, cost and mode) and the encoded key value.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Bucket<'a> {
     /// The rule set.
     pub rule_set: &'a RuleSet,
