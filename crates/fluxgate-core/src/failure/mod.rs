@@ -43,8 +43,8 @@ pub(crate) struct Fallback {
 }
 
 impl Fallback {
-    /// Whether some rule of the request has a policy: if none has, the failure itself is
-    /// the answer.
+    /// The policy of a bucket's rule: its own, else the engine's default; `None` when
+    /// neither names one.
     fn policy(&self, bucket: &Bucket<'_>) -> Option<FailurePolicy> {
         bucket.rule.on_backend_failure().or(self.default)
     }
