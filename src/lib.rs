@@ -35,9 +35,9 @@
 pub use fluxgate_core as core;
 pub use fluxgate_core::{
     Algorithm, Band, CachingRuleSetProvider, CircuitBreaker, Decision, Engine, EngineBuilder, Error, FailurePolicy,
-    MemoryLimiter, Mode, Outcome, RateLimitHandler, RateLimitMetricsRecorder, RateLimiter, RequestContext,
-    RequestContextBuilder, Rule, RuleError, RuleSet, RuleSetProvider, RuleSets, Scope, StaticRuleSetProvider,
-    UnknownRuleSet,
+    FileRuleSource, MemoryLimiter, Mode, Outcome, RateLimitHandler, RateLimitMetricsRecorder, RateLimiter,
+    ReloadingRuleSetProvider, RequestContext, RequestContextBuilder, Rule, RuleError, RuleSet, RuleSetProvider,
+    RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet,
 };
 
 #[cfg(feature = "redis")]

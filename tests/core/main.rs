@@ -14,4 +14,5 @@ mod support {
 mod conformance;
 mod fuzz_regressions;
 mod memory;
+mod reload;
 mod rule_files;

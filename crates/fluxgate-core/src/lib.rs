@@ -15,6 +15,9 @@
 //!   [`AcquireRequest`](limiter::AcquireRequest) backends receive.
 //! - [`RuleSetProvider`] with [`StaticRuleSetProvider`] and [`CachingRuleSetProvider`];
 //!   fixed [`RuleSets`] are a provider too.
+//! - [`reload`]: hot reload, with [`ReloadingRuleSetProvider`] (rule sets replaced while
+//!   engines use them, only those that changed) and [`FileRuleSource`] (a rule file or a
+//!   directory of them), polled on a period.
 //! - [`Engine`] (a [`RateLimitHandler`], with an optional [`RateLimitMetricsRecorder`])
 //!   and [`Decision`].
 //!
@@ -55,6 +58,7 @@ pub mod limiter;
 pub mod num;
 pub mod path;
 mod provider;
+pub mod reload;
 pub mod rule;
 mod text;
 
@@ -72,6 +76,7 @@ pub use provider::{
     CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleCheck, RuleSetLookup, RuleSetProvider,
     StaticRuleSetProvider,
 };
+pub use reload::{FileRuleSource, ReloadingRuleSetProvider};
 pub use rule::{
     Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet, RuleSetSpec, RuleSets,
     RuleSpec, RulesFileSpec, Scope, ScopeKind,

@@ -14,14 +14,18 @@ use crate::path::PathPattern;
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
 /// order of the file).
-#[derive(Debug, Clone)]
+///
+/// Two rule sets are equal when their ids are equal and their rules are equal, in the same
+/// order; rules compare every field (path patterns by their text). Hot reload
+/// ([`crate::reload`]) swaps in only the rule sets that are not equal to the ones in force.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleSet {
     pub(super) id: Arc<str>,
     pub(super) rules: Arc<[Rule]>,
 }
 
-/// A validated rule.
-#[derive(Debug, Clone)]
+/// A validated rule. Equal rules have equal fields, path patterns compared by their text.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
     pub(super) id: Arc<str>,
     pub(super) enabled: bool,
@@ -292,6 +296,11 @@ impl RuleSets {
     /// Adds or replaces a rule set.
     pub fn insert(&mut self, set: RuleSet) {
         self.sets.insert(set.id.clone(), Arc::new(set));
+    }
+
+    /// Adds or replaces a rule set, shared.
+    pub(crate) fn insert_shared(&mut self, set: Arc<RuleSet>) {
+        self.sets.insert(set.id.clone(), set);
     }
 
     /// The rule sets.

@@ -1,0 +1,579 @@
+//! Hot reload: rule sets replaced while engines use them.
+//!
+//! - [`ReloadingRuleSetProvider`]: a [`RuleSetProvider`] whose rule sets can be replaced at
+//!   any time. A replacement is checked first with the validation of every engine built on
+//!   the provider; it swaps in only the rule sets whose content changed, and a bad one
+//!   changes nothing.
+//! - [`RuleSource`]: where new rules come from; [`FileRuleSource`] reads one rule file or
+//!   every rule file of a directory.
+//! - [`spawn_polling`]: reloads from a source on a period.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use fluxgate_core::reload::{spawn_polling, FileRuleSource, ReloadingRuleSetProvider};
+//! use fluxgate_core::Engine;
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+//! let source = FileRuleSource::new("/etc/myapp/rules");
+//! let provider = Arc::new(ReloadingRuleSetProvider::new(source.read()?));
+//! let engine = Engine::builder(provider.clone()).build()?;
+//! // Every 10 s: read the files again and swap in the rule sets that changed.
+//! let polling = spawn_polling(provider.clone(), Arc::new(source), Duration::from_secs(10));
+//! # drop((engine, polling));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! What a swap resets: nothing that did not change. The in-memory limiter keys a band's
+//! counters by the band's [identity](crate::Band::ident) (rule set, rule, band name,
+//! algorithm, capacity and window), so a band whose capacity, window or algorithm changed
+//! starts with fresh counters, while the bands of unchanged rules, in a changed rule set or
+//! not, keep theirs.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::time::Duration;
+
+use crate::error::{BoxError, RuleError};
+use crate::future::{BoxFuture, MaybeReady};
+use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
+use crate::rule::{Format, RuleSet, RuleSets};
+
+/// A [`RuleSetProvider`] whose rule sets can be replaced while engines use them.
+///
+/// Lookups read the rule sets in force under a read lock held for one map lookup; a
+/// [`replace`](Self::replace) builds the new map aside and swaps it in under the write lock.
+/// A rule set is handed out as an `Arc<RuleSet>`: a request being decided keeps the rule
+/// set it looked up, the next request sees the new one.
+///
+/// Content is compared with `RuleSet`'s [`PartialEq`]: same id and equal rules in the same
+/// order, every field compared (path patterns by their text). An unchanged rule set keeps
+/// its `Arc`, so a reload of the same rules changes nothing at all.
+///
+/// The provider keeps the [`RuleCheck`] of every engine built on it
+/// ([`RuleSetProvider::validate`]) and runs them on every replacement: a rule set one of
+/// the engines' limiters cannot decide refuses the whole replacement.
+///
+/// ```
+/// use fluxgate_core::reload::ReloadingRuleSetProvider;
+/// use fluxgate_core::{Engine, RequestContext, RuleSets};
+///
+/// let rules = |capacity: u64| {
+///     RuleSets::from_yaml_str(&format!(
+///         "rule_sets: [{{id: default, rules: [{{id: all, scope: global, bands: [{{capacity: {capacity}, window: 1m}}]}}]}}]"
+///     ))
+/// };
+/// let provider = std::sync::Arc::new(ReloadingRuleSetProvider::new(rules(10)?));
+/// let engine = Engine::builder(provider.clone()).build()?;
+/// let ctx = RequestContext::builder().build();
+/// let remaining = || engine.check(&ctx).into_ready().expect("in memory").expect("decided").remaining();
+/// assert_eq!(remaining(), Some(9));
+///
+/// let report = provider.replace(rules(10)?)?;
+/// assert!(report.is_empty(), "same rules: nothing swapped");
+/// assert_eq!(remaining(), Some(8));
+///
+/// let report = provider.replace(rules(3)?)?;
+/// assert_eq!(report.changed, ["default".into()]);
+/// assert_eq!(remaining(), Some(2), "a new capacity: fresh counters");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct ReloadingRuleSetProvider {
+    current: RwLock<Arc<RuleSets>>,
+    /// The checks of the engines built on this provider.
+    checks: RwLock<Vec<RuleCheck>>,
+    /// Makes replacements one at a time: each compares with the rule sets the previous
+    /// one left.
+    update: Mutex<()>,
+    reloads: AtomicU64,
+    failures: AtomicU64,
+}
+
+/// What a successful replacement changed. Ids are sorted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReloadReport {
+    /// The rule sets that were not there before.
+    pub added: Vec<Arc<str>>,
+    /// The rule sets whose content changed.
+    pub changed: Vec<Arc<str>>,
+    /// The rule sets that are gone.
+    pub removed: Vec<Arc<str>>,
+}
+
+impl ReloadReport {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.changed.is_empty() && self.removed.is_empty()
+    }
+}
+
+impl fmt::Display for ReloadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let list = |ids: &[Arc<str>]| ids.iter().map(|id| &**id).collect::<Vec<_>>().join(", ");
+        write!(
+            f,
+            "added [{}], changed [{}], removed [{}]",
+            list(&self.added),
+            list(&self.changed),
+            list(&self.removed)
+        )
+    }
+}
+
+/// Why a reload changed nothing.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReloadError {
+    /// The rule source could not load rules (a file unreadable or invalid, …).
+    #[error("rule source failed, the rules in force are kept: {0}")]
+    Source(#[source] BoxError),
+    /// A new rule set cannot be decided by the limiter of an engine using the provider.
+    #[error("new rules refused, the rules in force are kept: {0}")]
+    Refused(#[source] RuleError),
+}
+
+impl ReloadingRuleSetProvider {
+    /// A provider of these rule sets.
+    pub fn new(sets: RuleSets) -> Self {
+        Self {
+            current: RwLock::new(Arc::new(sets)),
+            checks: RwLock::new(Vec::new()),
+            update: Mutex::new(()),
+            reloads: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+        }
+    }
+
+    /// The rule sets in force now.
+    pub fn rule_sets(&self) -> Arc<RuleSets> {
+        self.current.read().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Replaces the rule sets with `new`.
+    ///
+    /// Every rule set of `new` is checked first with the validation of every engine built
+    /// on the provider; if one fails, nothing changes and the error is returned, logged
+    /// and counted in [`failures`](Self::failures). Otherwise the rule sets whose content
+    /// changed (see [`ReloadingRuleSetProvider`]) and the new ones are swapped in, the
+    /// unchanged ones stay as they are (the same `Arc`), and those `new` lacks are removed.
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::Refused`] with the first rule set, by id, that a check refuses.
+    pub fn replace(&self, new: RuleSets) -> Result<ReloadReport, ReloadError> {
+        let _update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Err(error) = self.check(&new) {
+            return Err(self.failed(ReloadError::Refused(error)));
+        }
+        let old = self.rule_sets();
+        let mut report = ReloadReport::default();
+        let mut next = RuleSets::default();
+        for set in new.iter() {
+            match old.get(set.id()) {
+                Some(kept) if kept == set => next.insert_shared(kept.clone()),
+                Some(_) => {
+                    report.changed.push(set.id().clone());
+                    next.insert_shared(set.clone());
+                }
+                None => {
+                    report.added.push(set.id().clone());
+                    next.insert_shared(set.clone());
+                }
+            }
+        }
+        report.removed = old
+            .iter()
+            .filter(|set| new.get(set.id()).is_none())
+            .map(|set| set.id().clone())
+            .collect();
+        report.added.sort();
+        report.changed.sort();
+        report.removed.sort();
+        if !report.is_empty() {
+            *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+            tracing::info!(%report, "rule sets reloaded");
+        } else {
+            tracing::debug!("rule sets reloaded: unchanged");
+        }
+        self.reloads.fetch_add(1, Ordering::Relaxed);
+        Ok(report)
+    }
+
+    /// Loads rules from `source` and [`replace`](Self::replace)s the rule sets with them.
+    ///
+    /// # Errors
+    ///
+    /// [`ReloadError::Source`] when the source fails (logged and counted as a failure, the
+    /// rules in force are kept), or the errors of [`replace`](Self::replace).
+    pub async fn reload_from(&self, source: &dyn RuleSource) -> Result<ReloadReport, ReloadError> {
+        match source.load().await {
+            Ok(sets) => self.replace(sets),
+            Err(error) => Err(self.failed(ReloadError::Source(error))),
+        }
+    }
+
+    /// Successful replacements, whether they changed anything or not.
+    pub fn reloads(&self) -> u64 {
+        self.reloads.load(Ordering::Relaxed)
+    }
+
+    /// Failed reloads: a source that failed, or new rules an engine's limiter refused.
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+
+    /// Runs every stored check on every rule set of `sets`, by id (the same error first
+    /// whatever the map's order).
+    fn check(&self, sets: &RuleSets) -> Result<(), RuleError> {
+        let checks = self.checks.read().unwrap_or_else(PoisonError::into_inner);
+        if checks.is_empty() {
+            return Ok(());
+        }
+        let mut sorted: Vec<&Arc<RuleSet>> = sets.iter().collect();
+        sorted.sort_by(|a, b| a.id().cmp(b.id()));
+        sorted
+            .into_iter()
+            .try_for_each(|set| checks.iter().try_for_each(|check| check(set)))
+    }
+
+    fn failed(&self, error: ReloadError) -> ReloadError {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%error, "rule reload failed");
+        error
+    }
+}
+
+impl Default for ReloadingRuleSetProvider {
+    fn default() -> Self {
+        Self::new(RuleSets::default())
+    }
+}
+
+impl RuleSetProvider for ReloadingRuleSetProvider {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
+        MaybeReady::ready(Ok(current.get(id).cloned()))
+    }
+
+    /// Checks the rule sets in force with `check`, and keeps it for every later
+    /// replacement.
+    fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
+        // No replacement between the check and the push.
+        let _update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        self.rule_sets().validate(check.clone())?;
+        self.checks.write().unwrap_or_else(PoisonError::into_inner).push(check);
+        Ok(())
+    }
+}
+
+impl fmt::Debug for ReloadingRuleSetProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReloadingRuleSetProvider")
+            .field("rule_sets", &self.rule_sets().len())
+            .field(
+                "checks",
+                &self.checks.read().unwrap_or_else(PoisonError::into_inner).len(),
+            )
+            .field("reloads", &self.reloads())
+            .field("failures", &self.failures())
+            .finish()
+    }
+}
+
+/// Where new rules come from.
+///
+/// Object safe: [`spawn_polling`] holds an `Arc<dyn RuleSource>`.
+pub trait RuleSource: Send + Sync + fmt::Debug + 'static {
+    /// Loads every rule set of the source, validated.
+    ///
+    /// # Errors
+    ///
+    /// Whatever keeps the source from giving complete, valid rules: a reload then keeps
+    /// the rules in force.
+    fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>>;
+}
+
+/// Rules from one rule file, or from every rule file of a directory.
+///
+/// A directory's rule files are those named `*.yaml`, `*.yml`, `*.toml` or `*.json`
+/// (the extension picks the format), read in name order; names starting with `.` (editor
+/// and lock files), subdirectories and other files are skipped. Their rule sets are
+/// merged: a rule set id found in two files is an error naming both, and so is a
+/// directory without rule files (more likely a mount not ready than a wish to drop every
+/// rule).
+///
+/// Whether the path is a file or a directory is decided at each load.
+#[derive(Debug, Clone)]
+pub struct FileRuleSource {
+    path: PathBuf,
+}
+
+/// Why a [`FileRuleSource`] could not load rules.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileSourceError {
+    /// A rule file is unreadable or invalid: a [`RuleError::File`] naming it.
+    #[error(transparent)]
+    Rules(#[from] RuleError),
+    /// The path, or the directory's listing, cannot be read.
+    #[error("rule path `{}`: cannot read: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Two files of the directory define the same rule set.
+    #[error("rule set `{id}` is defined in `{}` and again in `{}`", first.display(), second.display())]
+    DuplicateRuleSet {
+        /// The rule set's id.
+        id: String,
+        /// The file that defines it first, in name order.
+        first: PathBuf,
+        /// The other file.
+        second: PathBuf,
+    },
+    /// The directory holds no rule file.
+    #[error("rule directory `{}` holds no .yaml, .yml, .toml or .json file", path.display())]
+    NoRuleFiles {
+        /// The directory.
+        path: PathBuf,
+    },
+    /// The blocking read was cancelled (the runtime is shutting down).
+    #[error("rule files read cancelled: {0}")]
+    Cancelled(String),
+}
+
+impl FileRuleSource {
+    /// A source reading this rule file or directory.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    /// The file or directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads the rules now, blocking the thread: for the first load, before a runtime runs.
+    ///
+    /// # Errors
+    ///
+    /// See [`FileSourceError`]; each names the file or directory at fault.
+    pub fn read(&self) -> Result<RuleSets, FileSourceError> {
+        let io = |source| FileSourceError::Io {
+            path: self.path.clone(),
+            source,
+        };
+        if !std::fs::metadata(&self.path).map_err(io)?.is_dir() {
+            return Ok(RuleSets::from_file(&self.path)?);
+        }
+        let mut files = Vec::new();
+        for entry in std::fs::read_dir(&self.path).map_err(io)? {
+            let entry = entry.map_err(io)?;
+            let path = entry.path();
+            let hidden = entry.file_name().to_string_lossy().starts_with('.');
+            if hidden || Format::from_path(&path).is_none() {
+                continue;
+            }
+            // Follows symbolic links (as mounted configuration often uses them).
+            if std::fs::metadata(&path).map_err(io)?.is_file() {
+                files.push(path);
+            }
+        }
+        if files.is_empty() {
+            return Err(FileSourceError::NoRuleFiles {
+                path: self.path.clone(),
+            });
+        }
+        files.sort();
+        let mut merged = RuleSets::default();
+        let mut origin: Vec<(Arc<str>, usize)> = Vec::new();
+        for (i, file) in files.iter().enumerate() {
+            let sets = RuleSets::from_file(file)?;
+            let mut ids: Vec<&Arc<RuleSet>> = sets.iter().collect();
+            ids.sort_by(|a, b| a.id().cmp(b.id()));
+            for set in ids {
+                if let Some((_, first)) = origin.iter().find(|(id, _)| id == set.id()) {
+                    return Err(FileSourceError::DuplicateRuleSet {
+                        id: set.id().to_string(),
+                        first: files[*first].clone(),
+                        second: file.clone(),
+                    });
+                }
+                origin.push((set.id().clone(), i));
+                merged.insert_shared(set.clone());
+            }
+        }
+        Ok(merged)
+    }
+}
+
+impl RuleSource for FileRuleSource {
+    /// [`read`](Self::read) on tokio's blocking threads when a tokio runtime runs the
+    /// caller, on the caller's thread otherwise.
+    fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
+        let source = self.clone();
+        Box::pin(async move {
+            let read = match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => runtime
+                    .spawn_blocking(move || source.read())
+                    .await
+                    .unwrap_or_else(|e| Err(FileSourceError::Cancelled(e.to_string()))),
+                Err(_) => source.read(),
+            };
+            read.map_err(BoxError::from)
+        })
+    }
+}
+
+/// Reloads `provider` from `source` every `every` (at least 1 ms), on the tokio runtime of
+/// the caller, the first time one period after the call.
+///
+/// A failed load or a refused rule set keeps the rules in force (the failure is logged
+/// and counted, see [`ReloadingRuleSetProvider::failures`]), and the next period tries
+/// again. Rules are at most one period, plus the time of one load, stale.
+///
+/// The task holds the provider weakly: it ends once the provider is dropped everywhere
+/// else (engines hold it while they live), or when the handle is aborted.
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub fn spawn_polling(
+    provider: Arc<ReloadingRuleSetProvider>,
+    source: Arc<dyn RuleSource>,
+    every: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let provider: Weak<ReloadingRuleSetProvider> = Arc::downgrade(&provider);
+    let every = every.max(Duration::from_millis(1));
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            let Some(provider) = provider.upgrade() else {
+                return;
+            };
+            // Logged and counted by the provider; the next tick tries again.
+            let _ = provider.reload_from(&*source).await;
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::AtomicUsize;
+
+    use super::*;
+
+    fn sets(yaml: &str) -> RuleSets {
+        RuleSets::from_yaml_str(yaml).unwrap()
+    }
+
+    const ONE: &str = "rule_sets: [{id: a, rules: [{id: r, bands: [{capacity: 5, window: 1s}]}]}, {id: b, rules: []}]";
+
+    #[test]
+    fn replace_reports_added_changed_removed_and_keeps_unchanged_arcs() {
+        let provider = ReloadingRuleSetProvider::new(sets(ONE));
+        let b = provider.rule_sets().get("b").unwrap().clone();
+        let report = provider
+            .replace(sets(
+                "rule_sets: [{id: a, rules: [{id: r, bands: [{capacity: 6, window: 1s}]}]}, {id: b, rules: []}, {id: c, rules: []}]",
+            ))
+            .unwrap();
+        assert_eq!(
+            (report.added.clone(), report.changed.clone(), report.removed.clone()),
+            (vec!["c".into()], vec!["a".into()], vec![])
+        );
+        assert_eq!(report.to_string(), "added [c], changed [a], removed []");
+        assert!(Arc::ptr_eq(provider.rule_sets().get("b").unwrap(), &b));
+
+        let report = provider.replace(sets("rule_sets: [{id: b, rules: []}]")).unwrap();
+        assert_eq!(report.removed, ["a".into(), "c".into()]);
+        assert!(Arc::ptr_eq(provider.rule_sets().get("b").unwrap(), &b));
+        assert!(provider.rule_set("a").into_ready().unwrap().unwrap().is_none());
+
+        // Equal content written differently is unchanged.
+        let snapshot = provider.rule_sets();
+        let report = provider.replace(sets("rule_sets:\n  - id: b\n")).unwrap();
+        assert!(report.is_empty());
+        assert!(
+            Arc::ptr_eq(&snapshot, &provider.rule_sets()),
+            "an unchanged reload swaps nothing"
+        );
+        assert_eq!((provider.reloads(), provider.failures()), (3, 0));
+    }
+
+    #[test]
+    fn every_engines_check_is_run_and_a_refusal_changes_nothing() {
+        let provider = ReloadingRuleSetProvider::new(sets(ONE));
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counting = calls.clone();
+        provider
+            .validate(Arc::new(move |_: &RuleSet| {
+                counting.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }))
+            .unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 2, "the rule sets in force are checked");
+        let refuse_c: RuleCheck = Arc::new(|set: &RuleSet| {
+            if &**set.id() == "c" {
+                Err(RuleError::UnknownFormat)
+            } else {
+                Ok(())
+            }
+        });
+        provider.validate(refuse_c).unwrap();
+
+        let before = provider.rule_sets();
+        let error = provider.replace(sets("rule_sets: [{id: c, rules: []}]")).unwrap_err();
+        assert!(
+            matches!(error, ReloadError::Refused(RuleError::UnknownFormat)),
+            "{error:?}"
+        );
+        assert!(Arc::ptr_eq(&before, &provider.rule_sets()));
+        assert_eq!((provider.reloads(), provider.failures()), (0, 1));
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    /// A source that counts its loads.
+    #[derive(Debug, Default)]
+    struct Counting(Arc<AtomicUsize>);
+
+    impl RuleSource for Counting {
+        fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(RuleSets::default()) })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn polling_runs_on_its_period_and_ends_with_the_provider() {
+        let provider = Arc::new(ReloadingRuleSetProvider::default());
+        let loads = Arc::new(AtomicUsize::new(0));
+        let task = spawn_polling(
+            provider.clone(),
+            Arc::new(Counting(loads.clone())),
+            Duration::from_secs(10),
+        );
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert_eq!(
+            loads.load(Ordering::SeqCst),
+            0,
+            "the first poll is one period after the call"
+        );
+        tokio::time::sleep(Duration::from_secs(25)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 3);
+        assert_eq!(provider.reloads(), 3);
+        drop(provider);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(task.is_finished(), "the task ends once the provider is gone");
+        assert_eq!(loads.load(Ordering::SeqCst), 3);
+    }
+}
