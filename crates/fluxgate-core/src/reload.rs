@@ -382,7 +382,11 @@ impl FileRuleSource {
                 continue;
             }
             // Follows symbolic links (as mounted configuration often uses them).
-            if std::fs::metadata(&path).map_err(io)?.is_file() {
+            let metadata = std::fs::metadata(&path).map_err(|source| FileSourceError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            if metadata.is_file() {
                 files.push(path);
             }
         }
