@@ -47,7 +47,9 @@ use crate::rule::{Format, RuleSet, RuleSets};
 /// Lookups read the rule sets in force under a read lock held for one map lookup; a
 /// [`replace`](Self::replace) builds the new map aside and swaps it in under the write lock.
 /// A rule set is handed out as an `Arc<RuleSet>`: a request being decided keeps the rule
-/// set it looked up, the next request sees the new one.
+/// set it looked up, the next request sees the new one. (A standard `RwLock` rather than
+/// an `arc-swap`: no added dependency, and a lookup holds it only for one map lookup and an
+/// `Arc` clone.)
 ///
 /// Content is compared with `RuleSet`'s [`PartialEq`]: same id and equal rules in the same
 /// order, every field compared (path patterns by their text). An unchanged rule set keeps
