@@ -23,3 +23,4 @@ mod conformance;
 mod differential;
 mod outage;
 mod sentinel;
+mod store;

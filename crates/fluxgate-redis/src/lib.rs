@@ -59,6 +59,7 @@ mod limiter;
 mod protocol;
 mod request;
 mod script;
+mod store;
 mod url;
 
 pub use band::{MAX_LOG_CAPACITY, MAX_SCALED_CAPACITY};
@@ -68,3 +69,4 @@ pub use error::RedisError;
 pub use health::Health;
 pub use limiter::RedisLimiter;
 pub use script::{DECIDE_LUA, REFUND_LUA};
+pub use store::{RedisRuleSetStore, StoreError, DEFAULT_RULES_NAMESPACE};

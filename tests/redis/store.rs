@@ -1,0 +1,136 @@
+//! The Redis rule store: one JSON document per rule set and an index of ids, validated
+//! before anything is stored, read back as a reload source, on a standalone server and on a
+//! cluster.
+
+use std::sync::Arc;
+
+use fluxgate::core::reload::ReloadingRuleSetProvider;
+use fluxgate::core::{Engine, RequestContext, RuleSetSpec, RuleSets};
+use fluxgate::redis::{RedisLimiter, RedisRuleSetStore, StoreError};
+
+use crate::support::backend::check;
+use crate::support::redis::Servers;
+use crate::support::servers::RedisServer;
+
+fn spec(id: &str, capacity: u64) -> RuleSetSpec {
+    serde_json::from_str(&format!(
+        r#"{{"id": "{id}", "rules": [{{"id": "per-ip", "bands": [{{"capacity": {capacity}, "window": "1h"}}]}}]}}"#
+    ))
+    .expect("a rule set spec")
+}
+
+fn ids(specs: &[RuleSetSpec]) -> Vec<&str> {
+    specs.iter().map(|s| s.id.as_str()).collect()
+}
+
+#[tokio::test]
+async fn put_list_and_delete_with_validation_first() {
+    let server = RedisServer::start();
+    let store = RedisRuleSetStore::connect(&server.url()).await.expect("connect");
+    store.put(&spec("web", 10)).await.expect("put web");
+    store.put(&spec("api", 5)).await.expect("put api");
+    store.put(&spec("api", 7)).await.expect("replace api");
+    let listed = store.list().await.expect("list");
+    assert_eq!(ids(&listed), ["api", "web"]);
+    assert_eq!(listed[0], spec("api", 7));
+
+    // An invalid rule set is refused with the rule error, and nothing is stored.
+    let invalid = spec("bad", 0);
+    let error = store.put(&invalid).await.unwrap_err();
+    assert!(matches!(error, StoreError::Rule(_)), "{error}");
+    assert!(error.to_string().contains("capacity"), "{error}");
+    assert_eq!(ids(&store.list().await.expect("list")), ["api", "web"]);
+    assert_eq!(server.cli(&["EXISTS", &store.document_key("bad")]).trim(), "0");
+
+    assert!(store.delete("web").await.expect("delete"));
+    assert!(!store.delete("web").await.expect("delete again"));
+    assert_eq!(ids(&store.list().await.expect("list")), ["api"]);
+
+    // Every key carries the store's hash tag: none starts with a bucket prefix.
+    let keys = server.cli(&["KEYS", "*"]);
+    let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(keys.iter().all(|k| k.starts_with("{fluxgate:rules}:")), "{keys:?}");
+}
+
+#[tokio::test]
+async fn a_reload_from_the_store_is_enforced_and_a_bad_document_keeps_the_rules() {
+    let server = RedisServer::start();
+    let store = Arc::new(RedisRuleSetStore::connect(&server.url()).await.expect("connect"));
+    store.put(&spec("default", 5)).await.expect("put");
+    let provider = Arc::new(ReloadingRuleSetProvider::new(RuleSets::default()));
+    let limiter = RedisLimiter::builder(server.url())
+        .prefix("store-test")
+        .connect()
+        .await
+        .expect("limiter");
+    let engine = Engine::builder(provider.clone())
+        .limiter(limiter)
+        .build()
+        .expect("engine");
+    provider.reload_from(&*store).await.expect("first load");
+    let ctx = RequestContext::builder()
+        .client_ip("192.0.2.40".parse().expect("an address"))
+        .build();
+    let check = || check(&engine, &ctx);
+    assert_eq!(check().await.remaining(), Some(4));
+
+    // A tighter rule: enforced from the next request after the reload.
+    store.put(&spec("default", 2)).await.expect("put tighter");
+    let report = provider.reload_from(&*store).await.expect("reload");
+    assert_eq!(report.changed, ["default".into()]);
+    assert_eq!(check().await.remaining(), Some(1));
+    assert_eq!(check().await.remaining(), Some(0));
+    assert!(!check().await.allowed());
+
+    // A document that is not a rule set fails the load; the rules in force stay.
+    let key = store.document_key("default");
+    server.cli(&["SET", &key, "{not json"]);
+    let failures = provider.failures();
+    let error = provider.reload_from(&*store).await.unwrap_err();
+    assert!(error.to_string().contains(&key), "{error}");
+    assert_eq!(provider.failures(), failures + 1);
+    assert!(!check().await.allowed(), "the tighter rule is still in force");
+
+    // An index entry without its document fails the load too.
+    store.put(&spec("default", 2)).await.expect("repair");
+    server.cli(&["SADD", &store.index_key(), "ghost"]);
+    let error = provider.reload_from(&*store).await.unwrap_err();
+    assert!(error.to_string().contains("ghost"), "{error}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_works_on_a_cluster() {
+    let servers = Servers::shared_cluster();
+    let url = match &servers {
+        Servers::Cluster(cluster) => cluster.url(),
+        Servers::Standalone(server) => server.url(),
+    };
+    let store = RedisRuleSetStore::with_namespace(
+        RedisRuleSetStore::connect(&url)
+            .await
+            .expect("connect")
+            .client()
+            .clone(),
+        "store-cluster-test",
+    )
+    .expect("namespace");
+    for (i, id) in ["a", "b", "c", "d", "e"].iter().enumerate() {
+        store.put(&spec(id, 10 + i as u64)).await.expect("put");
+    }
+    assert!(store.delete("c").await.expect("delete"));
+    let sets = store.load_rule_sets().await.expect("load");
+    let mut loaded: Vec<String> = sets.iter().map(|s| s.id().to_string()).collect();
+    loaded.sort();
+    assert_eq!(loaded, ["a", "b", "d", "e"]);
+    assert!(store.delete("a").await.expect("cleanup"));
+}
+
+#[test]
+fn a_namespace_cannot_change_the_hash_tag() {
+    let client = fred::clients::Client::default();
+    for bad in ["", "x}y", "{x"] {
+        let error = RedisRuleSetStore::with_namespace(client.clone(), bad).unwrap_err();
+        assert!(matches!(error, StoreError::Namespace { .. }), "{bad}: {error}");
+    }
+}
