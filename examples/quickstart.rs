@@ -3,13 +3,18 @@
 //! Run with: `cargo run --example quickstart` (options: `--listen ADDR`, `--rules FILE`,
 //! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send ~15
 //! requests to itself, print each status and the rate-limit headers, and exit).
+//!
+//! The rules file is watched: an edit is in force about 100 ms after it is saved, and an
+//! edit that does not load leaves the running rules in force (the reason is printed).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate::{Engine, RateLimitLayer, RuleSets};
+use fluxgate::core::reload::{ReloadError, ReloadReport, Watch};
+use fluxgate::{Engine, FileRuleSource, RateLimitLayer, ReloadingRuleSetProvider, RuleSet};
 
 struct Args {
     listen: SocketAddr,
@@ -64,12 +69,18 @@ async fn main() {
         eprintln!("error: {e}");
         std::process::exit(2);
     });
-    let rules = RuleSets::from_file(&args.rules).unwrap_or_else(|e| {
+    let source = FileRuleSource::new(&args.rules);
+    let rules = source.read().unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(1);
     });
+    // The engine looks its rule sets up in a provider the file watch below replaces.
+    let provider = Arc::new(ReloadingRuleSetProvider::new(rules));
     let engine = match &args.redis {
-        None => Engine::in_memory(rules),
+        None => Engine::builder(provider.clone()).build().unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        }),
         Some(url) => {
             let limiter = fluxgate::redis::RedisLimiter::builder(url.as_str())
                 .connect()
@@ -78,12 +89,22 @@ async fn main() {
                     eprintln!("error: {e}");
                     std::process::exit(1);
                 });
-            Engine::builder(rules).limiter(limiter).build().unwrap_or_else(|e| {
-                eprintln!("error: {e}");
-                std::process::exit(1);
-            })
+            Engine::builder(provider.clone())
+                .limiter(limiter)
+                .build()
+                .unwrap_or_else(|e| {
+                    eprintln!("error: {e}");
+                    std::process::exit(1);
+                })
         }
     };
+    let rules_path = args.rules.clone();
+    let provider_in_force = provider.clone();
+    let _watch = Watch::builder(provider, source)
+        .on_reload(move |result| reloaded(&rules_path, &provider_in_force, result))
+        .spawn()
+        .map_err(|e| eprintln!("warning: {e}; edits of the rules file will not be seen"))
+        .ok();
     let backend = args
         .redis
         .as_deref()
@@ -105,7 +126,7 @@ async fn main() {
         return;
     }
     println!(
-        "FluxGate quickstart listening on http://{addr} (rules: {}, buckets {backend})",
+        "FluxGate quickstart listening on http://{addr} (rules: {}, reloaded when the file changes; buckets {backend})",
         args.rules.display()
     );
     println!("Try it:");
@@ -114,6 +135,37 @@ async fn main() {
     println!("  curl -i -X POST http://{addr}/api/orders        # costs 2 permits of 6 per minute");
     println!("  curl -i http://{addr}/health                    # excluded from limiting");
     server.await.expect("server");
+}
+
+/// Prints what a reload of the rules file did.
+fn reloaded(path: &Path, provider: &ReloadingRuleSetProvider, result: &Result<ReloadReport, ReloadError>) {
+    let path = path.display();
+    match result {
+        Ok(report) if report.is_empty() => println!("{path} saved: no rule changed"),
+        Ok(report) => {
+            println!("{path} reloaded: rule sets {report}");
+            let in_force = provider.rule_sets();
+            for id in report.added.iter().chain(&report.changed) {
+                if let Some(set) = in_force.get(id) {
+                    describe(set);
+                }
+            }
+        }
+        // The provider kept the rules in force.
+        Err(error) => eprintln!("{path}: edit refused: {error}"),
+    }
+}
+
+/// One line per rule: its id and its bands.
+fn describe(set: &RuleSet) {
+    for rule in set.rules() {
+        let bands: Vec<String> = rule
+            .bands()
+            .iter()
+            .map(|band| format!("{} per {:?}", band.capacity(), band.window()))
+            .collect();
+        println!("  {}/{}: {}", set.id(), rule.id(), bands.join(", "));
+    }
 }
 
 /// Sends requests to the running app over a plain TCP connection and prints what comes back.

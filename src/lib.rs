@@ -29,6 +29,7 @@
 //! | `tower` | yes | [`RateLimitLayer`] and the rest of [`fluxgate_tower`] |
 //! | `axum` | yes | the client address from axum's `ConnectInfo` |
 //! | `redis` | no | the Redis backend (the `fluxgate-redis` crate, as `fluxgate::redis`) |
+//! | `watch` | no | `fluxgate::core::reload::spawn_watching`: rule files reloaded when they change |
 
 #![deny(unsafe_code)]
 

@@ -16,3 +16,4 @@ mod fuzz_regressions;
 mod memory;
 mod reload;
 mod rule_files;
+mod watch;

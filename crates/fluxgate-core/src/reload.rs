@@ -7,6 +7,8 @@
 //! - [`RuleSource`]: where new rules come from; [`FileRuleSource`] reads one rule file or
 //!   every rule file of a directory.
 //! - [`spawn_polling`]: reloads from a source on a period.
+//! - `spawn_watching` (feature `watch`): reloads a [`FileRuleSource`] when its files
+//!   change, with a short debounce.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -41,6 +43,11 @@ use crate::error::{BoxError, RuleError};
 use crate::future::{BoxFuture, MaybeReady};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Format, RuleSet, RuleSets};
+
+#[cfg(feature = "watch")]
+mod watch;
+#[cfg(feature = "watch")]
+pub use watch::{spawn_watching, Watch, WatchBuilder, WatchError, DEFAULT_DEBOUNCE};
 
 /// A [`RuleSetProvider`] whose rule sets can be replaced while engines use them.
 ///

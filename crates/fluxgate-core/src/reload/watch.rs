@@ -1,0 +1,422 @@
+//! File watch: reload a [`FileRuleSource`] when its files change (feature `watch`).
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use notify::event::{AccessKind, AccessMode};
+use notify::{EventKind, RecursiveMode, Watcher as _};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::{FileRuleSource, ReloadError, ReloadReport, ReloadingRuleSetProvider, RuleSource};
+use crate::error::BoxError;
+use crate::rule::Format;
+
+/// How long a [`Watch`] waits, by default, for the file system to be quiet before it
+/// reloads: a save is often several events (truncate, write, close, rename).
+pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(100);
+
+/// A burst of events holds a reload back at most this many debounce periods.
+const MAX_HOLD: u32 = 10;
+
+type OnReload = Arc<dyn Fn(&Result<ReloadReport, ReloadError>) + Send + Sync>;
+
+/// Reloads `provider` from `source` whenever its file, or a rule file of its directory,
+/// changes: [`Watch::builder`] with the defaults (a [`DEFAULT_DEBOUNCE`] of 100 ms, no
+/// callback).
+///
+/// See [`WatchBuilder::spawn`] for what is watched, the debounce and the staleness bound.
+/// Watching stops when the returned [`Watch`] is dropped.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use fluxgate_core::reload::{spawn_watching, FileRuleSource, ReloadingRuleSetProvider};
+/// use fluxgate_core::Engine;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let source = FileRuleSource::new("/etc/myapp/rules.yaml");
+/// let provider = Arc::new(ReloadingRuleSetProvider::new(source.read()?));
+/// let engine = Engine::builder(provider.clone()).build()?;
+/// // Inside a tokio runtime; keep `watch` alive as long as the rules should follow the file.
+/// let watch = spawn_watching(provider.clone(), source)?;
+/// # drop((engine, watch));
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`WatchError`] when the directory to watch cannot be watched.
+///
+/// # Panics
+///
+/// When called outside a tokio runtime.
+pub fn spawn_watching(provider: Arc<ReloadingRuleSetProvider>, source: FileRuleSource) -> Result<Watch, WatchError> {
+    Watch::builder(provider, source).spawn()
+}
+
+/// Sets up a [`Watch`]: [`Watch::builder`].
+#[must_use = "a builder does nothing until `spawn` is called"]
+pub struct WatchBuilder {
+    provider: Arc<ReloadingRuleSetProvider>,
+    source: FileRuleSource,
+    debounce: Duration,
+    on_reload: Option<OnReload>,
+}
+
+impl WatchBuilder {
+    /// How long the file system must be quiet before a reload (default
+    /// [`DEFAULT_DEBOUNCE`], 100 ms; at least 1 ms). A burst of events that never goes
+    /// quiet reloads every ten periods.
+    pub fn debounce(mut self, quiet: Duration) -> Self {
+        self.debounce = quiet.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Called after every reload the watch makes, with its result: the
+    /// [`ReloadReport`] of what changed, or why the rules in force were kept (the
+    /// provider has already logged and counted the failure). Runs on the watch's task:
+    /// keep it short.
+    pub fn on_reload(mut self, callback: impl Fn(&Result<ReloadReport, ReloadError>) + Send + Sync + 'static) -> Self {
+        self.on_reload = Some(Arc::new(callback));
+        self
+    }
+
+    /// Starts watching, on the tokio runtime of the caller.
+    ///
+    /// **What is watched.** When the source's path is a directory: that directory, and an
+    /// event on any of its rule files (the files [`FileRuleSource`] reads: `*.yaml`,
+    /// `*.yml`, `*.toml`, `*.json`, names not starting with `.`) triggers a reload. When it
+    /// is a file (or does not exist yet): its parent directory, and an event naming the
+    /// file triggers a reload, so that an editor that saves by writing another file and
+    /// renaming it over the rule file is seen (a watch on the file itself would follow the
+    /// old, replaced file). In both cases a swap of an entry named `..data` (how
+    /// Kubernetes updates a mounted ConfigMap) triggers a reload too. Reads of the files,
+    /// including the watch's own, trigger nothing. Subdirectories are not watched.
+    ///
+    /// **Debounce.** The watch reloads once the file system has been quiet for the
+    /// debounce period (100 ms by default) after an event, or ten periods after the first
+    /// event of a burst that never goes quiet. An event during a reload triggers another
+    /// one: the last edit is always loaded.
+    ///
+    /// **Staleness bound.** A change is in force at most one debounce period plus the
+    /// time of one load after the last write of the burst (on Linux, inotify delivers
+    /// events within microseconds).
+    ///
+    /// **Failures** keep the rules in force, as every reload of the provider does: an
+    /// unreadable or invalid file, or a rule set an engine's limiter refuses, is logged and
+    /// counted ([`ReloadingRuleSetProvider::failures`]); the next change tries again.
+    ///
+    /// The watch does not load the rules when it starts: load them first (as
+    /// [`FileRuleSource::read`] for the provider), then spawn the watch. It holds the
+    /// provider weakly, and ends when the [`Watch`] is dropped.
+    ///
+    /// # Errors
+    ///
+    /// [`WatchError`] when the directory cannot be watched (it does not exist, or the
+    /// system's limit of watches is reached).
+    ///
+    /// # Panics
+    ///
+    /// When called outside a tokio runtime.
+    pub fn spawn(self) -> Result<Watch, WatchError> {
+        let path = self.source.path();
+        let (dir, target) = if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
+            (path.to_path_buf(), Target::Directory)
+        } else {
+            let name = path.file_name().ok_or_else(|| WatchError {
+                path: path.to_path_buf(),
+                source: "the path names no file".into(),
+            })?;
+            let parent = match path.parent() {
+                Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+                _ => PathBuf::from("."),
+            };
+            (parent, Target::File(name.to_os_string()))
+        };
+        let trigger = Arc::new(Notify::new());
+        let events = trigger.clone();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
+            Ok(event) => {
+                if target.wants(&event) {
+                    events.notify_one();
+                }
+            }
+            Err(error) => {
+                // Events may have been lost: reload to be sure.
+                tracing::warn!(%error, "rule file watch error");
+                events.notify_one();
+            }
+        })
+        .map_err(|e| WatchError {
+            path: dir.clone(),
+            source: e.into(),
+        })?;
+        watcher
+            .watch(&dir, RecursiveMode::NonRecursive)
+            .map_err(|e| WatchError {
+                path: dir.clone(),
+                source: e.into(),
+            })?;
+        let task = tokio::spawn(run(
+            Arc::downgrade(&self.provider),
+            Arc::new(self.source),
+            trigger,
+            self.debounce,
+            self.on_reload,
+        ));
+        Ok(Watch {
+            dir,
+            task,
+            _watcher: watcher,
+        })
+    }
+}
+
+impl fmt::Debug for WatchBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WatchBuilder")
+            .field("source", &self.source)
+            .field("debounce", &self.debounce)
+            .field("on_reload", &self.on_reload.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A running file watch: reloads a [`ReloadingRuleSetProvider`] from a
+/// [`FileRuleSource`] when its files change. Made by [`spawn_watching`] or
+/// [`Watch::builder`]; dropping it stops watching.
+#[must_use = "the watch stops when dropped"]
+pub struct Watch {
+    dir: PathBuf,
+    task: tokio::task::JoinHandle<()>,
+    _watcher: notify::RecommendedWatcher,
+}
+
+impl Watch {
+    /// A builder: set the debounce period or a callback, then
+    /// [`spawn`](WatchBuilder::spawn).
+    pub fn builder(provider: Arc<ReloadingRuleSetProvider>, source: FileRuleSource) -> WatchBuilder {
+        WatchBuilder {
+            provider,
+            source,
+            debounce: DEFAULT_DEBOUNCE,
+            on_reload: None,
+        }
+    }
+
+    /// The directory watched: the source's directory, or the parent of its file.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        // The task first, then (as a field) the watcher and its thread.
+        self.task.abort();
+    }
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watch").field("dir", &self.dir).finish_non_exhaustive()
+    }
+}
+
+/// Why a [`Watch`] could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("rule path `{}`: cannot watch: {source}", path.display())]
+pub struct WatchError {
+    path: PathBuf,
+    #[source]
+    source: BoxError,
+}
+
+impl WatchError {
+    /// The directory (or path) that could not be watched.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Which events of the watched directory trigger a reload.
+#[derive(Debug)]
+enum Target {
+    /// Events naming this file.
+    File(OsString),
+    /// Events naming a rule file of the directory.
+    Directory,
+}
+
+impl Target {
+    fn wants(&self, event: &notify::Event) -> bool {
+        if event.need_rescan() {
+            return true;
+        }
+        // Opening and reading (the reload's own reads among them) change nothing.
+        if matches!(event.kind, EventKind::Access(kind) if kind != AccessKind::Close(AccessMode::Write)) {
+            return false;
+        }
+        event.paths.iter().any(|path| {
+            let Some(name) = path.file_name() else {
+                return false;
+            };
+            if name == "..data" {
+                return true;
+            }
+            match self {
+                Self::File(file) => name == file,
+                Self::Directory => !name.to_string_lossy().starts_with('.') && Format::from_path(path).is_some(),
+            }
+        })
+    }
+}
+
+/// The watch's task: waits for an event, lets the burst settle, reloads.
+async fn run(
+    provider: Weak<ReloadingRuleSetProvider>,
+    source: Arc<dyn RuleSource>,
+    trigger: Arc<Notify>,
+    debounce: Duration,
+    on_reload: Option<OnReload>,
+) {
+    loop {
+        trigger.notified().await;
+        settle(&trigger, debounce).await;
+        let Some(provider) = provider.upgrade() else {
+            return;
+        };
+        // Logged and counted by the provider.
+        let result = provider.reload_from(&*source).await;
+        if let Some(callback) = &on_reload {
+            callback(&result);
+        }
+    }
+}
+
+/// Returns once `trigger` has been quiet for `quiet`, or `MAX_HOLD` periods after the call.
+async fn settle(trigger: &Notify, quiet: Duration) {
+    let deadline = Instant::now() + quiet * MAX_HOLD;
+    loop {
+        let until = (Instant::now() + quiet).min(deadline);
+        if tokio::time::timeout_at(until, trigger.notified()).await.is_err() || Instant::now() >= deadline {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::future::BoxFuture;
+    use crate::rule::RuleSets;
+
+    #[derive(Debug, Default)]
+    struct Counting(Arc<AtomicUsize>);
+
+    impl RuleSource for Counting {
+        fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Box::pin(async { Ok(RuleSets::default()) })
+        }
+    }
+
+    fn start(provider: &Arc<ReloadingRuleSetProvider>) -> (Arc<Notify>, Arc<AtomicUsize>) {
+        let trigger = Arc::new(Notify::new());
+        let loads = Arc::new(AtomicUsize::new(0));
+        tokio::spawn(run(
+            Arc::downgrade(provider),
+            Arc::new(Counting(loads.clone())),
+            trigger.clone(),
+            Duration::from_millis(100),
+            None,
+        ));
+        (trigger, loads)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_reloads_once_after_the_quiet_period() {
+        let provider = Arc::new(ReloadingRuleSetProvider::default());
+        let (trigger, loads) = start(&provider);
+        let step = Duration::from_millis(20);
+        for _ in 0..5 {
+            trigger.notify_one();
+            tokio::time::sleep(step).await;
+        }
+        // 20 ms after the last event.
+        tokio::time::sleep(Duration::from_millis(70)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 0, "still within the quiet period");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 1, "one reload for the burst");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 1, "nothing without events");
+        assert_eq!(provider.reloads(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_burst_that_never_ends_reloads_every_ten_periods() {
+        let provider = Arc::new(ReloadingRuleSetProvider::default());
+        let (trigger, loads) = start(&provider);
+        // An event every 50 ms for 2.5 s: never 100 ms quiet.
+        for _ in 0..50 {
+            trigger.notify_one();
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let during = loads.load(Ordering::SeqCst);
+        assert!((2..=3).contains(&during), "{during} reloads in 2.5 s");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(
+            loads.load(Ordering::SeqCst),
+            during + 1,
+            "and one for the end of the burst"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_task_ends_with_the_provider() {
+        let provider = Arc::new(ReloadingRuleSetProvider::default());
+        let (trigger, loads) = start(&provider);
+        drop(provider);
+        trigger.notify_one();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 0);
+        assert_eq!(Arc::strong_count(&trigger), 1, "the task is gone");
+    }
+
+    fn event(kind: EventKind, path: &str) -> notify::Event {
+        notify::Event::new(kind).add_path(PathBuf::from(path))
+    }
+
+    #[test]
+    fn only_writes_to_the_rule_files_count() {
+        use notify::event::{CreateKind, ModifyKind, RenameMode};
+        let file = Target::File("rules.yaml".into());
+        let write = EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any));
+        assert!(file.wants(&event(write, "/etc/app/rules.yaml")));
+        assert!(!file.wants(&event(write, "/etc/app/other.yaml")));
+        assert!(!file.wants(&event(
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            "/etc/app/rules.yaml"
+        )));
+        assert!(file.wants(&event(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            "/etc/app/rules.yaml"
+        )));
+        let renamed = notify::Event::new(EventKind::Modify(ModifyKind::Name(RenameMode::Both)))
+            .add_path(PathBuf::from("/etc/app/.rules.yaml.tmp"))
+            .add_path(PathBuf::from("/etc/app/rules.yaml"));
+        assert!(file.wants(&renamed));
+        assert!(file.wants(&event(EventKind::Create(CreateKind::Any), "/etc/app/..data")));
+
+        let dir = Target::Directory;
+        assert!(dir.wants(&event(write, "/etc/app/rules.toml")));
+        assert!(!dir.wants(&event(write, "/etc/app/.rules.toml.swp")));
+        assert!(!dir.wants(&event(write, "/etc/app/notes.txt")));
+    }
+}

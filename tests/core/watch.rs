@@ -1,0 +1,183 @@
+//! File watch: real rule files edited while an engine uses them, reloaded within the
+//! debounce period.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fluxgate::core::reload::{spawn_watching, Watch};
+use fluxgate::core::{Engine, FileRuleSource, ReloadingRuleSetProvider, RequestContext};
+
+/// How long a change may take to be seen before a test fails: far above the 100 ms
+/// debounce, for busy machines. The delays measured are in the failure messages.
+const PATIENCE: Duration = Duration::from_secs(5);
+
+/// A fresh, empty directory for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fluxgate-watch-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    dir
+}
+
+/// Rule set `default`: one global rule on `/api/**`, `capacity` a day.
+fn rules(capacity: u64) -> String {
+    format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - {{id: api, scope: global, match: {{paths: [\"/api/**\"]}}, bands: [{{capacity: {capacity}, window: 1d}}]}}\n"
+    )
+}
+
+/// The capacity of the binding band for a request to `/api/x`, consuming one permit.
+async fn limit(engine: &Engine) -> Option<u64> {
+    let ctx = RequestContext::builder().path("/api/x").build();
+    engine.check(&ctx).await.expect("decided").limit()
+}
+
+/// Waits until `seen()` holds and returns how long it took; fails after [`PATIENCE`].
+async fn within(what: &str, since: Instant, seen: impl Fn() -> bool) -> Duration {
+    loop {
+        if seen() {
+            return since.elapsed();
+        }
+        assert!(
+            since.elapsed() < PATIENCE,
+            "{what}: not seen after {:?}",
+            since.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A provider reading `path`, an engine on it, and the provider's watch.
+fn watched(path: &Path) -> (Arc<ReloadingRuleSetProvider>, Engine, Watch) {
+    let source = FileRuleSource::new(path);
+    let provider = Arc::new(ReloadingRuleSetProvider::new(source.read().expect("valid rules")));
+    let engine = Engine::builder(provider.clone()).build().expect("an engine");
+    let watch = spawn_watching(provider.clone(), source).expect("watching");
+    (provider, engine, watch)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edited_file_is_enforced_within_the_debounce() {
+    let dir = scratch("edit");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, rules(5)).unwrap();
+    let (provider, engine, watch) = watched(&file);
+    assert_eq!(watch.dir(), dir);
+    assert_eq!(limit(&engine).await, Some(5));
+
+    let edited = Instant::now();
+    std::fs::write(&file, rules(3)).unwrap();
+    let delay = within("the edit", edited, || provider.reloads() >= 1).await;
+    assert_eq!(limit(&engine).await, Some(3), "the new limit, {delay:?} after the edit");
+    assert_eq!(provider.failures(), 0);
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broken_edit_keeps_the_rules_in_force() {
+    let dir = scratch("broken");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, rules(5)).unwrap();
+    let source = FileRuleSource::new(&file);
+    let provider = Arc::new(ReloadingRuleSetProvider::new(source.read().unwrap()));
+    let engine = Engine::builder(provider.clone()).build().unwrap();
+    let results = Arc::new(Mutex::new(Vec::new()));
+    let seen = results.clone();
+    let watch = Watch::builder(provider.clone(), source)
+        .debounce(Duration::from_millis(50))
+        .on_reload(move |result| {
+            seen.lock()
+                .unwrap()
+                .push(result.as_ref().map_err(ToString::to_string).cloned())
+        })
+        .spawn()
+        .unwrap();
+
+    let edited = Instant::now();
+    std::fs::write(&file, "rule_sets: [{id: default, rules: [").unwrap();
+    let delay = within("the broken edit", edited, || provider.failures() >= 1).await;
+    assert_eq!(provider.reloads(), 0, "{delay:?}");
+    assert_eq!(limit(&engine).await, Some(5), "the rules in force are kept");
+    {
+        let results = results.lock().unwrap();
+        let error = results[0].as_ref().unwrap_err();
+        assert!(error.contains("rules.yaml"), "the callback sees why: {error}");
+    }
+
+    // Fixed: swapped in.
+    let edited = Instant::now();
+    std::fs::write(&file, rules(2)).unwrap();
+    let delay = within("the fix", edited, || provider.reloads() >= 1).await;
+    assert_eq!(limit(&engine).await, Some(2), "{delay:?}");
+    let last = results.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(last.unwrap().changed, ["default".into()]);
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_save_by_rename_is_picked_up() {
+    let dir = scratch("rename");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, rules(5)).unwrap();
+    let (provider, engine, watch) = watched(&file);
+
+    // As editors save: a temporary file in the same directory, renamed over the rules.
+    for (i, capacity) in [4u64, 3].into_iter().enumerate() {
+        let edited = Instant::now();
+        let temporary = dir.join(format!(".rules.yaml.{i}.tmp"));
+        std::fs::write(&temporary, rules(capacity)).unwrap();
+        std::fs::rename(&temporary, &file).unwrap();
+        let delay = within("the renamed file", edited, || provider.reloads() > i as u64).await;
+        assert_eq!(limit(&engine).await, Some(capacity), "save {i}, {delay:?}");
+    }
+    assert_eq!(provider.failures(), 0);
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_directory_reloads_when_one_of_its_rule_files_changes() {
+    let dir = scratch("directory");
+    std::fs::write(dir.join("api.yaml"), rules(5)).unwrap();
+    let (provider, engine, watch) = watched(&dir);
+    assert_eq!(watch.dir(), dir);
+
+    // Not a rule file: nothing to reload.
+    std::fs::write(dir.join("notes.txt"), "not rules").unwrap();
+    std::fs::write(dir.join(".api.yaml.swp"), "not rules either").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(provider.reloads() + provider.failures(), 0, "no rule file changed");
+
+    let edited = Instant::now();
+    let temporary = dir.join(".api.yaml.tmp");
+    std::fs::write(&temporary, rules(3)).unwrap();
+    std::fs::rename(&temporary, dir.join("api.yaml")).unwrap();
+    let delay = within("the renamed file", edited, || provider.reloads() >= 1).await;
+    assert_eq!(limit(&engine).await, Some(3), "{delay:?}");
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropping_the_watch_stops_reloading() {
+    let dir = scratch("drop");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, rules(5)).unwrap();
+    let (provider, engine, watch) = watched(&file);
+    let edited = Instant::now();
+    std::fs::write(&file, rules(4)).unwrap();
+    within("the edit", edited, || provider.reloads() >= 1).await;
+    assert_eq!(limit(&engine).await, Some(4));
+
+    drop(watch);
+    let reloads = provider.reloads();
+    std::fs::write(&file, rules(3)).unwrap();
+    // Several debounce periods: a live watch would have reloaded by now.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(provider.reloads(), reloads, "no reload once the watch is dropped");
+    assert_eq!(limit(&engine).await, Some(4));
+    std::fs::remove_dir_all(dir).unwrap();
+}
