@@ -17,7 +17,8 @@
 //!   fixed [`RuleSets`] are a provider too.
 //! - [`reload`]: hot reload, with [`ReloadingRuleSetProvider`] (rule sets replaced while
 //!   engines use them, only those that changed) and [`FileRuleSource`] (a rule file or a
-//!   directory of them), polled on a period.
+//!   directory of them), polled on a period or, with the `watch` feature, reloaded when
+//!   the files change.
 //! - [`Engine`] (a [`RateLimitHandler`], with an optional [`RateLimitMetricsRecorder`])
 //!   and [`Decision`].
 //!
