@@ -92,6 +92,23 @@ async fn a_reload_from_the_store_is_enforced_and_a_bad_document_keeps_the_rules(
     assert_eq!(provider.failures(), failures + 1);
     assert!(!check().await.allowed(), "the tighter rule is still in force");
 
+    // An empty store fails the load too (an evicted or flushed index must not remove
+    // every rule), unless the store is told that no rules is a valid state.
+    server.cli(&["FLUSHDB"]);
+    let error = provider.reload_from(&*store).await.unwrap_err();
+    assert!(error.to_string().contains("names no rule set"), "{error}");
+    let in_force = provider.rule_sets();
+    let set = in_force.get("default").expect("the rule set is still in force");
+    assert_eq!(
+        set.rules()[0].bands()[0].capacity(),
+        2,
+        "the tighter rule is still in force"
+    );
+    let allowing = RedisRuleSetStore::new(store.client().clone())
+        .expect("store")
+        .allow_empty(true);
+    assert!(allowing.load_rule_sets().await.expect("an empty load").is_empty());
+
     // An index entry without its document fails the load too.
     store.put(&spec("default", 2)).await.expect("repair");
     server.cli(&["SADD", &store.index_key(), "ghost"]);

@@ -95,8 +95,11 @@ pub struct ReloadingRuleSetProvider {
     /// The checks of the engines built on this provider.
     checks: RwLock<Vec<RuleCheck>>,
     /// Makes replacements one at a time: each compares with the rule sets the previous
-    /// one left.
-    update: Mutex<()>,
+    /// one left. Holds the ticket of the last load applied.
+    update: Mutex<u64>,
+    /// Tickets handed to loads as they start: a load that finishes after a later one was
+    /// applied is dropped, so that an older read never replaces a newer one.
+    tickets: AtomicU64,
     reloads: AtomicU64,
     failures: AtomicU64,
 }
@@ -151,7 +154,8 @@ impl ReloadingRuleSetProvider {
         Self {
             current: RwLock::new(Arc::new(sets)),
             checks: RwLock::new(Vec::new()),
-            update: Mutex::new(()),
+            update: Mutex::new(0),
+            tickets: AtomicU64::new(0),
             reloads: AtomicU64::new(0),
             failures: AtomicU64::new(0),
         }
@@ -174,7 +178,21 @@ impl ReloadingRuleSetProvider {
     ///
     /// [`ReloadError::Refused`] with the first rule set, by id, that a check refuses.
     pub fn replace(&self, new: RuleSets) -> Result<ReloadReport, ReloadError> {
-        let _update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        self.apply(self.ticket(), new)
+    }
+
+    fn ticket(&self) -> u64 {
+        self.tickets.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Replaces the rule sets with `new`, read by the load holding `ticket`, unless a load
+    /// that started later was applied first.
+    fn apply(&self, ticket: u64, new: RuleSets) -> Result<ReloadReport, ReloadError> {
+        let mut last = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        if ticket < *last {
+            tracing::debug!("rule sets read before the ones in force: dropped");
+            return Ok(ReloadReport::default());
+        }
         if let Err(error) = self.check(&new) {
             return Err(self.failed(ReloadError::Refused(error)));
         }
@@ -202,6 +220,7 @@ impl ReloadingRuleSetProvider {
         report.added.sort();
         report.changed.sort();
         report.removed.sort();
+        *last = ticket;
         if !report.is_empty() {
             *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
             tracing::info!(%report, "rule sets reloaded");
@@ -214,13 +233,18 @@ impl ReloadingRuleSetProvider {
 
     /// Loads rules from `source` and [`replace`](Self::replace)s the rule sets with them.
     ///
+    /// Loads may run side by side (a poll and a file watch, say): the result of a load is
+    /// dropped, and an empty report returned, when a load that started after it has
+    /// already been applied, so that an older read never replaces a newer one.
+    ///
     /// # Errors
     ///
     /// [`ReloadError::Source`] when the source fails (logged and counted as a failure, the
     /// rules in force are kept), or the errors of [`replace`](Self::replace).
     pub async fn reload_from(&self, source: &dyn RuleSource) -> Result<ReloadReport, ReloadError> {
+        let ticket = self.ticket();
         match source.load().await {
-            Ok(sets) => self.replace(sets),
+            Ok(sets) => self.apply(ticket, sets),
             Err(error) => Err(self.failed(ReloadError::Source(error))),
         }
     }
@@ -588,5 +612,44 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(10)).await;
         assert!(task.is_finished(), "the task ends once the provider is gone");
         assert_eq!(loads.load(Ordering::SeqCst), 3);
+    }
+
+    /// A source that answers `yaml` after `delay`.
+    #[derive(Debug)]
+    struct Slow {
+        yaml: &'static str,
+        delay: Duration,
+    }
+
+    impl RuleSource for Slow {
+        fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
+            let (yaml, delay) = (self.yaml, self.delay);
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                Ok(sets(yaml))
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_older_read_never_replaces_a_newer_one() {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(sets(ONE)));
+        let old = Slow {
+            yaml: "rule_sets: [{id: a, rules: [{id: r, bands: [{capacity: 1, window: 1s}]}]}]",
+            delay: Duration::from_secs(2),
+        };
+        let new = Slow {
+            yaml: "rule_sets: [{id: a, rules: [{id: r, bands: [{capacity: 9, window: 1s}]}]}]",
+            delay: Duration::from_secs(1),
+        };
+        // The older load starts first and finishes last.
+        let (old_report, new_report) = tokio::join!(provider.reload_from(&old), async {
+            tokio::task::yield_now().await;
+            provider.reload_from(&new).await
+        });
+        assert_eq!(new_report.unwrap().changed, ["a".into()]);
+        assert!(old_report.unwrap().is_empty(), "the older read is dropped");
+        let capacity = provider.rule_sets().get("a").unwrap().rules()[0].bands()[0].capacity();
+        assert_eq!(capacity, 9);
     }
 }

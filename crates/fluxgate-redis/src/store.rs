@@ -63,6 +63,14 @@ pub enum StoreError {
         /// The document's key.
         key: String,
     },
+    /// The store holds no rule set. A load refuses it unless
+    /// [`allow_empty`](RedisRuleSetStore::allow_empty) was set: an index lost to eviction,
+    /// a flush or a failover to an empty replica must not remove every rule.
+    #[error("rule store: the index `{index}` names no rule set; the rules in force are kept")]
+    Empty {
+        /// The index key.
+        index: String,
+    },
     /// The namespace cannot hold the store's keys.
     #[error("rule store namespace `{namespace}`: {reason}")]
     Namespace {
@@ -86,7 +94,9 @@ pub enum StoreError {
 ///   set is never stored.
 /// - As a [`RuleSource`], the store loads every indexed rule set in one script call (one
 ///   consistent snapshot); a stored document that is not a valid rule set fails the load,
-///   so that a reload keeps the rules in force.
+///   so that a reload keeps the rules in force, and so does an empty store (unless
+///   [`allow_empty`](Self::allow_empty)): the Redis that holds the rules should not evict
+///   keys (`noeviction` or a `volatile-*` policy) and should persist them.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -109,6 +119,7 @@ pub struct RedisRuleSetStore {
     client: Client,
     tag: String,
     timeout: Duration,
+    allow_empty: bool,
     put: Script,
     delete: Script,
     load: Script,
@@ -175,6 +186,7 @@ impl RedisRuleSetStore {
             client,
             tag: format!("{{{namespace}}}"),
             timeout: DEFAULT_TIMEOUT.max(Duration::from_secs(1)),
+            allow_empty: false,
             put: Script::from_lua(PUT),
             delete: Script::from_lua(DELETE),
             load: Script::from_lua(LOAD),
@@ -190,6 +202,14 @@ impl RedisRuleSetStore {
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Whether a load may find no rule set at all. Default `false`: an empty store fails
+    /// the load with [`StoreError::Empty`], so that a reload keeps the rules in force.
+    #[must_use]
+    pub fn allow_empty(mut self, allow: bool) -> Self {
+        self.allow_empty = allow;
         self
     }
 
@@ -274,10 +294,17 @@ impl RedisRuleSetStore {
     ///
     /// # Errors
     ///
-    /// As [`list`](Self::list), and [`StoreError::Rule`] for a stored rule set that is not
-    /// valid.
+    /// As [`list`](Self::list), [`StoreError::Rule`] for a stored rule set that is not
+    /// valid, and [`StoreError::Empty`] when the store holds none and
+    /// [`allow_empty`](Self::allow_empty) is not set.
     pub async fn load_rule_sets(&self) -> Result<RuleSets, StoreError> {
-        Ok(RuleSets::from_specs(self.list().await?)?)
+        let specs = self.list().await?;
+        if specs.is_empty() && !self.allow_empty {
+            return Err(StoreError::Empty {
+                index: self.index_key(),
+            });
+        }
+        Ok(RuleSets::from_specs(specs)?)
     }
 
     async fn call<R: fred::types::FromValue>(

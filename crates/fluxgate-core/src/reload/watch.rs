@@ -111,8 +111,10 @@ impl WatchBuilder {
     /// counted ([`ReloadingRuleSetProvider::failures`]); the next change tries again.
     ///
     /// The watch does not load the rules when it starts: load them first (as
-    /// [`FileRuleSource::read`] for the provider), then spawn the watch. It holds the
-    /// provider weakly, and ends when the [`Watch`] is dropped.
+    /// [`FileRuleSource::read`] for the provider), then spawn the watch. An edit made
+    /// between that read and the start of the watch is loaded with the next change (or
+    /// at once with [`ReloadingRuleSetProvider::reload_from`] after the spawn). It holds
+    /// the provider weakly, and ends when the [`Watch`] is dropped.
     ///
     /// # Errors
     ///
