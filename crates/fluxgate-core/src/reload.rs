@@ -488,7 +488,8 @@ pub fn spawn_polling(
     every: Duration,
 ) -> tokio::task::JoinHandle<()> {
     let provider: Weak<ReloadingRuleSetProvider> = Arc::downgrade(&provider);
-    let every = every.max(Duration::from_millis(1));
+    // At least 1 ms; at most a year, so that the first tick's instant cannot overflow.
+    let every = every.clamp(Duration::from_millis(1), Duration::from_secs(365 * 24 * 3600));
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

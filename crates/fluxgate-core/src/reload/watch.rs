@@ -69,10 +69,11 @@ pub struct WatchBuilder {
 
 impl WatchBuilder {
     /// How long the file system must be quiet before a reload (default
-    /// [`DEFAULT_DEBOUNCE`], 100 ms; at least 1 ms). A burst of events that never goes
+    /// [`DEFAULT_DEBOUNCE`], 100 ms; from 1 ms to one hour). A burst of events that never goes
     /// quiet reloads every ten periods.
     pub fn debounce(mut self, quiet: Duration) -> Self {
-        self.debounce = quiet.max(Duration::from_millis(1));
+        // At least 1 ms; at most an hour, so that ten periods from now cannot overflow.
+        self.debounce = quiet.clamp(Duration::from_millis(1), Duration::from_secs(3600));
         self
     }
 
