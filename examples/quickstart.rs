@@ -99,9 +99,14 @@ async fn main() {
         }
     };
     let rules_path = args.rules.clone();
-    let provider_in_force = provider.clone();
+    // Weak, as the watch holds the provider: the callback must not keep it alive.
+    let provider_in_force = Arc::downgrade(&provider);
     let _watch = Watch::builder(provider, source)
-        .on_reload(move |result| reloaded(&rules_path, &provider_in_force, result))
+        .on_reload(move |result| {
+            if let Some(provider) = provider_in_force.upgrade() {
+                reloaded(&rules_path, &provider, result);
+            }
+        })
         .spawn()
         .map_err(|e| eprintln!("warning: {e}; edits of the rules file will not be seen"))
         .ok();
