@@ -9,9 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::{env, fs};
 
-/// The decision script's parts, in order: the single-band token bucket returns from
-/// `fast_path.lua`, before the other algorithms' functions are created.
-const DECIDE: &[&str] = &[
+/// The parts both scripts share, in order. The decision script returns from
+/// `fast_path.lua` for a single token-bucket band, before the other algorithms' functions
+/// are created; the refund script has no fast path.
+const PARTS: &[&str] = &[
     "common.lua",
     "protocol.lua",
     "token_bucket.lua",
@@ -22,22 +23,17 @@ const DECIDE: &[&str] = &[
     "sliding_window_log.lua",
     "sliding_window_counter.lua",
     "algorithms.lua",
-    "decide.lua",
 ];
 
-/// The refund script's parts: the same without the fast path, with `refund.lua` last.
-const REFUND: &[&str] = &[
-    "common.lua",
-    "protocol.lua",
-    "token_bucket.lua",
-    "helpers.lua",
-    "leaky_bucket.lua",
-    "fixed_window.lua",
-    "sliding_window_log.lua",
-    "sliding_window_counter.lua",
-    "algorithms.lua",
-    "refund.lua",
-];
+/// A script's parts: the shared ones (without the fast path unless `fast_path`), then `last`.
+fn parts(fast_path: bool, last: &'static str) -> Vec<&'static str> {
+    PARTS
+        .iter()
+        .copied()
+        .filter(|part| fast_path || *part != "fast_path.lua")
+        .chain([last])
+        .collect()
+}
 
 fn scripts_dir(manifest: &Path) -> PathBuf {
     let candidates = [manifest.join("lua"), manifest.join("../../lua")];
@@ -73,7 +69,7 @@ fn main() {
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let dir = scripts_dir(&manifest);
     println!("cargo:rerun-if-changed={}", manifest.join("lua").display());
-    join(&dir, DECIDE, &out.join("decide.lua"));
-    join(&dir, REFUND, &out.join("refund.lua"));
+    join(&dir, &parts(true, "decide.lua"), &out.join("decide.lua"));
+    join(&dir, &parts(false, "refund.lua"), &out.join("refund.lua"));
     join(&dir, &["protocol.lua"], &out.join("protocol.lua"));
 }

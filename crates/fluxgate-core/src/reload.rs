@@ -580,9 +580,9 @@ mod tests {
         assert_eq!(calls.load(Ordering::SeqCst), 3);
     }
 
-    /// A source that counts its loads.
+    /// A source that counts its loads (also used by the watch's tests).
     #[derive(Debug, Default)]
-    struct Counting(Arc<AtomicUsize>);
+    pub(super) struct Counting(pub(super) Arc<AtomicUsize>);
 
     impl RuleSource for Counting {
         fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {

@@ -3,14 +3,11 @@
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
-use fred::types::config::{ReconnectPolicy, ServerConfig};
-use fred::types::Builder;
 
-use crate::connection::{Connection, DEFAULT_TIMEOUT};
+use crate::connection::{self, Connection, DEFAULT_TIMEOUT};
 use crate::error::RedisError;
 use crate::limiter::RedisLimiter;
 use crate::script::Scripts;
-use crate::url::{parse_url, redact};
 
 /// Builds a [`RedisLimiter`] from a URL.
 #[derive(Debug, Clone)]
@@ -81,18 +78,7 @@ impl RedisLimiterBuilder {
     /// [`RedisError::Url`] for a URL that cannot be used, [`RedisError::Connect`] when
     /// Redis cannot be reached or the script not loaded.
     pub async fn connect(self) -> Result<RedisLimiter, RedisError> {
-        let shown = redact(&self.url);
-        let url_error = |reason: String| RedisError::Url {
-            url: shown.clone(),
-            reason,
-        };
-        let config = parse_url(&self.url).map_err(url_error)?;
-        let cluster = matches!(config.server, ServerConfig::Clustered { .. });
-        let mut builder = Builder::from_config(config);
-        let delay = u32::try_from(self.reconnect_delay.as_millis())
-            .unwrap_or(u32::MAX)
-            .max(1);
-        builder.set_policy(ReconnectPolicy::new_constant(0, delay));
+        let (mut builder, cluster) = connection::builder(&self.url, self.reconnect_delay)?;
         builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
         builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;

@@ -5,19 +5,42 @@ use std::time::Duration;
 
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
+use fred::types::config::{ReconnectPolicy, ServerConfig};
+use fred::types::Builder;
 
 use crate::error::RedisError;
+use crate::url::{parse_url, redact};
 
 /// The default deadline of one script call.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 
+/// A client builder for `url` (standalone, Cluster or Sentinel) that reconnects every
+/// `reconnect_delay`, and whether `url` names a cluster.
+///
+/// # Errors
+///
+/// [`RedisError::Url`] for a URL that cannot be used (shown without its password).
+pub(crate) fn builder(url: &str, reconnect_delay: Duration) -> Result<(Builder, bool), RedisError> {
+    let config = parse_url(url).map_err(|reason| RedisError::Url {
+        url: redact(url),
+        reason,
+    })?;
+    let cluster = matches!(config.server, ServerConfig::Clustered { .. });
+    let mut builder = Builder::from_config(config);
+    let delay = u32::try_from(reconnect_delay.as_millis()).unwrap_or(u32::MAX).max(1);
+    builder.set_policy(ReconnectPolicy::new_constant(0, delay));
+    Ok((builder, cluster))
+}
+
 /// The client or pool the limiter sends its commands through, and their deadline.
+#[derive(Clone)]
 pub(crate) struct Connection {
     clients: Clients,
     timeout: Duration,
     cluster: bool,
 }
 
+#[derive(Clone)]
 enum Clients {
     One(Client),
     Pool(Pool),
@@ -41,6 +64,12 @@ impl Connection {
             timeout: DEFAULT_TIMEOUT,
             cluster,
         }
+    }
+
+    /// The same connections with another deadline.
+    pub(crate) fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     /// The client for the next command.

@@ -8,13 +8,16 @@ use fluxgate_core::reload::RuleSource;
 use fluxgate_core::{BoxError, BoxFuture, RuleError, RuleSet, RuleSetSpec, RuleSets};
 use fred::clients::Client;
 use fred::interfaces::ClientLike;
-use fred::types::config::ReconnectPolicy;
 use fred::types::scripts::Script;
-use fred::types::Builder;
 
-use crate::connection::DEFAULT_TIMEOUT;
+use crate::connection::{self, Connection};
 use crate::error::RedisError;
-use crate::url::{parse_url, redact};
+
+/// The deadline of each call of the store unless another is given.
+const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How often a store connected from a URL tries to reconnect.
+const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 
 /// The namespace of the store's keys unless another is given.
 pub const DEFAULT_RULES_NAMESPACE: &str = "fluxgate:rules";
@@ -116,9 +119,8 @@ pub enum StoreError {
 /// ```
 #[derive(Clone)]
 pub struct RedisRuleSetStore {
-    client: Client,
+    connection: Connection,
     tag: String,
-    timeout: Duration,
     allow_empty: bool,
     put: Script,
     delete: Script,
@@ -129,7 +131,7 @@ impl fmt::Debug for RedisRuleSetStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisRuleSetStore")
             .field("namespace", &self.tag)
-            .field("timeout", &self.timeout)
+            .field("timeout", &self.connection.timeout())
             .finish_non_exhaustive()
     }
 }
@@ -144,12 +146,7 @@ impl RedisRuleSetStore {
     /// [`RedisError::Url`] for a URL that cannot be used, [`RedisError::Connect`] when
     /// Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let config = parse_url(url).map_err(|reason| RedisError::Url {
-            url: redact(url),
-            reason,
-        })?;
-        let mut builder = Builder::from_config(config);
-        builder.set_policy(ReconnectPolicy::new_constant(0, 100));
+        let (builder, _) = connection::builder(url, RECONNECT_DELAY)?;
         let client = builder.build().map_err(RedisError::Connect)?;
         client.init().await.map_err(RedisError::Connect)?;
         Self::new(client)
@@ -183,9 +180,8 @@ impl RedisRuleSetStore {
             return Err(StoreError::Namespace { namespace, reason });
         }
         Ok(Self {
-            client,
+            connection: Connection::client(client).with_timeout(DEFAULT_STORE_TIMEOUT),
             tag: format!("{{{namespace}}}"),
-            timeout: DEFAULT_TIMEOUT.max(Duration::from_secs(1)),
             allow_empty: false,
             put: Script::from_lua(PUT),
             delete: Script::from_lua(DELETE),
@@ -195,13 +191,13 @@ impl RedisRuleSetStore {
 
     /// The client the store sends its commands through.
     pub fn client(&self) -> &Client {
-        &self.client
+        self.connection.next()
     }
 
     /// The deadline of each call. Default 1 s.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
+        self.connection = self.connection.with_timeout(timeout);
         self
     }
 
@@ -313,12 +309,8 @@ impl RedisRuleSetStore {
         keys: Vec<String>,
         args: Vec<String>,
     ) -> Result<R, StoreError> {
-        let call = script.evalsha_with_reload(&self.client, keys, args);
-        match tokio::time::timeout(self.timeout, call).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(RedisError::Command(e).into()),
-            Err(_) => Err(RedisError::Timeout(self.timeout).into()),
-        }
+        let call = script.evalsha_with_reload(self.connection.next(), keys, args);
+        Ok(self.connection.within_deadline(call).await?)
     }
 }
 

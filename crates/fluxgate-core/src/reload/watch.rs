@@ -316,19 +316,8 @@ async fn settle(trigger: &Notify, quiet: Duration) {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use super::super::tests::Counting;
     use super::*;
-    use crate::future::BoxFuture;
-    use crate::rule::RuleSets;
-
-    #[derive(Debug, Default)]
-    struct Counting(Arc<AtomicUsize>);
-
-    impl RuleSource for Counting {
-        fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
-            self.0.fetch_add(1, Ordering::SeqCst);
-            Box::pin(async { Ok(RuleSets::default()) })
-        }
-    }
 
     fn start(provider: &Arc<ReloadingRuleSetProvider>) -> (Arc<Notify>, Arc<AtomicUsize>) {
         let trigger = Arc::new(Notify::new());
