@@ -1,5 +1,6 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
+use std::fmt;
 use std::sync::Arc;
 
 use crate::context::RequestContext;
@@ -60,6 +61,22 @@ struct Inner {
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
+    /// The limiter's validation, handed to the provider, which holds it weakly: it
+    /// applies while the engine lives.
+    _check: HeldCheck,
+}
+
+/// The engine's rule check, kept alive for the provider's weak reference.
+struct HeldCheck(Option<RuleCheck>);
+
+impl fmt::Debug for HeldCheck {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "HeldCheck(Some(..))"
+        } else {
+            "HeldCheck(None)"
+        })
+    }
 }
 
 /// Builds an [`Engine`].
@@ -141,15 +158,17 @@ impl EngineBuilder {
     ///
     /// A [`RuleError::Unsupported`] naming the rule set, the rule, the band and the limit
     /// of the backend that it exceeds.
-    pub fn build(self) -> Result<Engine, RuleError> {
-        let engine = self.build_unchecked();
-        let limiter = engine.inner.limiter.clone();
+    pub fn build(mut self) -> Result<Engine, RuleError> {
+        let limiter = self
+            .limiter
+            .get_or_insert_with(|| Arc::new(MemoryLimiter::default()))
+            .clone();
         let check: RuleCheck = Arc::new(move |set: &RuleSet| limiter.validate(set));
-        engine.inner.provider.validate(check)?;
-        Ok(engine)
+        self.provider.validate(check.clone())?;
+        Ok(self.assemble(Some(check)))
     }
 
-    fn build_unchecked(self) -> Engine {
+    fn assemble(self, check: Option<RuleCheck>) -> Engine {
         Engine {
             inner: Arc::new(Inner {
                 provider: self.provider,
@@ -161,6 +180,7 @@ impl EngineBuilder {
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
                 recorder: self.recorder,
+                _check: HeldCheck(check),
             }),
         }
     }
@@ -183,7 +203,7 @@ impl Engine {
     /// An engine with fixed rules and the in-memory limiter, which decides every valid
     /// rule exactly.
     pub fn in_memory(rules: RuleSets) -> Self {
-        Self::builder(rules).build_unchecked()
+        Self::builder(rules).assemble(None)
     }
 
     /// Checks that the engine's limiter decides every rule of `set` exactly; rule sources

@@ -74,7 +74,7 @@ pub use handler::{RateLimitHandler, RateLimitMetricsRecorder};
 pub use limiter::{MemoryLimiter, RateLimiter};
 pub use path::PathPattern;
 pub use provider::{
-    CachingRuleSetProvider, CachingRuleSetProviderBuilder, RuleCheck, RuleSetLookup, RuleSetProvider,
+    CachingRuleSetProvider, CachingRuleSetProviderBuilder, CheckFn, RuleCheck, RuleSetLookup, RuleSetProvider,
     StaticRuleSetProvider,
 };
 pub use reload::{FileRuleSource, ReloadingRuleSetProvider};

@@ -1,7 +1,7 @@
 //! Rule set providers: where the engine gets its rules.
 
 use std::fmt;
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
 use crate::error::{BoxError, RuleError};
@@ -13,7 +13,10 @@ pub type RuleSetLookup = Result<Option<Arc<RuleSet>>, BoxError>;
 
 /// A check that a rule set can be decided: the limiter's
 /// [`validate`](crate::RateLimiter::validate), handed to providers by the engine.
-pub type RuleCheck = Arc<dyn Fn(&RuleSet) -> Result<(), RuleError> + Send + Sync>;
+pub type RuleCheck = Arc<CheckFn>;
+
+/// The function behind a [`RuleCheck`].
+pub type CheckFn = dyn Fn(&RuleSet) -> Result<(), RuleError> + Send + Sync;
 
 /// A source of rule sets by id.
 ///
@@ -28,6 +31,10 @@ pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     /// [`Error::Rule`](crate::Error::Rule)). The engine calls this once, when it is built,
     /// with its limiter's validation.
     ///
+    /// Providers keep `check` weakly: it applies while the caller holds it (an engine
+    /// holds its check as long as it lives), so that a provider outliving an engine does
+    /// not keep the engine's limiter alive.
+    ///
     /// The default does nothing: providers that load rule sets must override it.
     ///
     /// # Errors
@@ -36,6 +43,32 @@ pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
         let _ = check;
         Ok(())
+    }
+}
+
+/// The checks a provider keeps for the rule sets it loads later, held weakly (see
+/// [`RuleSetProvider::validate`]).
+#[derive(Default)]
+pub(crate) struct Checks(RwLock<Vec<Weak<CheckFn>>>);
+
+impl Checks {
+    /// Keeps `check` while its holder does.
+    pub(crate) fn push(&self, check: &RuleCheck) {
+        let mut checks = self.0.write().unwrap_or_else(PoisonError::into_inner);
+        checks.retain(|weak| weak.strong_count() > 0);
+        checks.push(Arc::downgrade(check));
+    }
+
+    /// Runs every live check on `set`.
+    pub(crate) fn run(&self, set: &RuleSet) -> Result<(), RuleError> {
+        let checks = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        checks.iter().filter_map(Weak::upgrade).try_for_each(|check| check(set))
+    }
+
+    /// The live checks.
+    pub(crate) fn len(&self) -> usize {
+        let checks = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        checks.iter().filter(|weak| weak.strong_count() > 0).count()
     }
 }
 
@@ -202,7 +235,7 @@ pub struct CachingRuleSetProvider<P> {
     inner: Arc<P>,
     cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
     /// The checks of the engines built on this provider, run on every rule set it loads.
-    checks: Arc<RwLock<Vec<RuleCheck>>>,
+    checks: Arc<Checks>,
 }
 
 /// Builds a [`CachingRuleSetProvider`].
@@ -260,7 +293,7 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
                 .max_capacity(self.max_capacity)
                 .time_to_live(self.ttl)
                 .build(),
-            checks: Arc::new(RwLock::new(Vec::new())),
+            checks: Arc::new(Checks::default()),
         }
     }
 }
@@ -276,8 +309,7 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         self.inner.rule_set(id).map(move |result| {
             let found = result?;
             if let Some(set) = &found {
-                let checks = checks.read().unwrap_or_else(PoisonError::into_inner);
-                if let Err(error) = checks.iter().try_for_each(|check| check(set)) {
+                if let Err(error) = checks.run(set) {
                     tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
                     return Err(error.into());
                 }
@@ -295,7 +327,7 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
             }
         }
         // Rule sets loaded from now on are checked before they are cached.
-        self.checks.write().unwrap_or_else(PoisonError::into_inner).push(check);
+        self.checks.push(&check);
         Ok(())
     }
 }

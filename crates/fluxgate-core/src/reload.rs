@@ -33,6 +33,7 @@
 //! starts with fresh counters, while the bands of unchanged rules, in a changed rule set or
 //! not, keep theirs.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,7 +42,7 @@ use std::time::Duration;
 
 use crate::error::{BoxError, RuleError};
 use crate::future::{BoxFuture, MaybeReady};
-use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
+use crate::provider::{Checks, RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Format, RuleSet, RuleSets};
 
 #[cfg(feature = "watch")]
@@ -93,15 +94,25 @@ pub use watch::{spawn_watching, Watch, WatchBuilder, WatchError, DEFAULT_DEBOUNC
 pub struct ReloadingRuleSetProvider {
     current: RwLock<Arc<RuleSets>>,
     /// The checks of the engines built on this provider.
-    checks: RwLock<Vec<RuleCheck>>,
+    checks: Checks,
     /// Makes replacements one at a time: each compares with the rule sets the previous
-    /// one left. Holds the ticket of the last load applied.
-    update: Mutex<u64>,
+    /// one left.
+    update: Mutex<Update>,
     /// Tickets handed to loads as they start: a load that finishes after a later one was
     /// applied is dropped, so that an older read never replaces a newer one.
     tickets: AtomicU64,
     reloads: AtomicU64,
     failures: AtomicU64,
+}
+
+/// What replacements carry from one to the next.
+#[derive(Default)]
+struct Update {
+    /// The ticket of the last load applied.
+    last: u64,
+    /// The counters' generation of each rule set reset at least once: rule sets loaded
+    /// later get it too, so that a reload does not bring back counters a reset dropped.
+    generations: HashMap<Arc<str>, u64>,
 }
 
 /// What a successful replacement changed. Ids are sorted.
@@ -153,8 +164,8 @@ impl ReloadingRuleSetProvider {
     pub fn new(sets: RuleSets) -> Self {
         Self {
             current: RwLock::new(Arc::new(sets)),
-            checks: RwLock::new(Vec::new()),
-            update: Mutex::new(0),
+            checks: Checks::default(),
+            update: Mutex::new(Update::default()),
             tickets: AtomicU64::new(0),
             reloads: AtomicU64::new(0),
             failures: AtomicU64::new(0),
@@ -188,8 +199,8 @@ impl ReloadingRuleSetProvider {
     /// Replaces the rule sets with `new`, read by the load holding `ticket`, unless a load
     /// that started later was applied first.
     fn apply(&self, ticket: u64, new: RuleSets) -> Result<ReloadReport, ReloadError> {
-        let mut last = self.update.lock().unwrap_or_else(PoisonError::into_inner);
-        if ticket < *last {
+        let mut update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        if ticket < update.last {
             tracing::debug!("rule sets read before the ones in force: dropped");
             return Ok(ReloadReport::default());
         }
@@ -200,6 +211,11 @@ impl ReloadingRuleSetProvider {
         let mut report = ReloadReport::default();
         let mut next = RuleSets::default();
         for set in new.iter() {
+            let set = match update.generations.get(set.id()) {
+                Some(&generation) if generation != set.generation() => Arc::new(set.with_generation(generation)),
+                _ => set.clone(),
+            };
+            let set = &set;
             match old.get(set.id()) {
                 Some(kept) if kept == set => next.insert_shared(kept.clone()),
                 Some(_) => {
@@ -220,7 +236,7 @@ impl ReloadingRuleSetProvider {
         report.added.sort();
         report.changed.sort();
         report.removed.sort();
-        *last = ticket;
+        update.last = ticket;
         if !report.is_empty() {
             *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
             tracing::info!(%report, "rule sets reloaded");
@@ -249,6 +265,50 @@ impl ReloadingRuleSetProvider {
         }
     }
 
+    /// Resets the counters of the rule set `id` in every in-memory limiter of the engines
+    /// built on this provider (a [`MemoryLimiter`](crate::MemoryLimiter) backend and the
+    /// failure fallbacks): its requests start with full buckets. Answers whether the
+    /// provider holds that rule set.
+    ///
+    /// The rule set is swapped for one of the next [generation](RuleSet::generation),
+    /// whose bands have new identities; the old counters are dropped as they go idle.
+    /// Rule sets loaded later for the same id keep the new generation, so a reload does
+    /// not bring the old counters back. Keys in Redis do not depend on the generation:
+    /// `RedisLimiter::reset_buckets` (crate `fluxgate-redis`) resets those, once for all
+    /// instances.
+    pub fn reset_buckets(&self, id: &str) -> bool {
+        self.reset_where(|set| &**set.id() == id) > 0
+    }
+
+    /// Resets the counters of every rule set held, as [`reset_buckets`](Self::reset_buckets)
+    /// does for one; answers how many rule sets there are.
+    pub fn reset_all_buckets(&self) -> usize {
+        self.reset_where(|_| true)
+    }
+
+    fn reset_where(&self, wanted: impl Fn(&RuleSet) -> bool) -> usize {
+        let mut update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
+        let old = self.rule_sets();
+        let mut next = RuleSets::default();
+        let mut reset = Vec::new();
+        for set in old.iter() {
+            if wanted(set) {
+                let generation = set.generation().wrapping_add(1);
+                update.generations.insert(set.id().clone(), generation);
+                next.insert_shared(Arc::new(set.with_generation(generation)));
+                reset.push(set.id().clone());
+            } else {
+                next.insert_shared(set.clone());
+            }
+        }
+        if !reset.is_empty() {
+            reset.sort();
+            *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+            tracing::info!(rule_sets = ?reset, "in-memory counters reset");
+        }
+        reset.len()
+    }
+
     /// Successful replacements, whether they changed anything or not.
     pub fn reloads(&self) -> u64 {
         self.reloads.load(Ordering::Relaxed)
@@ -262,15 +322,12 @@ impl ReloadingRuleSetProvider {
     /// Runs every stored check on every rule set of `sets`, by id (the same error first
     /// whatever the map's order).
     fn check(&self, sets: &RuleSets) -> Result<(), RuleError> {
-        let checks = self.checks.read().unwrap_or_else(PoisonError::into_inner);
-        if checks.is_empty() {
+        if self.checks.len() == 0 {
             return Ok(());
         }
         let mut sorted: Vec<&Arc<RuleSet>> = sets.iter().collect();
         sorted.sort_by(|a, b| a.id().cmp(b.id()));
-        sorted
-            .into_iter()
-            .try_for_each(|set| checks.iter().try_for_each(|check| check(set)))
+        sorted.into_iter().try_for_each(|set| self.checks.run(set))
     }
 
     fn failed(&self, error: ReloadError) -> ReloadError {
@@ -298,7 +355,7 @@ impl RuleSetProvider for ReloadingRuleSetProvider {
         // No replacement between the check and the push.
         let _update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
         self.rule_sets().validate(check.clone())?;
-        self.checks.write().unwrap_or_else(PoisonError::into_inner).push(check);
+        self.checks.push(&check);
         Ok(())
     }
 }
@@ -307,10 +364,7 @@ impl fmt::Debug for ReloadingRuleSetProvider {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReloadingRuleSetProvider")
             .field("rule_sets", &self.rule_sets().len())
-            .field(
-                "checks",
-                &self.checks.read().unwrap_or_else(PoisonError::into_inner).len(),
-            )
+            .field("checks", &self.checks.len())
             .field("reloads", &self.reloads())
             .field("failures", &self.failures())
             .finish()
@@ -553,12 +607,11 @@ mod tests {
         let provider = ReloadingRuleSetProvider::new(sets(ONE));
         let calls = Arc::new(AtomicUsize::new(0));
         let counting = calls.clone();
-        provider
-            .validate(Arc::new(move |_: &RuleSet| {
-                counting.fetch_add(1, Ordering::SeqCst);
-                Ok(())
-            }))
-            .unwrap();
+        let count: RuleCheck = Arc::new(move |_: &RuleSet| {
+            counting.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        });
+        provider.validate(count.clone()).unwrap();
         assert_eq!(calls.load(Ordering::SeqCst), 2, "the rule sets in force are checked");
         let refuse_c: RuleCheck = Arc::new(|set: &RuleSet| {
             if &**set.id() == "c" {
@@ -567,7 +620,7 @@ mod tests {
                 Ok(())
             }
         });
-        provider.validate(refuse_c).unwrap();
+        provider.validate(refuse_c.clone()).unwrap();
 
         let before = provider.rule_sets();
         let error = provider.replace(sets("rule_sets: [{id: c, rules: []}]")).unwrap_err();
@@ -578,6 +631,64 @@ mod tests {
         assert!(Arc::ptr_eq(&before, &provider.rule_sets()));
         assert_eq!((provider.reloads(), provider.failures()), (0, 1));
         assert_eq!(calls.load(Ordering::SeqCst), 3);
+
+        // The provider holds checks weakly: once their holder (an engine) is gone, they
+        // no longer apply and no longer keep what they captured alive.
+        drop(refuse_c);
+        provider.replace(sets("rule_sets: [{id: c, rules: []}]")).unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+        let weak = Arc::downgrade(&count);
+        drop(count);
+        assert!(weak.upgrade().is_none(), "the provider does not keep a check alive");
+        provider.replace(sets(ONE)).unwrap();
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn an_engine_dropped_no_longer_checks_and_its_limiter_is_freed() {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(sets(ONE)));
+        let limiter = Arc::new(crate::MemoryLimiter::default());
+        let engine = crate::Engine::builder(provider.clone())
+            .shared_limiter(limiter.clone())
+            .build()
+            .unwrap();
+        assert_eq!(Arc::strong_count(&limiter), 3, "the test, the engine and its check");
+        drop(engine);
+        assert_eq!(Arc::strong_count(&limiter), 1, "nothing else keeps the limiter");
+    }
+
+    fn allowed(engine: &crate::Engine, id: &str) -> usize {
+        let ctx = crate::RequestContext::builder().rule_set_id(id).build();
+        (0..10)
+            .filter(|_| engine.check(&ctx).into_ready().unwrap().unwrap().allowed())
+            .count()
+    }
+
+    const TWO_GLOBAL: &str = "rule_sets:
+  - {id: a, rules: [{id: r, scope: global, bands: [{capacity: 3, window: 1h}]}]}
+  - {id: b, rules: [{id: r, scope: global, bands: [{capacity: 3, window: 1h}]}]}";
+
+    #[test]
+    fn a_reset_starts_one_rule_sets_counters_fresh_and_a_reload_keeps_them_fresh() {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(sets(TWO_GLOBAL)));
+        let engine = crate::Engine::builder(provider.clone()).build().unwrap();
+        let a = |_| allowed(&engine, "a");
+        let b = |_| allowed(&engine, "b");
+        assert_eq!((a(()), b(())), (3, 3));
+        assert_eq!((a(()), b(())), (0, 0));
+
+        assert!(provider.reset_buckets("a"));
+        assert!(!provider.reset_buckets("missing"));
+        assert_eq!(provider.rule_sets().get("a").unwrap().generation(), 1);
+        assert_eq!((a(()), b(())), (3, 0), "only a's counters start fresh");
+
+        // The same rules read again: nothing changes, the old counters do not come back.
+        let report = provider.replace(sets(TWO_GLOBAL)).unwrap();
+        assert!(report.is_empty(), "{report}");
+        assert_eq!((a(()), b(())), (0, 0));
+
+        assert_eq!(provider.reset_all_buckets(), 2);
+        assert_eq!((a(()), b(())), (3, 3));
     }
 
     /// A source that counts its loads (also used by the watch's tests).

@@ -15,13 +15,15 @@ use crate::path::PathPattern;
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
 /// order of the file).
 ///
-/// Two rule sets are equal when their ids are equal and their rules are equal, in the same
-/// order; rules compare every field (path patterns by their text). Hot reload
-/// ([`crate::reload`]) swaps in only the rule sets that are not equal to the ones in force.
+/// Two rule sets are equal when their ids are equal, their rules are equal, in the same
+/// order, and so are their [generations](Self::generation); rules compare every field
+/// (path patterns by their text). Hot reload ([`crate::reload`]) swaps in only the rule
+/// sets that are not equal to the ones in force.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleSet {
     pub(super) id: Arc<str>,
     pub(super) rules: Arc<[Rule]>,
+    pub(super) generation: u64,
 }
 
 /// A validated rule. Equal rules have equal fields, path patterns compared by their text.
@@ -167,6 +169,57 @@ impl RuleSet {
     pub fn rules(&self) -> &[Rule] {
         &self.rules
     }
+
+    /// The generation of the rule set's counters: 0 as loaded, raised by each bucket
+    /// reset ([`ReloadingRuleSetProvider::reset_buckets`](crate::reload::ReloadingRuleSetProvider::reset_buckets)).
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The same rules with counters of another generation: every band gets another
+    /// [identity](Band::ident), so that the in-memory limiter starts them fresh (the old
+    /// counters are dropped as idle). Generation 0 gives the identities of the rules as
+    /// loaded. The Redis backend's keys do not depend on it.
+    #[must_use]
+    pub fn with_generation(&self, generation: u64) -> RuleSet {
+        let change = generation_mix(self.generation) ^ generation_mix(generation);
+        let rules: Vec<Rule> = self
+            .rules
+            .iter()
+            .map(|rule| {
+                let bands: Vec<Band> = rule
+                    .bands
+                    .iter()
+                    .map(|band| Band {
+                        ident: band.ident ^ change,
+                        ..band.clone()
+                    })
+                    .collect();
+                Rule {
+                    bands: bands.into(),
+                    ..rule.clone()
+                }
+            })
+            .collect();
+        RuleSet {
+            id: self.id.clone(),
+            rules: rules.into(),
+            generation,
+        }
+    }
+}
+
+/// What a generation changes in a band's identity: nothing for 0, a well-mixed 64-bit
+/// value otherwise (SplitMix64's finalizer, a bijection, so two generations never give the
+/// same identities).
+fn generation_mix(generation: u64) -> u64 {
+    if generation == 0 {
+        return 0;
+    }
+    let mut z = generation.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 impl Rule {

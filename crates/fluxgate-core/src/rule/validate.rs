@@ -105,6 +105,7 @@ impl RuleSet {
         Ok(Self {
             id,
             rules: rules.into(),
+            generation: 0,
         })
     }
 }
