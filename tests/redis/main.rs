@@ -18,6 +18,7 @@ mod support {
 }
 
 mod backend;
+mod changes;
 mod cluster;
 mod conformance;
 mod differential;

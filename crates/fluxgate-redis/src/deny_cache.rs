@@ -30,6 +30,7 @@ impl DenyCache {
             denials: moka::sync::Cache::builder()
                 .max_capacity(100_000)
                 .time_to_live(Duration::from_secs(60))
+                .support_invalidation_closures()
                 .build(),
         }
     }
@@ -57,6 +58,18 @@ impl DenyCache {
             Wait::After(wait.max(Duration::from_micros(1))),
         );
         Some(AcquireOutcome::new(false, true, now_ns, vec![report]).answered_locally())
+    }
+
+    /// Forgets the denials of the bands whose keys begin with `start` (a bucket reset).
+    pub(crate) fn forget(&self, start: &str) {
+        let start = start.to_owned();
+        if self
+            .denials
+            .invalidate_entries_if(move |key, _| key.starts_with(&start))
+            .is_err()
+        {
+            self.denials.invalidate_all();
+        }
     }
 
     /// Remembers the bands of a call that rejected, counted from `start`, before the call,

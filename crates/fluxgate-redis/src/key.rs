@@ -39,3 +39,42 @@ fn suffix(algorithm: ScriptAlgorithm) -> Option<&'static str> {
         ScriptAlgorithm::SlidingWindowCounter => Some("swc"),
     }
 }
+
+/// What every key of a rule set's buckets (`Some(id)`) or of every bucket (`None`) begins
+/// with: `<prefix>:{<rule set>:` or `<prefix>:{`. Rule set ids hold no `:`, so one rule
+/// set's keys never begin with another's.
+pub(crate) fn buckets_start(prefix: &str, rule_set: Option<&str>) -> String {
+    match rule_set {
+        Some(id) => format!("{prefix}:{{{id}:"),
+        None => format!("{prefix}:{{"),
+    }
+}
+
+/// The `SCAN` pattern of the keys beginning with `start`: its glob characters escaped,
+/// then `*`.
+pub(crate) fn scan_pattern(start: &str) -> String {
+    let mut pattern = String::with_capacity(start.len() + 8);
+    for c in start.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            pattern.push('\\');
+        }
+        pattern.push(c);
+    }
+    pattern.push('*');
+    pattern
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reset_patterns_reach_one_rule_sets_buckets_and_escape_the_prefix() {
+        assert_eq!(scan_pattern(&buckets_start("fluxgate", Some("api"))), "fluxgate:{api:*");
+        assert_eq!(scan_pattern(&buckets_start("fluxgate", None)), "fluxgate:{*");
+        assert_eq!(
+            scan_pattern(&buckets_start("a*b?[c]\\", Some("x"))),
+            "a\\*b\\?\\[c\\]\\\\:{x:*"
+        );
+    }
+}

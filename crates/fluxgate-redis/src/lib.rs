@@ -47,8 +47,10 @@
 
 #![deny(unsafe_code)]
 
+mod admin;
 mod band;
 mod builder;
+mod changes;
 mod cluster;
 mod connection;
 mod deny_cache;
@@ -56,17 +58,23 @@ mod error;
 mod health;
 mod key;
 mod limiter;
+mod listener;
 mod protocol;
 mod request;
+mod reset;
 mod script;
 mod store;
 mod url;
 
+pub use admin::{AdminError, RuleAdmin};
 pub use band::{MAX_LOG_CAPACITY, MAX_SCALED_CAPACITY};
 pub use builder::RedisLimiterBuilder;
+pub use changes::{ChangeError, RuleChange, DEFAULT_CHANGES_CHANNEL, MAX_CHANGE_MESSAGE};
 pub use connection::DEFAULT_TIMEOUT;
 pub use error::RedisError;
 pub use health::Health;
 pub use limiter::RedisLimiter;
+pub use listener::{ListenerStats, RuleChangeListener, RuleChangeListenerBuilder};
+pub use reset::ResetScope;
 pub use script::{DECIDE_LUA, REFUND_LUA};
 pub use store::{RedisRuleSetStore, StoreError, DEFAULT_RULES_NAMESPACE};

@@ -81,6 +81,19 @@ impl RedisLimiter {
         &self.inner.prefix
     }
 
+    /// The connections of the limiter.
+    pub(crate) fn connection(&self) -> &Connection {
+        self.inner.scripts.connection()
+    }
+
+    /// Forgets this instance's remembered denials of the bands whose keys begin with
+    /// `start`.
+    pub(crate) fn forget_denials(&self, start: &str) {
+        if let Some(cache) = &self.inner.denied {
+            cache.forget(start);
+        }
+    }
+
     /// The SHA-1 of the script, as used with `EVALSHA`.
     pub fn script_sha1(&self) -> &str {
         self.inner.scripts.decide_sha1()

@@ -194,6 +194,11 @@ impl RedisRuleSetStore {
         self.connection.next()
     }
 
+    /// The deadline of each call.
+    pub(crate) fn call_timeout(&self) -> Duration {
+        self.connection.timeout()
+    }
+
     /// The deadline of each call. Default 1 s.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {

@@ -38,6 +38,7 @@ pub use load::Format;
 pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
 pub use options::{Algorithm, Mode, OnMissingKey, ScopeKind};
 pub use spec::{BandSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
+pub use validate::check_id;
 
 /// The largest capacity a band may have.
 pub const MAX_CAPACITY: u64 = 1 << 40;

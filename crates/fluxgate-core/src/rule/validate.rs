@@ -157,8 +157,12 @@ impl Rule {
     }
 }
 
-/// Ids, labels and attribute names: 1 to 64 of `A-Z a-z 0-9 _ - .`.
-fn check_id(id: &str) -> Result<(), IdError> {
+/// Checks an id, a band label or an attribute name: 1 to 64 of `A-Z a-z 0-9 _ - .`.
+///
+/// # Errors
+///
+/// An [`IdError`] saying what is wrong.
+pub fn check_id(id: &str) -> Result<(), IdError> {
     if id.is_empty() {
         return Err(IdError::Empty);
     }

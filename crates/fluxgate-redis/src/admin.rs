@@ -1,0 +1,183 @@
+//! [`RuleAdmin`]: puts, deletes and lists rule sets in the Redis rule store, validating
+//! first, and publishes each change for the listeners.
+
+use std::fmt;
+
+use fluxgate_core::limiter::RateLimiter;
+use fluxgate_core::{RuleError, RuleSet, RuleSetSpec};
+use fred::interfaces::PubsubInterface;
+
+use crate::changes::{RuleChange, DEFAULT_CHANGES_CHANNEL};
+use crate::error::RedisError;
+use crate::store::{RedisRuleSetStore, StoreError};
+
+/// Administers the rule sets of a [`RedisRuleSetStore`]: every change is validated, stored,
+/// then published as a [`RuleChange`] (JSON, with a new event id and source `admin`) on
+/// the change channel, where [`RuleChangeListener`](crate::RuleChangeListener)s reload.
+///
+/// - A rule set is validated as rules ([`RuleSet::from_spec`]) and by every limiter given
+///   to [`validate_with`](Self::validate_with) (the Redis limiter refuses a band beyond its
+///   exact range, for example) before anything is stored: a rule set that fails is never
+///   stored, and nothing is published.
+/// - Changes reset the changed rule set's buckets by default, as the original did
+///   ([`reset_on_change`](Self::reset_on_change)); the listeners run the reset once per
+///   change.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use fluxgate_core::RuleSetSpec;
+/// use fluxgate_redis::{RedisLimiter, RedisRuleSetStore, RuleAdmin};
+///
+/// let url = "redis://127.0.0.1:6379";
+/// let limiter = RedisLimiter::builder(url).connect().await?;
+/// let admin = RuleAdmin::new(RedisRuleSetStore::connect(url).await?).validate_with(limiter);
+/// let spec: RuleSetSpec = serde_json::from_str(r#"{"id": "api", "rules": [
+///     {"id": "per-ip", "bands": [{"capacity": 100, "window": "1m"}]}]}"#)?;
+/// admin.put(&spec).await?; // validated, stored, published
+/// # Ok(()) }
+/// ```
+pub struct RuleAdmin {
+    store: RedisRuleSetStore,
+    channel: String,
+    reset_on_change: bool,
+    limiters: Vec<Box<dyn RateLimiter>>,
+}
+
+/// Why a [`RuleAdmin`] call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// The rule set is invalid, or a limiter cannot decide it: nothing was stored.
+    #[error(transparent)]
+    Rule(#[from] RuleError),
+    /// The store failed: nothing was published.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The change was stored but could not be published: listeners learn of it at their
+    /// next reconnection or poll, or when [`RuleAdmin::publish`] is called again.
+    #[error("rule set `{rule_set}` stored, but the change event could not be published: {source}")]
+    Publish {
+        /// The rule set.
+        rule_set: String,
+        /// Why.
+        #[source]
+        source: RedisError,
+    },
+}
+
+impl fmt::Debug for RuleAdmin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuleAdmin")
+            .field("store", &self.store)
+            .field("channel", &self.channel)
+            .field("reset_on_change", &self.reset_on_change)
+            .field("limiters", &self.limiters)
+            .finish()
+    }
+}
+
+impl RuleAdmin {
+    /// An admin of `store`, publishing on [`DEFAULT_CHANGES_CHANNEL`].
+    pub fn new(store: RedisRuleSetStore) -> Self {
+        Self {
+            store,
+            channel: DEFAULT_CHANGES_CHANNEL.to_owned(),
+            reset_on_change: true,
+            limiters: Vec::new(),
+        }
+    }
+
+    /// The channel changes are published on.
+    #[must_use]
+    pub fn channel(mut self, channel: impl Into<String>) -> Self {
+        self.channel = channel.into();
+        self
+    }
+
+    /// Whether a change resets the changed rule set's buckets. Default `true`.
+    #[must_use]
+    pub fn reset_on_change(mut self, reset: bool) -> Self {
+        self.reset_on_change = reset;
+        self
+    }
+
+    /// Validates rule sets with this limiter's [`RateLimiter::validate`] too, before
+    /// storing them: pass the limiter the engines use.
+    #[must_use]
+    pub fn validate_with(mut self, limiter: impl RateLimiter) -> Self {
+        self.limiters.push(Box::new(limiter));
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &RedisRuleSetStore {
+        &self.store
+    }
+
+    /// Validates `spec` (rules, then every limiter), stores it, and publishes the change.
+    /// Answers the event published.
+    ///
+    /// # Errors
+    ///
+    /// [`AdminError::Rule`] (nothing stored), [`AdminError::Store`], or
+    /// [`AdminError::Publish`] (stored, not published).
+    pub async fn put(&self, spec: &RuleSetSpec) -> Result<RuleChange, AdminError> {
+        let set = RuleSet::from_spec(spec.clone())?;
+        for limiter in &self.limiters {
+            limiter.validate(&set)?;
+        }
+        self.store.put(spec).await?;
+        self.announce(&spec.id).await
+    }
+
+    /// Deletes the rule set `id` and, when it was stored, publishes the change. Answers
+    /// the event published, `None` when there was no such rule set.
+    ///
+    /// # Errors
+    ///
+    /// [`AdminError::Store`], or [`AdminError::Publish`] (deleted, not published).
+    pub async fn delete(&self, id: &str) -> Result<Option<RuleChange>, AdminError> {
+        if !self.store.delete(id).await? {
+            return Ok(None);
+        }
+        self.announce(id).await.map(Some)
+    }
+
+    /// The stored rule sets, by id.
+    ///
+    /// # Errors
+    ///
+    /// See [`RedisRuleSetStore::list`].
+    pub async fn list(&self) -> Result<Vec<RuleSetSpec>, AdminError> {
+        Ok(self.store.list().await?)
+    }
+
+    /// Publishes `change` on the channel as JSON; answers how many subscribers received
+    /// it (on a cluster, those of the node that took the command).
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Command`] or [`RedisError::Timeout`].
+    pub async fn publish(&self, change: &RuleChange) -> Result<u64, RedisError> {
+        let client = self.store.client();
+        let publish = client.publish::<u64, _, _>(self.channel.as_str(), change.to_json());
+        match tokio::time::timeout(self.store.call_timeout(), publish).await {
+            Ok(result) => result.map_err(RedisError::Command),
+            Err(_) => Err(RedisError::Timeout(self.store.call_timeout())),
+        }
+    }
+
+    async fn announce(&self, id: &str) -> Result<RuleChange, AdminError> {
+        let change = RuleChange::rule_set(id)
+            .with_reset(self.reset_on_change)
+            .with_source("admin")
+            .with_new_event_id();
+        match self.publish(&change).await {
+            Ok(_) => Ok(change),
+            Err(source) => Err(AdminError::Publish {
+                rule_set: id.to_owned(),
+                source,
+            }),
+        }
+    }
+}

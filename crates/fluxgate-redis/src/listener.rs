@@ -1,0 +1,449 @@
+//! [`RuleChangeListener`]: reloads rules when a change event arrives on the Redis Pub/Sub
+//! channel, resets the changed rule set's buckets once per event, and reloads everything
+//! after a reconnection.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use fluxgate_core::reload::{ReloadingRuleSetProvider, RuleSource};
+use fred::clients::Client;
+use fred::interfaces::{ClientLike, EventInterface, KeysInterface, PubsubInterface};
+use fred::types::{Expiration, SetOptions};
+use tokio::sync::broadcast::error::RecvError;
+
+use crate::changes::{RuleChange, DEFAULT_CHANGES_CHANNEL};
+use crate::connection;
+use crate::error::RedisError;
+use crate::key;
+use crate::limiter::RedisLimiter;
+use crate::reset::ResetScope;
+
+/// How often the listener's connection tries to reconnect.
+const RECONNECT_DELAY: Duration = Duration::from_millis(100);
+
+/// How long a reset claim lives: listeners that receive the same event later than this
+/// after the first one would reset again.
+const CLAIM_TTL: Duration = Duration::from_secs(10);
+
+/// How long a listener that did not win the claim waits for the reset to finish before it
+/// forgets its remembered denials anyway.
+const CLAIM_WAIT: Duration = Duration::from_secs(5);
+
+/// The deadline of the claim's commands.
+const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Reloads a [`ReloadingRuleSetProvider`] from a [`RuleSource`] whenever a rule change
+/// event ([`RuleChange`]) is published on a Redis channel (`fluxgate:rule-changes` by
+/// default), and after every reconnection of its subscription.
+///
+/// For each valid event, in the order they arrive:
+///
+/// 1. **Reload**: every rule set is loaded from the source and the changed ones swapped in
+///    (a bad load keeps the rules in force; it is logged and counted by the provider).
+/// 2. **Reset**, when the event asks for it (a bare id does; see [`RuleChange`]):
+///    - on this instance: the in-memory counters of the rule set
+///      ([`ReloadingRuleSetProvider::reset_buckets`]) and, with a Redis limiter
+///      ([`RuleChangeListenerBuilder::reset`]), its remembered denials;
+///    - in Redis, **once per event** however many instances listen: each listener tries to
+///      claim the event (`SET <channel>:reset:<event key> … NX PX 10000`); the one that
+///      wins deletes the rule set's bucket keys ([`RedisLimiter::reset_buckets`]: `SCAN`
+///      on every primary) and marks the claim done; the others wait for that mark (at
+///      most 5 s) and forget their remembered denials again.
+///
+/// An invalid message is logged, counted ([`ListenerStats::invalid`]) and ignored. When
+/// the subscription's connection comes back after a failure, or when events were dropped
+/// because the listener fell behind, every rule set is reloaded (events may have been
+/// missed) and counted ([`ListenerStats::resyncs`]).
+///
+/// The listener holds the provider weakly and stops once it is dropped, as does dropping
+/// the listener (its task is aborted and its connection closed).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// use std::sync::Arc;
+/// use fluxgate_core::reload::ReloadingRuleSetProvider;
+/// use fluxgate_core::{Engine, RuleSets};
+/// use fluxgate_redis::{RedisLimiter, RedisRuleSetStore, RuleChangeListener};
+///
+/// let url = "redis://127.0.0.1:6379";
+/// let store = Arc::new(RedisRuleSetStore::connect(url).await?);
+/// let limiter = RedisLimiter::builder(url).connect().await?;
+/// let provider = Arc::new(ReloadingRuleSetProvider::new(store.load_rule_sets().await?));
+/// let engine = Engine::builder(provider.clone()).limiter(limiter.clone()).build()?;
+/// // Keep `listener`: dropping it stops listening.
+/// let listener = RuleChangeListener::builder(provider, store)
+///     .reset(limiter)
+///     .subscribe(url)
+///     .await?;
+/// # drop((engine, listener));
+/// # Ok(())
+/// # }
+/// ```
+pub struct RuleChangeListener {
+    task: tokio::task::JoinHandle<()>,
+    client: Client,
+    stats: Arc<Stats>,
+    channel: String,
+}
+
+/// Builds a [`RuleChangeListener`].
+pub struct RuleChangeListenerBuilder {
+    provider: Arc<ReloadingRuleSetProvider>,
+    source: Arc<dyn RuleSource>,
+    channel: String,
+    redis: Option<RedisLimiter>,
+}
+
+/// What a [`RuleChangeListener`] has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ListenerStats {
+    /// Valid events handled: reloaded, and reset if asked.
+    pub events: u64,
+    /// Messages that were not valid events, ignored.
+    pub invalid: u64,
+    /// Full reloads after a reconnection or after events were dropped.
+    pub resyncs: u64,
+    /// Redis bucket resets this listener claimed and ran.
+    pub redis_resets: u64,
+    /// Redis bucket resets that failed (the claim or the deletion).
+    pub reset_failures: u64,
+}
+
+#[derive(Default)]
+struct Stats {
+    events: AtomicU64,
+    invalid: AtomicU64,
+    resyncs: AtomicU64,
+    redis_resets: AtomicU64,
+    reset_failures: AtomicU64,
+}
+
+impl RuleChangeListener {
+    /// A builder: `provider` is reloaded from `source` on every event.
+    pub fn builder(provider: Arc<ReloadingRuleSetProvider>, source: Arc<dyn RuleSource>) -> RuleChangeListenerBuilder {
+        RuleChangeListenerBuilder {
+            provider,
+            source,
+            channel: DEFAULT_CHANGES_CHANNEL.to_owned(),
+            redis: None,
+        }
+    }
+
+    /// What the listener has done so far.
+    pub fn stats(&self) -> ListenerStats {
+        let get = |n: &AtomicU64| n.load(Ordering::Relaxed);
+        ListenerStats {
+            events: get(&self.stats.events),
+            invalid: get(&self.stats.invalid),
+            resyncs: get(&self.stats.resyncs),
+            redis_resets: get(&self.stats.redis_resets),
+            reset_failures: get(&self.stats.reset_failures),
+        }
+    }
+
+    /// The channel listened to.
+    pub fn channel(&self) -> &str {
+        &self.channel
+    }
+
+    /// Whether the listener's task has ended (the provider was dropped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Drop for RuleChangeListener {
+    fn drop(&mut self) {
+        self.task.abort();
+        let client = self.client.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = client.quit().await;
+            });
+        }
+    }
+}
+
+impl fmt::Debug for RuleChangeListener {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuleChangeListener")
+            .field("channel", &self.channel)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for RuleChangeListenerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RuleChangeListenerBuilder")
+            .field("source", &self.source)
+            .field("channel", &self.channel)
+            .field("reset", &self.redis)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RuleChangeListenerBuilder {
+    /// The channel. Default [`DEFAULT_CHANGES_CHANNEL`], `fluxgate:rule-changes`.
+    pub fn channel(mut self, channel: impl Into<String>) -> Self {
+        self.channel = channel.into();
+        self
+    }
+
+    /// Resets buckets in Redis through this limiter (its prefix, its connections) when an
+    /// event asks for it, once per event across all listeners, and forgets this
+    /// instance's remembered denials. Without it, a reset reaches only the in-memory
+    /// counters.
+    pub fn reset(mut self, limiter: RedisLimiter) -> Self {
+        self.redis = Some(limiter);
+        self
+    }
+
+    /// Connects a connection of its own to the Redis at `url` (standalone, Cluster or
+    /// Sentinel, as [`RedisLimiter::builder`]), subscribes, and starts listening on the
+    /// caller's tokio runtime.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Url`], [`RedisError::Connect`], or [`RedisError::Command`] when the
+    /// subscription fails.
+    pub async fn subscribe(self, url: &str) -> Result<RuleChangeListener, RedisError> {
+        let (builder, _) = connection::builder(url, RECONNECT_DELAY)?;
+        let client = builder.build().map_err(RedisError::Connect)?;
+        client.init().await.map_err(RedisError::Connect)?;
+        self.subscribe_with(client).await
+    }
+
+    /// Subscribes with `client`, a connected client used for nothing else (a subscribed
+    /// connection takes no other command), and starts listening on the caller's tokio
+    /// runtime. Give the client a reconnect policy: the listener reloads everything and
+    /// subscribes again after each reconnection.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Command`] when the subscription fails.
+    pub async fn subscribe_with(self, client: Client) -> Result<RuleChangeListener, RedisError> {
+        // Receivers first: no message published once the subscription holds is missed.
+        let messages = client.message_rx();
+        let reconnects = client.reconnect_rx();
+        client
+            .subscribe(self.channel.as_str())
+            .await
+            .map_err(RedisError::Command)?;
+        let stats = Arc::new(Stats::default());
+        let listen = Listen {
+            provider: Arc::downgrade(&self.provider),
+            source: self.source,
+            channel: self.channel.clone(),
+            redis: self.redis,
+            client: client.clone(),
+            stats: stats.clone(),
+        };
+        let task = tokio::spawn(listen.run(messages, reconnects));
+        Ok(RuleChangeListener {
+            task,
+            client,
+            stats,
+            channel: self.channel,
+        })
+    }
+}
+
+/// The listening task's state.
+struct Listen {
+    provider: Weak<ReloadingRuleSetProvider>,
+    source: Arc<dyn RuleSource>,
+    channel: String,
+    redis: Option<RedisLimiter>,
+    client: Client,
+    stats: Arc<Stats>,
+}
+
+impl Listen {
+    async fn run(
+        self,
+        mut messages: tokio::sync::broadcast::Receiver<fred::types::Message>,
+        mut reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
+    ) {
+        loop {
+            tokio::select! {
+                message = messages.recv() => match message {
+                    Ok(message) if *message.channel == *self.channel => {
+                        let bytes = message.value.as_bytes().map(<[u8]>::to_vec);
+                        if !self.event(bytes.as_deref()).await {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(RecvError::Lagged(missed)) => {
+                        tracing::warn!(missed, channel = %self.channel, "rule change events dropped: reloading everything");
+                        if !self.resync().await {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+                reconnect = reconnects.recv() => match reconnect {
+                    Ok(_) | Err(RecvError::Lagged(_)) => {
+                        // A new connection holds no subscription.
+                        if let Err(error) = self.client.subscribe(self.channel.as_str()).await {
+                            tracing::warn!(%error, channel = %self.channel, "cannot subscribe again to the rule change channel");
+                        }
+                        tracing::info!(channel = %self.channel, "rule change listener reconnected: reloading everything");
+                        if !self.resync().await {
+                            return;
+                        }
+                    }
+                    Err(RecvError::Closed) => return,
+                },
+            }
+        }
+    }
+
+    /// Reloads every rule set; answers whether the provider is still there.
+    async fn resync(&self) -> bool {
+        let Some(provider) = self.provider.upgrade() else {
+            return false;
+        };
+        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        let _ = self.reload(&provider).await;
+        true
+    }
+
+    /// Handles one message; answers whether the provider is still there.
+    async fn event(&self, bytes: Option<&[u8]>) -> bool {
+        let Some(provider) = self.provider.upgrade() else {
+            return false;
+        };
+        let parsed = match bytes {
+            Some(bytes) => RuleChange::parse_bytes(bytes),
+            None => Err(crate::changes::ChangeError::NotText),
+        };
+        let change = match parsed {
+            Ok(change) => change,
+            Err(error) => {
+                self.stats.invalid.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, channel = %self.channel, "rule change message ignored");
+                return true;
+            }
+        };
+        tracing::info!(%change, "rule change event");
+        let _ = self.reload(&provider).await;
+        if change.reset_buckets {
+            let message = bytes.map(String::from_utf8_lossy).unwrap_or_default();
+            self.reset(&provider, &change, &message).await;
+        }
+        self.stats.events.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Reloads the provider from the source, a panic of the source included (logged and
+    /// counted as a failure by the provider otherwise).
+    async fn reload(&self, provider: &Arc<ReloadingRuleSetProvider>) -> bool {
+        let (provider, source) = (provider.clone(), self.source.clone());
+        let reload = tokio::spawn(async move { provider.reload_from(&*source).await.is_ok() });
+        match reload.await {
+            Ok(ok) => ok,
+            Err(error) => {
+                tracing::error!(%error, "rule source panicked: the rules in force are kept");
+                false
+            }
+        }
+    }
+
+    async fn reset(&self, provider: &ReloadingRuleSetProvider, change: &RuleChange, message: &str) {
+        let scope = match &change.rule_set {
+            Some(id) => {
+                provider.reset_buckets(id);
+                ResetScope::RuleSet(id)
+            }
+            None => {
+                provider.reset_all_buckets();
+                ResetScope::All
+            }
+        };
+        let Some(limiter) = &self.redis else {
+            return;
+        };
+        let start = key::buckets_start(limiter.prefix(), scope.id());
+        limiter.forget_denials(&start);
+        let claim = format!("{}:reset:{}", self.channel, change.event_key(message));
+        match self.claim(limiter, &claim).await {
+            Ok(true) => match limiter.reset_buckets(scope).await {
+                Ok(_) => {
+                    self.stats.redis_resets.fetch_add(1, Ordering::Relaxed);
+                    self.mark_done(limiter, &claim).await;
+                }
+                Err(error) => {
+                    self.stats.reset_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%error, ?scope, "bucket reset failed");
+                }
+            },
+            Ok(false) => {
+                self.wait_done(limiter, &claim).await;
+                limiter.forget_denials(&start);
+            }
+            Err(error) => {
+                self.stats.reset_failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%error, ?scope, "bucket reset: cannot claim the event");
+            }
+        }
+    }
+
+    /// Claims the reset of an event: answers whether this listener runs it.
+    async fn claim(&self, limiter: &RedisLimiter, claim: &str) -> Result<bool, RedisError> {
+        let client = limiter.connection().next();
+        let set = client.set::<Option<String>, _, _>(
+            claim,
+            "running",
+            Some(Expiration::PX(CLAIM_TTL.as_millis() as i64)),
+            Some(SetOptions::NX),
+            false,
+        );
+        let won = within(set).await?;
+        Ok(won.is_some())
+    }
+
+    async fn mark_done(&self, limiter: &RedisLimiter, claim: &str) {
+        let client = limiter.connection().next();
+        let set = client.set::<Option<String>, _, _>(
+            claim,
+            "done",
+            Some(Expiration::PX(CLAIM_TTL.as_millis() as i64)),
+            Some(SetOptions::XX),
+            false,
+        );
+        if let Err(error) = within(set).await {
+            tracing::warn!(%error, "bucket reset done, but the claim cannot say so");
+        }
+    }
+
+    /// Waits until the listener that won the claim has reset the buckets (or the claim is
+    /// gone, or 5 s passed).
+    async fn wait_done(&self, limiter: &RedisLimiter, claim: &str) {
+        let client = limiter.connection().next();
+        let waited = tokio::time::timeout(CLAIM_WAIT, async {
+            loop {
+                match within(client.get::<Option<String>, _>(claim)).await {
+                    Ok(Some(state)) if state == "running" => {}
+                    _ => return,
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        if waited.is_err() {
+            tracing::warn!(claim, "bucket reset by another instance did not finish within 5 s");
+        }
+    }
+}
+
+async fn within<T>(command: impl std::future::Future<Output = Result<T, fred::error::Error>>) -> Result<T, RedisError> {
+    match tokio::time::timeout(CLAIM_TIMEOUT, command).await {
+        Ok(result) => result.map_err(RedisError::Command),
+        Err(_) => Err(RedisError::Timeout(CLAIM_TIMEOUT)),
+    }
+}

@@ -1,0 +1,460 @@
+//! Rule changes over Redis Pub/Sub: `RuleAdmin` stores and publishes, every listening
+//! instance reloads, and the changed rule set's buckets are reset once per event, on a
+//! standalone server and on a cluster; the three message forms, invalid messages, polls of
+//! unchanged rules, and a listener whose connection is lost.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::reload::{spawn_polling, ReloadingRuleSetProvider};
+use fluxgate::core::{Engine, RequestContext, RuleSetSpec};
+use fluxgate::redis::{
+    AdminError, RedisLimiter, RedisRuleSetStore, ResetScope, RuleAdmin, RuleChange, RuleChangeListener,
+};
+
+use crate::support::backend::check;
+use crate::support::redis::Servers;
+use crate::support::servers::RedisServer;
+
+/// How long a change may take to be enforced everywhere.
+const PROPAGATION: Duration = Duration::from_secs(1);
+
+fn spec(id: &str, capacity: u64) -> RuleSetSpec {
+    serde_json::from_str(&format!(
+        r#"{{"id": "{id}", "rules": [{{"id": "per-ip", "bands": [{{"capacity": {capacity}, "window": "1h"}}]}}]}}"#
+    ))
+    .expect("a rule set spec")
+}
+
+fn ctx(rule_set: &str, ip: &str) -> RequestContext {
+    RequestContext::builder()
+        .rule_set_id(rule_set)
+        .client_ip(ip.parse().expect("an address"))
+        .build()
+}
+
+/// One application instance: its provider, engine, Redis limiter and listener.
+struct Instance {
+    provider: Arc<ReloadingRuleSetProvider>,
+    engine: Engine,
+    listener: RuleChangeListener,
+}
+
+impl Instance {
+    async fn start(url: &str, store: &Arc<RedisRuleSetStore>, prefix: &str) -> Self {
+        let limiter = RedisLimiter::builder(url)
+            .prefix(prefix)
+            .connect()
+            .await
+            .expect("limiter");
+        let sets = store.load_rule_sets().await.expect("first load");
+        let provider = Arc::new(ReloadingRuleSetProvider::new(sets));
+        let engine = Engine::builder(provider.clone())
+            .limiter(limiter.clone())
+            .build()
+            .expect("engine");
+        let listener = RuleChangeListener::builder(provider.clone(), store.clone())
+            .reset(limiter)
+            .subscribe(url)
+            .await
+            .expect("subscribe");
+        Self {
+            provider,
+            engine,
+            listener,
+        }
+    }
+
+    fn capacity(&self, rule_set: &str) -> Option<u64> {
+        let sets = self.provider.rule_sets();
+        Some(sets.get(rule_set)?.rules()[0].bands()[0].capacity())
+    }
+
+    async fn remaining(&self, rule_set: &str, ip: &str) -> Option<u64> {
+        check(&self.engine, &ctx(rule_set, ip)).await.remaining()
+    }
+}
+
+/// Waits until `done` holds, at most `limit`; answers how long it took.
+async fn until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < limit, "{what}: not within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    start.elapsed()
+}
+
+/// How late a 10 ms timer fires now: a test that waits in real time reports it with its
+/// own figures rather than blaming the code for a busy machine.
+async fn lateness() -> Duration {
+    let start = Instant::now();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    start.elapsed().saturating_sub(Duration::from_millis(10))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_put_is_enforced_by_both_instances_and_resets_its_buckets_once() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put api");
+    store.put(&spec("web", 10)).await.expect("put web");
+    let a = Instance::start(&url, &store, "changes").await;
+    let b = Instance::start(&url, &store, "changes").await;
+    let admin = RuleAdmin::new((*store).clone());
+
+    for _ in 0..3 {
+        a.remaining("api", "192.0.2.1").await;
+    }
+    assert_eq!(b.remaining("api", "192.0.2.1").await, Some(6), "one shared bucket");
+    assert_eq!(a.remaining("web", "192.0.2.1").await, Some(9));
+
+    // A tighter rule: both instances enforce it within a second.
+    let put = Instant::now();
+    admin.put(&spec("api", 2)).await.expect("put a tighter api");
+    let took = until(PROPAGATION, "both instances enforce the tighter rule", || {
+        a.capacity("api") == Some(2) && b.capacity("api") == Some(2)
+    })
+    .await;
+    eprintln!(
+        "pub/sub: enforced by both instances {:?} after the put",
+        put.elapsed().max(took)
+    );
+    let resets = |i: &Instance| i.listener.stats().redis_resets;
+    until(PROPAGATION, "both listeners handled the event", || {
+        a.listener.stats().events == 1 && b.listener.stats().events == 1
+    })
+    .await;
+    assert_eq!(resets(&a) + resets(&b), 1, "one reset for the event");
+    assert_eq!(a.remaining("api", "192.0.2.1").await, Some(1));
+    assert_eq!(b.remaining("api", "192.0.2.1").await, Some(0));
+    assert!(!a.engine.check(&ctx("api", "192.0.2.1")).await.unwrap().allowed());
+
+    // The same rules stored again: nothing to reload, but the event resets api's
+    // buckets, once, and nothing else.
+    admin.put(&spec("api", 2)).await.expect("put api again");
+    until(PROPAGATION, "both listeners handled both events", || {
+        a.listener.stats().events == 2 && b.listener.stats().events == 2
+    })
+    .await;
+    assert_eq!(resets(&a) + resets(&b), 2, "one listener reset the buckets");
+    assert_eq!(a.remaining("api", "192.0.2.1").await, Some(1), "api starts over");
+    // Give a second reset, if there were one, the time to happen: it must not.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(resets(&a) + resets(&b), 2, "one reset per event, not one per instance");
+    assert_eq!(
+        b.remaining("api", "192.0.2.1").await,
+        Some(0),
+        "the consumption after the reset stays"
+    );
+    assert_eq!(a.remaining("web", "192.0.2.1").await, Some(8), "web's bucket is intact");
+    assert_eq!(store.list().await.expect("list").len(), 2, "the rule store is intact");
+    assert_eq!(server.cli(&["EXISTS", &store.index_key()]).trim(), "1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_rule_set_is_never_stored_nor_published() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put");
+    let limiter = RedisLimiter::builder(&url).connect().await.expect("limiter");
+    let admin = RuleAdmin::new((*store).clone()).validate_with(limiter);
+    let a = Instance::start(&url, &store, "invalid").await;
+
+    let error = admin.put(&spec("api", 0)).await.unwrap_err();
+    assert!(matches!(error, AdminError::Rule(_)), "{error}");
+    // A capacity the Redis limiter cannot decide exactly: refused before it is stored.
+    let error = admin.put(&spec("api", u64::MAX / 2)).await.unwrap_err();
+    assert!(matches!(error, AdminError::Rule(_)), "{error}");
+    assert!(error.to_string().contains("api"), "{error}");
+    assert_eq!(store.list().await.expect("list"), [spec("api", 10)]);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(a.listener.stats().events, 0, "nothing was published");
+    assert_eq!(a.capacity("api"), Some(10));
+
+    assert!(admin.delete("missing").await.expect("delete").is_none());
+    let change = admin.delete("api").await.expect("delete").expect("an event");
+    assert_eq!(change.rule_set.as_deref(), Some("api"));
+    assert_eq!(change.source.as_deref(), Some("admin"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_three_message_forms_and_an_invalid_message() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put api");
+    store.put(&spec("web", 10)).await.expect("put web");
+    let a = Instance::start(&url, &store, "forms").await;
+    // An instance deciding in memory listens too: resets reach its own counters.
+    let memory = {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(store.load_rule_sets().await.unwrap()));
+        let engine = Engine::builder(provider.clone()).build().expect("engine");
+        let listener = RuleChangeListener::builder(provider.clone(), store.clone())
+            .subscribe(&url)
+            .await
+            .expect("subscribe");
+        (provider, engine, listener)
+    };
+    let memory_remaining = || {
+        memory
+            .1
+            .check(&ctx("api", "192.0.2.9"))
+            .into_ready()
+            .expect("in memory")
+            .expect("decided")
+            .remaining()
+    };
+    let publish = |message: &str| {
+        let receivers = server.cli(&["PUBLISH", "fluxgate:rule-changes", message]);
+        assert_eq!(receivers.trim(), "2", "both listeners are subscribed");
+    };
+    let events = |n: u64| {
+        let (a, m) = (&a, &memory.2);
+        move || a.listener.stats().events == n && m.stats().events == n
+    };
+
+    // A bare id: reload, and reset that rule set's buckets.
+    for _ in 0..4 {
+        a.remaining("api", "192.0.2.9").await;
+        a.remaining("web", "192.0.2.9").await;
+        memory_remaining();
+    }
+    store.put(&spec("api", 20)).await.expect("store without publishing");
+    publish("api");
+    until(PROPAGATION, "the bare-id event", events(1)).await;
+    assert_eq!(a.capacity("api"), Some(20));
+    assert_eq!(
+        memory.0.rule_sets().get("api").unwrap().rules()[0].bands()[0].capacity(),
+        20
+    );
+    until(PROPAGATION, "the reset", || a.listener.stats().redis_resets == 1).await;
+    assert_eq!(a.remaining("api", "192.0.2.9").await, Some(19));
+    assert_eq!(a.remaining("web", "192.0.2.9").await, Some(5), "web is not reset");
+    assert_eq!(memory_remaining(), Some(19), "the in-memory counters start over too");
+
+    // JSON without a reset: reload only.
+    store.put(&spec("web", 30)).await.expect("store without publishing");
+    publish(r#"{"ruleSetId":"web","fullReload":false,"resetBuckets":false,"source":"test"}"#);
+    until(PROPAGATION, "the JSON event", events(2)).await;
+    assert_eq!(a.capacity("web"), Some(30));
+    assert_eq!(a.remaining("api", "192.0.2.9").await, Some(18), "nothing reset");
+    assert_eq!(a.listener.stats().redis_resets, 1);
+
+    // `*`: reload everything, reset nothing.
+    store.put(&spec("api", 40)).await.expect("store without publishing");
+    store.put(&spec("web", 40)).await.expect("store without publishing");
+    publish("*");
+    until(PROPAGATION, "the `*` event", events(3)).await;
+    assert_eq!((a.capacity("api"), a.capacity("web")), (Some(40), Some(40)));
+    assert_eq!(memory_remaining(), Some(39), "a new capacity: a new band, fresh");
+    assert_eq!(memory_remaining(), Some(38), "and not reset again");
+
+    // Invalid messages are counted and ignored; the rules stay.
+    store.put(&spec("api", 50)).await.expect("store without publishing");
+    for bad in ["no spaces allowed", "{\"ruleSetId\": 7}", "{broken"] {
+        publish(bad);
+    }
+    until(PROPAGATION, "the invalid messages", || {
+        a.listener.stats().invalid == 3 && memory.2.stats().invalid == 3
+    })
+    .await;
+    assert_eq!(a.listener.stats().events, 3);
+    assert_eq!(a.capacity("api"), Some(40), "no reload for an invalid message");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_polls_of_unchanged_rules_reset_nothing() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put");
+    let a = Instance::start(&url, &store, "polls").await;
+    for _ in 0..3 {
+        a.remaining("api", "192.0.2.2").await;
+    }
+    let keys = || {
+        let mut keys: Vec<String> = server.cli(&["KEYS", "polls:*"]).lines().map(str::to_owned).collect();
+        keys.sort();
+        keys
+    };
+    let keys_before = keys();
+    let set_before = a.provider.rule_sets().get("api").cloned().expect("api");
+    let reloads = a.provider.reloads();
+    let polling = spawn_polling(a.provider.clone(), store.clone(), Duration::from_millis(5));
+    until(Duration::from_secs(10), "20 polls", || {
+        a.provider.reloads() >= reloads + 20
+    })
+    .await;
+    polling.abort();
+    assert_eq!(a.provider.failures(), 0);
+    let set_after = a.provider.rule_sets().get("api").cloned().expect("api");
+    assert!(Arc::ptr_eq(&set_before, &set_after), "an unchanged poll swaps nothing");
+    assert_eq!(keys(), keys_before, "no key was touched");
+    assert_eq!(
+        a.remaining("api", "192.0.2.2").await,
+        Some(6),
+        "the bucket kept its count"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_subscription_reloads_everything_when_it_comes_back() {
+    let mut server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put");
+    let a = Instance::start(&url, &store, "lost").await;
+
+    // A change stored while the event is lost: the subscription's connection is killed
+    // after the store changed and before anything was published.
+    store.put(&spec("api", 3)).await.expect("store without publishing");
+    let killed = server.cli(&["CLIENT", "KILL", "TYPE", "pubsub"]);
+    assert_eq!(killed.trim(), "1", "the listener's connection");
+    let took = until(Duration::from_secs(5), "the reload after the reconnection", || {
+        a.capacity("api") == Some(3)
+    })
+    .await;
+    eprintln!("listener: reconnected and reloaded {took:?} after its connection was killed");
+    assert!(a.listener.stats().resyncs >= 1);
+
+    // Redis restarted (its data gone, as after a crash): the listener subscribes again,
+    // and the next change reaches it.
+    server.restart();
+    let late = lateness().await;
+    until(
+        Duration::from_secs(5) + late,
+        "the reconnection after the restart",
+        || a.listener.stats().resyncs >= 2,
+    )
+    .await;
+    assert_eq!(a.capacity("api"), Some(3), "an empty store keeps the rules in force");
+    let admin = RuleAdmin::new((*store).clone());
+    // The store's own connection reconnects too: retry until it is back.
+    let start = Instant::now();
+    while let Err(error) = admin.put(&spec("api", 7)).await {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "the store did not come back: {error}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    until(PROPAGATION, "the change after the restart", || {
+        a.capacity("api") == Some(7)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_reset_reaches_every_primary_and_only_its_rule_set() {
+    let servers = Servers::shared_cluster();
+    let Servers::Cluster(cluster) = &servers else {
+        unreachable!("a cluster")
+    };
+    let url = cluster.url();
+    let store = Arc::new(
+        RedisRuleSetStore::with_namespace(
+            RedisRuleSetStore::connect(&url).await.expect("store").client().clone(),
+            "changes-cluster",
+        )
+        .expect("namespace"),
+    );
+    store.put(&spec("api", 5)).await.expect("put api");
+    store.put(&spec("web", 5)).await.expect("put web");
+    let limiter = RedisLimiter::builder(&url)
+        .prefix("changes-cluster")
+        .connect()
+        .await
+        .expect("limiter");
+    let provider = Arc::new(ReloadingRuleSetProvider::new(store.load_rule_sets().await.unwrap()));
+    let engine = Engine::builder(provider.clone())
+        .limiter(limiter.clone())
+        .build()
+        .expect("engine");
+    let ips: Vec<String> = (0..60).map(|i| format!("198.51.100.{i}")).collect();
+    for ip in &ips {
+        check(&engine, &ctx("api", ip)).await;
+        check(&engine, &ctx("web", ip)).await;
+    }
+    let nodes_with_api_keys = cluster
+        .nodes
+        .iter()
+        .filter(|n| !n.cli(&["KEYS", "changes-cluster:{api:*"]).trim().is_empty())
+        .count();
+    assert_eq!(nodes_with_api_keys, 3, "60 buckets spread over every primary");
+
+    let deleted = limiter.reset_buckets(ResetScope::RuleSet("api")).await.expect("reset");
+    assert_eq!(deleted, 60, "one key per bucket");
+    for node in &cluster.nodes {
+        assert_eq!(
+            node.cli(&["KEYS", "changes-cluster:{api:*"]).trim(),
+            "",
+            "node {}",
+            node.port()
+        );
+    }
+    for ip in &ips {
+        assert_eq!(
+            check(&engine, &ctx("api", ip)).await.remaining(),
+            Some(4),
+            "{ip}: api starts over"
+        );
+        assert_eq!(
+            check(&engine, &ctx("web", ip)).await.remaining(),
+            Some(3),
+            "{ip}: web kept its count"
+        );
+    }
+    assert_eq!(store.list().await.expect("list").len(), 2, "the rule store is intact");
+
+    // Two listeners on the cluster: one reset per event.
+    let second = RedisLimiter::builder(&url)
+        .prefix("changes-cluster")
+        .connect()
+        .await
+        .expect("limiter");
+    let listen = |limiter: RedisLimiter| {
+        RuleChangeListener::builder(provider.clone(), store.clone())
+            .channel("changes-cluster:events")
+            .reset(limiter)
+            .subscribe(&url)
+    };
+    let (one, two) = (listen(limiter).await.expect("one"), listen(second).await.expect("two"));
+    let admin = RuleAdmin::new((*store).clone()).channel("changes-cluster:events");
+    admin.put(&spec("web", 5)).await.expect("put web again");
+    until(PROPAGATION, "the reset", || {
+        one.stats().redis_resets + two.stats().redis_resets == 1
+    })
+    .await;
+    until(PROPAGATION, "both listeners", || {
+        one.stats().events == 1 && two.stats().events == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(one.stats().redis_resets + two.stats().redis_resets, 1);
+    assert_eq!(
+        check(&engine, &ctx("web", &ips[0])).await.remaining(),
+        Some(4),
+        "web starts over"
+    );
+    assert_eq!(
+        check(&engine, &ctx("api", &ips[0])).await.remaining(),
+        Some(3),
+        "api kept its count"
+    );
+    limiter_cleanup(&store).await;
+}
+
+async fn limiter_cleanup(store: &RedisRuleSetStore) {
+    for id in ["api", "web"] {
+        store.delete(id).await.expect("cleanup");
+    }
+}
+
+#[test]
+fn a_change_event_round_trips_through_its_json() {
+    let change = RuleChange::rule_set("api").with_source("admin").with_new_event_id();
+    assert_eq!(RuleChange::parse(&change.to_json()).expect("parse"), change);
+}
