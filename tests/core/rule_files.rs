@@ -301,3 +301,34 @@ fn the_documented_example_loads_in_every_format() {
         shape(&yaml)
     );
 }
+
+#[test]
+fn a_rule_file_that_is_too_large_or_not_a_file_is_refused_without_reading_it() {
+    let dir = std::env::temp_dir().join(format!("fluxgate-rule-files-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let large = dir.join("large.yaml");
+    let file = std::fs::File::create(&large).unwrap();
+    // Sparse: the size without the bytes.
+    file.set_len(fluxgate::core::rule::MAX_RULE_FILE + 1).unwrap();
+    let error = RuleSets::from_file(&large).unwrap_err().to_string();
+    assert!(
+        error.contains("large.yaml") && error.contains("larger than 16777216 bytes"),
+        "{error}"
+    );
+
+    // A pipe would block the reader forever: refused at once.
+    let pipe = dir.join("pipe.yaml");
+    let made = std::process::Command::new("mkfifo").arg(&pipe).status().unwrap();
+    assert!(made.success());
+    let error = RuleSets::from_file(&pipe).unwrap_err().to_string();
+    assert!(
+        error.contains("pipe.yaml") && error.contains("not a regular file"),
+        "{error}"
+    );
+    let error = fluxgate::core::FileRuleSource::new(&pipe)
+        .read()
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("not a regular file"), "{error}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

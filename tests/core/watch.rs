@@ -162,6 +162,33 @@ async fn a_watched_directory_reloads_when_one_of_its_rule_files_changes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watched_directory_replaced_by_another_is_followed() {
+    let base = scratch("replaced");
+    let dir = base.join("rules");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("api.yaml"), rules(5)).unwrap();
+    let (provider, engine, _watch) = watched(&dir);
+
+    // A deployment that renames a new directory over the old one.
+    let next = base.join("rules.next");
+    std::fs::create_dir(&next).unwrap();
+    std::fs::write(next.join("api.yaml"), rules(4)).unwrap();
+    let edited = Instant::now();
+    std::fs::rename(&dir, base.join("rules.old")).unwrap();
+    std::fs::rename(&next, &dir).unwrap();
+    let delay = within("the new directory", edited, || provider.reloads() >= 1).await;
+    assert_eq!(limit(&engine).await, Some(4), "{delay:?}");
+
+    // The watch now follows the new directory: an edit in it is seen.
+    let reloads = provider.reloads();
+    let edited = Instant::now();
+    std::fs::write(dir.join("api.yaml"), rules(2)).unwrap();
+    let delay = within("an edit in the new directory", edited, || provider.reloads() > reloads).await;
+    assert_eq!(limit(&engine).await, Some(2), "{delay:?}");
+    std::fs::remove_dir_all(base).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropping_the_watch_stops_reloading() {
     let dir = scratch("drop");
     let file = dir.join("rules.yaml");

@@ -35,9 +35,13 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use crate::error::{BoxError, RuleError};
@@ -259,9 +263,20 @@ impl ReloadingRuleSetProvider {
     /// rules in force are kept), or the errors of [`replace`](Self::replace).
     pub async fn reload_from(&self, source: &dyn RuleSource) -> Result<ReloadReport, ReloadError> {
         let ticket = self.ticket();
-        match source.load().await {
-            Ok(sets) => self.apply(ticket, sets),
-            Err(error) => Err(self.failed(ReloadError::Source(error))),
+        // A source that panics fails the load like one that returns an error: the task
+        // reloading (a poll, a watch, a listener) goes on.
+        let loaded = match std::panic::catch_unwind(AssertUnwindSafe(|| source.load())) {
+            Ok(load) => CatchPanic(load).await,
+            Err(panic) => Err(panic),
+        };
+        match loaded {
+            Ok(Ok(sets)) => self.apply(ticket, sets),
+            Ok(Err(error)) => Err(self.failed(ReloadError::Source(error))),
+            Err(panic) => {
+                let message = panic_message(&*panic);
+                let error = format!("the rule source {source:?} panicked: {message}");
+                Err(self.failed(ReloadError::Source(error.into())))
+            }
         }
     }
 
@@ -369,6 +384,31 @@ impl fmt::Debug for ReloadingRuleSetProvider {
             .field("failures", &self.failures())
             .finish()
     }
+}
+
+/// Polls a future, turning a panic into an `Err` with its payload.
+struct CatchPanic<F>(F);
+
+impl<F: Future + Unpin> Future for CatchPanic<F> {
+    type Output = Result<F::Output, Box<dyn std::any::Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = &mut self.0;
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(inner).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
+    }
+}
+
+/// The message of a panic's payload, when it has one.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> &str {
+    payload
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| payload.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(no message)")
 }
 
 /// Where new rules come from.
@@ -741,6 +781,41 @@ mod tests {
                 Ok(sets(yaml))
             })
         }
+    }
+
+    /// A source that panics, when it is called or when its load is polled.
+    #[derive(Debug)]
+    struct Panicking {
+        when_polled: bool,
+    }
+
+    impl RuleSource for Panicking {
+        fn load(&self) -> BoxFuture<Result<RuleSets, BoxError>> {
+            assert!(self.when_polled, "a source that panics when called");
+            Box::pin(async { panic!("a source that panics when polled") })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_panicking_source_fails_the_load_and_polling_goes_on() {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(sets(ONE)));
+        let before = provider.rule_sets();
+        for when_polled in [false, true] {
+            let error = provider.reload_from(&Panicking { when_polled }).await.unwrap_err();
+            assert!(error.to_string().contains("panicked: a source that panics"), "{error}");
+        }
+        assert!(Arc::ptr_eq(&before, &provider.rule_sets()));
+        assert_eq!((provider.reloads(), provider.failures()), (0, 2));
+
+        let polling = spawn_polling(
+            provider.clone(),
+            Arc::new(Panicking { when_polled: true }),
+            Duration::from_secs(1),
+        );
+        tokio::time::sleep(Duration::from_millis(3500)).await;
+        assert_eq!(provider.failures(), 5, "every poll ran, the task survived");
+        assert!(!polling.is_finished());
+        polling.abort();
     }
 
     #[tokio::test(start_paused = true)]

@@ -3,7 +3,7 @@
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use notify::event::{AccessKind, AccessMode};
@@ -128,20 +128,18 @@ impl WatchBuilder {
     pub fn spawn(self) -> Result<Watch, WatchError> {
         let path = self.source.path();
         let (dir, target) = if std::fs::metadata(path).is_ok_and(|m| m.is_dir()) {
-            (path.to_path_buf(), Target::Directory)
+            let name = path.file_name().map(OsString::from);
+            (path.to_path_buf(), Target::Directory(name))
         } else {
             let name = path.file_name().ok_or_else(|| WatchError {
                 path: path.to_path_buf(),
                 source: "the path names no file".into(),
             })?;
-            let parent = match path.parent() {
-                Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
-                _ => PathBuf::from("."),
-            };
-            (parent, Target::File(name.to_os_string()))
+            (parent_of(path), Target::File(name.to_os_string()))
         };
         let trigger = Arc::new(Notify::new());
         let events = trigger.clone();
+        let rewatch = matches!(target, Target::Directory(_)).then(|| dir.clone());
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
             Ok(event) => {
                 if target.wants(&event) {
@@ -164,18 +162,35 @@ impl WatchBuilder {
                 path: dir.clone(),
                 source: e.into(),
             })?;
+        if rewatch.is_some() {
+            // A directory replaced by another (renamed over it) is seen in its parent.
+            let parent = parent_of(&dir);
+            if let Err(error) = watcher.watch(&parent, RecursiveMode::NonRecursive) {
+                tracing::warn!(%error, parent = %parent.display(), "cannot watch the rule directory's parent: a directory renamed over the rule directory will not be seen");
+            }
+        }
+        let watcher = Arc::new(Mutex::new(watcher));
         let task = tokio::spawn(run(
             Arc::downgrade(&self.provider),
             Arc::new(self.source),
             trigger,
             self.debounce,
             self.on_reload,
+            rewatch.map(|dir| (dir, watcher.clone())),
         ));
         Ok(Watch {
             dir,
             task,
             _watcher: watcher,
         })
+    }
+}
+
+/// The directory a file lives in (`.` for a bare file name).
+fn parent_of(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
     }
 }
 
@@ -196,7 +211,7 @@ impl fmt::Debug for WatchBuilder {
 pub struct Watch {
     dir: PathBuf,
     task: tokio::task::JoinHandle<()>,
-    _watcher: notify::RecommendedWatcher,
+    _watcher: Arc<Mutex<notify::RecommendedWatcher>>,
 }
 
 impl Watch {
@@ -251,8 +266,9 @@ impl WatchError {
 enum Target {
     /// Events naming this file.
     File(OsString),
-    /// Events naming a rule file of the directory.
-    Directory,
+    /// Events naming a rule file of the directory, or the directory itself (by this name,
+    /// in its parent: replaced, moved, removed).
+    Directory(Option<OsString>),
 }
 
 impl Target {
@@ -273,19 +289,24 @@ impl Target {
             }
             match self {
                 Self::File(file) => name == file,
-                Self::Directory => !name.to_string_lossy().starts_with('.') && Format::from_path(path).is_some(),
+                Self::Directory(own) => {
+                    own.as_deref() == Some(name)
+                        || (!name.to_string_lossy().starts_with('.') && Format::from_path(path).is_some())
+                }
             }
         })
     }
 }
 
-/// The watch's task: waits for an event, lets the burst settle, reloads.
+/// The watch's task: waits for an event, lets the burst settle, watches a directory
+/// source again (it may have been replaced), reloads.
 async fn run(
     provider: Weak<ReloadingRuleSetProvider>,
     source: Arc<dyn RuleSource>,
     trigger: Arc<Notify>,
     debounce: Duration,
     on_reload: Option<OnReload>,
+    rewatch: Option<(PathBuf, Arc<Mutex<notify::RecommendedWatcher>>)>,
 ) {
     loop {
         trigger.notified().await;
@@ -293,11 +314,28 @@ async fn run(
         let Some(provider) = provider.upgrade() else {
             return;
         };
-        // Logged and counted by the provider.
+        if let Some((dir, watcher)) = &rewatch {
+            watch_again(dir, watcher);
+        }
+        // Logged and counted by the provider, a panic of the source included.
         let result = provider.reload_from(&*source).await;
         if let Some(callback) = &on_reload {
-            callback(&result);
+            let call = std::panic::AssertUnwindSafe(|| callback(&result));
+            if std::panic::catch_unwind(call).is_err() {
+                tracing::error!("the rule watch's reload callback panicked");
+            }
         }
+    }
+}
+
+/// Watches `dir` again: when it was replaced by another directory, the watch follows the
+/// new one. A directory that is missing now is watched again at the next event of its
+/// parent.
+fn watch_again(dir: &Path, watcher: &Mutex<notify::RecommendedWatcher>) {
+    let mut watcher = watcher.lock().unwrap_or_else(PoisonError::into_inner);
+    let _ = watcher.unwatch(dir);
+    if let Err(error) = watcher.watch(dir, RecursiveMode::NonRecursive) {
+        tracing::warn!(%error, dir = %dir.display(), "cannot watch the rule directory again");
     }
 }
 
@@ -327,6 +365,7 @@ mod tests {
             Arc::new(Counting(loads.clone())),
             trigger.clone(),
             Duration::from_millis(100),
+            None,
             None,
         ));
         (trigger, loads)
@@ -406,9 +445,14 @@ mod tests {
         assert!(file.wants(&renamed));
         assert!(file.wants(&event(EventKind::Create(CreateKind::Any), "/etc/app/..data")));
 
-        let dir = Target::Directory;
-        assert!(dir.wants(&event(write, "/etc/app/rules.toml")));
-        assert!(!dir.wants(&event(write, "/etc/app/.rules.toml.swp")));
-        assert!(!dir.wants(&event(write, "/etc/app/notes.txt")));
+        let dir = Target::Directory(Some("rules".into()));
+        assert!(dir.wants(&event(write, "/etc/app/rules/limits.toml")));
+        assert!(dir.wants(&event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            "/etc/app/rules"
+        )));
+        assert!(!dir.wants(&event(write, "/etc/app/other")));
+        assert!(!dir.wants(&event(write, "/etc/app/rules/.limits.toml.swp")));
+        assert!(!dir.wants(&event(write, "/etc/app/rules/notes.txt")));
     }
 }

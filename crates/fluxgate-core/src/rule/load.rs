@@ -96,9 +96,40 @@ impl RuleSets {
             source: Box::new(source),
         };
         let format = Format::from_path(path).ok_or_else(|| wrap(RuleError::UnknownFormat))?;
-        let text = std::fs::read_to_string(path).map_err(|e| wrap(RuleError::Io(e)))?;
+        let text = read_rule_file(path).map_err(|e| wrap(RuleError::Io(e)))?;
         Self::parse(&text, format).map_err(wrap)
     }
+}
+
+/// The largest rule file read: 16 MiB. A larger file is refused before it is read.
+pub const MAX_RULE_FILE: u64 = 16 * 1024 * 1024;
+
+/// Reads a rule file: a regular file (following symbolic links; a device or a pipe could
+/// block or never end) of at most [`MAX_RULE_FILE`] bytes.
+fn read_rule_file(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    // Before opening: opening a pipe blocks until a writer comes.
+    let metadata = std::fs::metadata(path)?;
+    if !metadata.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let too_large = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("larger than {MAX_RULE_FILE} bytes, the most a rule file may hold"),
+        )
+    };
+    if metadata.len() > MAX_RULE_FILE {
+        return Err(too_large());
+    }
+    let file = std::fs::File::open(path)?;
+    let mut text = String::new();
+    // The file may grow while it is read.
+    file.take(MAX_RULE_FILE + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_RULE_FILE {
+        return Err(too_large());
+    }
+    Ok(text)
 }
 
 /// The YAML parser's message, with the place it names: it leaves out `line 1 column 1`, and a

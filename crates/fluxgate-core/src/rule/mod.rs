@@ -34,7 +34,7 @@ use std::time::Duration;
 
 pub use duration::{format_duration, parse_duration, DurationError};
 pub use error::{BandError, BandRangeError, IdError, MatchError, Problem, ScopeError, ShapeError};
-pub use load::Format;
+pub use load::{Format, MAX_RULE_FILE};
 pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
 pub use options::{Algorithm, Mode, OnMissingKey, ScopeKind};
 pub use spec::{BandSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
