@@ -114,6 +114,16 @@ async fn a_reload_from_the_store_is_enforced_and_a_bad_document_keeps_the_rules(
     server.cli(&["SADD", &store.index_key(), "ghost"]);
     let error = provider.reload_from(&*store).await.unwrap_err();
     assert!(error.to_string().contains("ghost"), "{error}");
+
+    // An index entry that is not a valid id is named, quoted and cut, never used as a key.
+    server.cli(&["SREM", &store.index_key(), "ghost"]);
+    let hostile = format!("x}}\n{}", "y".repeat(500));
+    server.cli(&["SADD", &store.index_key(), &hostile]);
+    let error = provider.reload_from(&*store).await.unwrap_err().to_string();
+    assert!(error.contains("not a valid rule set id"), "{error}");
+    assert!(!error.contains(&"y".repeat(100)), "the id is cut: {error}");
+    let set = provider.rule_sets().get("default").cloned().expect("still in force");
+    assert_eq!(set.rules()[0].bands()[0].capacity(), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

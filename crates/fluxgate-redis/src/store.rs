@@ -5,10 +5,12 @@ use std::fmt;
 use std::time::Duration;
 
 use fluxgate_core::reload::RuleSource;
+use fluxgate_core::rule::check_id;
 use fluxgate_core::{BoxError, BoxFuture, RuleError, RuleSet, RuleSetSpec, RuleSets};
 use fred::clients::Client;
 use fred::interfaces::ClientLike;
 use fred::types::scripts::Script;
+use fred::types::Value;
 
 use crate::connection::{self, Connection};
 use crate::error::RedisError;
@@ -29,14 +31,25 @@ const PUT: &str = "redis.call('SET', KEYS[1], ARGV[2]); redis.call('SADD', KEYS[
 /// there was one.
 const DELETE: &str = "local n = redis.call('DEL', KEYS[1]); redis.call('SREM', KEYS[2], ARGV[1]); return n";
 
-/// Every indexed id with its document (`false` when missing), read in one step:
-/// `id1, doc1, id2, doc2, …`.
-const LOAD: &str = "local out = {}
-for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
-  out[#out + 1] = id
-  out[#out + 1] = redis.call('GET', ARGV[1] .. id)
+/// The indexed ids.
+const INDEX: &str = "return redis.call('SMEMBERS', KEYS[1])";
+
+/// The documents of the ids in `ARGV` (their keys in `KEYS[2..]`), read in one step, if
+/// the index (`KEYS[1]`) still names exactly those ids; `false` otherwise. A missing
+/// document is `false` in the reply.
+const LOAD: &str = "if redis.call('SCARD', KEYS[1]) ~= #ARGV then return false end
+for _, id in ipairs(ARGV) do
+  if redis.call('SISMEMBER', KEYS[1], id) == 0 then return false end
 end
+local out = {}
+for i = 2, #KEYS do out[#out + 1] = redis.call('GET', KEYS[i]) end
 return out";
+
+/// How many times a load reads the index again when it changed in between.
+const LOAD_ATTEMPTS: usize = 5;
+
+/// The largest rule set document read: 16 MiB, as a rule file.
+const MAX_DOCUMENT: usize = 16 * 1024 * 1024;
 
 /// Why the rule store failed.
 #[derive(Debug, thiserror::Error)]
@@ -95,7 +108,8 @@ pub enum StoreError {
 ///   (`fluxgate:` by default), so no pattern over bucket keys matches a key of the store.
 /// - [`put`](Self::put) validates the rule set before it stores anything: an invalid rule
 ///   set is never stored.
-/// - As a [`RuleSource`], the store loads every indexed rule set in one script call (one
+/// - As a [`RuleSource`], the store reads the index, then every indexed rule set in one
+///   script call that checks the index did not change meanwhile (one
 ///   consistent snapshot); a stored document that is not a valid rule set fails the load,
 ///   so that a reload keeps the rules in force, and so does an empty store (unless
 ///   [`allow_empty`](Self::allow_empty)): the Redis that holds the rules should not evict
@@ -124,6 +138,7 @@ pub struct RedisRuleSetStore {
     allow_empty: bool,
     put: Script,
     delete: Script,
+    index: Script,
     load: Script,
 }
 
@@ -185,6 +200,7 @@ impl RedisRuleSetStore {
             allow_empty: false,
             put: Script::from_lua(PUT),
             delete: Script::from_lua(DELETE),
+            index: Script::from_lua(INDEX),
             load: Script::from_lua(LOAD),
         })
     }
@@ -254,41 +270,78 @@ impl RedisRuleSetStore {
         Ok(removed > 0)
     }
 
-    /// The stored rule sets, by id, read in one script call.
+    /// The stored rule sets, by id: the index, then the documents in one script call
+    /// that checks the index is unchanged (read again if it changed), so the rule sets
+    /// are one consistent snapshot. Every key a script touches is declared.
     ///
     /// # Errors
     ///
     /// [`StoreError::Redis`], or [`StoreError::Document`] / [`StoreError::Missing`] for the
     /// first stored rule set (in id order) that cannot be read.
     pub async fn list(&self) -> Result<Vec<RuleSetSpec>, StoreError> {
-        let args = vec![format!("{}:set:", self.tag)];
-        let flat: Vec<Option<String>> = self.call(&self.load, vec![self.index_key()], args).await?;
-        let mut specs = Vec::with_capacity(flat.len() / 2);
-        let mut pairs: Vec<(String, Option<String>)> = flat
-            .chunks(2)
-            .map(|pair| (pair[0].clone().unwrap_or_default(), pair.get(1).cloned().flatten()))
-            .collect();
-        pairs.sort_by(|a, b| a.0.cmp(&b.0));
-        for (id, document) in pairs {
-            let key = self.document_key(&id);
-            let Some(document) = document else {
-                return Err(StoreError::Missing { id, key });
-            };
-            let spec: RuleSetSpec = serde_json::from_str(&document).map_err(|e| StoreError::Document {
-                id: id.clone(),
-                key: key.clone(),
-                reason: e.to_string(),
-            })?;
-            if spec.id != id {
+        for _ in 0..LOAD_ATTEMPTS {
+            let mut ids: Vec<String> = self.call(&self.index, vec![self.index_key()], vec![]).await?;
+            ids.sort();
+            if let Some(bad) = ids.iter().find(|id| check_id(id).is_err()) {
+                let shown: String = bad.chars().take(64).collect();
                 return Err(StoreError::Document {
-                    id,
-                    key,
-                    reason: format!("it holds rule set `{}`", spec.id),
+                    id: format!("{shown:?}"),
+                    key: self.index_key(),
+                    reason: "the index holds an id that is not a valid rule set id".into(),
                 });
             }
-            specs.push(spec);
+            let mut keys = Vec::with_capacity(ids.len() + 1);
+            keys.push(self.index_key());
+            keys.extend(ids.iter().map(|id| self.document_key(id)));
+            let reply: Value = self.call(&self.load, keys, ids.clone()).await?;
+            if let Value::Array(documents) = reply {
+                let documents = documents.into_iter().map(|document| match document {
+                    Value::Null => None,
+                    other => other.into_string(),
+                });
+                return ids
+                    .into_iter()
+                    .zip(documents)
+                    .map(|(id, document)| self.read_document(id, document))
+                    .collect();
+            }
+            // The index changed between the two reads: read it again.
         }
-        Ok(specs)
+        Err(StoreError::Document {
+            id: "*".into(),
+            key: self.index_key(),
+            reason: format!("the index kept changing during {LOAD_ATTEMPTS} reads"),
+        })
+    }
+
+    fn read_document(&self, id: String, document: Option<String>) -> Result<RuleSetSpec, StoreError> {
+        let key = self.document_key(&id);
+        let Some(document) = document else {
+            return Err(StoreError::Missing { id, key });
+        };
+        if document.len() > MAX_DOCUMENT {
+            return Err(StoreError::Document {
+                id,
+                key,
+                reason: format!(
+                    "{} bytes, more than the {MAX_DOCUMENT} a rule set may hold",
+                    document.len()
+                ),
+            });
+        }
+        let spec: RuleSetSpec = serde_json::from_str(&document).map_err(|e| StoreError::Document {
+            id: id.clone(),
+            key: key.clone(),
+            reason: e.to_string(),
+        })?;
+        if spec.id != id {
+            return Err(StoreError::Document {
+                id,
+                key,
+                reason: format!("it holds rule set `{}`", spec.id.chars().take(64).collect::<String>()),
+            });
+        }
+        Ok(spec)
     }
 
     /// The stored rule sets, validated.
