@@ -90,7 +90,10 @@ async fn until_limit(engine: &Engine, capacity: u64, since: Instant) -> Duration
         if decision.limit() == Some(capacity) {
             return since.elapsed();
         }
-        assert!(since.elapsed() < Duration::from_secs(60), "change not seen after a minute");
+        assert!(
+            since.elapsed() < Duration::from_secs(60),
+            "change not seen after a minute"
+        );
         tokio::time::sleep(Duration::from_micros(200)).await;
     }
 }
@@ -147,7 +150,11 @@ fn limit_header(port: u16) -> Option<u64> {
     stream.read_to_string(&mut response).ok()?;
     response
         .lines()
-        .find_map(|line| line.to_ascii_lowercase().strip_prefix("x-ratelimit-limit: ").map(str::to_owned))
+        .find_map(|line| {
+            line.to_ascii_lowercase()
+                .strip_prefix("x-ratelimit-limit: ")
+                .map(str::to_owned)
+        })
         .and_then(|v| v.trim().parse().ok())
 }
 
@@ -159,7 +166,11 @@ fn quickstart(changes: u64) -> String {
     std::fs::create_dir_all(&dir).unwrap();
     let rules = dir.join("rules.yaml");
     std::fs::write(&rules, quickstart_rules(1_000_000)).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut child: Child = Command::new(binary)
         .args(["--listen", &format!("127.0.0.1:{port}"), "--rules"])
         .arg(&rules)
@@ -169,7 +180,10 @@ fn quickstart(changes: u64) -> String {
         .unwrap();
     let started = Instant::now();
     while limit_header(port).is_none() {
-        assert!(started.elapsed() < Duration::from_secs(10), "the quickstart did not start");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the quickstart did not start"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let mut delays = Vec::new();
@@ -218,12 +232,10 @@ async fn cost(server: &RedisServer) -> Vec<String> {
     let (provider, _engine) = instance(&store).await;
     let (store, provider) = (&store, &provider);
     let unchanged = timed(20, move |_| async move { provider.reload_from(store).await.unwrap() }).await;
-    let changed = timed(20, move |i| {
-        async move {
-            store.put(&spec("set0", 1_000 + i as u64)).await.unwrap();
-            let report = provider.reload_from(store).await.unwrap();
-            assert_eq!(report.changed.len(), 1);
-        }
+    let changed = timed(20, move |i| async move {
+        store.put(&spec("set0", 1_000 + i as u64)).await.unwrap();
+        let report = provider.reload_from(store).await.unwrap();
+        assert_eq!(report.changed.len(), 1);
     })
     .await;
     let load_only = timed(20, move |_| async move { store.load_rule_sets().await.unwrap() }).await;
@@ -245,7 +257,11 @@ async fn cost(server: &RedisServer) -> Vec<String> {
     let source = FileRuleSource::new(&file);
     let file_provider = ReloadingRuleSetProvider::new(source.read().unwrap());
     let (source, file_provider) = (&source, &file_provider);
-    let file_unchanged = timed(20, move |_| async move { file_provider.reload_from(source).await.unwrap() }).await;
+    let file_unchanged = timed(
+        20,
+        move |_| async move { file_provider.reload_from(source).await.unwrap() },
+    )
+    .await;
     let file_changed = timed(20, |i| {
         std::fs::write(&file, yaml(1_000 + i as u64)).unwrap();
         async move { assert_eq!(file_provider.reload_from(source).await.unwrap().changed.len(), 1) }
@@ -384,7 +400,10 @@ fn main() {
         );
     }
     if wants("quickstart") {
-        println!("quickstart: rules file saved to enforcement over HTTP: {}", quickstart(changes));
+        println!(
+            "quickstart: rules file saved to enforcement over HTTP: {}",
+            quickstart(changes)
+        );
     }
     if wants("cost") {
         let server = fresh();

@@ -189,10 +189,13 @@ async fn the_three_message_forms_and_an_invalid_message() {
     store.put(&spec("web", 10)).await.expect("put web");
     let a = Instance::start(&url, &store, "forms").await;
     // An instance deciding in memory listens too: resets reach its own counters.
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let memory = {
         let provider = Arc::new(ReloadingRuleSetProvider::new(store.load_rule_sets().await.unwrap()));
         let engine = Engine::builder(provider.clone()).build().expect("engine");
+        let record = seen.clone();
         let listener = RuleChangeListener::builder(provider.clone(), store.clone())
+            .on_event(move |change| record.lock().unwrap().push(change.clone()))
             .subscribe(&url)
             .await
             .expect("subscribe");
@@ -263,6 +266,13 @@ async fn the_three_message_forms_and_an_invalid_message() {
     .await;
     assert_eq!(a.listener.stats().events, 3);
     assert_eq!(a.capacity("api"), Some(40), "no reload for an invalid message");
+    let seen = seen.lock().unwrap().clone();
+    let expected = [
+        RuleChange::rule_set("api"),
+        RuleChange::rule_set("web").with_reset(false).with_source("test"),
+        RuleChange::everything(),
+    ];
+    assert_eq!(seen, expected, "the callback saw each valid event once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -94,7 +94,11 @@ pub struct RuleChangeListenerBuilder {
     source: Arc<dyn RuleSource>,
     channel: String,
     redis: Option<RedisLimiter>,
+    on_event: Option<OnEvent>,
 }
+
+/// A callback run after each valid event is handled.
+type OnEvent = Arc<dyn Fn(&RuleChange) + Send + Sync>;
 
 /// What a [`RuleChangeListener`] has done.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -129,6 +133,7 @@ impl RuleChangeListener {
             source,
             channel: DEFAULT_CHANGES_CHANNEL.to_owned(),
             redis: None,
+            on_event: None,
         }
     }
 
@@ -182,6 +187,7 @@ impl fmt::Debug for RuleChangeListenerBuilder {
             .field("source", &self.source)
             .field("channel", &self.channel)
             .field("reset", &self.redis)
+            .field("on_event", &self.on_event.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -199,6 +205,16 @@ impl RuleChangeListenerBuilder {
     /// counters.
     pub fn reset(mut self, limiter: RedisLimiter) -> Self {
         self.redis = Some(limiter);
+        self
+    }
+
+    /// Calls `callback` after each valid event has been handled (reloaded, and reset if
+    /// asked), and after each full reload that follows a reconnection (with
+    /// [`RuleChange::everything`]): to invalidate a
+    /// [`CachingRuleSetProvider`](fluxgate_core::CachingRuleSetProvider) in front of
+    /// another store, say, or to log. A panic in the callback is caught and logged.
+    pub fn on_event(mut self, callback: impl Fn(&RuleChange) + Send + Sync + 'static) -> Self {
+        self.on_event = Some(Arc::new(callback));
         self
     }
 
@@ -241,6 +257,7 @@ impl RuleChangeListenerBuilder {
             redis: self.redis,
             client: client.clone(),
             stats: stats.clone(),
+            on_event: self.on_event,
         };
         let task = tokio::spawn(listen.run(messages, reconnects));
         Ok(RuleChangeListener {
@@ -260,9 +277,19 @@ struct Listen {
     redis: Option<RedisLimiter>,
     client: Client,
     stats: Arc<Stats>,
+    on_event: Option<OnEvent>,
 }
 
 impl Listen {
+    fn notify(&self, change: &RuleChange) {
+        if let Some(callback) = &self.on_event {
+            let call = std::panic::AssertUnwindSafe(|| callback(change));
+            if std::panic::catch_unwind(call).is_err() {
+                tracing::error!("the rule change listener's callback panicked");
+            }
+        }
+    }
+
     async fn run(
         self,
         mut messages: tokio::sync::broadcast::Receiver<fred::types::Message>,
@@ -310,6 +337,7 @@ impl Listen {
         };
         self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
         let _ = self.reload(&provider).await;
+        self.notify(&RuleChange::everything());
         true
     }
 
@@ -337,21 +365,14 @@ impl Listen {
             self.reset(&provider, &change, &message).await;
         }
         self.stats.events.fetch_add(1, Ordering::Relaxed);
+        self.notify(&change);
         true
     }
 
-    /// Reloads the provider from the source, a panic of the source included (logged and
-    /// counted as a failure by the provider otherwise).
-    async fn reload(&self, provider: &Arc<ReloadingRuleSetProvider>) -> bool {
-        let (provider, source) = (provider.clone(), self.source.clone());
-        let reload = tokio::spawn(async move { provider.reload_from(&*source).await.is_ok() });
-        match reload.await {
-            Ok(ok) => ok,
-            Err(error) => {
-                tracing::error!(%error, "rule source panicked: the rules in force are kept");
-                false
-            }
-        }
+    /// Reloads the provider from the source; a failure (a panic of the source included)
+    /// is logged and counted by the provider.
+    async fn reload(&self, provider: &ReloadingRuleSetProvider) -> bool {
+        provider.reload_from(&*self.source).await.is_ok()
     }
 
     async fn reset(&self, provider: &ReloadingRuleSetProvider, change: &RuleChange, message: &str) {
