@@ -51,7 +51,7 @@ use fluxgate_core::{
 /// [`MongoRuleSource`](crate::MongoRuleSource).
 pub const DEFAULT_COLLECTION: &str = "rate_limit_rules";
 
-/// The longest `_id` shown in an error; a longer one is cut.
+/// The longest value (an `_id`, a name) shown in an error; a longer one is cut.
 const MAX_SHOWN_ID: usize = 80;
 
 /// Which document an error is about: its `_id`, `ruleSetId` and `id`, as far as they
@@ -71,16 +71,10 @@ impl DocumentRef {
     /// The names of `document`, without checking anything else.
     pub fn of(document: &Document) -> Self {
         let text = |key: &str| match document.get(key) {
-            Some(Bson::String(s)) => Some(s.clone()),
+            Some(Bson::String(s)) => Some(echo(s)),
             _ => None,
         };
-        let object_id = document.get("_id").map(|id| {
-            let shown = id.to_string();
-            match shown.char_indices().nth(MAX_SHOWN_ID) {
-                Some((cut, _)) => format!("{}…", &shown[..cut]),
-                None => shown,
-            }
-        });
+        let object_id = document.get("_id").map(|id| echo(&id.to_string()));
         Self {
             object_id,
             rule_set_id: text("ruleSetId"),
@@ -231,6 +225,16 @@ pub enum WriteError {
         /// The rule set.
         rule_set: String,
     },
+    /// A value of the rule model that this version cannot write.
+    #[error("rule set `{rule_set}`, rule `{rule}`: {what} cannot be written as a document")]
+    Unsupported {
+        /// The rule set.
+        rule_set: String,
+        /// The rule.
+        rule: String,
+        /// What cannot be written.
+        what: String,
+    },
     /// A band's window is not a whole number of milliseconds.
     #[error("rule set `{rule_set}`, rule `{rule}`, band {}: the window {window:?} is not a whole number of milliseconds and cannot be stored exactly", .band + 1)]
     Window {
@@ -292,7 +296,6 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
         },
     };
     let mut rule = RuleSpec::new(id, Vec::new());
-    string("name")?;
     if let Some(enabled) = get("enabled") {
         rule.enabled = match enabled {
             Bson::Boolean(b) => *b,
@@ -351,7 +354,7 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
                 return Err(fail(
                     "onLimitExceedPolicy",
                     DocumentProblem::Unsupported {
-                        value: policy.to_owned(),
+                        value: echo(policy),
                         reason: "a rejected request is answered at once (with Retry-After), never held until tokens refill; use REJECT_REQUEST",
                     },
                 ))
@@ -360,7 +363,7 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
                 return Err(fail(
                     "onLimitExceedPolicy",
                     DocumentProblem::UnknownValue {
-                        value: policy.to_owned(),
+                        value: echo(policy),
                         expected: "REJECT_REQUEST",
                     },
                 ))
@@ -512,7 +515,8 @@ fn rule_to_document(rule_set: &str, rule: &RuleSpec) -> Result<Document, WriteEr
         ScopeKind::ApiKey => ("PER_API_KEY", "apiKey".to_owned()),
         ScopeKind::Attribute => ("CUSTOM", rule.attribute.clone().unwrap_or_default()),
         ScopeKind::Composite => ("COMPOSITE", "composite".to_owned()),
-        _ => ("PER_IP", "ip".to_owned()),
+        ScopeKind::Ip => ("PER_IP", "ip".to_owned()),
+        other => return Err(unsupported(rule_set, rule, format!("the scope {other:?}"))),
     };
     let mut band_documents = Vec::with_capacity(bands.len());
     for (index, band) in bands.iter().enumerate() {
@@ -575,15 +579,23 @@ fn rule_to_document(rule_set: &str, rule: &RuleSpec) -> Result<Document, WriteEr
         document.insert("permits", int64(rule.permits));
     }
     if rule.on_missing_key != OnMissingKey::default() {
-        document.insert("onMissingKey", serde_name(&rule.on_missing_key));
+        document.insert("onMissingKey", serde_name(rule_set, rule, &rule.on_missing_key)?);
     }
     if rule.mode != Mode::default() {
-        document.insert("mode", serde_name(&rule.mode));
+        document.insert("mode", serde_name(rule_set, rule, &rule.mode)?);
     }
     if let Some(policy) = rule.on_backend_failure {
-        document.insert("onBackendFailure", serde_name(&policy));
+        document.insert("onBackendFailure", serde_name(rule_set, rule, &policy)?);
     }
     Ok(document)
+}
+
+fn unsupported(rule_set: &str, rule: &RuleSpec, what: String) -> WriteError {
+    WriteError::Unsupported {
+        rule_set: rule_set.to_owned(),
+        rule: rule.id.clone(),
+        what,
+    }
 }
 
 /// A count or a number of seconds as a BSON int64, as the Java driver writes a `long`.
@@ -593,10 +605,14 @@ fn int64(n: u64) -> Bson {
 }
 
 /// The name of a unit enum of the core as its serde form gives it (`fail_open`).
-fn serde_name<T: serde::Serialize>(value: &T) -> String {
+fn serde_name<T: serde::Serialize + fmt::Debug>(
+    rule_set: &str,
+    rule: &RuleSpec,
+    value: &T,
+) -> Result<String, WriteError> {
     match bson::to_bson(value) {
-        Ok(Bson::String(name)) => name,
-        _ => String::new(),
+        Ok(Bson::String(name)) => Ok(name),
+        _ => Err(unsupported(rule_set, rule, format!("{value:?}"))),
     }
 }
 
@@ -846,7 +862,7 @@ fn scope_kind(name: &str) -> Result<ScopeKind, DocumentProblem> {
         "COMPOSITE" => ScopeKind::Composite,
         _ => {
             return Err(DocumentProblem::UnknownValue {
-                value: name.to_owned(),
+                value: echo(name),
                 expected: "GLOBAL, PER_IP, PER_USER, PER_API_KEY, CUSTOM (with keyStrategyId), COMPOSITE (with compositeKeyFields)",
             })
         }
@@ -872,9 +888,17 @@ const FAILURE_POLICIES: &str = "fail_open, fail_closed, fallback_local";
 /// A unit enum of the core by its name in the rule files, in any case (`SHADOW`).
 fn named<T: serde::de::DeserializeOwned>(name: &str, expected: &'static str) -> Result<T, DocumentProblem> {
     bson::from_bson(Bson::String(name.to_ascii_lowercase())).map_err(|_| DocumentProblem::UnknownValue {
-        value: name.to_owned(),
+        value: echo(name),
         expected,
     })
+}
+
+/// A name found in a document as written in errors: cut after 80 characters.
+fn echo(value: &str) -> String {
+    match value.char_indices().nth(MAX_SHOWN_ID) {
+        Some((cut, _)) => format!("{}…", &value[..cut]),
+        None => value.to_owned(),
+    }
 }
 
 /// A double as written in errors: with an exponent when it is large (`1e300`).

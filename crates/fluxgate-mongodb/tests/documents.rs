@@ -458,6 +458,14 @@ fn the_id_is_named_as_the_mongodb_shell_writes_it() {
 }
 
 #[test]
+fn long_values_are_cut_in_errors() {
+    let long = "X".repeat(100_000);
+    let message = error_with(doc! { "_id": long.as_str(), "scope": long.as_str() });
+    assert!(message.len() < 600, "{} bytes", message.len());
+    assert!(message.contains(&format!("{}…", "X".repeat(80))), "{message}");
+}
+
+#[test]
 fn an_invalid_rule_names_the_document_rule_set_rule_and_field() {
     let cases: Vec<(Document, &str)> = vec![
         (
