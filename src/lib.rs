@@ -30,6 +30,7 @@
 //! | `axum` | yes | the client address from axum's `ConnectInfo` |
 //! | `redis` | no | the Redis backend (the `fluxgate-redis` crate, as `fluxgate::redis`) |
 //! | `watch` | no | `fluxgate::core::reload::spawn_watching`: rule files reloaded when they change |
+//! | `mongodb` | no | rules kept in MongoDB, one document per rule (the `fluxgate-mongodb` crate, as `fluxgate::mongodb`); needs Rust 1.88 |
 
 #![deny(unsafe_code)]
 
@@ -41,6 +42,8 @@ pub use fluxgate_core::{
     RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet,
 };
 
+#[cfg(feature = "mongodb")]
+pub use fluxgate_mongodb as mongodb;
 #[cfg(feature = "redis")]
 pub use fluxgate_redis as redis;
 #[cfg(feature = "tower")]

@@ -14,6 +14,7 @@ mod support {
 mod conformance;
 mod fuzz_regressions;
 mod memory;
+mod mongodb;
 mod reload;
 mod rule_files;
 mod watch;
