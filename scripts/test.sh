@@ -2,6 +2,8 @@
 # Runs the whole test suite: formatting, lints, docs, unit, integration and doc tests (the Redis
 # ones against real redis-server processes the tests start on free loopback ports), and the
 # packaging check of every publishable crate. Installs redis-server when it is missing.
+# The MongoDB rule source's live test runs only when FLUXGATE_TEST_MONGO_URL names a MongoDB
+# server (no MongoDB server package exists in Debian's archive); its other tests need none.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,6 +23,11 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq redis-server redis-tools redis-sentinel >/dev/null
 fi
 echo "redis-server: $(redis-server --version)"
+if [ -n "${FLUXGATE_TEST_MONGO_URL:-}" ]; then
+  echo "MongoDB live test: against FLUXGATE_TEST_MONGO_URL"
+else
+  echo "MongoDB live test: not run (FLUXGATE_TEST_MONGO_URL is not set)"
+fi
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
