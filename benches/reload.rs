@@ -120,8 +120,15 @@ async fn propagation(server: &RedisServer, changes: u64, polling: bool) -> Strin
         let put = Instant::now();
         admin.put(&spec("api", capacity)).await.unwrap();
         delays.push(until_limit(&engine, capacity, put).await);
-        // Changes apart from each other, and at no fixed phase of the polling period.
-        tokio::time::sleep(Duration::from_millis(50 + 37 * (n % 7))).await;
+        // Changes apart from each other and, when polling, spread over the phases of the
+        // period: a change seen at a poll is followed by the next one after a pause drawn
+        // across the period (a golden-ratio sequence), not always right after the poll.
+        let pause = if polling {
+            DEFAULT_POLL_INTERVAL.mul_f64(((n + 1) as f64 * 0.618_034).fract())
+        } else {
+            Duration::from_millis(50 + 37 * (n % 7))
+        };
+        tokio::time::sleep(pause).await;
     }
     summary(&mut delays)
 }
