@@ -707,31 +707,8 @@ fn malformed_values_never_panic() {
             Bson::Undefined,
         ]
     };
-    let top = [
-        "_id",
-        "ruleSetId",
-        "id",
-        "name",
-        "enabled",
-        "scope",
-        "limitScope",
-        "keyStrategyId",
-        "compositeKeyFields",
-        "onLimitExceedPolicy",
-        "bands",
-        "attributes",
-        "priority",
-        "paths",
-        "path",
-        "methods",
-        "method",
-        "algorithm",
-        "permits",
-        "onMissingKey",
-        "mode",
-        "onBackendFailure",
-    ];
-    let band_fields = ["capacity", "windowSeconds", "windowMillis", "window", "label"];
+    let top = RULE_FIELDS;
+    let band_fields = BAND_FIELDS;
     let mut outcomes = (0, 0);
     for value in values() {
         for key in top {
@@ -797,37 +774,39 @@ fn any_bson() -> impl Strategy<Value = Bson> {
     })
 }
 
+/// The fields a rule document may hold.
+const RULE_FIELDS: [&str; 22] = [
+    "_id",
+    "ruleSetId",
+    "id",
+    "name",
+    "enabled",
+    "scope",
+    "limitScope",
+    "keyStrategyId",
+    "compositeKeyFields",
+    "onLimitExceedPolicy",
+    "bands",
+    "attributes",
+    "priority",
+    "paths",
+    "path",
+    "methods",
+    "method",
+    "algorithm",
+    "permits",
+    "onMissingKey",
+    "mode",
+    "onBackendFailure",
+];
+
+/// The fields a band may hold.
+const BAND_FIELDS: [&str; 5] = ["capacity", "windowSeconds", "windowMillis", "window", "label"];
+
 fn field_name() -> impl Strategy<Value = String> {
     prop_oneof![
-        prop::sample::select(vec![
-            "_id",
-            "ruleSetId",
-            "id",
-            "enabled",
-            "scope",
-            "limitScope",
-            "keyStrategyId",
-            "compositeKeyFields",
-            "onLimitExceedPolicy",
-            "bands",
-            "attributes",
-            "priority",
-            "paths",
-            "path",
-            "methods",
-            "method",
-            "algorithm",
-            "permits",
-            "onMissingKey",
-            "mode",
-            "onBackendFailure",
-            "capacity",
-            "windowSeconds",
-            "windowMillis",
-            "window",
-            "label",
-        ])
-        .prop_map(str::to_owned),
+        prop::sample::select(RULE_FIELDS.iter().chain(&BAND_FIELDS).copied().collect::<Vec<_>>())
+            .prop_map(str::to_owned),
         "[a-z]{1,6}",
     ]
 }

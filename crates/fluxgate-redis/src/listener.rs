@@ -416,28 +416,11 @@ impl Listen {
 
     /// Claims the reset of an event: answers whether this listener runs it.
     async fn claim(&self, limiter: &RedisLimiter, claim: &str) -> Result<bool, RedisError> {
-        let client = limiter.connection().next();
-        let set = client.set::<Option<String>, _, _>(
-            claim,
-            "running",
-            Some(Expiration::PX(CLAIM_TTL.as_millis() as i64)),
-            Some(SetOptions::NX),
-            false,
-        );
-        let won = within(set).await?;
-        Ok(won.is_some())
+        set_claim(limiter, claim, "running", SetOptions::NX).await
     }
 
     async fn mark_done(&self, limiter: &RedisLimiter, claim: &str) {
-        let client = limiter.connection().next();
-        let set = client.set::<Option<String>, _, _>(
-            claim,
-            "done",
-            Some(Expiration::PX(CLAIM_TTL.as_millis() as i64)),
-            Some(SetOptions::XX),
-            false,
-        );
-        if let Err(error) = within(set).await {
+        if let Err(error) = set_claim(limiter, claim, "done", SetOptions::XX).await {
             tracing::warn!(%error, "bucket reset done, but the claim cannot say so");
         }
     }
@@ -460,6 +443,15 @@ impl Listen {
             tracing::warn!(claim, "bucket reset by another instance did not finish within 5 s");
         }
     }
+}
+
+/// Sets the claim key to `state` if `option` allows, for [`CLAIM_TTL`]; answers whether
+/// it was set.
+async fn set_claim(limiter: &RedisLimiter, claim: &str, state: &str, option: SetOptions) -> Result<bool, RedisError> {
+    let client = limiter.connection().next();
+    let ttl = i64::try_from(CLAIM_TTL.as_millis()).unwrap_or(i64::MAX);
+    let set = client.set::<Option<String>, _, _>(claim, state, Some(Expiration::PX(ttl)), Some(option), false);
+    Ok(within(set).await?.is_some())
 }
 
 async fn within<T>(command: impl std::future::Future<Output = Result<T, fred::error::Error>>) -> Result<T, RedisError> {
