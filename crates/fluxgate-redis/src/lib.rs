@@ -44,6 +44,14 @@
 //! admitted give back what they consumed (each algorithm's refund, next to its decision in its file of `lua/`). Sentinel: a
 //! `redis-sentinel://` URL with the sentinels and `sentinelServiceName`; after a failover
 //! the client follows the new primary and reloads the scripts on `NOSCRIPT`.
+//!
+//! # Rules in Redis
+//!
+//! [`RedisRuleSetStore`] keeps rule sets in Redis (one JSON document per rule set, and an
+//! index), a [`RuleSource`](fluxgate_core::reload::RuleSource) for reloads. [`RuleAdmin`]
+//! validates, stores and publishes each change as a [`RuleChange`] on
+//! [`DEFAULT_CHANGES_CHANNEL`]; a [`RuleChangeListener`] on every instance reloads and
+//! resets the changed rule set's buckets once per change ([`RedisLimiter::reset_buckets`]).
 
 #![deny(unsafe_code)]
 
