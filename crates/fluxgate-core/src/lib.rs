@@ -46,6 +46,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod api;
 mod clock;
 mod context;
 mod decision;

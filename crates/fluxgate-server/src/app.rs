@@ -1,0 +1,510 @@
+//! The HTTP API: routes, handlers and the state they share.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use fluxgate_core::api::{ApiError, BatchCheckRequest, BatchCheckResponse, CheckRequest, CheckResponse};
+use fluxgate_core::{Engine, Error, RuleSetSpec};
+use fluxgate_redis::{AdminError, RedisLimiter, RuleAdmin, StoreError};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::openapi;
+
+/// What the handlers share.
+pub struct AppState {
+    /// The engine deciding every check.
+    pub engine: Engine,
+    /// The Redis limiter, for `/health`; `None` when buckets are kept in memory.
+    pub redis: Option<RedisLimiter>,
+    /// The rule store's admin; `None` when rules come from a file.
+    pub admin: Option<RuleAdmin>,
+    /// The admin endpoints' bearer token; `None` turns them off.
+    pub admin_token: Option<String>,
+    /// The most requests in one batch.
+    pub max_batch: usize,
+    /// The largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Renders `/metrics`; `None` answers 404.
+    pub metrics: Option<Arc<dyn Fn() -> String + Send + Sync>>,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("engine", &self.engine)
+            .field("redis", &self.redis)
+            .field("admin", &self.admin)
+            .field("admin_token", &self.admin_token.as_ref().map(|_| "…"))
+            .field("max_batch", &self.max_batch)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The service's routes over `state`.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.max_body_bytes;
+    Router::new()
+        .route("/api/ratelimit/check", post(check))
+        .route("/api/ratelimit/check/batch", post(check_batch))
+        .route("/api/rulesets", get(list_rule_sets))
+        .route(
+            "/api/rulesets/{id}",
+            get(get_rule_set).put(put_rule_set).delete(delete_rule_set),
+        )
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi_document))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(state)
+}
+
+/// An error answer: a status and `{"error", "field"}`.
+struct Failure(StatusCode, ApiError);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let mut response = (self.0, Json(self.1)).into_response();
+        if self.0 == StatusCode::UNAUTHORIZED {
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        response
+    }
+}
+
+fn bad_request(error: ApiError) -> Failure {
+    Failure(StatusCode::BAD_REQUEST, error)
+}
+
+/// Reads a JSON object body, naming the field at fault.
+fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
+    // Structs would also read from arrays (fields by position): only objects are accepted.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(bad_request(ApiError::general("the body must be a JSON object")));
+    }
+    let mut json = serde_json::Deserializer::from_slice(body);
+    let value = serde_path_to_error::deserialize(&mut json).map_err(|e| {
+        let path = e.path().to_string();
+        let error = e.into_inner();
+        let message = if error.is_eof() {
+            "the body is not complete JSON".to_owned()
+        } else {
+            error.to_string()
+        };
+        if path.is_empty() || path == "." || path == "?" {
+            bad_request(ApiError::general(message))
+        } else {
+            bad_request(ApiError::field(path, message))
+        }
+    })?;
+    json.end()
+        .map_err(|_| bad_request(ApiError::general("trailing characters after the JSON value")))?;
+    Ok(value)
+}
+
+/// An engine error as an answer: the backend or the rule provider failed (503), or a rule
+/// cannot be decided (500, a configuration error).
+fn engine_failure(error: &Error) -> Failure {
+    match error {
+        Error::Rule(e) => {
+            tracing::error!(error = %e, "a rule cannot be decided");
+            Failure(StatusCode::INTERNAL_SERVER_ERROR, ApiError::general(e.to_string()))
+        }
+        other => Failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::general(format!("the rate-limit backend is unavailable: {other}")),
+        ),
+    }
+}
+
+async fn decide(engine: &Engine, request: &CheckRequest) -> Result<CheckResponse, Failure> {
+    let ctx = request.to_context().map_err(bad_request)?;
+    match engine.check(&ctx).await {
+        Ok(decision) => Ok(CheckResponse::from_decision(&decision)),
+        Err(error) => Err(engine_failure(&error)),
+    }
+}
+
+/// Decides one request.
+#[utoipa::path(
+    post,
+    path = "/api/ratelimit/check",
+    request_body = CheckRequest,
+    responses(
+        (status = 200, description = "The decision (allowed or not)", body = CheckResponse),
+        (status = 400, description = "A field is missing, of the wrong type or invalid", body = ApiError),
+        (status = 413, description = "The body is larger than the limit"),
+        (status = 503, description = "The backend is unavailable and the failure policy answers no decision", body = ApiError),
+    ),
+    tag = "check"
+)]
+pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let request: CheckRequest = match parse(&body) {
+        Ok(request) => request,
+        Err(failure) => return failure.into_response(),
+    };
+    match decide(&state.engine, &request).await {
+        Ok(answer) => Json(answer).into_response(),
+        Err(failure) => failure.into_response(),
+    }
+}
+
+/// Decides many requests, each on its own, in order.
+#[utoipa::path(
+    post,
+    path = "/api/ratelimit/check/batch",
+    request_body = BatchCheckRequest,
+    responses(
+        (status = 200, description = "One decision per request, in order", body = BatchCheckResponse),
+        (status = 400, description = "A request of the batch is invalid (the field names it), or the batch is too large", body = ApiError),
+        (status = 413, description = "The body is larger than the limit"),
+        (status = 503, description = "The backend is unavailable", body = ApiError),
+    ),
+    tag = "check"
+)]
+pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let batch: BatchCheckRequest = match parse(&body) {
+        Ok(batch) => batch,
+        Err(failure) => return failure.into_response(),
+    };
+    if batch.requests.len() > state.max_batch {
+        let error = ApiError::field(
+            "requests",
+            format!(
+                "{} requests: at most {} in one batch",
+                batch.requests.len(),
+                state.max_batch
+            ),
+        );
+        return bad_request(error).into_response();
+    }
+    // Every request is checked before any is decided: an invalid one decides nothing.
+    let mut contexts = Vec::with_capacity(batch.requests.len());
+    for (i, request) in batch.requests.iter().enumerate() {
+        match request.to_context() {
+            Ok(ctx) => contexts.push(ctx),
+            Err(error) => return bad_request(error.within(&format!("requests[{i}]"))).into_response(),
+        }
+    }
+    let decisions = futures_util::future::join_all(contexts.iter().map(|ctx| state.engine.check(ctx))).await;
+    let mut results = Vec::with_capacity(decisions.len());
+    for decision in decisions {
+        match decision {
+            Ok(decision) => results.push(CheckResponse::from_decision(&decision)),
+            Err(error) => return engine_failure(&error).into_response(),
+        }
+    }
+    Json(BatchCheckResponse::new(results)).into_response()
+}
+
+/// Checks the bearer token; answers the admin when the endpoints are on.
+fn admin<'a>(state: &'a AppState, headers: &HeaderMap) -> Result<&'a RuleAdmin, Failure> {
+    let Some(token) = &state.admin_token else {
+        return Err(Failure(StatusCode::NOT_FOUND, ApiError::general("not found")));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        return Err(Failure(
+            StatusCode::UNAUTHORIZED,
+            ApiError::general("a valid bearer token is required"),
+        ));
+    }
+    state.admin.as_ref().ok_or_else(|| {
+        Failure(
+            StatusCode::CONFLICT,
+            ApiError::general("rules come from a file: change the file, it is reloaded"),
+        )
+    })
+}
+
+/// Compares without stopping at the first difference.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut difference = a.len() ^ b.len();
+    for (i, byte) in b.iter().enumerate() {
+        difference |= usize::from(a.get(i).copied().unwrap_or(0) ^ byte);
+    }
+    difference == 0
+}
+
+fn store_failure(error: AdminError) -> Failure {
+    match error {
+        AdminError::Rule(e) => bad_request(ApiError::general(e.to_string())),
+        AdminError::Store(StoreError::Rule(e)) => bad_request(ApiError::general(e.to_string())),
+        other => {
+            tracing::warn!(error = %other, "rule store failed");
+            Failure(StatusCode::SERVICE_UNAVAILABLE, ApiError::general(other.to_string()))
+        }
+    }
+}
+
+fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
+    (status, Json(value)).into_response()
+}
+
+/// Lists the stored rule sets.
+#[utoipa::path(
+    get,
+    path = "/api/rulesets",
+    responses(
+        (status = 200, description = "Every stored rule set, by id", body = [Object]),
+        (status = 401, description = "The bearer token is missing or wrong", body = ApiError),
+        (status = 404, description = "The admin endpoints are off (no token configured)", body = ApiError),
+        (status = 409, description = "Rules come from a file", body = ApiError),
+        (status = 503, description = "The rule store is unavailable", body = ApiError),
+    ),
+    security(("bearer" = [])),
+    tag = "rules"
+)]
+pub(crate) async fn list_rule_sets(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    let admin = match admin(&state, &headers) {
+        Ok(admin) => admin,
+        Err(failure) => return failure.into_response(),
+    };
+    match admin.list().await {
+        Ok(specs) => json(StatusCode::OK, &specs),
+        Err(error) => store_failure(error).into_response(),
+    }
+}
+
+/// Reads one stored rule set.
+#[utoipa::path(
+    get,
+    path = "/api/rulesets/{id}",
+    params(("id" = String, Path, description = "The rule set id")),
+    responses(
+        (status = 200, description = "The rule set, as in a rule file (JSON)", body = Object),
+        (status = 401, description = "The bearer token is missing or wrong", body = ApiError),
+        (status = 404, description = "No such rule set, or the admin endpoints are off", body = ApiError),
+        (status = 409, description = "Rules come from a file", body = ApiError),
+        (status = 503, description = "The rule store is unavailable", body = ApiError),
+    ),
+    security(("bearer" = [])),
+    tag = "rules"
+)]
+pub(crate) async fn get_rule_set(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let admin = match admin(&state, &headers) {
+        Ok(admin) => admin,
+        Err(failure) => return failure.into_response(),
+    };
+    match admin.list().await {
+        Ok(specs) => match specs.iter().find(|spec| spec.id == id) {
+            Some(spec) => json(StatusCode::OK, spec),
+            None => Failure(
+                StatusCode::NOT_FOUND,
+                ApiError::general(format!("no rule set `{}`", shown(&id))),
+            )
+            .into_response(),
+        },
+        Err(error) => store_failure(error).into_response(),
+    }
+}
+
+/// Validates, stores and announces a rule set.
+#[utoipa::path(
+    put,
+    path = "/api/rulesets/{id}",
+    params(("id" = String, Path, description = "The rule set id; the body's `id` must be the same")),
+    request_body(content = Object, description = "The rule set, as in a rule file (JSON)"),
+    responses(
+        (status = 200, description = "Stored, and the change published", body = Object),
+        (status = 400, description = "Not a valid rule set (nothing stored)", body = ApiError),
+        (status = 401, description = "The bearer token is missing or wrong", body = ApiError),
+        (status = 404, description = "The admin endpoints are off", body = ApiError),
+        (status = 409, description = "Rules come from a file", body = ApiError),
+        (status = 413, description = "The body is larger than the limit"),
+        (status = 503, description = "The rule store is unavailable", body = ApiError),
+    ),
+    security(("bearer" = [])),
+    tag = "rules"
+)]
+pub(crate) async fn put_rule_set(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let admin = match admin(&state, &headers) {
+        Ok(admin) => admin,
+        Err(failure) => return failure.into_response(),
+    };
+    let spec: RuleSetSpec = match parse(&body) {
+        Ok(spec) => spec,
+        Err(failure) => return failure.into_response(),
+    };
+    if spec.id != id {
+        let error = ApiError::field(
+            "id",
+            format!("`{}` differs from the path's `{}`", shown(&spec.id), shown(&id)),
+        );
+        return bad_request(error).into_response();
+    }
+    match admin.put(&spec).await {
+        Ok(change) => json(
+            StatusCode::OK,
+            &serde_json::json!({"ruleSetId": id, "eventId": change.event_id}),
+        ),
+        Err(error) => store_failure(error).into_response(),
+    }
+}
+
+/// Deletes a rule set and announces it.
+#[utoipa::path(
+    delete,
+    path = "/api/rulesets/{id}",
+    params(("id" = String, Path, description = "The rule set id")),
+    responses(
+        (status = 204, description = "Deleted, and the change published"),
+        (status = 401, description = "The bearer token is missing or wrong", body = ApiError),
+        (status = 404, description = "No such rule set, or the admin endpoints are off", body = ApiError),
+        (status = 409, description = "Rules come from a file", body = ApiError),
+        (status = 503, description = "The rule store is unavailable", body = ApiError),
+    ),
+    security(("bearer" = [])),
+    tag = "rules"
+)]
+pub(crate) async fn delete_rule_set(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Response {
+    let admin = match admin(&state, &headers) {
+        Ok(admin) => admin,
+        Err(failure) => return failure.into_response(),
+    };
+    match admin.delete(&id).await {
+        Ok(Some(_)) => StatusCode::NO_CONTENT.into_response(),
+        Ok(None) => Failure(
+            StatusCode::NOT_FOUND,
+            ApiError::general(format!("no rule set `{}`", shown(&id))),
+        )
+        .into_response(),
+        Err(error) => store_failure(error).into_response(),
+    }
+}
+
+/// An id from a request, quoted and cut for a message.
+fn shown(id: &str) -> String {
+    let cut: String = id.chars().take(64).collect();
+    cut.escape_debug().to_string()
+}
+
+/// The backend's health.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct HealthReport {
+    /// `up` or `down`.
+    status: &'static str,
+    /// `memory` or `redis`.
+    backend: &'static str,
+    /// How long a `PING` took, in milliseconds (Redis).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    latency_ms: Option<f64>,
+    /// `cluster_state` of a Redis Cluster.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster_state: Option<String>,
+    /// Why the backend is down.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+}
+
+/// Whether the backend answers: 200 when up, 503 when down.
+#[utoipa::path(
+    get,
+    path = "/health",
+    responses(
+        (status = 200, description = "The backend is up", body = HealthReport),
+        (status = 503, description = "The backend is down (or a cluster is not ok)", body = HealthReport),
+    ),
+    tag = "operations"
+)]
+pub(crate) async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let Some(redis) = &state.redis else {
+        let report = HealthReport {
+            status: "up",
+            backend: "memory",
+            latency_ms: None,
+            cluster_state: None,
+            error: None,
+        };
+        return json(StatusCode::OK, &report);
+    };
+    let (status, report) = match redis.health().await {
+        Ok(health) => {
+            let ok = health.cluster_state.as_deref().is_none_or(|state| state == "ok");
+            let report = HealthReport {
+                status: if ok { "up" } else { "down" },
+                backend: "redis",
+                latency_ms: Some(health.latency.as_secs_f64() * 1e3),
+                cluster_state: health.cluster_state,
+                error: None,
+            };
+            let status = if ok {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            (status, report)
+        }
+        Err(error) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            HealthReport {
+                status: "down",
+                backend: "redis",
+                latency_ms: None,
+                cluster_state: None,
+                error: Some(error.to_string()),
+            },
+        ),
+    };
+    json(status, &report)
+}
+
+/// The metrics, as Prometheus text.
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")),
+    tag = "operations"
+)]
+pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    match &state.metrics {
+        Some(render) => (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            render(),
+        )
+            .into_response(),
+        None => Failure(StatusCode::NOT_FOUND, ApiError::general("metrics are off")).into_response(),
+    }
+}
+
+/// This API's OpenAPI document.
+#[utoipa::path(
+    get,
+    path = "/openapi.json",
+    responses((status = 200, description = "The OpenAPI 3.1 document of this API", body = Object)),
+    tag = "operations"
+)]
+pub(crate) async fn openapi_document() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], openapi::json()).into_response()
+}
+
+async fn not_found() -> Response {
+    Failure(StatusCode::NOT_FOUND, ApiError::general("not found")).into_response()
+}

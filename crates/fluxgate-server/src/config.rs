@@ -1,0 +1,324 @@
+//! The server's configuration: a TOML file (`--config`), overridden by flags.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use fluxgate_core::{FailurePolicy, UnknownRuleSet};
+use serde::Deserialize;
+
+/// The address the server listens on unless configured.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8082";
+
+/// The server's configuration. Every section and field is optional; see `docs/service.md`
+/// for the file, field by field.
+///
+/// ```
+/// let config: fluxgate_server::Config = toml::from_str(r#"
+///     listen = "0.0.0.0:8082"
+///     rules = "/etc/fluxgate/rules.yaml"
+///     redis = "redis://127.0.0.1:6379"
+///     [engine]
+///     unknown_rule_set = "deny"
+///     [admin]
+///     token = "s3cret"
+/// "#)?;
+/// assert_eq!(config.listen().port(), 8082);
+/// # Ok::<(), toml::de::Error>(())
+/// ```
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct Config {
+    /// The address to listen on. Default `127.0.0.1:8082`.
+    pub listen: Option<SocketAddr>,
+    /// A rule file or directory (YAML, TOML, JSON), watched for changes. Exclusive with
+    /// `[store]`.
+    pub rules: Option<PathBuf>,
+    /// The Redis that holds the buckets (and the rule store); without it, buckets are kept
+    /// in memory.
+    pub redis: Option<String>,
+    /// The Redis limiter.
+    #[serde(default)]
+    pub limiter: LimiterConfig,
+    /// The engine.
+    #[serde(default)]
+    pub engine: EngineConfig,
+    /// Rules kept in Redis (`RedisRuleSetStore`), reloaded on change events.
+    #[serde(default)]
+    pub store: StoreConfig,
+    /// Rule administration over HTTP.
+    #[serde(default)]
+    pub admin: AdminConfig,
+    /// Limits of the HTTP API.
+    #[serde(default)]
+    pub http: HttpConfig,
+    /// Logs.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// `[limiter]`: the Redis limiter's options (`RedisLimiterBuilder`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LimiterConfig {
+    /// The key prefix. Default `fluxgate`.
+    pub prefix: Option<String>,
+    /// The deadline of one decision in Redis, in milliseconds. Default 50.
+    pub timeout_ms: Option<u64>,
+    /// The number of connections. Default 4.
+    pub pool_size: Option<usize>,
+    /// The local deny cache. Default on (off on a cluster).
+    pub deny_cache: Option<bool>,
+    /// The delay between reconnection attempts, in milliseconds. Default 100.
+    pub reconnect_delay_ms: Option<u64>,
+}
+
+/// `[engine]`: the engine's options (`EngineBuilder`).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// What to do with an unknown rule set id: `allow` (default) or `deny`.
+    pub unknown_rule_set: Option<UnknownRuleSetConfig>,
+    /// When the backend fails, for rules that name no policy: `fail_open`, `fail_closed`
+    /// or `fallback_local` (decide in memory). Default: the request is answered 503.
+    pub on_backend_failure: Option<FailurePolicyConfig>,
+    /// The prefix length keying IPv6 clients. Default 64.
+    pub ipv6_prefix: Option<u8>,
+}
+
+/// `[store]`: rules kept in Redis.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct StoreConfig {
+    /// Whether rules come from the Redis rule store (needs `redis`). Default `false`.
+    #[serde(default)]
+    pub enabled: bool,
+    /// The store's namespace. Default `fluxgate:rules`.
+    pub namespace: Option<String>,
+    /// The change channel. Default `fluxgate:rule-changes`.
+    pub channel: Option<String>,
+    /// Also poll the store every this many milliseconds (a safety net for lost events).
+    /// Default: no polling.
+    pub poll_interval_ms: Option<u64>,
+    /// Whether an empty store is a valid state (no rules). Default `false`.
+    #[serde(default)]
+    pub allow_empty: bool,
+}
+
+/// `[admin]`: rule administration over HTTP.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct AdminConfig {
+    /// The bearer token of the admin endpoints; without one, they are off (404).
+    pub token: Option<String>,
+}
+
+/// `[http]`: limits of the API.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct HttpConfig {
+    /// The largest request body, in bytes; larger ones get 413. Default 1 MiB.
+    pub max_body_bytes: Option<usize>,
+    /// The most requests in one batch. Default 1,000.
+    pub max_batch: Option<usize>,
+}
+
+/// `[log]`: logs on standard error.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LogConfig {
+    /// `text` (default) or `json` (one object per line).
+    pub format: Option<LogFormat>,
+    /// A `tracing` filter, e.g. `info` (default) or `info,fluxgate_core=debug`; the
+    /// `RUST_LOG` variable wins when set.
+    pub level: Option<String>,
+}
+
+/// The log format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The unknown rule set policy, as written in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownRuleSetConfig {
+    /// Admit.
+    Allow,
+    /// Reject.
+    Deny,
+}
+
+/// A failure policy, as written in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePolicyConfig {
+    /// Admit.
+    FailOpen,
+    /// Reject.
+    FailClosed,
+    /// Decide in memory.
+    FallbackLocal,
+}
+
+/// Why the configuration cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("config file `{}`: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not valid: the message names the field and the line.
+    #[error("config file `{}`: {message}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        message: String,
+    },
+    /// A flag is wrong.
+    #[error("{0}")]
+    Flag(String),
+    /// The options contradict each other or miss something.
+    #[error("configuration: {0}")]
+    Inconsistent(String),
+}
+
+impl From<UnknownRuleSetConfig> for UnknownRuleSet {
+    fn from(value: UnknownRuleSetConfig) -> Self {
+        match value {
+            UnknownRuleSetConfig::Allow => UnknownRuleSet::Allow,
+            UnknownRuleSetConfig::Deny => UnknownRuleSet::Deny,
+        }
+    }
+}
+
+impl From<FailurePolicyConfig> for FailurePolicy {
+    fn from(value: FailurePolicyConfig) -> Self {
+        match value {
+            FailurePolicyConfig::FailOpen => FailurePolicy::FailOpen,
+            FailurePolicyConfig::FailClosed => FailurePolicy::FailClosed,
+            FailurePolicyConfig::FallbackLocal => FailurePolicy::FallbackLocal,
+        }
+    }
+}
+
+impl Config {
+    /// Reads a TOML file.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Io`], or [`ConfigError::Invalid`] naming the field and the line.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|e| ConfigError::Invalid {
+            path: path.to_owned(),
+            message: e.to_string().trim_end().to_owned(),
+        })
+    }
+
+    /// Reads the flags (`--config FILE` first, then `--listen`, `--rules`, `--redis`,
+    /// `--admin-token`, which override the file).
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Flag`] for an unknown flag or a missing value, or the errors of
+    /// [`from_file`](Self::from_file).
+    pub fn from_args(args: impl IntoIterator<Item = String>) -> Result<Self, ConfigError> {
+        let args: Vec<String> = args.into_iter().collect();
+        let value = |i: usize, flag: &str| {
+            args.get(i + 1)
+                .cloned()
+                .ok_or_else(|| ConfigError::Flag(format!("{flag} needs a value (try --help)")))
+        };
+        let mut config = match args.iter().position(|a| a == "--config") {
+            Some(i) => Self::from_file(Path::new(&value(i, "--config")?))?,
+            None => Self::default(),
+        };
+        let mut i = 0;
+        while i < args.len() {
+            let flag = args[i].as_str();
+            match flag {
+                "--config" => {}
+                "--listen" => {
+                    let v = value(i, flag)?;
+                    config.listen = Some(v.parse().map_err(|e| ConfigError::Flag(format!("--listen {v}: {e}")))?);
+                }
+                "--rules" => config.rules = Some(value(i, flag)?.into()),
+                "--redis" => config.redis = Some(value(i, flag)?),
+                "--admin-token" => config.admin.token = Some(value(i, flag)?),
+                other => return Err(ConfigError::Flag(format!("unknown argument `{other}` (try --help)"))),
+            }
+            i += 2;
+        }
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Checks that the options fit together.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError::Inconsistent`] saying what is missing or contradictory.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        let problem = if self.store.enabled && self.redis.is_none() {
+            Some("`[store] enabled` needs `redis`")
+        } else if self.store.enabled && self.rules.is_some() {
+            Some("rules come either from `rules` (a file) or from `[store]`, not both")
+        } else if !self.store.enabled && self.rules.is_none() {
+            Some("no rules: give `--rules FILE` (or `rules` in the file), or enable `[store]` with `redis`")
+        } else if self.admin.token.as_deref().is_some_and(|t| t.len() < 16) {
+            Some("`[admin] token` must be at least 16 characters")
+        } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
+            Some("`[engine] ipv6_prefix` must be 1 to 128")
+        } else {
+            None
+        };
+        match problem {
+            Some(problem) => Err(ConfigError::Inconsistent(problem.to_owned())),
+            None => Ok(()),
+        }
+    }
+
+    /// The address to listen on.
+    pub fn listen(&self) -> SocketAddr {
+        self.listen
+            .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("a valid default address"))
+    }
+
+    /// The largest request body.
+    pub fn max_body_bytes(&self) -> usize {
+        self.http.max_body_bytes.unwrap_or(1024 * 1024)
+    }
+
+    /// The most requests in one batch.
+    pub fn max_batch(&self) -> usize {
+        self.http.max_batch.unwrap_or(1_000)
+    }
+
+    /// The limiter's deadline.
+    pub fn limiter_timeout(&self) -> Option<Duration> {
+        self.limiter.timeout_ms.map(Duration::from_millis)
+    }
+}

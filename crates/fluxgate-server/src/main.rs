@@ -1,0 +1,86 @@
+//! `fluxgate-server`: the FluxGate rate-limit service. See `docs/service.md`.
+
+use fluxgate_server::config::LogFormat;
+use fluxgate_server::{Config, Service};
+
+const USAGE: &str =
+    "usage: fluxgate-server [--config FILE] [--listen ADDR] [--rules FILE] [--redis URL] [--admin-token TOKEN]
+
+  --config FILE        a TOML configuration file (see docs/service.md); flags override it
+  --listen ADDR        the address to listen on (default 127.0.0.1:8082)
+  --rules FILE         a rule file or directory, reloaded when it changes
+  --redis URL          keep the buckets in Redis (redis://, rediss://, redis-cluster://, redis-sentinel://)
+  --admin-token TOKEN  turn on the rule administration endpoints, with this bearer token";
+
+fn init_logs(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(config.log.level.as_deref().unwrap_or("info")));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match config.log.format {
+        Some(LogFormat::Json) => logs.json().init(),
+        _ => logs.init(),
+    }
+}
+
+/// Completes on SIGTERM or Ctrl-C.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM");
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = interrupt.await;
+    tracing::info!("shutting down: the checks in flight finish first");
+}
+
+#[tokio::main]
+async fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return;
+    }
+    let config = match Config::from_args(args) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("error: {error}");
+            std::process::exit(2);
+        }
+    };
+    init_logs(&config);
+    let service = match Service::start(&config).await {
+        Ok(service) => service,
+        Err(error) => {
+            tracing::error!(%error, "cannot start");
+            std::process::exit(1);
+        }
+    };
+    let listener = match tokio::net::TcpListener::bind(config.listen()).await {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::error!(%error, listen = %config.listen(), "cannot listen");
+            std::process::exit(1);
+        }
+    };
+    let address = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    tracing::info!(%address, "fluxgate-server listening");
+    if let Err(error) = service.serve(listener, shutdown_signal()).await {
+        tracing::error!(%error, "server failed");
+        std::process::exit(1);
+    }
+    tracing::info!("stopped");
+}

@@ -1,0 +1,508 @@
+//! The rate-limit service over real TCP on loopback: checks, batches, bad requests, rule
+//! administration with a real Redis, health, the OpenAPI document, and the binary's
+//! graceful shutdown.
+
+#![allow(missing_docs, clippy::unwrap_used)]
+
+/// The workspace's test support: real `redis-server` processes on free ports.
+#[path = "../../../tests/support/servers.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod servers;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use fluxgate_server::{Config, Service};
+use serde_json::{json, Value};
+use servers::RedisServer;
+
+const TOKEN: &str = "test-token-0123456789";
+
+/// An HTTP/1.1 answer.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+/// Sends one request on a new connection and reads the whole answer.
+fn call(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Answer {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).unwrap();
+    // A peer that refuses a large body may close before reading it all.
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Answer {
+        status,
+        headers: head.to_ascii_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+fn post(addr: SocketAddr, path: &str, body: &Value) -> Answer {
+    call(
+        addr,
+        "POST",
+        path,
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+    )
+}
+
+/// A rule file in a fresh directory: rule set `api`, 3 per hour per IP on `/orders/**`;
+/// rule set `web`, 2 per hour per user.
+fn rule_file(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("fluxgate-server-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("rules.yaml");
+    std::fs::write(
+        &file,
+        "rule_sets:
+  - id: api
+    rules:
+      - {id: orders, match: {paths: [\"/orders/**\"]}, bands: [{capacity: 3, window: 1h}]}
+  - id: web
+    rules:
+      - {id: per-user, scope: user, bands: [{capacity: 2, window: 1h}]}
+",
+    )
+    .unwrap();
+    file
+}
+
+/// Starts a service on a free port; answers its address and the task serving it.
+async fn serve(config: Config) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let service = Service::start(&config).await.expect("the service starts");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        service.serve(listener, std::future::pending()).await.unwrap();
+    });
+    (addr, task)
+}
+
+fn config(args: &[&str]) -> Config {
+    Config::from_args(args.iter().map(|a| a.to_string())).expect("a valid configuration")
+}
+
+/// Runs a blocking HTTP call off the runtime's threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+    tokio::task::spawn_blocking(f).await.unwrap()
+}
+
+async fn check_capacity_then_reject(addr: SocketAddr, ip: &str) {
+    let request = json!({"ruleSetId": "api", "clientIp": ip, "path": "/orders/7", "method": "POST"});
+    for remaining in [2, 1, 0] {
+        let answer = blocking({
+            let request = request.clone();
+            move || post(addr, "/api/ratelimit/check", &request)
+        })
+        .await;
+        assert_eq!(answer.status, 200, "{}", answer.body);
+        let body = answer.json();
+        assert_eq!(body["allowed"], true, "{body}");
+        assert_eq!(body["remaining"], remaining, "{body}");
+        assert_eq!(body["limit"], 3);
+        assert_eq!(body["rule"], "orders");
+        assert!(body["retryAfterMs"].is_null());
+    }
+    let answer = blocking(move || post(addr, "/api/ratelimit/check", &request)).await;
+    let body = answer.json();
+    assert_eq!(body["allowed"], false, "{body}");
+    assert_eq!(body["remaining"], 0);
+    let retry = body["retryAfterMs"].as_u64().expect("a retry-after");
+    assert!(
+        retry > 1_000_000 && retry <= 1_200_000,
+        "about 20 min for one permit of 3/h: {retry}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_admits_the_capacity_then_says_when_to_retry_in_memory_and_in_redis() {
+    let rules = rule_file("capacity");
+    let (addr, _task) = serve(config(&["--rules", rules.to_str().unwrap()])).await;
+    check_capacity_then_reject(addr, "192.0.2.1").await;
+
+    let redis = RedisServer::start();
+    let (addr, _task) = serve(config(&["--rules", rules.to_str().unwrap(), "--redis", &redis.url()])).await;
+    check_capacity_then_reject(addr, "192.0.2.1").await;
+    // The Java original's field names are accepted: `endpoint` for `path`.
+    let body = json!({"ruleSetId": "api", "clientIp": "192.0.2.2", "endpoint": "/orders/1"});
+    let answer = blocking(move || post(addr, "/api/ratelimit/check", &body)).await;
+    assert_eq!(answer.json()["remaining"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_agrees_with_single_calls() {
+    let rules = rule_file("batch");
+    let (batch_addr, _a) = serve(config(&["--rules", rules.to_str().unwrap()])).await;
+    let (single_addr, _b) = serve(config(&["--rules", rules.to_str().unwrap()])).await;
+    let requests: Vec<Value> = (0..12)
+        .map(|i| match i % 3 {
+            0 => json!({"ruleSetId": "api", "clientIp": "198.51.100.1", "path": "/orders/1"}),
+            1 => json!({"ruleSetId": "web", "userId": format!("user-{}", i % 2)}),
+            _ => json!({"ruleSetId": "api", "clientIp": "198.51.100.2", "path": "/other"}),
+        })
+        .collect();
+    let batch = json!({ "requests": requests });
+    let answer = blocking(move || post(batch_addr, "/api/ratelimit/check/batch", &batch)).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let results = answer.json()["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), requests.len());
+    // Requests of one batch may be decided in any order between themselves; requests of
+    // one bucket are counted the same: compare per bucket.
+    let mut singles = Vec::new();
+    for request in requests.clone() {
+        singles.push(
+            blocking(move || post(single_addr, "/api/ratelimit/check", &request))
+                .await
+                .json(),
+        );
+    }
+    let summary = |answers: &[Value]| {
+        let mut per_bucket: Vec<(String, bool)> = requests
+            .iter()
+            .zip(answers)
+            .map(|(request, answer)| (request.to_string(), answer["allowed"].as_bool().unwrap()))
+            .collect();
+        per_bucket.sort();
+        per_bucket
+    };
+    assert_eq!(summary(&results), summary(&singles));
+    // The fourth request of ip .1 on /orders/** is the one beyond the capacity of 3.
+    assert_eq!(
+        results.iter().filter(|r| r["allowed"] == false).count(),
+        1,
+        "{results:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_their_documented_answer_and_change_nothing() {
+    let rules = rule_file("bad");
+    let mut config = config(&["--rules", rules.to_str().unwrap()]);
+    config.engine.unknown_rule_set = Some(fluxgate_server::config::UnknownRuleSetConfig::Deny);
+    let (addr, _task) = serve(config).await;
+    let good = json!({"ruleSetId": "api", "clientIp": "203.0.113.9", "path": "/orders/1"});
+    let remaining = || {
+        let good = good.clone();
+        blocking(move || post(addr, "/api/ratelimit/check", &good).json()["remaining"].clone())
+    };
+    assert_eq!(remaining().await, 2);
+
+    let cases: Vec<(Vec<u8>, u16, Option<&str>, &str)> = vec![
+        (b"{not json".to_vec(), 400, None, "key must be a string"),
+        (b"[1, 2]".to_vec(), 400, None, "must be a JSON object"),
+        (b"".to_vec(), 400, None, "must be a JSON object"),
+        (br#"{"clientIp": 7}"#.to_vec(), 400, Some("clientIp"), "invalid type"),
+        (
+            br#"{"clientIp": "not-an-ip", "ruleSetId": "api"}"#.to_vec(),
+            400,
+            Some("clientIp"),
+            "not an IPv4",
+        ),
+        (
+            br#"{"ruleSetId": "api", "path": "orders"}"#.to_vec(),
+            400,
+            Some("path"),
+            "must start with",
+        ),
+        (br#"{"ruleSetId": "a b"}"#.to_vec(), 400, Some("ruleSetId"), "a b"),
+        (
+            br#"{"ruleSetId": "api", "method": "GE T"}"#.to_vec(),
+            400,
+            Some("method"),
+            "not an HTTP method",
+        ),
+        (br#"{"ruleSetId": "api"} trailing"#.to_vec(), 400, None, "trailing"),
+        (vec![b' '; 10 * 1024 * 1024], 413, None, ""),
+    ];
+    for (body, status, field, message) in cases {
+        let shown = String::from_utf8_lossy(&body[..body.len().min(40)]).into_owned();
+        let answer = blocking(move || call(addr, "POST", "/api/ratelimit/check", &[], &body)).await;
+        assert_eq!(answer.status, status, "{shown}: {}", answer.body);
+        if status == 400 {
+            let error = answer.json();
+            assert_eq!(error["field"].as_str(), field, "{shown}: {error}");
+            assert!(error["error"].as_str().unwrap().contains(message), "{shown}: {error}");
+        }
+    }
+    // An unknown rule set follows the configured policy (deny here): not allowed, 200.
+    let unknown = json!({"ruleSetId": "nope", "clientIp": "203.0.113.9"});
+    let answer = blocking(move || post(addr, "/api/ratelimit/check", &unknown)).await;
+    assert_eq!((answer.status, answer.json()["allowed"].clone()), (200, json!(false)));
+    assert_eq!(remaining().await, 1, "nothing above consumed a permit");
+
+    let answer = blocking(move || call(addr, "GET", "/api/nowhere", &[], b"")).await;
+    assert_eq!(answer.status, 404);
+    let answer = blocking(move || call(addr, "GET", "/api/ratelimit/check", &[], b"")).await;
+    assert_eq!(answer.status, 405);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
+    let redis = RedisServer::start();
+    let store = fluxgate_redis::RedisRuleSetStore::connect(&redis.url()).await.unwrap();
+    let spec: fluxgate_core::RuleSetSpec = serde_json::from_value(json!({
+        "id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 100, "window": "1h"}]}]
+    }))
+    .unwrap();
+    store.put(&spec).await.unwrap();
+    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-admin.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!(
+            "redis = \"{}\"\n[store]\nenabled = true\n[admin]\ntoken = \"{TOKEN}\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    let config = || config(&["--config", file.to_str().unwrap()]);
+    let (one, _a) = serve(config()).await;
+    let (two, _b) = serve(config()).await;
+    let bearer = format!("Bearer {TOKEN}");
+    let tighter = json!({"id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 2, "window": "1h"}]}]});
+
+    // Without the token, or with a wrong one: 401, nothing stored.
+    for auth in [None, Some("Bearer wrong-token-0123456789"), Some(TOKEN)] {
+        let tighter = tighter.to_string();
+        let answer = blocking(move || {
+            let headers: Vec<(&str, &str)> = auth.map(|a| ("authorization", a)).into_iter().collect();
+            call(one, "PUT", "/api/rulesets/api", &headers, tighter.as_bytes())
+        })
+        .await;
+        assert_eq!(answer.status, 401, "{auth:?}: {}", answer.body);
+        assert!(answer.headers.contains("www-authenticate: bearer"));
+    }
+    let limit = |addr: SocketAddr| {
+        blocking(move || {
+            post(
+                addr,
+                "/api/ratelimit/check",
+                &json!({"ruleSetId": "api", "clientIp": "192.0.2.7"}),
+            )
+            .json()["limit"]
+                .clone()
+        })
+    };
+    assert_eq!(limit(one).await, 100);
+
+    let put = Instant::now();
+    let answer = {
+        let (bearer, tighter) = (bearer.clone(), tighter.to_string());
+        blocking(move || {
+            call(
+                one,
+                "PUT",
+                "/api/rulesets/api",
+                &[("authorization", &bearer)],
+                tighter.as_bytes(),
+            )
+        })
+        .await
+    };
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    loop {
+        if limit(one).await == 2 && limit(two).await == 2 {
+            break;
+        }
+        assert!(
+            put.elapsed() < Duration::from_secs(1),
+            "not enforced by both within 1 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!("admin put enforced by both instances after {:?}", put.elapsed());
+
+    // An invalid rule set: 400 naming the problem, nothing stored.
+    let invalid = json!({"id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 0, "window": "1h"}]}]});
+    let answer = {
+        let bearer = bearer.clone();
+        blocking(move || {
+            call(
+                one,
+                "PUT",
+                "/api/rulesets/api",
+                &[("authorization", &bearer)],
+                invalid.to_string().as_bytes(),
+            )
+        })
+        .await
+    };
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(
+        answer.json()["error"].as_str().unwrap().contains("capacity"),
+        "{}",
+        answer.body
+    );
+    let mismatch = json!({"id": "other", "rules": []});
+    let answer = {
+        let bearer = bearer.clone();
+        blocking(move || {
+            call(
+                one,
+                "PUT",
+                "/api/rulesets/api",
+                &[("authorization", &bearer)],
+                mismatch.to_string().as_bytes(),
+            )
+        })
+        .await
+    };
+    assert_eq!((answer.status, answer.json()["field"].clone()), (400, json!("id")));
+
+    let answer = {
+        let bearer = bearer.clone();
+        blocking(move || call(two, "GET", "/api/rulesets", &[("authorization", &bearer)], b"")).await
+    };
+    assert_eq!(answer.status, 200);
+    assert_eq!(answer.json()[0]["rules"][0]["bands"][0]["capacity"], 2);
+    let answer = {
+        let bearer = bearer.clone();
+        blocking(move || call(two, "GET", "/api/rulesets/missing", &[("authorization", &bearer)], b"")).await
+    };
+    assert_eq!(answer.status, 404);
+    let answer = {
+        let bearer = bearer.clone();
+        blocking(move || call(two, "DELETE", "/api/rulesets/api", &[("authorization", &bearer)], b"")).await
+    };
+    assert_eq!(answer.status, 204);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_endpoints_are_off_without_a_token_and_refused_for_file_rules() {
+    let rules = rule_file("admin-off");
+    let (addr, _a) = serve(config(&["--rules", rules.to_str().unwrap()])).await;
+    let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[], b"")).await;
+    assert_eq!(answer.status, 404);
+    let (addr, _b) = serve(config(&["--rules", rules.to_str().unwrap(), "--admin-token", TOKEN])).await;
+    let auth = format!("Bearer {TOKEN}");
+    let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[("authorization", &auth)], b"")).await;
+    assert_eq!(answer.status, 409, "{}", answer.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_redis_down_and_back() {
+    let mut redis = RedisServer::start();
+    let rules = rule_file("health");
+    let (addr, _task) = serve(config(&["--rules", rules.to_str().unwrap(), "--redis", &redis.url()])).await;
+    let health = move || blocking(move || call(addr, "GET", "/health", &[], b""));
+    let up = health().await;
+    assert_eq!(up.status, 200, "{}", up.body);
+    assert_eq!(up.json()["backend"], "redis");
+    assert!(up.json()["latencyMs"].as_f64().is_some());
+    redis.kill();
+    let down = health().await;
+    assert_eq!(down.status, 503, "{}", down.body);
+    assert_eq!(down.json()["status"], "down");
+    redis.restart();
+    let start = Instant::now();
+    loop {
+        let answer = health().await;
+        if answer.status == 200 {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "still down: {}", answer.body);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[test]
+fn the_openapi_document_in_the_repository_is_the_one_served() {
+    let generated = fluxgate_server::openapi::json();
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("openapi.json");
+    if std::env::var_os("FLUXGATE_WRITE_OPENAPI").is_some() {
+        std::fs::write(&path, &generated).unwrap();
+    }
+    let kept = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        kept == generated,
+        "crates/fluxgate-server/openapi.json is out of date: run `FLUXGATE_WRITE_OPENAPI=1 cargo test -p fluxgate-server --test api openapi`"
+    );
+    let document: Value = serde_json::from_str(&generated).unwrap();
+    for path in [
+        "/api/ratelimit/check",
+        "/api/ratelimit/check/batch",
+        "/api/rulesets/{id}",
+        "/health",
+        "/metrics",
+    ] {
+        assert!(document["paths"][path].is_object(), "{path} is documented");
+    }
+}
+
+#[test]
+fn sigterm_lets_the_checks_in_flight_finish() {
+    let rules = rule_file("sigterm");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_fluxgate-server"))
+        .args([
+            "--rules",
+            rules.to_str().unwrap(),
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let start = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "the server did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // A check in flight: its head is sent, its body not yet.
+    let body = json!({"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/orders/1"}).to_string();
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let head = format!(
+        "POST /api/ratelimit/check HTTP/1.1\r\nhost: t\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    std::thread::sleep(Duration::from_millis(100));
+    stream.write_all(body.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "the check in flight is answered: {answer:?}"
+    );
+    assert!(answer.contains("\"allowed\":true"), "{answer}");
+    let status = child.wait().unwrap();
+    assert!(status.success(), "the server exits cleanly: {status:?}");
+    // And it no longer accepts connections.
+    assert!(TcpStream::connect(addr).is_err());
+}
