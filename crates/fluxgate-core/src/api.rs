@@ -19,13 +19,15 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::time::UNIX_EPOCH;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::Method;
 use serde::{Deserialize, Serialize};
 
 use crate::context::{RequestContext, DEFAULT_RULE_SET};
-use crate::decision::Decision;
+use crate::decision::{BandReport, Decision, Outcome};
+use crate::limiter::Wait;
 use crate::rule::check_id;
 
 /// The longest path accepted, in bytes.
@@ -55,7 +57,9 @@ pub struct CheckRequest {
     /// The API key, for rules scoped per API key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub api_key: Option<String>,
-    /// The request path, starting with `/` (`endpoint` is accepted too); `/` when absent.
+    /// The request's path as the router sees it, starting with `/` (`endpoint` is
+    /// accepted too); `/` when absent. Send it raw (`/api/../login`, not `/login`): the
+    /// service normalizes it and matches rules against both forms, as the layer does.
     #[serde(default, alias = "endpoint", skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
     /// The HTTP method; `GET` when absent.
@@ -95,6 +99,43 @@ pub struct CheckResponse {
     /// Whether the decision came from the fallback because the backend failed.
     #[serde(default)]
     pub degraded: bool,
+    /// Why: `admitted`, `no_matching_rule`, `unknown_rule_set_allowed`,
+    /// `unknown_rule_set_denied`, `rate_limited`, `missing_key`, `backend_unavailable`.
+    #[serde(default)]
+    pub outcome: String,
+    /// Every band of the enforced rules, in rule priority order: what a client needs to
+    /// write the same rate-limit headers as the layer.
+    #[serde(default)]
+    pub bands: Vec<BandAnswer>,
+    /// The first rule in shadow mode that would have rejected the request.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow_rejected_by: Option<String>,
+}
+
+/// One band of a [`CheckResponse`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+#[non_exhaustive]
+pub struct BandAnswer {
+    /// The rule.
+    pub rule: String,
+    /// The band's name: its label, or `b<position>`.
+    pub band: String,
+    /// Whether the band has a label.
+    #[serde(default)]
+    pub labeled: bool,
+    /// The capacity.
+    pub limit: u64,
+    /// Permits left.
+    pub remaining: u64,
+    /// The window, in milliseconds.
+    pub window_ms: u64,
+    /// Time until the band is full again, in milliseconds.
+    pub reset_after_ms: u64,
+    /// When this band would admit the request, in milliseconds: 0 now; absent when never.
+    #[serde(default)]
+    pub wait_ms: Option<u64>,
 }
 
 /// Many requests decided in one call, each on its own, in order.
@@ -183,7 +224,8 @@ impl CheckRequest {
             client_ip: ctx.client_ip().map(|ip| ip.to_string()),
             user_id: ctx.user_id().map(str::to_owned),
             api_key: ctx.api_key().map(str::to_owned),
-            path: Some(ctx.path().to_owned()),
+            // The raw path: rules match it as well as its normalized form.
+            path: Some(ctx.routed_path().to_owned()),
             method: Some(ctx.method().as_str().to_owned()),
             attributes: ctx.attributes().clone(),
         }
@@ -258,11 +300,29 @@ impl CheckResponse {
             let since_epoch = band.reset_at.duration_since(UNIX_EPOCH).unwrap_or_default();
             u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
         });
-        let retry_after_ms = decision.retry_after.filter(|_| !decision.allowed()).map(|wait| {
-            let ms = wait.as_nanos().div_ceil(1_000_000).max(1);
-            u64::try_from(ms).unwrap_or(u64::MAX)
-        });
+        let retry_after_ms = decision.retry_after.filter(|_| !decision.allowed()).map(millis_up);
+        let bands = decision
+            .bands
+            .iter()
+            .map(|band| BandAnswer {
+                rule: band.rule.to_string(),
+                band: band.band.to_string(),
+                labeled: band.labeled,
+                limit: band.limit,
+                remaining: band.remaining,
+                window_ms: millis(band.window),
+                reset_after_ms: millis(band.reset_after),
+                wait_ms: match band.wait {
+                    Wait::None => Some(0),
+                    Wait::After(wait) => Some(millis_up(wait)),
+                    Wait::Never => None,
+                },
+            })
+            .collect();
         Self {
+            outcome: outcome_name(&decision.outcome).to_owned(),
+            bands,
+            shadow_rejected_by: decision.shadow_rejected_by.as_ref().map(|r| r.to_string()),
             allowed: decision.allowed(),
             remaining: decision.remaining(),
             limit: decision.limit(),
@@ -271,6 +331,144 @@ impl CheckResponse {
             rule: decision.rule().map(|rule| rule.to_string()),
             rule_set_id: decision.rule_set.to_string(),
             degraded: decision.degraded,
+        }
+    }
+}
+
+impl CheckResponse {
+    /// The decision this answer describes, as the engine would have returned it: its
+    /// outcome, its bands (reset instants counted from now) and its retry-after. An
+    /// outcome this version does not know is read as a rejection by the rule named, or as
+    /// an admission when `allowed`.
+    pub fn to_decision(&self) -> Decision {
+        let rule_set: Arc<str> = Arc::from(self.rule_set_id.as_str());
+        let rule = || Arc::from(self.rule.as_deref().unwrap_or(""));
+        let outcome = match self.outcome.as_str() {
+            "admitted" => Outcome::Admitted,
+            "no_matching_rule" => Outcome::NoMatchingRule,
+            "unknown_rule_set_allowed" => Outcome::UnknownRuleSetAllowed,
+            "unknown_rule_set_denied" => Outcome::UnknownRuleSetDenied,
+            "rate_limited" => Outcome::RateLimited,
+            "missing_key" => Outcome::MissingKey { rule: rule() },
+            "backend_unavailable" => Outcome::BackendUnavailable { rule: rule() },
+            _ if self.allowed && self.bands.is_empty() => Outcome::NoMatchingRule,
+            _ if self.allowed => Outcome::Admitted,
+            _ => Outcome::RateLimited,
+        };
+        let mut decision = Decision::without_bands(rule_set, outcome);
+        let now = SystemTime::now();
+        decision.bands = self
+            .bands
+            .iter()
+            .map(|band| {
+                let reset_after = Duration::from_millis(band.reset_after_ms);
+                let wait = match band.wait_ms {
+                    Some(0) => Wait::None,
+                    Some(ms) => Wait::After(Duration::from_millis(ms)),
+                    None => Wait::Never,
+                };
+                BandReport {
+                    rule: Arc::from(band.rule.as_str()),
+                    band: Arc::from(band.band.as_str()),
+                    labeled: band.labeled,
+                    limit: band.limit,
+                    remaining: band.remaining,
+                    window: Duration::from_millis(band.window_ms),
+                    reset_after,
+                    reset_at: now + reset_after,
+                    allowed: wait == Wait::None,
+                    shadow: false,
+                    wait,
+                }
+            })
+            .collect();
+        decision.binding_index = self.binding_index();
+        decision.retry_after = self.retry_after_ms.map(Duration::from_millis);
+        decision.degraded = self.degraded;
+        decision.shadow_rejected_by = self.shadow_rejected_by.as_deref().map(Arc::from);
+        decision
+    }
+
+    /// The binding band's position: the one the answer's `rule`, `limit` and `remaining`
+    /// describe.
+    fn binding_index(&self) -> Option<usize> {
+        let rule = self.rule.as_deref()?;
+        self.bands
+            .iter()
+            .position(|b| b.rule == rule && Some(b.limit) == self.limit && Some(b.remaining) == self.remaining)
+            .or_else(|| self.bands.iter().position(|b| b.rule == rule))
+    }
+}
+
+/// The name of an outcome in the API.
+fn outcome_name(outcome: &Outcome) -> &'static str {
+    match outcome {
+        Outcome::Admitted => "admitted",
+        Outcome::NoMatchingRule => "no_matching_rule",
+        Outcome::UnknownRuleSetAllowed => "unknown_rule_set_allowed",
+        Outcome::UnknownRuleSetDenied => "unknown_rule_set_denied",
+        Outcome::RateLimited => "rate_limited",
+        Outcome::MissingKey { .. } => "missing_key",
+        Outcome::BackendUnavailable { .. } => "backend_unavailable",
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Milliseconds rounded up, at least 1: a wait is never shortened.
+fn millis_up(duration: Duration) -> u64 {
+    u64::try_from(duration.as_nanos().div_ceil(1_000_000).max(1)).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Engine, RuleSets};
+
+    #[test]
+    fn a_decision_survives_the_trip_through_json() {
+        let rules = RuleSets::from_yaml_str(
+            "rule_sets: [{id: api, rules: [
+                {id: burst, bands: [{capacity: 2, window: 1s, label: burst}, {capacity: 5, window: 1m}]},
+                {id: watch, mode: shadow, bands: [{capacity: 1, window: 1h}]}]}]",
+        )
+        .unwrap();
+        let engine = Engine::in_memory(rules);
+        let ctx = RequestContext::builder()
+            .rule_set_id("api")
+            .client_ip("192.0.2.1".parse().unwrap())
+            .path("/a/../b")
+            .build();
+        assert_eq!(
+            CheckRequest::from_context(&ctx).path.as_deref(),
+            Some("/a/../b"),
+            "the raw path"
+        );
+        for _ in 0..3 {
+            let decision = engine.check(&ctx).into_ready().unwrap().unwrap();
+            let answer = CheckResponse::from_decision(&decision);
+            let json = serde_json::to_string(&answer).unwrap();
+            let back: CheckResponse = serde_json::from_str(&json).unwrap();
+            assert_eq!(back, answer);
+            let remote = back.to_decision();
+            assert_eq!(remote.outcome, decision.outcome, "{json}");
+            assert_eq!(remote.allowed(), decision.allowed());
+            assert_eq!(
+                (remote.limit(), remote.remaining()),
+                (decision.limit(), decision.remaining())
+            );
+            assert_eq!(remote.rule(), decision.rule());
+            assert_eq!(remote.retry_after_secs(), decision.retry_after_secs());
+            assert_eq!(remote.shadow_rejected_by, decision.shadow_rejected_by);
+            assert_eq!(remote.bands.len(), decision.bands.len());
+            for (r, d) in remote.bands.iter().zip(&decision.bands) {
+                assert_eq!(
+                    (&r.rule, &r.band, r.labeled, r.limit, r.remaining, r.window),
+                    (&d.rule, &d.band, d.labeled, d.limit, d.remaining, d.window)
+                );
+            }
         }
     }
 }

@@ -54,6 +54,8 @@ mod client_ip;
 mod config;
 mod future;
 mod layer;
+#[cfg(feature = "remote")]
+pub mod remote;
 mod response;
 mod service;
 

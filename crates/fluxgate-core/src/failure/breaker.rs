@@ -6,8 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::{Clock, SystemClock};
+use crate::context::RequestContext;
+use crate::decision::Decision;
+use crate::error::Error;
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
+use crate::handler::RateLimitHandler;
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::rule::RuleSet;
 
@@ -192,6 +196,32 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
 
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
         self.inner.validate(set)
+    }
+}
+
+/// Guards a remote [`RateLimitHandler`] (the rate-limit service) as it guards a limiter:
+/// after `failure_threshold` backend failures in a row ([`Error::Backend`]), checks fail at
+/// once with [`CircuitOpen`] for the cool-down, then one probe goes through. The failure
+/// policy (the layer's `on_error`) decides what such a failure means for the request.
+impl<H: RateLimitHandler> RateLimitHandler for CircuitBreaker<H> {
+    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        let state = &self.state;
+        let until = state.open_until.load(Ordering::Acquire);
+        let probe = until != 0;
+        if probe && (until > state.now() || state.probing.swap(true, Ordering::AcqRel)) {
+            return MaybeReady::ready(Err(Error::Backend(Box::new(CircuitOpen))));
+        }
+        let guard = probe.then(|| Probe(state.clone()));
+        let state = self.state.clone();
+        self.inner.check(ctx).map(move |result| {
+            match &result {
+                Err(Error::Backend(_)) => state.failed(probe),
+                // An answer, or an error that says nothing of the service's health.
+                _ => state.succeeded(),
+            }
+            drop(guard);
+            result
+        })
     }
 }
 

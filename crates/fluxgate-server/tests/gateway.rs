@@ -1,0 +1,117 @@
+//! The gateway: an axum app whose limits the service decides (`RemoteHandler`), over real
+//! TCP on loopback: the service's "no" is a 429 with the headers, and a service that is down
+//! follows the gateway's failure policy.
+
+#![allow(missing_docs, clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use fluxgate_core::{CircuitBreaker, FailurePolicy};
+use fluxgate_server::{Config, Service};
+use fluxgate_tower::remote::RemoteHandler;
+use fluxgate_tower::RateLimitLayer;
+
+/// The service on a runtime of its own, so that stopping it closes every connection
+/// (kept-alive ones included): answers its address and what stops it.
+fn service() -> (SocketAddr, std::sync::mpsc::Sender<()>) {
+    let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.yaml");
+    std::fs::write(
+        &rules,
+        "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, bands: [{capacity: 2, window: 1h, label: hourly}]}]}]",
+    )
+    .unwrap();
+    let (ready, address) = std::sync::mpsc::channel();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        runtime.block_on(async {
+            let config = Config::from_args(["--rules".to_owned(), rules.to_str().unwrap().to_owned()]).unwrap();
+            let service = Service::start(&config).await.unwrap();
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            ready.send(listener.local_addr().unwrap()).unwrap();
+            tokio::spawn(async move { service.serve(listener, std::future::pending()).await.unwrap() });
+        });
+        let _ = stopped.recv();
+        // Dropping the runtime ends every task and closes every socket.
+        drop(runtime);
+    });
+    (address.recv().unwrap(), stop)
+}
+
+async fn gateway(service: SocketAddr, on_error: FailurePolicy) -> SocketAddr {
+    let remote = RemoteHandler::builder(&format!("http://{service}"))
+        .unwrap()
+        .timeout(Duration::from_millis(500))
+        .build();
+    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
+        .on_error(on_error)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello\n" }))
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+            .await
+            .unwrap()
+    });
+    addr
+}
+
+/// `GET path` on a new connection: the status line and headers, lowercased.
+async fn get_head(addr: SocketAddr, path: &'static str) -> String {
+    tokio::task::spawn_blocking(move || {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(stream, "GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        answer.split("\r\n\r\n").next().unwrap_or("").to_ascii_lowercase()
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_services_no_is_a_429_with_the_headers_and_a_service_down_follows_the_policy() {
+    let (service_addr, stop_service) = service();
+    let open = gateway(service_addr, FailurePolicy::FailOpen).await;
+    let closed = gateway(service_addr, FailurePolicy::FailClosed).await;
+
+    for remaining in ["1", "0"] {
+        let head = get_head(open, "/api/hello").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("x-ratelimit-limit: 2"), "{head}");
+        assert!(head.contains(&format!("x-ratelimit-remaining: {remaining}")), "{head}");
+        assert!(head.contains("ratelimit-policy:"), "the IETF headers too: {head}");
+    }
+    let head = get_head(open, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 429"), "{head}");
+    let retry: u64 = head
+        .lines()
+        .find_map(|l| l.strip_prefix("retry-after: "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("a retry-after");
+    assert!(
+        (1700..=1800).contains(&retry),
+        "about 30 min for one permit of 2/h: {retry}"
+    );
+    assert!(head.contains("x-ratelimit-remaining: 0"), "{head}");
+
+    // The service goes away: fail open admits, fail closed answers 503.
+    stop_service.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let head = get_head(open, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 200"), "fail open: {head}");
+    assert!(!head.contains("x-ratelimit-limit"), "no decision, no headers: {head}");
+    let head = get_head(closed, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 503"), "fail closed: {head}");
+}

@@ -1,0 +1,230 @@
+//! [`RemoteHandler`]: the layer's decisions asked of a rate-limit service
+//! (`fluxgate-server`) over HTTP.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use fluxgate_core::api::{CheckRequest, CheckResponse};
+use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext};
+use http::{header, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+
+/// The deadline of one check unless another is given.
+pub const DEFAULT_REMOTE_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// The largest answer read from the service.
+const MAX_ANSWER: usize = 1024 * 1024;
+
+/// Asks a rate-limit service (`POST <base>/api/ratelimit/check`) for each decision, over a
+/// pooled keep-alive HTTP/1.1 client, within a deadline.
+///
+/// The service answers with the decision and every band, so the layer writes the same
+/// headers as with a local engine. Any failure (the deadline, a refused connection, an
+/// answer other than 200, an answer that is not a decision) is
+/// [`Error::Backend`]: wrap the handler in a
+/// [`CircuitBreaker`](fluxgate_core::CircuitBreaker) to stop waiting for a service that is
+/// down, and choose with the layer's `on_error` what such a failure means (fail open, or
+/// answer 503), as for the Redis backend.
+///
+/// The request sent is [`CheckRequest::from_context`]: the raw path (the service matches
+/// rules against it and its normalized form, as the layer does), the method, the client IP,
+/// the user, the API key and the attributes.
+///
+/// ```no_run
+/// use fluxgate_core::{CircuitBreaker, FailurePolicy};
+/// use fluxgate_tower::remote::RemoteHandler;
+/// use fluxgate_tower::RateLimitLayer;
+///
+/// # fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let remote = RemoteHandler::builder("http://127.0.0.1:8082")?
+///     .timeout(std::time::Duration::from_millis(50))
+///     .build();
+/// let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
+///     .on_error(FailurePolicy::FailOpen)
+///     .build()?;
+/// # drop(layer);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RemoteHandler {
+    client: Client<HttpConnector, Full<Bytes>>,
+    check: Uri,
+    timeout: Duration,
+}
+
+/// Builds a [`RemoteHandler`].
+#[derive(Debug)]
+pub struct RemoteHandlerBuilder {
+    check: Uri,
+    timeout: Duration,
+    pool_idle_timeout: Duration,
+    pool_max_idle_per_host: usize,
+}
+
+/// Why the service gave no decision.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteError {
+    /// The base URL cannot be used.
+    #[error("rate-limit service URL `{url}`: {reason}")]
+    Url {
+        /// The URL given.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No answer within the deadline.
+    #[error("the rate-limit service did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The connection or the exchange failed.
+    #[error("rate-limit service request failed: {0}")]
+    Http(String),
+    /// An answer other than 200.
+    #[error("the rate-limit service answered {status}: {body}")]
+    Status {
+        /// The status.
+        status: StatusCode,
+        /// The start of the body.
+        body: String,
+    },
+    /// A 200 answer that is not a decision.
+    #[error("the rate-limit service's answer is not a decision: {0}")]
+    Answer(String),
+}
+
+impl fmt::Debug for RemoteHandler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RemoteHandler")
+            .field("check", &self.check)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RemoteHandler {
+    /// A builder for the service at `base` (`http://host:port`, optionally with a path
+    /// prefix).
+    ///
+    /// # Errors
+    ///
+    /// [`RemoteError::Url`] when `base` is not an `http://` URL.
+    pub fn builder(base: &str) -> Result<RemoteHandlerBuilder, RemoteError> {
+        let bad = |reason: &str| RemoteError::Url {
+            url: base.to_owned(),
+            reason: reason.to_owned(),
+        };
+        let base: Uri = base.parse().map_err(|_| bad("not a URL"))?;
+        if base.scheme_str() != Some("http") {
+            return Err(bad(
+                "only http:// is supported; put TLS in front, or keep the service on a private network",
+            ));
+        }
+        let authority = base.authority().ok_or_else(|| bad("no host"))?.clone();
+        let prefix = base.path().trim_end_matches('/');
+        let check = Uri::builder()
+            .scheme("http")
+            .authority(authority)
+            .path_and_query(format!("{prefix}/api/ratelimit/check"))
+            .build()
+            .map_err(|e| bad(&e.to_string()))?;
+        Ok(RemoteHandlerBuilder {
+            check,
+            timeout: DEFAULT_REMOTE_TIMEOUT,
+            pool_idle_timeout: Duration::from_secs(90),
+            pool_max_idle_per_host: 64,
+        })
+    }
+
+    /// The check endpoint's URL.
+    pub fn check_uri(&self) -> &Uri {
+        &self.check
+    }
+
+    async fn ask(
+        client: Client<HttpConnector, Full<Bytes>>,
+        check: Uri,
+        body: Vec<u8>,
+    ) -> Result<Decision, RemoteError> {
+        let request = Request::builder()
+            .method(Method::POST)
+            .uri(check)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| RemoteError::Http(e.to_string()))?;
+        let response = client
+            .request(request)
+            .await
+            .map_err(|e| RemoteError::Http(e.to_string()))?;
+        let status = response.status();
+        let body = Limited::new(response.into_body(), MAX_ANSWER)
+            .collect()
+            .await
+            .map_err(|e| RemoteError::Http(e.to_string()))?
+            .to_bytes();
+        if status != StatusCode::OK {
+            let text: String = String::from_utf8_lossy(&body).chars().take(200).collect();
+            return Err(RemoteError::Status { status, body: text });
+        }
+        let answer: CheckResponse = serde_json::from_slice(&body).map_err(|e| RemoteError::Answer(e.to_string()))?;
+        Ok(answer.to_decision())
+    }
+}
+
+impl RemoteHandlerBuilder {
+    /// The deadline of one check, connecting included. Default 100 ms.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// How long an idle connection stays in the pool. Default 90 s.
+    pub fn pool_idle_timeout(mut self, idle: Duration) -> Self {
+        self.pool_idle_timeout = idle;
+        self
+    }
+
+    /// The most idle connections kept. Default 64.
+    pub fn pool_max_idle(mut self, max: usize) -> Self {
+        self.pool_max_idle_per_host = max;
+        self
+    }
+
+    /// The handler. Needs a tokio runtime when it is used.
+    pub fn build(self) -> RemoteHandler {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(self.pool_idle_timeout)
+            .pool_max_idle_per_host(self.pool_max_idle_per_host)
+            .build(connector);
+        RemoteHandler {
+            client,
+            check: self.check,
+            timeout: self.timeout,
+        }
+    }
+}
+
+impl RateLimitHandler for RemoteHandler {
+    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        let body = match serde_json::to_vec(&CheckRequest::from_context(ctx)) {
+            Ok(body) => body,
+            Err(e) => return MaybeReady::ready(Err(Error::Backend(Box::new(RemoteError::Http(e.to_string()))))),
+        };
+        let (client, check, timeout) = (self.client.clone(), self.check.clone(), self.timeout);
+        MaybeReady::boxed(async move {
+            let answer = match tokio::time::timeout(timeout, Self::ask(client, check, body)).await {
+                Ok(answer) => answer,
+                Err(_) => Err(RemoteError::Timeout(timeout)),
+            };
+            answer.map_err(|error| {
+                tracing::warn!(%error, "rate-limit service failed");
+                Error::Backend(Box::new(error))
+            })
+        })
+    }
+}

@@ -1,0 +1,73 @@
+//! A gateway: an axum app whose rate limits are decided by a rate-limit service
+//! (`fluxgate-server`) over HTTP, through `RemoteHandler`.
+//!
+//! Run the service, then the gateway:
+//!
+//! ```sh
+//! cargo run -p fluxgate-server -- --rules examples/rules/quickstart.yaml            # on 127.0.0.1:8082
+//! cargo run --example gateway --features remote -- --service http://127.0.0.1:8082  # on 127.0.0.1:3001
+//! curl -i localhost:3001/api/hello
+//! ```
+//!
+//! Options: `--listen ADDR` (default 127.0.0.1:3001), `--service URL` (default
+//! http://127.0.0.1:8082), `--fail-closed` (answer 503 when the service is down; by
+//! default requests pass, fail open).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::routing::get;
+use axum::Router;
+use fluxgate::core::{CircuitBreaker, FailurePolicy};
+use fluxgate::tower::remote::RemoteHandler;
+use fluxgate::RateLimitLayer;
+
+/// The gateway's routes, limited by the service at `service`.
+fn app(service: &str, on_error: FailurePolicy) -> Result<Router, Box<dyn std::error::Error>> {
+    let remote = RemoteHandler::builder(service)?
+        .timeout(Duration::from_millis(100))
+        .build();
+    // After 3 failures in a row, stop waiting for the service for 250 ms.
+    let handler = CircuitBreaker::new(remote);
+    let layer = RateLimitLayer::builder(handler).on_error(on_error).build()?;
+    Ok(Router::new()
+        .route("/api/hello", get(|| async { "hello\n" }))
+        .route("/api/orders", get(|| async { "[]\n" }))
+        .layer(layer))
+}
+
+#[tokio::main]
+async fn main() {
+    let mut listen: SocketAddr = "127.0.0.1:3001".parse().expect("a valid default address");
+    let mut service = "http://127.0.0.1:8082".to_owned();
+    let mut on_error = FailurePolicy::FailOpen;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--listen" => match args.next().map(|v| v.parse()) {
+                Some(Ok(addr)) => listen = addr,
+                _ => exit("--listen needs an address, e.g. 127.0.0.1:3001"),
+            },
+            "--service" => service = args.next().unwrap_or_else(|| exit("--service needs a URL")),
+            "--fail-closed" => on_error = FailurePolicy::FailClosed,
+            "-h" | "--help" => {
+                println!("usage: gateway [--listen ADDR] [--service URL] [--fail-closed]");
+                return;
+            }
+            other => exit(&format!("unknown argument `{other}` (try --help)")),
+        }
+    }
+    let app = app(&service, on_error).unwrap_or_else(|e| exit(&e.to_string()));
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .unwrap_or_else(|e| exit(&format!("cannot listen on {listen}: {e}")));
+    println!("gateway on http://{listen}, limits decided by {service}");
+    axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+        .await
+        .unwrap_or_else(|e| exit(&e.to_string()));
+}
+
+fn exit(message: &str) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(2);
+}
