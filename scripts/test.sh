@@ -45,6 +45,9 @@ cargo test --workspace --locked 2>&1 | tee "$log"
 passed=$(grep -Eo '^test result: [A-Za-z]+\. [0-9]+ passed' "$log" | awk '{s += $4} END {print s + 0}')
 failed=$(grep -Eo '; [0-9]+ failed' "$log" | awk '{s += $2} END {print s + 0}')
 
+step "API fuzzing: schemathesis against a live fluxgate-server and its OpenAPI document"
+./scripts/fuzz-api.sh
+
 step "cargo package (every publishable crate, built from its packaged sources)"
 # cargo treats the packaged, not yet published workspace crates like registry crates: it
 # neither unpacks nor rebuilds them again while their version stays the same. Build them

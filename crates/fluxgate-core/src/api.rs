@@ -30,44 +30,142 @@ use crate::decision::{BandReport, Decision, Outcome};
 use crate::limiter::Wait;
 use crate::rule::check_id;
 
-/// The longest path accepted, in bytes.
+/// The longest path accepted, in characters.
 pub const MAX_PATH: usize = 8 * 1024;
 
-/// The longest user id, API key or attribute value accepted, in bytes.
+/// The longest user id, API key or attribute value accepted, in characters.
 pub const MAX_VALUE: usize = 1024;
 
 /// The most attributes accepted in one request.
 pub const MAX_ATTRIBUTES: usize = 64;
 
 /// One request to decide.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Read from a JSON object only (not from an array of fields by position); fields it does
+/// not know are ignored.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 #[non_exhaustive]
 pub struct CheckRequest {
     /// The rule set; `default` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[A-Za-z0-9_.-]{1,64}$"))]
     pub rule_set_id: Option<String>,
     /// The client's IP address, IPv4 or IPv6.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::ip_address))]
     pub client_ip: Option<String>,
     /// The user id, for rules scoped per user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 1024))]
     pub user_id: Option<String>,
     /// The API key, for rules scoped per API key.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 1024))]
     pub api_key: Option<String>,
     /// The request's path as the router sees it, starting with `/` (`endpoint` is
     /// accepted too); `/` when absent. Send it raw (`/api/../login`, not `/login`): the
     /// service normalizes it and matches rules against both forms, as the layer does.
     #[serde(default, alias = "endpoint", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^/", max_length = 8192))]
     pub path: Option<String>,
     /// The HTTP method; `GET` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}$"))]
     pub method: Option<String>,
-    /// Attributes, for rules scoped per attribute.
+    /// Attributes, for rules scoped per attribute: at most 64, names ids, values at most
+    /// 1024 characters.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::attributes))]
     pub attributes: BTreeMap<String, String>,
+}
+
+/// [`CheckRequest`]'s fields, read by serde's derived code (which also reads arrays).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct CheckRequestFields {
+    #[serde(default)]
+    rule_set_id: Option<String>,
+    #[serde(default)]
+    client_ip: Option<String>,
+    #[serde(default)]
+    user_id: Option<String>,
+    #[serde(default)]
+    api_key: Option<String>,
+    #[serde(default, alias = "endpoint")]
+    path: Option<String>,
+    #[serde(default)]
+    method: Option<String>,
+    #[serde(default)]
+    attributes: Option<BTreeMap<String, String>>,
+}
+
+impl<'de> Deserialize<'de> for CheckRequest {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Object;
+        impl<'de> serde::de::Visitor<'de> for Object {
+            type Value = CheckRequest;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a check request object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<CheckRequest, A::Error> {
+                let fields = CheckRequestFields::deserialize(serde::de::value::MapAccessDeserializer::new(map))?;
+                Ok(CheckRequest {
+                    rule_set_id: fields.rule_set_id,
+                    client_ip: fields.client_ip,
+                    user_id: fields.user_id,
+                    api_key: fields.api_key,
+                    path: fields.path,
+                    method: fields.method,
+                    attributes: fields.attributes.unwrap_or_default(),
+                })
+            }
+        }
+        deserializer.deserialize_map(Object)
+    }
+}
+
+/// The schemas serde's attributes cannot state.
+#[cfg(feature = "openapi")]
+mod openapi {
+    use utoipa::openapi::schema::{AnyOfBuilder, KnownFormat, ObjectBuilder, SchemaFormat, Type};
+    use utoipa::openapi::RefOr;
+
+    /// An IPv4 or IPv6 address, or null.
+    pub(super) fn ip_address() -> impl Into<RefOr<utoipa::openapi::schema::Schema>> {
+        let format = |format| {
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .format(Some(SchemaFormat::KnownFormat(format)))
+        };
+        AnyOfBuilder::new()
+            .item(format(KnownFormat::Ipv4))
+            .item(format(KnownFormat::Ipv6))
+            .item(ObjectBuilder::new().schema_type(Type::Null))
+            .description(Some("The client's IP address, IPv4 or IPv6."))
+    }
+
+    /// At most 64 attributes, named by ids, with values of at most 1024 characters; or null.
+    pub(super) fn attributes() -> impl Into<RefOr<utoipa::openapi::schema::Schema>> {
+        let object = ObjectBuilder::new()
+            .schema_type(Type::Object)
+            .property_names(Some(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .pattern(Some("^[A-Za-z0-9_.-]{1,64}$")),
+            ))
+            .additional_properties(Some(
+                ObjectBuilder::new().schema_type(Type::String).max_length(Some(1024)),
+            ))
+            .max_properties(Some(64));
+        AnyOfBuilder::new()
+            .item(object)
+            .item(ObjectBuilder::new().schema_type(Type::Null))
+            .description(Some("Attributes, for rules scoped per attribute."))
+    }
 }
 
 /// The decision on one request.
@@ -253,7 +351,9 @@ impl CheckRequest {
             builder.set_client_ip(Some(ip));
         }
         let value = |field: &str, value: &Option<String>| match value {
-            Some(v) if v.len() > MAX_VALUE => Err(ApiError::field(field, format!("longer than {MAX_VALUE} bytes"))),
+            Some(v) if v.chars().count() > MAX_VALUE => {
+                Err(ApiError::field(field, format!("longer than {MAX_VALUE} characters")))
+            }
             _ => Ok(value.clone()),
         };
         builder.set_user_id(value("userId", &self.user_id)?);
@@ -262,8 +362,8 @@ impl CheckRequest {
         if !path.starts_with('/') {
             return Err(ApiError::field("path", "must start with `/`"));
         }
-        if path.len() > MAX_PATH {
-            return Err(ApiError::field("path", format!("longer than {MAX_PATH} bytes")));
+        if path.chars().count() > MAX_PATH {
+            return Err(ApiError::field("path", format!("longer than {MAX_PATH} characters")));
         }
         builder.set_path(path);
         if let Some(method) = &self.method {
@@ -281,10 +381,10 @@ impl CheckRequest {
         }
         for (name, value) in &self.attributes {
             check_id(name).map_err(|e| ApiError::field("attributes", format!("name {e}")))?;
-            if value.len() > MAX_VALUE {
+            if value.chars().count() > MAX_VALUE {
                 return Err(ApiError::field(
                     format!("attributes.{name}"),
-                    format!("longer than {MAX_VALUE} bytes"),
+                    format!("longer than {MAX_VALUE} characters"),
                 ));
             }
             builder.set_attribute(name.clone(), value.clone());
@@ -426,6 +526,18 @@ fn millis_up(duration: Duration) -> u64 {
 mod tests {
     use super::*;
     use crate::{Engine, RuleSets};
+
+    #[test]
+    fn a_request_is_read_from_an_object_only() {
+        let error = serde_json::from_str::<CheckRequest>(r#"["api", "192.0.2.1"]"#).unwrap_err();
+        assert!(error.to_string().contains("expected a check request object"), "{error}");
+        let batch = serde_json::from_str::<BatchCheckRequest>(r#"{"requests": [[null, null]]}"#);
+        assert!(batch.is_err());
+        let request: CheckRequest =
+            serde_json::from_str(r#"{"endpoint": "/x", "attributes": null, "unknown": [1]}"#).unwrap();
+        assert_eq!(request.path.as_deref(), Some("/x"));
+        assert!(request.attributes.is_empty());
+    }
 
     #[test]
     fn a_decision_survives_the_trip_through_json() {

@@ -316,12 +316,24 @@ pub(crate) async fn get_rule_set(
     }
 }
 
+/// The outline of a rule set in a request body, for the OpenAPI document: an id and its
+/// rules, each as in a rule file (the service validates them in full).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub(crate) struct RuleSetBody {
+    /// The rule set's id, the same as the path's.
+    #[schema(pattern = "^[A-Za-z0-9_.-]{1,64}$")]
+    id: String,
+    /// Its rules; none when absent.
+    rules: Option<Vec<serde_json::Value>>,
+}
+
 /// Validates, stores and announces a rule set.
 #[utoipa::path(
     put,
     path = "/api/rulesets/{id}",
     params(("id" = String, Path, description = "The rule set id; the body's `id` must be the same")),
-    request_body(content = Object, description = "The rule set, as in a rule file (JSON)"),
+    request_body(content = RuleSetBody, description = "The rule set, as in a rule file (JSON; see docs/configuration.md)"),
     responses(
         (status = 200, description = "Stored, and the change published", body = Object),
         (status = 400, description = "Not a valid rule set (nothing stored)", body = ApiError),
@@ -480,7 +492,10 @@ pub(crate) async fn health(State(state): State<Arc<AppState>>) -> Response {
 #[utoipa::path(
     get,
     path = "/metrics",
-    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")),
+    responses(
+        (status = 200, description = "Prometheus text format", body = String, content_type = "text/plain"),
+        (status = 404, description = "Metrics are off", body = ApiError),
+    ),
     tag = "operations"
 )]
 pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
