@@ -88,6 +88,10 @@ impl RequestContext {
     pub fn rule_set_id(&self) -> &str {
         &self.rule_set_id
     }
+    /// The rule set id, shared.
+    pub(crate) fn shared_rule_set_id(&self) -> &Arc<str> {
+        &self.rule_set_id
+    }
     /// An attribute.
     pub fn attribute(&self, name: &str) -> Option<&str> {
         self.attributes.get(name).map(String::as_str)

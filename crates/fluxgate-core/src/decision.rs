@@ -121,6 +121,10 @@ pub struct Decision {
     pub binding_index: Option<usize>,
     /// Whether the fallback limiter decided, because the backend failed.
     pub degraded: bool,
+    /// Whether rules were left out of the decision because the backend failed and their
+    /// failure policy is `fail_open` (such decisions are [`degraded`](Self::degraded)
+    /// too).
+    pub failed_open: bool,
 }
 
 impl Decision {
@@ -131,6 +135,7 @@ impl Decision {
             rule_set,
             binding_index: None,
             degraded: false,
+            failed_open: false,
             retry_after: None,
             bands: Vec::new(),
             shadow_bands: Vec::new(),
@@ -185,6 +190,7 @@ impl Decision {
             rule_set,
             binding_index,
             degraded: false,
+            failed_open: false,
             retry_after,
             bands,
             shadow_bands,
@@ -195,6 +201,34 @@ impl Decision {
     /// Whether the request may pass (what its [`Outcome`] says).
     pub fn allowed(&self) -> bool {
         self.outcome.allows()
+    }
+
+    /// A short, fixed name of the decision's outcome, in lowercase: the `outcome` label of
+    /// the decision metrics and the `outcome` field of the decision's span.
+    ///
+    /// | name | outcome |
+    /// | --- | --- |
+    /// | `allowed` | [`Outcome::Admitted`], and no shadow rule would have rejected |
+    /// | `shadow_rejected` | [`Outcome::Admitted`], but a shadow rule would have rejected ([`shadow_rejected_by`](Self::shadow_rejected_by)) |
+    /// | `rejected` | [`Outcome::RateLimited`] |
+    /// | `no_matching_rule` | [`Outcome::NoMatchingRule`] |
+    /// | `unknown_rule_set_allowed` | [`Outcome::UnknownRuleSetAllowed`] |
+    /// | `unknown_rule_set_denied` | [`Outcome::UnknownRuleSetDenied`] |
+    /// | `missing_key` | [`Outcome::MissingKey`] |
+    /// | `unavailable` | [`Outcome::BackendUnavailable`] |
+    ///
+    /// An outcome added in a later version may have a name of its own.
+    pub fn outcome_name(&self) -> &'static str {
+        match self.outcome {
+            Outcome::Admitted if self.shadow_rejected_by.is_some() => "shadow_rejected",
+            Outcome::Admitted => "allowed",
+            Outcome::RateLimited => "rejected",
+            Outcome::NoMatchingRule => "no_matching_rule",
+            Outcome::UnknownRuleSetAllowed => "unknown_rule_set_allowed",
+            Outcome::UnknownRuleSetDenied => "unknown_rule_set_denied",
+            Outcome::MissingKey { .. } => "missing_key",
+            Outcome::BackendUnavailable { .. } => "unavailable",
+        }
     }
 
     /// The binding band of the enforced rules: on rejection, the rejecting band with the

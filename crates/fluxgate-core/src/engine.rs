@@ -2,15 +2,18 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Instant;
+
+use tracing::Instrument;
 
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
-use crate::error::{Error, RuleError};
+use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolution, KeyResolver};
-use crate::limiter::{AcquireRequest, MemoryLimiter, RateLimiter};
+use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, RuleSet, RuleSets};
@@ -217,24 +220,39 @@ impl Engine {
     }
 
     /// Decides one request.
+    ///
+    /// The decision runs in a `fluxgate.decision` span at debug level, with the fields
+    /// `rule_set` (the id asked for) and `outcome` (the decision's
+    /// [`outcome_name`](Decision::outcome_name), or `error`). With a
+    /// [recorder](EngineBuilder::recorder), the decision or the error goes to it, and so
+    /// does each call of the limiter backend with its duration.
     pub fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let check = self.check_unrecorded(ctx);
-        let Some(recorder) = &self.inner.recorder else {
-            return check;
-        };
+        let span = tracing::debug_span!(
+            "fluxgate.decision",
+            rule_set = ctx.rule_set_id(),
+            outcome = tracing::field::Empty,
+        );
+        let check = span.in_scope(|| self.check_unrecorded(ctx));
+        let recorder = &self.inner.recorder;
         match check.into_ready() {
             Ok(result) => {
-                record(&**recorder, ctx.rule_set_id(), &result);
+                finish(&span, recorder.as_deref(), ctx.rule_set_id(), &result);
                 MaybeReady::ready(result)
             }
+            // Nothing to record: the future as it is, not boxed again.
+            Err(pending) if recorder.is_none() && span.is_disabled() => pending,
             Err(pending) => {
                 let recorder = recorder.clone();
-                let rule_set = ctx.rule_set_id().to_owned();
-                MaybeReady::boxed(async move {
-                    let result = pending.await;
-                    record(&*recorder, &rule_set, &result);
-                    result
-                })
+                let rule_set = ctx.shared_rule_set_id().clone();
+                let inner_span = span.clone();
+                MaybeReady::boxed(
+                    async move {
+                        let result = pending.await;
+                        finish(&inner_span, recorder.as_deref(), &rule_set, &result);
+                        result
+                    }
+                    .instrument(span),
+                )
             }
         }
     }
@@ -305,19 +323,46 @@ impl Engine {
         if request.is_empty() {
             return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule)));
         }
+        // The clock is read only for a recorder.
+        let start = self.inner.recorder.as_ref().map(|_| Instant::now());
         match self.inner.limiter.acquire(&request).into_ready() {
-            Ok(Ok(outcome)) => MaybeReady::ready(Ok(Decision::from_outcome(set.id().clone(), outcome))),
-            Ok(Err(error)) => MaybeReady::ready(self.inner.fallback.decide(request, error)),
+            Ok(result) => {
+                self.inner.record_backend_call(start, &result);
+                MaybeReady::ready(self.inner.decided(request, result))
+            }
             Err(pending) => {
                 let this = self.inner.clone();
                 MaybeReady::boxed(async move {
-                    match pending.await {
-                        Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
-                        Err(error) => this.fallback.decide(request, error),
-                    }
+                    let result = pending.await;
+                    this.record_backend_call(start, &result);
+                    this.decided(request, result)
                 })
             }
         }
+    }
+}
+
+impl Inner {
+    /// The decision from the limiter's answer, or from the failure policies when it failed.
+    fn decided(&self, request: AcquireRequest, result: Result<AcquireOutcome, BoxError>) -> Result<Decision, Error> {
+        match result {
+            Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
+            Err(error) => self.fallback.decide(request, error),
+        }
+    }
+
+    /// Reports a limiter call that started at `start` (read only with a recorder), unless
+    /// it ended with a configuration error.
+    fn record_backend_call(&self, start: Option<Instant>, result: &Result<AcquireOutcome, BoxError>) {
+        let (Some(recorder), Some(start)) = (&self.recorder, start) else {
+            return;
+        };
+        let error = match result {
+            Ok(_) => None,
+            Err(error) if is_rule_error(error) => return,
+            Err(error) => Some(error),
+        };
+        recorder.record_backend_call(self.limiter.backend_name(), start.elapsed(), error);
     }
 }
 
@@ -327,9 +372,25 @@ impl RateLimitHandler for Engine {
     }
 }
 
-fn record(recorder: &dyn RateLimitMetricsRecorder, rule_set: &str, result: &Result<Decision, Error>) {
+/// Records the decision's outcome in its span, and sends it to the recorder.
+fn finish(
+    span: &tracing::Span,
+    recorder: Option<&dyn RateLimitMetricsRecorder>,
+    rule_set: &str,
+    result: &Result<Decision, Error>,
+) {
     match result {
-        Ok(decision) => recorder.record_decision(decision),
-        Err(error) => recorder.record_error(rule_set, error),
+        Ok(decision) => {
+            span.record("outcome", decision.outcome_name());
+            if let Some(recorder) = recorder {
+                recorder.record_decision(decision);
+            }
+        }
+        Err(error) => {
+            span.record("outcome", "error");
+            if let Some(recorder) = recorder {
+                recorder.record_error(rule_set, error);
+            }
+        }
     }
 }

@@ -166,4 +166,8 @@ impl RateLimiter for RedisLimiter {
         }
         Ok(())
     }
+
+    fn backend_name(&self) -> &'static str {
+        "redis"
+    }
 }

@@ -197,6 +197,10 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
         self.inner.validate(set)
     }
+
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
 }
 
 /// Guards a remote [`RateLimitHandler`] (the rate-limit service) as it guards a limiter:

@@ -65,16 +65,21 @@ impl Fallback {
             .buckets()
             .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))
         {
-            tracing::debug!(%error, rule = %closed.rule.id(), "rate-limit backend failed; refusing (fail_closed)");
+            warn_failed(&error, "refusing the request (fail_closed)");
             let rule = closed.rule.id().clone();
             let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
             decision.degraded = true;
             return Ok(decision);
         }
         if request.is_empty() || request.buckets().any(|b| self.policy(&b).is_none()) {
+            // Passed on: whoever handles the error logs it (the layer's `on_error`).
             return Err(Error::Backend(error));
         }
-        tracing::debug!(%error, "rate-limit backend failed; deciding in memory");
+        warn_failed(
+            &error,
+            "deciding by the rules' failure policies (fail_open, fallback_local)",
+        );
+        let before = request.len();
         request.retain(|b| self.policy(&b) == Some(FailurePolicy::FallbackLocal));
         let mut decision = if request.is_empty() {
             Decision::without_bands(rule_set, Outcome::Admitted)
@@ -82,6 +87,19 @@ impl Fallback {
             Decision::from_outcome(rule_set, self.limiter.acquire_now(&request))
         };
         decision.degraded = true;
+        decision.failed_open = request.len() < before;
         Ok(decision)
+    }
+}
+
+/// Logs a backend failure that a failure policy covers: a warning, except while a
+/// [`CircuitBreaker`] is open, which warned once when it opened and answers every request
+/// with [`CircuitOpen`] meanwhile (logged at debug level, so that an outage does not log a
+/// warning per request).
+fn warn_failed(error: &BoxError, action: &str) {
+    if error.is::<CircuitOpen>() {
+        tracing::debug!(%error, "rate-limit backend unavailable; {action}");
+    } else {
+        tracing::warn!(%error, "rate-limit backend failed; {action}");
     }
 }

@@ -545,6 +545,10 @@ impl RateLimiter for MemoryLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         MaybeReady::ready(Ok(self.acquire_now(request)))
     }
+
+    fn backend_name(&self) -> &'static str {
+        "memory"
+    }
 }
 
 #[cfg(test)]

@@ -135,6 +135,13 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         let _ = set;
         Ok(())
     }
+
+    /// A short, fixed name of the backend (`memory`, `redis`): the `backend` label of the
+    /// backend metrics. A wrapper such as [`CircuitBreaker`](crate::CircuitBreaker) gives
+    /// the name of the backend it wraps. The default is `custom`.
+    fn backend_name(&self) -> &'static str {
+        "custom"
+    }
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
@@ -144,6 +151,10 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
         (**self).validate(set)
+    }
+
+    fn backend_name(&self) -> &'static str {
+        (**self).backend_name()
     }
 }
 
