@@ -20,7 +20,10 @@
 //!   directory of them), polled on a period or, with the `watch` feature, reloaded when
 //!   the files change.
 //! - [`Engine`] (a [`RateLimitHandler`], with an optional [`RateLimitMetricsRecorder`])
-//!   and [`Decision`].
+//!   and [`Decision`]. Each decision runs in a `fluxgate.decision` span at debug level.
+//! - `metrics` (feature `metrics`): `MetricsRecorder`, the engine's decisions, errors and
+//!   backend calls as metrics of the [`metrics`](https://docs.rs/metrics) facade, and the
+//!   reload counters.
 //!
 //! ```
 //! use fluxgate_core::{Engine, RequestContext, RuleSets};
@@ -57,6 +60,8 @@ mod future;
 mod handler;
 pub mod key;
 pub mod limiter;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod num;
 pub mod path;
 mod provider;

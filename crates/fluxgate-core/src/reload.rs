@@ -248,6 +248,8 @@ impl ReloadingRuleSetProvider {
             tracing::debug!("rule sets reloaded: unchanged");
         }
         self.reloads.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        crate::metrics::reloaded(true);
         Ok(report)
     }
 
@@ -324,12 +326,15 @@ impl ReloadingRuleSetProvider {
         reset.len()
     }
 
-    /// Successful replacements, whether they changed anything or not.
+    /// Successful replacements, whether they changed anything or not. With the `metrics`
+    /// feature, each one also counts in `fluxgate_reloads_total{result="ok"}`.
     pub fn reloads(&self) -> u64 {
         self.reloads.load(Ordering::Relaxed)
     }
 
     /// Failed reloads: a source that failed, or new rules an engine's limiter refused.
+    /// With the `metrics` feature, each one also counts in
+    /// `fluxgate_reloads_total{result="failed"}`.
     pub fn failures(&self) -> u64 {
         self.failures.load(Ordering::Relaxed)
     }
@@ -347,6 +352,8 @@ impl ReloadingRuleSetProvider {
 
     fn failed(&self, error: ReloadError) -> ReloadError {
         self.failures.fetch_add(1, Ordering::Relaxed);
+        #[cfg(feature = "metrics")]
+        crate::metrics::reloaded(false);
         tracing::warn!(%error, "rule reload failed");
         error
     }
