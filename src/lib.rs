@@ -31,6 +31,7 @@
 //! | `redis` | no | the Redis backend (the `fluxgate-redis` crate, as `fluxgate::redis`) |
 //! | `watch` | no | `fluxgate::core::reload::spawn_watching`: rule files reloaded when they change |
 //! | `mongodb` | no | rules kept in MongoDB, one document per rule (the `fluxgate-mongodb` crate, as `fluxgate::mongodb`); needs Rust 1.88 |
+//! | `metrics` | no | metrics through the `metrics` facade: `fluxgate::core::metrics::MetricsRecorder` for the engine, reload counts, Redis deny-cache hits, the layer's fail-open admissions (see `docs/operations.md`) |
 
 #![deny(unsafe_code)]
 

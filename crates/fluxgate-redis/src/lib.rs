@@ -52,6 +52,14 @@
 //! validates, stores and publishes each change as a [`RuleChange`] on
 //! [`DEFAULT_CHANGES_CHANNEL`]; a [`RuleChangeListener`] on every instance reloads and
 //! resets the changed rule set's buckets once per change ([`RedisLimiter::reset_buckets`]).
+//!
+//! # Metrics
+//!
+//! The engine's `fluxgate_core::metrics::MetricsRecorder` times every call of the limiter
+//! in `fluxgate_backend_seconds{backend="redis"}` and counts its failures in
+//! `fluxgate_backend_errors_total{backend="redis"}`. With the `metrics` feature, the
+//! requests the deny cache rejects without a Redis call count in
+//! `fluxgate_deny_cache_hits_total`.
 
 #![deny(unsafe_code)]
 

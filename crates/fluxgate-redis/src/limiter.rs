@@ -60,7 +60,9 @@ impl RedisLimiter {
         Self::new(Scripts::new(Connection::client(client)), prefix.into(), true)
     }
 
-    /// Whether rejections are remembered and repeated locally (the deny cache).
+    /// Whether rejections are remembered and repeated locally (the deny cache). With the
+    /// `metrics` feature, each request the cache rejects counts in
+    /// `fluxgate_deny_cache_hits_total`.
     pub fn has_deny_cache(&self) -> bool {
         self.inner.denied.is_some()
     }
@@ -121,6 +123,8 @@ impl RateLimiter for RedisLimiter {
         };
         let start = Instant::now();
         if let Some(outcome) = inner.denied.as_ref().and_then(|c| c.check(request, &calls, start)) {
+            #[cfg(feature = "metrics")]
+            metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
             return MaybeReady::ready(Ok(outcome));
         }
         let inner = inner.clone();

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use fluxgate_core::failure::CircuitOpen;
 use fluxgate_core::{
     Decision, Error, FailurePolicy, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
 };
@@ -112,7 +113,19 @@ impl Config {
             .set_api_key(key);
     }
 
-    pub(crate) fn verdict(&self, result: Result<Decision, Error>) -> Verdict {
+    /// Whether the request's rule set is the layer's own: true without a customizer, which
+    /// alone can choose another. A rule set id chosen per request may come from the
+    /// request, so only the layer's own id is a metric label.
+    pub(crate) fn own_rule_set(&self, ctx: &RequestContext) -> bool {
+        self.customizer.is_none() || *ctx.rule_set_id() == *self.rule_set
+    }
+
+    /// What happens to a request after its decision, or after the handler failed;
+    /// `own_rule_set` says whether the request's rule set is the layer's own
+    /// ([`own_rule_set`](Self::own_rule_set)).
+    pub(crate) fn verdict(&self, result: Result<Decision, Error>, own_rule_set: bool) -> Verdict {
+        #[cfg(not(feature = "metrics"))]
+        let _ = own_rule_set;
         match result {
             Ok(decision) if decision.allowed() => {
                 if let Some(rule) = &decision.shadow_rejected_by {
@@ -125,6 +138,13 @@ impl Config {
             }
             Ok(decision) if self.shadow => {
                 tracing::debug!(rule_set = %decision.rule_set, rule = ?decision.rule(), "shadow mode: would reject");
+                #[cfg(feature = "metrics")]
+                metrics::counter!(
+                    fluxgate_core::metrics::SHADOW_REJECTIONS_TOTAL,
+                    "rule_set" => fluxgate_core::metrics::rule_set_label(&decision),
+                    "rule" => fluxgate_core::metrics::rule_label(&decision),
+                )
+                .increment(1);
                 Verdict::Pass(Figures::of(self, &decision, false))
             }
             Ok(decision) => Verdict::Reject(crate::response::rejection(self, &decision)),
@@ -139,16 +159,37 @@ impl Config {
             }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
-                    tracing::warn!(%error, "rate-limit check failed; admitting the request");
+                    log_failure(&error, "admitting the request");
+                    #[cfg(feature = "metrics")]
+                    metrics::counter!(
+                        fluxgate_core::metrics::FAIL_OPEN_TOTAL,
+                        "rule_set" => if own_rule_set {
+                            metrics::SharedString::from(self.rule_set.clone())
+                        } else {
+                            metrics::SharedString::const_str(fluxgate_core::metrics::UNKNOWN)
+                        },
+                    )
+                    .increment(1);
                     Verdict::Pass(None)
                 }
                 // `fail_closed`; `fallback_local` is refused when the layer is built.
                 _ => {
-                    tracing::warn!(%error, "rate-limit check failed; refusing the request");
+                    log_failure(&error, "refusing the request");
                     Verdict::Reject(crate::response::unavailable(self.unavailable_status))
                 }
             },
         }
+    }
+}
+
+/// Logs a failed check: a warning, except while a circuit breaker is open, which warned
+/// once when it opened and fails every request meanwhile (logged at debug level, so that
+/// an outage does not log a warning per request).
+fn log_failure(error: &Error, action: &str) {
+    if matches!(error, Error::Backend(e) if e.is::<CircuitOpen>()) {
+        tracing::debug!(%error, "rate-limit check failed; {action}");
+    } else {
+        tracing::warn!(%error, "rate-limit check failed; {action}");
     }
 }
 

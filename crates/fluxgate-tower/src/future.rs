@@ -54,6 +54,8 @@ pub(crate) struct Checking<S, ReqBody> {
     inner: Option<S>,
     req: Option<Request<ReqBody>>,
     config: Arc<Config>,
+    /// Whether the request's rule set is the layer's own (see `Config::own_rule_set`).
+    own_rule_set: bool,
 }
 
 impl<S, ReqBody> ResponseFuture<S, ReqBody>
@@ -80,6 +82,7 @@ where
         inner: S,
         req: Request<ReqBody>,
         config: Arc<Config>,
+        own_rule_set: bool,
     ) -> Self {
         Self {
             state: State::Checking {
@@ -88,6 +91,7 @@ where
                     inner: Some(inner),
                     req: Some(req),
                     config,
+                    own_rule_set,
                 }),
             },
         }
@@ -107,7 +111,7 @@ where
             let next = match this.state.as_mut().project() {
                 StateProj::Checking { checking } => {
                     let result = ready!(Pin::new(&mut checking.check).poll(cx));
-                    match checking.config.verdict(result) {
+                    match checking.config.verdict(result, checking.own_rule_set) {
                         Verdict::Pass(figures) => {
                             let (Some(mut inner), Some(req)) = (checking.inner.take(), checking.req.take()) else {
                                 unreachable!("ResponseFuture polled after completion")

@@ -46,7 +46,18 @@
 //! ([`RateLimitLayerBuilder::on_error`]) decides: admit without headers and log a warning
 //! (`FailOpen`, the default), or answer `503` (`FailClosed`; another status with
 //! [`RateLimitLayerBuilder::unavailable_status`]). Errors of the inner service pass through
-//! untouched.
+//! untouched. While a circuit breaker is open, such failures are logged at debug level (the
+//! breaker warned when it opened), so that an outage does not log a warning per request.
+//!
+//! # Metrics
+//!
+//! The engine counts its decisions (`fluxgate_core::metrics::MetricsRecorder`). With the
+//! `metrics` feature the layer counts, through the `metrics` facade, what it decides on its
+//! own: requests admitted by `on_error(FailOpen)` in `fluxgate_fail_open_total{rule_set}`,
+//! and rejections let through in shadow mode in
+//! `fluxgate_shadow_rejections_total{rule_set, rule}`. The `rule_set` label of a failure is
+//! the layer's rule set, or `(unknown)` when a customizer chose another id for the request
+//! (such an id may come from the request itself).
 
 #![deny(unsafe_code)]
 

@@ -90,8 +90,9 @@ where
         }
         // The path is set, so the context as built so far is complete: no need to move it.
         let ctx = builder.peek();
+        let own_rule_set = config.own_rule_set(ctx);
         match self.config.handler.check(ctx).into_ready() {
-            Ok(result) => match self.config.verdict(result) {
+            Ok(result) => match self.config.verdict(result, own_rule_set) {
                 Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
                 Verdict::Reject(response) => ResponseFuture::rejected(response),
             },
@@ -99,7 +100,7 @@ where
                 // Keep the service that was polled ready; leave a clone for the next call.
                 let clone = self.inner.clone();
                 let inner = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::checking(pending, inner, req, self.config.clone())
+                ResponseFuture::checking(pending, inner, req, self.config.clone(), own_rule_set)
             }
         }
     }
