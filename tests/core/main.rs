@@ -9,12 +9,15 @@ mod support {
     pub(crate) mod backend;
     pub(crate) mod conformance;
     pub(crate) mod scenarios;
+    pub(crate) mod telemetry;
 }
 
 mod conformance;
 mod fuzz_regressions;
 mod memory;
+mod metrics;
 mod mongodb;
 mod reload;
 mod rule_files;
+mod spans;
 mod watch;

@@ -7,7 +7,10 @@
 #[allow(clippy::unwrap_used)]
 mod support {
     pub(crate) mod app;
+    pub(crate) mod telemetry;
 }
+
+mod metrics;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -15,6 +15,7 @@ mod support {
     pub(crate) mod redis;
     pub(crate) mod scenarios;
     pub(crate) mod servers;
+    pub(crate) mod telemetry;
 }
 
 mod backend;
@@ -22,6 +23,7 @@ mod changes;
 mod cluster;
 mod conformance;
 mod differential;
+mod metrics;
 mod outage;
 mod sentinel;
 mod store;

@@ -1,0 +1,141 @@
+//! What the layer counts on its own (feature `metrics`): requests admitted by its
+//! `on_error(FailOpen)` and rejections it lets through in shadow mode, beside the engine's
+//! metrics; and one warning per failed check, not two.
+
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
+use fluxgate::core::metrics::MetricsRecorder;
+use fluxgate::core::{BoxError, Engine, MaybeReady, RateLimiter};
+use fluxgate::tower::RateLimitLayer;
+use http::StatusCode;
+use tracing::Level;
+
+use crate::support::app::{app, get_from, request, rules, send};
+use crate::support::telemetry::{metrics_async, trace_async};
+
+const RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: users
+        match: { paths: ["/api/users"] }
+        bands: [{ capacity: 1, window: 1h }]
+  - id: tenant-a
+    rules:
+      - id: per-tenant
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+
+/// A backend that always fails.
+#[derive(Debug)]
+struct Down;
+
+impl RateLimiter for Down {
+    fn acquire(&self, _: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        MaybeReady::ready(Err("backend down".into()))
+    }
+}
+
+fn failing_engine() -> Engine {
+    Engine::builder(rules(RULES))
+        .limiter(Down)
+        .recorder(MetricsRecorder::new())
+        .build()
+        .expect("valid")
+}
+
+#[tokio::test]
+async fn the_layers_fail_open_admissions_are_counted() {
+    let app = app(RateLimitLayer::new(failing_engine()));
+    let (reply, metrics) = metrics_async(get_from(&app, "/api/users", "203.0.113.5")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        metrics.counters(),
+        [
+            "fluxgate_backend_errors_total{backend=custom} = 1",
+            "fluxgate_errors_total{kind=backend,rule_set=default} = 1",
+            "fluxgate_fail_open_total{rule_set=default} = 1",
+        ]
+    );
+}
+
+#[tokio::test]
+async fn a_rule_set_chosen_per_request_is_not_a_fail_open_label() {
+    let layer = RateLimitLayer::builder(failing_engine())
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .expect("valid");
+    let app = app(layer);
+    let ((), metrics) = metrics_async(async {
+        for tenant in ["tenant-a", "tenant-zz-9"] {
+            let reply = send(
+                &app,
+                request("GET", "/api/orders", "203.0.113.5", &[("x-tenant", tenant)]),
+            )
+            .await;
+            assert_eq!(reply.status, StatusCode::OK);
+        }
+        // Without the header: the layer's own rule set.
+        assert_eq!(get_from(&app, "/api/users", "203.0.113.5").await.status, StatusCode::OK);
+    })
+    .await;
+    assert_eq!(
+        metrics.counters(),
+        [
+            "fluxgate_backend_errors_total{backend=custom} = 2",
+            "fluxgate_decisions_total{outcome=unknown_rule_set_allowed,rule=(none),rule_set=(unknown)} = 1",
+            "fluxgate_errors_total{kind=backend,rule_set=default} = 1",
+            "fluxgate_errors_total{kind=backend,rule_set=tenant-a} = 1",
+            "fluxgate_fail_open_total{rule_set=(unknown)} = 1",
+            "fluxgate_fail_open_total{rule_set=default} = 1",
+        ]
+    );
+    assert!(!metrics.label_values().iter().any(|v| v.contains("zz")));
+}
+
+#[tokio::test]
+async fn a_failed_check_is_one_warning() {
+    let app = app(RateLimitLayer::new(failing_engine()));
+    let (reply, trace) = trace_async(get_from(&app, "/api/users", "203.0.113.5")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let warnings = trace.events_at_least(Level::WARN);
+    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
+    assert!(
+        warnings[0].message.contains("admitting the request"),
+        "{:?}",
+        warnings[0]
+    );
+    assert!(
+        !trace.events.iter().any(|e| e.level == Level::INFO),
+        "{:?}",
+        trace.events
+    );
+    assert_eq!(trace.spans("fluxgate.decision").len(), 1);
+}
+
+#[tokio::test]
+async fn rejections_let_through_in_shadow_mode_are_counted() {
+    let engine = Engine::builder(rules(RULES))
+        .recorder(MetricsRecorder::new())
+        .build()
+        .expect("valid");
+    let layer = RateLimitLayer::builder(engine).shadow(true).build().expect("valid");
+    let app = app(layer);
+    let ((), metrics) = metrics_async(async {
+        for _ in 0..3 {
+            assert_eq!(get_from(&app, "/api/users", "203.0.113.5").await.status, StatusCode::OK);
+        }
+    })
+    .await;
+    assert_eq!(
+        metrics.counters(),
+        [
+            "fluxgate_decisions_total{outcome=allowed,rule=users,rule_set=default} = 1",
+            "fluxgate_decisions_total{outcome=rejected,rule=users,rule_set=default} = 2",
+            "fluxgate_shadow_rejections_total{rule=users,rule_set=default} = 2",
+        ]
+    );
+}

@@ -1,0 +1,265 @@
+//! What the code under test reports: its metrics, caught by `metrics-util`'s debugging
+//! recorder installed for the current thread only, and its tracing spans and events, caught
+//! by a small `tracing-subscriber` layer installed for the current thread only. Tests in
+//! parallel never see each other's.
+
+// Each test binary uses the part it needs.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::MetricKind;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+/// One metric: its kind, name, labels (sorted by name) and value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Metric {
+    pub(crate) kind: MetricKind,
+    pub(crate) name: String,
+    pub(crate) labels: Vec<(String, String)>,
+    pub(crate) value: Value,
+}
+
+/// A metric's value.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Value {
+    Counter(u64),
+    Gauge(f64),
+    Histogram(Vec<f64>),
+}
+
+/// The metrics recorded while a test ran.
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics(pub(crate) Vec<Metric>);
+
+impl Metrics {
+    /// The counter `name` with exactly these labels; 0 when it was never recorded.
+    pub(crate) fn counter(&self, name: &str, labels: &[(&str, &str)]) -> u64 {
+        match self.find(MetricKind::Counter, name, labels).map(|m| &m.value) {
+            Some(Value::Counter(n)) => *n,
+            _ => 0,
+        }
+    }
+
+    /// The values of the histogram `name` with exactly these labels.
+    pub(crate) fn histogram(&self, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
+        match self.find(MetricKind::Histogram, name, labels).map(|m| &m.value) {
+            Some(Value::Histogram(values)) => values.clone(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Every counter, as `name{label=value,...} = n` lines, sorted: for exact comparisons.
+    pub(crate) fn counters(&self) -> Vec<String> {
+        let mut lines: Vec<String> = self
+            .0
+            .iter()
+            .filter_map(|m| match m.value {
+                Value::Counter(n) => Some(format!("{}{} = {n}", m.name, braces(&m.labels))),
+                _ => None,
+            })
+            .collect();
+        lines.sort();
+        lines
+    }
+
+    /// Every label value of every metric.
+    pub(crate) fn label_values(&self) -> Vec<&str> {
+        self.0
+            .iter()
+            .flat_map(|m| m.labels.iter().map(|(_, v)| v.as_str()))
+            .collect()
+    }
+
+    fn find(&self, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> Option<&Metric> {
+        let mut wanted: Vec<(String, String)> = labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        wanted.sort();
+        self.0
+            .iter()
+            .find(|m| m.kind == kind && m.name == name && m.labels == wanted)
+    }
+}
+
+fn braces(labels: &[(String, String)]) -> String {
+    if labels.is_empty() {
+        return String::new();
+    }
+    let inner: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("{{{}}}", inner.join(","))
+}
+
+fn collect(recorder_snapshot: metrics_util::debugging::Snapshot) -> Metrics {
+    Metrics(
+        recorder_snapshot
+            .into_vec()
+            .into_iter()
+            .map(|(key, _, _, value)| {
+                let (kind, key) = key.into_parts();
+                let mut labels: Vec<(String, String)> = key
+                    .labels()
+                    .map(|l| (l.key().to_string(), l.value().to_string()))
+                    .collect();
+                labels.sort();
+                let value = match value {
+                    DebugValue::Counter(n) => Value::Counter(n),
+                    DebugValue::Gauge(g) => Value::Gauge(g.into_inner()),
+                    DebugValue::Histogram(values) => {
+                        Value::Histogram(values.into_iter().map(|v| v.into_inner()).collect())
+                    }
+                };
+                Metric {
+                    kind,
+                    name: key.name().to_string(),
+                    labels,
+                    value,
+                }
+            })
+            .collect(),
+    )
+}
+
+/// Runs `f` with a debugging recorder as this thread's metrics recorder; returns what it
+/// recorded.
+pub(crate) fn metrics<T>(f: impl FnOnce() -> T) -> (T, Metrics) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let out = metrics::with_local_recorder(&recorder, f);
+    (out, collect(snapshotter.snapshot()))
+}
+
+/// Runs `f` to completion with a debugging recorder as this thread's metrics recorder; for
+/// a test on tokio's current-thread runtime (the default of `#[tokio::test]`), where every
+/// task runs on this thread.
+pub(crate) async fn metrics_async<T>(f: impl Future<Output = T>) -> (T, Metrics) {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let out = {
+        let _guard = metrics::set_default_local_recorder(&recorder);
+        f.await
+    };
+    (out, collect(snapshotter.snapshot()))
+}
+
+/// A span that was opened: its name, level and fields (those given later included).
+#[derive(Debug, Clone)]
+pub(crate) struct SpanRecord {
+    pub(crate) name: &'static str,
+    pub(crate) level: Level,
+    pub(crate) fields: BTreeMap<String, String>,
+}
+
+/// An event: its level, message and the name of the span it happened in.
+#[derive(Debug, Clone)]
+pub(crate) struct EventRecord {
+    pub(crate) level: Level,
+    pub(crate) message: String,
+    pub(crate) span: Option<&'static str>,
+}
+
+/// The spans and events of a test.
+#[derive(Debug, Default)]
+pub(crate) struct Trace {
+    pub(crate) spans: Vec<SpanRecord>,
+    pub(crate) events: Vec<EventRecord>,
+}
+
+impl Trace {
+    /// The spans named `name`.
+    pub(crate) fn spans(&self, name: &str) -> Vec<&SpanRecord> {
+        self.spans.iter().filter(|s| s.name == name).collect()
+    }
+
+    /// The events at `level` or more severe.
+    pub(crate) fn events_at_least(&self, level: Level) -> Vec<&EventRecord> {
+        // `Level`'s order: TRACE > DEBUG > INFO > WARN > ERROR (the more verbose, the greater).
+        self.events.iter().filter(|e| e.level <= level).collect()
+    }
+}
+
+/// The layer that fills a [`Trace`].
+#[derive(Clone, Default)]
+struct Catcher(Arc<Mutex<Trace>>);
+
+/// The index of a span in [`Trace::spans`], kept in the span's extensions.
+struct Index(usize);
+
+#[derive(Default)]
+struct Fields(BTreeMap<String, String>);
+
+impl Visit for Fields {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().to_owned(), format!("{value:?}"));
+    }
+}
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        attrs.record(&mut fields);
+        let mut trace = self.0.lock().unwrap();
+        trace.spans.push(SpanRecord {
+            name: attrs.metadata().name(),
+            level: *attrs.metadata().level(),
+            fields: fields.0,
+        });
+        let index = trace.spans.len() - 1;
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(Index(index));
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else { return };
+        let Some(&Index(index)) = span.extensions().get::<Index>() else {
+            return;
+        };
+        let mut fields = Fields::default();
+        values.record(&mut fields);
+        self.0.lock().unwrap().spans[index].fields.extend(fields.0);
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        let span = ctx.event_span(event).map(|s| s.name());
+        self.0.lock().unwrap().events.push(EventRecord {
+            level: *event.metadata().level(),
+            message: fields.0.remove("message").unwrap_or_default(),
+            span,
+        });
+    }
+}
+
+/// Runs `f` with a subscriber catching every span and event (all levels) on this thread.
+pub(crate) fn trace<T>(f: impl FnOnce() -> T) -> (T, Trace) {
+    let catcher = Catcher::default();
+    let subscriber = tracing_subscriber::registry().with(catcher.clone());
+    let out = tracing::subscriber::with_default(subscriber, f);
+    let trace = std::mem::take(&mut *catcher.0.lock().unwrap());
+    (out, trace)
+}
+
+/// Runs `f` to completion with a subscriber catching every span and event on this thread
+/// (see [`metrics_async`] for the runtime it needs).
+pub(crate) async fn trace_async<T>(f: impl Future<Output = T>) -> (T, Trace) {
+    let catcher = Catcher::default();
+    let subscriber = tracing_subscriber::registry().with(catcher.clone());
+    let out = {
+        let _guard = tracing::subscriber::set_default(subscriber);
+        f.await
+    };
+    let trace = std::mem::take(&mut *catcher.0.lock().unwrap());
+    (out, trace)
+}
