@@ -24,8 +24,7 @@ impl<H: RateLimitHandler + ?Sized> RateLimitHandler for Arc<H> {
 
 /// Receives every decision and error, for a custom metrics sink: an engine option
 /// ([`EngineBuilder::recorder`](crate::EngineBuilder::recorder)). With the `metrics`
-/// feature, [`MetricsRecorder`](crate::metrics::MetricsRecorder) sends them to the
-/// `metrics` facade.
+/// feature, `metrics::MetricsRecorder` sends them to the `metrics` facade.
 ///
 /// Implementations should label by rule set, rule and outcome only: paths and key values
 /// are unbounded and are not passed. A decision's [`rule_set`](Decision::rule_set) is the
