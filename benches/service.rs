@@ -123,7 +123,10 @@ async fn load(port: u16, pid: u32, secs: u64, batch: u64) -> Run {
                             check_body(client)
                         })
                         .collect();
-                    ("/api/ratelimit/check/batch", format!(r#"{{"requests":[{}]}}"#, requests.join(",")))
+                    (
+                        "/api/ratelimit/check/batch",
+                        format!(r#"{{"requests":[{}]}}"#, requests.join(",")),
+                    )
                 };
                 let start = Instant::now();
                 assert!(exchange(&mut stream, &mut buffer, path, &body).await, "a failed call");
@@ -166,7 +169,11 @@ fn start_server(redis: &RedisServer, dir: &std::path::Path) -> (Child, u16) {
         "rule_sets: [{id: api, rules: [{id: per-ip, match: {paths: [\"/orders/**\"]}, bands: [{capacity: 100000000, window: 1h}]}]}]",
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let config = dir.join("server.toml");
     std::fs::write(
         &config,

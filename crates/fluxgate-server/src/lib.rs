@@ -107,7 +107,9 @@ impl Service {
             }
             (None, None) => return Err(ConfigError::Inconsistent("no rules".into()).into()),
         };
-        let mut engine = Engine::builder(provider.clone());
+        // Reports through the `metrics` facade: to the exporter the binary installs, to
+        // nothing otherwise.
+        let mut engine = Engine::builder(provider.clone()).recorder(fluxgate_core::metrics::MetricsRecorder::new());
         if let Some(limiter) = &redis {
             engine = engine.limiter(limiter.clone());
         }

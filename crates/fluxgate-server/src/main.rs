@@ -62,8 +62,27 @@ async fn main() {
         }
     };
     init_logs(&config);
+    // The backend's latency as a histogram (buckets from 10 µs to 100 ms).
+    let buckets = [0.000_01, 0.000_1, 0.000_5, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1];
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Full(fluxgate_core::metrics::BACKEND_SECONDS.to_owned()),
+            &buckets,
+        )
+        .and_then(|builder| builder.install_recorder());
+    let prometheus = match prometheus {
+        Ok(handle) => Some(handle),
+        Err(error) => {
+            tracing::warn!(%error, "cannot install the metrics recorder: /metrics is off");
+            None
+        }
+    };
+    fluxgate_core::metrics::describe();
     let service = match Service::start(&config).await {
-        Ok(service) => service,
+        Ok(service) => match prometheus {
+            Some(handle) => service.with_metrics(move || handle.render()),
+            None => service,
+        },
         Err(error) => {
             tracing::error!(%error, "cannot start");
             std::process::exit(1);

@@ -453,6 +453,97 @@ fn the_openapi_document_in_the_repository_is_the_one_served() {
     }
 }
 
+/// Starts the binary on a free port with `args`; answers it and its address.
+fn spawn_binary(args: &[&str]) -> (std::process::Child, SocketAddr) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let listen = format!("127.0.0.1:{port}");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_fluxgate-server"))
+        .args(args)
+        .args(["--listen", &listen])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = listen.parse().unwrap();
+    let start = Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        assert!(start.elapsed() < Duration::from_secs(10), "the server did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (child, addr)
+}
+
+/// The samples of a Prometheus text exposition: `(name{labels}, value)`; fails on a line
+/// that is not a comment or a sample.
+fn samples(text: &str) -> Vec<(String, f64)> {
+    text.lines()
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("not a sample: {line}"));
+            let value: f64 = value.parse().unwrap_or_else(|_| panic!("not a value: {line}"));
+            (series.to_owned(), value)
+        })
+        .collect()
+}
+
+#[test]
+fn metrics_are_prometheus_text_and_count_the_checks_sent() {
+    let rules = rule_file("metrics");
+    let (mut child, addr) = spawn_binary(&["--rules", rules.to_str().unwrap()]);
+    let request = json!({"ruleSetId": "api", "clientIp": "192.0.2.5", "path": "/orders/1"});
+    for _ in 0..4 {
+        assert_eq!(post(addr, "/api/ratelimit/check", &request).status, 200);
+    }
+    let unknown = json!({"ruleSetId": "attacker-chosen-id", "clientIp": "192.0.2.5"});
+    assert_eq!(post(addr, "/api/ratelimit/check", &unknown).status, 200);
+    let answer = call(addr, "GET", "/metrics", &[], b"");
+    assert_eq!(answer.status, 200);
+    assert!(
+        answer.headers.contains("content-type: text/plain"),
+        "{}",
+        answer.headers
+    );
+    let samples = samples(&answer.body);
+    let value = |series: &str| {
+        samples
+            .iter()
+            .filter(|(s, _)| {
+                s.starts_with("fluxgate_decisions_total{") && series.split(',').all(|part| s.contains(part))
+            })
+            .map(|(_, v)| v)
+            .sum::<f64>()
+    };
+    assert_eq!(
+        value(r#"rule_set="api",rule="orders",outcome="allowed""#),
+        3.0,
+        "{}",
+        answer.body
+    );
+    assert_eq!(
+        value(r#"rule_set="api",rule="orders",outcome="rejected""#),
+        1.0,
+        "{}",
+        answer.body
+    );
+    assert!(
+        !answer.body.contains("attacker-chosen-id"),
+        "a client's id never becomes a label"
+    );
+    assert!(!answer.body.contains("192.0.2.5"), "nor an address");
+    assert!(
+        samples
+            .iter()
+            .any(|(s, _)| s.starts_with("fluxgate_backend_seconds_bucket")),
+        "{}",
+        answer.body
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 #[test]
 fn sigterm_lets_the_checks_in_flight_finish() {
     let rules = rule_file("sigterm");
