@@ -197,8 +197,10 @@ pub struct CheckResponse {
     /// Whether the decision came from the fallback because the backend failed.
     #[serde(default)]
     pub degraded: bool,
-    /// Why: `admitted`, `no_matching_rule`, `unknown_rule_set_allowed`,
-    /// `unknown_rule_set_denied`, `rate_limited`, `missing_key`, `backend_unavailable`.
+    /// Why, as the `outcome` label of the metrics ([`Decision::outcome_name`]): `allowed`,
+    /// `shadow_rejected` (allowed, but a shadow-mode rule would have rejected),
+    /// `rejected`, `no_matching_rule`, `unknown_rule_set_allowed`, `unknown_rule_set_denied`,
+    /// `missing_key`, `unavailable`.
     #[serde(default)]
     pub outcome: String,
     /// Every band of the enforced rules, in rule priority order: what a client needs to
@@ -420,7 +422,7 @@ impl CheckResponse {
             })
             .collect();
         Self {
-            outcome: outcome_name(&decision.outcome).to_owned(),
+            outcome: decision.outcome_name().to_owned(),
             bands,
             shadow_rejected_by: decision.shadow_rejected_by.as_ref().map(|r| r.to_string()),
             allowed: decision.allowed(),
@@ -444,13 +446,13 @@ impl CheckResponse {
         let rule_set: Arc<str> = Arc::from(self.rule_set_id.as_str());
         let rule = || Arc::from(self.rule.as_deref().unwrap_or(""));
         let outcome = match self.outcome.as_str() {
-            "admitted" => Outcome::Admitted,
+            "allowed" | "shadow_rejected" => Outcome::Admitted,
             "no_matching_rule" => Outcome::NoMatchingRule,
             "unknown_rule_set_allowed" => Outcome::UnknownRuleSetAllowed,
             "unknown_rule_set_denied" => Outcome::UnknownRuleSetDenied,
-            "rate_limited" => Outcome::RateLimited,
+            "rejected" => Outcome::RateLimited,
             "missing_key" => Outcome::MissingKey { rule: rule() },
-            "backend_unavailable" => Outcome::BackendUnavailable { rule: rule() },
+            "unavailable" => Outcome::BackendUnavailable { rule: rule() },
             _ if self.allowed && self.bands.is_empty() => Outcome::NoMatchingRule,
             _ if self.allowed => Outcome::Admitted,
             _ => Outcome::RateLimited,
@@ -497,19 +499,6 @@ impl CheckResponse {
             .iter()
             .position(|b| b.rule == rule && Some(b.limit) == self.limit && Some(b.remaining) == self.remaining)
             .or_else(|| self.bands.iter().position(|b| b.rule == rule))
-    }
-}
-
-/// The name of an outcome in the API.
-fn outcome_name(outcome: &Outcome) -> &'static str {
-    match outcome {
-        Outcome::Admitted => "admitted",
-        Outcome::NoMatchingRule => "no_matching_rule",
-        Outcome::UnknownRuleSetAllowed => "unknown_rule_set_allowed",
-        Outcome::UnknownRuleSetDenied => "unknown_rule_set_denied",
-        Outcome::RateLimited => "rate_limited",
-        Outcome::MissingKey { .. } => "missing_key",
-        Outcome::BackendUnavailable { .. } => "backend_unavailable",
     }
 }
 
