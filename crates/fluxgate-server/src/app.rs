@@ -67,7 +67,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// An error answer: a status and `{"error", "field"}`.
-struct Failure(StatusCode, ApiError);
+pub(crate) struct Failure(StatusCode, ApiError);
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
@@ -147,15 +147,9 @@ async fn decide(engine: &Engine, request: &CheckRequest) -> Result<CheckResponse
     ),
     tag = "check"
 )]
-pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let request: CheckRequest = match parse(&body) {
-        Ok(request) => request,
-        Err(failure) => return failure.into_response(),
-    };
-    match decide(&state.engine, &request).await {
-        Ok(answer) => Json(answer).into_response(),
-        Err(failure) => failure.into_response(),
-    }
+pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, Failure> {
+    let request: CheckRequest = parse(&body)?;
+    Ok(Json(decide(&state.engine, &request).await?).into_response())
 }
 
 /// Decides many requests, each on its own, in order.
@@ -171,11 +165,8 @@ pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     ),
     tag = "check"
 )]
-pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let batch: BatchCheckRequest = match parse(&body) {
-        Ok(batch) => batch,
-        Err(failure) => return failure.into_response(),
-    };
+pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, Failure> {
+    let batch: BatchCheckRequest = parse(&body)?;
     if batch.requests.len() > state.max_batch {
         let error = ApiError::field(
             "requests",
@@ -185,25 +176,28 @@ pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes)
                 state.max_batch
             ),
         );
-        return bad_request(error).into_response();
+        return Err(bad_request(error));
     }
     // Every request is checked before any is decided: an invalid one decides nothing.
-    let mut contexts = Vec::with_capacity(batch.requests.len());
-    for (i, request) in batch.requests.iter().enumerate() {
-        match request.to_context() {
-            Ok(ctx) => contexts.push(ctx),
-            Err(error) => return bad_request(error.within(&format!("requests[{i}]"))).into_response(),
-        }
-    }
+    let contexts = batch
+        .requests
+        .iter()
+        .enumerate()
+        .map(|(i, request)| {
+            request
+                .to_context()
+                .map_err(|e| bad_request(e.within(&format!("requests[{i}]"))))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let decisions = futures_util::future::join_all(contexts.iter().map(|ctx| state.engine.check(ctx))).await;
-    let mut results = Vec::with_capacity(decisions.len());
-    for decision in decisions {
-        match decision {
-            Ok(decision) => results.push(CheckResponse::from_decision(&decision)),
-            Err(error) => return engine_failure(&error).into_response(),
-        }
-    }
-    Json(BatchCheckResponse::new(results)).into_response()
+    let results = decisions
+        .iter()
+        .map(|decision| match decision {
+            Ok(decision) => Ok(CheckResponse::from_decision(decision)),
+            Err(error) => Err(engine_failure(error)),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Json(BatchCheckResponse::new(results)).into_response())
 }
 
 /// Checks the bearer token; answers the admin when the endpoints are on.
@@ -268,15 +262,12 @@ fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
     security(("bearer" = [])),
     tag = "rules"
 )]
-pub(crate) async fn list_rule_sets(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    let admin = match admin(&state, &headers) {
-        Ok(admin) => admin,
-        Err(failure) => return failure.into_response(),
-    };
-    match admin.list().await {
-        Ok(specs) => json(StatusCode::OK, &specs),
-        Err(error) => store_failure(error).into_response(),
-    }
+pub(crate) async fn list_rule_sets(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Response, Failure> {
+    let specs = admin(&state, &headers)?.list().await.map_err(store_failure)?;
+    Ok(json(StatusCode::OK, &specs))
 }
 
 /// Reads one stored rule set.
@@ -298,22 +289,20 @@ pub(crate) async fn get_rule_set(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Response {
-    let admin = match admin(&state, &headers) {
-        Ok(admin) => admin,
-        Err(failure) => return failure.into_response(),
-    };
-    match admin.list().await {
-        Ok(specs) => match specs.iter().find(|spec| spec.id == id) {
-            Some(spec) => json(StatusCode::OK, spec),
-            None => Failure(
-                StatusCode::NOT_FOUND,
-                ApiError::general(format!("no rule set `{}`", shown(&id))),
-            )
-            .into_response(),
-        },
-        Err(error) => store_failure(error).into_response(),
-    }
+) -> Result<Response, Failure> {
+    let specs = admin(&state, &headers)?.list().await.map_err(store_failure)?;
+    let spec = specs
+        .iter()
+        .find(|spec| spec.id == id)
+        .ok_or_else(|| no_rule_set(&id))?;
+    Ok(json(StatusCode::OK, spec))
+}
+
+fn no_rule_set(id: &str) -> Failure {
+    Failure(
+        StatusCode::NOT_FOUND,
+        ApiError::general(format!("no rule set `{}`", shown(id))),
+    )
 }
 
 /// The outline of a rule set in a request body, for the OpenAPI document: an id and its
@@ -351,29 +340,21 @@ pub(crate) async fn put_rule_set(
     Path(id): Path<String>,
     headers: HeaderMap,
     body: Bytes,
-) -> Response {
-    let admin = match admin(&state, &headers) {
-        Ok(admin) => admin,
-        Err(failure) => return failure.into_response(),
-    };
-    let spec: RuleSetSpec = match parse(&body) {
-        Ok(spec) => spec,
-        Err(failure) => return failure.into_response(),
-    };
+) -> Result<Response, Failure> {
+    let admin = admin(&state, &headers)?;
+    let spec: RuleSetSpec = parse(&body)?;
     if spec.id != id {
         let error = ApiError::field(
             "id",
             format!("`{}` differs from the path's `{}`", shown(&spec.id), shown(&id)),
         );
-        return bad_request(error).into_response();
+        return Err(bad_request(error));
     }
-    match admin.put(&spec).await {
-        Ok(change) => json(
-            StatusCode::OK,
-            &serde_json::json!({"ruleSetId": id, "eventId": change.event_id}),
-        ),
-        Err(error) => store_failure(error).into_response(),
-    }
+    let change = admin.put(&spec).await.map_err(store_failure)?;
+    Ok(json(
+        StatusCode::OK,
+        &serde_json::json!({"ruleSetId": id, "eventId": change.event_id}),
+    ))
 }
 
 /// Deletes a rule set and announces it.
@@ -395,19 +376,10 @@ pub(crate) async fn delete_rule_set(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
     headers: HeaderMap,
-) -> Response {
-    let admin = match admin(&state, &headers) {
-        Ok(admin) => admin,
-        Err(failure) => return failure.into_response(),
-    };
-    match admin.delete(&id).await {
-        Ok(Some(_)) => StatusCode::NO_CONTENT.into_response(),
-        Ok(None) => Failure(
-            StatusCode::NOT_FOUND,
-            ApiError::general(format!("no rule set `{}`", shown(&id))),
-        )
-        .into_response(),
-        Err(error) => store_failure(error).into_response(),
+) -> Result<Response, Failure> {
+    match admin(&state, &headers)?.delete(&id).await.map_err(store_failure)? {
+        Some(_) => Ok(StatusCode::NO_CONTENT.into_response()),
+        None => Err(no_rule_set(&id)),
     }
 }
 

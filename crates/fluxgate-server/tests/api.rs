@@ -261,6 +261,15 @@ async fn bad_requests_get_their_documented_answer_and_change_nothing() {
     assert_eq!(answer.status, 405);
 }
 
+/// An admin call with the right token.
+async fn admin_call(addr: SocketAddr, method: &'static str, path: &'static str, body: String) -> Answer {
+    blocking(move || {
+        let bearer = format!("Bearer {TOKEN}");
+        call(addr, method, path, &[("authorization", &bearer)], body.as_bytes())
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
     let redis = RedisServer::start();
@@ -282,7 +291,6 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
     let config = || config(&["--config", file.to_str().unwrap()]);
     let (one, _a) = serve(config()).await;
     let (two, _b) = serve(config()).await;
-    let bearer = format!("Bearer {TOKEN}");
     let tighter = json!({"id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 2, "window": "1h"}]}]});
 
     // Without the token, or with a wrong one: 401, nothing stored.
@@ -310,19 +318,7 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
     assert_eq!(limit(one).await, 100);
 
     let put = Instant::now();
-    let answer = {
-        let (bearer, tighter) = (bearer.clone(), tighter.to_string());
-        blocking(move || {
-            call(
-                one,
-                "PUT",
-                "/api/rulesets/api",
-                &[("authorization", &bearer)],
-                tighter.as_bytes(),
-            )
-        })
-        .await
-    };
+    let answer = admin_call(one, "PUT", "/api/rulesets/api", tighter.to_string()).await;
     assert_eq!(answer.status, 200, "{}", answer.body);
     loop {
         if limit(one).await == 2 && limit(two).await == 2 {
@@ -338,19 +334,7 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
 
     // An invalid rule set: 400 naming the problem, nothing stored.
     let invalid = json!({"id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 0, "window": "1h"}]}]});
-    let answer = {
-        let bearer = bearer.clone();
-        blocking(move || {
-            call(
-                one,
-                "PUT",
-                "/api/rulesets/api",
-                &[("authorization", &bearer)],
-                invalid.to_string().as_bytes(),
-            )
-        })
-        .await
-    };
+    let answer = admin_call(one, "PUT", "/api/rulesets/api", invalid.to_string()).await;
     assert_eq!(answer.status, 400, "{}", answer.body);
     assert!(
         answer.json()["error"].as_str().unwrap().contains("capacity"),
@@ -358,36 +342,15 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
         answer.body
     );
     let mismatch = json!({"id": "other", "rules": []});
-    let answer = {
-        let bearer = bearer.clone();
-        blocking(move || {
-            call(
-                one,
-                "PUT",
-                "/api/rulesets/api",
-                &[("authorization", &bearer)],
-                mismatch.to_string().as_bytes(),
-            )
-        })
-        .await
-    };
+    let answer = admin_call(one, "PUT", "/api/rulesets/api", mismatch.to_string()).await;
     assert_eq!((answer.status, answer.json()["field"].clone()), (400, json!("id")));
 
-    let answer = {
-        let bearer = bearer.clone();
-        blocking(move || call(two, "GET", "/api/rulesets", &[("authorization", &bearer)], b"")).await
-    };
+    let answer = admin_call(two, "GET", "/api/rulesets", String::new()).await;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.json()[0]["rules"][0]["bands"][0]["capacity"], 2);
-    let answer = {
-        let bearer = bearer.clone();
-        blocking(move || call(two, "GET", "/api/rulesets/missing", &[("authorization", &bearer)], b"")).await
-    };
+    let answer = admin_call(two, "GET", "/api/rulesets/missing", String::new()).await;
     assert_eq!(answer.status, 404);
-    let answer = {
-        let bearer = bearer.clone();
-        blocking(move || call(two, "DELETE", "/api/rulesets/api", &[("authorization", &bearer)], b"")).await
-    };
+    let answer = admin_call(two, "DELETE", "/api/rulesets/api", String::new()).await;
     assert_eq!(answer.status, 204);
 }
 
