@@ -1,7 +1,12 @@
 //! What the code under test reports: its metrics, caught by `metrics-util`'s debugging
 //! recorder installed for the current thread only, and its tracing spans and events, caught
-//! by a small `tracing-subscriber` layer installed for the current thread only. Tests in
-//! parallel never see each other's.
+//! by a small `tracing-subscriber` layer of one global subscriber that hands each span and
+//! event to the catch open on the thread that reports it. Tests in parallel never see each
+//! other's.
+//!
+//! (One global subscriber rather than one per test: `tracing` caches, per callsite and
+//! process-wide, whether any subscriber wants it, and per-thread subscribers set and dropped
+//! by tests running in parallel can leave a callsite cached as unwanted.)
 
 // Each test binary uses the part it needs.
 #![allow(dead_code)]
@@ -184,12 +189,51 @@ impl Trace {
     }
 }
 
-/// The layer that fills a [`Trace`].
-#[derive(Clone, Default)]
-struct Catcher(Arc<Mutex<Trace>>);
+/// The catch open on this thread, with its number.
+type Open = (usize, Arc<Mutex<Trace>>);
 
-/// The index of a span in [`Trace::spans`], kept in the span's extensions.
-struct Index(usize);
+thread_local! {
+    static OPEN: std::cell::RefCell<Option<Open>> = const { std::cell::RefCell::new(None) };
+}
+
+/// The global subscriber's layer: fills the [`Trace`] open on the reporting thread.
+struct Catcher;
+
+/// Where a span was recorded: the catch's number and the span's index in its trace.
+struct Index(usize, usize);
+
+fn open() -> Option<Open> {
+    OPEN.with(|open| open.borrow().clone())
+}
+
+/// Installs the global subscriber once per test binary.
+fn install() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        let subscriber = tracing_subscriber::registry().with(Catcher);
+        tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber of the tests");
+    });
+}
+
+/// Opens a catch on this thread until the guard is dropped.
+fn catch() -> (CatchGuard, Arc<Mutex<Trace>>) {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(1);
+    install();
+    let trace = Arc::new(Mutex::new(Trace::default()));
+    let number = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let previous = OPEN.with(|open| open.borrow_mut().replace((number, trace.clone())));
+    (CatchGuard(previous), trace)
+}
+
+/// Closes a catch, restoring the one it replaced.
+struct CatchGuard(Option<Open>);
+
+impl Drop for CatchGuard {
+    fn drop(&mut self) {
+        let previous = self.0.take();
+        OPEN.with(|open| *open.borrow_mut() = previous);
+    }
+}
 
 #[derive(Default)]
 struct Fields(BTreeMap<String, String>);
@@ -206,9 +250,10 @@ impl Visit for Fields {
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let Some((number, trace)) = open() else { return };
         let mut fields = Fields::default();
         attrs.record(&mut fields);
-        let mut trace = self.0.lock().unwrap();
+        let mut trace = trace.lock().unwrap();
         trace.spans.push(SpanRecord {
             name: attrs.metadata().name(),
             level: *attrs.metadata().level(),
@@ -216,25 +261,30 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
         });
         let index = trace.spans.len() - 1;
         if let Some(span) = ctx.span(id) {
-            span.extensions_mut().insert(Index(index));
+            span.extensions_mut().insert(Index(number, index));
         }
     }
 
     fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let Some((number, trace)) = open() else { return };
         let Some(span) = ctx.span(id) else { return };
-        let Some(&Index(index)) = span.extensions().get::<Index>() else {
+        let Some(&Index(recorded_by, index)) = span.extensions().get::<Index>() else {
             return;
         };
+        if recorded_by != number {
+            return;
+        }
         let mut fields = Fields::default();
         values.record(&mut fields);
-        self.0.lock().unwrap().spans[index].fields.extend(fields.0);
+        trace.lock().unwrap().spans[index].fields.extend(fields.0);
     }
 
     fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let Some((_, trace)) = open() else { return };
         let mut fields = Fields::default();
         event.record(&mut fields);
         let span = ctx.event_span(event).map(|s| s.name());
-        self.0.lock().unwrap().events.push(EventRecord {
+        trace.lock().unwrap().events.push(EventRecord {
             level: *event.metadata().level(),
             message: fields.0.remove("message").unwrap_or_default(),
             span,
@@ -242,24 +292,21 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
     }
 }
 
-/// Runs `f` with a subscriber catching every span and event (all levels) on this thread.
+/// Runs `f`, catching every span and event (all levels) reported on this thread.
 pub(crate) fn trace<T>(f: impl FnOnce() -> T) -> (T, Trace) {
-    let catcher = Catcher::default();
-    let subscriber = tracing_subscriber::registry().with(catcher.clone());
-    let out = tracing::subscriber::with_default(subscriber, f);
-    let trace = std::mem::take(&mut *catcher.0.lock().unwrap());
+    let (guard, trace) = catch();
+    let out = f();
+    drop(guard);
+    let trace = std::mem::take(&mut *trace.lock().unwrap());
     (out, trace)
 }
 
-/// Runs `f` to completion with a subscriber catching every span and event on this thread
-/// (see [`metrics_async`] for the runtime it needs).
+/// Runs `f` to completion, catching every span and event reported on this thread (see
+/// [`metrics_async`] for the runtime it needs).
 pub(crate) async fn trace_async<T>(f: impl Future<Output = T>) -> (T, Trace) {
-    let catcher = Catcher::default();
-    let subscriber = tracing_subscriber::registry().with(catcher.clone());
-    let out = {
-        let _guard = tracing::subscriber::set_default(subscriber);
-        f.await
-    };
-    let trace = std::mem::take(&mut *catcher.0.lock().unwrap());
+    let (guard, trace) = catch();
+    let out = f.await;
+    drop(guard);
+    let trace = std::mem::take(&mut *trace.lock().unwrap());
     (out, trace)
 }
