@@ -73,6 +73,10 @@ pub struct LimiterConfig {
     pub deny_cache: Option<bool>,
     /// The delay between reconnection attempts, in milliseconds. Default 100.
     pub reconnect_delay_ms: Option<u64>,
+    /// Failures in a row that open the circuit breaker in front of Redis. Default 3.
+    pub circuit_failures: Option<u32>,
+    /// How long an open circuit fails decisions at once, in milliseconds. Default 250.
+    pub circuit_cool_down_ms: Option<u64>,
 }
 
 /// `[engine]`: the engine's options (`EngineBuilder`).

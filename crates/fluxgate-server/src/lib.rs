@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate_core::reload::{spawn_polling, spawn_watching, ReloadingRuleSetProvider, Watch};
-use fluxgate_core::{BoxError, Engine, FileRuleSource, MemoryLimiter};
+use fluxgate_core::{BoxError, CircuitBreaker, Engine, FileRuleSource, MemoryLimiter};
 use fluxgate_redis::{RedisLimiter, RedisRuleSetStore, RuleAdmin, RuleChangeListener};
 
 pub use app::{router, AppState};
@@ -111,7 +111,15 @@ impl Service {
         // nothing otherwise.
         let mut engine = Engine::builder(provider.clone()).recorder(fluxgate_core::metrics::MetricsRecorder::new());
         if let Some(limiter) = &redis {
-            engine = engine.limiter(limiter.clone());
+            // A Redis that is down costs one deadline per check only until the breaker opens.
+            let mut breaker = CircuitBreaker::new(limiter.clone());
+            if let Some(failures) = config.limiter.circuit_failures {
+                breaker = breaker.failure_threshold(failures);
+            }
+            if let Some(ms) = config.limiter.circuit_cool_down_ms {
+                breaker = breaker.cool_down(Duration::from_millis(ms));
+            }
+            engine = engine.limiter(breaker);
         }
         if let Some(policy) = config.engine.unknown_rule_set {
             engine = engine.unknown_rule_set(policy.into());
