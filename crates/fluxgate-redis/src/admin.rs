@@ -159,12 +159,11 @@ impl RuleAdmin {
     ///
     /// [`RedisError::Command`] or [`RedisError::Timeout`].
     pub async fn publish(&self, change: &RuleChange) -> Result<u64, RedisError> {
-        let client = self.store.client();
-        let publish = client.publish::<u64, _, _>(self.channel.as_str(), change.to_json());
-        match tokio::time::timeout(self.store.call_timeout(), publish).await {
-            Ok(result) => result.map_err(RedisError::Command),
-            Err(_) => Err(RedisError::Timeout(self.store.call_timeout())),
-        }
+        let connection = self.store.connection();
+        let publish = connection
+            .next()
+            .publish::<u64, _, _>(self.channel.as_str(), change.to_json());
+        connection.within_deadline(publish).await
     }
 
     async fn announce(&self, id: &str) -> Result<RuleChange, AdminError> {

@@ -14,7 +14,7 @@ use fred::types::{Expiration, SetOptions};
 use tokio::sync::broadcast::error::RecvError;
 
 use crate::changes::{RuleChange, DEFAULT_CHANGES_CHANNEL};
-use crate::connection;
+use crate::connection::{self, Connection};
 use crate::error::RedisError;
 use crate::key;
 use crate::limiter::RedisLimiter;
@@ -428,10 +428,11 @@ impl Listen {
     /// Waits until the listener that won the claim has reset the buckets (or the claim is
     /// gone, or 5 s passed).
     async fn wait_done(&self, limiter: &RedisLimiter, claim: &str) {
-        let client = limiter.connection().next();
+        let connection = claim_connection(limiter);
         let waited = tokio::time::timeout(CLAIM_WAIT, async {
             loop {
-                match within(client.get::<Option<String>, _>(claim)).await {
+                let state = connection.next().get::<Option<String>, _>(claim);
+                match connection.within_deadline(state).await {
                     Ok(Some(state)) if state == "running" => {}
                     _ => return,
                 }
@@ -445,18 +446,19 @@ impl Listen {
     }
 }
 
+/// The limiter's connections, with the claim's deadline.
+fn claim_connection(limiter: &RedisLimiter) -> Connection {
+    limiter.connection().clone().with_timeout(CLAIM_TIMEOUT)
+}
+
 /// Sets the claim key to `state` if `option` allows, for [`CLAIM_TTL`]; answers whether
 /// it was set.
 async fn set_claim(limiter: &RedisLimiter, claim: &str, state: &str, option: SetOptions) -> Result<bool, RedisError> {
-    let client = limiter.connection().next();
+    let connection = claim_connection(limiter);
     let ttl = i64::try_from(CLAIM_TTL.as_millis()).unwrap_or(i64::MAX);
-    let set = client.set::<Option<String>, _, _>(claim, state, Some(Expiration::PX(ttl)), Some(option), false);
-    Ok(within(set).await?.is_some())
-}
-
-async fn within<T>(command: impl std::future::Future<Output = Result<T, fred::error::Error>>) -> Result<T, RedisError> {
-    match tokio::time::timeout(CLAIM_TIMEOUT, command).await {
-        Ok(result) => result.map_err(RedisError::Command),
-        Err(_) => Err(RedisError::Timeout(CLAIM_TIMEOUT)),
-    }
+    let set =
+        connection
+            .next()
+            .set::<Option<String>, _, _>(claim, state, Some(Expiration::PX(ttl)), Some(option), false);
+    Ok(connection.within_deadline(set).await?.is_some())
 }

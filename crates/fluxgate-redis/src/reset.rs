@@ -10,6 +10,7 @@ use fred::types::scan::{ScanResult, Scanner};
 use fred::types::Key;
 use futures_util::{Stream, StreamExt};
 
+use crate::connection::Connection;
 use crate::error::RedisError;
 use crate::key;
 use crate::limiter::RedisLimiter;
@@ -53,12 +54,12 @@ impl RedisLimiter {
         let start = key::buckets_start(self.prefix(), scope.id());
         self.forget_denials(&start);
         let pattern = key::scan_pattern(&start);
-        let connection = self.connection();
+        let connection = self.connection().clone().with_timeout(PAGE_TIMEOUT);
         let client = connection.next();
         let deleted = if connection.is_cluster() {
-            delete_pages(client.scan_cluster(pattern, Some(SCAN_COUNT), None), client, true).await
+            delete_pages(client.scan_cluster(pattern, Some(SCAN_COUNT), None), &connection).await
         } else {
-            delete_pages(client.scan(pattern, Some(SCAN_COUNT), None), client, false).await
+            delete_pages(client.scan(pattern, Some(SCAN_COUNT), None), &connection).await
         };
         // Denials remembered while the keys were being deleted.
         self.forget_denials(&start);
@@ -78,11 +79,11 @@ impl<'a> ResetScope<'a> {
     }
 }
 
-/// Deletes the keys of every page of a scan; answers how many were deleted.
+/// Deletes the keys of every page of a scan, each page within the connection's deadline;
+/// answers how many were deleted.
 async fn delete_pages(
     pages: impl Stream<Item = Result<ScanResult, fred::error::Error>>,
-    client: &Client,
-    cluster: bool,
+    connection: &Connection,
 ) -> Result<u64, RedisError> {
     let mut pages = pin!(pages);
     let mut deleted = 0;
@@ -96,21 +97,18 @@ async fn delete_pages(
         if keys.is_empty() {
             continue;
         }
-        let unlinked = tokio::time::timeout(PAGE_TIMEOUT, unlink(client, keys, cluster)).await;
-        deleted += unlinked.map_err(|_| RedisError::Timeout(PAGE_TIMEOUT))??;
+        let unlinked = unlink(connection.next(), keys, connection.is_cluster());
+        deleted += connection.within_deadline(unlinked).await?;
     }
 }
 
 /// `UNLINK`s `keys`: in one command on a single server, one per hash slot on a cluster.
-async fn unlink(client: &Client, keys: Vec<Key>, cluster: bool) -> Result<u64, RedisError> {
+async fn unlink(client: &Client, keys: Vec<Key>, cluster: bool) -> Result<u64, fred::error::Error> {
     if !cluster {
-        let n: u64 = client.unlink(keys).await.map_err(RedisError::Command)?;
-        return Ok(n);
+        return client.unlink(keys).await;
     }
-    let slots = fred::util::group_by_hash_slot(keys).map_err(RedisError::Command)?;
+    let slots = fred::util::group_by_hash_slot(keys)?;
     let calls = slots.into_values().map(|keys| client.unlink::<u64, _>(Vec::from(keys)));
-    let counts = futures_util::future::try_join_all(calls)
-        .await
-        .map_err(RedisError::Command)?;
+    let counts = futures_util::future::try_join_all(calls).await?;
     Ok(counts.into_iter().sum())
 }

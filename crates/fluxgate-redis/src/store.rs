@@ -210,9 +210,9 @@ impl RedisRuleSetStore {
         self.connection.next()
     }
 
-    /// The deadline of each call.
-    pub(crate) fn call_timeout(&self) -> Duration {
-        self.connection.timeout()
+    /// The store's connections, with its deadline.
+    pub(crate) fn connection(&self) -> &Connection {
+        &self.connection
     }
 
     /// The deadline of each call. Default 1 s.
