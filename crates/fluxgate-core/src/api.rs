@@ -79,6 +79,12 @@ pub struct CheckRequest {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::attributes))]
     pub attributes: BTreeMap<String, String>,
+    /// The cost of the request (the Java original's `permits`). Only 1 is accepted: a
+    /// request's cost is its rules' `permits`, and a caller's other figure is refused
+    /// rather than silently counted as 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1))]
+    pub permits: Option<u64>,
 }
 
 /// [`CheckRequest`]'s fields, read by serde's derived code (which also reads arrays).
@@ -99,6 +105,8 @@ struct CheckRequestFields {
     method: Option<String>,
     #[serde(default)]
     attributes: Option<BTreeMap<String, String>>,
+    #[serde(default)]
+    permits: Option<u64>,
 }
 
 impl<'de> Deserialize<'de> for CheckRequest {
@@ -121,6 +129,7 @@ impl<'de> Deserialize<'de> for CheckRequest {
                     path: fields.path,
                     method: fields.method,
                     attributes: fields.attributes.unwrap_or_default(),
+                    permits: fields.permits,
                 })
             }
         }
@@ -328,6 +337,7 @@ impl CheckRequest {
             path: Some(ctx.routed_path().to_owned()),
             method: Some(ctx.method().as_str().to_owned()),
             attributes: ctx.attributes().clone(),
+            permits: None,
         }
     }
 
@@ -341,6 +351,12 @@ impl CheckRequest {
     /// value longer than [`MAX_VALUE`], an attribute name that is not a valid id, more than
     /// [`MAX_ATTRIBUTES`] attributes.
     pub fn to_context(&self) -> Result<RequestContext, ApiError> {
+        if self.permits.is_some_and(|permits| permits != 1) {
+            return Err(ApiError::field(
+                "permits",
+                "only 1 is accepted: a request costs its rules' `permits`",
+            ));
+        }
         let mut builder = RequestContext::builder();
         let rule_set = self.rule_set_id.as_deref().unwrap_or(DEFAULT_RULE_SET);
         check_id(rule_set).map_err(|e| ApiError::field("ruleSetId", e.to_string()))?;
@@ -526,6 +542,11 @@ mod tests {
             serde_json::from_str(r#"{"endpoint": "/x", "attributes": null, "unknown": [1]}"#).unwrap();
         assert_eq!(request.path.as_deref(), Some("/x"));
         assert!(request.attributes.is_empty());
+        // A cost other than 1 is refused, never counted as 1.
+        let costly: CheckRequest = serde_json::from_str(r#"{"permits": 5}"#).unwrap();
+        assert_eq!(costly.to_context().unwrap_err().field.as_deref(), Some("permits"));
+        let one: CheckRequest = serde_json::from_str(r#"{"permits": 1}"#).unwrap();
+        assert!(one.to_context().is_ok());
     }
 
     #[test]

@@ -237,6 +237,12 @@ async fn bad_requests_get_their_documented_answer_and_change_nothing() {
             "not an HTTP method",
         ),
         (br#"{"ruleSetId": "api"} trailing"#.to_vec(), 400, None, "trailing"),
+        (
+            br#"{"ruleSetId": "api", "clientIp": "203.0.113.9", "path": "/orders/1", "permits": 5}"#.to_vec(),
+            400,
+            Some("permits"),
+            "only 1",
+        ),
         (vec![b' '; 10 * 1024 * 1024], 413, None, ""),
     ];
     for (body, status, field, message) in cases {
