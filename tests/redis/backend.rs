@@ -263,6 +263,17 @@ rule_sets:
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.9".parse().unwrap())
             .build();
+        // The fixed window's and the counter's windows are the clock's minutes: start at
+        // least 10 s before a minute ends, so that the three requests fall in one window.
+        let into_minute = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            % 60;
+        if into_minute >= 50 {
+            tokio::time::sleep(std::time::Duration::from_secs(61 - into_minute)).await;
+        }
+        let started = std::time::Instant::now();
         let before = evalsha_calls(&redis);
         for _ in 0..2 {
             assert!(check(&engine, &ctx).await.allowed());
@@ -299,7 +310,12 @@ rule_sets:
         // The third request is rejected by every rule and writes nothing anywhere.
         let d = check(&engine, &ctx).await;
         assert!(!d.allowed());
-        assert_eq!(d.bands.iter().filter(|b| !b.allowed).count(), 5);
+        assert_eq!(
+            d.bands.iter().filter(|b| !b.allowed).count(),
+            5,
+            "every rule rejects the third request ({:?} after the first: more than 10 s means a minute's window may have ended)",
+            started.elapsed()
+        );
         let after: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         assert_eq!(states, after, "a rejection wrote to Redis");
         for key in &keys {
