@@ -12,61 +12,15 @@
 #[path = "support/rss.rs"]
 mod rss;
 
+#[path = "support/apps.rs"]
+mod apps;
+
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
+use apps::{contexts, engine, ONE_RULE, THREE_RULES};
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use fluxgate::{Engine, MemoryLimiter, RequestContext, RuleSets};
-
-const ONE_RULE: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        bands: [{ capacity: 1000000000, window: 1h }]
-"#;
-
-const THREE_RULES: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        match: { paths: ["/api/**"] }
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-      - id: per-user
-        scope: user
-        match: { paths: ["/api/**"], methods: [GET, POST] }
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-      - id: global
-        scope: global
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-"#;
-
-fn engine(yaml: &str, max_keys: usize) -> Engine {
-    let rules = RuleSets::from_yaml_str(yaml).expect("rules");
-    Engine::builder(rules)
-        .limiter(MemoryLimiter::builder().max_keys(max_keys).build())
-        .build()
-        .expect("the backend decides every rule")
-}
-
-fn contexts(n: u32) -> Vec<RequestContext> {
-    (0..n)
-        .map(|i| {
-            RequestContext::builder()
-                .path("/api/items")
-                .client_ip(IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)))
-                .user_id(format!("user-{}", i % 997))
-                .build()
-        })
-        .collect()
-}
+use fluxgate::RequestContext;
 
 /// Each key stays active: one request takes one of 100 tokens that refill over an hour.
 const ACTIVE_KEYS: &str = r#"

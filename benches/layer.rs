@@ -15,66 +15,17 @@
 
 #![allow(missing_docs)]
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::Arc;
+#[path = "support/apps.rs"]
+mod apps;
+
 use std::time::{Duration, Instant};
 
+use apps::{bare, fluxgate, governor, request, CLIENTS};
 use axum::body::Body;
-use axum::extract::ConnectInfo;
-use axum::routing::get;
 use axum::Router;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
-use fluxgate::{Engine, RateLimitLayer, RuleSets};
 use http::Request;
 use tower::{Service, ServiceExt};
-use tower_governor::governor::GovernorConfigBuilder;
-use tower_governor::GovernorLayer;
-
-/// The number of client addresses the requests rotate over, unless a variant says otherwise.
-const CLIENTS: u32 = 1_000;
-
-fn bare() -> Router {
-    Router::new().route("/api/items", get(|| async { "ok" }))
-}
-
-fn fluxgate(ietf_headers: bool, identity_headers: bool) -> Router {
-    let rules = RuleSets::from_yaml_str(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        scope: ip
-        bands: [{ capacity: 1000000000, window: 1h }]
-"#,
-    )
-    .expect("rules");
-    let mut layer = RateLimitLayer::builder(Engine::in_memory(rules)).ietf_headers(ietf_headers);
-    if !identity_headers {
-        layer = layer.no_user_header().no_api_key_header();
-    }
-    bare().layer(layer.build().expect("layer"))
-}
-
-fn governor() -> Router {
-    let config = GovernorConfigBuilder::default()
-        .per_nanosecond(3_600)
-        .burst_size(1_000_000_000)
-        .use_headers()
-        .finish()
-        .expect("governor config");
-    bare().layer(GovernorLayer::new(Arc::new(config)))
-}
-
-fn request(i: u32, clients: u32) -> Request<Body> {
-    let mut req = Request::builder()
-        .uri("/api/items")
-        .body(Body::empty())
-        .expect("request");
-    let ip = IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (i % clients)));
-    req.extensions_mut().insert(ConnectInfo(SocketAddr::new(ip, 4000)));
-    req
-}
 
 fn run(rt: &tokio::runtime::Runtime, app: &Router, clients: u32, iters: u64) -> Duration {
     rt.block_on(async {
