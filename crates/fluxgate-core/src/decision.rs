@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+pub use crate::bands::Bands;
+
 use crate::limiter::{AcquireOutcome, Wait};
 use crate::num::ceil_secs;
 use crate::rule::{Band, Mode, Rule};
@@ -112,9 +114,9 @@ pub struct Decision {
     /// when it never can (more permits than a band's capacity) or for other rejections.
     pub retry_after: Option<Duration>,
     /// Every band of the enforced rules, in rule priority order.
-    pub bands: Vec<BandReport>,
+    pub bands: Bands,
     /// Every band of the rules in shadow mode.
-    pub shadow_bands: Vec<BandReport>,
+    pub shadow_bands: Bands,
     /// The first shadow rule that would have rejected the request.
     pub shadow_rejected_by: Option<Arc<str>>,
     /// Index of the binding band in `bands`.
@@ -137,8 +139,8 @@ impl Decision {
             degraded: false,
             failed_open: false,
             retry_after: None,
-            bands: Vec::new(),
-            shadow_bands: Vec::new(),
+            bands: Bands::new(),
+            shadow_bands: Bands::new(),
             shadow_rejected_by: None,
         }
     }
@@ -148,11 +150,19 @@ impl Decision {
     pub(crate) fn from_outcome(rule_set: Arc<str>, outcome: AcquireOutcome) -> Self {
         let mut bands = outcome.bands;
         let shadow_bands = if bands.iter().any(|b| b.shadow) {
-            let (shadow, enforced): (Vec<_>, Vec<_>) = bands.into_iter().partition(|b| b.shadow);
+            let mut shadow = Bands::with_capacity(bands.len());
+            let mut enforced = Bands::with_capacity(bands.len());
+            for band in bands.drain(..) {
+                if band.shadow {
+                    shadow.push(band);
+                } else {
+                    enforced.push(band);
+                }
+            }
             bands = enforced;
             shadow
         } else {
-            Vec::new()
+            Bands::new()
         };
         let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
         // On rejection: the rejecting band with the longest wait (`Never` the longest of all).

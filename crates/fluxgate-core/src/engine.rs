@@ -16,7 +16,7 @@ use crate::key::{KeyResolution, KeyResolver};
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
-use crate::rule::{Mode, RuleSet, RuleSets};
+use crate::rule::{Mode, Rule, RuleSet, RuleSets};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -227,6 +227,12 @@ impl Engine {
     /// [recorder](EngineBuilder::recorder), the decision or the error goes to it, and so
     /// does each call of the limiter backend with its duration.
     pub fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        // Nothing to record and no subscriber for the span: no span at all, which also
+        // spares the `log` records a disabled span emits when `tracing`'s `log` feature
+        // is on (as axum's default features turn it on).
+        if self.inner.recorder.is_none() && !tracing::enabled!(tracing::Level::DEBUG) {
+            return self.check_unrecorded(ctx);
+        }
         let span = tracing::debug_span!(
             "fluxgate.decision",
             rule_set = ctx.rule_set_id(),
@@ -298,9 +304,7 @@ impl Engine {
         let mut request = AcquireRequest::new(set.clone());
         let mut denied_by = None;
         let method = ctx.method();
-        // A rule applies when its pattern matches the normalized path or the path as the
-        // router sees it: normalization adds rules, never removes one.
-        with_paths(ctx, |normalized, routed| {
+        let mut select = |normalized: &[&str], routed: Option<&[&str]>| {
             for (i, rule) in set.rules().iter().enumerate() {
                 if !rule.applies_to_paths(normalized, routed, method) {
                     continue;
@@ -315,7 +319,15 @@ impl Engine {
                     }
                 }
             }
-        });
+        };
+        // A rule applies when its pattern matches the normalized path or the path as the
+        // router sees it: normalization adds rules, never removes one. The paths are split
+        // only when a rule has patterns.
+        if set.rules().iter().any(Rule::has_path_patterns) {
+            with_paths(ctx, select);
+        } else {
+            select(&[], None);
+        }
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };
             return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), outcome)));

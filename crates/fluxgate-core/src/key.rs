@@ -160,20 +160,36 @@ impl KeyResolver {
     }
 }
 
-/// Dotted decimal, without the formatting machinery.
-fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
-    for (i, o) in octets.into_iter().enumerate() {
-        if i > 0 {
-            out.push('.');
-        }
-        if o >= 100 {
-            out.push(char::from(b'0' + o / 100));
-        }
-        if o >= 10 {
-            out.push(char::from(b'0' + (o / 10) % 10));
-        }
-        out.push(char::from(b'0' + o % 10));
+/// The decimal digits of every octet, and their count in the last byte.
+const OCTETS: [[u8; 4]; 256] = {
+    let mut table = [[0u8; 4]; 256];
+    let mut o = 0;
+    while o < 256 {
+        let n = o as u8;
+        table[o] = if n >= 100 {
+            [b'0' + n / 100, b'0' + (n / 10) % 10, b'0' + n % 10, 3]
+        } else if n >= 10 {
+            [b'0' + n / 10, b'0' + n % 10, 0, 2]
+        } else {
+            [b'0' + n, 0, 0, 1]
+        };
+        o += 1;
     }
+    table
+};
+
+/// Dotted decimal, without the formatting machinery, appended in one piece.
+fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
+    let mut buf = [0u8; 18];
+    let mut n = 0;
+    for o in octets {
+        let digits = OCTETS[usize::from(o)];
+        buf[n..n + 3].copy_from_slice(&digits[..3]);
+        n += usize::from(digits[3]);
+        buf[n] = b'.';
+        n += 1;
+    }
+    out.push_ascii(&buf[..n - 1]);
 }
 
 fn push_opt(out: &mut Text, tag: &str, value: Option<&str>) -> bool {

@@ -50,6 +50,7 @@
 #![deny(unsafe_code)]
 
 pub mod api;
+mod bands;
 mod clock;
 mod context;
 mod decision;
@@ -71,7 +72,7 @@ mod text;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
-pub use decision::{BandReport, Decision, Outcome};
+pub use decision::{BandReport, Bands, Decision, Outcome};
 pub use engine::{Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};
 pub use failure::{CircuitBreaker, FailurePolicy};

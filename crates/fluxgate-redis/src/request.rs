@@ -109,7 +109,7 @@ pub(crate) fn outcome(
     replies: impl Iterator<Item = BandReply>,
 ) -> AcquireOutcome {
     let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
-    let bands = request
+    let bands: fluxgate_core::Bands = request
         .bands()
         .zip(replies)
         .map(|((bucket, band), reply)| bucket.report(band, now_ns, reply.remaining, reply.reset_after, reply.wait))

@@ -279,7 +279,7 @@ mod tests {
                 allowed: true,
                 shadow_allowed: true,
                 now_unix_nanos: 0,
-                bands: Vec::new(),
+                bands: crate::decision::Bands::new(),
                 local,
             };
             match *self.answer.lock().unwrap() {

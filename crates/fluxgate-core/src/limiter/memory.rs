@@ -16,7 +16,9 @@ use super::{
     AcquireRequest, Bucket, Eval, RateLimiter,
 };
 use crate::clock::{Clock, SystemClock};
-use crate::decision::BandReport;
+use smallvec::SmallVec;
+
+use crate::decision::{BandReport, Bands};
 use crate::error::BoxError;
 use crate::future::MaybeReady;
 use crate::rule::{Algorithm, Band, Rule};
@@ -147,14 +149,19 @@ enum Next {
     Log,
 }
 
+const MIX_P0: u64 = 0xa076_1d64_78bd_642f;
+const MIX_P1: u64 = 0xe703_7ed1_a0b4_28db;
+
+/// The multiply-fold step of [`mix`].
+fn fold(a: u64, b: u64) -> u64 {
+    let m = u128::from(a) * u128::from(b);
+    (m as u64) ^ ((m >> 64) as u64)
+}
+
 /// A seeded multiply-fold hash of a byte string (the wyhash construction).
 fn mix(seed: u64, bytes: &[u8]) -> u64 {
-    const P0: u64 = 0xa076_1d64_78bd_642f;
-    const P1: u64 = 0xe703_7ed1_a0b4_28db;
-    let fold = |a: u64, b: u64| {
-        let m = u128::from(a) * u128::from(b);
-        (m as u64) ^ ((m >> 64) as u64)
-    };
+    const P0: u64 = MIX_P0;
+    const P1: u64 = MIX_P1;
     let mut acc = seed ^ P0;
     let mut chunks = bytes.chunks_exact(8);
     for c in &mut chunks {
@@ -165,6 +172,27 @@ fn mix(seed: u64, bytes: &[u8]) -> u64 {
     let mut last = [0u8; 8];
     last[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
     fold(acc ^ u64::from_le_bytes(last) ^ (bytes.len() as u64), P1 ^ P0)
+}
+
+/// The hashes of one key value (see [`MemoryLimiter::key_hash`]).
+struct KeyHash {
+    /// The keyed SipHash of the key's bytes.
+    sip: u64,
+    /// A second, cheaper keyed mix of the same bytes.
+    mix: u64,
+}
+
+impl KeyHash {
+    /// A band's bucket identity, 128 bits: each of the key's two keyed hashes folded with
+    /// the band's identity. The hashes are keyed at random per limiter, so a client cannot
+    /// choose a key value whose hashes meet another's; two buckets share state only if
+    /// both halves collide.
+    fn band(&self, band: &Band) -> u128 {
+        let ident = band.ident();
+        let low = fold(self.sip ^ ident, MIX_P0) ^ self.sip;
+        let high = fold(self.mix ^ ident, MIX_P1) ^ self.mix;
+        (u128::from(high) << 64) | u128::from(low)
+    }
 }
 
 /// The map keys are already uniformly distributed hashes.
@@ -323,16 +351,23 @@ impl MemoryLimiter {
         }
     }
 
-    /// A bucket's 128-bit identity: the keyed SipHash of its band and key value, and a
-    /// second, cheaper keyed mix of the same bytes. Two buckets share state only if both
-    /// collide, so the identity is at least as strong as the 64-bit keyed SipHash alone.
-    fn key_of(&self, b: &Bucket<'_>, band: &Band) -> u128 {
-        let mut h = self.inner.hasher.build_hasher();
-        h.write_u64(band.ident());
-        h.write(b.key.as_bytes());
-        let low = h.finish();
-        let high = mix(self.inner.mix_seed ^ band.ident(), b.key.as_bytes());
-        (u128::from(high) << 64) | u128::from(low)
+    /// The hashes of a bucket's key value, from which each of its bands' identities
+    /// comes ([`KeyHash::band`]): the key's bytes are hashed once however many bands the
+    /// rule has.
+    fn key_hash(&self, b: &Bucket<'_>) -> KeyHash {
+        let bytes = b.key.as_bytes();
+        let mut sip = self.inner.hasher.build_hasher();
+        sip.write(bytes);
+        KeyHash {
+            sip: sip.finish(),
+            mix: mix(self.inner.mix_seed, bytes),
+        }
+    }
+
+    /// The shard of a bucket: every band of one key lives in the same shard, so that a
+    /// rule of several bands takes one lock.
+    fn shard_of(&self, key: &KeyHash) -> usize {
+        (key.mix >> 40) as usize & self.inner.shard_mask
     }
 
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
@@ -345,32 +380,36 @@ impl MemoryLimiter {
                 }
             }
         }
-        let mut items = Vec::with_capacity(request.band_count());
-        for (b, band) in request.bands() {
-            let key = self.key_of(&b, band);
-            items.push(Item {
-                key,
-                shard: (key >> 64) as usize & self.inner.shard_mask,
-                bucket: b,
-                band,
-            });
+        let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::with_capacity(request.band_count());
+        for b in request.buckets() {
+            let hash = self.key_hash(&b);
+            let shard = self.shard_of(&hash);
+            for band in b.rule.bands().iter() {
+                items.push(Item {
+                    key: hash.band(band),
+                    shard,
+                    bucket: b,
+                    band,
+                });
+            }
         }
 
         // Lock every shard involved, in index order (no deadlock between requests).
-        let mut order: Vec<usize> = items.iter().map(|i| i.shard).collect();
+        let mut order: SmallVec<[usize; 8]> = items.iter().map(|i| i.shard).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 8]> =
+            order.iter().map(|&s| lock(&self.inner.shards[s])).collect();
         let slot = |shard: usize| order.binary_search(&shard).unwrap_or(0);
 
-        let evals: Vec<Eval<Next>> = items
+        let evals: SmallVec<[Eval<Next>; 8]> = items
             .iter()
             .map(|i| evaluate(&guards[slot(i.shard)], i.key, i.bucket.rule, i.band, now))
             .collect();
         let allowed = items.iter().zip(&evals).all(|(i, e)| i.bucket.shadow() || e.allowed);
         let shadow_allowed = items.iter().zip(&evals).all(|(i, e)| !i.bucket.shadow() || e.allowed);
 
-        let mut bands = Vec::with_capacity(items.len());
+        let mut bands = Bands::with_capacity(items.len());
         for (i, e) in items.iter().zip(&evals) {
             let commit = e.allowed && allowed && (!i.bucket.shadow() || shadow_allowed);
             if commit {
@@ -385,8 +424,9 @@ impl MemoryLimiter {
 
     /// One bucket with one band: one lock, no intermediate allocation.
     fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band, now: u64) -> AcquireOutcome {
-        let key = self.key_of(bucket, band);
-        let mut shard = lock(&self.inner.shards[(key >> 64) as usize & self.inner.shard_mask]);
+        let hash = self.key_hash(bucket);
+        let key = hash.band(band);
+        let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
         let e = evaluate(&shard, key, bucket.rule, band, now);
         let commit = e.allowed;
         let shadow = bucket.shadow();
@@ -394,12 +434,11 @@ impl MemoryLimiter {
             self.store(&mut shard, key, e.next, now, band, bucket.rule.permits());
         }
         drop(shard);
-        AcquireOutcome::new(
-            commit || shadow,
-            !shadow || e.allowed,
-            now,
-            vec![report(bucket, band, now, &e, commit)],
-        )
+        AcquireOutcome::new(commit || shadow, !shadow || e.allowed, now, {
+            let mut bands = Bands::with_capacity(1);
+            bands.push(report(bucket, band, now, &e, commit));
+            bands
+        })
     }
 
     /// Commits a band's evaluation.

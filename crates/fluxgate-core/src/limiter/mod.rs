@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::decision::BandReport;
+use crate::decision::Bands;
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
 use crate::rule::RuleSet;
@@ -79,7 +79,7 @@ pub struct AcquireOutcome {
     /// The backend's clock at the decision, in nanoseconds since the Unix epoch.
     pub now_unix_nanos: u64,
     /// Every band of every bucket, bucket by bucket, in the order of the request.
-    pub bands: Vec<BandReport>,
+    pub bands: Bands,
     /// Whether the backend answered from local knowledge without asking its store (a
     /// deny-cache hit of the Redis backend): such an answer says nothing about the store's
     /// health, so a [`CircuitBreaker`](crate::CircuitBreaker) neither closes nor counts a success for it.
@@ -89,12 +89,12 @@ pub struct AcquireOutcome {
 impl AcquireOutcome {
     /// An outcome decided by the backend's store at `now_unix_nanos`, with the report of
     /// every band of the request (see [`AcquireRequest::bands`]).
-    pub fn new(allowed: bool, shadow_allowed: bool, now_unix_nanos: u64, bands: Vec<BandReport>) -> Self {
+    pub fn new(allowed: bool, shadow_allowed: bool, now_unix_nanos: u64, bands: impl Into<Bands>) -> Self {
         Self {
             allowed,
             shadow_allowed,
             now_unix_nanos,
-            bands,
+            bands: bands.into(),
             local: false,
         }
     }

@@ -76,7 +76,9 @@ pub(crate) fn gcra(
     let cap = c * w;
     // Stored states never exceed the capacity, but rules may have changed since.
     let debt = debt.min(cap);
-    let remaining_now = to_u64(div(cap - debt, w));
+    // `(c·w − d) / w` rounded down is `c − ⌈d / w⌉`: no division of the (often wider than
+    // 64 bits) full capacity.
+    let remaining_now = to_u64(c - ceil_div(debt, w));
     let reset_now = to_u64(ceil_div(debt, c));
     let not_allowed = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
@@ -96,7 +98,7 @@ pub(crate) fn gcra(
             nanos: now.saturating_add(to_u64(whole)),
             frac: to_u64(new_debt - whole * c),
         },
-        remaining_after: to_u64(div(cap - new_debt, w)),
+        remaining_after: to_u64(c - ceil_div(new_debt, w)),
         remaining_now,
         reset_after: to_u64(whole + u128::from(whole * c < new_debt)),
         reset_now,

@@ -324,6 +324,11 @@ impl Rule {
             || (*method == Method::HEAD && self.methods.contains(&Method::GET))
     }
 
+    /// Whether the rule names path patterns (without, it applies to every path).
+    pub fn has_path_patterns(&self) -> bool {
+        !self.paths.is_empty()
+    }
+
     /// Whether one of the rule's patterns matches a path split in segments.
     pub fn matches_path(&self, path_segments: &[&str]) -> bool {
         self.paths.is_empty() || self.paths.iter().any(|p| p.matches_segments(path_segments))
