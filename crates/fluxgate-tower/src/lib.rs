@@ -69,6 +69,7 @@ mod layer;
 pub mod remote;
 mod response;
 mod service;
+mod values;
 
 pub use client_ip::{ClientIp, ClientIpResolver, IpNet, IpNetError};
 pub use config::{Customizer, RejectionResponder};

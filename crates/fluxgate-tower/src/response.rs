@@ -1,7 +1,6 @@
 //! Rate-limit headers and the rejection response.
 
 use std::cell::RefCell;
-use std::fmt::Write as _;
 
 use bytes::Bytes;
 use fluxgate_core::num::ceil_secs;
@@ -10,6 +9,7 @@ use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
 use crate::config::Config;
+use crate::values::{self, ValueBuf};
 
 /// `X-RateLimit-Limit`.
 pub const X_RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
@@ -24,8 +24,8 @@ pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 
 /// Header values that repeat from one response to the next (a band's capacity, the reset
 /// second): each thread keeps the last value of each kind and reuses it while it matches,
-/// which costs a reference count instead of formatting and allocating a new value (20 to
-/// 80 ns a request in `benches/layer.rs`). Other numbers are written afresh.
+/// which costs a reference count instead of writing a new value. Other numbers are
+/// written afresh (see [`values`](crate::values)).
 #[derive(Clone, Copy)]
 enum Repeating {
     Limit = 0,
@@ -41,7 +41,7 @@ fn repeating(kind: Repeating, n: u64) -> HeaderValue {
         match slot {
             Some((m, v)) if *m == n => v.clone(),
             _ => {
-                let v = HeaderValue::from(n);
+                let v = values::number(n);
                 *slot = Some((n, v.clone()));
                 v
             }
@@ -58,7 +58,8 @@ pub(crate) struct Figures {
     remaining: u64,
     reset: u64,
     retry_after: Option<u64>,
-    ietf: Option<Box<[HeaderValue; 2]>>,
+    /// `RateLimit-Policy` and `RateLimit`.
+    ietf: Option<[HeaderValue; 2]>,
 }
 
 impl Figures {
@@ -68,11 +69,12 @@ impl Figures {
         if !config.legacy_headers && !config.ietf_headers && !rejected {
             return None;
         }
-        let ietf = config.ietf_headers.then(|| Box::new(ietf_headers(decision, binding)));
+        let remaining = decision.remaining().unwrap_or(binding.remaining);
+        let ietf = config.ietf_headers.then(|| ietf_headers(decision, binding, remaining));
         Some(Self {
             legacy: config.legacy_headers,
             limit: binding.limit,
-            remaining: decision.remaining().unwrap_or(binding.remaining),
+            remaining,
             reset: decision.reset_unix_secs().unwrap_or_default(),
             retry_after: if rejected { decision.retry_after_secs() } else { None },
             ietf,
@@ -80,7 +82,7 @@ impl Figures {
     }
 
     /// Adds the headers. Existing headers of the same name are kept when `keep_existing`
-    /// is set. Numbers are written by `HeaderValue::from(u64)` (decimal, with `itoa`).
+    /// is set.
     pub(crate) fn apply(self, headers: &mut HeaderMap, keep_existing: bool) {
         let legacy = self.legacy;
         headers.reserve(
@@ -95,32 +97,28 @@ impl Figures {
         };
         if legacy {
             put(X_RATELIMIT_LIMIT, repeating(Repeating::Limit, self.limit));
-            put(X_RATELIMIT_REMAINING, HeaderValue::from(self.remaining));
+            put(X_RATELIMIT_REMAINING, values::number(self.remaining));
             put(X_RATELIMIT_RESET, repeating(Repeating::Reset, self.reset));
         }
-        if let Some(ietf) = self.ietf {
-            let [policy, current] = *ietf;
+        if let Some([policy, current]) = self.ietf {
             put(RATELIMIT_POLICY, policy);
             put(RATELIMIT, current);
         }
         if let Some(secs) = self.retry_after {
-            put(RETRY_AFTER, HeaderValue::from(secs));
+            put(RETRY_AFTER, values::number(secs));
         }
     }
 }
 
 /// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
-fn ietf_headers(decision: &Decision, binding: &BandReport) -> [HeaderValue; 2] {
-    let mut current = String::with_capacity(32);
+fn ietf_headers(decision: &Decision, binding: &BandReport, remaining: u64) -> [HeaderValue; 2] {
+    let mut current = ValueBuf::new();
     policy_name(&mut current, decision, binding);
-    let remaining = decision.remaining().unwrap_or(binding.remaining);
-    let _ = write!(current, ";r={remaining};t={}", ceil_secs(binding.reset_after));
-    [policy_header(decision), text(current)]
-}
-
-/// Ids and labels only hold `A-Z a-z 0-9 _ - .`: the text is always a valid header value.
-fn text(s: String) -> HeaderValue {
-    HeaderValue::from_maybe_shared(Bytes::from(s)).unwrap_or_else(|_| HeaderValue::from_static(""))
+    current.push(b";r=");
+    current.push_u64(remaining);
+    current.push(b";t=");
+    current.push_u64(ceil_secs(binding.reset_after));
+    [policy_header(decision), current.finish()]
 }
 
 /// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
@@ -150,15 +148,18 @@ fn policy_header(decision: &Decision) -> HeaderValue {
                 return value.clone();
             }
         }
-        let mut policy = String::new();
-        for band in &decision.bands {
-            if !policy.is_empty() {
-                policy.push_str(", ");
+        let mut policy = ValueBuf::new();
+        for (i, band) in decision.bands.iter().enumerate() {
+            if i > 0 {
+                policy.push(b", ");
             }
             policy_name(&mut policy, decision, band);
-            let _ = write!(policy, ";q={};w={}", band.limit, ceil_secs(band.window).max(1));
+            policy.push(b";q=");
+            policy.push_u64(band.limit);
+            policy.push(b";w=");
+            policy.push_u64(ceil_secs(band.window).max(1));
         }
-        let value = text(policy);
+        let value = policy.finish();
         let key = decision
             .bands
             .iter()
@@ -184,21 +185,25 @@ fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Op
 /// Writes a band's name, quoted. When two bands of the decision would get the same
 /// preferred name, every band is named `rule:band` instead: ids and labels never contain
 /// `:`, so those names are distinct.
-fn policy_name(out: &mut String, decision: &Decision, band: &BandReport) {
-    let names: Vec<_> = decision.bands.iter().map(|b| preferred_name(decision, b)).collect();
-    let distinct = names.iter().enumerate().all(|(i, n)| names[..i].iter().all(|m| m != n));
+fn policy_name(out: &mut ValueBuf, decision: &Decision, band: &BandReport) {
+    let bands = &decision.bands;
+    let distinct = bands.len() == 1
+        || bands.iter().enumerate().all(|(i, a)| {
+            let name = preferred_name(decision, a);
+            bands[..i].iter().all(|b| preferred_name(decision, b) != name)
+        });
     let (first, second) = if distinct {
         preferred_name(decision, band)
     } else {
         (&*band.rule, Some(&*band.band))
     };
-    out.push('"');
-    out.push_str(first);
+    out.push(b"\"");
+    out.push(first.as_bytes());
     if let Some(second) = second {
-        out.push(':');
-        out.push_str(second);
+        out.push(b":");
+        out.push(second.as_bytes());
     }
-    out.push('"');
+    out.push(b"\"");
 }
 
 /// The response when no decision could be made and the policy is to fail closed.
