@@ -6,9 +6,11 @@
 //! Usage: `instructions <variant> <requests>`, with the variants
 //! - `engine_1x1`, `engine_3x2`: `Engine::check` in memory, the rule sets of
 //!   `benches/engine.rs`, over 10,000 client addresses;
-//! - `layer_bare`, `layer_fluxgate`, `layer_governor`: one request through the axum apps of
-//!   `benches/layer.rs` (bare, FluxGate's layer with the default options, `tower_governor`
-//!   with `use_headers()`), over 1,000 client addresses.
+//! - `layer_bare`, `layer_identity`, `layer_fluxgate`, `layer_fluxgate_legacy`,
+//!   `layer_governor`: one request through the axum apps of `benches/layer.rs` (bare; with
+//!   a layer that does nothing, which is what axum's wrapping of a layered route costs;
+//!   FluxGate's layer with the default options and with the legacy headers only;
+//!   `tower_governor` with `use_headers()`), over 1,000 client addresses.
 //!
 //! Without arguments (as `cargo bench` runs it) it runs every variant briefly and prints
 //! the time per request: a smoke test, not a measurement.
@@ -84,7 +86,9 @@ fn run(variant: &str, n: usize) {
                 .expect("runtime");
             let app = match variant {
                 "layer_bare" => apps::bare(),
+                "layer_identity" => apps::bare().layer(tower::layer::util::Identity::new()),
                 "layer_fluxgate" => apps::fluxgate(true, true),
+                "layer_fluxgate_legacy" => apps::fluxgate(false, true),
                 "layer_governor" => apps::governor(),
                 other => panic!("unknown variant `{other}`; the variants are {VARIANTS:?}"),
             };

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 annotate=0
 if [[ "${1:-}" == --annotate ]]; then annotate=1; shift; fi
 variants=("$@")
-[[ ${#variants[@]} -gt 0 ]] || variants=(engine_1x1 engine_3x2 layer_bare layer_fluxgate layer_governor)
+[[ ${#variants[@]} -gt 0 ]] || variants=(engine_1x1 engine_3x2 layer_bare layer_identity layer_fluxgate layer_fluxgate_legacy layer_governor)
 FEW=${FEW:-2000}
 MANY=${MANY:-22000}
 OUT=${OUT:-${CARGO_TARGET_DIR:-target}/instructions}

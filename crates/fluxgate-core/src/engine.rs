@@ -301,11 +301,14 @@ impl Engine {
             }
         };
 
-        let mut request = AcquireRequest::new(set.clone());
+        // The request holds the one reference to the rule set taken by the lookup.
+        let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
+        let mut request = AcquireRequest::new(set);
         let mut denied_by = None;
         let method = ctx.method();
         let mut select = |normalized: &[&str], routed: Option<&[&str]>| {
-            for (i, rule) in set.rules().iter().enumerate() {
+            for i in 0..request.rule_set().rules().len() {
+                let rule = &request.rule_set().rules()[i];
                 if !rule.applies_to_paths(normalized, routed, method) {
                     continue;
                 }
@@ -323,17 +326,19 @@ impl Engine {
         // A rule applies when its pattern matches the normalized path or the path as the
         // router sees it: normalization adds rules, never removes one. The paths are split
         // only when a rule has patterns.
-        if set.rules().iter().any(Rule::has_path_patterns) {
+        if with_patterns {
             with_paths(ctx, select);
         } else {
             select(&[], None);
         }
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };
-            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), outcome)));
+            let id = request.rule_set().id().clone();
+            return MaybeReady::ready(Ok(Decision::without_bands(id, outcome)));
         }
         if request.is_empty() {
-            return MaybeReady::ready(Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule)));
+            let id = request.rule_set().id().clone();
+            return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
         }
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
