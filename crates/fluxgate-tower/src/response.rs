@@ -112,13 +112,14 @@ impl Figures {
 
 /// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
 fn ietf_headers(decision: &Decision, binding: &BandReport, remaining: u64) -> [HeaderValue; 2] {
-    let mut current = ValueBuf::new();
-    policy_name(&mut current, decision, binding);
-    current.push(b";r=");
-    current.push_u64(remaining);
-    current.push(b";t=");
-    current.push_u64(ceil_secs(binding.reset_after));
-    [policy_header(decision), current.finish()]
+    let current = values::value(|current| {
+        policy_name(current, decision, binding);
+        current.push(b";r=");
+        current.push_u64(remaining);
+        current.push(b";t=");
+        current.push_u64(ceil_secs(binding.reset_after));
+    });
+    [policy_header(decision), current]
 }
 
 /// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
@@ -148,18 +149,18 @@ fn policy_header(decision: &Decision) -> HeaderValue {
                 return value.clone();
             }
         }
-        let mut policy = ValueBuf::new();
-        for (i, band) in decision.bands.iter().enumerate() {
-            if i > 0 {
-                policy.push(b", ");
+        let value = values::value(|policy| {
+            for (i, band) in decision.bands.iter().enumerate() {
+                if i > 0 {
+                    policy.push(b", ");
+                }
+                policy_name(policy, decision, band);
+                policy.push(b";q=");
+                policy.push_u64(band.limit);
+                policy.push(b";w=");
+                policy.push_u64(ceil_secs(band.window).max(1));
             }
-            policy_name(&mut policy, decision, band);
-            policy.push(b";q=");
-            policy.push_u64(band.limit);
-            policy.push(b";w=");
-            policy.push_u64(ceil_secs(band.window).max(1));
-        }
-        let value = policy.finish();
+        });
         let key = decision
             .bands
             .iter()
@@ -185,7 +186,7 @@ fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Op
 /// Writes a band's name, quoted. When two bands of the decision would get the same
 /// preferred name, every band is named `rule:band` instead: ids and labels never contain
 /// `:`, so those names are distinct.
-fn policy_name(out: &mut ValueBuf, decision: &Decision, band: &BandReport) {
+fn policy_name(out: &mut ValueBuf<'_>, decision: &Decision, band: &BandReport) {
     let bands = &decision.bands;
     let distinct = bands.len() == 1
         || bands.iter().enumerate().all(|(i, a)| {

@@ -16,74 +16,55 @@ use http::HeaderValue;
 /// The size of a thread's chunk.
 const CHUNK: usize = 8 * 1024;
 
-/// The longest value written into a chunk; longer ones get their own allocation.
-const MAX_IN_CHUNK: usize = 256;
-
-/// A value being written: a fixed buffer on the stack.
-pub(crate) struct ValueBuf {
-    buf: [u8; MAX_IN_CHUNK],
-    len: usize,
-    /// Set when the value outgrew the buffer; it is then written again into a `Vec`.
-    overflow: Option<Vec<u8>>,
+thread_local! {
+    static CURRENT: RefCell<BytesMut> = RefCell::new(BytesMut::new());
 }
 
-impl ValueBuf {
-    pub(crate) fn new() -> Self {
-        Self {
-            buf: [0; MAX_IN_CHUNK],
-            len: 0,
-            overflow: None,
-        }
-    }
+/// A value being written, straight into the thread's chunk.
+pub(crate) struct ValueBuf<'a> {
+    chunk: &'a mut BytesMut,
+}
 
+impl ValueBuf<'_> {
+    /// Appends bytes. The chunk grows if it must (it is then renewed after this value).
     pub(crate) fn push(&mut self, bytes: &[u8]) {
-        if let Some(v) = &mut self.overflow {
-            v.extend_from_slice(bytes);
-            return;
-        }
-        let end = self.len + bytes.len();
-        if end <= self.buf.len() {
-            self.buf[self.len..end].copy_from_slice(bytes);
-            self.len = end;
-        } else {
-            let mut v = Vec::with_capacity(end * 2);
-            v.extend_from_slice(&self.buf[..self.len]);
-            v.extend_from_slice(bytes);
-            self.overflow = Some(v);
-        }
+        self.chunk.extend_from_slice(bytes);
     }
 
     pub(crate) fn push_u64(&mut self, n: u64) {
         self.push(itoa::Buffer::new().format(n).as_bytes());
     }
+}
 
-    /// The header value. Only visible ASCII is ever written (numbers, ids, labels and
-    /// punctuation), so it is always valid; an empty value stands in otherwise.
-    pub(crate) fn finish(self) -> HeaderValue {
-        if let Some(v) = self.overflow {
-            return HeaderValue::from_bytes(&v).unwrap_or_else(|_| HeaderValue::from_static(""));
+/// A header value written by `write`. Only visible ASCII is ever written (numbers, ids,
+/// labels and punctuation), so it is always valid; an empty value stands in otherwise.
+pub(crate) fn value(write: impl FnOnce(&mut ValueBuf<'_>)) -> HeaderValue {
+    let finish = |chunk: &mut BytesMut| {
+        HeaderValue::from_maybe_shared(chunk.split().freeze()).unwrap_or_else(|_| HeaderValue::from_static(""))
+    };
+    let mut write = Some(write);
+    let mut run = |chunk: &mut BytesMut| {
+        if let Some(write) = write.take() {
+            write(&mut ValueBuf { chunk });
         }
-        let bytes = &self.buf[..self.len];
-        thread_local! {
-            static CURRENT: RefCell<BytesMut> = RefCell::new(BytesMut::new());
+        finish(chunk)
+    };
+    let from_chunk = CURRENT.try_with(|current| {
+        let mut chunk = current.borrow_mut();
+        // Room for the usual value; a longer one makes the chunk grow.
+        if chunk.capacity() - chunk.len() < 128 {
+            // The old chunk lives on in the values cut from it.
+            *chunk = BytesMut::with_capacity(CHUNK);
         }
-        CURRENT.with(|current| {
-            let mut chunk = current.borrow_mut();
-            if chunk.capacity() - chunk.len() < bytes.len() {
-                // The old chunk lives on in the values cut from it.
-                *chunk = BytesMut::with_capacity(CHUNK);
-            }
-            chunk.extend_from_slice(bytes);
-            HeaderValue::from_maybe_shared(chunk.split().freeze()).unwrap_or_else(|_| HeaderValue::from_static(""))
-        })
-    }
+        run(&mut chunk)
+    });
+    // At thread exit, without the chunk: a value of its own.
+    from_chunk.unwrap_or_else(|_| run(&mut BytesMut::new()))
 }
 
 /// A number as a header value.
 pub(crate) fn number(n: u64) -> HeaderValue {
-    let mut v = ValueBuf::new();
-    v.push_u64(n);
-    v.finish()
+    value(|v| v.push_u64(n))
 }
 
 #[cfg(test)]
@@ -99,13 +80,14 @@ mod tests {
         for (n, v) in &kept {
             assert_eq!(v.to_str().unwrap(), (n * 1_000_003).to_string());
         }
-        let mut long = ValueBuf::new();
-        for _ in 0..100 {
-            long.push(b"\"rule\";r=1;");
-        }
-        assert_eq!(long.finish().len(), 1_100);
-        let mut bad = ValueBuf::new();
-        bad.push(b"a\nb");
-        assert_eq!(bad.finish(), "");
+        let long = value(|v| {
+            for _ in 0..1_000 {
+                v.push(b"\"rule\";r=1;");
+            }
+        });
+        assert_eq!(long.len(), 11_000);
+        assert_eq!(number(42), "42");
+        assert_eq!(value(|v| v.push(b"a\nb")), "");
+        assert_eq!(number(7), "7");
     }
 }
