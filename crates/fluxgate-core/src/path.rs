@@ -39,7 +39,11 @@ pub(crate) fn normalized(raw: &str) -> Text {
 /// The normalized path and, when it differs, the path as routed (the raw path without its
 /// query and fragment): one pass, and no comparison for a path that is normal already.
 pub(crate) fn normalized_and_routed(raw: &str) -> (Text, Option<Text>) {
-    let raw = raw.find(['?', '#']).map_or(raw, |end| &raw[..end]);
+    let raw = match raw.bytes().position(|b| b == b'?' || b == b'#') {
+        // `?` and `#` are ASCII: `end` is a character boundary.
+        Some(end) => raw.get(..end).unwrap_or(raw),
+        None => raw,
+    };
     if is_normal(raw) {
         return (Text::from(raw), None);
     }
