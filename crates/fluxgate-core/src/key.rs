@@ -125,10 +125,13 @@ impl KeyResolver {
     }
 
     fn push_ip(&self, out: &mut Text, ip: Option<IpAddr>) {
+        if let Some(IpAddr::V4(v4)) = ip {
+            return push_ipv4(out, v4.octets());
+        }
         out.push_str("ip=");
         match ip.map(|ip| self.mask(ip)) {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
-            Some(IpAddr::V4(v4)) => push_ipv4(out, v4.octets()),
+            Some(IpAddr::V4(v4)) => push_ipv4_digits(out, v4.octets()),
             Some(IpAddr::V6(v6)) => {
                 let text = v6.to_string();
                 encode_into(out, &text);
@@ -178,9 +181,24 @@ const OCTETS: [[u8; 4]; 256] = {
     table
 };
 
-/// Dotted decimal, without the formatting machinery, appended in one piece.
+/// `ip=` and the dotted decimal address, appended in one piece.
 fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
+    let mut buf = [0u8; 21];
+    buf[..3].copy_from_slice(b"ip=");
+    let n = write_ipv4(&mut buf[3..], octets);
+    out.push_ascii(&buf[..3 + n]);
+}
+
+/// The dotted decimal address alone.
+fn push_ipv4_digits(out: &mut Text, octets: [u8; 4]) {
     let mut buf = [0u8; 18];
+    let n = write_ipv4(&mut buf, octets);
+    out.push_ascii(&buf[..n]);
+}
+
+/// Writes the dotted decimal address (at most 15 bytes, in a buffer of at least 18) and
+/// returns its length, without the formatting machinery.
+fn write_ipv4(buf: &mut [u8], octets: [u8; 4]) -> usize {
     let mut n = 0;
     for o in octets {
         let digits = OCTETS[usize::from(o)];
@@ -189,7 +207,7 @@ fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
         buf[n] = b'.';
         n += 1;
     }
-    out.push_ascii(&buf[..n - 1]);
+    n - 1
 }
 
 fn push_opt(out: &mut Text, tag: &str, value: Option<&str>) -> bool {

@@ -70,13 +70,11 @@ impl Text {
 
     /// Appends ASCII bytes (anything else is replaced by `?`, so the text stays UTF-8).
     pub(crate) fn push_ascii(&mut self, bytes: &[u8]) {
-        if let Repr::Inline { len, buf } = &mut self.0 {
+        if let (true, Repr::Inline { len, buf }) = (bytes.is_ascii(), &mut self.0) {
             let at = usize::from(*len);
             let end = at + bytes.len();
             if end <= INLINE {
-                for (to, &b) in buf[at..end].iter_mut().zip(bytes) {
-                    *to = if b.is_ascii() { b } else { b'?' };
-                }
+                buf[at..end].copy_from_slice(bytes);
                 // `end <= INLINE < 256`.
                 *len = end as u8;
                 return;
