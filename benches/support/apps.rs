@@ -120,3 +120,13 @@ pub(crate) fn request(i: u32, clients: u32) -> Request<Body> {
     req.extensions_mut().insert(ConnectInfo(SocketAddr::new(ip, 4000)));
     req
 }
+
+/// An engine with these rules on `limiter`: keep a clone of the limiter to read its
+/// [`len`](MemoryLimiter::len) (the clones share their buckets).
+pub(crate) fn engine_on(yaml: &str, limiter: MemoryLimiter) -> Engine {
+    let rules = RuleSets::from_yaml_str(yaml).expect("rules");
+    Engine::builder(rules)
+        .limiter(limiter)
+        .build()
+        .expect("the backend decides every rule")
+}
