@@ -427,18 +427,41 @@ impl MemoryLimiter {
         let hash = self.key_hash(bucket);
         let key = hash.band(band);
         let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
-        let e = evaluate(&shard, key, bucket.rule, band, now);
-        let commit = e.allowed;
-        let shadow = bucket.shadow();
-        if commit {
-            self.store(&mut shard, key, e.next, now, band, bucket.rule.permits());
+        fn outcome<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> AcquireOutcome {
+            let shadow = bucket.shadow();
+            let mut bands = Bands::with_capacity(1);
+            bands.push(report(bucket, band, now, e, e.allowed));
+            AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
+        }
+        let rule = bucket.rule;
+        if let algorithm @ (Algorithm::TokenBucket | Algorithm::LeakyBucket) = rule.algorithm() {
+            // One lookup of the instant, read and written in place.
+            let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
+            let stored = shard.gcra.get_mut(&key);
+            let state = stored.as_deref().copied();
+            let e = if algorithm == Algorithm::TokenBucket {
+                token_bucket::evaluate(state, now, capacity, window, permits)
+            } else {
+                leaky_bucket::evaluate(state, now, capacity, window, permits)
+            };
+            if e.allowed {
+                match stored {
+                    Some(slot) => *slot = e.next,
+                    None => {
+                        shard.make_room(now, self.inner.max_per_shard);
+                        shard.gcra.insert(key, e.next);
+                    }
+                }
+            }
+            drop(shard);
+            return outcome(bucket, band, now, &e);
+        }
+        let e = evaluate(&shard, key, rule, band, now);
+        if e.allowed {
+            self.store(&mut shard, key, e.next, now, band, rule.permits());
         }
         drop(shard);
-        AcquireOutcome::new(commit || shadow, !shadow || e.allowed, now, {
-            let mut bands = Bands::with_capacity(1);
-            bands.push(report(bucket, band, now, &e, commit));
-            bands
-        })
+        outcome(bucket, band, now, &e)
     }
 
     /// Commits a band's evaluation.
