@@ -1,5 +1,6 @@
 //! Heap allocations per admitted request on the in-memory path, counted by a counting
-//! global allocator: through `Engine::check` alone, and through the layer on an axum app
+//! global allocator: through `Engine::check` alone (1 rule × 1 band, and 3 rules × 2 bands),
+//! and through the layer on an axum app
 //! (less what the same app allocates without the layer).
 //!
 //! One test function, so that no other test allocates on another thread while it counts.
@@ -25,6 +26,28 @@ rule_sets:
     rules:
       - id: per-ip
         bands: [{ capacity: 1000000000, window: 1h }]
+"#;
+
+const THREE_RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        match: { paths: ["/api/**"] }
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
+      - id: per-user
+        scope: user
+        match: { paths: ["/api/**"], methods: [GET, POST] }
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
+      - id: global
+        scope: global
+        bands:
+          - { capacity: 1000000000, window: 1s, label: burst }
+          - { capacity: 1000000000000, window: 1h, label: sustained }
 "#;
 
 /// Requests counted after the warm-up.
@@ -109,6 +132,33 @@ fn admitted_requests_allocate_nothing_but_the_growth_of_the_header_map() {
     let engine_allocations = allocations(|| decide(COUNTED));
     println!("engine: {engine_allocations} allocations in {COUNTED} admitted decisions");
     assert_eq!(engine_allocations, 0, "allocations in {COUNTED} decisions");
+
+    // Three rules of two bands (per IP, per user, global; path patterns), with a user.
+    let three = Engine::in_memory(RuleSets::from_yaml_str(THREE_RULES).expect("rules"));
+    let ctxs: Vec<RequestContext> = (0..CLIENTS)
+        .map(|i| {
+            RequestContext::builder()
+                .path("/api/items")
+                .client_ip(ip(i))
+                .user_id(format!("user-{}", i % 7))
+                .build()
+        })
+        .collect();
+    let decide = |n: u32| {
+        for i in 0..n {
+            let d = three
+                .check(&ctxs[(i % CLIENTS) as usize])
+                .into_ready()
+                .expect("in memory")
+                .expect("decision");
+            assert!(d.allowed());
+            assert_eq!(d.bands.len(), 6);
+        }
+    };
+    decide(COUNTED);
+    let three_allocations = allocations(|| decide(COUNTED));
+    println!("engine, 3 rules x 2 bands: {three_allocations} allocations in {COUNTED} admitted decisions");
+    assert_eq!(three_allocations, 0, "allocations in {COUNTED} decisions of 3 x 2");
 
     // The layer around the app, with its default options and with the legacy headers
     // only, against the app alone.
