@@ -1,7 +1,7 @@
 //! Heap allocations per admitted request on the in-memory path, counted by a counting
-//! global allocator: through `Engine::check` alone (1 rule × 1 band, and 3 rules × 2 bands),
-//! and through the layer on an axum app
-//! (less what the same app allocates without the layer).
+//! global allocator: through `Engine::check` alone (1 rule × 1 band, and 3 rules × 2
+//! bands), and through the layer on an axum app (less what the same app allocates without
+//! the layer).
 //!
 //! One test function, so that no other test allocates on another thread while it counts.
 
