@@ -1,9 +1,9 @@
 -- FluxGate: the prelude of the decision and refund scripts.
 --
--- The Redis backend sends one script: common.lua, protocol.lua, token_bucket.lua,
--- fast_path.lua, helpers.lua, the four other algorithm files, algorithms.lua and
--- decide.lua, joined in that order (the refund script: the same without fast_path.lua, and
--- refund.lua last; README.md lists them). This part reads the clock and defines what the
+-- The general decision script is common.lua, protocol.lua, token_bucket.lua, helpers.lua,
+-- the four other algorithm files, algorithms.lua and decide.lua, joined in that order (the
+-- refund script: the same with refund.lua last; README.md lists them, and the two scripts
+-- of token buckets alone, which do not use this part). This part reads the clock and defines what the
 -- token bucket needs; helpers.lua the rest.
 --
 -- Time is Redis TIME in microseconds (about 2^51 today): no client clock. Every number

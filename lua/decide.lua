@@ -1,6 +1,7 @@
 -- FluxGate decision: every band of every bucket of one request, all or nothing, whatever
--- the algorithm of each rule. (The single-band token bucket never gets here: see
--- fast_path.lua.) KEYS, ARGV and the reply: README.md, "The decision call".
+-- the algorithm of each rule. (The crate sends requests of token buckets alone to
+-- one_token_bucket.lua or token_buckets.lua, which decide them alike at less cost.) KEYS,
+-- ARGV and the reply: README.md, "The decision call".
 --
 -- Pass 1 evaluates every band without writing. Enforced buckets are all or nothing.
 -- Shadow buckets consume only when the enforced ones admitted and every shadow band

@@ -2,8 +2,7 @@
 -- refund scripts. README.md ("Protocol") lays out ARGV and the replies field by field;
 -- the Rust side encodes the same values in one place (src/protocol.rs).
 --
--- Plain locals, not a table: they cost nothing per call, and fast_path.lua, which returns
--- before anything else is created, reads them.
+-- Plain locals, not a table: they cost nothing per call.
 
 -- The algorithm of a bucket.
 local TOKEN_BUCKET = 0
@@ -17,8 +16,3 @@ local SLIDING_WINDOW_COUNTER = 4
 local FLAG_SHADOW = 1
 local FLAG_ALGORITHM = 2
 local FLAG_BANDS = 16
-
--- The flags of a bucket of one token-bucket band, enforced and in shadow mode, as ARGV
--- carries them (text): fast_path.lua compares them without converting ARGV to numbers.
-local ONE_TOKEN_BUCKET_BAND = '16'
-local ONE_SHADOW_TOKEN_BUCKET_BAND = '17'

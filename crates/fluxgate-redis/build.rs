@@ -1,5 +1,6 @@
-//! Joins the Redis scripts from their files, one per algorithm, into the two scripts the
-//! crate sends (`DECIDE_LUA`, `REFUND_LUA`), written to `OUT_DIR`.
+//! Joins the Redis scripts from their files, one per algorithm, into the scripts the crate
+//! sends (`DECIDE_LUA`, `REFUND_LUA`, and for token buckets alone `ONE_TOKEN_BUCKET_LUA`
+//! and `TOKEN_BUCKETS_LUA`), written to `OUT_DIR`.
 //!
 //! The files have one home, `lua/` at the top of the repository. The crate reaches it
 //! through its `lua` link, which `cargo package` follows, so that a packaged crate carries
@@ -9,14 +10,11 @@
 use std::path::{Path, PathBuf};
 use std::{env, fs};
 
-/// The parts both scripts share, in order. The decision script returns from
-/// `fast_path.lua` for a single token-bucket band, before the other algorithms' functions
-/// are created; the refund script has no fast path.
+/// The parts the general decision script and the refund script share, in order.
 const PARTS: &[&str] = &[
     "common.lua",
     "protocol.lua",
     "token_bucket.lua",
-    "fast_path.lua",
     "helpers.lua",
     "leaky_bucket.lua",
     "fixed_window.lua",
@@ -25,14 +23,9 @@ const PARTS: &[&str] = &[
     "algorithms.lua",
 ];
 
-/// A script's parts: the shared ones (without the fast path unless `fast_path`), then `last`.
-fn parts(fast_path: bool, last: &'static str) -> Vec<&'static str> {
-    PARTS
-        .iter()
-        .copied()
-        .filter(|part| fast_path || *part != "fast_path.lua")
-        .chain([last])
-        .collect()
+/// A script's parts: the shared ones, then `last`.
+fn parts(last: &'static str) -> Vec<&'static str> {
+    PARTS.iter().copied().chain([last]).collect()
 }
 
 fn scripts_dir(manifest: &Path) -> PathBuf {
@@ -69,7 +62,13 @@ fn main() {
     let out = PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
     let dir = scripts_dir(&manifest);
     println!("cargo:rerun-if-changed={}", manifest.join("lua").display());
-    join(&dir, &parts(true, "decide.lua"), &out.join("decide.lua"));
-    join(&dir, &parts(false, "refund.lua"), &out.join("refund.lua"));
+    join(&dir, &parts("decide.lua"), &out.join("decide.lua"));
+    join(&dir, &parts("refund.lua"), &out.join("refund.lua"));
+    join(&dir, &["one_token_bucket.lua"], &out.join("one_token_bucket.lua"));
+    join(
+        &dir,
+        &["protocol.lua", "token_buckets.lua"],
+        &out.join("token_buckets.lua"),
+    );
     join(&dir, &["protocol.lua"], &out.join("protocol.lua"));
 }

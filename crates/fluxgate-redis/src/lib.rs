@@ -21,9 +21,11 @@
 //! [`DECIDE_LUA`], joined from one file per algorithm in `lua/` (`lua/README.md` states
 //! the `KEYS` / `ARGV` / reply protocol, field by field), reads Redis `TIME` in microseconds, evaluates
 //! every band of every rule, whatever their algorithms, and writes only when every
-//! enforced band admits the request. It is loaded with `SCRIPT LOAD` when the limiter
-//! connects and called with `EVALSHA`; after `NOSCRIPT` (a restart, a failover,
-//! `SCRIPT FLUSH`) it is loaded again and the call retried, so no request fails for it.
+//! enforced band admits the request. Requests of token buckets alone go to scripts of
+//! their own that decide alike at less cost: [`ONE_TOKEN_BUCKET_LUA`] for one band,
+//! [`TOKEN_BUCKETS_LUA`] for several. The scripts are loaded with `SCRIPT LOAD` when the
+//! limiter connects and called with `EVALSHA`; after `NOSCRIPT` (a restart, a failover,
+//! `SCRIPT FLUSH`) a script is loaded again and the call retried, so no request fails for it.
 //!
 //! # Keys
 //!
@@ -92,5 +94,5 @@ pub use health::Health;
 pub use limiter::RedisLimiter;
 pub use listener::{ListenerStats, RuleChangeListener, RuleChangeListenerBuilder};
 pub use reset::ResetScope;
-pub use script::{DECIDE_LUA, REFUND_LUA};
+pub use script::{DECIDE_LUA, ONE_TOKEN_BUCKET_LUA, REFUND_LUA, TOKEN_BUCKETS_LUA};
 pub use store::{RedisRuleSetStore, StoreError, DEFAULT_RULES_NAMESPACE};

@@ -103,12 +103,30 @@ pub(crate) struct BucketArgs {
 }
 
 /// The `ARGV` of a decision call: the bucket count, then each bucket's [`BucketArgs`]
-/// followed by its bands' [`BandArgs`].
+/// followed by its bands' [`BandArgs`]; and what chooses the script that decides it
+/// ([`Shape`]).
 #[derive(Debug, Clone)]
 pub(crate) struct DecideArgs {
     /// The first number is the bucket count, written by [`DecideArgs::into_argv`].
     argv: Vec<i64>,
     buckets: i64,
+    bands: usize,
+    /// Every bucket so far is a token bucket.
+    token_buckets: bool,
+    /// Whether the first bucket's rule is in shadow mode.
+    first_shadow: bool,
+}
+
+/// Which script decides a call: the one-band script, the token buckets' script or the
+/// general one (see `lua/README.md`). They decide alike; the first two cost less.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// One bucket of one token-bucket band (`one_token_bucket.lua`), in shadow mode or not.
+    OneTokenBucket { shadow: bool },
+    /// Token buckets only (`token_buckets.lua`).
+    TokenBuckets,
+    /// Any other (`decide.lua`).
+    General,
 }
 
 impl DecideArgs {
@@ -118,24 +136,62 @@ impl DecideArgs {
         // and three numbers), in one allocation.
         let mut argv = Vec::with_capacity(8);
         argv.push(0);
-        Self { argv, buckets: 0 }
+        Self {
+            argv,
+            buckets: 0,
+            bands: 0,
+            token_buckets: true,
+            first_shadow: false,
+        }
     }
 
     /// Starts a bucket; its bands follow.
     pub(crate) fn bucket(&mut self, bucket: BucketArgs) {
+        let Flags(flags) = bucket.flags;
+        if self.buckets == 0 {
+            self.first_shadow = flags % Flags::ALGORITHM == Flags::SHADOW;
+        }
         self.buckets += 1;
+        self.token_buckets &= flags % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number();
         self.argv.extend([bucket.permits, bucket.flags.get()]);
     }
 
     /// A band of the current bucket.
     pub(crate) fn band(&mut self, band: BandArgs) {
+        self.bands += 1;
         self.argv.extend([band.capacity, band.a, band.b]);
     }
 
-    /// The numbers to send.
+    /// The script that decides these arguments.
+    pub(crate) fn shape(&self) -> Shape {
+        match (self.token_buckets, self.buckets, self.bands) {
+            (true, 1, 1) => Shape::OneTokenBucket {
+                shadow: self.first_shadow,
+            },
+            (true, _, _) => Shape::TokenBuckets,
+            _ => Shape::General,
+        }
+    }
+
+    /// The numbers to send to `decide.lua` or `token_buckets.lua`.
     pub(crate) fn into_argv(mut self) -> Vec<i64> {
         self.argv[0] = self.buckets;
         self.argv
+    }
+
+    /// The numbers to send to `one_token_bucket.lua`, for [`Shape::OneTokenBucket`]:
+    /// `permits, capacity, scale, interval` and the key's expiry in ms (the window plus
+    /// one second, as `px()` in `lua/common.lua`); `None` for another shape.
+    pub(crate) fn one_token_bucket_argv(&self) -> Option<Vec<i64>> {
+        let Shape::OneTokenBucket { .. } = self.shape() else {
+            return None;
+        };
+        let &[_, permits, _, capacity, scale, interval] = self.argv.as_slice() else {
+            return None;
+        };
+        // capacity × interval / scale is the window in µs (validated below 2^52).
+        let window_us = capacity.checked_mul(interval)? / scale.max(1);
+        Some(vec![permits, capacity, scale, interval, window_us / 1000 + 1001])
     }
 }
 
@@ -188,13 +244,17 @@ pub(crate) struct Reply {
     pub(crate) shadow_allowed: bool,
     /// Redis `TIME` of the decision, in µs.
     pub(crate) now_us: i64,
-    /// The whole reply; the bands start at [`Reply::HEAD`].
+    /// The whole reply; the bands start at `head`.
     numbers: Vec<i64>,
+    head: usize,
 }
 
 impl Reply {
     /// The numbers before the first band.
     const HEAD: usize = 3;
+
+    /// The numbers of a one-band reply before its band.
+    const ONE_HEAD: usize = 1;
 
     /// Checks that `numbers` is the reply of a call of `bands` bands.
     ///
@@ -213,6 +273,31 @@ impl Reply {
             shadow_allowed: shadow_allowed == 1,
             now_us,
             numbers,
+            head: Self::HEAD,
+        })
+    }
+
+    /// Checks the reply of `one_token_bucket.lua`, `now_us` then one band, for a bucket in
+    /// shadow mode or not: the request's verdict is the band's (a shadow band that rejects
+    /// leaves the request allowed, and its shadow verdict rejected).
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Reply`] when it has not `1 + 4` numbers.
+    pub(crate) fn decode_one(numbers: Vec<i64>, shadow: bool) -> Result<Self, RedisError> {
+        let &[now_us, allowed, ..] = numbers.as_slice() else {
+            return Err(Self::wrong_length(&numbers, 1));
+        };
+        if numbers.len() != Self::ONE_HEAD + BandReply::LEN {
+            return Err(Self::wrong_length(&numbers, 1));
+        }
+        let allowed = allowed == 1;
+        Ok(Self {
+            allowed: allowed || shadow,
+            shadow_allowed: allowed || !shadow,
+            now_us,
+            numbers,
+            head: Self::ONE_HEAD,
         })
     }
 
@@ -223,7 +308,7 @@ impl Reply {
     /// The bands, in the order of the call's keys.
     pub(crate) fn bands(&self) -> impl Iterator<Item = BandReply> + '_ {
         // `decode` checked the length: every chunk is whole.
-        self.numbers[Self::HEAD..]
+        self.numbers[self.head..]
             .chunks_exact(BandReply::LEN)
             .filter_map(|chunk| chunk.try_into().ok())
             .map(BandReply::decode)
@@ -344,11 +429,6 @@ mod tests {
             let line = format!("\nlocal {name} = {value}\n");
             assert!(PROTOCOL_LUA.contains(&line), "{line:?}");
         }
-        for (name, shadow) in [("ONE_TOKEN_BUCKET_BAND", false), ("ONE_SHADOW_TOKEN_BUCKET_BAND", true)] {
-            let flags = Flags::new(1, ScriptAlgorithm::TokenBucket, shadow).get();
-            let line = format!("\nlocal {name} = '{flags}'\n");
-            assert!(PROTOCOL_LUA.contains(&line), "{line:?}");
-        }
     }
 
     #[test]
@@ -393,6 +473,85 @@ mod tests {
             args.into_argv(),
             [2, 1, 32, 10, 1, 360, 10, 1, 360, 3, 21, 5, 60_000_000, 0]
         );
+    }
+
+    #[test]
+    fn shapes_choose_the_script() {
+        let tb = |bands: usize, shadow| BucketArgs {
+            permits: 1,
+            flags: Flags::new(bands, ScriptAlgorithm::TokenBucket, shadow),
+        };
+        let band = BandArgs {
+            capacity: 10,
+            a: 7,
+            b: 360,
+        };
+        for shadow in [false, true] {
+            let mut args = DecideArgs::new();
+            args.bucket(tb(1, shadow));
+            args.band(band);
+            assert_eq!(args.shape(), Shape::OneTokenBucket { shadow });
+            // permits, capacity, scale, interval, and 10 × 360 / 7 = 514 µs: 0 ms + 1001.
+            assert_eq!(args.one_token_bucket_argv(), Some(vec![1, 10, 7, 360, 1001]));
+        }
+        let mut args = DecideArgs::new();
+        args.bucket(tb(1, false));
+        args.band(BandArgs {
+            capacity: 10_000_000,
+            a: 1,
+            b: 360,
+        });
+        // An hour: 3,600,000 ms + 1001.
+        assert_eq!(
+            args.one_token_bucket_argv(),
+            Some(vec![1, 10_000_000, 1, 360, 3_601_001])
+        );
+        let mut args = DecideArgs::new();
+        args.bucket(tb(2, false));
+        args.band(band);
+        args.band(band);
+        assert_eq!(args.shape(), Shape::TokenBuckets);
+        assert_eq!(args.one_token_bucket_argv(), None);
+        let mut args = DecideArgs::new();
+        args.bucket(tb(1, false));
+        args.band(band);
+        args.bucket(tb(1, true));
+        args.band(band);
+        assert_eq!(args.shape(), Shape::TokenBuckets);
+        args.bucket(BucketArgs {
+            permits: 1,
+            flags: Flags::new(1, ScriptAlgorithm::LeakyBucket, false),
+        });
+        args.band(band);
+        assert_eq!(args.shape(), Shape::General);
+        let mut args = DecideArgs::new();
+        args.bucket(BucketArgs {
+            permits: 1,
+            flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
+        });
+        args.band(band);
+        assert_eq!(args.shape(), Shape::General);
+    }
+
+    /// A one-band reply: the request's verdicts follow the band's and its mode.
+    #[test]
+    fn one_band_replies() {
+        for (allowed, shadow, verdicts) in [
+            (1, false, (true, true)),
+            (0, false, (false, true)),
+            (1, true, (true, true)),
+            (0, true, (true, false)),
+        ] {
+            let reply = Reply::decode_one(vec![42, allowed, 9, 100, 0], shadow).unwrap();
+            assert_eq!((reply.allowed, reply.shadow_allowed), verdicts);
+            assert_eq!(reply.now_us, 42);
+            let bands: Vec<_> = reply.bands().collect();
+            assert_eq!(bands.len(), 1);
+            assert_eq!(bands[0].allowed, allowed == 1);
+            assert_eq!(bands[0].remaining, 9);
+        }
+        assert!(Reply::decode_one(vec![42, 1, 9, 100], false).is_err());
+        assert!(Reply::decode_one(vec![42, 1, 9, 100, 0, 0, 0, 0], false).is_err());
     }
 
     #[test]

@@ -1,26 +1,36 @@
-//! The two scripts, joined from the files of `lua/`, and the one way to run them: `EVALSHA`
+//! The scripts, joined from the files of `lua/`, and the one way to run them: `EVALSHA`
 //! within the deadline, loaded again and retried after `NOSCRIPT`.
 
 use fred::types::scripts::Script;
 
 use crate::connection::Connection;
 use crate::error::RedisError;
-use crate::protocol::{DecideArgs, RefundArgs, RefundReply, Reply};
+use crate::protocol::{DecideArgs, RefundArgs, RefundReply, Reply, Shape};
 
-/// The decision script (see `lua/README.md`): every band of every rule of a request, of
-/// any algorithm, all or nothing. The build script joins it from the files of `lua/`; the
-/// single-band token bucket returns from `fast_path.lua`, before the other algorithms'
-/// functions are created.
+/// The general decision script (see `lua/README.md`): every band of every rule of a
+/// request, of any algorithm, all or nothing. The build script joins it from the files of
+/// `lua/`.
 pub const DECIDE_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/decide.lua"));
 
+/// The decision script of a request of one token-bucket band (`lua/one_token_bucket.lua`):
+/// the common case, decided as [`DECIDE_LUA`] would, with fewer arguments and at less cost.
+pub const ONE_TOKEN_BUCKET_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/one_token_bucket.lua"));
+
+/// The decision script of a request whose rules are all token buckets
+/// (`lua/token_buckets.lua`, after `lua/protocol.lua`): [`DECIDE_LUA`]'s arguments and
+/// reply, at less cost.
+pub const TOKEN_BUCKETS_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/token_buckets.lua"));
+
 /// The refund script, for requests that a cluster's hash slots decided differently: the
-/// same parts without the fast path, with `refund.lua` last.
+/// general script's parts, with `refund.lua` last.
 pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"));
 
 /// The scripts and the connections they run on.
 pub(crate) struct Scripts {
     connection: Connection,
     decide: Script,
+    one_token_bucket: Script,
+    token_buckets: Script,
     refund: Script,
 }
 
@@ -30,17 +40,19 @@ impl Scripts {
         Self {
             connection,
             decide: Script::from_lua(DECIDE_LUA),
+            one_token_bucket: Script::from_lua(ONE_TOKEN_BUCKET_LUA),
+            token_buckets: Script::from_lua(TOKEN_BUCKETS_LUA),
             refund: Script::from_lua(REFUND_LUA),
         }
     }
 
-    /// Loads both scripts (on every primary of a cluster).
+    /// Loads the scripts (on every primary of a cluster).
     ///
     /// # Errors
     ///
     /// [`RedisError::Connect`] when Redis does not take them.
     pub(crate) async fn load(&self) -> Result<(), RedisError> {
-        for script in [&self.decide, &self.refund] {
+        for script in [&self.decide, &self.one_token_bucket, &self.token_buckets, &self.refund] {
             script.load(self.connection.next()).await.map_err(RedisError::Connect)?;
         }
         Ok(())
@@ -51,19 +63,31 @@ impl Scripts {
         &self.connection
     }
 
-    /// The SHA-1 of the decision script.
+    /// The SHA-1 of the general decision script.
     pub(crate) fn decide_sha1(&self) -> &str {
         self.decide.sha1()
     }
 
-    /// One decision call: `keys`, one per band, and their arguments.
+    /// One decision call: `keys`, one per band, and their arguments, sent to the script of
+    /// their [`Shape`].
     ///
     /// # Errors
     ///
     /// As [`Scripts::run`], and [`RedisError::Reply`] for a reply of the wrong shape.
     pub(crate) async fn decide(&self, keys: Vec<String>, args: DecideArgs) -> Result<Reply, RedisError> {
         let bands = keys.len();
-        let reply = self.run(&self.decide, keys, args.into_argv()).await?;
+        let script = match args.shape() {
+            Shape::OneTokenBucket { shadow } => {
+                if let Some(argv) = args.one_token_bucket_argv() {
+                    let reply = self.run(&self.one_token_bucket, keys, argv).await?;
+                    return Reply::decode_one(reply, shadow);
+                }
+                &self.decide
+            }
+            Shape::TokenBuckets => &self.token_buckets,
+            Shape::General => &self.decide,
+        };
+        let reply = self.run(script, keys, args.into_argv()).await?;
         Reply::decode(reply, bands)
     }
 
