@@ -110,7 +110,25 @@ impl Scripts {
     /// [`RedisError::Command`] when Redis fails the call, [`RedisError::Timeout`] when it
     /// does not answer in time.
     async fn run(&self, script: &Script, keys: Vec<String>, args: Vec<i64>) -> Result<Vec<i64>, RedisError> {
-        let call = script.evalsha_with_reload(self.connection.next(), keys, args);
+        // fred's future is large: boxed once here, the futures around it (the deadline, the
+        // decision, the limiter's) stay small, and moving them copies a pointer instead of
+        // kilobytes.
+        let call = Box::pin(script.evalsha_with_reload(self.connection.next(), keys, args));
         self.connection.within_deadline(call).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The future of a decision stays small, whatever fred's futures weigh: the limiter
+    /// boxes it once per request, and a large one costs a copy of all of it.
+    #[test]
+    fn a_decision_future_is_small() {
+        let scripts = Scripts::new(Connection::client(fred::clients::Client::default()));
+        let future = scripts.decide(Vec::new(), DecideArgs::new());
+        let size = std::mem::size_of_val(&future);
+        assert!(size <= 512, "{size} bytes");
     }
 }
