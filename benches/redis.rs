@@ -4,22 +4,28 @@
 //!
 //! Run with: `cargo bench --bench redis` (needs `redis-server` and `redis-benchmark`,
 //! Debian's `redis-server` and `redis-tools`; `BENCH_SECS` sets the seconds per
-//! measurement, default 5).
+//! measurement, default 5, and `BENCH_POOL` the connections of each client, default 8).
 //!
 //! One process, 64 requests in flight, keys drawn from 100,000 distinct clients, every
 //! request admitted (quotas far above the rate). Measured, each on a fresh server:
-//! - `fluxgate engine 1x1` / `3x2`: `Engine::check` with `RedisLimiter` (pool of 8);
+//! - `fluxgate engine 1x1` / `3x2`: `Engine::check` with `RedisLimiter` (pool of 8, as the peer's);
 //! - `fluxgate layer 1x1`: the same through `RateLimitLayer` around a trivial service;
 //! - `tower-rate-limit-fred layer`: the peer's layer (single-band GCRA, 65,535 per
 //!   65.5 s, its largest capacity) around the same;
-//! - `redis-benchmark EVALSHA 1x1` / `3x2`: the script alone, 64 clients (the ceiling).
+//! - `redis-benchmark EVALSHA 1x1` / `3x2`: the script the engine runs for that shape
+//!   (`ONE_TOKEN_BUCKET_LUA`, `TOKEN_BUCKETS_LUA`) alone, 64 clients (the ceiling).
 //!
 //! - `fluxgate <algorithm> 1x1`: the engine with one rule of each algorithm (1,000,000
 //!   per hour), to compare the algorithms' scripts.
+//! - the cost of bands and rules: the engine with one token-bucket rule of 1, 2, 4 and 8
+//!   bands, then 1, 3 and 6 rules of 2 bands each, printed as a table.
 //!
 //! The `EVALSHA` calls counted by `INFO commandstats` are printed next to the decisions,
-//! with the microseconds Redis spent per call. `cargo bench --bench redis -- algorithms`
-//! runs only the comparison of the algorithms.
+//! with the microseconds Redis spent per call, and the CPU time of this process (client,
+//! engine and runtime; `getrusage` through `/proc/self/stat`) per decision.
+//! `cargo bench --bench redis -- algorithms` runs only the comparison of the algorithms,
+//! `-- bands` only the table of bands and rules, `-- peer` only FluxGate's engine and layer
+//! 1x1 and the peer's layer, twice each in turn.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -86,6 +92,14 @@ fn secs() -> Duration {
     )
 }
 
+/// The connections of each client, FluxGate's and the peer's: `BENCH_POOL`, default 8.
+fn pool_size() -> usize {
+    std::env::var("BENCH_POOL")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(8)
+}
+
 fn ip(n: u64) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (n % KEYS) as u32))
 }
@@ -97,6 +111,18 @@ struct Report {
     latencies: Vec<u32>,
     evalsha: Option<u64>,
     server_us: f64,
+    /// CPU time of this process per decision, in µs.
+    client_us: f64,
+}
+
+/// The CPU time (user and system) of this process so far, in seconds.
+fn process_cpu() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // The fields after the command name (which may hold spaces) in parentheses.
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime, fields 14 and 15 of proc(5), in clock ticks of 1/100 s.
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 impl Report {
@@ -114,11 +140,12 @@ impl Report {
             )
         });
         println!(
-            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms{calls}",
+            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms  client CPU {:>5.2} µs/decision{calls}",
             self.name,
             rate,
             pct(0.50),
-            pct(0.99)
+            pct(0.99),
+            self.client_us,
         );
     }
 }
@@ -132,6 +159,7 @@ where
     let stop = Arc::new(AtomicBool::new(false));
     let counter = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
+    let cpu = process_cpu();
     let mut tasks = Vec::new();
     for _ in 0..IN_FLIGHT {
         let (stop, counter, op) = (stop.clone(), counter.clone(), op.clone());
@@ -152,19 +180,23 @@ where
     for t in tasks {
         latencies.extend(t.await.unwrap());
     }
+    let decisions = latencies.len() as u64;
     Report {
         name: name.to_owned(),
-        decisions: latencies.len() as u64,
+        decisions,
         elapsed: start.elapsed(),
         latencies,
         evalsha: None,
         server_us: 0.0,
+        client_us: (process_cpu() - cpu) * 1e6 / decisions.max(1) as f64,
     }
 }
 
 async fn engine(server: &RedisServer, yaml: &str) -> Engine {
+    // A deadline far above any latency: a busy machine must not fail the benchmark.
     let limiter = RedisLimiter::builder(server.url())
-        .pool_size(8)
+        .pool_size(pool_size())
+        .timeout(Duration::from_secs(2))
         .connect()
         .await
         .unwrap();
@@ -235,8 +267,8 @@ impl tower_rate_limit_fred::KeyResolver for PeerKey {
 async fn peer_layer() -> Report {
     let server = RedisServer::start();
     let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
-        .with_performance_config(|c| c.default_command_timeout = Duration::from_millis(300))
-        .build_pool(8)
+        .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
+        .build_pool(pool_size())
         .unwrap();
     pool.init().await.unwrap();
     let layer = tower_rate_limit_fred::RateLimitLayer::builder()
@@ -264,15 +296,18 @@ async fn peer_layer() -> Report {
     report
 }
 
-/// `redis-benchmark` running `EVALSHA` of the decision script on random keys.
+/// `redis-benchmark` running `EVALSHA` of the script the engine runs for `bands` bands of
+/// token buckets (two per rule beyond one band) on random keys.
 fn ceiling(name: &str, bands: usize) {
     let server = RedisServer::start();
-    let sha = server
-        .cli(&["SCRIPT", "LOAD", fluxgate::redis::DECIDE_LUA])
-        .trim()
-        .to_owned();
+    let script = if bands == 1 {
+        fluxgate::redis::ONE_TOKEN_BUCKET_LUA
+    } else {
+        fluxgate::redis::TOKEN_BUCKETS_LUA
+    };
+    let sha = server.cli(&["SCRIPT", "LOAD", script]).trim().to_owned();
     // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
-    // scale 1, interval 360 (see lua/token_bucket.lua and lua/decide.lua).
+    // scale 1, interval 360 (see lua/token_bucket.lua and lua/README.md, "Protocol").
     let mut args: Vec<String> = vec!["EVALSHA".into(), sha, bands.to_string()];
     for b in 0..bands {
         args.push(format!(
@@ -281,12 +316,17 @@ fn ceiling(name: &str, bands: usize) {
             b % 2
         ));
     }
-    let per_bucket = if bands == 1 { 1 } else { 2 };
-    args.push((bands / per_bucket).to_string());
-    for _ in 0..(bands / per_bucket) {
-        args.extend(["1".into(), (per_bucket * 16).to_string()]);
-        for _ in 0..per_bucket {
-            args.extend(["10000000".into(), "1".into(), "360".into()]);
+    if bands == 1 {
+        // permits, capacity, scale, interval, expiry in ms.
+        args.extend(["1", "10000000", "1", "360", "3601001"].map(String::from));
+    } else {
+        let per_bucket = 2;
+        args.push((bands / per_bucket).to_string());
+        for _ in 0..(bands / per_bucket) {
+            args.extend(["1".into(), (per_bucket * 16).to_string()]);
+            for _ in 0..per_bucket {
+                args.extend(["10000000".into(), "1".into(), "360".into()]);
+            }
         }
     }
     let requests = (secs().as_secs() * 40_000).to_string();
@@ -334,18 +374,87 @@ fn main() {
         .build()
         .unwrap();
     println!("{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement", secs());
-    let only_algorithms = std::env::args().any(|a| a == "algorithms");
-    if !only_algorithms {
-        everything_but_the_algorithms(&rt);
+    let groups = ["algorithms", "bands", "peer"];
+    let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
+    let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
+    if only.is_empty() {
+        everything_but_the_groups(&rt);
     }
-    for algorithm in fluxgate::Algorithm::ALL {
-        let name = format!("fluxgate {} 1x1", algorithm.as_str());
-        rt.block_on(fluxgate_engine(&name, one_rule_of(algorithm.as_str())))
-            .print();
+    if !only.is_empty() && run("peer") {
+        against_the_peer(&rt);
+    }
+    if run("algorithms") {
+        for algorithm in fluxgate::Algorithm::ALL {
+            let name = format!("fluxgate {} 1x1", algorithm.as_str());
+            rt.block_on(fluxgate_engine(&name, one_rule_of(algorithm.as_str())))
+                .print();
+        }
+    }
+    if run("bands") {
+        bands_and_rules(&rt);
     }
 }
 
-fn everything_but_the_algorithms(rt: &tokio::runtime::Runtime) {
+/// `rules` token-bucket rules of `bands` bands each, 10,000,000 per hour (every request
+/// admitted), each band with a key of its own.
+fn rules_of_bands(rules: usize, bands: usize) -> &'static str {
+    let mut yaml = String::from("rule_sets:\n  - id: default\n    rules:\n");
+    for r in 0..rules {
+        let list: Vec<String> = (0..bands)
+            .map(|b| format!("{{ capacity: 10000000, window: 1h, label: b{b} }}"))
+            .collect();
+        yaml.push_str(&format!("      - id: rule{r}\n        bands: [{}]\n", list.join(", ")));
+    }
+    Box::leak(yaml.into_boxed_str())
+}
+
+/// Decisions per second and Redis time per call against the number of bands of one rule,
+/// then against the number of rules (of 2 bands), as a table: what one more band costs
+/// next to what a call costs.
+fn bands_and_rules(rt: &tokio::runtime::Runtime) {
+    let shapes = [(1, 1), (1, 2), (1, 4), (1, 8), (1, 2), (3, 2), (6, 2)];
+    let mut rows = Vec::new();
+    for (rules, bands) in shapes {
+        let name = format!("fluxgate {rules} rule(s) x {bands} band(s)");
+        let mut report = rt.block_on(fluxgate_engine(&name, rules_of_bands(rules, bands)));
+        report.print();
+        rows.push((rules, bands, report));
+    }
+    println!();
+    println!(
+        "| rules × bands | keys | decisions/s | Redis µs per call | Redis µs per key | client CPU µs per decision |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for (rules, bands, r) in &rows {
+        let keys = rules * bands;
+        println!(
+            "| {rules} × {bands} | {keys} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            r.decisions as f64 / r.elapsed.as_secs_f64(),
+            r.server_us,
+            r.server_us / keys as f64,
+            r.client_us
+        );
+    }
+    // One band has a script of its own; 2 to 8 bands share the token buckets' script.
+    let (one, two, eight) = (rows[0].2.server_us, rows[1].2.server_us, rows[3].2.server_us);
+    println!(
+        "\none rule: from 2 to 8 bands, each band adds {:.2} µs in Redis to a call (1 band: {one:.2} µs, 2 bands: \
+         {two:.2} µs)",
+        (eight - two) / 6.0
+    );
+}
+
+/// FluxGate 1x1 and the peer, in turn, twice: on a shared machine the load moves between
+/// measurements.
+fn against_the_peer(rt: &tokio::runtime::Runtime) {
+    for _ in 0..2 {
+        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
+        rt.block_on(fluxgate_layer()).print();
+        rt.block_on(peer_layer()).print();
+    }
+}
+
+fn everything_but_the_groups(rt: &tokio::runtime::Runtime) {
     ceiling("redis-benchmark EVALSHA 1x1", 1);
     rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
     rt.block_on(fluxgate_layer()).print();
