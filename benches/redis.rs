@@ -317,8 +317,8 @@ fn ceiling(name: &str, bands: usize) {
         ));
     }
     if bands == 1 {
-        // permits, capacity, scale, interval, expiry in ms.
-        args.extend(["1", "10000000", "1", "360", "3601001"].map(String::from));
+        // capacity, interval, expiry in ms (permits and scale of 1 left out).
+        args.extend(["10000000", "360", "3601001"].map(String::from));
     } else {
         let per_bucket = 2;
         args.push((bands / per_bucket).to_string());

@@ -5,8 +5,9 @@
 -- Enforced or shadow, one band decides alike (it consumes when it admits): the script
 -- need not know which, the caller tells the request's verdict from the band's.
 --
--- KEYS[1]: the band's key. ARGV: permits, capacity, scale, interval (token_bucket.lua's
--- band numbers) and the key's expiry in ms (the window plus one second).
+-- KEYS[1]: the band's key. ARGV: capacity, interval (token_bucket.lua's band numbers), the
+-- key's expiry in ms (the window plus one second), then permits and scale, each left out
+-- when it is 1 and nothing follows it (every argument costs Redis a parse).
 -- Reply: now_us, then the band's allowed, remaining, reset_after_us, wait_us.
 -- README.md, "The one-band call".
 --
@@ -15,10 +16,12 @@
 -- is off.
 
 local key = KEYS[1]
--- A cost or a scale of 1 is the common case: comparing the text spares a conversion.
-local permits, capacity, scale, interval = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
-permits = permits == '1' and 1 or tonumber(permits)
-scale = scale == '1' and 1 or tonumber(scale)
+local capacity, interval, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+-- A cost or a scale of 1 is the common case: it comes as no argument, or as text compared
+-- without a conversion.
+local permits, scale = ARGV[4], ARGV[5]
+permits = (not permits or permits == '1') and 1 or tonumber(permits)
+scale = (not scale or scale == '1') and 1 or tonumber(scale)
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local cap = capacity * interval
@@ -55,9 +58,9 @@ if permits <= capacity and d <= cap then
   -- less than %.0f or a number argument, which Redis writes with %.17g. `whole` becomes the
   -- reset: the instant rounded up to a whole microsecond.
   if frac == 0 then
-    redis.call('SET', key, string.format('%d', now + whole), 'PX', ARGV[5])
+    redis.call('SET', key, string.format('%d', now + whole), 'PX', ttl)
   else
-    redis.call('SET', key, string.format('%d:%d', now + whole, frac), 'PX', ARGV[5])
+    redis.call('SET', key, string.format('%d:%d', now + whole, frac), 'PX', ttl)
     whole = whole + 1
   end
   local left = cap - d

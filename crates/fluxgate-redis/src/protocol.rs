@@ -180,8 +180,9 @@ impl DecideArgs {
     }
 
     /// The numbers to send to `one_token_bucket.lua`, for [`Shape::OneTokenBucket`]:
-    /// `permits, capacity, scale, interval` and the key's expiry in ms (the window plus
-    /// one second, as `px()` in `lua/common.lua`); `None` for another shape.
+    /// `capacity, interval`, the key's expiry in ms (the window plus one second, as `px()`
+    /// in `lua/common.lua`), then `permits` and `scale`, each left out when it is 1 and
+    /// nothing follows it; `None` for another shape.
     pub(crate) fn one_token_bucket_argv(&self) -> Option<Vec<i64>> {
         let Shape::OneTokenBucket { .. } = self.shape() else {
             return None;
@@ -191,7 +192,11 @@ impl DecideArgs {
         };
         // capacity × interval / scale is the window in µs (validated below 2^52).
         let window_us = capacity.checked_mul(interval)? / scale.max(1);
-        Some(vec![permits, capacity, scale, interval, window_us / 1000 + 1001])
+        let mut argv = vec![capacity, interval, window_us / 1000 + 1001, permits, scale];
+        while argv.len() > 3 && argv.last() == Some(&1) {
+            argv.pop();
+        }
+        Some(argv)
     }
 }
 
@@ -491,8 +496,8 @@ mod tests {
             args.bucket(tb(1, shadow));
             args.band(band);
             assert_eq!(args.shape(), Shape::OneTokenBucket { shadow });
-            // permits, capacity, scale, interval, and 10 × 360 / 7 = 514 µs: 0 ms + 1001.
-            assert_eq!(args.one_token_bucket_argv(), Some(vec![1, 10, 7, 360, 1001]));
+            // capacity, interval, 10 × 360 / 7 = 514 µs: 0 ms + 1001, permits 1, scale 7.
+            assert_eq!(args.one_token_bucket_argv(), Some(vec![10, 360, 1001, 1, 7]));
         }
         let mut args = DecideArgs::new();
         args.bucket(tb(1, false));
@@ -501,11 +506,19 @@ mod tests {
             a: 1,
             b: 360,
         });
-        // An hour: 3,600,000 ms + 1001.
-        assert_eq!(
-            args.one_token_bucket_argv(),
-            Some(vec![1, 10_000_000, 1, 360, 3_601_001])
-        );
+        // An hour: 3,600,000 ms + 1001; permits and scale of 1 left out.
+        assert_eq!(args.one_token_bucket_argv(), Some(vec![10_000_000, 360, 3_601_001]));
+        let mut args = DecideArgs::new();
+        args.bucket(BucketArgs {
+            permits: 3,
+            flags: Flags::new(1, ScriptAlgorithm::TokenBucket, false),
+        });
+        args.band(BandArgs {
+            capacity: 10_000_000,
+            a: 1,
+            b: 360,
+        });
+        assert_eq!(args.one_token_bucket_argv(), Some(vec![10_000_000, 360, 3_601_001, 3]));
         let mut args = DecideArgs::new();
         args.bucket(tb(2, false));
         args.band(band);
