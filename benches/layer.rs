@@ -12,6 +12,11 @@
 //! default options also runs with one client and with 10,000 (one address repeats the same
 //! header values from one response to the next; many addresses rarely do), and so does
 //! `tower_governor`. The overhead of a layer is its time per request minus the bare app's.
+//!
+//! Before criterion measures each variant on its own, an interleaved comparison runs the
+//! variants in turn for 21 rounds and prints the median of each, with each layer's overhead
+//! as a multiple of `tower_governor`'s (with as many clients): on a shared machine whose
+//! speed drifts, that ratio is the figure to read.
 
 #![allow(missing_docs)]
 
@@ -45,6 +50,48 @@ fn run(rt: &tokio::runtime::Runtime, app: &Router, clients: u32, iters: u64) -> 
     })
 }
 
+/// Rounds of the interleaved comparison, and requests per variant per round.
+const ROUNDS: usize = 21;
+const PER_ROUND: u64 = 20_000;
+
+/// The variants in turn, round after round, so that a machine whose speed drifts (other
+/// processes, frequency) slows them all alike; the median time per request of each, and
+/// each layer's overhead over the bare app next to `tower_governor`'s with as many
+/// clients. Criterion then measures each variant on its own.
+fn interleaved(rt: &tokio::runtime::Runtime, apps: &[(&str, Router, u32)]) {
+    let mut samples = vec![Vec::with_capacity(ROUNDS); apps.len()];
+    for _ in 0..ROUNDS {
+        for ((_, app, clients), times) in apps.iter().zip(&mut samples) {
+            let t = run(rt, app, *clients, PER_ROUND);
+            times.push(t.as_secs_f64() * 1e9 / PER_ROUND as f64);
+        }
+    }
+    let median: Vec<f64> = samples
+        .iter_mut()
+        .map(|t| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        })
+        .collect();
+    let bare = median[0];
+    let governor = |clients: u32| {
+        apps.iter()
+            .zip(&median)
+            .find(|((name, _, c), _)| name.starts_with("c_") && *c == clients)
+            .map(|(_, m)| m - bare)
+    };
+    println!("interleaved: {ROUNDS} rounds of {PER_ROUND} requests per variant, median time per request");
+    println!("| variant | clients | ns per request | overhead over the bare app | overhead / tower_governor's |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for ((name, _, clients), m) in apps.iter().zip(&median) {
+        let overhead = m - bare;
+        let ratio = governor(*clients)
+            .filter(|_| !name.starts_with("a_"))
+            .map_or(String::new(), |g| format!("{:.2}", overhead / g));
+        println!("| {name} | {clients} | {m:.0} | {overhead:.0} | {ratio} |");
+    }
+}
+
 fn layers(c: &mut Criterion) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -69,6 +116,7 @@ fn layers(c: &mut Criterion) {
     for (_, app, clients) in &apps {
         run(&rt, app, *clients, u64::from(*clients));
     }
+    interleaved(&rt, &apps);
     let mut group = c.benchmark_group("layer_per_request");
     for (name, app, clients) in &apps {
         group.bench_function(*name, |b| b.iter_custom(|iters| run(&rt, app, *clients, iters)));
