@@ -56,7 +56,7 @@ pub struct MemoryLimiter {
 }
 
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
+    shards: Box<[Padded]>,
     shard_mask: usize,
     max_per_shard: usize,
     clock: Arc<dyn Clock>,
@@ -65,6 +65,11 @@ struct Inner {
 }
 
 type Map<V> = HashMap<u128, V, BuildHasherDefault<PreHashed>>;
+
+/// A shard's mutex on cache lines of its own: without the padding, neighbouring shards
+/// share a line, and threads deciding for unrelated keys would contend for it.
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
 
 struct Shard {
     /// Token and leaky buckets: one instant each.
@@ -259,11 +264,11 @@ impl MemoryLimiterBuilder {
         let max_per_shard = self.max_keys.div_ceil(self.shards).max(1);
         let shards = (0..self.shards)
             .map(|_| {
-                Mutex::new(Shard {
+                Padded(Mutex::new(Shard {
                     gcra: HashMap::default(),
                     windows: HashMap::default(),
                     next_sweep: MIN_SWEEP.min(max_per_shard),
-                })
+                }))
             })
             .collect();
         MemoryLimiter {
@@ -307,8 +312,8 @@ fn window_nanos(band: &Band) -> u64 {
     u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX)
 }
 
-fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock(m: &Padded) -> MutexGuard<'_, Shard> {
+    m.0.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl MemoryLimiter {
