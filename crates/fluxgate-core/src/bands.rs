@@ -40,7 +40,10 @@ impl Bands {
     /// No reports, with room for `capacity`: a buffer from the thread's pool when there is
     /// one.
     pub fn with_capacity(capacity: usize) -> Self {
-        let reused = FREE.try_with(|free| free.borrow_mut().pop()).ok().flatten();
+        let reused = FREE
+            .try_with(|free| free.try_borrow_mut().ok().and_then(|mut free| free.pop()))
+            .ok()
+            .flatten();
         let mut v = reused.unwrap_or_default();
         v.reserve(capacity);
         Self(v)
