@@ -5,12 +5,13 @@
 //!
 //! One test function, so that no other test allocates on another thread while it counts.
 
+#[path = "../../benches/support/apps.rs"]
+mod apps;
+
 use std::alloc::System;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr};
 
 use axum::body::Body;
-use axum::extract::ConnectInfo;
-use axum::routing::get;
 use axum::Router;
 use fluxgate::{Engine, RateLimitLayer, RequestContext, RuleSets};
 use http::Request;
@@ -20,43 +21,13 @@ use tower::{Service, ServiceExt};
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
-const RULES: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        bands: [{ capacity: 1000000000, window: 1h }]
-"#;
-
-const THREE_RULES: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        match: { paths: ["/api/**"] }
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-      - id: per-user
-        scope: user
-        match: { paths: ["/api/**"], methods: [GET, POST] }
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-      - id: global
-        scope: global
-        bands:
-          - { capacity: 1000000000, window: 1s, label: burst }
-          - { capacity: 1000000000000, window: 1h, label: sustained }
-"#;
-
 /// Requests counted after the warm-up.
 const COUNTED: u32 = 2_000;
 /// Client addresses the requests rotate over.
 const CLIENTS: u32 = 100;
 
 fn engine() -> Engine {
-    Engine::in_memory(RuleSets::from_yaml_str(RULES).expect("rules"))
+    Engine::in_memory(RuleSets::from_yaml_str(apps::ONE_RULE).expect("rules"))
 }
 
 fn ip(i: u32) -> IpAddr {
@@ -72,12 +43,7 @@ fn allocations(f: impl FnOnce()) -> usize {
 }
 
 fn request(i: u32) -> Request<Body> {
-    let mut req = Request::builder()
-        .uri("/api/items")
-        .body(Body::empty())
-        .expect("request");
-    req.extensions_mut().insert(ConnectInfo(SocketAddr::new(ip(i), 4000)));
-    req
+    apps::request(i, CLIENTS)
 }
 
 /// Sends requests `from..to` through `app`, every one admitted.
@@ -134,7 +100,7 @@ fn admitted_requests_allocate_nothing_but_the_growth_of_the_header_map() {
     assert_eq!(engine_allocations, 0, "allocations in {COUNTED} decisions");
 
     // Three rules of two bands (per IP, per user, global; path patterns), with a user.
-    let three = Engine::in_memory(RuleSets::from_yaml_str(THREE_RULES).expect("rules"));
+    let three = Engine::in_memory(RuleSets::from_yaml_str(apps::THREE_RULES).expect("rules"));
     let ctxs: Vec<RequestContext> = (0..CLIENTS)
         .map(|i| {
             RequestContext::builder()
@@ -163,7 +129,7 @@ fn admitted_requests_allocate_nothing_but_the_growth_of_the_header_map() {
     // The layer around the app, with its default options and with the legacy headers
     // only, against the app alone.
     let rt = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
-    let bare = Router::new().route("/api/items", get(|| async { "ok" }));
+    let bare = apps::bare();
     let around = |layer: RateLimitLayer| tower::Layer::layer(&layer, bare.clone());
     let bare_per_request = per_request(&rt, &bare);
     let default = per_request(&rt, &around(RateLimitLayer::new(engine.clone()))) - bare_per_request;
@@ -192,16 +158,7 @@ fn admitted_requests_allocate_nothing_but_the_growth_of_the_header_map() {
     let per_route = |app: Router| per_request(&rt, &app) - bare_per_request;
     let identity = per_route(bare.clone().layer(tower::layer::util::Identity::new()));
     let ours = per_route(bare.clone().layer(RateLimitLayer::new(engine.clone())));
-    let config = tower_governor::governor::GovernorConfigBuilder::default()
-        .per_nanosecond(3_600)
-        .burst_size(1_000_000_000)
-        .use_headers()
-        .finish()
-        .expect("governor config");
-    let governor = per_route(
-        bare.clone()
-            .layer(tower_governor::GovernorLayer::new(std::sync::Arc::new(config))),
-    );
+    let governor = per_route(apps::governor());
     println!(
         "per route (Router::layer): a layer that does nothing {identity:.3}, FluxGate {ours:.3}, tower_governor {governor:.3} allocations per request"
     );
