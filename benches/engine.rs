@@ -18,18 +18,9 @@ mod apps;
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use apps::{contexts, engine, ONE_RULE, THREE_RULES};
+use apps::{contexts, engine, ACTIVE_KEYS, ONE_RULE, THREE_RULES};
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
 use fluxgate::RequestContext;
-
-/// Each key stays active: one request takes one of 100 tokens that refill over an hour.
-const ACTIVE_KEYS: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        bands: [{ capacity: 100, window: 1h }]
-"#;
 
 fn memory_per_key() {
     const KEYS: u32 = 1_000_000;

@@ -58,16 +58,6 @@ rule_sets:
         bands: [{ capacity: 300000000, window: 3650d }]
 "#;
 
-/// For the memory of one band: one request takes one of 100 tokens that refill over an
-/// hour, so every bucket stays active (the rule of `benches/engine.rs`).
-const MEMORY_ONE_RULE: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        bands: [{ capacity: 100, window: 1h }]
-"#;
-
 /// For the memory of 3 × 2: the shape of `apps::THREE_RULES`, with capacities under
 /// which every bucket stays active over 1,000,000 requests and every request is admitted
 /// (each user gets about 1,000 of them, the global rule all).
@@ -320,7 +310,7 @@ fn main() {
         if name == "3x2" {
             memory_child(MEMORY_THREE_RULES, true);
         } else {
-            memory_child(MEMORY_ONE_RULE, false);
+            memory_child(apps::ACTIVE_KEYS, false);
         }
         return;
     }

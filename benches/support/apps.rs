@@ -28,6 +28,16 @@ rule_sets:
         bands: [{ capacity: 1000000000, window: 1h }]
 "#;
 
+/// One per-IP rule whose buckets stay active: one request takes one of 100 tokens that
+/// refill over an hour (for the memory per active key).
+pub(crate) const ACTIVE_KEYS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 100, window: 1h }]
+"#;
+
 /// Three rules of two bands: per IP and per user (both with path patterns, the second with
 /// methods too) and global.
 pub(crate) const THREE_RULES: &str = r#"
