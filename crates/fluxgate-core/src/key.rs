@@ -125,14 +125,15 @@ impl KeyResolver {
     }
 
     fn push_ip(&self, out: &mut Text, ip: Option<IpAddr>) {
-        if let Some(IpAddr::V4(v4)) = ip {
-            return push_ipv4(out, v4.octets());
-        }
+        let v6 = match ip.map(|ip| self.mask(ip)) {
+            Some(IpAddr::V4(v4)) => return push_ipv4(out, v4.octets()),
+            Some(IpAddr::V6(v6)) => Some(v6),
+            None => None,
+        };
         out.push_str("ip=");
-        match ip.map(|ip| self.mask(ip)) {
+        match v6 {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
-            Some(IpAddr::V4(v4)) => push_ipv4_digits(out, v4.octets()),
-            Some(IpAddr::V6(v6)) => {
+            Some(v6) => {
                 let text = v6.to_string();
                 encode_into(out, &text);
                 if self.ipv6_prefix < 128 {
@@ -187,13 +188,6 @@ fn push_ipv4(out: &mut Text, octets: [u8; 4]) {
     buf[..3].copy_from_slice(b"ip=");
     let n = write_ipv4(&mut buf[3..], octets);
     out.push_ascii(&buf[..3 + n]);
-}
-
-/// The dotted decimal address alone.
-fn push_ipv4_digits(out: &mut Text, octets: [u8; 4]) {
-    let mut buf = [0u8; 18];
-    let n = write_ipv4(&mut buf, octets);
-    out.push_ascii(&buf[..n]);
 }
 
 /// Writes the dotted decimal address (at most 15 bytes, in a buffer of at least 18) and

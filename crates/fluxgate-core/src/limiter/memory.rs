@@ -25,12 +25,15 @@ use crate::rule::{Algorithm, Band, Rule};
 
 /// The in-memory limiter: the embedded default backend.
 ///
-/// Buckets live in a fixed number of shards, each behind its own mutex. A bucket is
-/// identified by 128 bits taken from std's SipHash, keyed at random per limiter, of its
-/// rule set, rule, key value and band: unrelated keys rarely contend, and a crafted header
-/// cannot aim at another client's counter (two buckets share state only if those 128
-/// bits collide). A request's bands are checked and consumed under the locks of all the shards
-/// they live in (taken in index order), so a decision over many rules is one atomic step.
+/// Buckets live in a fixed number of shards, each behind its own mutex on cache lines of
+/// its own. A key value is hashed once by two hashes keyed at random per limiter (std's
+/// SipHash and a multiply-fold mix), which choose its shard, and each band's identity (its
+/// rule set, rule, band and figures) is folded into both to make the bucket's 128 bits:
+/// every band of a key shares one shard, unrelated keys rarely contend, and a crafted
+/// header cannot aim at another client's counter (two buckets share state only if both
+/// halves collide). A request's bands are checked and consumed under the locks of all the
+/// shards they live in (taken in index order), so a decision over many rules is one atomic
+/// step.
 ///
 /// Every algorithm of [`Algorithm`] is decided here, and one request may mix them. Token
 /// and leaky buckets keep one instant per band (32 bytes with its identity), fixed windows
@@ -439,16 +442,10 @@ impl MemoryLimiter {
             AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
         }
         let rule = bucket.rule;
-        if let algorithm @ (Algorithm::TokenBucket | Algorithm::LeakyBucket) = rule.algorithm() {
+        if matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
             // One lookup of the instant, read and written in place.
-            let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
             let stored = shard.gcra.get_mut(&key);
-            let state = stored.as_deref().copied();
-            let e = if algorithm == Algorithm::TokenBucket {
-                token_bucket::evaluate(state, now, capacity, window, permits)
-            } else {
-                leaky_bucket::evaluate(state, now, capacity, window, permits)
-            };
+            let e = evaluate_instant(stored.as_deref().copied(), rule, band, now);
             if e.allowed {
                 match stored {
                     Some(slot) => *slot = e.next,
@@ -516,6 +513,16 @@ impl MemoryLimiter {
     }
 }
 
+/// Evaluates a token- or leaky-bucket band from its stored instant.
+fn evaluate_instant(state: Option<Tat>, rule: &Rule, band: &Band, now: u64) -> Eval<Tat> {
+    let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
+    if rule.algorithm() == Algorithm::LeakyBucket {
+        leaky_bucket::evaluate(state, now, capacity, window, permits)
+    } else {
+        token_bucket::evaluate(state, now, capacity, window, permits)
+    }
+}
+
 /// Evaluates one band of `rule` for its key at `now`, reading the shard only.
 fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eval<Next> {
     let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
@@ -533,12 +540,8 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
     // Looked up only by the algorithms that keep their state there.
     let state = || shard.windows.get(&key).map(|s| &s.state);
     match rule.algorithm() {
-        Algorithm::TokenBucket => map(
-            token_bucket::evaluate(shard.gcra.get(&key).copied(), now, capacity, window, permits),
-            Next::Tat,
-        ),
-        Algorithm::LeakyBucket => map(
-            leaky_bucket::evaluate(shard.gcra.get(&key).copied(), now, capacity, window, permits),
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => map(
+            evaluate_instant(shard.gcra.get(&key).copied(), rule, band, now),
             Next::Tat,
         ),
         Algorithm::FixedWindow => {
