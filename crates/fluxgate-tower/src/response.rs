@@ -112,22 +112,25 @@ impl Figures {
 
 /// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
 fn ietf_headers(decision: &Decision, binding: &BandReport, remaining: u64) -> [HeaderValue; 2] {
+    let (policy, distinct) = policy_header(decision);
     let current = values::value(|current| {
-        policy_name(current, decision, binding);
+        policy_name(current, decision, binding, distinct);
         current.push(b";r=");
         current.push_u64(remaining);
         current.push(b";t=");
         current.push_u64(ceil_secs(binding.reset_after));
     });
-    [policy_header(decision), current]
+    [policy, current]
 }
 
 /// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
 type PolicyKey = Vec<(std::sync::Arc<str>, std::sync::Arc<str>, bool, u64, std::time::Duration)>;
 
-fn policy_header(decision: &Decision) -> HeaderValue {
+/// `RateLimit-Policy`, and whether the bands' preferred names are distinct (see
+/// [`policy_name`]): both depend only on the bands, so both are kept with the last value.
+fn policy_header(decision: &Decision) -> (HeaderValue, bool) {
     thread_local! {
-        static LAST: RefCell<Option<(PolicyKey, HeaderValue)>> = const { RefCell::new(None) };
+        static LAST: RefCell<Option<(PolicyKey, HeaderValue, bool)>> = const { RefCell::new(None) };
     }
     let same = |key: &PolicyKey| {
         key.len() == decision.bands.len()
@@ -144,17 +147,19 @@ fn policy_header(decision: &Decision) -> HeaderValue {
     };
     LAST.with(|last| {
         let mut last = last.borrow_mut();
-        if let Some((key, value)) = &*last {
+        if let Some((key, value, distinct)) = &*last {
             if same(key) {
-                return value.clone();
+                return (value.clone(), *distinct);
             }
         }
+        let names: Vec<_> = decision.bands.iter().map(|b| preferred_name(decision, b)).collect();
+        let distinct = names.iter().enumerate().all(|(i, name)| !names[..i].contains(name));
         let value = values::value(|policy| {
             for (i, band) in decision.bands.iter().enumerate() {
                 if i > 0 {
                     policy.push(b", ");
                 }
-                policy_name(policy, decision, band);
+                policy_name(policy, decision, band, distinct);
                 policy.push(b";q=");
                 policy.push_u64(band.limit);
                 policy.push(b";w=");
@@ -166,8 +171,8 @@ fn policy_header(decision: &Decision) -> HeaderValue {
             .iter()
             .map(|b| (b.rule.clone(), b.band.clone(), b.labeled, b.limit, b.window))
             .collect();
-        *last = Some((key, value.clone()));
-        value
+        *last = Some((key, value.clone(), distinct));
+        (value, distinct)
     })
 }
 
@@ -183,16 +188,10 @@ fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Op
     }
 }
 
-/// Writes a band's name, quoted. When two bands of the decision would get the same
-/// preferred name, every band is named `rule:band` instead: ids and labels never contain
-/// `:`, so those names are distinct.
-fn policy_name(out: &mut ValueBuf<'_>, decision: &Decision, band: &BandReport) {
-    let bands = &decision.bands;
-    let distinct = bands.len() == 1
-        || bands.iter().enumerate().all(|(i, a)| {
-            let name = preferred_name(decision, a);
-            bands[..i].iter().all(|b| preferred_name(decision, b) != name)
-        });
+/// Writes a band's name, quoted: its preferred name when the decision's bands all have
+/// distinct ones (`distinct`, from [`policy_header`]), else `rule:band` for every band:
+/// ids and labels never contain `:`, so those names are distinct.
+fn policy_name(out: &mut ValueBuf<'_>, decision: &Decision, band: &BandReport, distinct: bool) {
     let (first, second) = if distinct {
         preferred_name(decision, band)
     } else {
