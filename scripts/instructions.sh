@@ -40,7 +40,7 @@ for v in "${variants[@]}"; do
   runs=()
   for _ in $(seq "$REPEAT"); do
     few=$(count "$v" "$FEW"); many=$(count "$v" "$MANY")
-    runs+=("$(echo "($many - $few) / ($MANY - $FEW)" | bc -l)")
+    runs+=("$(awk -v a="$many" -v b="$few" -v n=$((MANY - FEW)) 'BEGIN { printf "%.3f", (a - b) / n }')")
   done
   median=$(printf '%s\n' "${runs[@]}" | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}')
   printf '%-22s %14.0f\n' "$v" "$median"
