@@ -28,6 +28,7 @@ use serde::{Deserialize, Serialize};
 use crate::context::{RequestContext, DEFAULT_RULE_SET};
 use crate::decision::{BandReport, Decision, Outcome};
 use crate::limiter::Wait;
+use crate::name::Name;
 use crate::rule::check_id;
 
 /// The longest path accepted, in characters.
@@ -459,8 +460,10 @@ impl CheckResponse {
     /// outcome this version does not know is read as a rejection by the rule named, or as
     /// an admission when `allowed`.
     pub fn to_decision(&self) -> Decision {
-        let rule_set: Arc<str> = Arc::from(self.rule_set_id.as_str());
-        let rule = || Arc::from(self.rule.as_deref().unwrap_or(""));
+        // Names from an answer are not interned (see `Name`).
+        let name = |text: &str| Name::from(Arc::<str>::from(text));
+        let rule_set = name(&self.rule_set_id);
+        let rule = || name(self.rule.as_deref().unwrap_or(""));
         let outcome = match self.outcome.as_str() {
             "allowed" | "shadow_rejected" => Outcome::Admitted,
             "no_matching_rule" => Outcome::NoMatchingRule,
@@ -486,8 +489,8 @@ impl CheckResponse {
                     None => Wait::Never,
                 };
                 BandReport {
-                    rule: Arc::from(band.rule.as_str()),
-                    band: Arc::from(band.band.as_str()),
+                    rule: name(&band.rule),
+                    band: name(&band.band),
                     labeled: band.labeled,
                     limit: band.limit,
                     remaining: band.remaining,
@@ -503,7 +506,7 @@ impl CheckResponse {
         decision.binding_index = self.binding_index();
         decision.retry_after = self.retry_after_ms.map(Duration::from_millis);
         decision.degraded = self.degraded;
-        decision.shadow_rejected_by = self.shadow_rejected_by.as_deref().map(Arc::from);
+        decision.shadow_rejected_by = self.shadow_rejected_by.as_deref().map(name);
         decision
     }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use http::Method;
 
+use crate::name::Name;
 use crate::path::normalized_and_routed;
 use crate::text::Text;
 
@@ -37,7 +38,7 @@ pub struct RequestContext {
     client_ip: Option<IpAddr>,
     user_id: Option<String>,
     api_key: Option<String>,
-    rule_set_id: Arc<str>,
+    rule_set_id: Name,
     attributes: BTreeMap<String, String>,
 }
 
@@ -89,7 +90,7 @@ impl RequestContext {
         &self.rule_set_id
     }
     /// The rule set id, shared.
-    pub(crate) fn shared_rule_set_id(&self) -> &Arc<str> {
+    pub(crate) fn shared_rule_set_id(&self) -> &Name {
         &self.rule_set_id
     }
     /// An attribute.
@@ -115,14 +116,18 @@ pub struct RequestContextBuilder {
 
 impl Default for RequestContextBuilder {
     fn default() -> Self {
-        static DEFAULT: std::sync::OnceLock<Arc<str>> = std::sync::OnceLock::new();
-        Self::with_rule_set(DEFAULT.get_or_init(|| Arc::from(DEFAULT_RULE_SET)).clone())
+        static DEFAULT: std::sync::OnceLock<Name> = std::sync::OnceLock::new();
+        Self::with_rule_set(DEFAULT.get_or_init(|| Name::new(DEFAULT_RULE_SET)).clone())
     }
 }
 
 impl RequestContextBuilder {
     /// A builder for a request of the given rule set, with the path `/` and method `GET`.
-    pub fn with_rule_set(rule_set_id: Arc<str>) -> Self {
+    /// A configured id is best given as a [`Name`] made once (its clones then cost no
+    /// reference count); an id taken from a request as an `Arc<str>`, which is not
+    /// interned.
+    pub fn with_rule_set(rule_set_id: impl Into<Name>) -> Self {
+        let rule_set_id = rule_set_id.into();
         Self {
             ctx: RequestContext {
                 path: Text::new(),
@@ -165,7 +170,7 @@ impl RequestContextBuilder {
     }
     /// Sets the rule set id.
     pub fn rule_set_id(mut self, id: impl Into<Arc<str>>) -> Self {
-        self.ctx.rule_set_id = id.into();
+        self.ctx.rule_set_id = Name::from(id.into());
         self
     }
     /// Sets an attribute.
@@ -201,7 +206,7 @@ impl RequestContextBuilder {
     }
     /// Sets the rule set id in place.
     pub fn set_rule_set_id(&mut self, id: impl Into<Arc<str>>) -> &mut Self {
-        self.ctx.rule_set_id = id.into();
+        self.ctx.rule_set_id = Name::from(id.into());
         self
     }
     /// Sets an attribute in place.

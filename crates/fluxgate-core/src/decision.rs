@@ -1,11 +1,11 @@
 //! The decision for one request.
 
-use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 pub use crate::bands::Bands;
 
 use crate::limiter::{AcquireOutcome, Wait};
+use crate::name::Name;
 use crate::num::ceil_secs;
 use crate::rule::{Band, Mode, Rule};
 
@@ -26,12 +26,12 @@ pub enum Outcome {
     /// A rule with `on_missing_key: deny` found no key value.
     MissingKey {
         /// The rule.
-        rule: Arc<str>,
+        rule: Name,
     },
     /// The backend failed and a rule's failure policy is `fail_closed`.
     BackendUnavailable {
         /// The rule.
-        rule: Arc<str>,
+        rule: Name,
     },
 }
 
@@ -53,9 +53,9 @@ impl Outcome {
 #[non_exhaustive]
 pub struct BandReport {
     /// The rule.
-    pub rule: Arc<str>,
+    pub rule: Name,
     /// The band's name: its label, or `b<position>`.
-    pub band: Arc<str>,
+    pub band: Name,
     /// Whether the band has a label of its own.
     pub labeled: bool,
     /// The capacity.
@@ -109,7 +109,7 @@ pub struct Decision {
     /// Whether the request may pass, and why: see [`Decision::allowed`].
     pub outcome: Outcome,
     /// The rule set that decided.
-    pub rule_set: Arc<str>,
+    pub rule_set: Name,
     /// On rejection by a band: how long until the request could be admitted. `None`
     /// when it never can (more permits than a band's capacity) or for other rejections.
     pub retry_after: Option<Duration>,
@@ -118,7 +118,7 @@ pub struct Decision {
     /// Every band of the rules in shadow mode.
     pub shadow_bands: Bands,
     /// The first shadow rule that would have rejected the request.
-    pub shadow_rejected_by: Option<Arc<str>>,
+    pub shadow_rejected_by: Option<Name>,
     /// Index of the binding band in `bands`.
     pub binding_index: Option<usize>,
     /// Whether the fallback limiter decided, because the backend failed.
@@ -131,7 +131,7 @@ pub struct Decision {
 
 impl Decision {
     /// A decision that involves no band.
-    pub fn without_bands(rule_set: Arc<str>, outcome: Outcome) -> Self {
+    pub fn without_bands(rule_set: Name, outcome: Outcome) -> Self {
         Self {
             outcome,
             rule_set,
@@ -147,7 +147,7 @@ impl Decision {
 
     /// The decision from a limiter's outcome: the enforced and shadow bands apart, the
     /// binding band and the retry-after.
-    pub(crate) fn from_outcome(rule_set: Arc<str>, outcome: AcquireOutcome) -> Self {
+    pub(crate) fn from_outcome(rule_set: Name, outcome: AcquireOutcome) -> Self {
         let mut bands = outcome.bands;
         let shadow_bands = if bands.iter().any(|b| b.shadow) {
             let mut shadow = Bands::with_capacity(bands.len());
@@ -248,7 +248,7 @@ impl Decision {
     }
 
     /// The binding rule's id.
-    pub fn rule(&self) -> Option<&Arc<str>> {
+    pub fn rule(&self) -> Option<&Name> {
         match &self.outcome {
             Outcome::MissingKey { rule } | Outcome::BackendUnavailable { rule } => Some(rule),
             _ => self.binding().map(|b| &b.rule),

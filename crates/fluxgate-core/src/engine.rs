@@ -286,7 +286,8 @@ impl Engine {
                     UnknownRuleSet::Deny => Outcome::UnknownRuleSetDenied,
                 };
                 tracing::trace!(rule_set = ctx.rule_set_id(), ?outcome, "unknown rule set");
-                let id: Arc<str> = Arc::from(ctx.rule_set_id());
+                // Not interned: the id may come from the request (see `Name`).
+                let id = ctx.shared_rule_set_id().clone();
                 return MaybeReady::ready(Ok(Decision::without_bands(id, outcome)));
             }
             Err(source) => {

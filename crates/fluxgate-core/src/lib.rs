@@ -63,6 +63,7 @@ pub mod key;
 pub mod limiter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
+mod name;
 pub mod num;
 pub mod path;
 mod provider;
@@ -79,6 +80,7 @@ pub use failure::{CircuitBreaker, FailurePolicy};
 pub use future::{BoxFuture, MaybeReady};
 pub use handler::{RateLimitHandler, RateLimitMetricsRecorder};
 pub use limiter::{MemoryLimiter, RateLimiter};
+pub use name::Name;
 pub use path::PathPattern;
 pub use provider::{
     CachingRuleSetProvider, CachingRuleSetProviderBuilder, CheckFn, RuleCheck, RuleSetLookup, RuleSetProvider,

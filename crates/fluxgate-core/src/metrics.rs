@@ -49,7 +49,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use ::metrics::{counter, describe_counter, describe_histogram, histogram, SharedString, Unit};
@@ -57,6 +56,7 @@ use ::metrics::{counter, describe_counter, describe_histogram, histogram, Shared
 use crate::decision::Decision;
 use crate::error::{BoxError, Error};
 use crate::handler::RateLimitMetricsRecorder;
+use crate::name::Name;
 
 /// `fluxgate_decisions_total{rule_set, rule, outcome}`: decisions of an engine.
 pub const DECISIONS_TOTAL: &str = "fluxgate_decisions_total";
@@ -203,8 +203,11 @@ pub fn rule_label(decision: &Decision) -> SharedString {
 }
 
 /// An id as a label value, without copying it.
-fn label(id: &Arc<str>) -> SharedString {
-    SharedString::from(id.clone())
+fn label(id: &Name) -> SharedString {
+    match id.parts() {
+        Ok(interned) => SharedString::const_str(interned),
+        Err(shared) => SharedString::from(shared.clone()),
+    }
 }
 
 /// Counts a reload of a `ReloadingRuleSetProvider`.

@@ -215,7 +215,7 @@ impl ReloadingRuleSetProvider {
         let mut report = ReloadReport::default();
         let mut next = RuleSets::default();
         for set in new.iter() {
-            let set = match update.generations.get(set.id()) {
+            let set = match update.generations.get(&**set.id()) {
                 Some(&generation) if generation != set.generation() => Arc::new(set.with_generation(generation)),
                 _ => set.clone(),
             };
@@ -223,11 +223,11 @@ impl ReloadingRuleSetProvider {
             match old.get(set.id()) {
                 Some(kept) if kept == set => next.insert_shared(kept.clone()),
                 Some(_) => {
-                    report.changed.push(set.id().clone());
+                    report.changed.push(set.id().clone().into());
                     next.insert_shared(set.clone());
                 }
                 None => {
-                    report.added.push(set.id().clone());
+                    report.added.push(set.id().clone().into());
                     next.insert_shared(set.clone());
                 }
             }
@@ -235,7 +235,7 @@ impl ReloadingRuleSetProvider {
         report.removed = old
             .iter()
             .filter(|set| new.get(set.id()).is_none())
-            .map(|set| set.id().clone())
+            .map(|set| set.id().clone().into())
             .collect();
         report.added.sort();
         report.changed.sort();
@@ -307,13 +307,13 @@ impl ReloadingRuleSetProvider {
         let mut update = self.update.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.rule_sets();
         let mut next = RuleSets::default();
-        let mut reset = Vec::new();
+        let mut reset: Vec<Arc<str>> = Vec::new();
         for set in old.iter() {
             if wanted(set) {
                 let generation = set.generation().wrapping_add(1);
-                update.generations.insert(set.id().clone(), generation);
+                update.generations.insert(set.id().clone().into(), generation);
                 next.insert_shared(Arc::new(set.with_generation(generation)));
-                reset.push(set.id().clone());
+                reset.push(set.id().clone().into());
             } else {
                 next.insert_shared(set.clone());
             }
@@ -537,14 +537,14 @@ impl FileRuleSource {
             let mut ids: Vec<&Arc<RuleSet>> = sets.iter().collect();
             ids.sort_by(|a, b| a.id().cmp(b.id()));
             for set in ids {
-                if let Some((_, first)) = origin.iter().find(|(id, _)| id == set.id()) {
+                if let Some((_, first)) = origin.iter().find(|(id, _)| **id == **set.id()) {
                     return Err(FileSourceError::DuplicateRuleSet {
                         id: set.id().to_string(),
                         first: files[*first].clone(),
                         second: file.clone(),
                     });
                 }
-                origin.push((set.id().clone(), i));
+                origin.push((set.id().clone().into(), i));
                 merged.insert_shared(set.clone());
             }
         }

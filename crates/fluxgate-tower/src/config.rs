@@ -7,7 +7,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use fluxgate_core::failure::CircuitOpen;
 use fluxgate_core::{
-    Decision, Error, FailurePolicy, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
+    Decision, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
 };
 use http::request::Parts;
 use http::{Extensions, HeaderMap, HeaderName, Method, Response};
@@ -27,7 +27,7 @@ pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync
 /// every service the layer makes.
 pub(crate) struct Config {
     pub(crate) handler: Arc<dyn RateLimitHandler>,
-    pub(crate) rule_set: Arc<str>,
+    pub(crate) rule_set: Name,
     pub(crate) client_ip: ClientIpResolver,
     pub(crate) user_header: Option<HeaderName>,
     pub(crate) api_key_header: Option<HeaderName>,
@@ -167,7 +167,7 @@ impl Config {
                     metrics::counter!(
                         fluxgate_core::metrics::FAIL_OPEN_TOTAL,
                         "rule_set" => if own_rule_set {
-                            metrics::SharedString::from(self.rule_set.clone())
+                            metrics::SharedString::from(self.rule_set.to_string())
                         } else {
                             metrics::SharedString::const_str(fluxgate_core::metrics::UNKNOWN)
                         },

@@ -4,7 +4,9 @@ use std::fmt;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fluxgate_core::{Decision, FailurePolicy, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET};
+use fluxgate_core::{
+    Decision, FailurePolicy, Name, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET,
+};
 use http::request::Parts;
 use http::{HeaderName, Response};
 use tower_layer::Layer;
@@ -91,7 +93,7 @@ pub enum ConfigError {
 /// ```
 pub struct RateLimitLayerBuilder {
     handler: Arc<dyn RateLimitHandler>,
-    rule_set: Arc<str>,
+    rule_set: Name,
     trusted: Vec<String>,
     forwarded_for: String,
     user_header: Option<String>,
@@ -127,7 +129,7 @@ impl RateLimitLayer {
     pub fn builder(handler: impl RateLimitHandler) -> RateLimitLayerBuilder {
         RateLimitLayerBuilder {
             handler: Arc::new(handler),
-            rule_set: Arc::from(DEFAULT_RULE_SET),
+            rule_set: Name::new(DEFAULT_RULE_SET),
             trusted: Vec::new(),
             forwarded_for: "x-forwarded-for".to_owned(),
             user_header: Some("x-user-id".to_owned()),
@@ -148,7 +150,7 @@ impl RateLimitLayer {
 impl RateLimitLayerBuilder {
     /// The rule set of every request, unless the customizer picks another. Default `default`.
     pub fn rule_set(mut self, id: impl Into<Arc<str>>) -> Self {
-        self.rule_set = id.into();
+        self.rule_set = Name::new(&id.into());
         self
     }
 

@@ -124,7 +124,7 @@ fn ietf_headers(decision: &Decision, binding: &BandReport, remaining: u64) -> [H
 }
 
 /// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
-type PolicyKey = Vec<(std::sync::Arc<str>, std::sync::Arc<str>, bool, u64, std::time::Duration)>;
+type PolicyKey = Vec<(fluxgate_core::Name, fluxgate_core::Name, bool, u64, std::time::Duration)>;
 
 /// `RateLimit-Policy`, and whether the bands' preferred names are distinct (see
 /// [`policy_name`]): both depend only on the bands, so both are kept with the last value.

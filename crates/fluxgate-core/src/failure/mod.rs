@@ -2,8 +2,6 @@
 //! engine and the layer, the [`CircuitBreaker`] that stops waiting for a backend that is
 //! down, and the in-memory fallback that decides `fallback_local` rules meanwhile.
 
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
 
 use crate::decision::{Decision, Outcome};
@@ -60,7 +58,7 @@ impl Fallback {
             }
             Error::Backend(error) | Error::Provider { source: error, .. } => error,
         };
-        let rule_set: Arc<str> = request.rule_set().id().clone();
+        let rule_set = request.rule_set().id().clone();
         if let Some(closed) = request
             .buckets()
             .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))

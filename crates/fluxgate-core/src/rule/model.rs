@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 use super::validate::validate_band;
 use super::{Algorithm, BandRangeError, Mode, OnMissingKey};
 use crate::failure::FailurePolicy;
+use crate::name::Name;
 use crate::path::PathPattern;
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
@@ -21,7 +22,7 @@ use crate::path::PathPattern;
 /// sets that are not equal to the ones in force.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RuleSet {
-    pub(super) id: Arc<str>,
+    pub(super) id: Name,
     pub(super) rules: Arc<[Rule]>,
     pub(super) generation: u64,
 }
@@ -29,7 +30,7 @@ pub struct RuleSet {
 /// A validated rule. Equal rules have equal fields, path patterns compared by their text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Rule {
-    pub(super) id: Arc<str>,
+    pub(super) id: Name,
     pub(super) enabled: bool,
     pub(super) paths: Vec<PathPattern>,
     pub(super) methods: Vec<Method>,
@@ -81,7 +82,7 @@ pub struct Band {
     pub(super) capacity: u64,
     pub(super) window: Duration,
     pub(super) label: Option<Arc<str>>,
-    pub(super) name: Arc<str>,
+    pub(super) name: Name,
     pub(super) ident: u64,
 }
 
@@ -127,7 +128,7 @@ impl Band {
             capacity,
             window,
             label: None,
-            name: Arc::from(""),
+            name: Name::new(""),
             ident: band_ident("", "", "", Algorithm::TokenBucket, capacity, window),
         })
     }
@@ -154,14 +155,14 @@ impl Band {
     }
 
     /// The label, or `b<position>` for unlabeled bands: the band's name in keys.
-    pub fn name(&self) -> &Arc<str> {
+    pub fn name(&self) -> &Name {
         &self.name
     }
 }
 
 impl RuleSet {
     /// The id.
-    pub fn id(&self) -> &Arc<str> {
+    pub fn id(&self) -> &Name {
         &self.id
     }
 
@@ -224,7 +225,7 @@ fn generation_mix(generation: u64) -> u64 {
 
 impl Rule {
     /// The id, unique in its rule set.
-    pub fn id(&self) -> &Arc<str> {
+    pub fn id(&self) -> &Name {
         &self.id
     }
 
@@ -338,7 +339,7 @@ impl Rule {
 /// Validated rule sets by id, as loaded from one source.
 #[derive(Debug, Clone, Default)]
 pub struct RuleSets {
-    pub(super) sets: HashMap<Arc<str>, Arc<RuleSet>>,
+    pub(super) sets: HashMap<Name, Arc<RuleSet>>,
 }
 
 impl RuleSets {

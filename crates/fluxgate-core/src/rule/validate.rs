@@ -19,6 +19,7 @@ use super::{
     RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
 };
 use crate::error::RuleError;
+use crate::name::Name;
 use crate::path::PathPattern;
 
 impl RuleSets {
@@ -47,7 +48,7 @@ impl RuleSet {
     ///
     /// A [`RuleError::Invalid`] naming the rule set, the rule and the field.
     pub fn from_spec(spec: RuleSetSpec) -> Result<Self, RuleError> {
-        let id: Arc<str> = Arc::from(spec.id);
+        let id = Name::new(&spec.id);
         Self::assemble(
             id.clone(),
             spec.rules,
@@ -61,7 +62,7 @@ impl RuleSet {
     /// # Errors
     ///
     /// A [`RuleError::Invalid`] for an invalid id or a duplicate rule id.
-    pub fn new(id: impl Into<Arc<str>>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
+    pub fn new(id: impl Into<Name>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
         let id = id.into();
         Self::assemble(
             id.clone(),
@@ -80,7 +81,7 @@ impl RuleSet {
     /// priority, highest first; ties keep their order. Errors name a rule with an empty id
     /// by its position.
     fn assemble<T>(
-        id: Arc<str>,
+        id: Name,
         items: impl IntoIterator<Item = T>,
         rule_id: impl Fn(&T) -> &str,
         mut into_rule: impl FnMut(T) -> Result<Rule, RuleError>,
@@ -128,7 +129,7 @@ impl Rule {
         let permits = permits(spec.permits)?;
         let bands = bands(rule_set, &spec.id, algorithm, &band_specs)?;
         Ok(Self {
-            id: Arc::from(spec.id.as_str()),
+            id: Name::new(&spec.id),
             enabled: spec.enabled,
             paths,
             methods,
@@ -297,9 +298,9 @@ fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -
         if let Some(label) = &b.label {
             check_id(label).map_err(|error| BandError::Label { index, error })?;
         }
-        let name: Arc<str> = match &b.label {
-            Some(l) => Arc::from(l.as_str()),
-            None => Arc::from(format!("b{index}")),
+        let name = match &b.label {
+            Some(l) => Name::new(l),
+            None => Name::new(&format!("b{index}")),
         };
         if !names.insert(name.clone()) {
             return Err(BandError::RepeatedName {
