@@ -15,8 +15,38 @@ const MAX_INTERNED: usize = 1 << 16;
 const MAX_INTERNED_BYTES: usize = 4 << 20;
 
 struct Interned {
-    names: HashSet<&'static str>,
+    names: HashSet<Kept>,
     bytes: usize,
+}
+
+/// An interned text, behind a thin pointer so that a [`Name`] is two words.
+#[derive(Clone, Copy)]
+struct Kept(&'static &'static str);
+
+impl Kept {
+    fn text(self) -> &'static str {
+        self.0
+    }
+}
+
+impl PartialEq for Kept {
+    fn eq(&self, other: &Self) -> bool {
+        self.text() == other.text()
+    }
+}
+
+impl Eq for Kept {}
+
+impl Hash for Kept {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.text().hash(state);
+    }
+}
+
+impl Borrow<str> for Kept {
+    fn borrow(&self) -> &str {
+        self.text()
+    }
 }
 
 static INTERNED: Mutex<Option<Interned>> = Mutex::new(None);
@@ -47,7 +77,7 @@ pub struct Name(Repr);
 
 #[derive(Clone)]
 enum Repr {
-    Interned(&'static str),
+    Interned(Kept),
     Shared(Arc<str>),
 }
 
@@ -60,14 +90,14 @@ impl Name {
             bytes: 0,
         });
         if let Some(found) = interned.names.get(text) {
-            return Self(Repr::Interned(found));
+            return Self(Repr::Interned(*found));
         }
         if interned.names.len() >= MAX_INTERNED || interned.bytes + text.len() > MAX_INTERNED_BYTES {
             return Self(Repr::Shared(Arc::from(text)));
         }
-        let kept: &'static str = Box::leak(Box::from(text));
+        let kept = Kept(Box::leak(Box::new(&*Box::leak(Box::<str>::from(text)))));
         interned.names.insert(kept);
-        interned.bytes += kept.len();
+        interned.bytes += text.len();
         Self(Repr::Interned(kept))
     }
 
@@ -75,7 +105,7 @@ impl Name {
     #[cfg_attr(not(feature = "metrics"), allow(dead_code))]
     pub(crate) fn parts(&self) -> Result<&'static str, &Arc<str>> {
         match &self.0 {
-            Repr::Interned(s) => Ok(s),
+            Repr::Interned(s) => Ok(s.text()),
             Repr::Shared(s) => Err(s),
         }
     }
@@ -83,7 +113,7 @@ impl Name {
     /// The text.
     pub fn as_str(&self) -> &str {
         match &self.0 {
-            Repr::Interned(s) => s,
+            Repr::Interned(s) => s.text(),
             Repr::Shared(s) => s,
         }
     }
@@ -111,7 +141,7 @@ impl Borrow<str> for Name {
 impl PartialEq for Name {
     fn eq(&self, other: &Self) -> bool {
         match (&self.0, &other.0) {
-            (Repr::Interned(a), Repr::Interned(b)) if std::ptr::eq(*a, *b) => true,
+            (Repr::Interned(a), Repr::Interned(b)) if std::ptr::eq(a.0, b.0) => true,
             _ => self.as_str() == other.as_str(),
         }
     }
@@ -207,7 +237,7 @@ impl From<&Name> for Name {
 impl From<Name> for Arc<str> {
     fn from(name: Name) -> Self {
         match name.0 {
-            Repr::Interned(s) => Arc::from(s),
+            Repr::Interned(s) => Arc::from(s.text()),
             Repr::Shared(s) => s,
         }
     }
@@ -234,12 +264,13 @@ mod tests {
         let a = Name::new("name-test-a");
         let b = Name::from(String::from("name-test-a"));
         match (&a.0, &b.0) {
-            (Repr::Interned(x), Repr::Interned(y)) => assert!(std::ptr::eq(*x, *y)),
+            (Repr::Interned(x), Repr::Interned(y)) => assert!(std::ptr::eq(x.0, y.0)),
             _ => panic!("not interned"),
         }
         let shared = Name::from(Arc::<str>::from("name-test-a"));
         assert!(matches!(shared.0, Repr::Shared(_)));
         assert_eq!(a, shared);
+        assert_eq!(std::mem::size_of::<Name>(), 16);
         let mut set = HashSet::new();
         set.insert(a);
         assert!(set.contains("name-test-a"));
