@@ -12,7 +12,7 @@ use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
-use crate::key::{KeyResolution, KeyResolver};
+use crate::key::{KeyResolver, Resolved};
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
@@ -313,11 +313,15 @@ impl Engine {
                 if !rule.applies_to_paths(normalized, routed, method) {
                     continue;
                 }
-                match self.inner.resolver.resolve(rule, ctx) {
-                    KeyResolution::Key(key) => request.push(i, key),
-                    KeyResolution::Skip => {}
-                    KeyResolution::Deny if rule.mode() == Mode::Shadow => {}
-                    KeyResolution::Deny => {
+                // The key value is written where the request keeps it.
+                let mut resolved = Resolved::Skip;
+                request.push_keyed(i, |rule, key| {
+                    resolved = self.inner.resolver.resolve_into(rule, ctx, key);
+                    resolved == Resolved::Key
+                });
+                if resolved == Resolved::Deny {
+                    let rule = &request.rule_set().rules()[i];
+                    if rule.mode() != Mode::Shadow {
                         denied_by = Some(rule.id().clone());
                         break;
                     }
@@ -346,7 +350,11 @@ impl Engine {
         match self.inner.limiter.acquire(&request).into_ready() {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
-                MaybeReady::ready(self.inner.decided(request, result))
+                // The request is moved only when the failure policies need it.
+                MaybeReady::ready(match result {
+                    Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
+                    Err(error) => self.inner.fallback.decide(request, error),
+                })
             }
             Err(pending) => {
                 let this = self.inner.clone();

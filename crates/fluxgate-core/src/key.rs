@@ -31,6 +31,17 @@ pub enum KeyResolution {
     Deny,
 }
 
+/// How a rule's key resolved, its value written where the caller keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Resolved {
+    /// The key value was written.
+    Key,
+    /// See [`KeyResolution::Skip`].
+    Skip,
+    /// See [`KeyResolution::Deny`].
+    Deny,
+}
+
 /// Resolves rule keys for requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyResolver {
@@ -75,6 +86,16 @@ impl KeyResolver {
     /// ```
     pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
         let mut out = Text::new();
+        match self.resolve_into(rule, ctx, &mut out) {
+            Resolved::Key => KeyResolution::Key(out),
+            Resolved::Skip => KeyResolution::Skip,
+            Resolved::Deny => KeyResolution::Deny,
+        }
+    }
+
+    /// [`resolve`](Self::resolve), writing the key value into `out` (empty), where the
+    /// request keeps it.
+    pub(crate) fn resolve_into(&self, rule: &Rule, ctx: &RequestContext, out: &mut Text) -> Resolved {
         let complete = match rule.scope() {
             Scope::Global => {
                 out.push_str("global");
@@ -82,12 +103,12 @@ impl KeyResolver {
             }
             Scope::Ip => {
                 // A request without any known address is counted as one unknown client.
-                self.push_ip(&mut out, ctx.client_ip());
+                self.push_ip(out, ctx.client_ip());
                 true
             }
-            Scope::User => push_opt(&mut out, "user", ctx.user_id()),
-            Scope::ApiKey => push_opt(&mut out, "key", ctx.api_key()),
-            Scope::Attribute(name) => push_attr(&mut out, name, ctx),
+            Scope::User => push_opt(out, "user", ctx.user_id()),
+            Scope::ApiKey => push_opt(out, "key", ctx.api_key()),
+            Scope::Attribute(name) => push_attr(out, name, ctx),
             Scope::Composite(fields) => {
                 let mut all = true;
                 for field in fields {
@@ -96,12 +117,12 @@ impl KeyResolver {
                     }
                     all &= match field {
                         KeyField::Ip => {
-                            self.push_ip(&mut out, ctx.client_ip());
+                            self.push_ip(out, ctx.client_ip());
                             true
                         }
-                        KeyField::User => push_opt(&mut out, "user", ctx.user_id()),
-                        KeyField::ApiKey => push_opt(&mut out, "key", ctx.api_key()),
-                        KeyField::Attribute(name) => push_attr(&mut out, name, ctx),
+                        KeyField::User => push_opt(out, "user", ctx.user_id()),
+                        KeyField::ApiKey => push_opt(out, "key", ctx.api_key()),
+                        KeyField::Attribute(name) => push_attr(out, name, ctx),
                     };
                     if !all {
                         break;
@@ -111,16 +132,16 @@ impl KeyResolver {
             }
         };
         if complete {
-            return KeyResolution::Key(out);
+            return Resolved::Key;
         }
         match rule.on_missing_key() {
             OnMissingKey::FallbackIp => {
                 out.clear();
-                self.push_ip(&mut out, ctx.client_ip());
-                KeyResolution::Key(out)
+                self.push_ip(out, ctx.client_ip());
+                Resolved::Key
             }
-            OnMissingKey::Skip => KeyResolution::Skip,
-            OnMissingKey::Deny => KeyResolution::Deny,
+            OnMissingKey::Skip => Resolved::Skip,
+            OnMissingKey::Deny => Resolved::Deny,
         }
     }
 

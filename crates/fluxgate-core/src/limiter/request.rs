@@ -113,6 +113,30 @@ impl AcquireRequest {
         self.buckets.push(Entry { rule, key });
     }
 
+    /// Adds the bucket of the rule at `rule`, its key value written in place by `key`
+    /// (given the rule and an empty text), unless `key` answers `false`.
+    ///
+    /// # Panics
+    ///
+    /// When the rule set has no rule at `rule`.
+    pub(crate) fn push_keyed(&mut self, rule: usize, key: impl FnOnce(&Rule, &mut Text) -> bool) {
+        let Some(found) = self.set.rules().get(rule) else {
+            panic!(
+                "rule index {rule} out of range: rule set `{}` has {} rules",
+                self.set.id(),
+                self.set.rules().len()
+            );
+        };
+        self.buckets.push(Entry { rule, key: Text::new() });
+        let written = match self.buckets.last_mut() {
+            Some(entry) => key(found, &mut entry.key),
+            None => false,
+        };
+        if !written {
+            self.buckets.pop();
+        }
+    }
+
     /// The rule set.
     pub fn rule_set(&self) -> &Arc<RuleSet> {
         &self.set
