@@ -1,5 +1,6 @@
 //! Rule set providers: where the engine gets its rules.
 
+use std::cell::RefCell;
 use std::fmt;
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
@@ -23,6 +24,10 @@ pub type CheckFn = dyn Fn(&RuleSet) -> Result<(), RuleError> + Send + Sync;
 /// Object safe; synchronous providers answer with [`MaybeReady::ready`].
 pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     /// The rule set with this id.
+    ///
+    /// The `Arc` handed out need not be the provider's own: the providers of this crate
+    /// hand each thread a copy of its own of the rule set, equal to it, so that threads
+    /// deciding at the same time do not write one shared reference count.
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup>;
 
     /// Checks every rule set the provider holds now with `check`, and keeps `check` for
@@ -124,10 +129,44 @@ impl RuleSetProvider for StaticRuleSetProvider {
     }
 }
 
-/// Fixed rule sets are a provider of their own.
+/// The most rule sets of which each thread keeps a copy of its own.
+const LOCAL_COPIES: usize = 8;
+
+thread_local! {
+    /// Per thread: shared rule sets, each with this thread's copy of it.
+    static LOCAL: RefCell<Vec<(Arc<RuleSet>, Arc<RuleSet>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// This thread's own `Arc` of the rule set `shared`: a copy of it (its id and its rules,
+/// themselves shared) made once per thread. A lookup hands out a reference to that copy,
+/// so that threads deciding at the same time do not all write the reference count of the
+/// one shared `Arc`. The thread keeps the copies of the last 8 rule sets it looked up,
+/// with a reference to each shared one (so that no other rule set can take its address
+/// while the copy is kept).
+pub(crate) fn local_copy(shared: &Arc<RuleSet>) -> Arc<RuleSet> {
+    LOCAL
+        .try_with(|local| {
+            let Ok(mut local) = local.try_borrow_mut() else {
+                return shared.clone();
+            };
+            if let Some((_, copy)) = local.iter().find(|(kept, _)| Arc::ptr_eq(kept, shared)) {
+                return copy.clone();
+            }
+            let copy = Arc::new(RuleSet::clone(shared));
+            if local.len() >= LOCAL_COPIES {
+                local.remove(0);
+            }
+            local.push((shared.clone(), copy.clone()));
+            copy
+        })
+        .unwrap_or_else(|_| shared.clone())
+}
+
+/// Fixed rule sets are a provider of their own. A lookup hands out the looking thread's
+/// own copy of the rule set (see [`RuleSetProvider`]).
 impl RuleSetProvider for RuleSets {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
-        MaybeReady::ready(Ok(self.get(id).cloned()))
+        MaybeReady::ready(Ok(self.get(id).map(local_copy)))
     }
 
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
@@ -163,6 +202,30 @@ mod tests {
             // An asynchronous source: the lookup completes later.
             MaybeReady::boxed(async move { Ok(found) })
         }
+    }
+
+    fn lookup(provider: &dyn RuleSetProvider, id: &str) -> Arc<RuleSet> {
+        provider.rule_set(id).into_ready().unwrap().unwrap().unwrap()
+    }
+
+    #[test]
+    fn each_thread_is_handed_a_copy_of_its_own() {
+        let sets = RuleSets::from_yaml_str(
+            "rule_sets: [{id: api, rules: [{id: per-ip, bands: [{capacity: 1, window: 1s}]}]}]",
+        )
+        .unwrap();
+        let shared = sets.get("api").unwrap().clone();
+        let here = lookup(&sets, "api");
+        assert!(Arc::ptr_eq(&here, &lookup(&sets, "api")), "one copy per thread");
+        assert!(!Arc::ptr_eq(&here, &shared), "not the shared `Arc`");
+        assert_eq!(*here, *shared);
+        let there = std::thread::scope(|s| s.spawn(|| lookup(&sets, "api")).join().unwrap());
+        assert!(!Arc::ptr_eq(&here, &there), "another thread has its own");
+        assert_eq!(*there, *shared);
+        // A rule set taking the place of another is never mistaken for it.
+        let other = RuleSets::from_yaml_str("rule_sets: [{id: api, rules: []}]").unwrap();
+        assert!(lookup(&other, "api").rules().is_empty());
+        assert_eq!(lookup(&sets, "api").rules().len(), 1);
     }
 
     #[tokio::test]

@@ -33,6 +33,7 @@
 //! starts with fresh counters, while the bands of unchanged rules, in a changed rule set or
 //! not, keep theirs.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
@@ -46,7 +47,7 @@ use std::time::Duration;
 
 use crate::error::{BoxError, RuleError};
 use crate::future::{BoxFuture, MaybeReady};
-use crate::provider::{Checks, RuleCheck, RuleSetLookup, RuleSetProvider};
+use crate::provider::{local_copy, Checks, RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Format, RuleSet, RuleSets};
 
 #[cfg(feature = "watch")]
@@ -97,6 +98,11 @@ pub use watch::{spawn_watching, Watch, WatchBuilder, WatchError, DEFAULT_DEBOUNC
 /// ```
 pub struct ReloadingRuleSetProvider {
     current: RwLock<Arc<RuleSets>>,
+    /// This provider among all, for the per-thread snapshots.
+    uid: u64,
+    /// Raised after every swap of `current`: a thread's snapshot of an older version is
+    /// read again.
+    version: AtomicU64,
     /// The checks of the engines built on this provider.
     checks: Checks,
     /// Makes replacements one at a time: each compares with the rule sets the previous
@@ -166,8 +172,11 @@ pub enum ReloadError {
 impl ReloadingRuleSetProvider {
     /// A provider of these rule sets.
     pub fn new(sets: RuleSets) -> Self {
+        static UIDS: AtomicU64 = AtomicU64::new(0);
         Self {
             current: RwLock::new(Arc::new(sets)),
+            uid: UIDS.fetch_add(1, Ordering::Relaxed),
+            version: AtomicU64::new(0),
             checks: Checks::default(),
             update: Mutex::new(Update::default()),
             tickets: AtomicU64::new(0),
@@ -242,7 +251,7 @@ impl ReloadingRuleSetProvider {
         report.removed.sort();
         update.last = ticket;
         if !report.is_empty() {
-            *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+            self.swap_in(next);
             tracing::info!(%report, "rule sets reloaded");
         } else {
             tracing::debug!("rule sets reloaded: unchanged");
@@ -320,7 +329,7 @@ impl ReloadingRuleSetProvider {
         }
         if !reset.is_empty() {
             reset.sort();
-            *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+            self.swap_in(next);
             tracing::info!(rule_sets = ?reset, "in-memory counters reset");
         }
         reset.len()
@@ -365,10 +374,58 @@ impl Default for ReloadingRuleSetProvider {
     }
 }
 
+thread_local! {
+    /// Per thread and provider: the provider's version, and the rule sets in force then.
+    static SNAPSHOTS: RefCell<Vec<(u64, u64, Arc<RuleSets>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The most providers of which each thread keeps a snapshot.
+const SNAPSHOTS_KEPT: usize = 8;
+
+impl ReloadingRuleSetProvider {
+    /// The rule sets in force, from this thread's snapshot while no swap happened since it
+    /// was taken: a lookup then reads one shared counter and writes nothing shared.
+    fn with_current<R>(&self, f: impl FnOnce(&RuleSets) -> R) -> R {
+        let version = self.version.load(Ordering::Acquire);
+        let mut f = Some(f);
+        // Used in place: a clone of the snapshot's `Arc` would write its shared count.
+        let done = SNAPSHOTS.try_with(|snapshots| {
+            let mut snapshots = snapshots.try_borrow_mut().ok()?;
+            let at = match snapshots.iter().position(|(uid, _, _)| *uid == self.uid) {
+                Some(at) if snapshots[at].1 == version => at,
+                Some(at) => {
+                    snapshots[at] = (self.uid, version, self.rule_sets());
+                    at
+                }
+                None => {
+                    if snapshots.len() >= SNAPSHOTS_KEPT {
+                        snapshots.remove(0);
+                    }
+                    snapshots.push((self.uid, version, self.rule_sets()));
+                    snapshots.len() - 1
+                }
+            };
+            let f = f.take()?;
+            Some(f(&snapshots[at].2))
+        });
+        match (done, f) {
+            (Ok(Some(result)), _) => result,
+            (_, Some(f)) => f(&self.rule_sets()),
+            (_, None) => unreachable!("the lookup ran, so it answered"),
+        }
+    }
+
+    /// Puts `next` in force.
+    fn swap_in(&self, next: RuleSets) {
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(next);
+        self.version.fetch_add(1, Ordering::Release);
+    }
+}
+
 impl RuleSetProvider for ReloadingRuleSetProvider {
+    /// Hands out the looking thread's own copy of the rule set (see [`RuleSetProvider`]).
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
-        let current = self.current.read().unwrap_or_else(PoisonError::into_inner);
-        MaybeReady::ready(Ok(current.get(id).cloned()))
+        MaybeReady::ready(Ok(self.with_current(|current| current.get(id).map(local_copy))))
     }
 
     /// Checks the rule sets in force with `check`, and keeps it for every later
@@ -626,6 +683,8 @@ mod tests {
     fn replace_reports_added_changed_removed_and_keeps_unchanged_arcs() {
         let provider = ReloadingRuleSetProvider::new(sets(ONE));
         let b = provider.rule_sets().get("b").unwrap().clone();
+        // This thread's snapshot is taken by a lookup, and read again after each swap.
+        assert!(provider.rule_set("c").into_ready().unwrap().unwrap().is_none());
         let report = provider
             .replace(sets(
                 "rule_sets: [{id: a, rules: [{id: r, bands: [{capacity: 6, window: 1s}]}]}, {id: b, rules: []}, {id: c, rules: []}]",
@@ -637,6 +696,7 @@ mod tests {
         );
         assert_eq!(report.to_string(), "added [c], changed [a], removed []");
         assert!(Arc::ptr_eq(provider.rule_sets().get("b").unwrap(), &b));
+        assert!(provider.rule_set("c").into_ready().unwrap().unwrap().is_some());
 
         let report = provider.replace(sets("rule_sets: [{id: b, rules: []}]")).unwrap();
         assert_eq!(report.removed, ["a".into(), "c".into()]);
