@@ -350,18 +350,14 @@ impl Engine {
         match self.inner.limiter.acquire(&request).into_ready() {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
-                // The request is moved only when the failure policies need it.
-                MaybeReady::ready(match result {
-                    Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
-                    Err(error) => self.inner.fallback.decide(request, error),
-                })
+                MaybeReady::ready(self.inner.decided(&request, result))
             }
             Err(pending) => {
                 let this = self.inner.clone();
                 MaybeReady::boxed(async move {
                     let result = pending.await;
                     this.record_backend_call(start, &result);
-                    this.decided(request, result)
+                    this.decided(&request, result)
                 })
             }
         }
@@ -370,7 +366,7 @@ impl Engine {
 
 impl Inner {
     /// The decision from the limiter's answer, or from the failure policies when it failed.
-    fn decided(&self, request: AcquireRequest, result: Result<AcquireOutcome, BoxError>) -> Result<Decision, Error> {
+    fn decided(&self, request: &AcquireRequest, result: Result<AcquireOutcome, BoxError>) -> Result<Decision, Error> {
         match result {
             Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
             Err(error) => self.fallback.decide(request, error),

@@ -50,7 +50,9 @@ impl Fallback {
     /// The decision after the backend failed, by the rules' failure policies, or the
     /// failure itself when a rule has no policy. A configuration error ([`Error::Rule`])
     /// is never covered by a policy.
-    pub(crate) fn decide(&self, mut request: AcquireRequest, error: BoxError) -> Result<Decision, Error> {
+    /// `request` is copied only when some of its rules are decided in memory, so that the
+    /// engine's request is never moved on the path where the backend answered.
+    pub(crate) fn decide(&self, request: &AcquireRequest, error: BoxError) -> Result<Decision, Error> {
         let error = match Error::from_limiter(error) {
             Error::Rule(rule) => {
                 tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
@@ -78,6 +80,7 @@ impl Fallback {
             "deciding by the rules' failure policies (fail_open, fallback_local)",
         );
         let before = request.len();
+        let mut request = request.clone();
         request.retain(|b| self.policy(&b) == Some(FailurePolicy::FallbackLocal));
         let mut decision = if request.is_empty() {
             Decision::without_bands(rule_set, Outcome::Admitted)
