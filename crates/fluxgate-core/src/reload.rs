@@ -57,12 +57,13 @@ pub use watch::{spawn_watching, Watch, WatchBuilder, WatchError, DEFAULT_DEBOUNC
 
 /// A [`RuleSetProvider`] whose rule sets can be replaced while engines use them.
 ///
-/// Lookups read the rule sets in force under a read lock held for one map lookup; a
+/// Lookups read the rule sets in force from a per-thread snapshot, taken again under a
+/// read lock when a swap raised the provider's version since; a
 /// [`replace`](Self::replace) builds the new map aside and swaps it in under the write lock.
-/// A rule set is handed out as an `Arc<RuleSet>`: a request being decided keeps the rule
-/// set it looked up, the next request sees the new one. (A standard `RwLock` rather than
-/// an `arc-swap`: no added dependency, and a lookup holds it only for one map lookup and an
-/// `Arc` clone.)
+/// A rule set is handed out as an `Arc<RuleSet>` (the looking thread's own copy, see
+/// [`RuleSetProvider::rule_set`]): a request being decided keeps the rule set it looked
+/// up, the next request sees the new one. (A standard `RwLock` and a version counter rather
+/// than an `arc-swap`: no added dependency, and the lock is taken once per thread and swap.)
 ///
 /// Content is compared with `RuleSet`'s [`PartialEq`]: same id and equal rules in the same
 /// order, every field compared (path patterns by their text). An unchanged rule set keeps
