@@ -94,12 +94,27 @@ impl BandReport {
             remaining,
             window: band.window(),
             reset_after,
-            reset_at: UNIX_EPOCH + Duration::from_nanos(now_unix_nanos) + reset_after,
+            reset_at: reset_at(now_unix_nanos, reset_after),
             allowed: wait == Wait::None,
             shadow: rule.mode() == Mode::Shadow,
             wait,
         }
     }
+}
+
+impl BandReport {
+    /// Sets the figures of a band that was evaluated but not committed: `remaining` and the
+    /// time until it is full, from `now_unix_nanos`.
+    pub(crate) fn refigure(&mut self, now_unix_nanos: u64, remaining: u64, reset_after: Duration) {
+        self.remaining = remaining;
+        self.reset_after = reset_after;
+        self.reset_at = reset_at(now_unix_nanos, reset_after);
+    }
+}
+
+/// When a band is full again: `reset_after` after `now_unix_nanos`.
+fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
+    UNIX_EPOCH + Duration::from_nanos(now_unix_nanos) + reset_after
 }
 
 /// The decision for one request.

@@ -311,6 +311,16 @@ struct Item<'a> {
     band: &'a Band,
 }
 
+/// What a band's evaluation leaves for the commit: the state to store, and the band's
+/// figures should the request not be committed.
+struct Pending {
+    guard: usize,
+    allowed: bool,
+    next: Next,
+    remaining_now: u64,
+    reset_now: u64,
+}
+
 fn window_nanos(band: &Band) -> u64 {
     u64::try_from(band.window().as_nanos()).unwrap_or(u64::MAX)
 }
@@ -388,10 +398,15 @@ impl MemoryLimiter {
                 }
             }
         }
-        let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::with_capacity(request.band_count());
+        // Per band: its bucket's identity; per key: its shard, every band of a key in one.
+        let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::new();
+        let mut shards: SmallVec<[usize; 4]> = SmallVec::new();
         for b in request.buckets() {
             let hash = self.key_hash(&b);
             let shard = self.shard_of(&hash);
+            if !shards.contains(&shard) {
+                shards.push(shard);
+            }
             for band in b.rule.bands().iter() {
                 items.push(Item {
                     key: hash.band(band),
@@ -401,30 +416,42 @@ impl MemoryLimiter {
                 });
             }
         }
-
         // Lock every shard involved, in index order (no deadlock between requests).
-        let mut order: SmallVec<[usize; 8]> = items.iter().map(|i| i.shard).collect();
-        order.sort_unstable();
-        order.dedup();
-        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 8]> =
-            order.iter().map(|&s| lock(&self.inner.shards[s])).collect();
-        let slot = |shard: usize| order.binary_search(&shard).unwrap_or(0);
+        shards.sort_unstable();
+        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
+            shards.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        let guard_of = |shard: usize| shards.iter().position(|&s| s == shard).unwrap_or(0);
 
-        let evals: SmallVec<[Eval<Next>; 8]> = items
-            .iter()
-            .map(|i| evaluate(&guards[slot(i.shard)], i.key, i.bucket.rule, i.band, now))
-            .collect();
-        let allowed = items.iter().zip(&evals).all(|(i, e)| i.bucket.shadow() || e.allowed);
-        let shadow_allowed = items.iter().zip(&evals).all(|(i, e)| !i.bucket.shadow() || e.allowed);
-
+        // Every band evaluated at one instant; its report is written as if the request were
+        // committed, and corrected below for the bands that do not commit.
         let mut bands = Bands::with_capacity(items.len());
-        for (i, e) in items.iter().zip(&evals) {
-            let commit = e.allowed && allowed && (!i.bucket.shadow() || shadow_allowed);
-            if commit {
-                let shard = &mut *guards[slot(i.shard)];
-                self.store(shard, i.key, e.next, now, i.band, i.bucket.rule.permits());
+        let mut pending: SmallVec<[Pending; 8]> = SmallVec::new();
+        let (mut allowed, mut shadow_allowed) = (true, true);
+        for i in &items {
+            let guard = guard_of(i.shard);
+            let e = evaluate(&guards[guard], i.key, i.bucket.rule, i.band, now);
+            if i.bucket.shadow() {
+                shadow_allowed &= e.allowed;
+            } else {
+                allowed &= e.allowed;
             }
-            bands.push(report(&i.bucket, i.band, now, e, commit));
+            bands.push(report(&i.bucket, i.band, now, &e, true));
+            pending.push(Pending {
+                guard,
+                allowed: e.allowed,
+                next: e.next,
+                remaining_now: e.remaining_now,
+                reset_now: e.reset_now,
+            });
+        }
+        for ((i, p), report) in items.iter().zip(&pending).zip(bands.iter_mut()) {
+            if p.allowed && allowed && (!i.bucket.shadow() || shadow_allowed) {
+                let shard = &mut *guards[p.guard];
+                self.store(shard, i.key, p.next, now, i.band, i.bucket.rule.permits());
+            } else if p.allowed {
+                // Admitted by its band, not committed: the band as it stays.
+                report.refigure(now, p.remaining_now, Duration::from_nanos(p.reset_now));
+            }
         }
         drop(guards);
         AcquireOutcome::new(allowed, shadow_allowed, now, bands)
