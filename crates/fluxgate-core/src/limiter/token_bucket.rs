@@ -77,9 +77,13 @@ pub(crate) fn gcra(
     // Stored states never exceed the capacity, but rules may have changed since.
     let debt = debt.min(cap);
     // `(c·w − d) / w` rounded down is `c − ⌈d / w⌉`: no division of the (often wider than
-    // 64 bits) full capacity.
-    let remaining_now = to_u64(c - ceil_div(debt, w));
-    let reset_now = to_u64(ceil_div(debt, c));
+    // 64 bits) full capacity. A full bucket (no debt, the usual state of a quiet key) needs
+    // no division at all.
+    let (remaining_now, reset_now) = if debt == 0 {
+        (capacity, 0)
+    } else {
+        (to_u64(c - ceil_div(debt, w)), to_u64(ceil_div(debt, c)))
+    };
     let not_allowed = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
         return not_allowed(Wait::Never);
@@ -89,7 +93,13 @@ pub(crate) fn gcra(
         let wait = to_u64(ceil_div(new_debt - cap, c)).max(1);
         return not_allowed(Wait::After(Duration::from_nanos(wait)));
     }
-    // A credit is less than one leak interval, so the request's own cost covers it.
+    // ⌈(d + p·w) / w⌉ is ⌈d / w⌉ + p: without a credit, one division fewer.
+    let remaining_after = if credit == 0 {
+        remaining_now - permits
+    } else {
+        // A credit is less than one leak interval, so the request's own cost covers it.
+        to_u64(c - ceil_div(new_debt - credit.min(new_debt), w))
+    };
     let new_debt = new_debt - credit.min(new_debt);
     let whole = div(new_debt, c);
     Eval {
@@ -98,7 +108,7 @@ pub(crate) fn gcra(
             nanos: now.saturating_add(to_u64(whole)),
             frac: to_u64(new_debt - whole * c),
         },
-        remaining_after: to_u64(c - ceil_div(new_debt, w)),
+        remaining_after,
         remaining_now,
         reset_after: to_u64(whole + u128::from(whole * c < new_debt)),
         reset_now,
