@@ -60,8 +60,9 @@ pub fn evaluate(state: Option<Tat>, now: u64, capacity: u64, window_nanos: u64, 
 }
 
 /// The GCRA step shared with the leaky bucket, in units of `1 / capacity` nanoseconds:
-/// `debt` is how far the stored instant lies ahead of `now`, and `credit` (only with no
-/// debt) how far an admitted request's instant is moved back before `now`.
+/// `debt` is how far the stored instant `state` lies ahead of `now` (`(t.nanos − now)·c +
+/// t.frac`, or 0), and `credit` (only with no debt) how far an admitted request's instant
+/// is moved back before `now`.
 pub(crate) fn gcra(
     state: Option<Tat>,
     debt: u128,
@@ -75,14 +76,20 @@ pub(crate) fn gcra(
     let w = u128::from(window_nanos);
     let cap = c * w;
     // Stored states never exceed the capacity, but rules may have changed since.
+    let clamped = debt > cap;
     let debt = debt.min(cap);
     // `(c·w − d) / w` rounded down is `c − ⌈d / w⌉`: no division of the (often wider than
     // 64 bits) full capacity. A full bucket (no debt, the usual state of a quiet key) needs
     // no division at all.
-    let (remaining_now, reset_now) = if debt == 0 {
-        (capacity, 0)
-    } else {
-        (to_u64(c - ceil_div(debt, w)), to_u64(ceil_div(debt, c)))
+    let (remaining_now, reset_now) = match state {
+        _ if debt == 0 => (capacity, 0),
+        // A debt is `(t.nanos − now)·c + t.frac` with `t.frac < c`: its whole nanoseconds,
+        // rounded up, need no division.
+        Some(t) if !clamped && t.frac < capacity && t.nanos >= now => (
+            to_u64(c - ceil_div(debt, w)),
+            (t.nanos - now).saturating_add(u64::from(t.frac > 0)),
+        ),
+        _ => (to_u64(c - ceil_div(debt, w)), to_u64(ceil_div(debt, c))),
     };
     let not_allowed = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
@@ -153,6 +160,43 @@ mod tests {
         assert!(evaluate(tat, SEC, 3, SEC, 3).allowed);
         let e = evaluate(tat, 0, 3, SEC, 1);
         assert_eq!(e.wait, Wait::After(Duration::from_nanos(333_333_334)));
+    }
+
+    /// The figures computed without division agree with the divisions they replace.
+    #[test]
+    fn figures_agree_with_the_divisions() {
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let capacity = 1 + next() % 1_000;
+            let window = 1 + next() % (10 * SEC);
+            let permits = 1 + next() % capacity;
+            let now = 1_000 * SEC + next() % SEC;
+            let (c, w) = (u128::from(capacity), u128::from(window));
+            // A stored state somewhere within the bucket's capacity ahead of `now`.
+            let debt = u128::from(next()) % (c * w + 1);
+            let tat = Tat {
+                nanos: now + to_u64(debt / c),
+                frac: to_u64(debt % c),
+            };
+            let e = evaluate(Some(tat), now, capacity, window, permits);
+            assert_eq!(
+                e.reset_now,
+                to_u64(ceil_div(debt, c)),
+                "{capacity}/{window} debt {debt}"
+            );
+            assert_eq!(e.remaining_now, to_u64(c - ceil_div(debt, w)));
+            if e.allowed {
+                let new_debt = debt + u128::from(permits) * w;
+                assert_eq!(e.remaining_after, to_u64(c - ceil_div(new_debt, w)));
+                assert_eq!(e.reset_after, to_u64(ceil_div(new_debt, c)));
+            }
+        }
     }
 
     #[test]
