@@ -48,7 +48,7 @@ impl RuleSet {
     ///
     /// A [`RuleError::Invalid`] naming the rule set, the rule and the field.
     pub fn from_spec(spec: RuleSetSpec) -> Result<Self, RuleError> {
-        let id = Name::new(&spec.id);
+        let id = Self::checked_id(&spec.id)?;
         Self::assemble(
             id.clone(),
             spec.rules,
@@ -62,8 +62,8 @@ impl RuleSet {
     /// # Errors
     ///
     /// A [`RuleError::Invalid`] for an invalid id or a duplicate rule id.
-    pub fn new(id: impl Into<Name>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
-        let id = id.into();
+    pub fn new(id: impl Into<Arc<str>>, rules: impl IntoIterator<Item = Rule>) -> Result<Self, RuleError> {
+        let id = Self::checked_id(&id.into())?;
         Self::assemble(
             id.clone(),
             rules,
@@ -76,17 +76,23 @@ impl RuleSet {
         )
     }
 
-    /// The one place where a rule set is put together: checks its id, then each rule in
-    /// order, its id unique before the rule itself (`into_rule`), and orders the rules by
-    /// priority, highest first; ties keep their order. Errors name a rule with an empty id
-    /// by its position.
+    /// A rule set's id, checked before it is interned (see [`Name`]), so that an invalid
+    /// id is never kept.
+    fn checked_id(id: &str) -> Result<Name, RuleError> {
+        check_id(id).map_err(|e| RuleError::at(id, "-", e))?;
+        Ok(Name::new(id))
+    }
+
+    /// The one place where a rule set is put together, from its id (checked by
+    /// [`checked_id`](Self::checked_id)): checks each rule in order, its id unique before the
+    /// rule itself (`into_rule`), and orders the rules by priority, highest first; ties
+    /// keep their order. Errors name a rule with an empty id by its position.
     fn assemble<T>(
         id: Name,
         items: impl IntoIterator<Item = T>,
         rule_id: impl Fn(&T) -> &str,
         mut into_rule: impl FnMut(T) -> Result<Rule, RuleError>,
     ) -> Result<Self, RuleError> {
-        check_id(&id).map_err(|e| RuleError::at(&id, "-", e))?;
         let items = items.into_iter();
         let mut seen = HashSet::new();
         let mut rules = Vec::with_capacity(items.size_hint().0);
