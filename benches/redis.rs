@@ -25,7 +25,7 @@
 //! engine and runtime; `getrusage` through `/proc/self/stat`) per decision.
 //! `cargo bench --bench redis -- algorithms` runs only the comparison of the algorithms,
 //! `-- bands` only the table of bands and rules, `-- peer` only FluxGate's engine and layer
-//! 1x1 and the peer's layer, twice each in turn.
+//! 1x1, the peer's layer and the engine 3x2, twice each in turn.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -297,7 +297,7 @@ async fn peer_layer() -> Report {
 }
 
 /// `redis-benchmark` running `EVALSHA` of the script the engine runs for `bands` bands of
-/// token buckets (two per rule beyond one band) on random keys.
+/// token buckets (two per rule beyond one band, one key per rule) on random keys.
 fn ceiling(name: &str, bands: usize) {
     let server = RedisServer::start();
     let script = if bands == 1 {
@@ -307,25 +307,23 @@ fn ceiling(name: &str, bands: usize) {
     };
     let sha = server.cli(&["SCRIPT", "LOAD", script]).trim().to_owned();
     // The arguments the limiter sends for bands of 10,000,000 per hour: g = 10,000,000,
-    // scale 1, interval 360 (see lua/token_bucket.lua and lua/README.md, "Protocol").
-    let mut args: Vec<String> = vec!["EVALSHA".into(), sha, bands.to_string()];
-    for b in 0..bands {
-        args.push(format!(
-            "fluxgate:{{default:rule{}:ip=__rand_int__}}:b{}:10000000/1h",
-            b / 2,
-            b % 2
-        ));
+    // scale 1, interval 360, so a capacity of 3,600,000,000 units and a cost of 360, in
+    // hexadecimal (see lua/token_bucket.lua and lua/README.md, "Protocol"); one key per
+    // rule of two bands.
+    let mut args: Vec<String> = vec!["EVALSHA".into(), sha];
+    let rules = bands.div_ceil(2);
+    args.push(rules.to_string());
+    for r in 0..rules {
+        args.push(format!("fluxgate:{{default:rule{r}:ip=__rand_int__}}"));
     }
     if bands == 1 {
-        // capacity, interval, expiry in ms (permits and scale of 1 left out).
-        args.extend(["10000000", "360", "3601001"].map(String::from));
+        // layout, capacity and cost in units, expiry in ms (a scale of 1 left out).
+        args.extend(["b0:10000000/1h|", "d693a400", "168", "3601001"].map(String::from));
     } else {
-        let per_bucket = 2;
-        args.push((bands / per_bucket).to_string());
-        for _ in 0..(bands / per_bucket) {
-            args.extend(["1".into(), (per_bucket * 16).to_string()]);
-            for _ in 0..per_bucket {
-                args.extend(["10000000".into(), "1".into(), "360".into()]);
+        for _ in 0..rules {
+            args.extend(["4", "b0:10000000/1h,b1:10000000/1h|"].map(String::from));
+            for _ in 0..2 {
+                args.extend(["d693a400", "168", "1"].map(String::from));
             }
         }
     }
@@ -396,7 +394,7 @@ fn main() {
 }
 
 /// `rules` token-bucket rules of `bands` bands each, 10,000,000 per hour (every request
-/// admitted), each band with a key of its own.
+/// admitted), each rule with a key of its own.
 fn rules_of_bands(rules: usize, bands: usize) -> &'static str {
     let mut yaml = String::from("rule_sets:\n  - id: default\n    rules:\n");
     for r in 0..rules {
@@ -422,16 +420,15 @@ fn bands_and_rules(rt: &tokio::runtime::Runtime) {
     }
     println!();
     println!(
-        "| rules × bands | keys | decisions/s | Redis µs per call | Redis µs per key | client CPU µs per decision |"
+        "| rules × bands | keys | decisions/s | Redis µs per call | Redis µs per band | client CPU µs per decision |"
     );
     println!("| --- | --- | --- | --- | --- | --- |");
     for (rules, bands, r) in &rows {
-        let keys = rules * bands;
         println!(
-            "| {rules} × {bands} | {keys} | {:.0} | {:.2} | {:.2} | {:.2} |",
+            "| {rules} × {bands} | {rules} | {:.0} | {:.2} | {:.2} | {:.2} |",
             r.decisions as f64 / r.elapsed.as_secs_f64(),
             r.server_us,
-            r.server_us / keys as f64,
+            r.server_us / (rules * bands) as f64,
             r.client_us
         );
     }
@@ -444,13 +441,14 @@ fn bands_and_rules(rt: &tokio::runtime::Runtime) {
     );
 }
 
-/// FluxGate 1x1 and the peer, in turn, twice: on a shared machine the load moves between
-/// measurements.
+/// FluxGate 1x1 and the peer, then FluxGate 3x2, in turn, twice: on a shared machine the
+/// load moves between measurements.
 fn against_the_peer(rt: &tokio::runtime::Runtime) {
     for _ in 0..2 {
         rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
         rt.block_on(fluxgate_layer()).print();
         rt.block_on(peer_layer()).print();
+        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO)).print();
     }
 }
 

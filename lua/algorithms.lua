@@ -3,14 +3,14 @@
 --   eval(key, permits, capacity, a, b): what the band would do (see token_bucket.lua);
 --   store(key, value, permits, capacity, a, b): commits what eval returned;
 --   refund(key, decided_us, permits, capacity, a, b): gives a committed request back.
+-- The token bucket keeps one key per rule, not per band: decide.lua and refund.lua call its
+-- functions (token_bucket.lua) themselves.
 --
 -- A function rather than a table of tables: Redis runs a script from the top on every
 -- call, and comparing a number costs less than building six tables each time.
 
 local function algorithm_functions(algorithm)
-  if algorithm == TOKEN_BUCKET then
-    return token_bucket_eval, gcra_store, gcra_refund
-  elseif algorithm == LEAKY_BUCKET then
+  if algorithm == LEAKY_BUCKET then
     return leaky_bucket_eval, gcra_store, leaky_bucket_refund
   elseif algorithm == FIXED_WINDOW then
     return fixed_window_eval, fixed_window_store, fixed_window_refund

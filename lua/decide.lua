@@ -5,27 +5,47 @@
 --
 -- Pass 1 evaluates every band without writing. Enforced buckets are all or nothing.
 -- Shadow buckets consume only when the enforced ones admitted and every shadow band
--- admits too. Nothing is written on rejection.
+-- admits too. Nothing is written on rejection. A token-bucket rule is one key (its layout
+-- follows its flags in ARGV) and one write; a band of another algorithm is a key.
 
 -- Pass 1: evaluate every band.
 local bands = {}
+local rules = {}
 local allowed, shadow_allowed = true, true
-local arg, n = 2, 0
+local arg, n, k = 2, 0, 0
 for _ = 1, tonumber(ARGV[1]) do
   local permits = tonumber(ARGV[arg])
   local flags = tonumber(ARGV[arg + 1])
   local shadow = flags % FLAG_ALGORITHM == FLAG_SHADOW
-  local eval, store = algorithm_functions(floor((flags % FLAG_BANDS) / FLAG_ALGORITHM))
+  local algorithm = floor((flags % FLAG_BANDS) / FLAG_ALGORITHM)
+  local count = floor(flags / FLAG_BANDS)
   arg = arg + 2
-  for _ = 1, floor(flags / FLAG_BANDS) do
+  local eval, store, states
+  if algorithm == TOKEN_BUCKET then
+    k = k + 1
+    local layout = ARGV[arg]
+    arg = arg + 1
+    states = rule_states(redis.call('GET', KEYS[k]), layout, count)
+    rules[#rules + 1] = {KEYS[k], layout, n + 1, count, shadow}
+  else
+    eval, store = algorithm_functions(algorithm)
+  end
+  for i = 1, count do
     local c, a, b = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
     arg = arg + 3
     n = n + 1
-    local value, wait, rem, reset, rem_after, reset_after = eval(KEYS[n], permits, c, a, b)
+    local value, wait, rem, reset, rem_after, reset_after, key
+    if states then
+      value, wait, rem, reset, rem_after, reset_after = token_bucket_band_eval(states[i], permits, c, a, b)
+    else
+      k = k + 1
+      key = KEYS[k]
+      value, wait, rem, reset, rem_after, reset_after = eval(key, permits, c, a, b)
+    end
     if not value then
       if shadow then shadow_allowed = false else allowed = false end
     end
-    bands[n] = {store, permits, c, a, b, shadow, value, wait, rem, reset, rem_after, reset_after}
+    bands[n] = {store, permits, c, a, b, shadow, value, wait, rem, reset, rem_after, reset_after, key}
   end
 end
 
@@ -35,7 +55,9 @@ for i = 1, n do
   local t = bands[i]
   local commit = t[7] and allowed and (not t[6] or shadow_allowed)
   if commit then
-    t[1](KEYS[i], t[7], t[2], t[3], t[4], t[5])
+    if t[1] then
+      t[1](t[13], t[7], t[2], t[3], t[4], t[5])
+    end
     reply[#reply + 1] = 1
     reply[#reply + 1] = t[11]
     reply[#reply + 1] = t[12]
@@ -45,5 +67,20 @@ for i = 1, n do
     reply[#reply + 1] = t[10]
   end
   reply[#reply + 1] = t[8]
+end
+-- A committed token-bucket rule: its bands' new instants in one write, the key outliving
+-- its longest window by one second.
+for _, rule in ipairs(rules) do
+  if allowed and (not rule[5] or shadow_allowed) then
+    local states, window = {}, 0
+    for i = 1, rule[4] do
+      local t = bands[rule[3] + i - 1]
+      states[i] = state_of(t[7], t[4])
+      if t[3] * t[5] / t[4] > window then
+        window = t[3] * t[5] / t[4]
+      end
+    end
+    redis.call('SET', rule[1], rule_value(rule[2], states, rule[4]), 'PX', px(window))
+  end
 end
 return reply

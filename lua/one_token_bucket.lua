@@ -1,39 +1,53 @@
--- FluxGate decision, the common case: a request of one token-bucket band (exact GCRA, as
--- token_bucket.lua), a script of its own. Redis runs a script from its first line on every
--- call and converts every number it is given, so this one defines no function and builds
--- no table on the admitting path but its reply, and converts as few numbers as it can.
--- Enforced or shadow, one band decides alike (it consumes when it admits): the script
--- need not know which, the caller tells the request's verdict from the band's.
+-- FluxGate decision, the common case: a request of one token-bucket rule of one band
+-- (exact GCRA, as token_bucket.lua), a script of its own. Redis runs a script from its
+-- first line on every call and converts every number it is given, so this one defines no
+-- function, builds no table but its reply, and converts as few numbers as it can, in
+-- hexadecimal (strtoul instead of strtod). Enforced or shadow, one band decides alike (it
+-- consumes when it admits): the script need not know which.
 --
--- KEYS[1]: the band's key. ARGV: capacity, interval (token_bucket.lua's band numbers), the
--- key's expiry in ms (the window plus one second), then permits and scale, each left out
--- when it is 1 and nothing follows it (every argument costs Redis a parse).
--- Reply: now_us, then the band's allowed, remaining, reset_after_us, wait_us.
--- README.md, "The one-band call".
---
--- The state, the expiry and the arithmetic are token_bucket.lua's: the key holds "<t>" or
--- "<t>:<f>", and a floor division (x - x % 1) is corrected by one when the double quotient
--- is off.
+-- KEYS[1]: the rule's key. ARGV: the rule's layout (token_bucket.lua, "State"), then in
+-- hexadecimal the band's capacity in units and the request's cost in units, then the
+-- key's expiry in ms (the window plus one second, in decimal, passed to SET as it came),
+-- then the scale in hexadecimal, left out when it is 1.
+-- Reply: now_us and the band's debt before the request; the caller derives the decision
+-- and the band's figures from them. README.md, "The one-band call".
 
-local key = KEYS[1]
-local capacity, interval, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
--- A cost or a scale of 1 is the common case: it comes as no argument, or as text compared
--- without a conversion.
-local permits, scale = ARGV[4], ARGV[5]
-permits = (not permits or permits == '1') and 1 or tonumber(permits)
-scale = (not scale or scale == '1') and 1 or tonumber(scale)
+local key, layout = KEYS[1], ARGV[1]
+local cap, cost, ttl, scale = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5]
+scale = scale and tonumber(scale, 16) or 1
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
-local cap = capacity * interval
 
 -- The debt: how far the stored instant lies ahead of now, in units (at most cap).
 local debt = 0
 local v = redis.call('GET', key)
 if v then
-  local tat, frac = tonumber(v), 0
+  if string.find(v, layout, 1, true) == 1 then
+    v = string.sub(v, #layout + 1)
+  else
+    -- The rule changed since the write: the band's state if the stored layout names it
+    -- (layout.lua's matching_states, for one band, inline: no function on the common path).
+    local bar = string.find(v, '|', 1, true) or #v
+    local tag, at, s = string.sub(layout, 1, #layout - 1), bar + 1, nil
+    for name in string.gmatch(string.sub(v, 1, bar - 1), '[^,]+') do
+      local next_bar = string.find(v, '|', at, true)
+      if name == tag then
+        s = string.sub(v, at, (next_bar or 0) - 1)
+        break
+      end
+      if not next_bar then
+        break
+      end
+      at = next_bar + 1
+    end
+    v = s
+  end
+end
+if v and v ~= '' then
+  local tat, frac = tonumber(v, 16), 0
   if not tat then
     local colon = string.find(v, ':', 1, true)
-    tat, frac = tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+    tat, frac = tonumber(string.sub(v, 1, colon - 1), 16), tonumber(string.sub(v, colon + 1), 16)
   end
   if tat > now or (tat == now and frac > 0) then
     debt = (tat - now) * scale + frac
@@ -43,9 +57,10 @@ if v then
   end
 end
 
-local d = debt + permits * interval
-if permits <= capacity and d <= cap then
-  -- Admitted: the instant moves d units ahead of now.
+local d = debt + cost
+if d <= cap then
+  -- Admitted: the instant moves d units ahead of now (a floor division, x - x % 1,
+  -- corrected by one when the double quotient is off).
   local whole = d / scale
   whole = whole - whole % 1
   if whole * scale > d then
@@ -54,49 +69,10 @@ if permits <= capacity and d <= cap then
     whole = whole + 1
   end
   local frac = d - whole * scale
-  -- %d writes an integer below 2^53 in full (Lua's tostring keeps 14 digits) and costs
-  -- less than %.0f or a number argument, which Redis writes with %.17g. `whole` becomes the
-  -- reset: the instant rounded up to a whole microsecond.
   if frac == 0 then
-    redis.call('SET', key, string.format('%d', now + whole), 'PX', ttl)
+    redis.call('SET', key, string.format('%s%x', layout, now + whole), 'PX', ttl)
   else
-    redis.call('SET', key, string.format('%d:%d', now + whole, frac), 'PX', ttl)
-    whole = whole + 1
-  end
-  local left = cap - d
-  local rem = left / interval
-  rem = rem - rem % 1
-  if rem * interval > left then
-    rem = rem - 1
-  elseif (rem + 1) * interval <= left then
-    rem = rem + 1
-  end
-  return {now, 1, rem, whole, 0}
-end
-
--- Rejected: nothing is written; the figures are the band's as it stands.
-local function idiv(a, b)
-  local q = a / b
-  q = q - q % 1
-  if q * b > a then
-    return q - 1
-  elseif (q + 1) * b <= a then
-    return q + 1
-  end
-  return q
-end
-local function cdiv(a, b)
-  local q = idiv(a, b)
-  if q * b < a then
-    return q + 1
-  end
-  return q
-end
-local wait = -1
-if permits <= capacity then
-  wait = cdiv(d - cap, scale)
-  if wait < 1 then
-    wait = 1
+    redis.call('SET', key, string.format('%s%x:%x', layout, now + whole, frac), 'PX', ttl)
   end
 end
-return {now, 0, idiv(cap - debt, interval), cdiv(debt, scale), wait}
+return {now, debt}

@@ -7,12 +7,22 @@ local decided = tonumber(ARGV[1])
 local reply = {}
 local arg = 2
 for _, key in ipairs(KEYS) do
-  local eval, _, refund = algorithm_functions(tonumber(ARGV[arg]))
+  local algorithm = tonumber(ARGV[arg])
   local permits = tonumber(ARGV[arg + 1])
   local c, a, b = tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
   arg = arg + 5
-  refund(key, decided, permits, c, a, b)
-  local _, _, rem, reset = eval(key, 1, c, a, b)
+  local rem, reset
+  if algorithm == TOKEN_BUCKET then
+    -- The band's rule: its layout, the band's position in it and its band count.
+    local layout, index, count = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    arg = arg + 3
+    rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b)
+  else
+    local eval, _, refund = algorithm_functions(algorithm)
+    refund(key, decided, permits, c, a, b)
+    local _
+    _, _, rem, reset = eval(key, 1, c, a, b)
+  end
   reply[#reply + 1] = rem
   reply[#reply + 1] = reset
 end

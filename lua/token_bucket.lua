@@ -6,11 +6,18 @@
 -- g = gcd(capacity, window_us): a token costs `interval` units and a full bucket holds
 -- capacity * interval units (at most 2^52, checked by the caller).
 --
--- State per band: a string "<t>" or "<t>:<f>", t the theoretical arrival time (when the
--- bucket is full again) in whole microseconds and f the remainder in units (0 <= f <
--- scale). A missing key is a full bucket. Expires one second after the window.
+-- State: one key per rule holds all its bands, "<layout>|<s1>|<s2>...". The layout names
+-- the bands, "<band>:<capacity>/<window>" each, joined by commas; each band's state is
+-- "<t>" or "<t>:<f>" in hexadecimal, t the theoretical arrival time (when the band is full
+-- again) in whole microseconds and f the remainder in units (0 <= f < scale), or empty for
+-- a full band. The caller sends the rule's layout with its final "|": when the stored one
+-- is the same, the states are read by position; when the rule changed, band by band, so
+-- that a band whose name, capacity or window changed starts full and the others keep their
+-- state. A missing key is a rule whose bands are all full. The key expires one second after
+-- the rule's longest window.
 --
--- Band arguments: capacity, scale, interval.
+-- Band arguments: capacity, scale, interval. The leaky bucket (leaky_bucket.lua) keeps a
+-- key per band, its state "<t>" or "<t>:<f>" in decimal.
 -- Every `*_eval(key, permits, capacity, a, b)` of the algorithm files returns:
 --   the value to store when the request is committed, or false when the band rejects;
 --   the wait in microseconds (0 none, -1 never);
@@ -62,12 +69,86 @@ local function debt_of(tat, frac, scale)
   return nil
 end
 
-local function token_bucket_eval(key, permits, capacity, scale, interval)
-  local tat, frac = tat_of(key)
+-- The states of the `count` bands of a token-bucket rule of `layout` stored in `v` (nil for
+-- a missing key), one string or nil per band.
+local function rule_states(v, layout, count)
+  if not v then
+    return {}
+  end
+  if string.find(v, layout, 1, true) ~= 1 then
+    return matching_states(v, layout)
+  end
+  local states, at = {}, #layout + 1
+  for i = 1, count do
+    local bar = string.find(v, '|', at, true)
+    states[i] = string.sub(v, at, (bar or 0) - 1)
+    if not bar then
+      break
+    end
+    at = bar + 1
+  end
+  return states
+end
+
+-- The instant and remainder of a band's state, nil for a full band.
+local function state_tat(s)
+  if not s or s == '' then
+    return nil, 0
+  end
+  local t = tonumber(s, 16)
+  if t then
+    return t, 0
+  end
+  local colon = string.find(s, ':', 1, true)
+  return tonumber(string.sub(s, 1, colon - 1), 16), tonumber(string.sub(s, colon + 1), 16)
+end
+
+-- The state of a band whose instant lies `debt` units from now (%x writes an integer below
+-- 2^53 in full).
+local function state_of(debt, scale)
+  local whole = idiv(debt, scale)
+  local frac = debt - whole * scale
+  if frac == 0 then
+    return string.format('%x', now + whole)
+  end
+  return string.format('%x:%x', now + whole, frac)
+end
+
+-- The value of a rule of `layout` whose `count` bands hold `states` (nil for full).
+local function rule_value(layout, states, count)
+  local parts = {}
+  for i = 1, count do
+    parts[i] = states[i] or ''
+  end
+  return layout .. table.concat(parts, '|')
+end
+
+-- A band of a token-bucket rule, from its stored state.
+local function token_bucket_band_eval(state, permits, capacity, scale, interval)
+  local tat, frac = state_tat(state)
   return gcra(debt_of(tat, frac, scale) or 0, 0, permits, capacity, scale, interval)
 end
 
--- Writes the instant `debt` units from now and its expiry (the window plus one second).
+-- Refund of band `index` of the `count` bands of a token-bucket rule of `layout` (see
+-- gcra_refund below): returns its remaining and reset_after_us after the refund.
+local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval)
+  local states = rule_states(redis.call('GET', key), layout, count)
+  local tat, frac = state_tat(states[index])
+  local debt = debt_of(tat, frac, scale)
+  if debt then
+    debt = debt - permits * interval
+    if debt < 0 then
+      debt = 0
+    end
+    states[index] = state_of(debt, scale)
+    redis.call('SET', key, rule_value(layout, states, count), 'KEEPTTL')
+  end
+  local _, _, rem, reset = gcra(debt or 0, 0, 1, capacity, scale, interval)
+  return rem, reset
+end
+
+-- Writes the instant `debt` units from now and its expiry (the window plus one second):
+-- the leaky bucket's commit (a key per band).
 local function gcra_store(key, debt, _, capacity, scale, interval)
   local whole = idiv(debt, scale)
   local frac = debt - whole * scale
@@ -80,7 +161,8 @@ local function gcra_store(key, debt, _, capacity, scale, interval)
   end
 end
 
--- Refund, shared with the leaky bucket: the stored instant moves back by the cost, as if
+-- Refund of the leaky bucket (a key per band; token_bucket_refund above is the token
+-- bucket's): the stored instant moves back by the cost, as if
 -- the request had never come. Nothing ahead of now is a full token bucket, or an empty
 -- queue whose grid a move by whole intervals would leave where it is: nothing to do. A
 -- token bucket whose instant would fall before now is full: it is stored as now. With

@@ -14,6 +14,7 @@ use std::{env, fs};
 const PARTS: &[&str] = &[
     "common.lua",
     "protocol.lua",
+    "layout.lua",
     "token_bucket.lua",
     "helpers.lua",
     "leaky_bucket.lua",
@@ -67,7 +68,7 @@ fn main() {
     join(&dir, &["one_token_bucket.lua"], &out.join("one_token_bucket.lua"));
     join(
         &dir,
-        &["protocol.lua", "token_buckets.lua"],
+        &["layout.lua", "token_buckets.lua"],
         &out.join("token_buckets.lua"),
     );
     join(&dir, &["protocol.lua"], &out.join("protocol.lua"));

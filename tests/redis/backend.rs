@@ -87,18 +87,99 @@ rule_sets:
         assert!(check(&engine, &ctx).await.allowed());
         let keys = redis.server().cli(&["--scan", "--pattern", "*"]);
         let keys: Vec<&str> = keys.lines().collect();
-        assert_eq!(keys.len(), 6, "{keys:?}");
+        // One key per token-bucket rule, holding both its bands.
+        assert_eq!(keys.len(), 3, "{keys:?}");
         for key in keys {
             assert!(key.starts_with("test0:{default:"), "{key}");
+            assert!(key.ends_with('}'), "{key}");
             assert!(key.len() < 200, "{key}");
             // Exactly one hash tag, and nothing of the user's value outside it.
             assert_eq!(key.matches('{').count(), 1, "{key}");
             assert_eq!(key.matches('}').count(), 1, "{key}");
+            let value = redis.server().cli(&["GET", key]);
+            assert!(value.starts_with("minute:100/1m,hour:1000/1h|"), "{key}: {value}");
+            // The key outlives the longest window, an hour, by at most a second.
             let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
-            let window = fluxgate::core::rule::parse_duration(key.rsplit('/').next().unwrap()).unwrap();
-            let window_ms = window.as_millis() as i64;
-            assert!(ttl > window_ms && ttl <= window_ms + 1_000, "{key}: ttl {ttl}");
+            assert!(ttl > 3_600_000 && ttl <= 3_601_000, "{key}: ttl {ttl}");
         }
+    }
+
+    /// A token-bucket rule keeps its bands in one key: when the rule changes, a band whose
+    /// capacity, window or label changed starts full and the others keep their counts,
+    /// whichever script decides (one band, token buckets only, or with another algorithm).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_changed_band_starts_fresh_and_the_others_keep_their_counts() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let url = redis.url();
+        let engine_of = |bands: &'static str, other: bool| {
+            let url = url.clone();
+            async move {
+                let limiter = fluxgate::redis::RedisLimiter::builder(url)
+                    .prefix("changes")
+                    .deny_cache(false)
+                    .timeout(std::time::Duration::from_secs(2))
+                    .connect()
+                    .await
+                    .unwrap();
+                let mut yaml =
+                    format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
+                if other {
+                    yaml.push_str(
+                        "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 100, window: 1h }] }\n",
+                    );
+                }
+                Engine::builder(rules(&yaml)).limiter(limiter).build().unwrap()
+            }
+        };
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.77".parse().unwrap())
+            .build();
+        let remaining = |d: &fluxgate::core::Decision| -> Vec<(String, u64)> {
+            d.bands
+                .iter()
+                .filter(|b| &*b.rule == "r")
+                .map(|b| (b.band.to_string(), b.remaining))
+                .collect()
+        };
+        let pairs =
+            |v: &[(&str, u64)]| -> Vec<(String, u64)> { v.iter().map(|(b, n)| ((*b).to_owned(), *n)).collect() };
+        const MINUTE_10: &str = "{ capacity: 10, window: 1m, label: minute }";
+        const MINUTE_20: &str = "{ capacity: 20, window: 1m, label: minute }";
+        const HOUR: &str = "{ capacity: 100, window: 1h, label: hour }";
+        let steps: [(String, bool, &[(&str, u64)]); 7] = [
+            (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 9), ("hour", 99)]),
+            (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 8), ("hour", 98)]),
+            // The minute's capacity changed: it starts full, the hour keeps its count.
+            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 19), ("hour", 97)]),
+            // One band left (the one-band script): the hour keeps its count.
+            (HOUR.to_owned(), false, &[("hour", 96)]),
+            // The minute back: written over since, it starts full.
+            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 19), ("hour", 95)]),
+            // With a rule of another algorithm (the general script).
+            (format!("{MINUTE_20}, {HOUR}"), true, &[("minute", 18), ("hour", 94)]),
+            (format!("{MINUTE_10}, {HOUR}"), true, &[("minute", 9), ("hour", 93)]),
+        ];
+        for (bands, other, expected) in steps {
+            let bands: &'static str = Box::leak(bands.into_boxed_str());
+            let engine = engine_of(bands, other).await;
+            let d = check(&engine, &ctx).await;
+            assert!(d.allowed());
+            assert_eq!(
+                remaining(&d),
+                pairs(expected),
+                "{bands} (with another algorithm: {other})"
+            );
+        }
+        let keys = redis.server().cli(&["--scan", "--pattern", "changes:*"]);
+        let mut keys: Vec<&str> = keys.lines().collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            [
+                "changes:{default:lb:ip=192.0.2.77}:b0:100/1h:lb",
+                "changes:{default:r:ip=192.0.2.77}"
+            ]
+        );
     }
 
     /// A shadow rule on Redis: decided and reported, never blocking; it consumes only what
@@ -295,16 +376,12 @@ rule_sets:
         let mut keys: Vec<String> = keys.lines().map(str::to_owned).collect();
         keys.sort();
         let ip = "ip=192.0.2.9";
-        let expected: Vec<String> = [
-            ("fw", ":fw"),
-            ("lb", ":lb"),
-            ("swc", ":swc"),
-            ("swl", ":swl"),
-            ("tb", ""),
-        ]
-        .iter()
-        .map(|(rule, suffix)| format!("test0:{{default:{rule}:{ip}}}:b0:2/1m{suffix}"))
-        .collect();
+        let expected: Vec<String> = [("fw", ":fw"), ("lb", ":lb"), ("swc", ":swc"), ("swl", ":swl")]
+            .iter()
+            .map(|(rule, suffix)| format!("test0:{{default:{rule}:{ip}}}:b0:2/1m{suffix}"))
+            // A token-bucket rule is one key, its bands named in its value.
+            .chain([format!("test0:{{default:tb:{ip}}}")])
+            .collect();
         assert_eq!(keys, expected);
         let states: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         // The third request is rejected by every rule and writes nothing anywhere.
@@ -318,6 +395,8 @@ rule_sets:
         );
         let after: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         assert_eq!(states, after, "a rejection wrote to Redis");
+        let bucket = keys.iter().find(|k| k.ends_with('}')).unwrap();
+        assert!(snapshot(bucket).starts_with("b0:2/1m|"), "{}", snapshot(bucket));
         for key in &keys {
             let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
             // At most: the window and one second (log, buckets), the rest of the window

@@ -23,7 +23,7 @@ pub(crate) async fn decide_across_slots(
     calls: Vec<Call>,
     request: AcquireRequest,
 ) -> Result<AcquireOutcome, RedisError> {
-    let results = join_all(calls.iter().map(|c| scripts.decide(c.keys.clone(), c.args.clone()))).await;
+    let results = join_all(calls.iter().map(|c| scripts.decide(c.keys.clone(), &c.args))).await;
     let mut replies = Vec::with_capacity(results.len());
     let mut failure = None;
     for result in results {
@@ -122,7 +122,7 @@ async fn refund(
         let mut positions = Vec::new();
         for j in bands {
             args.band(&call.bands[j].refund);
-            keys.push(call.keys[j].clone());
+            keys.push(call.keys[call.bands[j].key].clone());
             positions.push(call.bands[j].position);
         }
         let call = scripts.refund(keys, args);

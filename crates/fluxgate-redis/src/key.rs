@@ -1,6 +1,8 @@
-//! The keys of the bands in Redis:
-//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>[:<suffix>]`, and
-//! the deny cache's keys.
+//! The keys in Redis: a token-bucket rule's, `<prefix>:{<rule set>:<rule>:<key value>}`,
+//! whose value holds all its bands, each named by its tag `<band>:<capacity>/<window>`;
+//! a band's of the other algorithms,
+//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>:<suffix>`; and the
+//! deny cache's keys.
 
 use std::fmt::Write as _;
 
@@ -19,18 +21,50 @@ pub(crate) fn hash_tag(rule_set: &str, rule: &Rule, key: &str) -> String {
     tag
 }
 
-/// The key of a band of a bucket (`tag`, from [`hash_tag`]).
-pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
-    // Written part by part into one allocation, made for every band of every request.
-    let window = fluxgate_core::rule::format_duration(band.window());
-    let name: &str = band.name().as_ref();
-    let mut key = String::with_capacity(prefix.len() + tag.len() + name.len() + window.len() + 32);
-    for part in [prefix, ":", tag, ":", name, ":"] {
+/// The key of a token-bucket rule's bucket (`tag`, from [`hash_tag`]): all its bands.
+pub(crate) fn rule_key(prefix: &str, tag: &str) -> String {
+    let mut key = String::with_capacity(prefix.len() + tag.len() + 1);
+    for part in [prefix, ":", tag] {
         key.push_str(part);
     }
-    let _ = write!(key, "{capacity}"); // writing to a String cannot fail
-    key.push('/');
-    key.push_str(&window);
+    key
+}
+
+/// What names a band among its rule's, `<band>:<capacity>/<window>`, into `out`: a band
+/// whose name, capacity or window changes is another band, which starts full.
+pub(crate) fn push_band_tag(out: &mut String, band: &Band, capacity: i64) {
+    out.push_str(band.name().as_ref());
+    out.push(':');
+    let _ = write!(out, "{capacity}"); // writing to a String cannot fail
+    out.push('/');
+    out.push_str(&fluxgate_core::rule::format_duration(band.window()));
+}
+
+/// The layout of a token-bucket rule's key: its bands' tags ([`push_band_tag`]), joined by
+/// commas, then `|`, after which the key's value holds the bands' states (see
+/// `lua/token_bucket.lua`, "State"). Tags hold no `,` nor `|`: band names are
+/// `A-Z a-z 0-9 _ - .`, capacities digits, windows digits and a unit.
+pub(crate) fn layout<'a>(bands: impl Iterator<Item = (&'a Band, i64)>) -> String {
+    let mut layout = String::with_capacity(32);
+    for (i, (band, capacity)) in bands.enumerate() {
+        if i > 0 {
+            layout.push(',');
+        }
+        push_band_tag(&mut layout, band, capacity);
+    }
+    layout.push('|');
+    layout
+}
+
+/// The key of a band of a bucket (`tag`, from [`hash_tag`]): the key of a band of the
+/// algorithms other than the token bucket, and the name of any band in the deny cache.
+pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
+    // Written part by part into one allocation.
+    let mut key = String::with_capacity(prefix.len() + tag.len() + 48);
+    for part in [prefix, ":", tag, ":"] {
+        key.push_str(part);
+    }
+    push_band_tag(&mut key, band, capacity);
     if let Some(suffix) = suffix(algorithm) {
         key.push(':');
         key.push_str(suffix);
@@ -47,8 +81,8 @@ pub(crate) fn deny_key(band_key: &str, permits: u64) -> String {
     key
 }
 
-/// The end of a band's key: none for the token bucket, the algorithm for the others, so
-/// that a rule whose algorithm changes starts new counters.
+/// The end of a band's key: the algorithm (none for a token bucket's band, whose name only
+/// serves the deny cache), so that a rule whose algorithm changes starts new counters.
 fn suffix(algorithm: ScriptAlgorithm) -> Option<&'static str> {
     match algorithm {
         ScriptAlgorithm::TokenBucket => None,

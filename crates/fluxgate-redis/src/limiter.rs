@@ -134,7 +134,7 @@ impl RateLimiter for RedisLimiter {
             // One call (always so on a standalone Redis): nothing to refund.
             Ok([Call { keys, args, bands }]) => {
                 return MaybeReady::boxed(async move {
-                    let reply = inner.scripts.decide(keys, args).await?;
+                    let reply = inner.scripts.decide(keys, &args).await?;
                     let outcome = outcome(
                         &request,
                         reply.allowed,

@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use fluxgate_core::limiter::Wait;
 use fluxgate_core::Algorithm;
+use fred::bytes_utils::Str;
+use fred::types::Value;
 
 use crate::error::RedisError;
 
@@ -79,7 +81,6 @@ impl Flags {
     }
 
     /// Whether the rule is in shadow mode.
-    #[cfg(test)]
     fn is_shadow(self) -> bool {
         self.0 % Self::ALGORITHM == Self::SHADOW
     }
@@ -95,26 +96,24 @@ pub(crate) struct BandArgs {
     pub(crate) b: i64,
 }
 
-/// What a decision call says of one bucket before its bands: its cost and flags.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// What a decision call says of one bucket before its bands: its cost, flags and, for a
+/// token bucket, its layout (the names of its bands, see `lua/token_bucket.lua`, "State").
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct BucketArgs {
     pub(crate) permits: i64,
     pub(crate) flags: Flags,
+    pub(crate) layout: Option<Str>,
 }
 
-/// The `ARGV` of a decision call: the bucket count, then each bucket's [`BucketArgs`]
-/// followed by its bands' [`BandArgs`]; and what chooses the script that decides it
-/// ([`Shape`]).
+/// The arguments of a decision call: each bucket's [`BucketArgs`] and its bands'
+/// [`BandArgs`], written for the script of their [`Shape`]; and, for the token-bucket
+/// scripts, what reads their reply.
 #[derive(Debug, Clone)]
 pub(crate) struct DecideArgs {
-    /// The first number is the bucket count, written by [`DecideArgs::into_argv`].
-    argv: Vec<i64>,
-    buckets: i64,
-    bands: usize,
+    buckets: Vec<BucketArgs>,
+    bands: Vec<BandArgs>,
     /// Every bucket so far is a token bucket.
     token_buckets: bool,
-    /// Whether the first bucket's rule is in shadow mode.
-    first_shadow: bool,
 }
 
 /// Which script decides a call: the one-band script, the token buckets' script or the
@@ -122,104 +121,273 @@ pub(crate) struct DecideArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Shape {
     /// One bucket of one token-bucket band (`one_token_bucket.lua`), in shadow mode or not.
-    OneTokenBucket { shadow: bool },
+    OneTokenBucket,
     /// Token buckets only (`token_buckets.lua`).
     TokenBuckets,
     /// Any other (`decide.lua`).
     General,
 }
 
+/// A number in hexadecimal, as the token-bucket scripts read it (`tonumber(s, 16)`, which
+/// Lua 5.1 parses with `strtoul`, cheaper than the `strtod` of a decimal number).
+fn hex(n: i64) -> Value {
+    Value::String(Str::from(format!("{n:x}")))
+}
+
 impl DecideArgs {
     /// No bucket yet.
     pub(crate) fn new() -> Self {
-        // Room for the count and the common case, one bucket of one band (permits, flags
-        // and three numbers), in one allocation.
-        let mut argv = Vec::with_capacity(8);
-        argv.push(0);
         Self {
-            argv,
-            buckets: 0,
-            bands: 0,
+            buckets: Vec::with_capacity(1),
+            bands: Vec::with_capacity(1),
             token_buckets: true,
-            first_shadow: false,
         }
     }
 
     /// Starts a bucket; its bands follow.
     pub(crate) fn bucket(&mut self, bucket: BucketArgs) {
         let Flags(flags) = bucket.flags;
-        if self.buckets == 0 {
-            self.first_shadow = flags % Flags::ALGORITHM == Flags::SHADOW;
-        }
-        self.buckets += 1;
         self.token_buckets &= flags % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number();
-        self.argv.extend([bucket.permits, bucket.flags.get()]);
+        self.buckets.push(bucket);
     }
 
     /// A band of the current bucket.
     pub(crate) fn band(&mut self, band: BandArgs) {
-        self.bands += 1;
-        self.argv.extend([band.capacity, band.a, band.b]);
+        self.bands.push(band);
+    }
+
+    /// The number of bands.
+    pub(crate) fn band_count(&self) -> usize {
+        self.bands.len()
     }
 
     /// The script that decides these arguments.
     pub(crate) fn shape(&self) -> Shape {
-        match (self.token_buckets, self.buckets, self.bands) {
-            (true, 1, 1) => Shape::OneTokenBucket {
-                shadow: self.first_shadow,
-            },
+        match (self.token_buckets, self.buckets.len(), self.bands.len()) {
+            (true, 1, 1) => Shape::OneTokenBucket,
             (true, _, _) => Shape::TokenBuckets,
             _ => Shape::General,
         }
     }
 
-    /// The numbers to send to `decide.lua` or `token_buckets.lua`.
-    pub(crate) fn into_argv(mut self) -> Vec<i64> {
-        self.argv[0] = self.buckets;
-        self.argv
+    /// Each bucket with its bands.
+    fn buckets(&self) -> impl Iterator<Item = (&BucketArgs, &[BandArgs])> + '_ {
+        let mut rest = self.bands.as_slice();
+        self.buckets.iter().map(move |bucket| {
+            let count = usize::try_from(bucket.flags.get() / Flags::BANDS)
+                .unwrap_or(0)
+                .min(rest.len());
+            let (bands, tail) = rest.split_at(count);
+            rest = tail;
+            (bucket, bands)
+        })
     }
 
-    /// The numbers to send to `one_token_bucket.lua`, for [`Shape::OneTokenBucket`]:
-    /// `capacity, interval`, the key's expiry in ms (the window plus one second, as `px()`
-    /// in `lua/common.lua`), then `permits` and `scale`, each left out when it is 1 and
-    /// nothing follows it; `None` for another shape.
-    pub(crate) fn one_token_bucket_argv(&self) -> Option<Vec<i64>> {
-        let Shape::OneTokenBucket { .. } = self.shape() else {
+    /// The `ARGV` of `decide.lua`: the bucket count, then each bucket's permits, flags and
+    /// (a token bucket) layout, followed by its bands' three numbers.
+    pub(crate) fn general_argv(&self) -> Vec<Value> {
+        let mut argv = Vec::with_capacity(1 + 3 * self.buckets.len() + 3 * self.bands.len());
+        argv.push(Value::Integer(i64::try_from(self.buckets.len()).unwrap_or(i64::MAX)));
+        for (bucket, bands) in self.buckets() {
+            argv.extend([Value::Integer(bucket.permits), Value::Integer(bucket.flags.get())]);
+            if let Some(layout) = &bucket.layout {
+                argv.push(Value::String(layout.clone()));
+            }
+            for band in bands {
+                argv.extend([band.capacity, band.a, band.b].map(Value::Integer));
+            }
+        }
+        argv
+    }
+
+    /// The `ARGV` of `token_buckets.lua`: for each bucket, `bands × 2 + shadow` and its
+    /// layout, then for each of its bands its capacity and the request's cost in units and
+    /// its scale, in hexadecimal (see `lua/README.md`, "The token-bucket call").
+    pub(crate) fn token_buckets_argv(&self) -> Vec<Value> {
+        let mut argv = Vec::with_capacity(2 * self.buckets.len() + 3 * self.bands.len());
+        for (bucket, bands) in self.buckets() {
+            let shadow = i64::from(bucket.flags.is_shadow());
+            argv.push(hex(bucket.flags.get() / Flags::BANDS * 2 + shadow));
+            argv.push(Value::String(bucket.layout.clone().unwrap_or_default()));
+            for band in bands {
+                let numbers = TokenBand::new(bucket.permits, *band);
+                argv.extend([hex(numbers.cap), hex(numbers.cost)]);
+                argv.push(if numbers.scale == 1 {
+                    Value::String(Str::from_static("1"))
+                } else {
+                    hex(numbers.scale)
+                });
+            }
+        }
+        argv
+    }
+
+    /// The `ARGV` of `one_token_bucket.lua`, for [`Shape::OneTokenBucket`]: the layout, the
+    /// band's capacity and the request's cost in units (hexadecimal), the key's expiry in ms
+    /// (the window plus one second, as `px()` in `lua/common.lua`), then the scale
+    /// (hexadecimal), left out when it is 1; `None` for another shape.
+    pub(crate) fn one_token_bucket_argv(&self) -> Option<Vec<Value>> {
+        let (Shape::OneTokenBucket, [bucket], [band]) = (self.shape(), self.buckets.as_slice(), self.bands.as_slice())
+        else {
             return None;
         };
-        let &[_, permits, _, capacity, scale, interval] = self.argv.as_slice() else {
-            return None;
-        };
+        let numbers = TokenBand::new(bucket.permits, *band);
         // capacity × interval / scale is the window in µs (validated below 2^52).
-        let window_us = capacity.checked_mul(interval)? / scale.max(1);
-        let mut argv = vec![capacity, interval, window_us / 1000 + 1001, permits, scale];
-        while argv.len() > 3 && argv.last() == Some(&1) {
-            argv.pop();
+        let window_us = numbers.cap / numbers.scale.max(1);
+        let mut argv = vec![
+            Value::String(bucket.layout.clone().unwrap_or_default()),
+            hex(numbers.cap),
+            hex(numbers.cost),
+            Value::Integer(window_us / 1000 + 1001),
+        ];
+        if numbers.scale != 1 {
+            argv.push(hex(numbers.scale));
         }
         Some(argv)
     }
+
+    /// The reply of a token-bucket script (`now_us`, then each band's debt before the
+    /// request), read as the script decided: a rule admits when each of its bands does; the
+    /// enforced rules commit when they all admit, the shadow rules when, besides, every
+    /// shadow rule admits.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Reply`] when it has not `1 + bands` numbers.
+    pub(crate) fn token_reply(&self, numbers: &[i64]) -> Result<Reply, RedisError> {
+        let Some((&now_us, debts)) = numbers.split_first() else {
+            return Err(Reply::wrong_length(numbers, self.bands.len()));
+        };
+        if debts.len() != self.bands.len() {
+            return Err(Reply::wrong_length(numbers, self.bands.len()));
+        }
+        let (mut allowed, mut shadow_allowed) = (true, true);
+        let mut at = 0;
+        for (bucket, bands) in self.buckets() {
+            let admits = bands
+                .iter()
+                .zip(&debts[at..])
+                .all(|(band, &debt)| TokenBand::new(bucket.permits, *band).admits(debt));
+            at += bands.len();
+            if bucket.flags.is_shadow() {
+                shadow_allowed &= admits;
+            } else {
+                allowed &= admits;
+            }
+        }
+        let mut replies = Vec::with_capacity(self.bands.len());
+        let mut debts = debts.iter();
+        for (bucket, bands) in self.buckets() {
+            let commit = allowed && (shadow_allowed || !bucket.flags.is_shadow());
+            for (band, &debt) in bands.iter().zip(debts.by_ref()) {
+                replies.push(TokenBand::new(bucket.permits, *band).reply(debt, commit));
+            }
+        }
+        Ok(Reply {
+            allowed,
+            shadow_allowed,
+            now_us,
+            bands: replies,
+        })
+    }
+}
+
+/// A token-bucket band as its scripts compute it, in units of `1/scale` µs: its capacity
+/// (`cap`), the request's cost (`cost`, one unit more than `cap` when the request asks more
+/// than the capacity, which the band never admits), its scale and interval (see
+/// `lua/token_bucket.lua`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct TokenBand {
+    cap: i64,
+    cost: i64,
+    scale: i64,
+    interval: i64,
+}
+
+impl TokenBand {
+    fn new(permits: i64, band: BandArgs) -> Self {
+        let BandArgs {
+            capacity,
+            a: scale,
+            b: interval,
+        } = band;
+        // Validated: capacity × interval <= 2^52, so neither product leaves the exact range.
+        let permits = permits.clamp(0, capacity.saturating_add(1));
+        Self {
+            cap: capacity.saturating_mul(interval),
+            cost: permits.saturating_mul(interval),
+            scale: scale.max(1),
+            interval: interval.max(1),
+        }
+    }
+
+    /// Whether the band admits the request, its debt (the units its instant lies ahead of
+    /// now) being `debt`.
+    fn admits(self, debt: i64) -> bool {
+        debt.saturating_add(self.cost) <= self.cap
+    }
+
+    /// What the band reports after the decision, its debt before being `debt`: committed,
+    /// its debt grows by the cost.
+    fn reply(self, debt: i64, committed: bool) -> BandReply {
+        let debt = debt.clamp(0, self.cap);
+        let admits = self.admits(debt);
+        let after = if committed && admits { debt + self.cost } else { debt };
+        let wait = if admits {
+            Wait::None
+        } else if self.cost > self.cap {
+            Wait::Never
+        } else {
+            let excess = debt + self.cost - self.cap;
+            Wait::After(Duration::from_micros(nonnegative(ceil_div(excess, self.scale).max(1))))
+        };
+        BandReply {
+            allowed: admits,
+            remaining: nonnegative((self.cap - after) / self.interval),
+            reset_after: Duration::from_micros(nonnegative(ceil_div(after, self.scale))),
+            wait,
+        }
+    }
+}
+
+/// The ceiling of `a / b`, for `a >= 0` and `b > 0`.
+fn ceil_div(a: i64, b: i64) -> i64 {
+    a / b + i64::from(a % b != 0)
 }
 
 /// What the refund script needs to give back one band's consumption.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RefundBand {
     pub(crate) algorithm: ScriptAlgorithm,
     /// The request's cost, at most the band's capacity (a larger cost never consumed).
     pub(crate) permits: i64,
     pub(crate) band: BandArgs,
+    /// A token-bucket band: where it lies in its rule's key.
+    pub(crate) place: Option<RulePlace>,
+}
+
+/// Where a token-bucket band lies in its rule's key: the rule's layout, the band's position
+/// among its bands (from 1) and their count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RulePlace {
+    pub(crate) layout: Str,
+    pub(crate) index: i64,
+    pub(crate) count: i64,
 }
 
 /// The `ARGV` of a refund call: the decision's instant, then each band's [`RefundBand`].
 #[derive(Debug)]
 pub(crate) struct RefundArgs {
-    argv: Vec<i64>,
+    argv: Vec<Value>,
 }
 
 impl RefundArgs {
     /// The arguments of a refund of what was decided at `decided_us` (the decision's
     /// `now_us`: it tells the windows and log entries to take back).
     pub(crate) fn new(decided_us: i64) -> Self {
-        Self { argv: vec![decided_us] }
+        Self {
+            argv: vec![Value::Integer(decided_us)],
+        }
     }
 
     /// A band to refund.
@@ -228,13 +396,21 @@ impl RefundArgs {
             algorithm,
             permits,
             band,
+            ref place,
         } = *refund;
         self.argv
-            .extend([algorithm.number(), permits, band.capacity, band.a, band.b]);
+            .extend([algorithm.number(), permits, band.capacity, band.a, band.b].map(Value::Integer));
+        if let Some(place) = place {
+            self.argv.extend([
+                Value::String(place.layout.clone()),
+                Value::Integer(place.index),
+                Value::Integer(place.count),
+            ]);
+        }
     }
 
-    /// The numbers to send.
-    pub(crate) fn into_argv(self) -> Vec<i64> {
+    /// The arguments to send.
+    pub(crate) fn into_argv(self) -> Vec<Value> {
         self.argv
     }
 }
@@ -249,60 +425,34 @@ pub(crate) struct Reply {
     pub(crate) shadow_allowed: bool,
     /// Redis `TIME` of the decision, in µs.
     pub(crate) now_us: i64,
-    /// The whole reply; the bands start at `head`.
-    numbers: Vec<i64>,
-    head: usize,
+    bands: Vec<BandReply>,
 }
 
 impl Reply {
     /// The numbers before the first band.
     const HEAD: usize = 3;
 
-    /// The numbers of a one-band reply before its band.
-    const ONE_HEAD: usize = 1;
-
-    /// Checks that `numbers` is the reply of a call of `bands` bands.
+    /// Checks that `numbers` is the reply of `decide.lua` for a call of `bands` bands.
     ///
     /// # Errors
     ///
     /// [`RedisError::Reply`] when it has not `3 + 4 × bands` numbers.
-    pub(crate) fn decode(numbers: Vec<i64>, bands: usize) -> Result<Self, RedisError> {
-        let &[allowed, shadow_allowed, now_us, ..] = numbers.as_slice() else {
-            return Err(Self::wrong_length(&numbers, bands));
+    pub(crate) fn decode(numbers: &[i64], bands: usize) -> Result<Self, RedisError> {
+        let &[allowed, shadow_allowed, now_us, ..] = numbers else {
+            return Err(Self::wrong_length(numbers, bands));
         };
         if numbers.len() != Self::HEAD + BandReply::LEN * bands {
-            return Err(Self::wrong_length(&numbers, bands));
+            return Err(Self::wrong_length(numbers, bands));
         }
         Ok(Self {
             allowed: allowed == 1,
             shadow_allowed: shadow_allowed == 1,
             now_us,
-            numbers,
-            head: Self::HEAD,
-        })
-    }
-
-    /// Checks the reply of `one_token_bucket.lua`, `now_us` then one band, for a bucket in
-    /// shadow mode or not: the request's verdict is the band's (a shadow band that rejects
-    /// leaves the request allowed, and its shadow verdict rejected).
-    ///
-    /// # Errors
-    ///
-    /// [`RedisError::Reply`] when it has not `1 + 4` numbers.
-    pub(crate) fn decode_one(numbers: Vec<i64>, shadow: bool) -> Result<Self, RedisError> {
-        let &[now_us, allowed, ..] = numbers.as_slice() else {
-            return Err(Self::wrong_length(&numbers, 1));
-        };
-        if numbers.len() != Self::ONE_HEAD + BandReply::LEN {
-            return Err(Self::wrong_length(&numbers, 1));
-        }
-        let allowed = allowed == 1;
-        Ok(Self {
-            allowed: allowed || shadow,
-            shadow_allowed: allowed || !shadow,
-            now_us,
-            numbers,
-            head: Self::ONE_HEAD,
+            bands: numbers[Self::HEAD..]
+                .chunks_exact(BandReply::LEN)
+                .filter_map(|chunk| chunk.try_into().ok())
+                .map(BandReply::decode)
+                .collect(),
         })
     }
 
@@ -310,13 +460,9 @@ impl Reply {
         RedisError::Reply(format!("{} numbers for {bands} bands", numbers.len()))
     }
 
-    /// The bands, in the order of the call's keys.
+    /// The bands, in the order of the call's bands.
     pub(crate) fn bands(&self) -> impl Iterator<Item = BandReply> + '_ {
-        // `decode` checked the length: every chunk is whole.
-        self.numbers[self.head..]
-            .chunks_exact(BandReply::LEN)
-            .filter_map(|chunk| chunk.try_into().ok())
-            .map(BandReply::decode)
+        self.bands.iter().copied()
     }
 }
 
@@ -451,6 +597,25 @@ mod tests {
         assert_eq!(Flags::new(2, ScriptAlgorithm::FixedWindow, true).get(), 37);
     }
 
+    fn text(values: &[Value]) -> Vec<String> {
+        values
+            .iter()
+            .map(|v| match v {
+                Value::Integer(n) => n.to_string(),
+                Value::String(s) => s.to_string(),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    fn tb(bands: usize, shadow: bool, permits: i64) -> BucketArgs {
+        BucketArgs {
+            permits,
+            flags: Flags::new(bands, ScriptAlgorithm::TokenBucket, shadow),
+            layout: Some(Str::from_static("b0:10/1s|")),
+        }
+    }
+
     #[test]
     fn decide_args() {
         let mut args = DecideArgs::new();
@@ -459,15 +624,13 @@ mod tests {
             a: 1,
             b: 360,
         };
-        args.bucket(BucketArgs {
-            permits: 1,
-            flags: Flags::new(2, ScriptAlgorithm::TokenBucket, false),
-        });
+        args.bucket(tb(2, false, 1));
         args.band(band);
         args.band(band);
         args.bucket(BucketArgs {
             permits: 3,
             flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
+            layout: None,
         });
         args.band(BandArgs {
             capacity: 5,
@@ -475,17 +638,29 @@ mod tests {
             b: 0,
         });
         assert_eq!(
-            args.into_argv(),
-            [2, 1, 32, 10, 1, 360, 10, 1, 360, 3, 21, 5, 60_000_000, 0]
+            text(&args.general_argv()),
+            [
+                "2",
+                "1",
+                "32",
+                "b0:10/1s|",
+                "10",
+                "1",
+                "360",
+                "10",
+                "1",
+                "360",
+                "3",
+                "21",
+                "5",
+                "60000000",
+                "0"
+            ]
         );
     }
 
     #[test]
     fn shapes_choose_the_script() {
-        let tb = |bands: usize, shadow| BucketArgs {
-            permits: 1,
-            flags: Flags::new(bands, ScriptAlgorithm::TokenBucket, shadow),
-        };
         let band = BandArgs {
             capacity: 10,
             a: 7,
@@ -493,78 +668,117 @@ mod tests {
         };
         for shadow in [false, true] {
             let mut args = DecideArgs::new();
-            args.bucket(tb(1, shadow));
+            args.bucket(tb(1, shadow, 1));
             args.band(band);
-            assert_eq!(args.shape(), Shape::OneTokenBucket { shadow });
-            // capacity, interval, 10 × 360 / 7 = 514 µs: 0 ms + 1001, permits 1, scale 7.
-            assert_eq!(args.one_token_bucket_argv(), Some(vec![10, 360, 1001, 1, 7]));
+            assert_eq!(args.shape(), Shape::OneTokenBucket);
+            // 10 × 360 = 0xe10 units, a cost of 360 = 0x168, 3600 / 7 = 514 µs: 0 ms + 1001,
+            // scale 7.
+            let argv = args.one_token_bucket_argv().unwrap();
+            assert_eq!(text(&argv), ["b0:10/1s|", "e10", "168", "1001", "7"]);
         }
         let mut args = DecideArgs::new();
-        args.bucket(tb(1, false));
+        args.bucket(tb(1, false, 3));
         args.band(BandArgs {
             capacity: 10_000_000,
             a: 1,
             b: 360,
         });
-        // An hour: 3,600,000 ms + 1001; permits and scale of 1 left out.
-        assert_eq!(args.one_token_bucket_argv(), Some(vec![10_000_000, 360, 3_601_001]));
+        // An hour: 3,600,000 ms + 1001; a scale of 1 left out; a cost of 3 × 360.
+        let argv = args.one_token_bucket_argv().unwrap();
+        assert_eq!(text(&argv), ["b0:10/1s|", "d693a400", "438", "3601001"]);
         let mut args = DecideArgs::new();
-        args.bucket(BucketArgs {
-            permits: 3,
-            flags: Flags::new(1, ScriptAlgorithm::TokenBucket, false),
-        });
-        args.band(BandArgs {
-            capacity: 10_000_000,
-            a: 1,
-            b: 360,
-        });
-        assert_eq!(args.one_token_bucket_argv(), Some(vec![10_000_000, 360, 3_601_001, 3]));
-        let mut args = DecideArgs::new();
-        args.bucket(tb(2, false));
+        args.bucket(tb(2, false, 1));
         args.band(band);
         args.band(band);
         assert_eq!(args.shape(), Shape::TokenBuckets);
         assert_eq!(args.one_token_bucket_argv(), None);
-        let mut args = DecideArgs::new();
-        args.bucket(tb(1, false));
+        // More permits than the capacity cost one unit more than the band holds.
+        args.bucket(tb(1, true, 99));
         args.band(band);
-        args.bucket(tb(1, true));
-        args.band(band);
-        assert_eq!(args.shape(), Shape::TokenBuckets);
+        assert_eq!(
+            text(&args.token_buckets_argv()),
+            [
+                "4",
+                "b0:10/1s|",
+                "e10",
+                "168",
+                "7",
+                "e10",
+                "168",
+                "7",
+                "3",
+                "b0:10/1s|",
+                "e10",
+                "f78",
+                "7"
+            ]
+        );
         args.bucket(BucketArgs {
             permits: 1,
             flags: Flags::new(1, ScriptAlgorithm::LeakyBucket, false),
-        });
-        args.band(band);
-        assert_eq!(args.shape(), Shape::General);
-        let mut args = DecideArgs::new();
-        args.bucket(BucketArgs {
-            permits: 1,
-            flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
+            layout: None,
         });
         args.band(band);
         assert_eq!(args.shape(), Shape::General);
     }
 
-    /// A one-band reply: the request's verdicts follow the band's and its mode.
+    /// A token-bucket reply: the script returns each band's debt, the verdicts and figures
+    /// follow as the script decided.
     #[test]
-    fn one_band_replies() {
-        for (allowed, shadow, verdicts) in [
-            (1, false, (true, true)),
-            (0, false, (false, true)),
-            (1, true, (true, true)),
-            (0, true, (true, false)),
+    fn token_replies() {
+        // 10 per 3,600 µs at scale 1: a permit costs 360 units, the band holds 3,600.
+        let band = BandArgs {
+            capacity: 10,
+            a: 1,
+            b: 360,
+        };
+        for (debt, shadow, verdicts, remaining, wait) in [
+            (0, false, (true, true), 9, Wait::None),
+            (3_600, false, (false, true), 0, Wait::After(Duration::from_micros(360))),
+            (3_500, false, (false, true), 0, Wait::After(Duration::from_micros(260))),
+            (3_240, true, (true, true), 0, Wait::None),
+            (3_600, true, (true, false), 0, Wait::After(Duration::from_micros(360))),
         ] {
-            let reply = Reply::decode_one(vec![42, allowed, 9, 100, 0], shadow).unwrap();
-            assert_eq!((reply.allowed, reply.shadow_allowed), verdicts);
+            let mut args = DecideArgs::new();
+            args.bucket(tb(1, shadow, 1));
+            args.band(band);
+            let reply = args.token_reply(&[42, debt]).unwrap();
+            assert_eq!((reply.allowed, reply.shadow_allowed), verdicts, "{debt}");
             assert_eq!(reply.now_us, 42);
             let bands: Vec<_> = reply.bands().collect();
             assert_eq!(bands.len(), 1);
-            assert_eq!(bands[0].allowed, allowed == 1);
-            assert_eq!(bands[0].remaining, 9);
+            assert_eq!(bands[0].allowed, wait == Wait::None);
+            assert_eq!(bands[0].remaining, remaining, "{debt}");
+            assert_eq!(bands[0].wait, wait, "{debt}");
         }
-        assert!(Reply::decode_one(vec![42, 1, 9, 100], false).is_err());
-        assert!(Reply::decode_one(vec![42, 1, 9, 100, 0, 0, 0, 0], false).is_err());
+        // Two rules: the second rejects, so the first commits nothing.
+        let mut args = DecideArgs::new();
+        args.bucket(tb(1, false, 1));
+        args.band(band);
+        args.bucket(tb(1, false, 11));
+        args.band(band);
+        let reply = args.token_reply(&[42, 360, 0]).unwrap();
+        assert!(!reply.allowed);
+        let bands: Vec<_> = reply.bands().collect();
+        assert_eq!(
+            bands,
+            [
+                BandReply {
+                    allowed: true,
+                    remaining: 9,
+                    reset_after: Duration::from_micros(360),
+                    wait: Wait::None,
+                },
+                BandReply {
+                    allowed: false,
+                    remaining: 10,
+                    reset_after: Duration::ZERO,
+                    wait: Wait::Never,
+                },
+            ]
+        );
+        assert!(args.token_reply(&[42, 0]).is_err());
+        assert!(args.token_reply(&[]).is_err());
     }
 
     #[test]
@@ -578,13 +792,46 @@ mod tests {
                 a: 60_000_000,
                 b: 0,
             },
+            place: None,
         });
-        assert_eq!(args.into_argv(), [1_700_000_000_000_000, 4, 3, 10, 60_000_000, 0]);
+        args.band(&RefundBand {
+            algorithm: ScriptAlgorithm::TokenBucket,
+            permits: 1,
+            band: BandArgs {
+                capacity: 10,
+                a: 1,
+                b: 360,
+            },
+            place: Some(RulePlace {
+                layout: Str::from_static("b0:10/1s|"),
+                index: 1,
+                count: 1,
+            }),
+        });
+        assert_eq!(
+            text(&args.into_argv()),
+            [
+                "1700000000000000",
+                "4",
+                "3",
+                "10",
+                "60000000",
+                "0",
+                "0",
+                "1",
+                "10",
+                "1",
+                "360",
+                "b0:10/1s|",
+                "1",
+                "1"
+            ]
+        );
     }
 
     #[test]
     fn replies() {
-        let reply = Reply::decode(vec![1, 0, 42, 1, 9, 100, 0, 0, 0, 7, -1], 2).unwrap();
+        let reply = Reply::decode(&[1, 0, 42, 1, 9, 100, 0, 0, 0, 7, -1], 2).unwrap();
         assert!(reply.allowed && !reply.shadow_allowed);
         assert_eq!(reply.now_us, 42);
         let bands: Vec<_> = reply.bands().collect();
@@ -620,7 +867,7 @@ mod tests {
             (vec![1, 1, 5], 1),
             (vec![1, 1, 5, 1, 2, 3, 4, 5], 1),
         ] {
-            let error = Reply::decode(numbers.clone(), bands).unwrap_err();
+            let error = Reply::decode(&numbers, bands).unwrap_err();
             assert_eq!(
                 error.to_string(),
                 format!(
@@ -629,7 +876,7 @@ mod tests {
                 )
             );
         }
-        assert!(Reply::decode(vec![1, 1, 5], 0).is_ok());
+        assert!(Reply::decode(&[1, 1, 5], 0).is_ok());
         assert!(RefundReply::decode(vec![1, 2, 3], 2).is_err());
     }
 }

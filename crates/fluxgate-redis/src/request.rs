@@ -2,14 +2,15 @@
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate_core::RuleError;
+use fred::bytes_utils::Str;
 
 use crate::band::{band_args, script_algorithm, script_number};
 use crate::key;
-use crate::protocol::{BandReply, BucketArgs, DecideArgs, Flags, RefundBand};
+use crate::protocol::{BandReply, BucketArgs, DecideArgs, Flags, RefundBand, RulePlace, ScriptAlgorithm};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
-    /// One key per band.
+    /// One key per token-bucket rule, one per band of the other algorithms.
     pub(crate) keys: Vec<String>,
     pub(crate) args: DecideArgs,
     /// Per band, in the order of `keys`.
@@ -20,6 +21,8 @@ pub(crate) struct Call {
 pub(crate) struct CallBand {
     /// Its position among all bands of the request.
     pub(crate) position: usize,
+    /// Its key, in the call's `keys`.
+    pub(crate) key: usize,
     /// Whether its rule is in shadow mode.
     pub(crate) shadow: bool,
     /// The deny-cache key of an enforced band (see [`key::deny_key`]), when the limiter
@@ -74,25 +77,47 @@ pub(crate) fn encode(
         let algorithm = script_algorithm(rule_set, rule, first)?;
         let permits = script_number(rule.permits(), rule_set, rule, first)?;
         let shadow = bucket.shadow();
+        let bands = rule
+            .bands()
+            .iter()
+            .map(|band| Ok((band, band_args(rule_set, rule, band)?)))
+            .collect::<Result<Vec<_>, RuleError>>()?;
+        // A token-bucket rule is one key, its bands named in its layout.
+        let layout = (algorithm == ScriptAlgorithm::TokenBucket).then(|| {
+            call.keys.push(key::rule_key(prefix, &tag));
+            Str::from(key::layout(bands.iter().map(|(band, args)| (*band, args.capacity))))
+        });
         call.args.bucket(BucketArgs {
             permits,
-            flags: Flags::new(rule.bands().len(), algorithm, shadow),
+            flags: Flags::new(bands.len(), algorithm, shadow),
+            layout: layout.clone(),
         });
-        for band in rule.bands().iter() {
-            let args = band_args(rule_set, rule, band)?;
-            let band_key = key::band_key(prefix, &tag, band, args.capacity, algorithm);
+        let count = i64::try_from(bands.len()).unwrap_or(i64::MAX);
+        for (index, &(band, args)) in (1..).zip(&bands) {
+            let band_key = (layout.is_none() || (with_deny_keys && !shadow))
+                .then(|| key::band_key(prefix, &tag, band, args.capacity, algorithm));
             call.args.band(args);
+            if layout.is_none() {
+                call.keys.push(band_key.clone().unwrap_or_default());
+            }
             call.bands.push(CallBand {
                 position,
+                key: call.keys.len() - 1,
                 shadow,
-                deny_key: (with_deny_keys && !shadow).then(|| key::deny_key(&band_key, rule.permits())),
+                deny_key: band_key
+                    .filter(|_| with_deny_keys && !shadow)
+                    .map(|k| key::deny_key(&k, rule.permits())),
                 refund: RefundBand {
                     algorithm,
                     permits: permits.min(args.capacity),
                     band: args,
+                    place: layout.as_ref().map(|layout| RulePlace {
+                        layout: layout.clone(),
+                        index,
+                        count,
+                    }),
                 },
             });
-            call.keys.push(band_key);
             position += 1;
         }
     }

@@ -2,6 +2,7 @@
 //! within the deadline, loaded again and retried after `NOSCRIPT`.
 
 use fred::types::scripts::Script;
+use fred::types::Value;
 
 use crate::connection::Connection;
 use crate::error::RedisError;
@@ -12,13 +13,14 @@ use crate::protocol::{DecideArgs, RefundArgs, RefundReply, Reply, Shape};
 /// `lua/`.
 pub const DECIDE_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/decide.lua"));
 
-/// The decision script of a request of one token-bucket band (`lua/one_token_bucket.lua`):
-/// the common case, decided as [`DECIDE_LUA`] would, with fewer arguments and at less cost.
+/// The decision script of a request of one token-bucket rule of one band
+/// (`lua/one_token_bucket.lua`): the common case, decided as [`DECIDE_LUA`] would, with
+/// fewer arguments and at less cost.
 pub const ONE_TOKEN_BUCKET_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/one_token_bucket.lua"));
 
 /// The decision script of a request whose rules are all token buckets
-/// (`lua/token_buckets.lua`, after `lua/protocol.lua`): [`DECIDE_LUA`]'s arguments and
-/// reply, at less cost.
+/// (`lua/token_buckets.lua`, after `lua/layout.lua`): decided as [`DECIDE_LUA`] would, at
+/// less cost.
 pub const TOKEN_BUCKETS_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/token_buckets.lua"));
 
 /// The refund script, for requests that a cluster's hash slots decided differently: the
@@ -68,27 +70,27 @@ impl Scripts {
         self.decide.sha1()
     }
 
-    /// One decision call: `keys`, one per band, and their arguments, sent to the script of
-    /// their [`Shape`].
+    /// One decision call: `keys` (one per token-bucket rule, one per band of the other
+    /// algorithms) and their arguments, sent to the script of their [`Shape`].
     ///
     /// # Errors
     ///
     /// As [`Scripts::run`], and [`RedisError::Reply`] for a reply of the wrong shape.
-    pub(crate) async fn decide(&self, keys: Vec<String>, args: DecideArgs) -> Result<Reply, RedisError> {
-        let bands = keys.len();
-        let script = match args.shape() {
-            Shape::OneTokenBucket { shadow } => {
-                if let Some(argv) = args.one_token_bucket_argv() {
-                    let reply = self.run(&self.one_token_bucket, keys, argv).await?;
-                    return Reply::decode_one(reply, shadow);
-                }
-                &self.decide
+    pub(crate) async fn decide(&self, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+        match args.shape() {
+            Shape::OneTokenBucket | Shape::TokenBuckets => {
+                let (script, argv) = match args.one_token_bucket_argv() {
+                    Some(argv) => (&self.one_token_bucket, argv),
+                    None => (&self.token_buckets, args.token_buckets_argv()),
+                };
+                let reply = self.run(script, keys, argv).await?;
+                args.token_reply(&reply)
             }
-            Shape::TokenBuckets => &self.token_buckets,
-            Shape::General => &self.decide,
-        };
-        let reply = self.run(script, keys, args.into_argv()).await?;
-        Reply::decode(reply, bands)
+            Shape::General => {
+                let reply = self.run(&self.decide, keys, args.general_argv()).await?;
+                Reply::decode(&reply, args.band_count())
+            }
+        }
     }
 
     /// One refund call: `keys`, one per band to refund, and their arguments.
@@ -109,7 +111,7 @@ impl Scripts {
     ///
     /// [`RedisError::Command`] when Redis fails the call, [`RedisError::Timeout`] when it
     /// does not answer in time.
-    async fn run(&self, script: &Script, keys: Vec<String>, args: Vec<i64>) -> Result<Vec<i64>, RedisError> {
+    async fn run(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
         // fred's future is large: boxed once here, the futures around it (the deadline, the
         // decision, the limiter's) stay small, and moving them copies a pointer instead of
         // kilobytes.
@@ -127,7 +129,8 @@ mod tests {
     #[test]
     fn a_decision_future_is_small() {
         let scripts = Scripts::new(Connection::client(fred::clients::Client::default()));
-        let future = scripts.decide(Vec::new(), DecideArgs::new());
+        let args = DecideArgs::new();
+        let future = scripts.decide(Vec::new(), &args);
         let size = std::mem::size_of_val(&future);
         assert!(size <= 512, "{size} bytes");
     }
