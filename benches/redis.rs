@@ -448,7 +448,8 @@ fn against_the_peer(rt: &tokio::runtime::Runtime) {
         rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
         rt.block_on(fluxgate_layer()).print();
         rt.block_on(peer_layer()).print();
-        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO)).print();
+        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
+            .print();
     }
 }
 

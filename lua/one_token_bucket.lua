@@ -70,9 +70,9 @@ if d <= cap then
   end
   local frac = d - whole * scale
   if frac == 0 then
-    redis.call('SET', key, string.format('%s%x', layout, now + whole), 'PX', ttl)
+    redis.call('PSETEX', key, ttl, string.format('%s%x', layout, now + whole))
   else
-    redis.call('SET', key, string.format('%s%x:%x', layout, now + whole, frac), 'PX', ttl)
+    redis.call('PSETEX', key, ttl, string.format('%s%x:%x', layout, now + whole, frac))
   end
 end
 return {now, debt}

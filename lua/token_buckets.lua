@@ -120,7 +120,7 @@ if allowed then
     end
     if write then
       window = window / 1000
-      redis.call('SET', KEYS[r], value, 'PX', string.format('%d', window - window % 1 + 1001))
+      redis.call('PSETEX', KEYS[r], string.format('%d', window - window % 1 + 1001), value)
     end
   end
 end

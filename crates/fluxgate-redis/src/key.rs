@@ -31,29 +31,16 @@ pub(crate) fn rule_key(prefix: &str, tag: &str) -> String {
 }
 
 /// What names a band among its rule's, `<band>:<capacity>/<window>`, into `out`: a band
-/// whose name, capacity or window changes is another band, which starts full.
+/// whose name, capacity or window changes is another band, which starts full. A
+/// token-bucket rule's key holds its layout, its bands' tags joined by commas, then `|`,
+/// then their states (see `lua/token_bucket.lua`, "State"). Tags hold no `,` nor `|`: band
+/// names are `A-Z a-z 0-9 _ - .`, capacities digits, windows digits and a unit.
 pub(crate) fn push_band_tag(out: &mut String, band: &Band, capacity: i64) {
     out.push_str(band.name().as_ref());
     out.push(':');
     let _ = write!(out, "{capacity}"); // writing to a String cannot fail
     out.push('/');
     out.push_str(&fluxgate_core::rule::format_duration(band.window()));
-}
-
-/// The layout of a token-bucket rule's key: its bands' tags ([`push_band_tag`]), joined by
-/// commas, then `|`, after which the key's value holds the bands' states (see
-/// `lua/token_bucket.lua`, "State"). Tags hold no `,` nor `|`: band names are
-/// `A-Z a-z 0-9 _ - .`, capacities digits, windows digits and a unit.
-pub(crate) fn layout<'a>(bands: impl Iterator<Item = (&'a Band, i64)>) -> String {
-    let mut layout = String::with_capacity(32);
-    for (i, (band, capacity)) in bands.enumerate() {
-        if i > 0 {
-            layout.push(',');
-        }
-        push_band_tag(&mut layout, band, capacity);
-    }
-    layout.push('|');
-    layout
 }
 
 /// The key of a band of a bucket (`tag`, from [`hash_tag`]): the key of a band of the
@@ -77,6 +64,18 @@ pub(crate) fn deny_key(band_key: &str, permits: u64) -> String {
     let mut key = String::with_capacity(band_key.len() + 21);
     key.push_str(band_key);
     key.push('#');
+    let _ = write!(key, "{permits}"); // writing to a String cannot fail
+    key
+}
+
+/// The deny cache's key of band `band_tag` of the token-bucket rule of key `rule_key`, for
+/// requests of a cost: `<rule key>:<band tag>#<cost>`, what [`deny_key`] makes of the
+/// band's name as [`band_key`] writes it.
+pub(crate) fn deny_key_in_rule(rule_key: &str, band_tag: &str, permits: u64) -> String {
+    let mut key = String::with_capacity(rule_key.len() + band_tag.len() + 22);
+    for part in [rule_key, ":", band_tag, "#"] {
+        key.push_str(part);
+    }
     let _ = write!(key, "{permits}"); // writing to a String cannot fail
     key
 }
@@ -124,6 +123,7 @@ mod tests {
     #[test]
     fn deny_keys_name_the_cost() {
         assert_eq!(deny_key("k", 12), "k#12");
+        assert_eq!(deny_key_in_rule("p:{t}", "b0:10/1s", 3), "p:{t}:b0:10/1s#3");
     }
 
     #[test]

@@ -77,36 +77,56 @@ pub(crate) fn encode(
         let algorithm = script_algorithm(rule_set, rule, first)?;
         let permits = script_number(rule.permits(), rule_set, rule, first)?;
         let shadow = bucket.shadow();
-        let bands = rule
-            .bands()
-            .iter()
-            .map(|band| Ok((band, band_args(rule_set, rule, band)?)))
-            .collect::<Result<Vec<_>, RuleError>>()?;
-        // A token-bucket rule is one key, its bands named in its layout.
-        let layout = (algorithm == ScriptAlgorithm::TokenBucket).then(|| {
-            call.keys.push(key::rule_key(prefix, &tag));
-            Str::from(key::layout(bands.iter().map(|(band, args)| (*band, args.capacity))))
-        });
+        let (layout, tags) = if algorithm == ScriptAlgorithm::TokenBucket {
+            // A token-bucket rule is one key, its bands named in its layout.
+            let mut layout = String::with_capacity(32);
+            for (i, band) in rule.bands().iter().enumerate() {
+                if i > 0 {
+                    layout.push(',');
+                }
+                key::push_band_tag(&mut layout, band, band_args(rule_set, rule, band)?.capacity);
+            }
+            layout.push('|');
+            let rule_key = key::rule_key(prefix, &tag);
+            // The deny cache names a band `<rule key>:<band tag>`, as the other algorithms'
+            // keys are named (see `key::deny_key`).
+            let tags: Vec<String> = if with_deny_keys && !shadow {
+                layout[..layout.len() - 1]
+                    .split(',')
+                    .map(|band_tag| key::deny_key_in_rule(&rule_key, band_tag, rule.permits()))
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            call.keys.push(rule_key);
+            (Some(Str::from(layout)), tags)
+        } else {
+            (None, Vec::new())
+        };
+        let count = rule.bands().len();
         call.args.bucket(BucketArgs {
             permits,
-            flags: Flags::new(bands.len(), algorithm, shadow),
+            flags: Flags::new(count, algorithm, shadow),
             layout: layout.clone(),
         });
-        let count = i64::try_from(bands.len()).unwrap_or(i64::MAX);
-        for (index, &(band, args)) in (1..).zip(&bands) {
-            let band_key = (layout.is_none() || (with_deny_keys && !shadow))
-                .then(|| key::band_key(prefix, &tag, band, args.capacity, algorithm));
+        let mut tags = tags.into_iter();
+        for (index, band) in (1..).zip(rule.bands().iter()) {
+            let args = band_args(rule_set, rule, band)?;
             call.args.band(args);
-            if layout.is_none() {
-                call.keys.push(band_key.clone().unwrap_or_default());
-            }
+            let deny_key = match layout {
+                Some(_) => tags.next(),
+                None => {
+                    let band_key = key::band_key(prefix, &tag, band, args.capacity, algorithm);
+                    let deny_key = (with_deny_keys && !shadow).then(|| key::deny_key(&band_key, rule.permits()));
+                    call.keys.push(band_key);
+                    deny_key
+                }
+            };
             call.bands.push(CallBand {
                 position,
                 key: call.keys.len() - 1,
                 shadow,
-                deny_key: band_key
-                    .filter(|_| with_deny_keys && !shadow)
-                    .map(|k| key::deny_key(&k, rule.permits())),
+                deny_key,
                 refund: RefundBand {
                     algorithm,
                     permits: permits.min(args.capacity),
@@ -114,7 +134,7 @@ pub(crate) fn encode(
                     place: layout.as_ref().map(|layout| RulePlace {
                         layout: layout.clone(),
                         index,
-                        count,
+                        count: i64::try_from(count).unwrap_or(i64::MAX),
                     }),
                 },
             });
