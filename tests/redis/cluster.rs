@@ -313,12 +313,16 @@ rule_sets:
         let gave_up = tokio::time::timeout(Duration::from_millis(200), engine.check(&at(&ip))).await;
         assert!(gave_up.is_err(), "the paused slot answered early");
         // After the pause the global slot rejects, and the per-IP slot is refunded.
-        let key = format!("dropped:{{default:per-ip:ip={ip}}}:b0:1/1h");
+        // The rule's key: its layout, then its band's instant in hexadecimal.
+        let key = format!("dropped:{{default:per-ip:ip={ip}}}");
         let node = cluster.node_of_key(&key);
+        let stored = node.cli(&["GET", &key]);
+        assert!(stored.starts_with("b0:1/1h|"), "the request was committed in its slot: {stored}");
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             let stored = node.cli(&["GET", &key]);
-            let tat: u64 = stored.trim().split(':').next().unwrap_or("0").parse().unwrap_or(0);
+            let state = stored.trim().strip_prefix("b0:1/1h|").unwrap_or("0");
+            let tat = u64::from_str_radix(state.split(':').next().unwrap_or("0"), 16).unwrap_or(0);
             if tat <= redis_time_us(node) {
                 break; // full again
             }
