@@ -7,17 +7,19 @@
 -- rule, and one SET (with its expiry) writes each committed one. The script returns each
 -- band's debt before the request and the caller derives the decision and the figures, as
 -- the script does. Redis runs a script from its first line on every call and converts
--- every number it is given, so this one makes two tables (the bands' new debts and the
--- reply) and converts its numbers in hexadecimal (strtoul instead of strtod).
+-- every number it is given, so this one makes three tables (the bands' new debts and
+-- scales, the rules' longest windows, the reply), converts each number once, in
+-- hexadecimal (strtoul instead of strtod), and writes each rule's value by concatenation.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local values = redis.call('MGET', unpack(KEYS))
 
 -- Pass 1: each band's debt (how far its instant lies ahead of now, in units, at most its
--- capacity in units) into the reply, and its debt after the request; a rule admits when
--- each of its bands does.
-local debts = {}
+-- capacity in units) into the reply, its debt after the request and its scale into
+-- `debts`, each rule's longest window (µs) into `windows`; a rule admits when each of its
+-- bands does.
+local debts, windows = {}, {}
 local reply = {now}
 local allowed, shadow_allowed = true, true
 local arg, n = 1, 0
@@ -34,7 +36,7 @@ for r = 1, #KEYS do
       states = matching_states(v, layout)
     end
   end
-  local admits = true
+  local admits, window = true, 0
   for i = 1, (flags - flags % 2) / 2 do
     local cap, cost, scale = tonumber(ARGV[arg], 16), tonumber(ARGV[arg + 1], 16), ARGV[arg + 2]
     scale = scale == '1' and 1 or tonumber(scale, 16)
@@ -64,11 +66,16 @@ for r = 1, #KEYS do
     n = n + 1
     reply[n + 1] = debt
     debt = debt + cost
-    debts[n] = debt
+    debts[2 * n - 1] = debt
+    debts[2 * n] = scale
     if debt > cap then
       admits = false
     end
+    if cap > window * scale then
+      window = cap / scale
+    end
   end
+  windows[r] = window
   if not admits then
     if flags % 2 == 1 then
       shadow_allowed = false
@@ -85,19 +92,14 @@ if allowed then
   arg, n = 1, 0
   for r = 1, #KEYS do
     local flags = tonumber(ARGV[arg], 16)
-    local value = ARGV[arg + 1]
-    arg = arg + 2
-    local write = shadow_allowed or flags % 2 == 0
-    local window = 0
-    for i = 1, (flags - flags % 2) / 2 do
-      n = n + 1
-      if write then
-        local d, scale = debts[n], ARGV[arg + 2]
-        scale = scale == '1' and 1 or tonumber(scale, 16)
-        local w = tonumber(ARGV[arg], 16) / scale
-        if w > window then
-          window = w
-        end
+    local layout = ARGV[arg + 1]
+    local count = (flags - flags % 2) / 2
+    arg = arg + 2 + 3 * count
+    if shadow_allowed or flags % 2 == 0 then
+      local value = layout
+      for i = 1, count do
+        n = n + 1
+        local d, scale = debts[2 * n - 1], debts[2 * n]
         -- The floor of d / scale, the double quotient corrected by one when it is off.
         local whole = d / scale
         whole = whole - whole % 1
@@ -116,11 +118,10 @@ if allowed then
           value = value .. string.format('%x:%x', now + whole, frac)
         end
       end
-      arg = arg + 3
-    end
-    if write then
-      window = window / 1000
+      local window = windows[r] / 1000
       redis.call('PSETEX', KEYS[r], string.format('%d', window - window % 1 + 1001), value)
+    else
+      n = n + count
     end
   end
 end
