@@ -146,7 +146,10 @@ rule_sets:
         const MINUTE_10: &str = "{ capacity: 10, window: 1m, label: minute }";
         const MINUTE_20: &str = "{ capacity: 20, window: 1m, label: minute }";
         const HOUR: &str = "{ capacity: 100, window: 1h, label: hour }";
-        let steps: [(String, bool, &[(&str, u64)]); 7] = [
+        // The rule's bands, whether a rule of another algorithm comes with it, and the
+        // remaining permits of each band after one request.
+        type Step = (String, bool, &'static [(&'static str, u64)]);
+        let steps: [Step; 7] = [
             (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 9), ("hour", 99)]),
             (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 8), ("hour", 98)]),
             // The minute's capacity changed: it starts full, the hour keeps its count.

@@ -317,7 +317,10 @@ rule_sets:
         let key = format!("dropped:{{default:per-ip:ip={ip}}}");
         let node = cluster.node_of_key(&key);
         let stored = node.cli(&["GET", &key]);
-        assert!(stored.starts_with("b0:1/1h|"), "the request was committed in its slot: {stored}");
+        assert!(
+            stored.starts_with("b0:1/1h|"),
+            "the request was committed in its slot: {stored}"
+        );
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
             let stored = node.cli(&["GET", &key]);
