@@ -29,13 +29,17 @@
 //!
 //! # Keys
 //!
-//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>` (the window as in
-//! rule files: `500ms`, `1m`, `1h`), followed by `:lb`, `:fw`, `:swl` or `:swc` for the
-//! leaky bucket, fixed window, sliding window log and sliding window counter. Rule set and
-//! rule ids and band names are validated ids, and key values are encoded by
-//! [`fluxgate_core::key`] so that no user value contains `{`, `}` or `:`, nor grows without
-//! bound. The braces make all bands of one rule share a hash slot. A key expires one
-//! second after its state stops counting (see `docs/algorithms.md`).
+//! A token-bucket rule is one key, `<prefix>:{<rule set>:<rule>:<key value>}`, for all its
+//! bands: its value names them, `<band>:<capacity>/<window>` each (the window as in rule
+//! files: `500ms`, `1m`, `1h`), then holds their states, so that a band whose name, capacity
+//! or window changes starts full and the others keep their counts. The other algorithms
+//! keep a key per band, `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>`
+//! followed by `:lb`, `:fw`, `:swl` or `:swc` for the leaky bucket, fixed window, sliding
+//! window log and sliding window counter. Rule set and rule ids and band names are
+//! validated ids, and key values are encoded by [`fluxgate_core::key`] so that no user value
+//! contains `{`, `}` or `:`, nor grows without bound. The braces make all keys of one rule
+//! share a hash slot. A key expires one second after its state stops counting (see
+//! `docs/algorithms.md` and `lua/README.md`).
 //!
 //! # Deployments
 //!
