@@ -24,5 +24,5 @@ end
 -- Refund: the instant moves back by the cost even before now, by whole leak intervals, so
 -- the leak grid stays put (see gcra_refund in token_bucket.lua).
 local function leaky_bucket_refund(key, decided, permits, capacity, scale, interval)
-  gcra_refund(key, decided, permits, capacity, scale, interval, true)
+  gcra_refund(key, decided, permits, capacity, scale, interval)
 end

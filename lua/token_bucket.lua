@@ -162,22 +162,17 @@ local function gcra_store(key, debt, _, capacity, scale, interval)
 end
 
 -- Refund of the leaky bucket (a key per band; token_bucket_refund above is the token
--- bucket's): the stored instant moves back by the cost, as if
--- the request had never come. Nothing ahead of now is a full token bucket, or an empty
--- queue whose grid a move by whole intervals would leave where it is: nothing to do. A
--- token bucket whose instant would fall before now is full: it is stored as now. With
--- `keep_grid` (the leaky bucket) the instant may fall before now: it anchors the leak grid,
+-- bucket's): the stored instant moves back by the cost, as if the request had never come.
+-- Nothing ahead of now is an empty queue whose grid a move by whole intervals would leave
+-- where it is: nothing to do. The instant may fall before now: it anchors the leak grid,
 -- which must not move, and moving it back by whole leak intervals keeps it where it was.
-local function gcra_refund(key, _, permits, _, scale, interval, keep_grid)
+local function gcra_refund(key, _, permits, _, scale, interval)
   local tat, frac = tat_of(key)
   local debt = debt_of(tat, frac, scale)
   if not debt then
     return
   end
   debt = debt - permits * interval
-  if not keep_grid and debt < 0 then
-    debt = 0
-  end
   -- idiv floors, so a negative debt gives an instant before now and frac >= 0.
   local whole = idiv(debt, scale)
   local value = string.format('%.0f', now + whole)
