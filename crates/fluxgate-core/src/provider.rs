@@ -25,9 +25,10 @@ pub type CheckFn = dyn Fn(&RuleSet) -> Result<(), RuleError> + Send + Sync;
 pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     /// The rule set with this id.
     ///
-    /// The `Arc` handed out need not be the provider's own: the providers of this crate
-    /// hand each thread a copy of its own of the rule set, equal to it, so that threads
-    /// deciding at the same time do not write one shared reference count.
+    /// The `Arc` handed out need not be the provider's own: `RuleSets`,
+    /// `StaticRuleSetProvider` and `ReloadingRuleSetProvider` hand each thread a copy of
+    /// its own of the rule set, equal to it, so that threads deciding at the same time do
+    /// not write one shared reference count.
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup>;
 
     /// Checks every rule set the provider holds now with `check`, and keeps `check` for
