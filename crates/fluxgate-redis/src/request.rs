@@ -3,10 +3,11 @@
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate_core::RuleError;
 use fred::bytes_utils::Str;
+use smallvec::SmallVec;
 
 use crate::band::{band_args, script_algorithm, script_number};
 use crate::key;
-use crate::protocol::{BandReply, BucketArgs, DecideArgs, Flags, RefundBand, RulePlace, ScriptAlgorithm};
+use crate::protocol::{BandArgs, BandReply, BucketArgs, DecideArgs, Flags, RefundBand, RulePlace, ScriptAlgorithm};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -77,14 +78,20 @@ pub(crate) fn encode(
         let algorithm = script_algorithm(rule_set, rule, first)?;
         let permits = script_number(rule.permits(), rule_set, rule, first)?;
         let shadow = bucket.shadow();
+        // Each band's numbers for the scripts, worked out once for the layout and the arguments.
+        let band_numbers = rule
+            .bands()
+            .iter()
+            .map(|band| band_args(rule_set, rule, band))
+            .collect::<Result<SmallVec<[BandArgs; 4]>, RuleError>>()?;
         let (layout, tags) = if algorithm == ScriptAlgorithm::TokenBucket {
             // A token-bucket rule is one key, its bands named in its layout.
             let mut layout = String::with_capacity(32);
-            for (i, band) in rule.bands().iter().enumerate() {
+            for (i, (band, args)) in rule.bands().iter().zip(&band_numbers).enumerate() {
                 if i > 0 {
                     layout.push(',');
                 }
-                key::push_band_tag(&mut layout, band, band_args(rule_set, rule, band)?.capacity);
+                key::push_band_tag(&mut layout, band, args.capacity);
             }
             layout.push('|');
             let rule_key = key::rule_key(prefix, &tag);
@@ -110,8 +117,7 @@ pub(crate) fn encode(
             layout: layout.clone(),
         });
         let mut tags = tags.into_iter();
-        for (index, band) in (1..).zip(rule.bands().iter()) {
-            let args = band_args(rule_set, rule, band)?;
+        for ((index, band), &args) in (1..).zip(rule.bands().iter()).zip(&band_numbers) {
             call.args.band(args);
             let deny_key = match layout {
                 Some(_) => tags.next(),
