@@ -2,15 +2,21 @@
 //! without Redis. Only time adds capacity to a band (refunds aside, which is why a
 //! cluster has no deny cache), so a remembered denial never outlives the real one.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Wait};
 
 use crate::request::{Call, CallBand};
 
-/// Denials by deny-cache key (a band's key and the cost, see `key::deny_key`).
+/// Denials by deny-cache key (a band's key and the cost, see `key::cost_part`).
 pub(crate) struct DenyCache {
     denials: moka::sync::Cache<String, Denial>,
+    /// The instants are counted from here.
+    epoch: Instant,
+    /// The end of the latest denial remembered, in µs from `epoch` (rounded up): once it
+    /// has passed, no denial holds and a request's bands need not be looked up.
+    latest_us: AtomicU64,
 }
 
 /// A band that rejected: until `until` it rejects every request of the same cost, because
@@ -32,13 +38,24 @@ impl DenyCache {
                 .time_to_live(Duration::from_secs(60))
                 .support_invalidation_closures()
                 .build(),
+            epoch: Instant::now(),
+            latest_us: AtomicU64::new(0),
         }
+    }
+
+    /// `at` in µs from the epoch, rounded up.
+    fn micros(&self, at: Instant) -> u64 {
+        let since = at.saturating_duration_since(self.epoch);
+        u64::try_from(since.as_micros()).unwrap_or(u64::MAX).saturating_add(1)
     }
 
     /// A rejection, when a band of the request is known to reject it. It repeats what Redis
     /// said of that band: its remaining permits and the instant it is full again; the
     /// retry-after counts down to the end of the denial.
     pub(crate) fn check(&self, request: &AcquireRequest, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
+        if self.latest_us.load(Ordering::Relaxed) <= self.micros(now) {
+            return None; // every denial remembered has ended
+        }
         let (position, denial) = calls.iter().flat_map(|call| &call.bands).find_map(|band| {
             let denial = self.denials.get(band.deny_key.as_ref()?)?;
             (denial.until > now).then_some((band.position, denial))
@@ -84,6 +101,7 @@ impl DenyCache {
                     reset_at: report.reset_at,
                 };
                 self.denials.insert(key.clone(), denial);
+                self.latest_us.fetch_max(self.micros(denial.until), Ordering::Relaxed);
             }
         }
     }
