@@ -25,7 +25,8 @@
 //! engine and runtime; `getrusage` through `/proc/self/stat`) per decision.
 //! `cargo bench --bench redis -- algorithms` runs only the comparison of the algorithms,
 //! `-- bands` only the table of bands and rules, `-- peer` only FluxGate's engine and layer
-//! 1x1, the peer's layer and the engine 3x2, twice each in turn.
+//! 1x1, the peer's layer and the engine 3x2, twice each in turn; `-- 1x1`, `-- 3x2`,
+//! `-- layer` or `-- peer-layer` only that one measurement, once (to profile it).
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -372,7 +373,7 @@ fn main() {
         .build()
         .unwrap();
     println!("{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement", secs());
-    let groups = ["algorithms", "bands", "peer"];
+    let groups = ["algorithms", "bands", "peer", "1x1", "3x2", "layer", "peer-layer"];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
     if only.is_empty() {
@@ -380,6 +381,19 @@ fn main() {
     }
     if !only.is_empty() && run("peer") {
         against_the_peer(&rt);
+    }
+    if !only.is_empty() && run("1x1") {
+        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
+    }
+    if !only.is_empty() && run("layer") {
+        rt.block_on(fluxgate_layer()).print();
+    }
+    if !only.is_empty() && run("peer-layer") {
+        rt.block_on(peer_layer()).print();
+    }
+    if !only.is_empty() && run("3x2") {
+        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
+            .print();
     }
     if run("algorithms") {
         for algorithm in fluxgate::Algorithm::ALL {

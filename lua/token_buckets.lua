@@ -15,14 +15,15 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local values = redis.call('MGET', unpack(KEYS))
 
--- Pass 1: each band's debt (how far its instant lies ahead of now, in units, at most its
--- capacity in units) into the reply, its debt after the request and its scale into
--- `debts`, each rule's longest window (µs) into `windows`; a rule admits when each of its
--- bands does.
-local debts, windows = {}, {}
+-- One pass: each band's debt (how far its instant lies ahead of now, in units, at most its
+-- capacity in units) into the reply; a rule admits when each of its bands does, and then
+-- its new value (its layout, then each band's state after the request) and its expiry
+-- (its longest window plus one second, in ms) go into `writes`, with whether it is in
+-- shadow mode.
 local reply = {now}
+local writes = {}
 local allowed, shadow_allowed = true, true
-local arg, n = 1, 0
+local arg, n = 1, 1
 for r = 1, #KEYS do
   local flags = tonumber(ARGV[arg], 16)
   local layout = ARGV[arg + 1]
@@ -36,11 +37,16 @@ for r = 1, #KEYS do
       states = matching_states(v, layout)
     end
   end
-  local admits, window = true, 0
-  for i = 1, (flags - flags % 2) / 2 do
-    local cap, cost, scale = tonumber(ARGV[arg], 16), tonumber(ARGV[arg + 1], 16), ARGV[arg + 2]
-    scale = scale == '1' and 1 or tonumber(scale, 16)
-    arg = arg + 3
+  local value, window = layout, 0
+  local scaled = flags % 4 >= 2
+  for i = 1, (flags - flags % 4) / 4 do
+    local cap, cost, scale = tonumber(ARGV[arg], 16), tonumber(ARGV[arg + 1], 16), 1
+    if scaled then
+      scale = tonumber(ARGV[arg + 2], 16)
+      arg = arg + 3
+    else
+      arg = arg + 2
+    end
     local s
     if at then
       local bar = string.find(v, '|', at, true)
@@ -64,64 +70,53 @@ for r = 1, #KEYS do
       end
     end
     n = n + 1
-    reply[n + 1] = debt
-    debt = debt + cost
-    debts[2 * n - 1] = debt
-    debts[2 * n] = scale
-    if debt > cap then
-      admits = false
-    end
-    if cap > window * scale then
-      window = cap / scale
+    reply[n] = debt
+    local d = debt + cost
+    if d > cap then
+      value = false
+    elseif value then
+      -- The band's state after the request: the floor of d / scale, the double quotient
+      -- corrected by one when it is off, and the remainder.
+      local whole = d / scale
+      whole = whole - whole % 1
+      if whole * scale > d then
+        whole = whole - 1
+      elseif (whole + 1) * scale <= d then
+        whole = whole + 1
+      end
+      local frac = d - whole * scale
+      if i > 1 then
+        value = value .. '|'
+      end
+      if frac == 0 then
+        value = value .. string.format('%x', now + whole)
+      else
+        value = value .. string.format('%x:%x', now + whole, frac)
+      end
+      if cap > window * scale then
+        window = cap / scale
+      end
     end
   end
-  windows[r] = window
-  if not admits then
-    if flags % 2 == 1 then
+  local shadow = flags % 2 == 1
+  if not value then
+    if shadow then
       shadow_allowed = false
     else
       allowed = false
     end
   end
+  writes[3 * r - 2], writes[3 * r - 1], writes[3 * r] = value, window, shadow
 end
 
--- Pass 2: when the enforced rules admitted, one SET per rule to commit (a shadow rule only
--- when every shadow rule admitted), the key outliving the rule's longest window by one
--- second.
+-- When the enforced rules admitted, one write per rule to commit (a shadow rule only when
+-- every shadow rule admitted), the key outliving the rule's longest window by one second.
 if allowed then
-  arg, n = 1, 0
   for r = 1, #KEYS do
-    local flags = tonumber(ARGV[arg], 16)
-    local layout = ARGV[arg + 1]
-    local count = (flags - flags % 2) / 2
-    arg = arg + 2 + 3 * count
-    if shadow_allowed or flags % 2 == 0 then
-      local value = layout
-      for i = 1, count do
-        n = n + 1
-        local d, scale = debts[2 * n - 1], debts[2 * n]
-        -- The floor of d / scale, the double quotient corrected by one when it is off.
-        local whole = d / scale
-        whole = whole - whole % 1
-        if whole * scale > d then
-          whole = whole - 1
-        elseif (whole + 1) * scale <= d then
-          whole = whole + 1
-        end
-        local frac = d - whole * scale
-        if i > 1 then
-          value = value .. '|'
-        end
-        if frac == 0 then
-          value = value .. string.format('%x', now + whole)
-        else
-          value = value .. string.format('%x:%x', now + whole, frac)
-        end
-      end
-      local window = windows[r] / 1000
+    local value = writes[3 * r - 2]
+    if value and (shadow_allowed or not writes[3 * r]) then
+      local window = writes[3 * r - 1] / 1000
       redis.call('PSETEX', KEYS[r], string.format('%d', window - window % 1 + 1001), value)
-    else
-      n = n + count
     end
   end
 end

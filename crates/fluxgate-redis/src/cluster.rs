@@ -121,7 +121,9 @@ async fn refund(
         let mut keys = Vec::new();
         let mut positions = Vec::new();
         for j in bands {
-            args.band(&call.bands[j].refund);
+            if let Some(refund) = call.bands[j].refund() {
+                args.band(&refund);
+            }
             keys.push(call.keys[call.bands[j].key].clone());
             positions.push(call.bands[j].position);
         }

@@ -43,41 +43,27 @@ pub(crate) fn push_band_tag(out: &mut String, band: &Band, capacity: i64) {
     out.push_str(&fluxgate_core::rule::format_duration(band.window()));
 }
 
-/// The key of a band of a bucket (`tag`, from [`hash_tag`]): the key of a band of the
-/// algorithms other than the token bucket, and the name of any band in the deny cache.
-pub(crate) fn band_key(prefix: &str, tag: &str, band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
-    // Written part by part into one allocation.
-    let mut key = String::with_capacity(prefix.len() + tag.len() + 48);
-    for part in [prefix, ":", tag, ":"] {
-        key.push_str(part);
-    }
-    push_band_tag(&mut key, band, capacity);
+/// What follows a bucket's key (`<prefix>:<hash tag>`, from [`rule_key`]) in the key of
+/// one of its bands, `:<band tag>[:<suffix>]`: the key of a band of the algorithms other
+/// than the token bucket, and the name of any band in the deny cache.
+pub(crate) fn band_part(band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
+    let mut part = String::with_capacity(48);
+    part.push(':');
+    push_band_tag(&mut part, band, capacity);
     if let Some(suffix) = suffix(algorithm) {
-        key.push(':');
-        key.push_str(suffix);
+        part.push(':');
+        part.push_str(suffix);
     }
-    key
+    part
 }
 
-/// The deny cache's key of a band for requests of a cost: a denial holds for one cost.
-pub(crate) fn deny_key(band_key: &str, permits: u64) -> String {
-    let mut key = String::with_capacity(band_key.len() + 21);
-    key.push_str(band_key);
-    key.push('#');
-    let _ = write!(key, "{permits}"); // writing to a String cannot fail
-    key
-}
-
-/// The deny cache's key of band `band_tag` of the token-bucket rule of key `rule_key`, for
-/// requests of a cost: `<rule key>:<band tag>#<cost>`, what [`deny_key`] makes of the
-/// band's name as [`band_key`] writes it.
-pub(crate) fn deny_key_in_rule(rule_key: &str, band_tag: &str, permits: u64) -> String {
-    let mut key = String::with_capacity(rule_key.len() + band_tag.len() + 22);
-    for part in [rule_key, ":", band_tag, "#"] {
-        key.push_str(part);
-    }
-    let _ = write!(key, "{permits}"); // writing to a String cannot fail
-    key
+/// What follows a band's name (its key, or its rule's key and [`band_part`] for a token
+/// bucket) in its deny-cache key, `#<cost>`: a denial holds for one cost.
+pub(crate) fn cost_part(permits: u64) -> String {
+    let mut part = String::with_capacity(21);
+    part.push('#');
+    let _ = write!(part, "{permits}"); // writing to a String cannot fail
+    part
 }
 
 /// The end of a band's key: the algorithm (none for a token bucket's band, whose name only
@@ -121,9 +107,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn deny_keys_name_the_cost() {
-        assert_eq!(deny_key("k", 12), "k#12");
-        assert_eq!(deny_key_in_rule("p:{t}", "b0:10/1s", 3), "p:{t}:b0:10/1s#3");
+    fn band_and_deny_keys_name_the_band_the_algorithm_and_the_cost() {
+        let band = Band::new(10, std::time::Duration::from_secs(1)).unwrap();
+        let name = band.name().to_string();
+        assert_eq!(
+            band_part(&band, 10, ScriptAlgorithm::TokenBucket),
+            format!(":{name}:10/1s")
+        );
+        assert_eq!(
+            band_part(&band, 10, ScriptAlgorithm::FixedWindow),
+            format!(":{name}:10/1s:fw")
+        );
+        assert_eq!(cost_part(12), "#12");
     }
 
     #[test]

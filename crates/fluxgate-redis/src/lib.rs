@@ -81,6 +81,7 @@ mod health;
 mod key;
 mod limiter;
 mod listener;
+mod plan;
 mod protocol;
 mod request;
 mod reset;

@@ -130,26 +130,27 @@ impl RateLimiter for RedisLimiter {
         let inner = inner.clone();
         // What reading the replies needs: an `Arc` of the rule set and the keys.
         let request = request.clone();
-        let calls = match <[Call; 1]>::try_from(calls) {
+        if calls.len() == 1 {
             // One call (always so on a standalone Redis): nothing to refund.
-            Ok([Call { keys, args, bands }]) => {
-                return MaybeReady::boxed(async move {
-                    let reply = inner.scripts.decide(keys, &args).await?;
-                    let outcome = outcome(
-                        &request,
-                        reply.allowed,
-                        reply.shadow_allowed,
-                        reply.now_us,
-                        reply.bands(),
-                    );
-                    if let Some(cache) = &inner.denied {
-                        cache.remember(&bands, &outcome, start);
-                    }
-                    Ok(outcome)
-                });
-            }
-            Err(calls) => calls,
-        };
+            let Some(Call { keys, args, bands }) = calls.into_iter().next() else {
+                unreachable!("one call")
+            };
+            return MaybeReady::boxed(async move {
+                let reply = inner.scripts.decide(keys, &args).await?;
+                let outcome = outcome(
+                    &request,
+                    reply.allowed,
+                    reply.shadow_allowed,
+                    reply.now_us,
+                    reply.bands(),
+                );
+                if let Some(cache) = &inner.denied {
+                    cache.remember(&bands, &outcome, start);
+                }
+                Ok(outcome)
+            });
+        }
+        let calls = calls.into_vec();
         MaybeReady::boxed(async move {
             // Spawned at the first poll: once a call has gone out, the refunds it may need
             // happen whether or not this future is still awaited.

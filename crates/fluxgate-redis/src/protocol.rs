@@ -3,12 +3,14 @@
 //! field by field, next to the scripts' contract, and `lua/protocol.lua` names the same
 //! numbers on the Lua side.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate_core::limiter::Wait;
 use fluxgate_core::Algorithm;
 use fred::bytes_utils::Str;
 use fred::types::Value;
+use smallvec::SmallVec;
 
 use crate::error::RedisError;
 
@@ -105,14 +107,98 @@ pub(crate) struct BucketArgs {
     pub(crate) layout: Option<Str>,
 }
 
-/// The arguments of a decision call: each bucket's [`BucketArgs`] and its bands'
-/// [`BandArgs`], written for the script of their [`Shape`]; and, for the token-bucket
-/// scripts, what reads their reply.
+/// What a decision call sends for one rule, worked out once per rule (see
+/// `crate::plan`): its [`BucketArgs`], its bands' [`BandArgs`] and, for a token-bucket
+/// rule, its part of the `ARGV` of each token-bucket script, already written.
+#[derive(Debug, Clone)]
+pub(crate) struct RuleArgs {
+    pub(crate) bucket: BucketArgs,
+    pub(crate) bands: SmallVec<[BandArgs; 4]>,
+    /// Its part of `token_buckets.lua`'s `ARGV`; empty for another algorithm.
+    token_buckets_argv: Vec<Value>,
+    /// The whole `ARGV` of `one_token_bucket.lua`, for a token-bucket rule of one band.
+    one_token_bucket_argv: Option<Vec<Value>>,
+}
+
+impl RuleArgs {
+    /// A rule's arguments: `bucket`'s flags name as many bands as `bands` holds.
+    pub(crate) fn new(bucket: BucketArgs, bands: SmallVec<[BandArgs; 4]>) -> Self {
+        let token_bucket =
+            bucket.flags.get() % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number();
+        let mut args = Self {
+            bucket,
+            bands,
+            token_buckets_argv: Vec::new(),
+            one_token_bucket_argv: None,
+        };
+        if token_bucket {
+            args.token_buckets_argv = args.write_token_buckets_argv();
+            if let [band] = args.bands.as_slice() {
+                args.one_token_bucket_argv = Some(args.write_one_token_bucket_argv(*band));
+            }
+        }
+        args
+    }
+
+    fn is_token_bucket(&self) -> bool {
+        self.bucket.flags.get() % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number()
+    }
+
+    /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 4 + scaled × 2 + shadow` and
+    /// its layout, then for each of its bands its capacity and the request's cost in units
+    /// and, when some band of the rule has a scale other than 1 (`scaled`), its scale, in
+    /// hexadecimal (see `lua/README.md`, "The token-bucket call").
+    fn write_token_buckets_argv(&self) -> Vec<Value> {
+        let bucket = &self.bucket;
+        let bands: SmallVec<[TokenBand; 4]> = self
+            .bands
+            .iter()
+            .map(|band| TokenBand::new(bucket.permits, *band))
+            .collect();
+        let scaled = bands.iter().any(|band| band.scale != 1);
+        let mut argv = Vec::with_capacity(2 + 3 * bands.len());
+        let count = i64::try_from(bands.len()).unwrap_or(i64::MAX);
+        let flags = count.saturating_mul(4) + 2 * i64::from(scaled) + i64::from(bucket.flags.is_shadow());
+        argv.push(hex(flags));
+        argv.push(Value::String(bucket.layout.clone().unwrap_or_default()));
+        for band in bands {
+            argv.extend([hex(band.cap), hex(band.cost)]);
+            if scaled {
+                argv.push(hex(band.scale));
+            }
+        }
+        argv
+    }
+
+    /// The `ARGV` of `one_token_bucket.lua`: the layout, the band's capacity and the
+    /// request's cost in units (hexadecimal), the key's expiry in ms (the window plus one
+    /// second, as `px()` in `lua/common.lua`), then the scale (hexadecimal), left out when
+    /// it is 1.
+    fn write_one_token_bucket_argv(&self, band: BandArgs) -> Vec<Value> {
+        let numbers = TokenBand::new(self.bucket.permits, band);
+        // capacity × interval / scale is the window in µs (validated below 2^52).
+        let window_us = numbers.cap / numbers.scale.max(1);
+        let mut argv = vec![
+            Value::String(self.bucket.layout.clone().unwrap_or_default()),
+            hex(numbers.cap),
+            hex(numbers.cost),
+            Value::Integer(window_us / 1000 + 1001),
+        ];
+        if numbers.scale != 1 {
+            argv.push(hex(numbers.scale));
+        }
+        argv
+    }
+}
+
+/// The arguments of a decision call: each rule's [`RuleArgs`], written for the script of
+/// their [`Shape`]; and, for the token-bucket scripts, what reads their reply.
 #[derive(Debug, Clone)]
 pub(crate) struct DecideArgs {
-    buckets: Vec<BucketArgs>,
-    bands: Vec<BandArgs>,
-    /// Every bucket so far is a token bucket.
+    rules: SmallVec<[Arc<RuleArgs>; 3]>,
+    /// The bands of all rules.
+    band_count: usize,
+    /// Every rule so far is a token bucket.
     token_buckets: bool,
 }
 
@@ -135,35 +221,30 @@ fn hex(n: i64) -> Value {
 }
 
 impl DecideArgs {
-    /// No bucket yet.
+    /// No rule yet.
     pub(crate) fn new() -> Self {
         Self {
-            buckets: Vec::with_capacity(1),
-            bands: Vec::with_capacity(1),
+            rules: SmallVec::new(),
+            band_count: 0,
             token_buckets: true,
         }
     }
 
-    /// Starts a bucket; its bands follow.
-    pub(crate) fn bucket(&mut self, bucket: BucketArgs) {
-        let Flags(flags) = bucket.flags;
-        self.token_buckets &= flags % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number();
-        self.buckets.push(bucket);
-    }
-
-    /// A band of the current bucket.
-    pub(crate) fn band(&mut self, band: BandArgs) {
-        self.bands.push(band);
+    /// A rule of the call.
+    pub(crate) fn rule(&mut self, rule: Arc<RuleArgs>) {
+        self.token_buckets &= rule.is_token_bucket();
+        self.band_count += rule.bands.len();
+        self.rules.push(rule);
     }
 
     /// The number of bands.
     pub(crate) fn band_count(&self) -> usize {
-        self.bands.len()
+        self.band_count
     }
 
     /// The script that decides these arguments.
     pub(crate) fn shape(&self) -> Shape {
-        match (self.token_buckets, self.buckets.len(), self.bands.len()) {
+        match (self.token_buckets, self.rules.len(), self.band_count) {
             (true, 1, 1) => Shape::OneTokenBucket,
             (true, _, _) => Shape::TokenBuckets,
             _ => Shape::General,
@@ -172,22 +253,14 @@ impl DecideArgs {
 
     /// Each bucket with its bands.
     fn buckets(&self) -> impl Iterator<Item = (&BucketArgs, &[BandArgs])> + '_ {
-        let mut rest = self.bands.as_slice();
-        self.buckets.iter().map(move |bucket| {
-            let count = usize::try_from(bucket.flags.get() / Flags::BANDS)
-                .unwrap_or(0)
-                .min(rest.len());
-            let (bands, tail) = rest.split_at(count);
-            rest = tail;
-            (bucket, bands)
-        })
+        self.rules.iter().map(|rule| (&rule.bucket, rule.bands.as_slice()))
     }
 
     /// The `ARGV` of `decide.lua`: the bucket count, then each bucket's permits, flags and
     /// (a token bucket) layout, followed by its bands' three numbers.
     pub(crate) fn general_argv(&self) -> Vec<Value> {
-        let mut argv = Vec::with_capacity(1 + 3 * self.buckets.len() + 3 * self.bands.len());
-        argv.push(Value::Integer(i64::try_from(self.buckets.len()).unwrap_or(i64::MAX)));
+        let mut argv = Vec::with_capacity(1 + 3 * self.rules.len() + 3 * self.band_count);
+        argv.push(Value::Integer(i64::try_from(self.rules.len()).unwrap_or(i64::MAX)));
         for (bucket, bands) in self.buckets() {
             argv.extend([Value::Integer(bucket.permits), Value::Integer(bucket.flags.get())]);
             if let Some(layout) = &bucket.layout {
@@ -200,50 +273,23 @@ impl DecideArgs {
         argv
     }
 
-    /// The `ARGV` of `token_buckets.lua`: for each bucket, `bands × 2 + shadow` and its
-    /// layout, then for each of its bands its capacity and the request's cost in units and
-    /// its scale, in hexadecimal (see `lua/README.md`, "The token-bucket call").
+    /// The `ARGV` of `token_buckets.lua`: each rule's part, written when its arguments were
+    /// worked out ([`RuleArgs::new`]).
     pub(crate) fn token_buckets_argv(&self) -> Vec<Value> {
-        let mut argv = Vec::with_capacity(2 * self.buckets.len() + 3 * self.bands.len());
-        for (bucket, bands) in self.buckets() {
-            let shadow = i64::from(bucket.flags.is_shadow());
-            argv.push(hex(bucket.flags.get() / Flags::BANDS * 2 + shadow));
-            argv.push(Value::String(bucket.layout.clone().unwrap_or_default()));
-            for band in bands {
-                let numbers = TokenBand::new(bucket.permits, *band);
-                argv.extend([hex(numbers.cap), hex(numbers.cost)]);
-                argv.push(if numbers.scale == 1 {
-                    Value::String(Str::from_static("1"))
-                } else {
-                    hex(numbers.scale)
-                });
-            }
+        let mut argv = Vec::with_capacity(self.rules.iter().map(|r| r.token_buckets_argv.len()).sum());
+        for rule in &self.rules {
+            argv.extend(rule.token_buckets_argv.iter().cloned());
         }
         argv
     }
 
-    /// The `ARGV` of `one_token_bucket.lua`, for [`Shape::OneTokenBucket`]: the layout, the
-    /// band's capacity and the request's cost in units (hexadecimal), the key's expiry in ms
-    /// (the window plus one second, as `px()` in `lua/common.lua`), then the scale
-    /// (hexadecimal), left out when it is 1; `None` for another shape.
+    /// The `ARGV` of `one_token_bucket.lua`, for [`Shape::OneTokenBucket`] (see
+    /// [`RuleArgs`]); `None` for another shape.
     pub(crate) fn one_token_bucket_argv(&self) -> Option<Vec<Value>> {
-        let (Shape::OneTokenBucket, [bucket], [band]) = (self.shape(), self.buckets.as_slice(), self.bands.as_slice())
-        else {
-            return None;
-        };
-        let numbers = TokenBand::new(bucket.permits, *band);
-        // capacity × interval / scale is the window in µs (validated below 2^52).
-        let window_us = numbers.cap / numbers.scale.max(1);
-        let mut argv = vec![
-            Value::String(bucket.layout.clone().unwrap_or_default()),
-            hex(numbers.cap),
-            hex(numbers.cost),
-            Value::Integer(window_us / 1000 + 1001),
-        ];
-        if numbers.scale != 1 {
-            argv.push(hex(numbers.scale));
+        match (self.shape(), self.rules.as_slice()) {
+            (Shape::OneTokenBucket, [rule]) => rule.one_token_bucket_argv.clone(),
+            _ => None,
         }
-        Some(argv)
     }
 
     /// The reply of a token-bucket script (`now_us`, then each band's debt before the
@@ -256,10 +302,10 @@ impl DecideArgs {
     /// [`RedisError::Reply`] when it has not `1 + bands` numbers.
     pub(crate) fn token_reply(&self, numbers: &[i64]) -> Result<Reply, RedisError> {
         let Some((&now_us, debts)) = numbers.split_first() else {
-            return Err(Reply::wrong_length(numbers, self.bands.len()));
+            return Err(Reply::wrong_length(numbers, self.band_count));
         };
-        if debts.len() != self.bands.len() {
-            return Err(Reply::wrong_length(numbers, self.bands.len()));
+        if debts.len() != self.band_count {
+            return Err(Reply::wrong_length(numbers, self.band_count));
         }
         let (mut allowed, mut shadow_allowed) = (true, true);
         let mut at = 0;
@@ -275,7 +321,7 @@ impl DecideArgs {
                 allowed &= admits;
             }
         }
-        let mut replies = Vec::with_capacity(self.bands.len());
+        let mut replies = Vec::with_capacity(self.band_count);
         let mut debts = debts.iter();
         for (bucket, bands) in self.buckets() {
             let commit = allowed && (shadow_allowed || !bucket.flags.is_shadow());
@@ -608,6 +654,10 @@ mod tests {
             .collect()
     }
 
+    fn rule(bucket: BucketArgs, bands: &[BandArgs]) -> Arc<RuleArgs> {
+        Arc::new(RuleArgs::new(bucket, bands.iter().copied().collect()))
+    }
+
     fn tb(bands: usize, shadow: bool, permits: i64) -> BucketArgs {
         BucketArgs {
             permits,
@@ -624,19 +674,19 @@ mod tests {
             a: 1,
             b: 360,
         };
-        args.bucket(tb(2, false, 1));
-        args.band(band);
-        args.band(band);
-        args.bucket(BucketArgs {
-            permits: 3,
-            flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
-            layout: None,
-        });
-        args.band(BandArgs {
-            capacity: 5,
-            a: 60_000_000,
-            b: 0,
-        });
+        args.rule(rule(tb(2, false, 1), &[band, band]));
+        args.rule(rule(
+            BucketArgs {
+                permits: 3,
+                flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
+                layout: None,
+            },
+            &[BandArgs {
+                capacity: 5,
+                a: 60_000_000,
+                b: 0,
+            }],
+        ));
         assert_eq!(
             text(&args.general_argv()),
             [
@@ -668,8 +718,7 @@ mod tests {
         };
         for shadow in [false, true] {
             let mut args = DecideArgs::new();
-            args.bucket(tb(1, shadow, 1));
-            args.band(band);
+            args.rule(rule(tb(1, shadow, 1), &[band]));
             assert_eq!(args.shape(), Shape::OneTokenBucket);
             // 10 × 360 = 0xe10 units, a cost of 360 = 0x168, 3600 / 7 = 514 µs: 0 ms + 1001,
             // scale 7.
@@ -677,28 +726,27 @@ mod tests {
             assert_eq!(text(&argv), ["b0:10/1s|", "e10", "168", "1001", "7"]);
         }
         let mut args = DecideArgs::new();
-        args.bucket(tb(1, false, 3));
-        args.band(BandArgs {
-            capacity: 10_000_000,
-            a: 1,
-            b: 360,
-        });
+        args.rule(rule(
+            tb(1, false, 3),
+            &[BandArgs {
+                capacity: 10_000_000,
+                a: 1,
+                b: 360,
+            }],
+        ));
         // An hour: 3,600,000 ms + 1001; a scale of 1 left out; a cost of 3 × 360.
         let argv = args.one_token_bucket_argv().unwrap();
         assert_eq!(text(&argv), ["b0:10/1s|", "d693a400", "438", "3601001"]);
         let mut args = DecideArgs::new();
-        args.bucket(tb(2, false, 1));
-        args.band(band);
-        args.band(band);
+        args.rule(rule(tb(2, false, 1), &[band, band]));
         assert_eq!(args.shape(), Shape::TokenBuckets);
         assert_eq!(args.one_token_bucket_argv(), None);
         // More permits than the capacity cost one unit more than the band holds.
-        args.bucket(tb(1, true, 99));
-        args.band(band);
+        args.rule(rule(tb(1, true, 99), &[band]));
         assert_eq!(
             text(&args.token_buckets_argv()),
             [
-                "4",
+                "a",
                 "b0:10/1s|",
                 "e10",
                 "168",
@@ -706,19 +754,29 @@ mod tests {
                 "e10",
                 "168",
                 "7",
-                "3",
+                "7",
                 "b0:10/1s|",
                 "e10",
                 "f78",
                 "7"
             ]
         );
-        args.bucket(BucketArgs {
-            permits: 1,
-            flags: Flags::new(1, ScriptAlgorithm::LeakyBucket, false),
-            layout: None,
-        });
-        args.band(band);
+        // A rule whose bands all have a scale of 1 sends no scales.
+        let mut unscaled = DecideArgs::new();
+        let band = BandArgs { a: 1, ..band };
+        unscaled.rule(rule(tb(2, false, 2), &[band, band]));
+        assert_eq!(
+            text(&unscaled.token_buckets_argv()),
+            ["8", "b0:10/1s|", "e10", "2d0", "e10", "2d0"]
+        );
+        args.rule(rule(
+            BucketArgs {
+                permits: 1,
+                flags: Flags::new(1, ScriptAlgorithm::LeakyBucket, false),
+                layout: None,
+            },
+            &[band],
+        ));
         assert_eq!(args.shape(), Shape::General);
     }
 
@@ -740,8 +798,7 @@ mod tests {
             (3_600, true, (true, false), 0, Wait::After(Duration::from_micros(360))),
         ] {
             let mut args = DecideArgs::new();
-            args.bucket(tb(1, shadow, 1));
-            args.band(band);
+            args.rule(rule(tb(1, shadow, 1), &[band]));
             let reply = args.token_reply(&[42, debt]).unwrap();
             assert_eq!((reply.allowed, reply.shadow_allowed), verdicts, "{debt}");
             assert_eq!(reply.now_us, 42);
@@ -753,10 +810,8 @@ mod tests {
         }
         // Two rules: the second rejects, so the first commits nothing.
         let mut args = DecideArgs::new();
-        args.bucket(tb(1, false, 1));
-        args.band(band);
-        args.bucket(tb(1, false, 11));
-        args.band(band);
+        args.rule(rule(tb(1, false, 1), &[band]));
+        args.rule(rule(tb(1, false, 11), &[band]));
         let reply = args.token_reply(&[42, 360, 0]).unwrap();
         assert!(!reply.allowed);
         let bands: Vec<_> = reply.bands().collect();

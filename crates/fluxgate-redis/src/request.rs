@@ -1,13 +1,14 @@
 //! A request as script calls, one per hash slot, and their replies back as an outcome.
 
+use std::sync::Arc;
+
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate_core::RuleError;
-use fred::bytes_utils::Str;
 use smallvec::SmallVec;
 
-use crate::band::{band_args, script_algorithm, script_number};
 use crate::key;
-use crate::protocol::{BandArgs, BandReply, BucketArgs, DecideArgs, Flags, RefundBand, RulePlace, ScriptAlgorithm};
+use crate::plan::{plan, RulePlan};
+use crate::protocol::{BandReply, DecideArgs, RefundBand};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -29,12 +30,22 @@ pub(crate) struct CallBand {
     /// The deny-cache key of an enforced band (see [`key::deny_key`]), when the limiter
     /// has a deny cache.
     pub(crate) deny_key: Option<String>,
-    /// What the refund script needs to give its consumption back.
-    pub(crate) refund: RefundBand,
+    /// Its rule's plan and its place among the rule's bands: what the refund script needs
+    /// to give its consumption back ([`RulePlan::refund`]).
+    pub(crate) plan: Arc<RulePlan>,
+    pub(crate) index: usize,
+}
+
+impl CallBand {
+    /// What the refund script needs to give this band's consumption back.
+    pub(crate) fn refund(&self) -> Option<RefundBand> {
+        self.plan.refund(self.index)
+    }
 }
 
 /// Encodes a request: one call on a standalone Redis, one call per hash slot on a cluster.
-/// Deny-cache keys are made only `with_deny_keys`.
+/// Deny-cache keys are made only `with_deny_keys`. What depends on the rule alone comes
+/// from its plan ([`plan`]); only the keys are written per request.
 ///
 /// # Errors
 ///
@@ -45,13 +56,16 @@ pub(crate) fn encode(
     prefix: &str,
     cluster: bool,
     with_deny_keys: bool,
-) -> Result<Vec<Call>, RuleError> {
-    let mut calls: Vec<(u16, Call)> = Vec::new();
+) -> Result<SmallVec<[Call; 1]>, RuleError> {
+    let mut calls: SmallVec<[(u16, Call); 1]> = SmallVec::new();
     let mut position = 0;
     for bucket in request.buckets() {
         let rule = bucket.rule;
-        let rule_set = bucket.rule_set.id();
-        let tag = key::hash_tag(rule_set, rule, bucket.key.as_str());
+        let Some(first) = rule.bands().first() else {
+            continue; // validated rules have at least one band
+        };
+        let plan = plan(bucket.rule_set.id(), rule, first)?;
+        let tag = key::hash_tag(bucket.rule_set.id(), rule, bucket.key.as_str());
         let slot = if cluster {
             fred::util::redis_keyslot(tag.as_bytes())
         } else {
@@ -63,89 +77,42 @@ pub(crate) fn encode(
                 calls.push((
                     slot,
                     Call {
-                        keys: Vec::new(),
+                        keys: Vec::with_capacity(request.buckets().len()),
                         args: DecideArgs::new(),
-                        bands: Vec::new(),
+                        bands: Vec::with_capacity(request.bands().count()),
                     },
                 ));
                 calls.len() - 1
             }
         };
         let call = &mut calls[at].1;
-        let Some(first) = rule.bands().first() else {
-            continue; // validated rules have at least one band
-        };
-        let algorithm = script_algorithm(rule_set, rule, first)?;
-        let permits = script_number(rule.permits(), rule_set, rule, first)?;
-        let shadow = bucket.shadow();
-        // Each band's numbers for the scripts, worked out once for the layout and the arguments.
-        let band_numbers = rule
-            .bands()
-            .iter()
-            .map(|band| band_args(rule_set, rule, band))
-            .collect::<Result<SmallVec<[BandArgs; 4]>, RuleError>>()?;
-        let (layout, tags) = if algorithm == ScriptAlgorithm::TokenBucket {
-            // A token-bucket rule is one key, its bands named in its layout.
-            let mut layout = String::with_capacity(32);
-            for (i, (band, args)) in rule.bands().iter().zip(&band_numbers).enumerate() {
-                if i > 0 {
-                    layout.push(',');
-                }
-                key::push_band_tag(&mut layout, band, args.capacity);
-            }
-            layout.push('|');
-            let rule_key = key::rule_key(prefix, &tag);
-            // The deny cache names a band `<rule key>:<band tag>`, as the other algorithms'
-            // keys are named (see `key::deny_key`).
-            let tags: Vec<String> = if with_deny_keys && !shadow {
-                layout[..layout.len() - 1]
-                    .split(',')
-                    .map(|band_tag| key::deny_key_in_rule(&rule_key, band_tag, rule.permits()))
-                    .collect()
+        let shadow = plan.shadow();
+        let deny = with_deny_keys && !shadow;
+        let start = key::rule_key(prefix, &tag);
+        let one_key = plan.is_one_key();
+        if one_key {
+            call.keys.push(start.clone());
+        }
+        for index in 0..plan.band_count() {
+            let deny_key = if one_key {
+                deny.then(|| plan.deny_key(&start, index))
             } else {
-                Vec::new()
-            };
-            call.keys.push(rule_key);
-            (Some(Str::from(layout)), tags)
-        } else {
-            (None, Vec::new())
-        };
-        let count = rule.bands().len();
-        call.args.bucket(BucketArgs {
-            permits,
-            flags: Flags::new(count, algorithm, shadow),
-            layout: layout.clone(),
-        });
-        let mut tags = tags.into_iter();
-        for ((index, band), &args) in (1..).zip(rule.bands().iter()).zip(&band_numbers) {
-            call.args.band(args);
-            let deny_key = match layout {
-                Some(_) => tags.next(),
-                None => {
-                    let band_key = key::band_key(prefix, &tag, band, args.capacity, algorithm);
-                    let deny_key = (with_deny_keys && !shadow).then(|| key::deny_key(&band_key, rule.permits()));
-                    call.keys.push(band_key);
-                    deny_key
-                }
+                let band_key = plan.band_key(&start, index);
+                let deny_key = deny.then(|| plan.deny_key(&band_key, index));
+                call.keys.push(band_key);
+                deny_key
             };
             call.bands.push(CallBand {
                 position,
                 key: call.keys.len() - 1,
                 shadow,
                 deny_key,
-                refund: RefundBand {
-                    algorithm,
-                    permits: permits.min(args.capacity),
-                    band: args,
-                    place: layout.as_ref().map(|layout| RulePlace {
-                        layout: layout.clone(),
-                        index,
-                        count: i64::try_from(count).unwrap_or(i64::MAX),
-                    }),
-                },
+                plan: plan.clone(),
+                index,
             });
             position += 1;
         }
+        call.args.rule(plan.args.clone());
     }
     Ok(calls.into_iter().map(|(_, call)| call).collect())
 }
