@@ -7,9 +7,10 @@
 -- rule, and one SET (with its expiry) writes each committed one. The script returns each
 -- band's debt before the request and the caller derives the decision and the figures, as
 -- the script does. Redis runs a script from its first line on every call and converts
--- every number it is given, so this one makes three tables (the bands' new debts and
--- scales, the rules' longest windows, the reply), converts each number once, in
--- hexadecimal (strtoul instead of strtod), and writes each rule's value by concatenation.
+-- every number it is given, so this one reads each rule once, makes two tables (the reply,
+-- and each rule's new value, expiry and mode), converts each number once, in hexadecimal
+-- (strtoul instead of strtod), takes no scale for a rule whose bands all have a scale of 1,
+-- and writes each rule's value by concatenation.
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
