@@ -56,9 +56,12 @@ impl DenyCache {
         if self.latest_us.load(Ordering::Relaxed) <= self.micros(now) {
             return None; // every denial remembered has ended
         }
-        let (position, denial) = calls.iter().flat_map(|call| &call.bands).find_map(|band| {
-            let denial = self.denials.get(band.deny_key.as_ref()?)?;
-            (denial.until > now).then_some((band.position, denial))
+        let (position, denial) = calls.iter().find_map(|call| {
+            call.bands.iter().find_map(|band| {
+                let key = band.deny_key(call.keys.get(band.key)?)?;
+                let denial = self.denials.get(&key)?;
+                (denial.until > now).then_some((band.position, denial))
+            })
         })?;
         let (bucket, band) = request.bands().nth(position)?;
         let wait = denial.until - now;
@@ -89,18 +92,29 @@ impl DenyCache {
         }
     }
 
-    /// Remembers the bands of a call that rejected, counted from `start`, before the call,
-    /// so that a denial never outlives the real wait.
-    pub(crate) fn remember(&self, bands: &[CallBand], outcome: &AcquireOutcome, start: Instant) {
+    /// Remembers the bands of a call of `request` (its keys named with `prefix`) that
+    /// rejected, counted from `start`, before the call, so that a denial never outlives the
+    /// real wait.
+    pub(crate) fn remember(
+        &self,
+        request: &AcquireRequest,
+        prefix: &str,
+        bands: &[CallBand],
+        outcome: &AcquireOutcome,
+        start: Instant,
+    ) {
         for band in bands {
             let report = &outcome.bands[band.position];
-            if let (Wait::After(wait), Some(key)) = (report.wait, &band.deny_key) {
+            let Wait::After(wait) = report.wait else {
+                continue;
+            };
+            if let Some(key) = band.deny_key_in(request, prefix) {
                 let denial = Denial {
                     until: start + wait,
                     remaining: report.remaining,
                     reset_at: report.reset_at,
                 };
-                self.denials.insert(key.clone(), denial);
+                self.denials.insert(key, denial);
                 self.latest_us.fetch_max(self.micros(denial.until), Ordering::Relaxed);
             }
         }

@@ -10,24 +10,23 @@ use fluxgate_core::{Band, Rule};
 
 use crate::protocol::ScriptAlgorithm;
 
-/// The hash tag of a bucket, `{<rule set>:<rule>:<key value>}`: all bands of a rule share
-/// a hash slot.
-pub(crate) fn hash_tag(rule_set: &str, rule: &Rule, key: &str) -> String {
+/// The key of a bucket, `<prefix>:{<rule set>:<rule>:<key value>}`: a token-bucket rule's
+/// key (all its bands), and the start of the keys of the other algorithms' bands. What
+/// follows `<prefix>:` is its hash tag ([`hash_tag`]): all bands of a rule share a hash
+/// slot.
+pub(crate) fn rule_key(prefix: &str, rule_set: &str, rule: &Rule, key: &str) -> String {
     let id: &str = rule.id().as_ref();
-    let mut tag = String::with_capacity(rule_set.len() + id.len() + key.len() + 4);
-    for part in ["{", rule_set, ":", id, ":", key, "}"] {
-        tag.push_str(part);
+    let mut out = String::with_capacity(prefix.len() + rule_set.len() + id.len() + key.len() + 5);
+    for part in [prefix, ":{", rule_set, ":", id, ":", key, "}"] {
+        out.push_str(part);
     }
-    tag
+    out
 }
 
-/// The key of a token-bucket rule's bucket (`tag`, from [`hash_tag`]): all its bands.
-pub(crate) fn rule_key(prefix: &str, tag: &str) -> String {
-    let mut key = String::with_capacity(prefix.len() + tag.len() + 1);
-    for part in [prefix, ":", tag] {
-        key.push_str(part);
-    }
-    key
+/// The hash tag of a bucket's key made by [`rule_key`] with `prefix`:
+/// `{<rule set>:<rule>:<key value>}`.
+pub(crate) fn hash_tag<'k>(prefix: &str, rule_key: &'k str) -> &'k str {
+    rule_key.get(prefix.len() + 1..).unwrap_or(rule_key)
 }
 
 /// What names a band among its rule's, `<band>:<capacity>/<window>`, into `out`: a band
@@ -43,7 +42,7 @@ pub(crate) fn push_band_tag(out: &mut String, band: &Band, capacity: i64) {
     out.push_str(&fluxgate_core::rule::format_duration(band.window()));
 }
 
-/// What follows a bucket's key (`<prefix>:<hash tag>`, from [`rule_key`]) in the key of
+/// What follows a bucket's key (from [`rule_key`]) in the key of
 /// one of its bands, `:<band tag>[:<suffix>]`: the key of a band of the algorithms other
 /// than the token bucket, and the name of any band in the deny cache.
 pub(crate) fn band_part(band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
@@ -105,6 +104,18 @@ pub(crate) fn scan_pattern(start: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_rule_key_holds_its_hash_tag() {
+        let sets = fluxgate_core::RuleSets::from_yaml_str(
+            "rule_sets:\n  - id: api\n    rules:\n      - id: r\n        bands: [{ capacity: 1, window: 1s }]\n",
+        )
+        .unwrap();
+        let rule = &sets.get("api").unwrap().rules()[0];
+        let key = rule_key("p:x", "api", rule, "ip=1");
+        assert_eq!(key, "p:x:{api:r:ip=1}");
+        assert_eq!(hash_tag("p:x", &key), "{api:r:ip=1}");
+    }
 
     #[test]
     fn band_and_deny_keys_name_the_band_the_algorithm_and_the_cost() {

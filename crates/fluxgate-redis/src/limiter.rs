@@ -116,7 +116,7 @@ impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let inner = &self.inner;
         let cluster = inner.scripts.connection().is_cluster();
-        let calls = match encode(request, &inner.prefix, cluster, inner.denied.is_some()) {
+        let calls = match encode(request, &inner.prefix, cluster) {
             Ok(calls) => calls,
             // A configuration error, not a backend failure (see `RateLimiter::validate`).
             Err(e) => return MaybeReady::ready(Err(e.into())),
@@ -145,7 +145,7 @@ impl RateLimiter for RedisLimiter {
                     reply.bands(),
                 );
                 if let Some(cache) = &inner.denied {
-                    cache.remember(&bands, &outcome, start);
+                    cache.remember(&request, &inner.prefix, &bands, &outcome, start);
                 }
                 Ok(outcome)
             });

@@ -27,9 +27,6 @@ pub(crate) struct CallBand {
     pub(crate) key: usize,
     /// Whether its rule is in shadow mode.
     pub(crate) shadow: bool,
-    /// The deny-cache key of an enforced band (see [`key::deny_key`]), when the limiter
-    /// has a deny cache.
-    pub(crate) deny_key: Option<String>,
     /// Its rule's plan and its place among the rule's bands: what the refund script needs
     /// to give its consumption back ([`RulePlan::refund`]).
     pub(crate) plan: Arc<RulePlan>,
@@ -41,22 +38,36 @@ impl CallBand {
     pub(crate) fn refund(&self) -> Option<RefundBand> {
         self.plan.refund(self.index)
     }
+
+    /// The deny-cache key of this band, whose key in Redis (its rule's for a token bucket)
+    /// is `key`; `None` for a band in shadow mode, which the deny cache never answers.
+    /// Made only when the deny cache needs it, not for every request.
+    pub(crate) fn deny_key(&self, key: &str) -> Option<String> {
+        (!self.shadow).then(|| self.plan.deny_key(key, self.index))
+    }
+
+    /// The deny-cache key of this band of `request`, from the request itself (after the
+    /// call, whose keys went to Redis), as [`encode`] named its key with `prefix`.
+    pub(crate) fn deny_key_in(&self, request: &AcquireRequest, prefix: &str) -> Option<String> {
+        let (bucket, _) = request.bands().nth(self.position)?;
+        let start = key::rule_key(prefix, bucket.rule_set.id(), bucket.rule, bucket.key.as_str());
+        if self.plan.is_one_key() {
+            self.deny_key(&start)
+        } else {
+            self.deny_key(&self.plan.band_key(&start, self.index))
+        }
+    }
 }
 
 /// Encodes a request: one call on a standalone Redis, one call per hash slot on a cluster.
-/// Deny-cache keys are made only `with_deny_keys`. What depends on the rule alone comes
-/// from its plan ([`plan`]); only the keys are written per request.
+/// What depends on the rule alone comes from its plan ([`plan`]); only the keys are
+/// written per request.
 ///
 /// # Errors
 ///
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated).
-pub(crate) fn encode(
-    request: &AcquireRequest,
-    prefix: &str,
-    cluster: bool,
-    with_deny_keys: bool,
-) -> Result<SmallVec<[Call; 1]>, RuleError> {
+pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> Result<SmallVec<[Call; 1]>, RuleError> {
     let mut calls: SmallVec<[(u16, Call); 1]> = SmallVec::new();
     let mut position = 0;
     for bucket in request.buckets() {
@@ -65,9 +76,9 @@ pub(crate) fn encode(
             continue; // validated rules have at least one band
         };
         let plan = plan(bucket.rule_set.id(), rule, first)?;
-        let tag = key::hash_tag(bucket.rule_set.id(), rule, bucket.key.as_str());
+        let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
         let slot = if cluster {
-            fred::util::redis_keyslot(tag.as_bytes())
+            fred::util::redis_keyslot(key::hash_tag(prefix, &start).as_bytes())
         } else {
             0
         };
@@ -87,26 +98,19 @@ pub(crate) fn encode(
         };
         let call = &mut calls[at].1;
         let shadow = plan.shadow();
-        let deny = with_deny_keys && !shadow;
-        let start = key::rule_key(prefix, &tag);
         let one_key = plan.is_one_key();
+        let first_key = call.keys.len();
         if one_key {
-            call.keys.push(start.clone());
+            call.keys.push(start); // all the rule's bands
+        } else {
+            call.keys
+                .extend((0..plan.band_count()).map(|index| plan.band_key(&start, index)));
         }
         for index in 0..plan.band_count() {
-            let deny_key = if one_key {
-                deny.then(|| plan.deny_key(&start, index))
-            } else {
-                let band_key = plan.band_key(&start, index);
-                let deny_key = deny.then(|| plan.deny_key(&band_key, index));
-                call.keys.push(band_key);
-                deny_key
-            };
             call.bands.push(CallBand {
                 position,
-                key: call.keys.len() - 1,
+                key: if one_key { first_key } else { first_key + index },
                 shadow,
-                deny_key,
                 plan: plan.clone(),
                 index,
             });
