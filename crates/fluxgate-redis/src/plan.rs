@@ -2,12 +2,15 @@
 //! request: its script arguments (numbers in hexadecimal, its layout), the ends of its keys
 //! and of its deny-cache keys. Only the key value changes from one request to the next.
 //!
-//! Each thread keeps the plans of the rules it decided last ([`plan`]). A plan is found by
-//! the rule's bands (the `Arc` every copy of a rule shares) and checked against the rule's
-//! id, rule set, cost, algorithm and mode before use; the plan holds the bands' `Arc`, so
-//! no other rule's bands can take that address while the plan is kept.
+//! Each thread keeps the plans of the rules it decided ([`plan`]), up to [`KEPT`]; past
+//! that it forgets them all and starts again. A plan is found by the rule's bands (the
+//! `Arc` every copy of a rule shares) and checked against the rule's id, rule set, cost,
+//! algorithm and mode before use; the plan holds the bands' `Arc`, so no other rule's
+//! bands can take that address while the plan is kept.
 
 use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use fluxgate_core::{Algorithm, Band, Mode, Name, Rule, RuleError};
@@ -18,11 +21,34 @@ use crate::band::{band_args, script_algorithm, script_number};
 use crate::key;
 use crate::protocol::{BandArgs, BucketArgs, Flags, RefundBand, RuleArgs, RulePlace, ScriptAlgorithm};
 
-/// The plans a thread keeps: enough for the rules of a few rule sets.
-const KEPT: usize = 64;
+/// The plans a thread keeps at most: the rules of many rule sets.
+const KEPT: usize = 4096;
+
+/// Hashes the address of a rule's bands: addresses are not chosen by requests, so one
+/// multiplication spreads them enough.
+#[derive(Default)]
+struct AddressHasher(u64);
+
+impl Hasher for AddressHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.0 = (n as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+type Plans = HashMap<usize, Arc<RulePlan>, BuildHasherDefault<AddressHasher>>;
 
 thread_local! {
-    static PLANS: RefCell<Vec<Arc<RulePlan>>> = const { RefCell::new(Vec::new()) };
+    static PLANS: RefCell<Plans> = RefCell::new(Plans::default());
 }
 
 /// A rule as the limiter sends it (see the module's documentation).
@@ -39,11 +65,11 @@ pub(crate) struct RulePlan {
     pub(crate) args: Arc<RuleArgs>,
     /// A token-bucket rule's key is `<prefix>:<hash tag>`; a band of another algorithm's
     /// key is that followed by its part here (`:<band tag>[:<suffix>]`, see
-    /// [`key::band_key`]).
+    /// [`key::band_part`]).
     band_parts: SmallVec<[String; 2]>,
     /// What follows a band's name in its deny-cache key: `#<cost>` after a band key of
     /// another algorithm, `:<band tag>#<cost>` after a token-bucket rule's key (see
-    /// [`key::deny_key`] and [`key::deny_key_in_rule`]).
+    /// [`key::band_part`] and [`key::cost_part`]).
     deny_suffixes: SmallVec<[String; 2]>,
 }
 
@@ -54,10 +80,11 @@ pub(crate) struct RulePlan {
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated). `rule` has at least one band.
 pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band) -> Result<Arc<RulePlan>, RuleError> {
+    let address = rule.bands().as_ptr() as usize;
     let kept = PLANS
         .try_with(|plans| {
             let plans = plans.try_borrow().ok()?;
-            plans.iter().find(|plan| plan.is_for(rule_set, rule)).cloned()
+            plans.get(&address).filter(|plan| plan.is_for(rule_set, rule)).cloned()
         })
         .ok()
         .flatten();
@@ -68,9 +95,9 @@ pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band) -> Result<Arc<Rul
     let _ = PLANS.try_with(|plans| {
         if let Ok(mut plans) = plans.try_borrow_mut() {
             if plans.len() >= KEPT {
-                plans.remove(0);
+                plans.clear();
             }
-            plans.push(plan.clone());
+            plans.insert(address, plan.clone());
         }
     });
     Ok(plan)
@@ -259,5 +286,38 @@ mod tests {
         let other = std::thread::spawn(move || the_plan(&first, 0)).join().unwrap();
         assert!(!Arc::ptr_eq(&a, &other));
         assert_eq!(a.args.bands, other.args.bands);
+    }
+
+    #[test]
+    fn past_the_bound_a_thread_forgets_its_plans_and_still_plans_right() {
+        std::thread::spawn(|| {
+            let count = KEPT + 10;
+            let specs: Vec<String> = (0..count)
+                .map(|i| {
+                    format!(
+                        r#"{{"id": "r{i}", "bands": [{{"capacity": {}, "window": "1s"}}]}}"#,
+                        i + 1
+                    )
+                })
+                .collect();
+            let sets = rules(&format!(
+                r#"{{"rule_sets": [{{"id": "api", "rules": [{}]}}]}}"#,
+                specs.join(",")
+            ));
+            let set = sets.get("api").unwrap();
+            for round in 0..2 {
+                for (i, rule) in set.rules().iter().enumerate() {
+                    let plan = plan(set.id(), rule, &rule.bands()[0]).unwrap();
+                    assert_eq!(
+                        plan.args.bands[0].capacity,
+                        i64::try_from(i).unwrap() + 1,
+                        "round {round}"
+                    );
+                    assert!(PLANS.with(|plans| plans.borrow().len()) <= KEPT);
+                }
+            }
+        })
+        .join()
+        .unwrap();
     }
 }
