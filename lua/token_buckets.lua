@@ -19,7 +19,8 @@ local values = redis.call('MGET', unpack(KEYS))
 -- One pass: each band's debt (how far its instant lies ahead of now, in units, at most its
 -- capacity in units) into the reply; a rule admits when each of its bands does, and then
 -- its new value (its layout, then each band's state after the request) and its expiry
--- (its longest window plus one second, in ms) go into `writes`, with whether it is in
+-- (its longest window plus one second, in ms, sent by the caller) go into `writes`, with
+-- whether it is in
 -- shadow mode.
 local reply = {now}
 local writes = {}
@@ -27,8 +28,8 @@ local allowed, shadow_allowed = true, true
 local arg, n = 1, 1
 for r = 1, #KEYS do
   local flags = tonumber(ARGV[arg], 16)
-  local layout = ARGV[arg + 1]
-  arg = arg + 2
+  local layout, expiry = ARGV[arg + 1], ARGV[arg + 2]
+  arg = arg + 3
   local v = values[r]
   local at, states
   if v then
@@ -38,7 +39,7 @@ for r = 1, #KEYS do
       states = matching_states(v, layout)
     end
   end
-  local value, window = layout, 0
+  local value = layout
   local scaled = flags % 4 >= 2
   for i = 1, (flags - flags % 4) / 4 do
     local cap, cost, scale = tonumber(ARGV[arg], 16), tonumber(ARGV[arg + 1], 16), 1
@@ -94,9 +95,6 @@ for r = 1, #KEYS do
       else
         value = value .. string.format('%x:%x', now + whole, frac)
       end
-      if cap > window * scale then
-        window = cap / scale
-      end
     end
   end
   local shadow = flags % 2 == 1
@@ -107,7 +105,7 @@ for r = 1, #KEYS do
       allowed = false
     end
   end
-  writes[3 * r - 2], writes[3 * r - 1], writes[3 * r] = value, window, shadow
+  writes[3 * r - 2], writes[3 * r - 1], writes[3 * r] = value, expiry, shadow
 end
 
 -- When the enforced rules admitted, one write per rule to commit (a shadow rule only when
@@ -116,8 +114,7 @@ if allowed then
   for r = 1, #KEYS do
     local value = writes[3 * r - 2]
     if value and (shadow_allowed or not writes[3 * r]) then
-      local window = writes[3 * r - 1] / 1000
-      redis.call('PSETEX', KEYS[r], string.format('%d', window - window % 1 + 1001), value)
+      redis.call('PSETEX', KEYS[r], writes[3 * r - 1], value)
     end
   end
 end

@@ -109,7 +109,7 @@ def count(name, script, keys, args, n):
 def rule(r, bands):
     """One rule of `bands` bands of 10,000,000 per hour, as the crate sends it."""
     layout = ','.join(f'b{b}:10000000/1h' for b in range(bands)) + '|'
-    return [format(bands * 4, 'x'), layout] + ['d693a400', '168'] * bands
+    return [format(bands * 4, 'x'), layout, '3601001'] + ['d693a400', '168'] * bands
 
 
 def main():

@@ -144,10 +144,11 @@ impl RuleArgs {
         self.bucket.flags.get() % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number()
     }
 
-    /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 4 + scaled × 2 + shadow` and
-    /// its layout, then for each of its bands its capacity and the request's cost in units
-    /// and, when some band of the rule has a scale other than 1 (`scaled`), its scale, in
-    /// hexadecimal (see `lua/README.md`, "The token-bucket call").
+    /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 4 + scaled × 2 + shadow`, its
+    /// layout and its key's expiry in ms (its longest window plus one second, in decimal,
+    /// passed to `PSETEX` as it came), then for each of its bands its capacity and the
+    /// request's cost in units and, when some band of the rule has a scale other than 1
+    /// (`scaled`), its scale, in hexadecimal (see `lua/README.md`, "The token-bucket call").
     fn write_token_buckets_argv(&self) -> Vec<Value> {
         let bucket = &self.bucket;
         let bands: SmallVec<[TokenBand; 4]> = self
@@ -161,6 +162,9 @@ impl RuleArgs {
         let flags = count.saturating_mul(4) + 2 * i64::from(scaled) + i64::from(bucket.flags.is_shadow());
         argv.push(hex(flags));
         argv.push(Value::String(bucket.layout.clone().unwrap_or_default()));
+        // capacity × interval / scale is a band's window in µs (validated below 2^52).
+        let window_us = bands.iter().map(|band| band.cap / band.scale.max(1)).max().unwrap_or(0);
+        argv.push(Value::String(Str::from((window_us / 1000 + 1001).to_string())));
         for band in bands {
             argv.extend([hex(band.cap), hex(band.cost)]);
             if scaled {
@@ -748,6 +752,7 @@ mod tests {
             [
                 "a",
                 "b0:10/1s|",
+                "1001",
                 "e10",
                 "168",
                 "7",
@@ -756,18 +761,21 @@ mod tests {
                 "7",
                 "7",
                 "b0:10/1s|",
+                "1001",
                 "e10",
                 "f78",
                 "7"
             ]
         );
-        // A rule whose bands all have a scale of 1 sends no scales.
+        // A rule whose bands all have a scale of 1 sends no scales; its key outlives its
+        // longest window (3.6 s) by a second.
         let mut unscaled = DecideArgs::new();
         let band = BandArgs { a: 1, ..band };
-        unscaled.rule(rule(tb(2, false, 2), &[band, band]));
+        let long = BandArgs { b: 360_000, ..band };
+        unscaled.rule(rule(tb(2, false, 2), &[band, long]));
         assert_eq!(
             text(&unscaled.token_buckets_argv()),
-            ["8", "b0:10/1s|", "e10", "2d0", "e10", "2d0"]
+            ["8", "b0:10/1s|", "4601", "e10", "2d0", "36ee80", "afc80"]
         );
         args.rule(rule(
             BucketArgs {
