@@ -23,7 +23,7 @@ pub(crate) async fn decide_across_slots(
     calls: Vec<Call>,
     request: AcquireRequest,
 ) -> Result<AcquireOutcome, RedisError> {
-    let results = join_all(calls.iter().map(|c| scripts.decide(c.keys.clone(), &c.args))).await;
+    let results = join_all(calls.iter().map(|c| scripts.decide_kept(&c.keys, &c.args))).await;
     let mut replies = Vec::with_capacity(results.len());
     let mut failure = None;
     for result in results {

@@ -15,7 +15,7 @@ use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
 use crate::request::{encode, outcome, Call};
-use crate::script::Scripts;
+use crate::script::{missing_script, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
 #[derive(Clone)]
@@ -136,7 +136,19 @@ impl RateLimiter for RedisLimiter {
                 unreachable!("one call")
             };
             return MaybeReady::boxed(async move {
-                let reply = inner.scripts.decide(keys, &args).await?;
+                let reply = match inner.scripts.decide(keys, &args).await {
+                    Err(e) if missing_script(&e) => {
+                        // The keys went to Redis: made again from the request (one call, as
+                        // the first time), then decided within the rest of the deadline.
+                        let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
+                        let mut calls = encode(&request, &inner.prefix, cluster)?;
+                        let Some(Call { keys, args, .. }) = calls.pop() else {
+                            return Err(e.into());
+                        };
+                        inner.scripts.decide_again(keys, &args, remaining).await?
+                    }
+                    result => result?,
+                };
                 let outcome = outcome(
                     &request,
                     reply.allowed,

@@ -1,6 +1,11 @@
 //! The scripts, joined from the files of `lua/`, and the one way to run them: `EVALSHA`
 //! within the deadline, loaded again and retried after `NOSCRIPT`.
 
+use std::time::{Duration, Instant};
+
+use fred::error::ErrorKind;
+use fred::interfaces::{ClientLike, LuaInterface};
+use fred::types::config::Options;
 use fred::types::scripts::Script;
 use fred::types::Value;
 
@@ -26,6 +31,12 @@ pub const TOKEN_BUCKETS_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/toke
 /// The refund script, for requests that a cluster's hash slots decided differently: the
 /// general script's parts, with `refund.lua` last.
 pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"));
+
+/// Whether Redis failed a call for want of its script (`NOSCRIPT`: a restart, a failover,
+/// `SCRIPT FLUSH`).
+pub(crate) fn missing_script(error: &RedisError) -> bool {
+    matches!(error, RedisError::Command(e) if e.details().starts_with("NOSCRIPT"))
+}
 
 /// The scripts and the connections they run on.
 pub(crate) struct Scripts {
@@ -71,25 +82,99 @@ impl Scripts {
     }
 
     /// One decision call: `keys` (one per token-bucket rule, one per band of the other
-    /// algorithms) and their arguments, sent to the script of their [`Shape`].
+    /// algorithms) and their arguments, sent to the script of their [`Shape`], bounded by
+    /// the deadline. The keys and arguments go to Redis as they are, not copied for a
+    /// second try: after `NOSCRIPT` ([`missing_script`]) the caller makes them again and
+    /// calls [`Scripts::decide_again`].
     ///
     /// # Errors
     ///
-    /// As [`Scripts::run`], and [`RedisError::Reply`] for a reply of the wrong shape.
+    /// [`RedisError::Command`] when Redis fails the call (`NOSCRIPT` among them),
+    /// [`RedisError::Timeout`] when it does not answer in time, and [`RedisError::Reply`]
+    /// for a reply of the wrong shape.
     pub(crate) async fn decide(&self, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+        let (script, argv) = self.decision(args);
+        let timeout = self.connection.timeout();
+        // One timer, fred's own: it also keeps a call that timed out before it was written
+        // from being written.
+        let options = Options {
+            timeout: Some(timeout),
+            ..Options::default()
+        };
+        let client = self.connection.next().with_options(&options);
+        // fred's future is large: boxed once here (as in `run`), so that the futures around
+        // it stay small.
+        let call = Box::pin(client.evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv));
+        let reply = match call.await {
+            Ok(reply) => reply,
+            Err(e) if *e.kind() == ErrorKind::Timeout => return Err(RedisError::Timeout(timeout)),
+            Err(e) => return Err(RedisError::Command(e)),
+        };
+        Self::read(args, &reply)
+    }
+
+    /// A decision call after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`): loads the
+    /// script and sends the call again, both within `remaining`, what is left of the
+    /// deadline.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scripts::decide`].
+    pub(crate) async fn decide_again(
+        &self,
+        keys: Vec<String>,
+        args: &DecideArgs,
+        remaining: Duration,
+    ) -> Result<Reply, RedisError> {
+        let (script, argv) = self.decision(args);
+        let client = self.connection.next();
+        let again = async {
+            script.load(client).await?;
+            client
+                .evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv)
+                .await
+        };
+        let reply = match tokio::time::timeout(remaining, Box::pin(again)).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => return Err(RedisError::Command(e)),
+            Err(_) => return Err(RedisError::Timeout(self.connection.timeout())),
+        };
+        Self::read(args, &reply)
+    }
+
+    /// A decision call with keys the caller keeps: [`Scripts::decide`], then after
+    /// `NOSCRIPT` [`Scripts::decide_again`] within the rest of the deadline.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scripts::decide`].
+    pub(crate) async fn decide_kept(&self, keys: &[String], args: &DecideArgs) -> Result<Reply, RedisError> {
+        let start = Instant::now();
+        match self.decide(keys.to_vec(), args).await {
+            Err(e) if missing_script(&e) => {
+                let remaining = self.connection.timeout().saturating_sub(start.elapsed());
+                self.decide_again(keys.to_vec(), args, remaining).await
+            }
+            result => result,
+        }
+    }
+
+    /// The script for `args` and its `ARGV`.
+    fn decision(&self, args: &DecideArgs) -> (&Script, Vec<Value>) {
         match args.shape() {
-            Shape::OneTokenBucket | Shape::TokenBuckets => {
-                let (script, argv) = match args.one_token_bucket_argv() {
-                    Some(argv) => (&self.one_token_bucket, argv),
-                    None => (&self.token_buckets, args.token_buckets_argv()),
-                };
-                let reply = self.run(script, keys, argv).await?;
-                args.token_reply(&reply)
-            }
-            Shape::General => {
-                let reply = self.run(&self.decide, keys, args.general_argv()).await?;
-                Reply::decode(&reply, args.band_count())
-            }
+            Shape::OneTokenBucket | Shape::TokenBuckets => match args.one_token_bucket_argv() {
+                Some(argv) => (&self.one_token_bucket, argv),
+                None => (&self.token_buckets, args.token_buckets_argv()),
+            },
+            Shape::General => (&self.decide, args.general_argv()),
+        }
+    }
+
+    /// The reply of the script for `args`, read.
+    fn read(args: &DecideArgs, reply: &[i64]) -> Result<Reply, RedisError> {
+        match args.shape() {
+            Shape::OneTokenBucket | Shape::TokenBuckets => args.token_reply(reply),
+            Shape::General => Reply::decode(reply, args.band_count()),
         }
     }
 
