@@ -116,7 +116,7 @@ impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let inner = &self.inner;
         let cluster = inner.scripts.connection().is_cluster();
-        let calls = match encode(request, &inner.prefix, cluster) {
+        let mut calls = match encode(request, &inner.prefix, cluster) {
             Ok(calls) => calls,
             // A configuration error, not a backend failure (see `RateLimiter::validate`).
             Err(e) => return MaybeReady::ready(Err(e.into())),
@@ -130,37 +130,36 @@ impl RateLimiter for RedisLimiter {
         let inner = inner.clone();
         // What reading the replies needs: an `Arc` of the rule set and the keys.
         let request = request.clone();
+        // One call (always so on a standalone Redis): nothing to refund.
         if calls.len() == 1 {
-            // One call (always so on a standalone Redis): nothing to refund.
-            let Some(Call { keys, args, bands }) = calls.into_iter().next() else {
-                unreachable!("one call")
-            };
-            return MaybeReady::boxed(async move {
-                let reply = match inner.scripts.decide(keys, &args).await {
-                    Err(e) if missing_script(&e) => {
-                        // The keys went to Redis: made again from the request (one call, as
-                        // the first time), then decided within the rest of the deadline.
-                        let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
-                        let mut calls = encode(&request, &inner.prefix, cluster)?;
-                        let Some(Call { keys, args, .. }) = calls.pop() else {
-                            return Err(e.into());
-                        };
-                        inner.scripts.decide_again(keys, &args, remaining).await?
+            if let Some(Call { keys, args, bands }) = calls.pop() {
+                return MaybeReady::boxed(async move {
+                    let reply = match inner.scripts.decide(keys, &args).await {
+                        Err(e) if missing_script(&e) => {
+                            // The keys went to Redis: made again from the request (one call, as
+                            // the first time), then decided within the rest of the deadline.
+                            let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
+                            let mut calls = encode(&request, &inner.prefix, cluster)?;
+                            let Some(Call { keys, args, .. }) = calls.pop() else {
+                                return Err(e.into());
+                            };
+                            inner.scripts.decide_again(keys, &args, remaining).await?
+                        }
+                        result => result?,
+                    };
+                    let outcome = outcome(
+                        &request,
+                        reply.allowed,
+                        reply.shadow_allowed,
+                        reply.now_us,
+                        reply.bands(),
+                    );
+                    if let Some(cache) = &inner.denied {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start);
                     }
-                    result => result?,
-                };
-                let outcome = outcome(
-                    &request,
-                    reply.allowed,
-                    reply.shadow_allowed,
-                    reply.now_us,
-                    reply.bands(),
-                );
-                if let Some(cache) = &inner.denied {
-                    cache.remember(&request, &inner.prefix, &bands, &outcome, start);
-                }
-                Ok(outcome)
-            });
+                    Ok(outcome)
+                });
+            }
         }
         let calls = calls.into_vec();
         MaybeReady::boxed(async move {

@@ -1,5 +1,6 @@
-//! The scripts, joined from the files of `lua/`, and the one way to run them: `EVALSHA`
-//! within the deadline, loaded again and retried after `NOSCRIPT`.
+//! The scripts, joined from the files of `lua/`, and how they run: `EVALSHA` within the
+//! deadline; after `NOSCRIPT`, the script loaded again and the call made again within the
+//! rest of it.
 
 use std::time::{Duration, Instant};
 
