@@ -26,12 +26,12 @@ use crate::rule::{Algorithm, Band, Rule};
 /// The in-memory limiter: the embedded default backend.
 ///
 /// Buckets live in a fixed number of shards, each behind its own mutex on cache lines of
-/// its own. A key value is hashed once by two hashes keyed at random per limiter (std's
-/// SipHash and a multiply-fold mix), which choose its shard, and each band's identity (its
-/// rule set, rule, band and figures) is folded into both to make the bucket's 128 bits:
-/// every band of a key shares one shard, unrelated keys rarely contend, and a crafted
-/// header cannot aim at another client's counter (two buckets share state only if both
-/// halves collide). A request's bands are checked and consumed under the locks of all the
+/// its own. A key value is hashed once, by SipHash-1-3 with a 128-bit output keyed at random
+/// per limiter, which chooses its shard, and each band's identity (its rule set, rule, band
+/// and figures) is folded into both halves to make the bucket's 128 bits: every band of a
+/// key shares one shard, unrelated keys rarely contend, and a crafted header cannot aim at
+/// another client's counter (without the key, no one can choose two key values whose
+/// hashes meet). A request's bands are checked and consumed under the locks of all the
 /// shards they live in (taken in index order), so a decision over many rules is one atomic
 /// step.
 ///
@@ -63,8 +63,8 @@ struct Inner {
     shard_mask: usize,
     max_per_shard: usize,
     clock: Arc<dyn Clock>,
-    hasher: RandomState,
-    mix_seed: u64,
+    /// The key of the keyed hash of key values, random per limiter.
+    hash_key: (u64, u64),
 }
 
 type Map<V> = HashMap<u128, V, BuildHasherDefault<PreHashed>>;
@@ -166,39 +166,76 @@ fn fold(a: u64, b: u64) -> u64 {
     (m as u64) ^ ((m >> 64) as u64)
 }
 
-/// A seeded multiply-fold hash of a byte string (the wyhash construction).
-fn mix(seed: u64, bytes: &[u8]) -> u64 {
-    const P0: u64 = MIX_P0;
-    const P1: u64 = MIX_P1;
-    let mut acc = seed ^ P0;
-    let mut chunks = bytes.chunks_exact(8);
-    for c in &mut chunks {
-        let mut word = [0u8; 8];
-        word.copy_from_slice(c);
-        acc = fold(acc ^ u64::from_le_bytes(word), P1);
-    }
-    let mut last = [0u8; 8];
-    last[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
-    fold(acc ^ u64::from_le_bytes(last) ^ (bytes.len() as u64), P1 ^ P0)
+/// One SipHash round.
+fn sip_round(v: &mut [u64; 4]) {
+    v[0] = v[0].wrapping_add(v[1]);
+    v[1] = v[1].rotate_left(13) ^ v[0];
+    v[0] = v[0].rotate_left(32);
+    v[2] = v[2].wrapping_add(v[3]);
+    v[3] = v[3].rotate_left(16) ^ v[2];
+    v[0] = v[0].wrapping_add(v[3]);
+    v[3] = v[3].rotate_left(21) ^ v[0];
+    v[2] = v[2].wrapping_add(v[1]);
+    v[1] = v[1].rotate_left(17) ^ v[2];
+    v[2] = v[2].rotate_left(32);
 }
 
-/// The hashes of one key value (see [`MemoryLimiter::key_hash`]).
+/// SipHash-`C`-`D` of `bytes` under the key `(k0, k1)`, its 128-bit output as two words
+/// (the first eight bytes of the tag, then the last eight): a keyed pseudorandom function,
+/// so that without the key no one can choose two inputs whose outputs meet.
+fn siphash128<const C: usize, const D: usize>((k0, k1): (u64, u64), bytes: &[u8]) -> (u64, u64) {
+    let mut v = [
+        k0 ^ 0x736f_6d65_7073_6575,
+        k1 ^ 0x646f_7261_6e64_6f6d ^ 0xee,
+        k0 ^ 0x6c79_6765_6e65_7261,
+        k1 ^ 0x7465_6462_7974_6573,
+    ];
+    let mut compress = |m: u64| {
+        v[3] ^= m;
+        for _ in 0..C {
+            sip_round(&mut v);
+        }
+        v[0] ^= m;
+    };
+    let mut words = bytes.chunks_exact(8);
+    for word in &mut words {
+        let mut m = [0u8; 8];
+        m.copy_from_slice(word);
+        compress(u64::from_le_bytes(m));
+    }
+    let mut last = [0u8; 8];
+    last[..words.remainder().len()].copy_from_slice(words.remainder());
+    last[7] = bytes.len() as u8; // the length modulo 256, as SipHash defines it
+    compress(u64::from_le_bytes(last));
+    let finish = |v: &mut [u64; 4]| {
+        for _ in 0..D {
+            sip_round(v);
+        }
+        v[0] ^ v[1] ^ v[2] ^ v[3]
+    };
+    v[2] ^= 0xee;
+    let first = finish(&mut v);
+    v[1] ^= 0xdd;
+    let second = finish(&mut v);
+    (first, second)
+}
+
+/// The hash of one key value (see [`MemoryLimiter::key_hash`]): SipHash-1-3 with a 128-bit
+/// output, keyed at random per limiter.
 struct KeyHash {
-    /// The keyed SipHash of the key's bytes.
-    sip: u64,
-    /// A second, cheaper keyed mix of the same bytes.
-    mix: u64,
+    low: u64,
+    high: u64,
 }
 
 impl KeyHash {
-    /// A band's bucket identity, 128 bits: each of the key's two keyed hashes folded with
-    /// the band's identity. The hashes are keyed at random per limiter, so a client cannot
-    /// choose a key value whose hashes meet another's; two buckets share state only if
-    /// both halves collide.
+    /// A band's bucket identity, 128 bits: each half of the key's keyed hash folded with
+    /// the band's identity. The hash is keyed at random per limiter, so a client cannot
+    /// choose a key value whose hash meets another's; two buckets share state only if all
+    /// 128 bits meet.
     fn band(&self, band: &Band) -> u128 {
         let ident = band.ident();
-        let low = fold(self.sip ^ ident, MIX_P0) ^ self.sip;
-        let high = fold(self.mix ^ ident, MIX_P1) ^ self.mix;
+        let low = fold(self.low ^ ident, MIX_P0) ^ self.low;
+        let high = fold(self.high ^ ident, MIX_P1) ^ self.high;
         (u128::from(high) << 64) | u128::from(low)
     }
 }
@@ -280,9 +317,8 @@ impl MemoryLimiterBuilder {
                 shard_mask: self.shards - 1,
                 max_per_shard,
                 clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
-                hasher: RandomState::new(),
-                // A second random key, from a second keyed SipHash.
-                mix_seed: RandomState::new().hash_one(0xf1u8),
+                // Two random words, from std's randomly keyed SipHash.
+                hash_key: (RandomState::new().hash_one(0xf1u8), RandomState::new().hash_one(0xf2u8)),
             }),
         }
     }
@@ -369,23 +405,18 @@ impl MemoryLimiter {
         }
     }
 
-    /// The hashes of a bucket's key value, from which each of its bands' identities
-    /// comes ([`KeyHash::band`]): the key's bytes are hashed once however many bands the
-    /// rule has.
+    /// The hash of a bucket's key value, from which each of its bands' identities comes
+    /// ([`KeyHash::band`]): the key's bytes are hashed once however many bands the rule
+    /// has.
     fn key_hash(&self, b: &Bucket<'_>) -> KeyHash {
-        let bytes = b.key.as_bytes();
-        let mut sip = self.inner.hasher.build_hasher();
-        sip.write(bytes);
-        KeyHash {
-            sip: sip.finish(),
-            mix: mix(self.inner.mix_seed, bytes),
-        }
+        let (low, high) = siphash128::<1, 3>(self.inner.hash_key, b.key.as_bytes());
+        KeyHash { low, high }
     }
 
     /// The shard of a bucket: every band of one key lives in the same shard, so that a
     /// rule of several bands takes one lock.
     fn shard_of(&self, key: &KeyHash) -> usize {
-        (key.mix >> 40) as usize & self.inner.shard_mask
+        (key.high >> 40) as usize & self.inner.shard_mask
     }
 
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
@@ -653,6 +684,36 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// SipHash-2-4-128 against the reference test vectors (key `00..0f`, message `00..`,
+    /// from the SipHash reference implementation's `vectors.h`): the same code with one
+    /// and three rounds is the limiter's hash.
+    #[test]
+    fn siphash_128_matches_the_reference_vectors() {
+        let key = (0x0706_0504_0302_0100, 0x0f0e_0d0c_0b0a_0908);
+        let message: Vec<u8> = (0..64).collect();
+        for (len, expected) in [
+            (0, "a3817f04ba25a8e66df67214c7550293"),
+            (1, "da87c1d86b99af44347659119b22fc45"),
+            (7, "a1f1ebbed8dbc153c0b84aa61ff08239"),
+            (8, "3b62a9ba6258f5610f83e264f31497b4"),
+            (15, "5493e99933b0a8117e08ec0f97cfc3d9"),
+            (16, "6ee2a4ca67b054bbfd3315bf85230577"),
+            (63, "5150d1772f50834a503e069a973fbd7c"),
+        ] {
+            let (first, second) = siphash128::<2, 4>(key, &message[..len]);
+            let tag: String = first
+                .to_le_bytes()
+                .iter()
+                .chain(&second.to_le_bytes())
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            assert_eq!(tag, expected, "{len} bytes");
+        }
+        // Another key, another hash; one more byte, another hash.
+        assert_ne!(siphash128::<1, 3>(key, b"ip=1"), siphash128::<1, 3>((1, 2), b"ip=1"));
+        assert_ne!(siphash128::<1, 3>(key, b"ip=1"), siphash128::<1, 3>(key, b"ip=1\0"));
+    }
     use crate::clock::ManualClock;
     use crate::rule::{BandSpec, Rule, RuleSpec};
 
