@@ -87,6 +87,51 @@ rule_sets:
         assert_eq!(d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining, 97);
     }
 
+    /// After `SCRIPT FLUSH` on every node, a request whose rules live in different slots is
+    /// still decided, once per slot: each slot's call loads its script again and decides
+    /// within the deadline, and nothing is counted twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn script_flush_on_every_node_fails_no_request_across_slots() {
+        let redis = Redis::start(Servers::cluster()).await;
+        let engine = engine(
+            &redis,
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 100, window: 1h }]
+      - id: per-user
+        scope: user
+        bands: [{ capacity: 100, window: 1h }]
+"#,
+        );
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.44".parse().unwrap())
+            .user_id("alice")
+            .build();
+        for i in 0..6u64 {
+            if i % 3 == 1 {
+                for node in &redis.cluster().nodes {
+                    assert_eq!(node.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+                }
+            }
+            let before = redis.cluster().evalsha_calls();
+            let d = check(&engine, &ctx).await;
+            assert!(d.allowed(), "request {i}");
+            for rule in ["per-ip", "per-user"] {
+                let band = d.bands.iter().find(|b| &*b.rule == rule).unwrap();
+                assert_eq!(band.remaining, 99 - i, "request {i}, {rule}");
+            }
+            let calls = redis.cluster().evalsha_calls() - before;
+            let expected = if i % 3 == 1 { 4 } else { 2 };
+            assert_eq!(
+                calls, expected,
+                "request {i}: one call per slot, and one more after NOSCRIPT"
+            );
+        }
+    }
+
     fn fred_keyslot(tag: &str) -> u16 {
         // CRC16 (XMODEM) of the hash tag, as Redis Cluster computes it.
         let inner = tag.trim_start_matches('{').trim_end_matches('}');
