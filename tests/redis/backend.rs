@@ -676,6 +676,48 @@ rule_sets:
         assert!(breaker.is_open());
     }
 
+    /// A limiter over the application's own client, whose commands fred does not time out,
+    /// still holds its deadline: with Redis paused for a second, a decision fails long
+    /// before Redis answers, and decisions come back once it does.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_limiter_over_the_applications_client_keeps_its_deadline() {
+        use fred::interfaces::ClientLike;
+        let redis = Redis::start(Servers::standalone()).await;
+        let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
+        let client = fred::types::Builder::from_config(config).build().unwrap();
+        client.init().await.unwrap();
+        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "own-client");
+        let engine = Engine::builder(rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 100, window: 1h }]\n",
+        ))
+        .limiter(limiter)
+        .build()
+        .expect("the backend decides every rule");
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.61".parse().unwrap())
+            .build();
+        assert_eq!(check(&engine, &ctx).await.remaining(), Some(99));
+        assert_eq!(redis.server().cli(&["CLIENT", "PAUSE", "1000", "ALL"]).trim(), "OK");
+        let start = std::time::Instant::now();
+        let paused = engine.check(&ctx).await;
+        let took = start.elapsed();
+        assert!(paused.is_err(), "a paused Redis decided, after {took:?}: {paused:?}");
+        // The deadline is 50 ms; Redis answers after 1 s. Anything well below 1 s shows the
+        // deadline held, whatever the machine's load.
+        assert!(took < std::time::Duration::from_millis(800), "took {took:?}");
+        redis.server().cli(&["CLIENT", "UNPAUSE"]);
+        let mut back = None;
+        for _ in 0..50 {
+            if let Ok(d) = engine.check(&ctx).await {
+                back = Some(d);
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        let back = back.expect("decisions come back after the pause");
+        assert!(back.allowed());
+    }
+
     /// `from_client` over a cluster client keeps the deny cache off, as the builder does:
     /// refunds give tokens back, so a remembered rejection could outlive the real one.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

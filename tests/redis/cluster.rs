@@ -88,8 +88,8 @@ rule_sets:
     }
 
     /// After `SCRIPT FLUSH` on every node, a request whose rules live in different slots is
-    /// still decided, once per slot: each slot's call loads its script again and decides
-    /// within the deadline, and nothing is counted twice.
+    /// still decided, once per slot: a slot's call that finds no script loads it again and
+    /// decides within the deadline, and nothing is counted twice.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn script_flush_on_every_node_fails_no_request_across_slots() {
         let redis = Redis::start(Servers::cluster()).await;
@@ -124,11 +124,13 @@ rule_sets:
                 assert_eq!(band.remaining, 99 - i, "request {i}, {rule}");
             }
             let calls = redis.cluster().evalsha_calls() - before;
-            let expected = if i % 3 == 1 { 4 } else { 2 };
-            assert_eq!(
-                calls, expected,
-                "request {i}: one call per slot, and one more after NOSCRIPT"
-            );
+            if i % 3 == 1 {
+                // A slot that got `NOSCRIPT` loads the script on every primary: the other
+                // slot's call, sent at the same time, may have found it there already.
+                assert!((3..=4).contains(&calls), "request {i}: {calls} calls after the flush");
+            } else {
+                assert_eq!(calls, 2, "request {i}: one call per slot");
+            }
         }
     }
 

@@ -37,6 +37,8 @@ pub(crate) fn builder(url: &str, reconnect_delay: Duration) -> Result<(Builder, 
 pub(crate) struct Connection {
     clients: Clients,
     timeout: Duration,
+    /// The timeout fred applies to every command of these clients, when the crate set it.
+    fred_timeout: Option<Duration>,
     cluster: bool,
 }
 
@@ -47,11 +49,13 @@ enum Clients {
 }
 
 impl Connection {
-    /// Connections of a pool, used in turn.
+    /// Connections of a pool, used in turn, whose every command fred times out after
+    /// `timeout` (its `default_command_timeout`).
     pub(crate) fn pool(pool: Pool, timeout: Duration, cluster: bool) -> Self {
         Self {
             clients: Clients::Pool(pool),
             timeout,
+            fred_timeout: Some(timeout),
             cluster,
         }
     }
@@ -62,8 +66,15 @@ impl Connection {
         Self {
             clients: Clients::One(client),
             timeout: DEFAULT_TIMEOUT,
+            fred_timeout: None,
             cluster,
         }
+    }
+
+    /// Whether fred already times out every command after the deadline, so that a command
+    /// needs no timeout of its own.
+    pub(crate) fn fred_keeps_the_deadline(&self) -> bool {
+        self.fred_timeout == Some(self.timeout)
     }
 
     /// The same connections with another deadline.

@@ -5,8 +5,7 @@
 use std::time::{Duration, Instant};
 
 use fred::error::ErrorKind;
-use fred::interfaces::{ClientLike, LuaInterface};
-use fred::types::config::Options;
+use fred::interfaces::LuaInterface;
 use fred::types::scripts::Script;
 use fred::types::Value;
 
@@ -96,20 +95,26 @@ impl Scripts {
     pub(crate) async fn decide(&self, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
         let (script, argv) = self.decision(args);
         let timeout = self.connection.timeout();
-        // One timer, fred's own: it also keeps a call that timed out before it was written
-        // from being written.
-        let options = Options {
-            timeout: Some(timeout),
-            ..Options::default()
-        };
-        let client = self.connection.next().with_options(&options);
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
-        let call = Box::pin(client.evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv));
-        let reply = match call.await {
-            Ok(reply) => reply,
-            Err(e) if *e.kind() == ErrorKind::Timeout => return Err(RedisError::Timeout(timeout)),
-            Err(e) => return Err(RedisError::Command(e)),
+        let call = Box::pin(
+            self.connection
+                .next()
+                .evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv),
+        );
+        let reply = if self.connection.fred_keeps_the_deadline() {
+            // One timer, fred's own (a pool the crate made has the deadline as every
+            // command's timeout): it also keeps a call that timed out before it was written
+            // from being written.
+            match call.await {
+                Ok(reply) => reply,
+                Err(e) if *e.kind() == ErrorKind::Timeout => return Err(RedisError::Timeout(timeout)),
+                Err(e) => return Err(RedisError::Command(e)),
+            }
+        } else {
+            // A client the application made: fred may time out nothing (and its per-call
+            // options do not reach `EVALSHA`), so the deadline is a timer of our own.
+            self.connection.within_deadline(call).await?
         };
         Self::read(args, &reply)
     }
