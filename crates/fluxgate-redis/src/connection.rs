@@ -50,12 +50,12 @@ enum Clients {
 
 impl Connection {
     /// Connections of a pool, used in turn, whose every command fred times out after
-    /// `timeout` (its `default_command_timeout`).
+    /// `timeout` (its `default_command_timeout`; fred reads zero as no timeout at all).
     pub(crate) fn pool(pool: Pool, timeout: Duration, cluster: bool) -> Self {
         Self {
             clients: Clients::Pool(pool),
             timeout,
-            fred_timeout: Some(timeout),
+            fred_timeout: (!timeout.is_zero()).then_some(timeout),
             cluster,
         }
     }
@@ -111,5 +111,22 @@ impl Connection {
             Ok(Err(e)) => Err(RedisError::Command(e)),
             Err(_) => Err(RedisError::Timeout(self.timeout)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fred reads a zero command timeout as none: a zero deadline is then kept by the
+    /// limiter's own timer, never left to fred.
+    #[test]
+    fn fred_keeps_only_a_deadline_it_applies() {
+        let pool = || fred::types::Builder::default_centralized().build_pool(1).unwrap();
+        assert!(Connection::pool(pool(), Duration::from_millis(50), false).fred_keeps_the_deadline());
+        assert!(!Connection::pool(pool(), Duration::ZERO, false).fred_keeps_the_deadline());
+        let other = Connection::pool(pool(), Duration::from_millis(50), false).with_timeout(Duration::from_secs(1));
+        assert!(!other.fred_keeps_the_deadline());
+        assert!(!Connection::client(fred::clients::Client::default()).fred_keeps_the_deadline());
     }
 }
