@@ -186,21 +186,13 @@ impl RulePlan {
     /// The key of band `index` of a rule of another algorithm than the token bucket, whose
     /// bucket's key begins with `start` (`<prefix>:<hash tag>`).
     pub(crate) fn band_key(&self, start: &str, index: usize) -> String {
-        let part = self.band_parts.get(index).map_or("", String::as_str);
-        let mut key = String::with_capacity(start.len() + part.len());
-        key.push_str(start);
-        key.push_str(part);
-        key
+        joined(start, &self.band_parts, index)
     }
 
     /// The deny-cache key of band `index`, after `key`: the rule's key for a token bucket,
     /// the band's key for another algorithm.
     pub(crate) fn deny_key(&self, key: &str, index: usize) -> String {
-        let suffix = self.deny_suffixes.get(index).map_or("", String::as_str);
-        let mut deny = String::with_capacity(key.len() + suffix.len());
-        deny.push_str(key);
-        deny.push_str(suffix);
-        deny
+        joined(key, &self.deny_suffixes, index)
     }
 
     /// What the refund script needs to give band `index`'s consumption back.
@@ -218,6 +210,15 @@ impl RulePlan {
             }),
         })
     }
+}
+
+/// `start` followed by `ends[index]` (nothing when there is no such end), in one allocation.
+fn joined(start: &str, ends: &[String], index: usize) -> String {
+    let end = ends.get(index).map_or("", String::as_str);
+    let mut out = String::with_capacity(start.len() + end.len());
+    out.push_str(start);
+    out.push_str(end);
+    out
 }
 
 #[cfg(test)]

@@ -77,7 +77,6 @@ impl Flags {
     }
 
     /// The algorithm's number.
-    #[cfg(test)]
     fn algorithm(self) -> i64 {
         self.0 % Self::BANDS / Self::ALGORITHM
     }
@@ -123,15 +122,13 @@ pub(crate) struct RuleArgs {
 impl RuleArgs {
     /// A rule's arguments: `bucket`'s flags name as many bands as `bands` holds.
     pub(crate) fn new(bucket: BucketArgs, bands: SmallVec<[BandArgs; 4]>) -> Self {
-        let token_bucket =
-            bucket.flags.get() % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number();
         let mut args = Self {
             bucket,
             bands,
             token_buckets_argv: Vec::new(),
             one_token_bucket_argv: None,
         };
-        if token_bucket {
+        if args.is_token_bucket() {
             args.token_buckets_argv = args.write_token_buckets_argv();
             if let [band] = args.bands.as_slice() {
                 args.one_token_bucket_argv = Some(args.write_one_token_bucket_argv(*band));
@@ -140,8 +137,9 @@ impl RuleArgs {
         args
     }
 
+    /// Whether the rule is a token bucket, which the token-bucket scripts decide.
     fn is_token_bucket(&self) -> bool {
-        self.bucket.flags.get() % Flags::BANDS / Flags::ALGORITHM == ScriptAlgorithm::TokenBucket.number()
+        self.bucket.flags.algorithm() == ScriptAlgorithm::TokenBucket.number()
     }
 
     /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 4 + scaled × 2 + shadow`, its
