@@ -27,6 +27,10 @@
 //! `-- bands` only the table of bands and rules, `-- peer` only FluxGate's engine and layer
 //! 1x1, the peer's layer and the engine 3x2, twice each in turn; `-- 1x1`, `-- 3x2`,
 //! `-- layer` or `-- peer-layer` only that one measurement, once (to profile it).
+//! `-- batched` runs batched decisions (`Batching`'s defaults) next to the peer and to one
+//! call per request, twice in turn; `-- batched-1x1` and `-- batched-3x2` one measurement.
+//! With batches, a call decides several requests: the line gives the calls and Redis's
+//! time per call, and the decisions per call.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -42,7 +46,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fluxgate::redis::RedisLimiter;
+use fluxgate::redis::{Batching, RedisLimiter};
 use fluxgate::tower::{ClientIp, RateLimitLayer};
 use fluxgate::{Engine, RequestContext, RuleSets};
 use fred::interfaces::ClientLike as _;
@@ -101,6 +105,18 @@ fn pool_size() -> usize {
         .unwrap_or(8)
 }
 
+/// The batching of the batched measurements: `Batching`'s defaults, or `BENCH_BATCH_CALLS`
+/// calls in flight at most.
+fn batching() -> Option<Batching> {
+    let batching = Batching::new();
+    Some(
+        match std::env::var("BENCH_BATCH_CALLS").ok().and_then(|v| v.parse().ok()) {
+            Some(calls) => batching.max_calls(calls),
+            None => batching,
+        },
+    )
+}
+
 fn ip(n: u64) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + (n % KEYS) as u32))
 }
@@ -136,8 +152,10 @@ impl Report {
         let rate = self.decisions as f64 / self.elapsed.as_secs_f64();
         let calls = self.evalsha.map_or_else(String::new, |c| {
             format!(
-                "  evalsha calls {c} for {} decisions, {:.2} µs each in Redis",
-                self.decisions, self.server_us
+                "  evalsha calls {c} for {} decisions ({:.1} per call), {:.2} µs each in Redis",
+                self.decisions,
+                self.decisions as f64 / c.max(1) as f64,
+                self.server_us
             )
         });
         println!(
@@ -193,11 +211,12 @@ where
     }
 }
 
-async fn engine(server: &RedisServer, yaml: &str) -> Engine {
+async fn engine(server: &RedisServer, yaml: &str, batching: Option<Batching>) -> Engine {
     // A deadline far above any latency: a busy machine must not fail the benchmark.
     let limiter = RedisLimiter::builder(server.url())
         .pool_size(pool_size())
         .timeout(Duration::from_secs(2))
+        .batching(batching)
         .connect()
         .await
         .unwrap();
@@ -209,8 +228,12 @@ async fn engine(server: &RedisServer, yaml: &str) -> Engine {
 }
 
 async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
+    fluxgate_engine_with(name, yaml, None).await
+}
+
+async fn fluxgate_engine_with(name: &str, yaml: &'static str, batching: Option<Batching>) -> Report {
     let server = RedisServer::start();
-    let engine = engine(&server, yaml).await;
+    let engine = engine(&server, yaml, batching).await;
     let before = server.evalsha_calls();
     let mut report = drive(name, move |n| {
         let engine = engine.clone();
@@ -230,13 +253,17 @@ async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
 }
 
 async fn fluxgate_layer() -> Report {
+    fluxgate_layer_with("fluxgate layer 1x1", None).await
+}
+
+async fn fluxgate_layer_with(name: &str, batching: Option<Batching>) -> Report {
     let server = RedisServer::start();
-    let engine = engine(&server, ONE_BY_ONE).await;
+    let engine = engine(&server, ONE_BY_ONE, batching).await;
     let svc = RateLimitLayer::new(engine).layer(service_fn(|_req: Request<axum::body::Body>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
     }));
     let before = server.evalsha_calls();
-    let mut report = drive("fluxgate layer 1x1", move |n| {
+    let mut report = drive(name, move |n| {
         let svc = svc.clone();
         async move {
             let mut req = Request::new(axum::body::Body::empty());
@@ -373,7 +400,18 @@ fn main() {
         .build()
         .unwrap();
     println!("{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement", secs());
-    let groups = ["algorithms", "bands", "peer", "1x1", "3x2", "layer", "peer-layer"];
+    let groups = [
+        "algorithms",
+        "bands",
+        "peer",
+        "1x1",
+        "3x2",
+        "layer",
+        "peer-layer",
+        "batched",
+        "batched-1x1",
+        "batched-3x2",
+    ];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
     if only.is_empty() {
@@ -390,6 +428,25 @@ fn main() {
     }
     if !only.is_empty() && run("peer-layer") {
         rt.block_on(peer_layer()).print();
+    }
+    if !only.is_empty() && run("batched") {
+        batched_against_the_peer(&rt);
+    }
+    if !only.is_empty() && run("batched-1x1") {
+        rt.block_on(fluxgate_engine_with(
+            "fluxgate engine 1x1 batched",
+            ONE_BY_ONE,
+            batching(),
+        ))
+        .print();
+    }
+    if !only.is_empty() && run("batched-3x2") {
+        rt.block_on(fluxgate_engine_with(
+            "fluxgate engine 3x2 batched",
+            THREE_BY_TWO,
+            batching(),
+        ))
+        .print();
     }
     if !only.is_empty() && run("3x2") {
         rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
@@ -464,6 +521,29 @@ fn against_the_peer(rt: &tokio::runtime::Runtime) {
         rt.block_on(peer_layer()).print();
         rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
             .print();
+    }
+}
+
+/// Batched decisions (`Batching`'s defaults) next to the peer and to one call per request,
+/// in turn, twice: the peer's layer, the engine and the layer 1x1 with and without batches,
+/// then the engine 3x2 without and with.
+fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
+    let batched = batching();
+    for _ in 0..2 {
+        rt.block_on(peer_layer()).print();
+        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
+        rt.block_on(fluxgate_engine_with("fluxgate engine 1x1 batched", ONE_BY_ONE, batched))
+            .print();
+        rt.block_on(fluxgate_layer_with("fluxgate layer 1x1 batched", batched))
+            .print();
+        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
+            .print();
+        rt.block_on(fluxgate_engine_with(
+            "fluxgate engine 3x2 batched",
+            THREE_BY_TWO,
+            batched,
+        ))
+        .print();
     }
 }
 

@@ -9,7 +9,11 @@ deterministic to within about 2% from one run to the next.
 
     scripts/redis-instructions.py [SCRIPT_DIR]
 
-SCRIPT_DIR holds the joined scripts (`one_token_bucket.lua`, `token_buckets.lua`): the
+The batch script (`batch.lua`) is counted with 16 one-band requests per call, divided by
+the requests as well as by the calls.
+
+SCRIPT_DIR holds the joined scripts (`one_token_bucket.lua`, `token_buckets.lua`,
+`batch.lua`): the
 build script's `OUT_DIR` of `fluxgate-redis`, by default the newest under
 `$CARGO_TARGET_DIR` (or `target`). The peer's script (`tower-rate-limit-fred`) is counted
 too when it is in Cargo's registry. Needs `valgrind` (with `callgrind_control`) and
@@ -68,7 +72,7 @@ class Conn:
                 self.read()
 
 
-def count(name, script, keys, args, n):
+def count(name, script, keys, args, n, per=1):
     out = tempfile.mkdtemp(prefix='redis-instructions-')
     dump = os.path.join(out, 'callgrind.out')
     server = subprocess.Popen(
@@ -104,6 +108,8 @@ def count(name, script, keys, args, n):
         server.terminate()
         server.wait()
     print(f'{name:<44} {total / n:>10,.0f}', flush=True)
+    if per > 1:
+        print(f'{"  the same per request":<44} {total / n / per:>10,.0f}', flush=True)
 
 
 def rule(r, bands):
@@ -133,6 +139,14 @@ def main():
         args = [a for r in range(rules) for a in rule(r, bands)]
         count(f'{rules} rule(s) x {bands} bands (token_buckets.lua)', many,
               [key.format(r=r) for r in range(rules)], args, n)
+    batch = os.path.join(scripts, 'batch.lua')
+    if os.path.exists(batch):
+        # 16 one-band requests of one rule: the rule's arguments once, then a header per
+        # request (script 1, one key, the first list: 5), as the crate sends them.
+        requests = 16
+        keys = [key.format(r=0).replace('ip=', f'ip={j}.') for j in range(requests)]
+        args = ['1', '4', 'b0:10000000/1h|', 'd693a400', '168', '3601001'] + ['5'] * requests
+        count(f'batch of {requests} one-band requests (batch.lua)', batch, keys, args, 20000 // requests, requests)
     home = os.environ.get('CARGO_HOME', os.path.expanduser('~/.cargo'))
     peer = sorted(glob.glob(os.path.join(home, 'registry/src/*/tower-rate-limit-fred-*/scripts/rate_limit.lua')))
     if peer:

@@ -1,6 +1,6 @@
 //! Joins the Redis scripts from their files, one per algorithm, into the scripts the crate
-//! sends (`DECIDE_LUA`, `REFUND_LUA`, and for token buckets alone `ONE_TOKEN_BUCKET_LUA`
-//! and `TOKEN_BUCKETS_LUA`), written to `OUT_DIR`.
+//! sends (`DECIDE_LUA`, `REFUND_LUA`, for token buckets alone `ONE_TOKEN_BUCKET_LUA`
+//! and `TOKEN_BUCKETS_LUA`, and the three in one call for batched decisions, `BATCH_LUA`), written to `OUT_DIR`.
 //!
 //! The files have one home, `lua/` at the top of the repository. The crate reaches it
 //! through its `lua` link, which `cargo package` follows, so that a packaged crate carries
@@ -44,6 +44,13 @@ fn scripts_dir(manifest: &Path) -> PathBuf {
 }
 
 fn join(dir: &Path, parts: &[&str], out: &Path) {
+    if let Err(e) = fs::write(out, read(dir, parts)) {
+        panic!("cannot write {}: {e}", out.display());
+    }
+}
+
+/// The text of `parts`, joined.
+fn read(dir: &Path, parts: &[&str]) -> String {
     let mut script = String::new();
     for part in parts {
         let path = dir.join(part);
@@ -53,6 +60,33 @@ fn join(dir: &Path, parts: &[&str], out: &Path) {
             Err(e) => panic!("cannot read the Redis script part {}: {e}", path.display()),
         }
     }
+    script
+}
+
+/// The batch script: each decision script as a function of its own keys and arguments,
+/// reading the clock the batch read once, then `batch.lua`.
+fn batch(dir: &Path, out: &Path) {
+    const TIME: &str = "redis.call('TIME')";
+    let mut script = String::from("local batch_time = redis.call('TIME')\n");
+    let general = parts("decide.lua");
+    let functions: [(&str, &[&str]); 3] = [
+        ("decide_one", &["one_token_bucket.lua"]),
+        ("decide_token_buckets", &["layout.lua", "token_buckets.lua"]),
+        ("decide_general", &general),
+    ];
+    for (name, parts) in functions {
+        let body = read(dir, parts);
+        assert_eq!(
+            body.matches(TIME).count(),
+            1,
+            "the batch script needs exactly one {TIME} in the parts of {name}"
+        );
+        script.push_str(&format!(
+            "local {name} = function(KEYS, ARGV)\n{}\nend\n",
+            body.replace(TIME, "batch_time")
+        ));
+    }
+    script.push_str(&read(dir, &["batch.lua"]));
     if let Err(e) = fs::write(out, script) {
         panic!("cannot write {}: {e}", out.display());
     }
@@ -72,4 +106,5 @@ fn main() {
         &out.join("token_buckets.lua"),
     );
     join(&dir, &["protocol.lua"], &out.join("protocol.lua"));
+    batch(&dir, &out.join("batch.lua"));
 }

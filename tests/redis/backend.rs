@@ -10,6 +10,19 @@ scenario_tests!(
     Redis::start(Servers::standalone()).await
 );
 
+/// The same scenarios with decisions in batches (the concurrency scenario's requests go
+/// out together).
+mod batched {
+    use crate::support::redis::{Redis, Servers};
+    use crate::support::scenarios::scenario_tests;
+
+    scenario_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        Redis::batched(Servers::standalone()).await
+    );
+}
+
 mod redis_only {
     use fluxgate::core::CircuitBreaker;
     use fluxgate::core::{

@@ -24,3 +24,27 @@ mod standalone {
         Redis::scripts_only(Servers::standalone()).await
     );
 }
+
+/// On a standalone server per case, deciding in batches: each request decided by the batch
+/// script as its own call would decide it.
+mod batched {
+    use crate::support::conformance::conformance_tests;
+    use crate::support::redis::{Redis, Servers};
+
+    conformance_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        Redis::batched(Servers::standalone()).await
+    );
+}
+
+/// On the shared cluster, deciding in batches: one batch per hash slot, and the requests
+/// across slots refunded as without batches.
+mod batched_cluster {
+    use crate::support::conformance::conformance_tests;
+    use crate::support::redis::{Redis, Servers};
+
+    conformance_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        Redis::batched(Servers::shared_cluster()).await
+    );
+}

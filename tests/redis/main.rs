@@ -19,6 +19,7 @@ mod support {
 }
 
 mod backend;
+mod batching;
 mod changes;
 mod cluster;
 mod conformance;

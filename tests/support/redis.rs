@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use fluxgate::core::RateLimiter;
-use fluxgate::redis::{RedisLimiter, RedisLimiterBuilder};
+use fluxgate::redis::{Batching, RedisLimiter, RedisLimiterBuilder};
 
 use super::backend::{Backend, Waiting};
 use super::servers::{RedisCluster, RedisServer};
@@ -69,6 +69,12 @@ impl Redis {
     /// On `servers`, with the deny cache off: every decision is the scripts' own.
     pub(crate) async fn scripts_only(servers: Servers) -> Self {
         Self::connect(servers, |builder| builder.deny_cache(false)).await
+    }
+
+    /// On `servers`, deciding in batches ([`Batching`]'s defaults), with the deny cache off:
+    /// every decision is the batch script's own.
+    pub(crate) async fn batched(servers: Servers) -> Self {
+        Self::connect(servers, |builder| builder.deny_cache(false).batching(Batching::new())).await
     }
 
     async fn connect(servers: Servers, configure: fn(RedisLimiterBuilder) -> RedisLimiterBuilder) -> Self {

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use fred::interfaces::ClientLike;
 
+use crate::batch::Batching;
 use crate::connection::{self, Connection, DEFAULT_TIMEOUT};
 use crate::error::RedisError;
 use crate::limiter::RedisLimiter;
@@ -18,6 +19,7 @@ pub struct RedisLimiterBuilder {
     pool_size: usize,
     deny_cache: bool,
     reconnect_delay: Duration,
+    batching: Option<Batching>,
 }
 
 impl RedisLimiter {
@@ -31,6 +33,7 @@ impl RedisLimiter {
             pool_size: 4,
             deny_cache: true,
             reconnect_delay: Duration::from_millis(100),
+            batching: None,
         }
     }
 }
@@ -71,6 +74,14 @@ impl RedisLimiterBuilder {
         self
     }
 
+    /// Batched decisions ([`Batching`]): the requests decided at the same time go to Redis
+    /// together, one script call per batch, each still decided all or nothing in the
+    /// order it arrived. Off by default (`None`): one call per request.
+    pub fn batching(mut self, batching: impl Into<Option<Batching>>) -> Self {
+        self.batching = batching.into();
+        self
+    }
+
     /// Checks the URL, connects and loads the script.
     ///
     /// # Errors
@@ -85,6 +96,6 @@ impl RedisLimiterBuilder {
         pool.init().await.map_err(RedisError::Connect)?;
         let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster));
         scripts.load().await?;
-        Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache))
+        Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
     }
 }

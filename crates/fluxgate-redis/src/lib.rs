@@ -71,6 +71,7 @@
 
 mod admin;
 mod band;
+mod batch;
 mod builder;
 mod changes;
 mod cluster;
@@ -91,6 +92,7 @@ mod url;
 
 pub use admin::{AdminError, RuleAdmin};
 pub use band::{MAX_LOG_CAPACITY, MAX_SCALED_CAPACITY};
+pub use batch::Batching;
 pub use builder::RedisLimiterBuilder;
 pub use changes::{ChangeError, RuleChange, DEFAULT_CHANGES_CHANNEL, MAX_CHANGE_MESSAGE};
 pub use connection::DEFAULT_TIMEOUT;
@@ -99,5 +101,5 @@ pub use health::Health;
 pub use limiter::RedisLimiter;
 pub use listener::{ListenerStats, RuleChangeListener, RuleChangeListenerBuilder};
 pub use reset::ResetScope;
-pub use script::{DECIDE_LUA, ONE_TOKEN_BUCKET_LUA, REFUND_LUA, TOKEN_BUCKETS_LUA};
+pub use script::{BATCH_LUA, DECIDE_LUA, ONE_TOKEN_BUCKET_LUA, REFUND_LUA, TOKEN_BUCKETS_LUA};
 pub use store::{RedisRuleSetStore, StoreError, DEFAULT_RULES_NAMESPACE};

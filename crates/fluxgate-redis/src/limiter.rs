@@ -9,11 +9,13 @@ use fluxgate_core::{BoxError, MaybeReady, RuleError, RuleSet};
 use fred::clients::Client;
 
 use crate::band;
+use crate::batch::{Batcher, Batching};
 use crate::cluster::decide_across_slots;
 use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
+use crate::protocol::{DecideArgs, Reply};
 use crate::request::{encode, outcome, Call};
 use crate::script::{missing_script, Scripts};
 
@@ -27,6 +29,19 @@ struct Inner {
     scripts: Arc<Scripts>,
     prefix: String,
     denied: Option<DenyCache>,
+    /// With batched decisions: the gathering of the requests (shared by the limiters of
+    /// [`RedisLimiter::with_prefix`], whose requests carry their own keys).
+    batcher: Option<Arc<Batcher>>,
+}
+
+impl Inner {
+    /// One call's decision: in a batch with batching on, in a call of its own otherwise.
+    async fn decide(&self, slot: u16, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+        match &self.batcher {
+            Some(batcher) => batcher.decide(slot, keys, args).await,
+            None => self.scripts.decide(keys, args).await,
+        }
+    }
 }
 
 impl fmt::Debug for RedisLimiter {
@@ -42,11 +57,13 @@ impl fmt::Debug for RedisLimiter {
 impl RedisLimiter {
     /// A limiter running `scripts`, with a deny cache if `deny_cache` and not on a cluster:
     /// refunds give tokens back, so on a cluster a denial could end early.
-    pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool) -> Self {
+    pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool, batching: Option<Batching>) -> Self {
         let deny_cache = deny_cache && !scripts.connection().is_cluster();
+        let scripts = Arc::new(scripts);
         Self {
             inner: Arc::new(Inner {
-                scripts: Arc::new(scripts),
+                batcher: batching.map(|b| Arc::new(Batcher::new(scripts.clone(), b))),
+                scripts,
                 prefix,
                 denied: deny_cache.then(DenyCache::new),
             }),
@@ -57,7 +74,26 @@ impl RedisLimiter {
     /// on the first call that finds it missing. The deny cache is on, except on a
     /// cluster (see [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
-        Self::new(Scripts::new(Connection::client(client)), prefix.into(), true)
+        Self::new(Scripts::new(Connection::client(client)), prefix.into(), true, None)
+    }
+
+    /// A limiter sharing this one's connections, prefix and deny cache setting, that
+    /// decides in batches ([`Batching`]); with `None`, one call per request.
+    pub fn with_batching(&self, batching: Option<Batching>) -> Self {
+        let scripts = self.inner.scripts.clone();
+        Self {
+            inner: Arc::new(Inner {
+                batcher: batching.map(|b| Arc::new(Batcher::new(scripts.clone(), b))),
+                scripts,
+                prefix: self.inner.prefix.clone(),
+                denied: self.inner.denied.as_ref().map(|_| DenyCache::new()),
+            }),
+        }
+    }
+
+    /// Whether decisions go to Redis in batches ([`Batching`]).
+    pub fn is_batching(&self) -> bool {
+        self.inner.batcher.is_some()
     }
 
     /// Whether rejections are remembered and repeated locally (the deny cache). With the
@@ -74,6 +110,7 @@ impl RedisLimiter {
                 scripts: self.inner.scripts.clone(),
                 prefix: prefix.into(),
                 denied: self.inner.denied.as_ref().map(|_| DenyCache::new()),
+                batcher: self.inner.batcher.clone(),
             }),
         }
     }
@@ -132,9 +169,15 @@ impl RateLimiter for RedisLimiter {
         let request = request.clone();
         // One call (always so on a standalone Redis): nothing to refund.
         if calls.len() == 1 {
-            if let Some(Call { keys, args, bands }) = calls.pop() {
+            if let Some(Call {
+                slot,
+                keys,
+                args,
+                bands,
+            }) = calls.pop()
+            {
                 return MaybeReady::boxed(async move {
-                    let reply = match inner.scripts.decide(keys, &args).await {
+                    let reply = match inner.decide(slot, keys, &args).await {
                         Err(e) if missing_script(&e) => {
                             // The keys went to Redis: made again from the request (one call, as
                             // the first time), then decided within the rest of the deadline.

@@ -239,6 +239,12 @@ impl DecideArgs {
         self.rules.push(rule);
     }
 
+    /// Whether `other` has the same arguments: the same rules' arguments (the same
+    /// [`RuleArgs`], which these hold), in the same order.
+    pub(crate) fn same_as(&self, other: &Self) -> bool {
+        self.rules.len() == other.rules.len() && self.rules.iter().zip(&other.rules).all(|(a, b)| Arc::ptr_eq(a, b))
+    }
+
     /// The number of bands.
     pub(crate) fn band_count(&self) -> usize {
         self.band_count

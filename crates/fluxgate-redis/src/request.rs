@@ -12,6 +12,8 @@ use crate::protocol::{BandReply, DecideArgs, RefundBand};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
+    /// The hash slot of its keys (0 on a standalone Redis).
+    pub(crate) slot: u16,
     /// One key per token-bucket rule, one per band of the other algorithms.
     pub(crate) keys: Vec<String>,
     pub(crate) args: DecideArgs,
@@ -88,6 +90,7 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
                 calls.push((
                     slot,
                     Call {
+                        slot,
                         keys: Vec::with_capacity(request.buckets().len()),
                         args: DecideArgs::new(),
                         bands: Vec::with_capacity(request.bands().count()),

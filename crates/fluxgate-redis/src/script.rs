@@ -28,6 +28,11 @@ pub const ONE_TOKEN_BUCKET_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/o
 /// less cost.
 pub const TOKEN_BUCKETS_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/token_buckets.lua"));
 
+/// The batch script (`lua/batch.lua`, after the three decision scripts, each made a
+/// function): the requests of one batch, each decided in turn as its own script would
+/// decide it, in one call. See [`Batching`](crate::Batching).
+pub const BATCH_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/batch.lua"));
+
 /// The refund script, for requests that a cluster's hash slots decided differently: the
 /// general script's parts, with `refund.lua` last.
 pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"));
@@ -45,6 +50,7 @@ pub(crate) struct Scripts {
     one_token_bucket: Script,
     token_buckets: Script,
     refund: Script,
+    batch: Script,
 }
 
 impl Scripts {
@@ -56,6 +62,7 @@ impl Scripts {
             one_token_bucket: Script::from_lua(ONE_TOKEN_BUCKET_LUA),
             token_buckets: Script::from_lua(TOKEN_BUCKETS_LUA),
             refund: Script::from_lua(REFUND_LUA),
+            batch: Script::from_lua(BATCH_LUA),
         }
     }
 
@@ -65,7 +72,13 @@ impl Scripts {
     ///
     /// [`RedisError::Connect`] when Redis does not take them.
     pub(crate) async fn load(&self) -> Result<(), RedisError> {
-        for script in [&self.decide, &self.one_token_bucket, &self.token_buckets, &self.refund] {
+        for script in [
+            &self.decide,
+            &self.one_token_bucket,
+            &self.token_buckets,
+            &self.refund,
+            &self.batch,
+        ] {
             script.load(self.connection.next()).await.map_err(RedisError::Connect)?;
         }
         Ok(())
@@ -165,19 +178,67 @@ impl Scripts {
         }
     }
 
-    /// The script for `args` and its `ARGV`.
-    fn decision(&self, args: &DecideArgs) -> (&Script, Vec<Value>) {
+    /// The number of the batch script's function for `args` (`lua/batch.lua`) and its
+    /// `ARGV`.
+    pub(crate) fn batch_entry(args: &DecideArgs) -> (i64, Vec<Value>) {
         match args.shape() {
             Shape::OneTokenBucket | Shape::TokenBuckets => match args.one_token_bucket_argv() {
-                Some(argv) => (&self.one_token_bucket, argv),
-                None => (&self.token_buckets, args.token_buckets_argv()),
+                Some(argv) => (1, argv),
+                None => (2, args.token_buckets_argv()),
             },
-            Shape::General => (&self.decide, args.general_argv()),
+            Shape::General => (3, args.general_argv()),
         }
     }
 
+    /// One call of the batch script: `keys` and `argv` of every request of a batch, laid
+    /// out as `lua/batch.lua` reads them, within `remaining`, what is left of the deadline
+    /// of its oldest request. After `NOSCRIPT` the script is loaded again and the error
+    /// returned: the requests are then decided one by one, as after `NOSCRIPT` on a call
+    /// of their own.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scripts::decide`].
+    pub(crate) async fn decide_batch(
+        &self,
+        keys: Vec<String>,
+        argv: Vec<Value>,
+        remaining: Duration,
+    ) -> Result<Vec<Value>, RedisError> {
+        let timeout = self.connection.timeout();
+        let call = self
+            .connection
+            .next()
+            .evalsha::<Vec<Value>, _, _, _>(self.batch.sha1().clone(), keys, argv);
+        let result = match tokio::time::timeout(remaining, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) if *e.kind() == ErrorKind::Timeout => Err(RedisError::Timeout(timeout)),
+            Ok(Err(e)) => Err(RedisError::Command(e)),
+            Err(_) => Err(RedisError::Timeout(timeout)),
+        };
+        if let Err(e) = &result {
+            if missing_script(e) {
+                let load = self.batch.load(self.connection.next());
+                // Best effort: a failed load leaves the next batch to find it missing.
+                let _ = tokio::time::timeout(timeout, load).await;
+            }
+        }
+        result
+    }
+
+    /// The script for `args` and its `ARGV`.
+    fn decision(&self, args: &DecideArgs) -> (&Script, Vec<Value>) {
+        let (entry, argv) = Self::batch_entry(args);
+        let script = match entry {
+            1 => &self.one_token_bucket,
+            2 => &self.token_buckets,
+            _ => &self.decide,
+        };
+        (script, argv)
+    }
+
     /// The reply of the script for `args`, read.
-    fn read(args: &DecideArgs, reply: &[i64]) -> Result<Reply, RedisError> {
+    pub(crate) fn read(args: &DecideArgs, reply: &[i64]) -> Result<Reply, RedisError> {
         match args.shape() {
             Shape::OneTokenBucket | Shape::TokenBuckets => args.token_reply(reply),
             Shape::General => Reply::decode(reply, args.band_count()),

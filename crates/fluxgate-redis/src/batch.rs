@@ -1,0 +1,488 @@
+//! Batched decisions: [`Batching`], and how the requests arriving together gather into one
+//! call of the batch script ([`BATCH_LUA`](crate::BATCH_LUA)).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use fred::error::{Error as FredError, ErrorKind};
+use fred::types::Value;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use crate::error::RedisError;
+use crate::protocol::{DecideArgs, Reply};
+use crate::script::Scripts;
+
+/// Batched decisions, for [`RedisLimiterBuilder::batching`](crate::RedisLimiterBuilder::batching):
+/// the requests an instance decides at the same time go to Redis together, in one script
+/// call per batch instead of one per request.
+///
+/// A batch holds the requests of one hash slot (any request on a standalone Redis). The
+/// script decides them one after the other in the order they arrived, each all or nothing
+/// across its own rules and bands exactly as its own call would: a request rejected in a
+/// batch consumes nothing and gives back nothing of its neighbours', and a request whose
+/// decision fails in Redis (a key of the wrong type) fails alone.
+///
+/// A request never waits for company while a call is free: when fewer than
+/// [`max_calls`](Self::max_calls) batch calls are in flight, whatever has arrived goes out
+/// at once, so a lone request on an idle instance goes out alone, without delay. While all
+/// of them are in flight the arriving requests gather; a batch goes out when a call ends,
+/// when it holds [`max_requests`](Self::max_requests), or when its first request has
+/// waited [`max_delay`](Self::max_delay), whichever comes first. Each request keeps the
+/// limiter's deadline from the moment it arrived: a batch's call is bounded by what is left
+/// of its oldest request's, so a call in flight ends within the deadline and the requests
+/// that waited for it go out then; one that has waited its whole deadline fails with
+/// [`RedisError::Timeout`], however long `max_delay`.
+///
+/// ```
+/// use std::time::Duration;
+/// use fluxgate_redis::Batching;
+///
+/// # async fn connect() -> Result<(), fluxgate_redis::RedisError> {
+/// let limiter = fluxgate_redis::RedisLimiter::builder("redis://127.0.0.1:6379")
+///     .batching(
+///         Batching::new()
+///             .max_requests(32)
+///             .max_delay(Duration::from_micros(200)),
+///     )
+///     .connect()
+///     .await?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    max_requests: usize,
+    max_delay: Duration,
+    max_calls: usize,
+}
+
+impl Default for Batching {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Batching {
+    /// Batches of at most 64 requests, that wait at most 500 µs for a free call, with at
+    /// most 2 calls in flight: one in Redis while the instance reads the other's replies
+    /// and gathers the next requests.
+    pub fn new() -> Self {
+        Self {
+            max_requests: 64,
+            max_delay: Duration::from_micros(500),
+            max_calls: 2,
+        }
+    }
+
+    /// The most requests in one batch (at least 1). Default 64.
+    pub fn max_requests(mut self, max: usize) -> Self {
+        self.max_requests = max.max(1);
+        self
+    }
+
+    /// How long a request waits for a free call at most, before its batch goes out anyway.
+    /// Default 500 µs.
+    pub fn max_delay(mut self, max: Duration) -> Self {
+        self.max_delay = max;
+        self
+    }
+
+    /// The most batch calls in flight at once before requests gather (at least 1). Default
+    /// 2. More calls in flight make smaller batches: each call costs Redis and the client
+    /// the same, whatever its size, so fewer, larger batches decide more per second.
+    pub fn max_calls(mut self, max: usize) -> Self {
+        self.max_calls = max.max(1);
+        self
+    }
+}
+
+/// A request of more keys than this goes in a call of its own (`lua/batch.lua` counts a
+/// request's keys below 256).
+const MAX_KEYS: usize = 256;
+
+/// A request waiting for its batch.
+struct Job {
+    /// The hash slot of its keys (0 on a standalone Redis).
+    slot: u16,
+    keys: Vec<String>,
+    /// Its arguments (a request of the same rules has the same: sent once per batch).
+    args: DecideArgs,
+    arrived: Instant,
+    reply: oneshot::Sender<Result<Vec<i64>, RedisError>>,
+}
+
+/// The batching of one limiter: the requests waiting for a call, and the calls in flight.
+///
+/// No task runs between batches. A request that finds a call free starts one (a task that
+/// sends its batch); a call that ends takes the next batch of the waiting requests, if any,
+/// before it gives its place back; and a timer, armed while requests wait, sends those that
+/// have waited `max_delay`.
+pub(crate) struct Batcher {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    scripts: Arc<Scripts>,
+    limits: Batching,
+    queue: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// In the order they arrived.
+    waiting: VecDeque<Job>,
+    /// The calls in flight (each a task).
+    calls: usize,
+    /// Whether the timer of the waiting requests is armed (a task).
+    timer: bool,
+}
+
+impl Batcher {
+    /// Batching over `scripts`.
+    pub(crate) fn new(scripts: Arc<Scripts>, batching: Batching) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                limits: batching,
+                scripts,
+                queue: Mutex::new(Queue::default()),
+            }),
+        }
+    }
+
+    /// Decides one request of one hash slot in a batch, within the limiter's deadline from
+    /// now (the batch's call is bounded by the deadline of its oldest request): what
+    /// [`Scripts::decide`] does for a call of its own.
+    ///
+    /// # Errors
+    ///
+    /// As [`Scripts::decide`]; [`RedisError::Interrupted`] when the call's task ended
+    /// without an answer (its runtime shut down).
+    pub(crate) async fn decide(&self, slot: u16, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+        if keys.len() >= MAX_KEYS {
+            // More keys than a batch's header can count: a call of its own.
+            return self.shared.scripts.decide(keys, args).await;
+        }
+        let (reply, answer) = oneshot::channel();
+        self.shared.submit(Job {
+            slot,
+            keys,
+            args: args.clone(),
+            arrived: Instant::now(),
+            reply,
+        });
+        // The batch's call is bounded by the deadline of its oldest request: no timer here.
+        match answer.await {
+            Ok(result) => Scripts::read(args, &result?),
+            Err(_) => Err(RedisError::Interrupted),
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues `job`, then starts the calls it allows: while a call is free, one per batch
+    /// of the waiting requests; and a full batch of its hash slot whether or not a call is
+    /// free. Arms the timer if requests are left waiting.
+    fn submit(self: &Arc<Self>, job: Job) {
+        let slot = job.slot;
+        let mut queue = self.lock();
+        queue.waiting.push_back(job);
+        while queue.calls < self.limits.max_calls && !queue.waiting.is_empty() {
+            self.start(&mut queue, None);
+        }
+        let max = self.limits.max_requests;
+        if queue.waiting.iter().filter(|j| j.slot == slot).take(max).count() >= max {
+            self.start(&mut queue, Some(slot));
+        }
+        if !queue.waiting.is_empty() && !queue.timer {
+            queue.timer = true;
+            tokio::spawn(timer(self.clone()));
+        }
+    }
+
+    /// Starts a call (a task) for the next batch of `slot`, or of the first waiting
+    /// request's slot.
+    fn start(self: &Arc<Self>, queue: &mut Queue, slot: Option<u16>) {
+        let batch = take(&mut queue.waiting, slot, self.limits.max_requests);
+        if !batch.is_empty() {
+            queue.calls += 1;
+            tokio::spawn(calls(self.clone(), batch));
+        }
+    }
+}
+
+/// Gives a call's place back if its task ends without doing so (its runtime shut down).
+struct CallPlace {
+    shared: Arc<Shared>,
+    held: bool,
+}
+
+impl Drop for CallPlace {
+    fn drop(&mut self) {
+        if self.held {
+            self.shared.lock().calls -= 1;
+        }
+    }
+}
+
+/// A call's task: sends `batch`, then the next batches of the waiting requests while any
+/// wait and the calls in flight are within bounds. Its place is given back under the same
+/// lock that found nothing to send: a request arriving then finds the call free.
+async fn calls(shared: Arc<Shared>, mut batch: Vec<Job>) {
+    let mut place = CallPlace { shared, held: true };
+    loop {
+        send(&place.shared.scripts, batch).await;
+        let shared = place.shared.clone();
+        let mut queue = shared.lock();
+        // Past the bound (the timer sent more calls than allowed) the others take the rest.
+        if queue.calls <= shared.limits.max_calls {
+            // Past the requests whose callers are gone, to the next batch to send.
+            batch = Vec::new();
+            while batch.is_empty() && !queue.waiting.is_empty() {
+                batch = take(&mut queue.waiting, None, shared.limits.max_requests);
+            }
+            if !batch.is_empty() {
+                continue;
+            }
+        }
+        queue.calls -= 1;
+        place.held = false;
+        return;
+    }
+}
+
+/// Disarms the timer if its task ends without doing so (its runtime shut down).
+struct TimerArmed {
+    shared: Arc<Shared>,
+    armed: bool,
+}
+
+impl Drop for TimerArmed {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.lock().timer = false;
+        }
+    }
+}
+
+/// The timer of the waiting requests: at the time the first of them has waited
+/// `max_delay`, sends every request that has, in batches, whether or not a call is free;
+/// disarmed, under the same lock, when none waits.
+async fn timer(shared: Arc<Shared>) {
+    let mut armed = TimerArmed { shared, armed: true };
+    let max_delay = armed.shared.limits.max_delay;
+    loop {
+        let shared = armed.shared.clone();
+        let due = {
+            let mut queue = shared.lock();
+            let now = Instant::now();
+            while queue.waiting.front().is_some_and(|job| job.arrived + max_delay <= now) {
+                shared.start(&mut queue, None);
+            }
+            let due = queue.waiting.front().map(|job| job.arrived + max_delay);
+            if due.is_none() {
+                queue.timer = false;
+            }
+            due
+        };
+        match due {
+            Some(due) => tokio::time::sleep_until(due).await,
+            None => {
+                armed.armed = false;
+                return;
+            }
+        }
+    }
+}
+
+/// The next batch: the waiting requests of `slot` (by default the first one's hash slot),
+/// at most `max`, in the order they arrived, leaving out those whose caller is gone.
+fn take(waiting: &mut VecDeque<Job>, slot: Option<u16>, max: usize) -> Vec<Job> {
+    let Some(slot) = slot.or_else(|| waiting.front().map(|job| job.slot)) else {
+        return Vec::new();
+    };
+    let mut batch = Vec::with_capacity(max.min(waiting.len()));
+    let mut others = VecDeque::new();
+    while let Some(job) = waiting.pop_front() {
+        if job.slot == slot && batch.len() < max {
+            if !job.reply.is_closed() {
+                batch.push(job);
+            }
+        } else {
+            others.push_back(job);
+            if batch.len() >= max {
+                others.extend(waiting.drain(..));
+            }
+        }
+    }
+    *waiting = others;
+    batch
+}
+
+/// One call of the batch script for `batch`, each request answered with its own reply.
+async fn send(scripts: &Scripts, batch: Vec<Job>) {
+    // Each distinct list of arguments once, by the first request that has it.
+    let mut lists: Vec<usize> = Vec::new();
+    let mut refs = Vec::with_capacity(batch.len());
+    for (i, job) in batch.iter().enumerate() {
+        let list = match lists.iter().position(|&first| batch[first].args.same_as(&job.args)) {
+            Some(list) => list,
+            None => {
+                lists.push(i);
+                lists.len() - 1
+            }
+        };
+        refs.push(list);
+    }
+    let mut argv = Vec::with_capacity(1 + 8 * lists.len() + batch.len());
+    argv.push(hex(lists.len() as u64));
+    let mut entries = Vec::with_capacity(lists.len());
+    for &first in &lists {
+        let (entry, list) = Scripts::batch_entry(&batch[first].args);
+        entries.push(entry);
+        argv.push(hex(list.len() as u64));
+        argv.extend(list);
+    }
+    let mut keys = Vec::with_capacity(batch.iter().map(|job| job.keys.len()).sum());
+    let mut replies = Vec::with_capacity(batch.len());
+    // What is left of the deadline of the oldest request.
+    let oldest = batch.iter().map(|job| job.arrived).min().unwrap_or_else(Instant::now);
+    let remaining = scripts.connection().timeout().saturating_sub(oldest.elapsed());
+    for (job, list) in batch.into_iter().zip(refs) {
+        let header = u64::try_from(entries[list]).unwrap_or(0) + 4 * job.keys.len() as u64 + 1024 * list as u64;
+        argv.push(hex(header));
+        keys.extend(job.keys);
+        replies.push(job.reply);
+    }
+    match scripts.decide_batch(keys, argv, remaining).await {
+        Ok(values) => answer(values, replies),
+        Err(e) => {
+            for reply in replies {
+                let _ = reply.send(Err(copy(&e)));
+            }
+        }
+    }
+}
+
+/// A number in hexadecimal, as `lua/batch.lua` reads it.
+fn hex(n: u64) -> Value {
+    Value::String(format!("{n:x}").into())
+}
+
+/// Answers each request of a batch from the batch script's reply (`lua/batch.lua`).
+fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Vec<i64>, RedisError>>>) {
+    let mut values = values.into_iter();
+    let total = replies.len();
+    for (i, reply) in replies.into_iter().enumerate() {
+        let _ = reply.send(next_reply(&mut values, i, total));
+    }
+}
+
+/// The reply of request `i` of `total` from the rest of the batch's reply.
+fn next_reply(values: &mut impl Iterator<Item = Value>, i: usize, total: usize) -> Result<Vec<i64>, RedisError> {
+    let wrong = |what: &str| RedisError::Reply(format!("batch reply of request {} of {total}: {what}", i + 1));
+    match values.next() {
+        Some(Value::Integer(-1)) => {
+            let message = match values.next() {
+                Some(Value::String(s)) => s.to_string(),
+                Some(Value::Bytes(b)) => String::from_utf8_lossy(&b).into_owned(),
+                _ => return Err(wrong("an error without its message")),
+            };
+            Err(RedisError::Command(FredError::new(ErrorKind::Unknown, message)))
+        }
+        Some(Value::Integer(len)) => {
+            let len = usize::try_from(len).map_err(|_| wrong("a negative length"))?;
+            let mut numbers = Vec::with_capacity(len);
+            for _ in 0..len {
+                match values.next() {
+                    Some(Value::Integer(n)) => numbers.push(n),
+                    _ => return Err(wrong("fewer numbers than its length")),
+                }
+            }
+            Ok(numbers)
+        }
+        _ => Err(wrong("no length")),
+    }
+}
+
+/// The same error, for each request of a batch that failed as a whole.
+fn copy(error: &RedisError) -> RedisError {
+    match error {
+        RedisError::Command(e) => RedisError::Command(e.clone()),
+        RedisError::Connect(e) => RedisError::Connect(e.clone()),
+        RedisError::Timeout(d) => RedisError::Timeout(*d),
+        RedisError::Reply(s) => RedisError::Reply(s.clone()),
+        RedisError::Url { url, reason } => RedisError::Url {
+            url: url.clone(),
+            reason: reason.clone(),
+        },
+        RedisError::Interrupted => RedisError::Interrupted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(slot: u16) -> (Job, oneshot::Receiver<Result<Vec<i64>, RedisError>>) {
+        let (reply, answer) = oneshot::channel();
+        let job = Job {
+            slot,
+            keys: vec![format!("k{slot}")],
+            args: DecideArgs::new(),
+            arrived: Instant::now(),
+            reply,
+        };
+        (job, answer)
+    }
+
+    /// A batch takes the first request's slot only, in arrival order, at most `max`, and
+    /// leaves out requests whose caller is gone.
+    #[tokio::test]
+    async fn a_batch_is_one_slot_in_arrival_order() {
+        let mut waiting = VecDeque::new();
+        let mut answers = Vec::new();
+        for slot in [7, 3, 7, 7, 3, 7] {
+            let (job, answer) = job(slot);
+            waiting.push_back(job);
+            answers.push(answer);
+        }
+        drop(answers.remove(2)); // the second request of slot 7: its caller is gone
+        let batch = take(&mut waiting, None, 2);
+        let slots: Vec<u16> = batch.iter().map(|j| j.slot).collect();
+        assert_eq!(slots, [7, 7]);
+        assert_eq!(batch[1].keys, ["k7"]);
+        assert!(!batch[1].reply.is_closed(), "the caller gone was left out");
+        let rest: Vec<u16> = waiting.iter().map(|j| j.slot).collect();
+        assert_eq!(rest, [3, 3, 7], "the others wait, in order");
+    }
+
+    /// Each request gets its own reply; an error reaches only its request, and a reply cut
+    /// short is an error that names the request.
+    #[test]
+    fn each_request_reads_its_own_reply() {
+        let values = vec![
+            Value::Integer(2),
+            Value::Integer(10),
+            Value::Integer(20),
+            Value::Integer(-1),
+            Value::String("WRONGTYPE oops".into()),
+            Value::Integer(1),
+            Value::Integer(30),
+            Value::Integer(3),
+            Value::Integer(40),
+        ];
+        let mut values = values.into_iter();
+        assert_eq!(next_reply(&mut values, 0, 4).unwrap(), [10, 20]);
+        let error = next_reply(&mut values, 1, 4).unwrap_err().to_string();
+        assert!(error.contains("WRONGTYPE oops"), "{error}");
+        assert_eq!(next_reply(&mut values, 2, 4).unwrap(), [30]);
+        let cut = next_reply(&mut values, 3, 4).unwrap_err().to_string();
+        assert!(cut.contains("request 4 of 4"), "{cut}");
+    }
+}

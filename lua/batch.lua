@@ -1,0 +1,52 @@
+-- FluxGate batched decision: the requests one instance sends together, decided one after
+-- the other in the order they came, each all or nothing as its own script would decide it
+-- alone. The build script puts before this file the three decision scripts, each as a
+-- function of its own keys and arguments (decide_one, decide_token_buckets,
+-- decide_general), and reads the clock once for the batch: each `redis.call('TIME')` of
+-- those scripts becomes `batch_time`. README.md, "The batch call".
+--
+-- Requests of the same rules have the same arguments: each distinct list of arguments is
+-- sent once. ARGV: the number of lists, each list as its length then its arguments; then
+-- one header per request, in order. A header is one number: script + 4 * keys + 1024 *
+-- list, its script (1 one token-bucket band, 2 token buckets, 3 general), its number of
+-- keys (below 256) and its list (from 0). The numbers are hexadecimal. KEYS: each
+-- request's keys in turn. Reply: per request, in order, the length of its script's reply
+-- then that reply; or -1 then the error that request's script raised (a request's error
+-- leaves its neighbours decided).
+
+local scripts = {decide_one, decide_token_buckets, decide_general}
+local lists, a = {}, 2
+for i = 1, tonumber(ARGV[1], 16) do
+  local length = tonumber(ARGV[a], 16)
+  lists[i] = {unpack(ARGV, a + 1, a + length)}
+  a = a + 1 + length
+end
+-- One table of keys, refilled for each request (the scripts only read theirs).
+local keys, kept = {}, 0
+local reply, n, k, last = {}, 0, 1, #ARGV
+while a <= last do
+  local header = tonumber(ARGV[a], 16)
+  local script, key_count = header % 4, (header % 1024 - header % 4) / 4
+  local list = (header - header % 1024) / 1024
+  for i = 1, key_count do
+    keys[i] = KEYS[k + i - 1]
+  end
+  for i = key_count + 1, kept do
+    keys[i] = nil
+  end
+  kept, k, a = key_count, k + key_count, a + 1
+  local ok, r = pcall(scripts[script], keys, lists[list + 1])
+  if ok then
+    n = n + 1
+    reply[n] = #r
+    for i = 1, #r do
+      reply[n + i] = r[i]
+    end
+    n = n + #r
+  else
+    reply[n + 1] = -1
+    reply[n + 2] = type(r) == 'table' and tostring(r.err) or tostring(r)
+    n = n + 2
+  end
+end
+return reply

@@ -1,0 +1,293 @@
+//! Batched decisions (`Batching`) against a real `redis-server`: a lone request goes out at
+//! once, gathered requests go out in batches of at most `max_requests` and are decided in
+//! the order they arrived, and a request that fails in Redis fails alone.
+
+use std::future::{poll_fn, Future};
+use std::pin::Pin;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::{Decision, Engine, Error, RequestContext};
+use fluxgate::redis::{Batching, RedisLimiter};
+
+use crate::support::app::rules;
+use crate::support::redis::{Redis, Servers};
+
+const PER_IP_TEN: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 10, window: 1h }]
+"#;
+
+async fn engine(redis: &Redis, batching: Batching) -> Engine {
+    engine_within(redis, batching, Duration::from_secs(20)).await
+}
+
+async fn engine_within(redis: &Redis, batching: Batching, timeout: Duration) -> Engine {
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix("batch")
+        .deny_cache(false)
+        .timeout(timeout)
+        .batching(batching)
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    assert!(limiter.is_batching());
+    Engine::builder(rules(PER_IP_TEN))
+        .limiter(limiter)
+        .build()
+        .expect("the backend decides every rule")
+}
+
+fn ctx(ip: &str) -> RequestContext {
+    RequestContext::builder().client_ip(ip.parse().expect("an address")).build()
+}
+
+type Pending = Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send>>;
+
+/// Starts each decision in turn (each is polled once, so that it reaches the limiter's
+/// queue in this order), while Redis is paused: none of them can be answered yet.
+async fn start_in_order(engine: &Engine, contexts: &[RequestContext]) -> Vec<Pending> {
+    let mut pending: Vec<Pending> = contexts.iter().map(|c| Box::pin(engine.check(c)) as Pending).collect();
+    poll_fn(|cx| {
+        for (i, decision) in pending.iter_mut().enumerate() {
+            assert!(
+                decision.as_mut().poll(cx).is_pending(),
+                "request {i} decided while Redis is paused"
+            );
+        }
+        Poll::Ready(())
+    })
+    .await;
+    pending
+}
+
+/// Pauses the writing commands on `redis` (every `EVALSHA`; `CLIENT LIST` still runs) for
+/// `pause`, and says how long the caller then took to start its requests: past the pause,
+/// the test cannot tell what it checks.
+struct Paused {
+    at: Instant,
+    pause: Duration,
+}
+
+impl Paused {
+    fn new(redis: &Redis, pause: Duration) -> Self {
+        let ms = pause.as_millis().to_string();
+        assert_eq!(redis.server().cli(&["CLIENT", "PAUSE", &ms, "WRITE"]).trim(), "OK");
+        Self {
+            at: Instant::now(),
+            pause,
+        }
+    }
+
+    fn check_still_paused(&self) {
+        let late = self.at.elapsed();
+        assert!(
+            late < self.pause,
+            "the requests took {late:?} to start, longer than Redis was paused ({:?}): the machine is too busy for this test",
+            self.pause
+        );
+    }
+}
+
+/// With no call in flight, a request goes out at once, alone: it never waits for the
+/// batch's delay, however long.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_request_goes_out_at_once() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let max_delay = Duration::from_secs(30);
+    let engine = engine(&redis, Batching::new().max_calls(1).max_delay(max_delay)).await;
+    for i in 0..3 {
+        let before = redis.server().evalsha_calls();
+        let start = Instant::now();
+        let d = engine.check(&ctx("192.0.2.1")).await.expect("decision");
+        let took = start.elapsed();
+        assert!(d.allowed());
+        assert_eq!(d.remaining(), Some(9 - i));
+        assert!(took < max_delay / 3, "a lone request waited {took:?}");
+        assert_eq!(redis.server().evalsha_calls() - before, 1, "one call for one request");
+    }
+}
+
+/// While the one call allowed is in flight, the requests that arrive gather, and go out
+/// together when it ends, decided in the order they arrived: of 21 requests of one client
+/// against a capacity of 10, exactly the first 10 pass, in two calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gathered_requests_are_decided_in_arrival_order() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
+    let engine = engine(&redis, batching).await;
+    let before = redis.server().evalsha_calls();
+    let contexts: Vec<RequestContext> = (0..21).map(|_| ctx("192.0.2.2")).collect();
+    let paused = Paused::new(&redis, Duration::from_millis(1500));
+    let pending = start_in_order(&engine, &contexts).await;
+    paused.check_still_paused();
+    let mut allowed = Vec::new();
+    for decision in pending {
+        allowed.push(decision.await.expect("decision").allowed());
+    }
+    let expected: Vec<bool> = (0..21).map(|i| i < 10).collect();
+    assert_eq!(allowed, expected, "the first ten in arrival order pass");
+    let calls = redis.server().evalsha_calls() - before;
+    assert_eq!(calls, 2, "the first request alone, then the 20 gathered in one batch");
+}
+
+/// A batch holds at most `max_requests`: a full one goes out at once, even while the calls
+/// allowed are in flight. Of 21 requests with batches of 8: the first alone (the call was
+/// free), two full batches, and the last 4 when a call ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_closes_at_max_requests() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let batching = Batching::new()
+        .max_calls(1)
+        .max_requests(8)
+        .max_delay(Duration::from_secs(60));
+    let engine = engine(&redis, batching).await;
+    let before = redis.server().evalsha_calls();
+    let contexts: Vec<RequestContext> = (0..21).map(|_| ctx("192.0.2.6")).collect();
+    let paused = Paused::new(&redis, Duration::from_millis(1500));
+    let pending = start_in_order(&engine, &contexts).await;
+    paused.check_still_paused();
+    let mut admitted = 0;
+    for decision in pending {
+        admitted += usize::from(decision.await.expect("decision").allowed());
+    }
+    assert_eq!(admitted, 10, "exactly the capacity, whatever the order of the batches");
+    assert_eq!(
+        redis.server().evalsha_calls() - before,
+        4,
+        "21 requests in batches of at most 8"
+    );
+}
+
+/// While the calls allowed are in flight, a request waits at most `max_delay`, then goes
+/// out whether or not a call is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_at_most_max_delay_for_a_call() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_millis(100));
+    let engine = engine(&redis, batching).await;
+    let before = redis.server().evalsha_calls();
+    let contexts: Vec<RequestContext> = (0..3).map(|_| ctx("192.0.2.7")).collect();
+    // Redis answers nothing for 3 s: the first call stays in flight all that time.
+    let paused = Paused::new(&redis, Duration::from_secs(3));
+    let pending = start_in_order(&engine, &contexts).await;
+    paused.check_still_paused();
+    // Past max_delay, the two waiting requests went out in a second call while the first
+    // is still unanswered: two connections wait on Redis's pause.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let blocked = blocked_calls(&redis);
+    paused.check_still_paused();
+    assert_eq!(blocked, 2, "the first call and the one the timer sent");
+    for decision in pending {
+        assert!(decision.await.expect("decision").allowed());
+    }
+    assert_eq!(redis.server().evalsha_calls() - before, 2);
+}
+
+/// The connections whose `EVALSHA` waits on Redis's pause.
+fn blocked_calls(redis: &Redis) -> usize {
+    let clients = redis.server().cli(&["CLIENT", "LIST"]);
+    clients
+        .lines()
+        .filter(|l| l.contains("cmd=evalsha") && l.split(' ').any(|f| f.starts_with("flags=") && f.contains('b')))
+        .count()
+}
+
+/// Without the timer's help (a delay longer than the pause), the waiting requests stay
+/// queued behind the call in flight: one connection waits on Redis's pause.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_gather_while_the_calls_allowed_are_in_flight() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
+    let engine = engine(&redis, batching).await;
+    let contexts: Vec<RequestContext> = (0..3).map(|_| ctx("192.0.2.8")).collect();
+    let paused = Paused::new(&redis, Duration::from_secs(3));
+    let pending = start_in_order(&engine, &contexts).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let blocked = blocked_calls(&redis);
+    paused.check_still_paused();
+    assert_eq!(blocked, 1, "only the first call went out");
+    for decision in pending {
+        assert!(decision.await.expect("decision").allowed());
+    }
+}
+
+/// A request keeps the limiter's deadline while it waits for a call: past it, it fails with
+/// a timeout, however long `max_delay`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_keeps_its_deadline() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
+    let engine = engine_within(&redis, batching, Duration::from_millis(300)).await;
+    let contexts: Vec<RequestContext> = (0..3).map(|_| ctx("192.0.2.10")).collect();
+    let _paused = Paused::new(&redis, Duration::from_secs(5));
+    let start = Instant::now();
+    let pending = start_in_order(&engine, &contexts).await;
+    for decision in pending {
+        let error = decision.await.expect_err("no answer from a paused Redis");
+        assert!(format!("{error:?}").contains("Timeout(300ms)"), "{error:?}");
+    }
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(4),
+        "the requests waited {took:?}, past their 300 ms deadline and Redis's pause"
+    );
+}
+
+/// A request whose key holds another type fails in Redis; its neighbours in the batch are
+/// decided, and counted, as if it had not been there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_fails_in_redis_fails_alone() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = engine(&redis, Batching::new().max_calls(1).max_delay(Duration::from_secs(60))).await;
+    // The key of 192.0.2.3, made by a first decision, replaced by a list.
+    assert!(engine.check(&ctx("192.0.2.3")).await.expect("decision").allowed());
+    let keys = redis.server().cli(&["--scan", "--pattern", "batch:*192.0.2.3*"]);
+    let key = keys.lines().next().expect("the client's key").to_owned();
+    redis.server().cli(&["DEL", &key]);
+    redis.server().cli(&["RPUSH", &key, "not a bucket"]);
+
+    let contexts = [ctx("192.0.2.9"), ctx("192.0.2.4"), ctx("192.0.2.3"), ctx("192.0.2.4")];
+    let paused = Paused::new(&redis, Duration::from_millis(1500));
+    let pending = start_in_order(&engine, &contexts).await;
+    paused.check_still_paused();
+    let mut results = Vec::new();
+    for decision in pending {
+        results.push(decision.await);
+    }
+    let remaining = |i: usize| results[i].as_ref().expect("decision").remaining();
+    assert_eq!(remaining(0), Some(9));
+    assert_eq!(remaining(1), Some(9));
+    assert_eq!(
+        remaining(3),
+        Some(8),
+        "the failed neighbour took nothing of this client's"
+    );
+    // The failed request's decision follows the failure policy (fail open by default):
+    // degraded, never counted.
+    match &results[2] {
+        Ok(d) => assert!(d.degraded, "{d:?}"),
+        Err(e) => assert!(e.to_string().contains("WRONGTYPE"), "{e}"),
+    }
+}
+
+/// After `SCRIPT FLUSH`, batched requests are decided one by one with their own scripts
+/// and the batch script is loaded again: no request fails, none is counted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_fails_no_batched_request() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = engine(&redis, Batching::new()).await;
+    for i in 0..9 {
+        if i % 3 == 1 {
+            assert_eq!(redis.server().cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        }
+        let d = engine
+            .check(&ctx("192.0.2.5"))
+            .await
+            .expect("no request fails after SCRIPT FLUSH");
+        assert_eq!(d.remaining(), Some(9 - i));
+    }
+}
