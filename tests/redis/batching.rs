@@ -42,7 +42,9 @@ async fn engine_within(redis: &Redis, batching: Batching, timeout: Duration) -> 
 }
 
 fn ctx(ip: &str) -> RequestContext {
-    RequestContext::builder().client_ip(ip.parse().expect("an address")).build()
+    RequestContext::builder()
+        .client_ip(ip.parse().expect("an address"))
+        .build()
 }
 
 type Pending = Pin<Box<dyn Future<Output = Result<Decision, Error>> + Send>>;

@@ -71,12 +71,46 @@ pub struct LimiterConfig {
     pub pool_size: Option<usize>,
     /// The local deny cache. Default on (off on a cluster).
     pub deny_cache: Option<bool>,
+    /// `[limiter.batching]`: batched decisions; the table turns them on. Default off.
+    pub batching: Option<BatchingConfig>,
     /// The delay between reconnection attempts, in milliseconds. Default 100.
     pub reconnect_delay_ms: Option<u64>,
     /// Failures in a row that open the circuit breaker in front of Redis. Default 3.
     pub circuit_failures: Option<u32>,
     /// How long an open circuit fails decisions at once, in milliseconds. Default 250.
     pub circuit_cool_down_ms: Option<u64>,
+}
+
+/// `[limiter.batching]`: batched decisions (`fluxgate_redis::Batching`): the requests the
+/// service decides while its Redis calls are in flight go to Redis together, one script call
+/// per batch. The table's presence turns them on; each option has `Batching`'s default.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct BatchingConfig {
+    /// The most requests in one call. Default 64.
+    pub max_requests: Option<usize>,
+    /// How long a request waits at most for a free call, in microseconds. Default 500.
+    pub max_delay_us: Option<u64>,
+    /// The most batch calls in flight. Default 2.
+    pub max_calls: Option<usize>,
+}
+
+impl BatchingConfig {
+    /// The batching these options describe.
+    pub fn batching(&self) -> fluxgate_redis::Batching {
+        let mut batching = fluxgate_redis::Batching::new();
+        if let Some(max) = self.max_requests {
+            batching = batching.max_requests(max);
+        }
+        if let Some(us) = self.max_delay_us {
+            batching = batching.max_delay(Duration::from_micros(us));
+        }
+        if let Some(max) = self.max_calls {
+            batching = batching.max_calls(max);
+        }
+        batching
+    }
 }
 
 /// `[engine]`: the engine's options (`EngineBuilder`).

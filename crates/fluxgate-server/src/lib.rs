@@ -82,6 +82,9 @@ impl Service {
                 if let Some(on) = limiter.deny_cache {
                     builder = builder.deny_cache(on);
                 }
+                if let Some(batching) = &limiter.batching {
+                    builder = builder.batching(batching.batching());
+                }
                 if let Some(ms) = limiter.reconnect_delay_ms {
                     builder = builder.reconnect_delay(Duration::from_millis(ms));
                 }

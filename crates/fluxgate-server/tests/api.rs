@@ -199,6 +199,47 @@ async fn a_batch_agrees_with_single_calls() {
     );
 }
 
+/// With `[limiter.batching]`, the requests of a batch sent to the service go to Redis in a
+/// few script calls instead of one each, and are decided as single calls are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limiter_batching_sends_a_batch_in_a_few_redis_calls() {
+    let rules = rule_file("capacity-batched");
+    let redis = RedisServer::start();
+    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-batching.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!(
+            "rules = \"{}\"\nredis = \"{}\"\n[limiter.batching]\nmax_requests = 16\nmax_delay_us = 200\n",
+            rules.display(),
+            redis.url()
+        ),
+    )
+    .unwrap();
+    let config = config(&["--config", file.to_str().unwrap()]);
+    let batching = config.limiter.batching.as_ref().expect("the table turns batching on");
+    assert_eq!(batching.max_requests, Some(16));
+    let (addr, _task) = serve(config).await;
+    check_capacity_then_reject(addr, "192.0.2.1").await;
+
+    let before = redis.evalsha_calls();
+    let requests: Vec<Value> = (0..12)
+        .map(|i| json!({"ruleSetId": "api", "clientIp": format!("198.51.100.{}", i % 2 + 1), "path": "/orders/1"}))
+        .collect();
+    let batch = json!({ "requests": requests });
+    let answer = blocking(move || post(addr, "/api/ratelimit/check/batch", &batch)).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let results = answer.json()["results"].as_array().unwrap().clone();
+    // Two clients of capacity 3: three of each six pass.
+    assert_eq!(
+        results.iter().filter(|r| r["allowed"] == true).count(),
+        6,
+        "{results:?}"
+    );
+    let calls = redis.evalsha_calls() - before;
+    assert!(calls < 12, "{calls} script calls for 12 requests");
+    let _ = std::fs::remove_file(file);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_their_documented_answer_and_change_nothing() {
     let rules = rule_file("bad");
