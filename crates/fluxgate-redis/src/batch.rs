@@ -151,6 +151,11 @@ impl Batcher {
         }
     }
 
+    /// The options it runs with.
+    pub(crate) fn batching(&self) -> Batching {
+        self.shared.limits
+    }
+
     /// Decides one request of one hash slot in a batch, within the limiter's deadline from
     /// now (the batch's call is bounded by the deadline of its oldest request): what
     /// [`Scripts::decide`] does for a call of its own.

@@ -50,6 +50,7 @@ impl fmt::Debug for RedisLimiter {
             .field("prefix", &self.inner.prefix)
             .field("timeout", &self.inner.scripts.connection().timeout())
             .field("script_sha1", &self.script_sha1())
+            .field("batching", &self.inner.batcher.as_ref().map(|b| b.batching()))
             .finish_non_exhaustive()
     }
 }
