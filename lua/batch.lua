@@ -17,8 +17,12 @@
 local scripts = {decide_one, decide_token_buckets, decide_general}
 local lists, a = {}, 2
 for i = 1, tonumber(ARGV[1], 16) do
-  local length = tonumber(ARGV[a], 16)
-  lists[i] = {unpack(ARGV, a + 1, a + length)}
+  local length, list = tonumber(ARGV[a], 16), {}
+  -- A loop, not unpack: a list may hold more values than Lua's stack.
+  for j = 1, length do
+    list[j] = ARGV[a + j]
+  end
+  lists[i] = list
   a = a + 1 + length
 end
 -- One table of keys, refilled for each request (the scripts only read theirs).

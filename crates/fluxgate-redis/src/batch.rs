@@ -12,7 +12,7 @@ use tokio::time::Instant;
 
 use crate::error::RedisError;
 use crate::protocol::{DecideArgs, Reply};
-use crate::script::Scripts;
+use crate::script::{missing_script, Scripts};
 
 /// Batched decisions, for [`RedisLimiterBuilder::batching`](crate::RedisLimiterBuilder::batching):
 /// the requests an instance decides at the same time go to Redis together, in one script
@@ -30,10 +30,11 @@ use crate::script::Scripts;
 /// of them are in flight the arriving requests gather; a batch goes out when a call ends,
 /// when it holds [`max_requests`](Self::max_requests), or when its first request has
 /// waited [`max_delay`](Self::max_delay), whichever comes first. Each request keeps the
-/// limiter's deadline from the moment it arrived: a batch's call is bounded by what is left
-/// of its oldest request's, so a call in flight ends within the deadline and the requests
-/// that waited for it go out then; one that has waited its whole deadline fails with
-/// [`RedisError::Timeout`], however long `max_delay`.
+/// limiter's deadline from the moment it arrived, wherever it waits: past it, it fails with
+/// [`RedisError::Timeout`], and if it has not gone out yet it never does. On the pools
+/// [`RedisLimiterBuilder`](crate::RedisLimiterBuilder) makes, a batch's call is bounded by
+/// fred's command timeout, which also keeps a call that timed out before it was written from
+/// being written.
 ///
 /// ```
 /// use std::time::Duration;
@@ -157,8 +158,7 @@ impl Batcher {
     }
 
     /// Decides one request of one hash slot in a batch, within the limiter's deadline from
-    /// now (the batch's call is bounded by the deadline of its oldest request): what
-    /// [`Scripts::decide`] does for a call of its own.
+    /// now: what [`Scripts::decide`] does for a call of its own.
     ///
     /// # Errors
     ///
@@ -170,19 +170,29 @@ impl Batcher {
             return self.shared.scripts.decide(keys, args).await;
         }
         let (reply, answer) = oneshot::channel();
+        let arrived = Instant::now();
         self.shared.submit(Job {
             slot,
             keys,
             args: args.clone(),
-            arrived: Instant::now(),
+            arrived,
             reply,
         });
-        // The batch's call is bounded by the deadline of its oldest request: no timer here.
-        match answer.await {
-            Ok(result) => Scripts::read(args, &result?),
-            Err(_) => Err(RedisError::Interrupted),
+        // The request's own deadline, wherever it waits. Past it the answer is dropped,
+        // and a request still waiting is left out of its batch (see `take`).
+        let timeout = self.shared.scripts.connection().timeout();
+        match tokio::time::timeout_at(arrived + timeout, answer).await {
+            Ok(Ok(result)) => Scripts::read(args, &result?),
+            Ok(Err(_)) => Err(RedisError::Interrupted),
+            Err(_) => Err(RedisError::Timeout(timeout)),
         }
     }
+}
+
+/// A task to start once the queue's lock is released: a call for a batch, or the timer.
+enum Start {
+    Call(Vec<Job>),
+    Timer,
 }
 
 impl Shared {
@@ -195,33 +205,68 @@ impl Shared {
     /// free. Arms the timer if requests are left waiting.
     fn submit(self: &Arc<Self>, job: Job) {
         let slot = job.slot;
-        let mut queue = self.lock();
-        queue.waiting.push_back(job);
-        while queue.calls < self.limits.max_calls && !queue.waiting.is_empty() {
-            self.start(&mut queue, None);
+        let mut starts = Vec::new();
+        {
+            let mut queue = self.lock();
+            queue.waiting.push_back(job);
+            while queue.calls < self.limits.max_calls && !queue.waiting.is_empty() {
+                starts.extend(self.next_call(&mut queue, None));
+            }
+            let max = self.limits.max_requests;
+            if queue.waiting.iter().filter(|j| j.slot == slot).take(max).count() >= max {
+                starts.extend(self.next_call(&mut queue, Some(slot)));
+            }
+            if !queue.waiting.is_empty() && !queue.timer {
+                queue.timer = true;
+                starts.push(Start::Timer);
+            }
         }
-        let max = self.limits.max_requests;
-        if queue.waiting.iter().filter(|j| j.slot == slot).take(max).count() >= max {
-            self.start(&mut queue, Some(slot));
+        self.spawn(starts);
+    }
+
+    /// The next batch of `slot` (by default the first waiting request's), counted as a
+    /// call in flight: to start once the lock is released ([`Shared::spawn`]).
+    fn next_call(&self, queue: &mut Queue, slot: Option<u16>) -> Option<Start> {
+        let batch = take(&mut queue.waiting, slot, self.limits.max_requests);
+        if batch.is_empty() {
+            return None;
         }
-        if !queue.waiting.is_empty() && !queue.timer {
-            queue.timer = true;
-            tokio::spawn(timer(self.clone()));
+        queue.calls += 1;
+        Some(Start::Call(batch))
+    }
+
+    /// Starts tasks, the queue's lock released: a task dropped unstarted (its runtime shut
+    /// down) gives its place back through its guard, which takes the lock.
+    fn spawn(self: &Arc<Self>, starts: Vec<Start>) {
+        for start in starts {
+            match start {
+                Start::Call(batch) => {
+                    let place = CallPlace {
+                        shared: self.clone(),
+                        held: true,
+                    };
+                    tokio::spawn(calls(place, batch));
+                }
+                Start::Timer => {
+                    let armed = TimerArmed {
+                        shared: self.clone(),
+                        armed: true,
+                    };
+                    tokio::spawn(timer(armed));
+                }
+            }
         }
     }
 
-    /// Starts a call (a task) for the next batch of `slot`, or of the first waiting
-    /// request's slot.
-    fn start(self: &Arc<Self>, queue: &mut Queue, slot: Option<u16>) {
-        let batch = take(&mut queue.waiting, slot, self.limits.max_requests);
-        if !batch.is_empty() {
-            queue.calls += 1;
-            tokio::spawn(calls(self.clone(), batch));
-        }
+    /// When a request that arrived at `arrived` is due to go out whether or not a call is
+    /// free; `None` when never (a delay beyond the clock's range).
+    fn due(&self, arrived: Instant) -> Option<Instant> {
+        arrived.checked_add(self.limits.max_delay)
     }
 }
 
-/// Gives a call's place back if its task ends without doing so (its runtime shut down).
+/// A call's place among those in flight, given back when its task ends, however it ends
+/// (even dropped unstarted).
 struct CallPlace {
     shared: Arc<Shared>,
     held: bool,
@@ -238,8 +283,7 @@ impl Drop for CallPlace {
 /// A call's task: sends `batch`, then the next batches of the waiting requests while any
 /// wait and the calls in flight are within bounds. Its place is given back under the same
 /// lock that found nothing to send: a request arriving then finds the call free.
-async fn calls(shared: Arc<Shared>, mut batch: Vec<Job>) {
-    let mut place = CallPlace { shared, held: true };
+async fn calls(mut place: CallPlace, mut batch: Vec<Job>) {
     loop {
         send(&place.shared.scripts, batch).await;
         let shared = place.shared.clone();
@@ -261,7 +305,8 @@ async fn calls(shared: Arc<Shared>, mut batch: Vec<Job>) {
     }
 }
 
-/// Disarms the timer if its task ends without doing so (its runtime shut down).
+/// The timer's being armed, taken back when its task ends, however it ends (even dropped
+/// unstarted).
 struct TimerArmed {
     shared: Arc<Shared>,
     armed: bool,
@@ -278,23 +323,27 @@ impl Drop for TimerArmed {
 /// The timer of the waiting requests: at the time the first of them has waited
 /// `max_delay`, sends every request that has, in batches, whether or not a call is free;
 /// disarmed, under the same lock, when none waits.
-async fn timer(shared: Arc<Shared>) {
-    let mut armed = TimerArmed { shared, armed: true };
-    let max_delay = armed.shared.limits.max_delay;
+async fn timer(mut armed: TimerArmed) {
     loop {
         let shared = armed.shared.clone();
+        let mut starts = Vec::new();
         let due = {
             let mut queue = shared.lock();
             let now = Instant::now();
-            while queue.waiting.front().is_some_and(|job| job.arrived + max_delay <= now) {
-                shared.start(&mut queue, None);
+            while queue
+                .waiting
+                .front()
+                .is_some_and(|job| shared.due(job.arrived).is_some_and(|due| due <= now))
+            {
+                starts.extend(shared.next_call(&mut queue, None));
             }
-            let due = queue.waiting.front().map(|job| job.arrived + max_delay);
+            let due = queue.waiting.front().and_then(|job| shared.due(job.arrived));
             if due.is_none() {
                 queue.timer = false;
             }
             due
         };
+        shared.spawn(starts);
         match due {
             Some(due) => tokio::time::sleep_until(due).await,
             None => {
@@ -330,7 +379,17 @@ fn take(waiting: &mut VecDeque<Job>, slot: Option<u16>, max: usize) -> Vec<Job> 
 }
 
 /// One call of the batch script for `batch`, each request answered with its own reply.
+/// A request whose deadline has passed is answered with a timeout and left out.
 async fn send(scripts: &Scripts, batch: Vec<Job>) {
+    let timeout = scripts.connection().timeout();
+    let now = Instant::now();
+    let (batch, late): (Vec<Job>, Vec<Job>) = batch.into_iter().partition(|job| now < job.arrived + timeout);
+    for job in late {
+        let _ = job.reply.send(Err(RedisError::Timeout(timeout)));
+    }
+    let Some(oldest) = batch.iter().map(|job| job.arrived).min() else {
+        return;
+    };
     // Each distinct list of arguments once, by the first request that has it.
     let mut lists: Vec<usize> = Vec::new();
     let mut refs = Vec::with_capacity(batch.len());
@@ -355,20 +414,24 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     }
     let mut keys = Vec::with_capacity(batch.iter().map(|job| job.keys.len()).sum());
     let mut replies = Vec::with_capacity(batch.len());
-    // What is left of the deadline of the oldest request.
-    let oldest = batch.iter().map(|job| job.arrived).min().unwrap_or_else(Instant::now);
-    let remaining = scripts.connection().timeout().saturating_sub(oldest.elapsed());
     for (job, list) in batch.into_iter().zip(refs) {
         let header = u64::try_from(entries[list]).unwrap_or(0) + 4 * job.keys.len() as u64 + 1024 * list as u64;
         argv.push(hex(header));
         keys.extend(job.keys);
         replies.push(job.reply);
     }
+    // What is left of the deadline of the oldest request.
+    let remaining = timeout.saturating_sub(oldest.elapsed());
     match scripts.decide_batch(keys, argv, remaining).await {
         Ok(values) => answer(values, replies),
         Err(e) => {
             for reply in replies {
                 let _ = reply.send(Err(copy(&e)));
+            }
+            // Answered first: each request retries on its own within its deadline, and the
+            // next batches find the script loaded.
+            if missing_script(&e) {
+                scripts.reload_batch().await;
             }
         }
     }

@@ -12,8 +12,8 @@ use crate::protocol::ScriptAlgorithm;
 
 /// The key of a bucket, `<prefix>:{<rule set>:<rule>:<key value>}`: a token-bucket rule's
 /// key (all its bands), and the start of the keys of the other algorithms' bands. What
-/// follows `<prefix>:` is its hash tag ([`hash_tag`]): all bands of a rule share a hash
-/// slot.
+/// follows `<prefix>:` is its hash tag (unless the prefix holds one of its own): all bands
+/// of a rule share a hash slot.
 pub(crate) fn rule_key(prefix: &str, rule_set: &str, rule: &Rule, key: &str) -> String {
     let id: &str = rule.id().as_ref();
     let mut out = String::with_capacity(prefix.len() + rule_set.len() + id.len() + key.len() + 5);
@@ -21,12 +21,6 @@ pub(crate) fn rule_key(prefix: &str, rule_set: &str, rule: &Rule, key: &str) -> 
         out.push_str(part);
     }
     out
-}
-
-/// The hash tag of a bucket's key made by [`rule_key`] with `prefix`:
-/// `{<rule set>:<rule>:<key value>}`.
-pub(crate) fn hash_tag<'k>(prefix: &str, rule_key: &'k str) -> &'k str {
-    rule_key.get(prefix.len() + 1..).unwrap_or(rule_key)
 }
 
 /// What names a band among its rule's, `<band>:<capacity>/<window>`, into `out`: a band
@@ -114,7 +108,9 @@ mod tests {
         let rule = &sets.get("api").unwrap().rules()[0];
         let key = rule_key("p:x", "api", rule, "ip=1");
         assert_eq!(key, "p:x:{api:r:ip=1}");
-        assert_eq!(hash_tag("p:x", &key), "{api:r:ip=1}");
+        let slot = fred::util::redis_keyslot;
+        assert_eq!(slot(key.as_bytes()), slot(b"api:r:ip=1"));
+        assert_eq!(slot(format!("{key}:fw").as_bytes()), slot(key.as_bytes()));
     }
 
     #[test]

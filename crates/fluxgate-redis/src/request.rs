@@ -80,7 +80,9 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
         let plan = plan(bucket.rule_set.id(), rule, first)?;
         let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
         let slot = if cluster {
-            fred::util::redis_keyslot(key::hash_tag(prefix, &start).as_bytes())
+            // As Redis computes it, from the whole key: with a prefix holding `{` its tag
+            // is not the rule's, and every key of the call must still share the slot.
+            fred::util::redis_keyslot(start.as_bytes())
         } else {
             0
         };

@@ -191,14 +191,16 @@ impl Scripts {
     }
 
     /// One call of the batch script: `keys` and `argv` of every request of a batch, laid
-    /// out as `lua/batch.lua` reads them, within `remaining`, what is left of the deadline
-    /// of its oldest request. After `NOSCRIPT` the script is loaded again and the error
-    /// returned: the requests are then decided one by one, as after `NOSCRIPT` on a call
-    /// of their own.
+    /// out as `lua/batch.lua` reads them. On a pool the crate built, bounded by fred's own
+    /// command timeout, as [`Scripts::decide`] (a call that timed out before it was written
+    /// is never written); on the application's client, by `remaining`, what is left of the
+    /// deadline of the batch's oldest request.
     ///
     /// # Errors
     ///
-    /// As [`Scripts::decide`].
+    /// As [`Scripts::decide`]. After `NOSCRIPT` the caller answers the requests, which are
+    /// then decided one by one as after `NOSCRIPT` on a call of their own, and calls
+    /// [`Scripts::reload_batch`].
     pub(crate) async fn decide_batch(
         &self,
         keys: Vec<String>,
@@ -206,24 +208,31 @@ impl Scripts {
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
         let timeout = self.connection.timeout();
-        let call = self
-            .connection
-            .next()
-            .evalsha::<Vec<Value>, _, _, _>(self.batch.sha1().clone(), keys, argv);
-        let result = match tokio::time::timeout(remaining, call).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) if *e.kind() == ErrorKind::Timeout => Err(RedisError::Timeout(timeout)),
-            Ok(Err(e)) => Err(RedisError::Command(e)),
-            Err(_) => Err(RedisError::Timeout(timeout)),
-        };
-        if let Err(e) = &result {
-            if missing_script(e) {
-                let load = self.batch.load(self.connection.next());
-                // Best effort: a failed load leaves the next batch to find it missing.
-                let _ = tokio::time::timeout(timeout, load).await;
+        let call = Box::pin(self.connection.next().evalsha::<Vec<Value>, _, _, _>(
+            self.batch.sha1().clone(),
+            keys,
+            argv,
+        ));
+        if self.connection.fred_keeps_the_deadline() {
+            match call.await {
+                Ok(reply) => Ok(reply),
+                Err(e) if *e.kind() == ErrorKind::Timeout => Err(RedisError::Timeout(timeout)),
+                Err(e) => Err(RedisError::Command(e)),
+            }
+        } else {
+            match tokio::time::timeout(remaining, call).await {
+                Ok(Ok(reply)) => Ok(reply),
+                Ok(Err(e)) => Err(RedisError::Command(e)),
+                Err(_) => Err(RedisError::Timeout(timeout)),
             }
         }
-        result
+    }
+
+    /// Loads the batch script again (after `NOSCRIPT`), within the deadline. Best effort: a
+    /// failed load leaves the next batch to find it missing.
+    pub(crate) async fn reload_batch(&self) {
+        let load = self.batch.load(self.connection.next());
+        let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
     /// The script for `args` and its `ARGV`.
