@@ -694,12 +694,23 @@ rule_sets:
     /// before Redis answers, and decisions come back once it does.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_limiter_over_the_applications_client_keeps_its_deadline() {
+        own_client_keeps_its_deadline(None).await;
+    }
+
+    /// The same with batched decisions: the batch's call has a timer of its own, as a
+    /// single call does on the application's client.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batching_limiter_over_the_applications_client_keeps_its_deadline() {
+        own_client_keeps_its_deadline(Some(fluxgate::redis::Batching::new())).await;
+    }
+
+    async fn own_client_keeps_its_deadline(batching: Option<fluxgate::redis::Batching>) {
         use fred::interfaces::ClientLike;
         let redis = Redis::start(Servers::standalone()).await;
         let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
         let client = fred::types::Builder::from_config(config).build().unwrap();
         client.init().await.unwrap();
-        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "own-client");
+        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "own-client").with_batching(batching);
         let engine = Engine::builder(rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 100, window: 1h }]\n",
         ))

@@ -2,6 +2,7 @@
 //! deadline; after `NOSCRIPT`, the script loaded again and the call made again within the
 //! rest of it.
 
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use fred::error::ErrorKind;
@@ -115,20 +116,7 @@ impl Scripts {
                 .next()
                 .evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv),
         );
-        let reply = if self.connection.fred_keeps_the_deadline() {
-            // One timer, fred's own (a pool the crate made has the deadline as every
-            // command's timeout): it also keeps a call that timed out before it was written
-            // from being written.
-            match call.await {
-                Ok(reply) => reply,
-                Err(e) if *e.kind() == ErrorKind::Timeout => return Err(RedisError::Timeout(timeout)),
-                Err(e) => return Err(RedisError::Command(e)),
-            }
-        } else {
-            // A client the application made: fred may time out nothing (and its per-call
-            // options do not reach `EVALSHA`), so the deadline is a timer of our own.
-            self.connection.within_deadline(call).await?
-        };
+        let reply = self.bounded(call, timeout).await?;
         Self::read(args, &reply)
     }
 
@@ -207,12 +195,25 @@ impl Scripts {
         argv: Vec<Value>,
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
-        let timeout = self.connection.timeout();
         let call = Box::pin(self.connection.next().evalsha::<Vec<Value>, _, _, _>(
             self.batch.sha1().clone(),
             keys,
             argv,
         ));
+        self.bounded(call, remaining).await
+    }
+
+    /// Awaits a decision call. On a pool the crate made, whose every command fred times out
+    /// after the deadline, fred's timer is the only one: it also keeps a call that timed
+    /// out before it was written from being written. On a client the application made,
+    /// fred may time out nothing (and its per-call options do not reach `EVALSHA`): a timer
+    /// of our own, of `bound`.
+    async fn bounded<T>(
+        &self,
+        call: impl Future<Output = Result<T, fred::error::Error>>,
+        bound: Duration,
+    ) -> Result<T, RedisError> {
+        let timeout = self.connection.timeout();
         if self.connection.fred_keeps_the_deadline() {
             match call.await {
                 Ok(reply) => Ok(reply),
@@ -220,7 +221,7 @@ impl Scripts {
                 Err(e) => Err(RedisError::Command(e)),
             }
         } else {
-            match tokio::time::timeout(remaining, call).await {
+            match tokio::time::timeout(bound, call).await {
                 Ok(Ok(reply)) => Ok(reply),
                 Ok(Err(e)) => Err(RedisError::Command(e)),
                 Err(_) => Err(RedisError::Timeout(timeout)),
