@@ -707,9 +707,9 @@ rule_sets:
     async fn own_client_keeps_its_deadline(batching: Option<fluxgate::redis::Batching>) {
         use fred::interfaces::ClientLike;
         let redis = Redis::start(Servers::standalone()).await;
-        let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
-        let client = fred::types::Builder::from_config(config).build().unwrap();
-        client.init().await.unwrap();
+        let config = fred::types::config::Config::from_url(&redis.url()).expect("the test server's URL");
+        let client = fred::types::Builder::from_config(config).build().expect("a client");
+        client.init().await.expect("the client connects");
         let limiter = fluxgate::redis::RedisLimiter::from_client(client, "own-client").with_batching(batching);
         let engine = Engine::builder(rules(
             "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 100, window: 1h }]\n",
@@ -718,7 +718,7 @@ rule_sets:
         .build()
         .expect("the backend decides every rule");
         let ctx = RequestContext::builder()
-            .client_ip("192.0.2.61".parse().unwrap())
+            .client_ip("192.0.2.61".parse().expect("an address"))
             .build();
         assert_eq!(check(&engine, &ctx).await.remaining(), Some(99));
         assert_eq!(redis.server().cli(&["CLIENT", "PAUSE", "1000", "ALL"]).trim(), "OK");
@@ -761,9 +761,9 @@ rule_sets:
         assert!(!limiter.has_deny_cache());
 
         let redis = Redis::start(Servers::standalone()).await;
-        let config = fred::types::config::Config::from_url(&redis.url()).unwrap();
-        let client = fred::types::Builder::from_config(config).build().unwrap();
-        client.init().await.unwrap();
+        let config = fred::types::config::Config::from_url(&redis.url()).expect("the test server's URL");
+        let client = fred::types::Builder::from_config(config).build().expect("a client");
+        client.init().await.expect("the client connects");
         assert!(fluxgate::redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
     }
 }
