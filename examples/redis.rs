@@ -1,7 +1,8 @@
 //! Two instances of one app sharing one limit through Redis.
 //!
 //! Run with: `cargo run --example redis -- --redis redis://127.0.0.1:6379` (add `--demo` to
-//! send requests to both instances in turn, print what each answers, and exit).
+//! send requests to both instances in turn, print what each answers, and exit; add
+//! `--batched` for batched decisions, `Batching`, which decide alike).
 //!
 //! Both instances run in this process on their own ports, each with its own connections
 //! to Redis, exactly as two replicas behind a load balancer would: the 5-per-minute limit
@@ -11,7 +12,7 @@ use std::net::SocketAddr;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate::redis::RedisLimiter;
+use fluxgate::redis::{Batching, RedisLimiter};
 use fluxgate::{Engine, RateLimitLayer, RuleSets};
 
 const RULES: &str = r#"
@@ -22,9 +23,10 @@ rule_sets:
         bands: [{ capacity: 5, window: 1m }]
 "#;
 
-async fn instance(name: &'static str, redis: &str) -> SocketAddr {
+async fn instance(name: &'static str, redis: &str, batched: bool) -> SocketAddr {
     let limiter = RedisLimiter::builder(redis)
         .prefix("fluxgate-example")
+        .batching(batched.then(Batching::new))
         .connect()
         .await
         .unwrap_or_else(|e| {
@@ -58,8 +60,9 @@ async fn main() {
         .and_then(|i| args.get(i + 1))
         .cloned()
         .unwrap_or_else(|| "redis://127.0.0.1:6379".to_owned());
-    let a = instance("instance A", &redis).await;
-    let b = instance("instance B", &redis).await;
+    let batched = args.iter().any(|a| a == "--batched");
+    let a = instance("instance A", &redis, batched).await;
+    let b = instance("instance B", &redis, batched).await;
     if !args.iter().any(|a| a == "--demo") {
         println!("instance A on http://{a}, instance B on http://{b}, sharing 5 per minute per IP through {redis}");
         println!("  for u in http://{a}/ http://{b}/ http://{a}/ http://{b}/ http://{a}/ http://{b}/; do curl -s -o /dev/null -w '%{{http_code}}\\n' $u; done");
