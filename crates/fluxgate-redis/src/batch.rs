@@ -181,7 +181,11 @@ impl Batcher {
         // The request's own deadline, wherever it waits. Past it the answer is dropped,
         // and a request still waiting is left out of its batch (see `take`).
         let timeout = self.shared.scripts.connection().timeout();
-        match tokio::time::timeout_at(arrived + timeout, answer).await {
+        let answered = match arrived.checked_add(timeout) {
+            Some(deadline) => tokio::time::timeout_at(deadline, answer).await,
+            None => Ok(answer.await), // a deadline beyond the clock's range
+        };
+        match answered {
             Ok(Ok(result)) => Scripts::read(args, &result?),
             Ok(Err(_)) => Err(RedisError::Interrupted),
             Err(_) => Err(RedisError::Timeout(timeout)),
@@ -383,7 +387,9 @@ fn take(waiting: &mut VecDeque<Job>, slot: Option<u16>, max: usize) -> Vec<Job> 
 async fn send(scripts: &Scripts, batch: Vec<Job>) {
     let timeout = scripts.connection().timeout();
     let now = Instant::now();
-    let (batch, late): (Vec<Job>, Vec<Job>) = batch.into_iter().partition(|job| now < job.arrived + timeout);
+    let (batch, late): (Vec<Job>, Vec<Job>) = batch
+        .into_iter()
+        .partition(|job| job.arrived.checked_add(timeout).is_none_or(|deadline| now < deadline));
     for job in late {
         let _ = job.reply.send(Err(RedisError::Timeout(timeout)));
     }
