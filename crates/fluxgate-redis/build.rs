@@ -1,6 +1,7 @@
 //! Joins the Redis scripts from their files, one per algorithm, into the scripts the crate
-//! sends (`DECIDE_LUA`, `REFUND_LUA`, for token buckets alone `ONE_TOKEN_BUCKET_LUA`
-//! and `TOKEN_BUCKETS_LUA`, and the three in one call for batched decisions, `BATCH_LUA`), written to `OUT_DIR`.
+//! sends (`DECIDE_LUA`, `REFUND_LUA`, for token buckets alone `ONE_TOKEN_BUCKET_LUA` and
+//! `TOKEN_BUCKETS_LUA`, and the three in one call for batched decisions, `BATCH_LUA`),
+//! written to `OUT_DIR`.
 //!
 //! The files have one home, `lua/` at the top of the repository. The crate reaches it
 //! through its `lua` link, which `cargo package` follows, so that a packaged crate carries
