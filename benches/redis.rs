@@ -30,7 +30,8 @@
 //! `-- batched` runs batched decisions (`Batching`'s defaults) next to the peer and to one
 //! call per request, twice in turn; `-- batched-1x1` and `-- batched-3x2` one measurement.
 //! With batches, a call decides several requests: the line gives the calls and Redis's
-//! time per call, and the decisions per call.
+//! time per call, and the decisions per call. `BENCH_BATCH_CALLS` sets the batch calls in
+//! flight (`Batching::max_calls`, default 2).
 
 #![allow(missing_docs, clippy::unwrap_used)]
 

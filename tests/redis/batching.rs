@@ -118,21 +118,10 @@ async fn a_lone_request_goes_out_at_once() {
 /// against a capacity of 10, exactly the first 10 pass, in two calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gathered_requests_are_decided_in_arrival_order() {
-    let redis = Redis::start(Servers::standalone()).await;
     let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
-    let engine = engine(&redis, batching).await;
-    let before = redis.server().evalsha_calls();
-    let contexts: Vec<RequestContext> = (0..21).map(|_| ctx("192.0.2.2")).collect();
-    let paused = Paused::new(&redis, Duration::from_millis(1500));
-    let pending = start_in_order(&engine, &contexts).await;
-    paused.check_still_paused();
-    let mut allowed = Vec::new();
-    for decision in pending {
-        allowed.push(decision.await.expect("decision").allowed());
-    }
+    let (allowed, calls) = one_client_while_paused(batching, "192.0.2.2").await;
     let expected: Vec<bool> = (0..21).map(|i| i < 10).collect();
     assert_eq!(allowed, expected, "the first ten in arrival order pass");
-    let calls = redis.server().evalsha_calls() - before;
     assert_eq!(calls, 2, "the first request alone, then the 20 gathered in one batch");
 }
 
@@ -141,27 +130,31 @@ async fn gathered_requests_are_decided_in_arrival_order() {
 /// free), two full batches, and the last 4 when a call ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_closes_at_max_requests() {
-    let redis = Redis::start(Servers::standalone()).await;
     let batching = Batching::new()
         .max_calls(1)
         .max_requests(8)
         .max_delay(Duration::from_secs(60));
+    let (allowed, calls) = one_client_while_paused(batching, "192.0.2.6").await;
+    let admitted = allowed.iter().filter(|a| **a).count();
+    assert_eq!(admitted, 10, "exactly the capacity, whatever the order of the batches");
+    assert_eq!(calls, 4, "21 requests in batches of at most 8");
+}
+
+/// 21 requests of the client `ip` (capacity 10), started in turn while Redis is paused:
+/// whether each passed, and the script calls they took.
+async fn one_client_while_paused(batching: Batching, ip: &str) -> (Vec<bool>, u64) {
+    let redis = Redis::start(Servers::standalone()).await;
     let engine = engine(&redis, batching).await;
     let before = redis.server().evalsha_calls();
-    let contexts: Vec<RequestContext> = (0..21).map(|_| ctx("192.0.2.6")).collect();
+    let contexts: Vec<RequestContext> = (0..21).map(|_| ctx(ip)).collect();
     let paused = Paused::new(&redis, Duration::from_millis(1500));
     let pending = start_in_order(&engine, &contexts).await;
     paused.check_still_paused();
-    let mut admitted = 0;
+    let mut allowed = Vec::new();
     for decision in pending {
-        admitted += usize::from(decision.await.expect("decision").allowed());
+        allowed.push(decision.await.expect("decision").allowed());
     }
-    assert_eq!(admitted, 10, "exactly the capacity, whatever the order of the batches");
-    assert_eq!(
-        redis.server().evalsha_calls() - before,
-        4,
-        "21 requests in batches of at most 8"
-    );
+    (allowed, redis.server().evalsha_calls() - before)
 }
 
 /// While the calls allowed are in flight, a request waits at most `max_delay`, then goes

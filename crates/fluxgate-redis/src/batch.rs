@@ -245,18 +245,10 @@ impl Shared {
         for start in starts {
             match start {
                 Start::Call(batch) => {
-                    let place = CallPlace {
-                        shared: self.clone(),
-                        held: true,
-                    };
-                    tokio::spawn(calls(place, batch));
+                    tokio::spawn(calls(Held::new(self.clone(), give_back_call), batch));
                 }
                 Start::Timer => {
-                    let armed = TimerArmed {
-                        shared: self.clone(),
-                        armed: true,
-                    };
-                    tokio::spawn(timer(armed));
+                    tokio::spawn(timer(Held::new(self.clone(), disarm_timer)));
                 }
             }
         }
@@ -269,25 +261,48 @@ impl Shared {
     }
 }
 
-/// A call's place among those in flight, given back when its task ends, however it ends
-/// (even dropped unstarted).
-struct CallPlace {
+/// A task's hold on the queue's bookkeeping (a call's place among those in flight, or the
+/// timer's being armed), released under the queue's lock when the task ends, however it
+/// ends (even dropped unstarted), unless the task released it itself.
+struct Held {
     shared: Arc<Shared>,
-    held: bool,
+    release: Option<fn(&mut Queue)>,
 }
 
-impl Drop for CallPlace {
-    fn drop(&mut self) {
-        if self.held {
-            self.shared.lock().calls -= 1;
+impl Held {
+    fn new(shared: Arc<Shared>, release: fn(&mut Queue)) -> Self {
+        Self {
+            shared,
+            release: Some(release),
         }
     }
+
+    /// The task released it itself, under the lock it already held.
+    fn released(&mut self) {
+        self.release = None;
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release(&mut self.shared.lock());
+        }
+    }
+}
+
+fn give_back_call(queue: &mut Queue) {
+    queue.calls -= 1;
+}
+
+fn disarm_timer(queue: &mut Queue) {
+    queue.timer = false;
 }
 
 /// A call's task: sends `batch`, then the next batches of the waiting requests while any
 /// wait and the calls in flight are within bounds. Its place is given back under the same
 /// lock that found nothing to send: a request arriving then finds the call free.
-async fn calls(mut place: CallPlace, mut batch: Vec<Job>) {
+async fn calls(mut place: Held, mut batch: Vec<Job>) {
     loop {
         send(&place.shared.scripts, batch).await;
         let shared = place.shared.clone();
@@ -303,31 +318,16 @@ async fn calls(mut place: CallPlace, mut batch: Vec<Job>) {
                 continue;
             }
         }
-        queue.calls -= 1;
-        place.held = false;
+        give_back_call(&mut queue);
+        place.released();
         return;
-    }
-}
-
-/// The timer's being armed, taken back when its task ends, however it ends (even dropped
-/// unstarted).
-struct TimerArmed {
-    shared: Arc<Shared>,
-    armed: bool,
-}
-
-impl Drop for TimerArmed {
-    fn drop(&mut self) {
-        if self.armed {
-            self.shared.lock().timer = false;
-        }
     }
 }
 
 /// The timer of the waiting requests: at the time the first of them has waited
 /// `max_delay`, sends every request that has, in batches, whether or not a call is free;
 /// disarmed, under the same lock, when none waits.
-async fn timer(mut armed: TimerArmed) {
+async fn timer(mut armed: Held) {
     loop {
         let shared = armed.shared.clone();
         let mut starts = Vec::new();
@@ -343,7 +343,7 @@ async fn timer(mut armed: TimerArmed) {
             }
             let due = queue.waiting.front().and_then(|job| shared.due(job.arrived));
             if due.is_none() {
-                queue.timer = false;
+                disarm_timer(&mut queue);
             }
             due
         };
@@ -351,7 +351,7 @@ async fn timer(mut armed: TimerArmed) {
         match due {
             Some(due) => tokio::time::sleep_until(due).await,
             None => {
-                armed.armed = false;
+                armed.released();
                 return;
             }
         }
