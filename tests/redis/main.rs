@@ -24,6 +24,7 @@ mod changes;
 mod cluster;
 mod conformance;
 mod differential;
+mod leases;
 mod metrics;
 mod outage;
 mod sentinel;

@@ -13,6 +13,7 @@ use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolver, Resolved};
+use crate::lease::Leases;
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
@@ -64,6 +65,8 @@ struct Inner {
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
+    /// The local leases of rules with a `lease`, with a limiter that gives back.
+    leases: Option<Leases>,
     /// The limiter's validation, handed to the provider, which holds it weakly: it
     /// applies while the engine lives.
     _check: HeldCheck,
@@ -166,15 +169,25 @@ impl EngineBuilder {
             .limiter
             .get_or_insert_with(|| Arc::new(MemoryLimiter::default()))
             .clone();
-        let check: RuleCheck = Arc::new(move |set: &RuleSet| limiter.validate(set));
+        let leases = limiter.gives_back().then(|| Leases::new(limiter.clone()));
+        let watch = leases.as_ref().map(Leases::watch);
+        let check: RuleCheck = Arc::new(move |set: &RuleSet| {
+            limiter.validate(set)?;
+            // The rule set is about to be swapped in: leases of rules it changes go back.
+            if let Some(watch) = &watch {
+                watch.rules_changed(set);
+            }
+            Ok(())
+        });
         self.provider.validate(check.clone())?;
-        Ok(self.assemble(Some(check)))
+        Ok(self.assemble(Some(check), leases))
     }
 
-    fn assemble(self, check: Option<RuleCheck>) -> Engine {
+    fn assemble(self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
         Engine {
             inner: Arc::new(Inner {
                 provider: self.provider,
+                leases,
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
                 fallback: Fallback {
                     default: self.on_failure,
@@ -206,7 +219,21 @@ impl Engine {
     /// An engine with fixed rules and the in-memory limiter, which decides every valid
     /// rule exactly.
     pub fn in_memory(rules: RuleSets) -> Self {
-        Self::builder(rules).assemble(None)
+        Self::builder(rules).assemble(None, None)
+    }
+
+    /// Gives back every permit this engine holds in local leases (rules with a `lease`):
+    /// call it at shutdown, after the last request, so that no permits stay consumed
+    /// until the leases would have expired. Returns the permits given back.
+    ///
+    /// # Errors
+    ///
+    /// The first failure of the backend; the other leases are given back all the same.
+    pub async fn release_leases(&self) -> Result<u64, BoxError> {
+        match &self.inner.leases {
+            Some(leases) => leases.release_all().await,
+            None => Ok(0),
+        }
     }
 
     /// Checks that the engine's limiter decides every rule of `set` exactly; rule sources
@@ -347,7 +374,11 @@ impl Engine {
         }
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
-        match self.inner.limiter.acquire(&request).into_ready() {
+        let acquired = match &self.inner.leases {
+            Some(leases) if request.rule_set().rules().iter().any(|r| r.lease().is_some()) => leases.acquire(&request),
+            _ => self.inner.limiter.acquire(&request),
+        };
+        match acquired.into_ready() {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
                 MaybeReady::ready(self.inner.decided(&request, result))

@@ -60,6 +60,7 @@ pub mod failure;
 mod future;
 mod handler;
 pub mod key;
+mod lease;
 pub mod limiter;
 #[cfg(feature = "metrics")]
 pub mod metrics;
@@ -88,7 +89,7 @@ pub use provider::{
 };
 pub use reload::{FileRuleSource, ReloadingRuleSetProvider};
 pub use rule::{
-    Algorithm, Band, BandSpec, Format, KeyField, MatchSpec, Mode, OnMissingKey, Rule, RuleSet, RuleSetSpec, RuleSets,
-    RuleSpec, RulesFileSpec, Scope, ScopeKind,
+    Algorithm, Band, BandSpec, Format, KeyField, Lease, LeaseSpec, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
+    RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind,
 };
 pub use text::Text;

@@ -16,7 +16,7 @@ use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
 use crate::protocol::{DecideArgs, Reply};
-use crate::request::{encode, outcome, Call};
+use crate::request::{encode, encode_refund, outcome, Call};
 use crate::script::{missing_script, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -229,5 +229,32 @@ impl RateLimiter for RedisLimiter {
 
     fn backend_name(&self) -> &'static str {
         "redis"
+    }
+
+    fn gives_back(&self) -> bool {
+        true
+    }
+
+    /// Gives back with the refund script (each algorithm's refund, in `lua/`), one call
+    /// per hash slot, within the limiter's deadline.
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        let inner = &self.inner;
+        let cluster = inner.scripts.connection().is_cluster();
+        let decided_us = i64::try_from(decided_unix_nanos / 1_000).unwrap_or(i64::MAX);
+        let calls = match encode_refund(request, &inner.prefix, cluster, decided_us) {
+            Ok(calls) => calls,
+            Err(e) => return MaybeReady::ready(Err(e.into())),
+        };
+        let scripts = inner.scripts.clone();
+        MaybeReady::boxed(async move {
+            let pending = calls
+                .into_iter()
+                .filter(|(keys, _)| !keys.is_empty())
+                .map(|(keys, args)| scripts.refund(keys, args));
+            for result in futures_util::future::join_all(pending).await {
+                result?;
+            }
+            Ok(())
+        })
     }
 }

@@ -73,25 +73,31 @@ pub(crate) struct RulePlan {
     deny_suffixes: SmallVec<[String; 2]>,
 }
 
-/// The plan of `rule` of the rule set `rule_set`, the thread's kept one when it has it.
+/// The plan of `rule` of the rule set `rule_set` for a request of `permits` (the rule's
+/// cost, or a lease's), the thread's kept one when it has it.
 ///
 /// # Errors
 ///
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated). `rule` has at least one band.
-pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band) -> Result<Arc<RulePlan>, RuleError> {
-    let address = rule.bands().as_ptr() as usize;
+pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band, permits: u64) -> Result<Arc<RulePlan>, RuleError> {
+    // A cost other than the rule's (a lease's) is a plan of its own, found beside it.
+    let other_cost = (permits ^ rule.permits()) as usize;
+    let address = rule.bands().as_ptr() as usize ^ other_cost.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize);
     let kept = PLANS
         .try_with(|plans| {
             let plans = plans.try_borrow().ok()?;
-            plans.get(&address).filter(|plan| plan.is_for(rule_set, rule)).cloned()
+            plans
+                .get(&address)
+                .filter(|plan| plan.is_for(rule_set, rule, permits))
+                .cloned()
         })
         .ok()
         .flatten();
     if let Some(plan) = kept {
         return Ok(plan);
     }
-    let plan = Arc::new(RulePlan::new(rule_set, rule, first)?);
+    let plan = Arc::new(RulePlan::new(rule_set, rule, first, permits)?);
     let _ = PLANS.try_with(|plans| {
         if let Ok(mut plans) = plans.try_borrow_mut() {
             if plans.len() >= KEPT {
@@ -104,10 +110,10 @@ pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band) -> Result<Arc<Rul
 }
 
 impl RulePlan {
-    fn new(rule_set: &Name, rule: &Rule, first: &Band) -> Result<Self, RuleError> {
+    fn new(rule_set: &Name, rule: &Rule, first: &Band, cost: u64) -> Result<Self, RuleError> {
         let set: &str = rule_set.as_ref();
         let algorithm = script_algorithm(set, rule, first)?;
-        let permits = script_number(rule.permits(), set, rule, first)?;
+        let permits = script_number(cost, set, rule, first)?;
         let numbers = rule
             .bands()
             .iter()
@@ -121,7 +127,7 @@ impl RulePlan {
             .zip(&numbers)
             .map(|(band, args)| key::band_part(band, args.capacity, algorithm))
             .collect();
-        let cost = key::cost_part(rule.permits());
+        let cost_part = key::cost_part(cost);
         let (layout, band_parts, deny_suffixes) = if algorithm == ScriptAlgorithm::TokenBucket {
             // A token-bucket rule is one key, its bands named in its layout by their tags
             // (each part without its leading `:`); the deny cache names a band
@@ -134,10 +140,10 @@ impl RulePlan {
                 layout.push_str(part.strip_prefix(':').unwrap_or(part));
             }
             layout.push('|');
-            let deny = parts.iter().map(|part| format!("{part}{cost}")).collect();
+            let deny = parts.iter().map(|part| format!("{part}{cost_part}")).collect();
             (Some(Str::from(layout)), SmallVec::new(), deny)
         } else {
-            let deny = parts.iter().map(|_| cost.clone()).collect();
+            let deny = parts.iter().map(|_| cost_part.clone()).collect();
             (None, parts, deny)
         };
         let bucket = BucketArgs {
@@ -149,7 +155,7 @@ impl RulePlan {
             bands: rule.bands().clone(),
             rule_set: rule_set.clone(),
             rule: rule.id().clone(),
-            permits: rule.permits(),
+            permits: cost,
             algorithm: rule.algorithm(),
             mode: rule.mode(),
             args: Arc::new(RuleArgs::new(bucket, numbers)),
@@ -158,12 +164,13 @@ impl RulePlan {
         })
     }
 
-    /// Whether this plan was made from `rule` (or a copy of it) of the rule set `rule_set`.
-    fn is_for(&self, rule_set: &Name, rule: &Rule) -> bool {
+    /// Whether this plan was made from `rule` (or a copy of it) of the rule set `rule_set`,
+    /// for a request of `permits`.
+    fn is_for(&self, rule_set: &Name, rule: &Rule, permits: u64) -> bool {
         Arc::ptr_eq(&self.bands, rule.bands())
             && self.rule == *rule.id()
             && self.rule_set == *rule_set
-            && self.permits == rule.permits()
+            && self.permits == permits
             && self.algorithm == rule.algorithm()
             && self.mode == rule.mode()
     }
@@ -234,7 +241,7 @@ mod tests {
     fn the_plan(sets: &RuleSets, rule: usize) -> Arc<RulePlan> {
         let set = sets.get("api").unwrap();
         let rule = &set.rules()[rule];
-        plan(set.id(), rule, &rule.bands()[0]).unwrap()
+        plan(set.id(), rule, &rule.bands()[0], rule.permits()).unwrap()
     }
 
     #[test]
@@ -277,7 +284,10 @@ mod tests {
         // A copy of the rule set (as each thread's copy) shares the bands, so the plan.
         let copy = fluxgate_core::RuleSet::clone(first.get("api").unwrap());
         let rule = &copy.rules()[0];
-        assert!(Arc::ptr_eq(&a, &plan(copy.id(), rule, &rule.bands()[0]).unwrap()));
+        assert!(Arc::ptr_eq(
+            &a,
+            &plan(copy.id(), rule, &rule.bands()[0], rule.permits()).unwrap()
+        ));
         // The same ids with other bands (a reload) make another plan.
         let second = rules(&json(20));
         let b = the_plan(&second, 0);
@@ -308,7 +318,7 @@ mod tests {
             let set = sets.get("api").unwrap();
             for round in 0..2 {
                 for (i, rule) in set.rules().iter().enumerate() {
-                    let plan = plan(set.id(), rule, &rule.bands()[0]).unwrap();
+                    let plan = plan(set.id(), rule, &rule.bands()[0], rule.permits()).unwrap();
                     assert_eq!(
                         plan.args.bands[0].capacity,
                         i64::try_from(i).unwrap() + 1,

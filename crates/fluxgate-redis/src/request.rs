@@ -8,7 +8,7 @@ use smallvec::SmallVec;
 
 use crate::key;
 use crate::plan::{plan, RulePlan};
-use crate::protocol::{BandReply, DecideArgs, RefundBand};
+use crate::protocol::{BandReply, DecideArgs, RefundArgs, RefundBand};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -77,7 +77,7 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
         let Some(first) = rule.bands().first() else {
             continue; // validated rules have at least one band
         };
-        let plan = plan(bucket.rule_set.id(), rule, first)?;
+        let plan = plan(bucket.rule_set.id(), rule, first, bucket.permits)?;
         let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
         let slot = if cluster {
             // As Redis computes it, from the whole key: with a prefix holding `{` its tag
@@ -124,6 +124,58 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
         call.args.rule(plan.args.clone());
     }
     Ok(calls.into_iter().map(|(_, call)| call).collect())
+}
+
+/// A refund call: its keys and arguments.
+pub(crate) type RefundCall = (Vec<String>, RefundArgs);
+
+/// What giving back `request`'s consumption, decided at `decided_us`, sends: one refund call
+/// per hash slot (one on a standalone Redis), each with one key per band (a token-bucket
+/// rule's key once for each of its bands) and the bands' refund arguments.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly.
+pub(crate) fn encode_refund(
+    request: &AcquireRequest,
+    prefix: &str,
+    cluster: bool,
+    decided_us: i64,
+) -> Result<SmallVec<[RefundCall; 1]>, RuleError> {
+    let mut calls: SmallVec<[(u16, Vec<String>, RefundArgs); 1]> = SmallVec::new();
+    for bucket in request.buckets() {
+        let rule = bucket.rule;
+        let Some(first) = rule.bands().first() else {
+            continue;
+        };
+        let plan = plan(bucket.rule_set.id(), rule, first, bucket.permits)?;
+        let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
+        let slot = if cluster {
+            fred::util::redis_keyslot(start.as_bytes())
+        } else {
+            0
+        };
+        let at = match calls.iter().position(|(s, _, _)| *s == slot) {
+            Some(at) => at,
+            None => {
+                calls.push((slot, Vec::new(), RefundArgs::new(decided_us)));
+                calls.len() - 1
+            }
+        };
+        let (_, keys, args) = &mut calls[at];
+        for index in 0..plan.band_count() {
+            let Some(refund) = plan.refund(index) else {
+                continue;
+            };
+            args.band(&refund);
+            keys.push(if plan.is_one_key() {
+                start.clone()
+            } else {
+                plan.band_key(&start, index)
+            });
+        }
+    }
+    Ok(calls.into_iter().map(|(_, keys, args)| (keys, args)).collect())
 }
 
 /// The outcome of a decision on `request` taken at `now_us` (Redis time), with what Redis

@@ -201,6 +201,15 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     fn backend_name(&self) -> &'static str {
         self.inner.backend_name()
     }
+
+    fn gives_back(&self) -> bool {
+        self.inner.gives_back()
+    }
+
+    /// Passed on whether the breaker is open or not: what a lease took must go back.
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.inner.give_back(request, decided_unix_nanos)
+    }
 }
 
 /// Guards a remote [`RateLimitHandler`] (the rate-limit service) as it guards a limiter:

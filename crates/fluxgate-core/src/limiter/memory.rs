@@ -21,7 +21,7 @@ use smallvec::SmallVec;
 use crate::decision::{BandReport, Bands};
 use crate::error::BoxError;
 use crate::future::MaybeReady;
-use crate::rule::{Algorithm, Band, Rule};
+use crate::rule::{Algorithm, Band};
 
 /// The in-memory limiter: the embedded default backend.
 ///
@@ -460,7 +460,7 @@ impl MemoryLimiter {
         let (mut allowed, mut shadow_allowed) = (true, true);
         for i in &items {
             let guard = guard_of(i.shard);
-            let e = evaluate(&guards[guard], i.key, i.bucket.rule, i.band, now);
+            let e = evaluate(&guards[guard], i.key, &i.bucket, i.band, now);
             if i.bucket.shadow() {
                 shadow_allowed &= e.allowed;
             } else {
@@ -478,7 +478,7 @@ impl MemoryLimiter {
         for ((i, p), report) in items.iter().zip(&pending).zip(bands.iter_mut()) {
             if p.allowed && allowed && (!i.bucket.shadow() || shadow_allowed) {
                 let shard = &mut *guards[p.guard];
-                self.store(shard, i.key, p.next, now, i.band, i.bucket.rule.permits());
+                self.store(shard, i.key, p.next, now, i.band, i.bucket.permits);
             } else if p.allowed {
                 // Admitted by its band, not committed: the band as it stays.
                 report.refigure(now, p.remaining_now, Duration::from_nanos(p.reset_now));
@@ -503,7 +503,7 @@ impl MemoryLimiter {
         if matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
             // One lookup of the instant, read and written in place.
             let stored = shard.gcra.get_mut(&key);
-            let e = evaluate_instant(stored.as_deref().copied(), rule, band, now);
+            let e = evaluate_instant(stored.as_deref().copied(), bucket, band, now);
             if e.allowed {
                 match stored {
                     Some(slot) => *slot = e.next,
@@ -516,9 +516,9 @@ impl MemoryLimiter {
             drop(shard);
             return outcome(bucket, band, now, &e);
         }
-        let e = evaluate(&shard, key, rule, band, now);
+        let e = evaluate(&shard, key, bucket, band, now);
         if e.allowed {
-            self.store(&mut shard, key, e.next, now, band, rule.permits());
+            self.store(&mut shard, key, e.next, now, band, bucket.permits);
         }
         drop(shard);
         outcome(bucket, band, now, &e)
@@ -572,18 +572,18 @@ impl MemoryLimiter {
 }
 
 /// Evaluates a token- or leaky-bucket band from its stored instant.
-fn evaluate_instant(state: Option<Tat>, rule: &Rule, band: &Band, now: u64) -> Eval<Tat> {
-    let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
-    if rule.algorithm() == Algorithm::LeakyBucket {
+fn evaluate_instant(state: Option<Tat>, bucket: &Bucket<'_>, band: &Band, now: u64) -> Eval<Tat> {
+    let (capacity, window, permits) = (band.capacity(), window_nanos(band), bucket.permits);
+    if bucket.rule.algorithm() == Algorithm::LeakyBucket {
         leaky_bucket::evaluate(state, now, capacity, window, permits)
     } else {
         token_bucket::evaluate(state, now, capacity, window, permits)
     }
 }
 
-/// Evaluates one band of `rule` for its key at `now`, reading the shard only.
-fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eval<Next> {
-    let (capacity, window, permits) = (band.capacity(), window_nanos(band), rule.permits());
+/// Evaluates one band of `bucket` for its key at `now`, reading the shard only.
+fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64) -> Eval<Next> {
+    let (capacity, window, permits) = (band.capacity(), window_nanos(band), bucket.permits);
     fn map<S>(e: Eval<S>, f: impl FnOnce(S) -> Next) -> Eval<Next> {
         Eval {
             allowed: e.allowed,
@@ -597,9 +597,9 @@ fn evaluate(shard: &Shard, key: u128, rule: &Rule, band: &Band, now: u64) -> Eva
     }
     // Looked up only by the algorithms that keep their state there.
     let state = || shard.windows.get(&key).map(|s| &s.state);
-    match rule.algorithm() {
+    match bucket.rule.algorithm() {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => map(
-            evaluate_instant(shard.gcra.get(&key).copied(), rule, band, now),
+            evaluate_instant(shard.gcra.get(&key).copied(), bucket, band, now),
             Next::Tat,
         ),
         Algorithm::FixedWindow => {

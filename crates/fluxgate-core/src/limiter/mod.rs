@@ -136,6 +136,32 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         Ok(())
     }
 
+    /// Whether this backend can [give back](Self::give_back) what it consumed: local
+    /// leases (a rule's `lease`) need it. The default is `false`, and then leased rules
+    /// are decided one request at a time, as without a lease.
+    fn gives_back(&self) -> bool {
+        false
+    }
+
+    /// Gives back what `request` consumed when the backend decided it at
+    /// `decided_unix_nanos` (its [`AcquireOutcome::now_unix_nanos`]), each bucket its
+    /// [`permits`](Bucket::permits), as far as the bucket can still take them back: a
+    /// token bucket more than full is full, a window that has ended keeps its count.
+    /// Local leases give their unspent permits back through it.
+    ///
+    /// # Errors
+    ///
+    /// The backend's failure; the default, for a backend that does not
+    /// [give back](Self::gives_back), says so.
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        let _ = (request, decided_unix_nanos);
+        MaybeReady::ready(Err(format!(
+            "the {} backend cannot give permits back",
+            self.backend_name()
+        )
+        .into()))
+    }
+
     /// A short, fixed name of the backend (`memory`, `redis`): the `backend` label of the
     /// backend metrics. A wrapper such as [`CircuitBreaker`](crate::CircuitBreaker) gives
     /// the name of the backend it wraps. The default is `custom`.
@@ -155,6 +181,14 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn backend_name(&self) -> &'static str {
         (**self).backend_name()
+    }
+
+    fn gives_back(&self) -> bool {
+        (**self).gives_back()
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        (**self).give_back(request, decided_unix_nanos)
     }
 }
 

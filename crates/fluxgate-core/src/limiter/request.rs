@@ -53,6 +53,8 @@ pub struct AcquireRequest {
 struct Entry {
     rule: usize,
     key: Text,
+    /// What the bucket consumes: the rule's cost unless set otherwise.
+    permits: u64,
 }
 
 /// One rule's counter for one request, as a view into an [`AcquireRequest`]: the rule (its
@@ -66,6 +68,11 @@ pub struct Bucket<'a> {
     pub rule: &'a Rule,
     /// The encoded key value (see [`crate::key`]).
     pub key: &'a Text,
+    /// What the request consumes from each band of the bucket: the rule's
+    /// [`permits`](Rule::permits), unless the request was built with another count
+    /// ([`AcquireRequest::push_permits`]; local leases take several requests' permits in
+    /// one call).
+    pub permits: u64,
 }
 
 impl Bucket<'_> {
@@ -110,7 +117,22 @@ impl AcquireRequest {
             self.set.id(),
             self.set.rules().len()
         );
-        self.buckets.push(Entry { rule, key });
+        let permits = self.set.rules()[rule].permits();
+        self.buckets.push(Entry { rule, key, permits });
+    }
+
+    /// Adds the bucket of the rule at `rule` for the key value `key`, consuming `permits`
+    /// from each of its bands instead of the rule's cost.
+    ///
+    /// # Panics
+    ///
+    /// When the rule set has no rule at `rule`, or `permits` is 0.
+    pub fn push_permits(&mut self, rule: usize, key: Text, permits: u64) {
+        assert!(permits > 0, "a bucket consumes at least 1 permit");
+        self.push(rule, key);
+        if let Some(entry) = self.buckets.last_mut() {
+            entry.permits = permits;
+        }
     }
 
     /// Adds the bucket of the rule at `rule`, its key value written in place by `key`
@@ -127,7 +149,11 @@ impl AcquireRequest {
                 self.set.rules().len()
             );
         };
-        self.buckets.push(Entry { rule, key: Text::new() });
+        self.buckets.push(Entry {
+            rule,
+            key: Text::new(),
+            permits: found.permits(),
+        });
         let written = match self.buckets.last_mut() {
             Some(entry) => key(found, &mut entry.key),
             None => false,
@@ -182,6 +208,7 @@ impl AcquireRequest {
                 rule_set: set,
                 rule: &set.rules()[e.rule],
                 key: &e.key,
+                permits: e.permits,
             })
         });
     }
@@ -192,6 +219,12 @@ impl AcquireRequest {
             // `push` checked the index.
             rule: &self.set.rules()[e.rule],
             key: &e.key,
+            permits: e.permits,
         }
+    }
+
+    /// The index in the rule set of the rule of the bucket at `index`.
+    pub(crate) fn rule_index(&self, index: usize) -> Option<usize> {
+        self.buckets.get(index).map(|e| e.rule)
     }
 }

@@ -26,6 +26,9 @@ pub enum Problem {
     /// The rule's `bands`, or its `preset`.
     #[error(transparent)]
     Band(#[from] BandError),
+    /// The rule's `lease` block.
+    #[error(transparent)]
+    Lease(#[from] LeaseError),
     /// `permits` is 0.
     #[error("permits is 0; a request costs at least 1")]
     PermitsZero,
@@ -63,6 +66,7 @@ impl Problem {
             Self::Match(e) => e.field(),
             Self::Scope(e) => e.field(),
             Self::Band(e) => e.field(),
+            Self::Lease(e) => e.field(),
             Self::PermitsZero | Self::PermitsTooLarge { .. } => "permits".into(),
             Self::Shape(e) => e.field(),
             Self::Message(_) => "-".into(),
@@ -235,6 +239,43 @@ impl BandError {
             Self::NoBand => "bands".into(),
             Self::OutOfRange { index, error } => format!("bands[{index}].{}", error.field()).into(),
             Self::Label { index, .. } | Self::RepeatedName { index, .. } => format!("bands[{index}].label").into(),
+        }
+    }
+}
+
+/// What is wrong with a rule's `lease` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum LeaseError {
+    /// `max` is below the rule's `permits`: a lease would not hold one request.
+    #[error("lease max is {max}; a lease holds at least one request, the rule's permits ({permits})")]
+    BelowPermits {
+        /// The lease's `max`.
+        max: u64,
+        /// The rule's `permits`.
+        permits: u64,
+    },
+    /// `max` is above the capacity of one of the rule's bands.
+    #[error("lease max is {max}; a lease takes at most the smallest band's capacity ({capacity})")]
+    AboveCapacity {
+        /// The lease's `max`.
+        max: u64,
+        /// The smallest capacity of the rule's bands.
+        capacity: u64,
+    },
+    /// `ttl` is out of range.
+    #[error("lease ttl is {}; it must be from 1ms to 1h", super::format_duration(*ttl))]
+    Ttl {
+        /// The `ttl` given.
+        ttl: std::time::Duration,
+    },
+}
+
+impl LeaseError {
+    fn field(&self) -> Cow<'static, str> {
+        match self {
+            Self::BelowPermits { .. } | Self::AboveCapacity { .. } => "lease.max".into(),
+            Self::Ttl { .. } => "lease.ttl".into(),
         }
     }
 }

@@ -33,11 +33,11 @@ mod validate;
 use std::time::Duration;
 
 pub use duration::{format_duration, parse_duration, DurationError};
-pub use error::{BandError, BandRangeError, IdError, MatchError, Problem, ScopeError, ShapeError};
+pub use error::{BandError, BandRangeError, IdError, LeaseError, MatchError, Problem, ScopeError, ShapeError};
 pub use load::{Format, MAX_RULE_FILE};
-pub use model::{Band, KeyField, Rule, RuleSet, RuleSets, Scope};
+pub use model::{Band, KeyField, Lease, Rule, RuleSet, RuleSets, Scope};
 pub use options::{Algorithm, Mode, OnMissingKey, ScopeKind};
-pub use spec::{BandSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
+pub use spec::{BandSpec, LeaseSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
 pub use validate::check_id;
 
 /// The largest capacity a band may have.

@@ -42,6 +42,31 @@ pub struct Rule {
     pub(super) bands: Arc<[Band]>,
     pub(super) mode: Mode,
     pub(super) on_backend_failure: Option<FailurePolicy>,
+    pub(super) lease: Option<Lease>,
+}
+
+/// A rule's local leases (`lease: { max, ttl }`): an instance takes up to `max` permits of
+/// a key from the shared bucket in one backend call, spends them with no further call, and
+/// gives back what it has not spent after `ttl`, when the rule changes, and at shutdown
+/// ([`Engine::release_leases`](crate::Engine::release_leases)). Leased permits are
+/// consumed in the backend when taken, so the limit is never exceeded; see
+/// `docs/acquisition.md` for the bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    pub(super) max: u64,
+    pub(super) ttl: Duration,
+}
+
+impl Lease {
+    /// The most permits one backend call takes.
+    pub fn max(&self) -> u64 {
+        self.max
+    }
+
+    /// How long unspent permits are kept before they are given back.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
 }
 
 /// What a rule's limit is counted per.
@@ -273,6 +298,11 @@ impl Rule {
     /// What the rule does when the backend fails; `None` follows the engine.
     pub fn on_backend_failure(&self) -> Option<FailurePolicy> {
         self.on_backend_failure
+    }
+
+    /// The rule's local leases, if it has them.
+    pub fn lease(&self) -> Option<Lease> {
+        self.lease
     }
 
     /// Whether the rule applies to a request with this path (split in segments, see

@@ -76,6 +76,30 @@ pub struct RuleSpec {
     /// What happens to this rule when the backend fails; default: the engine's policy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_backend_failure: Option<FailurePolicy>,
+    /// Local leases: an instance takes up to `max` permits of a key in one backend call
+    /// and spends them without further calls. Default: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<LeaseSpec>,
+}
+
+/// A rule's `lease` block: `{ max: 100, ttl: 1s }`. See [`Lease`](super::Lease).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct LeaseSpec {
+    /// The most permits one call takes: at least the rule's `permits`, at most its smallest
+    /// band's capacity.
+    pub max: u64,
+    /// How long an instance keeps permits it has not spent before it gives them back.
+    #[serde(with = "duration_str")]
+    pub ttl: Duration,
+}
+
+impl LeaseSpec {
+    /// A lease of at most `max` permits, kept for `ttl`.
+    pub fn new(max: u64, ttl: Duration) -> Self {
+        Self { max, ttl }
+    }
 }
 
 /// The `match` block of a rule.
@@ -139,6 +163,7 @@ impl RuleSpec {
             bands,
             mode: Mode::default(),
             on_backend_failure: None,
+            lease: None,
         }
     }
 }

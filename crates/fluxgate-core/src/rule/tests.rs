@@ -153,3 +153,55 @@ fn a_band_identity_covers_every_part_and_is_pinned() {
     // The encoding is part of the identity's stability: it must not change by accident.
     assert_eq!(base, 0xa8e8_a423_fb20_e5e2);
 }
+
+#[test]
+fn a_lease_holds_one_request_at_least_and_a_band_at_most() {
+    let with_lease = |permits: u64, max: u64, ttl: Duration| {
+        let mut spec = RuleSpec::new(
+            "r",
+            vec![
+                BandSpec::new(1000, Duration::from_secs(60)),
+                BandSpec::new(100, Duration::from_secs(1)),
+            ],
+        );
+        spec.permits = permits;
+        spec.lease = Some(LeaseSpec::new(max, ttl));
+        Rule::from_spec("s", spec)
+    };
+    let second = Duration::from_secs(1);
+    let rule = with_lease(2, 100, second).unwrap();
+    assert_eq!(rule.lease().map(|l| (l.max(), l.ttl())), Some((100, second)));
+    let problem = |result: Result<Rule, RuleError>| match result {
+        Err(RuleError::Invalid { field, message, .. }) => (field, message.to_string()),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        problem(with_lease(1, 101, second)),
+        (
+            "lease.max".to_owned(),
+            "lease max is 101; a lease takes at most the smallest band's capacity (100)".to_owned()
+        )
+    );
+    assert_eq!(
+        problem(with_lease(5, 4, second)),
+        (
+            "lease.max".to_owned(),
+            "lease max is 4; a lease holds at least one request, the rule's permits (5)".to_owned()
+        )
+    );
+    assert_eq!(problem(with_lease(1, 10, Duration::ZERO)).0, "lease.ttl");
+    assert_eq!(
+        problem(with_lease(1, 10, Duration::from_secs(7200))),
+        (
+            "lease.ttl".to_owned(),
+            "lease ttl is 2h; it must be from 1ms to 1h".to_owned()
+        )
+    );
+    // From a file: the block and its duration.
+    let sets = RuleSets::from_yaml_str(
+        "rule_sets: [{ id: s, rules: [{ id: r, bands: [{ capacity: 10, window: 1s }], lease: { max: 5, ttl: 250ms } }] }]",
+    )
+    .unwrap();
+    let lease = sets.get("s").unwrap().rules()[0].lease().unwrap();
+    assert_eq!((lease.max(), lease.ttl()), (5, Duration::from_millis(250)));
+}

@@ -1,7 +1,7 @@
 //! Validation: from the specs of a file to the validated model.
 //!
 //! [`Rule::from_spec`] runs one step per concern (identifier, `match`, scope, preset,
-//! permits, bands), each returning its own typed error; the error is then placed in the
+//! permits, bands, lease), each returning its own typed error; the error is then placed in the
 //! rule set and rule as a [`RuleError::Invalid`]. The checks run in that order, so the
 //! first problem of a rule is the one reported.
 
@@ -15,8 +15,9 @@ use http::Method;
 
 use super::model::band_ident;
 use super::{
-    Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, MatchError, MatchSpec, Problem, Rule,
-    RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
+    Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, Lease, LeaseError, LeaseSpec, MatchError,
+    MatchSpec, Problem, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, MAX_CAPACITY,
+    MAX_ID_LEN, MAX_WINDOW,
 };
 use crate::error::RuleError;
 use crate::name::Name;
@@ -134,6 +135,7 @@ impl Rule {
         let (algorithm, band_specs) = preset(spec)?;
         let permits = permits(spec.permits)?;
         let bands = bands(rule_set, &spec.id, algorithm, &band_specs)?;
+        let lease = spec.lease.map(|l| lease(l, permits, &bands)).transpose()?;
         Ok(Self {
             id: Name::new(&spec.id),
             enabled: spec.enabled,
@@ -147,6 +149,7 @@ impl Rule {
             bands: bands.into(),
             mode: spec.mode,
             on_backend_failure: spec.on_backend_failure,
+            lease,
         })
     }
 
@@ -289,6 +292,22 @@ fn permits(permits: u64) -> Result<u64, Problem> {
         p if p > MAX_CAPACITY => Err(Problem::PermitsTooLarge { permits }),
         p => Ok(p),
     }
+}
+
+/// A rule's lease: `max` from the rule's cost to its smallest capacity, `ttl` 1ms to 1h.
+fn lease(spec: LeaseSpec, permits: u64, bands: &[Band]) -> Result<Lease, LeaseError> {
+    let LeaseSpec { max, ttl } = spec;
+    if max < permits {
+        return Err(LeaseError::BelowPermits { max, permits });
+    }
+    let capacity = bands.iter().map(Band::capacity).min().unwrap_or(u64::MAX);
+    if max > capacity {
+        return Err(LeaseError::AboveCapacity { max, capacity });
+    }
+    if ttl < Duration::from_millis(1) || ttl > Duration::from_secs(3600) {
+        return Err(LeaseError::Ttl { ttl });
+    }
+    Ok(Lease { max, ttl })
 }
 
 /// The bands, each with the identity of its counters: at least one, each in range, their

@@ -1,0 +1,237 @@
+//! Local leases (a rule's `lease: { max, ttl }`) against a real `redis-server`: engines
+//! sharing one bucket never admit more than it allows, an instance's unspent permits leave
+//! the others short by at most its lease until it expires or is released, a lease shrinks
+//! as the bucket empties, and a changed rule gives its lease back.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::{Decision, Engine, ReloadingRuleSetProvider, RequestContext, RuleSets};
+use fluxgate::redis::RedisLimiter;
+
+use crate::support::app::rules;
+use crate::support::redis::{Redis, Servers};
+
+/// A global rule of `capacity` per hour whose instances lease up to `max` permits for `ttl`.
+fn leased(capacity: u64, max: u64, ttl: &str) -> RuleSets {
+    rules(&format!(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{{ capacity: {capacity}, window: 1h }}]
+        lease: {{ max: {max}, ttl: {ttl} }}
+"#
+    ))
+}
+
+/// An instance: an engine over a limiter of its own (its own connections), on `prefix`.
+async fn instance(redis: &Redis, prefix: &str, rules: impl fluxgate::core::RuleSetProvider) -> Engine {
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix(prefix)
+        .deny_cache(false)
+        .timeout(Duration::from_secs(20))
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    Engine::builder(rules)
+        .limiter(limiter)
+        .build()
+        .expect("the backend decides every rule")
+}
+
+async fn check(engine: &Engine) -> Decision {
+    let ctx = RequestContext::builder().build();
+    engine.check(&ctx).await.expect("a decision")
+}
+
+/// Decides until a request is refused (at most `limit` requests); returns those admitted.
+async fn drain(engine: &Engine, limit: usize) -> usize {
+    for admitted in 0..limit {
+        if !check(engine).await.allowed() {
+            return admitted;
+        }
+    }
+    limit
+}
+
+/// The `EVALSHA` calls `redis-server` has run since its statistics were last reset.
+fn script_calls(redis: &Redis) -> u64 {
+    let info = redis.server().cli(&["INFO", "commandstats"]);
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a call count"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_hammering_one_leased_key_never_exceed_the_limit() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let (capacity, max, instances, each) = (300, 16, 4, 200);
+    let mut engines = Vec::new();
+    for _ in 0..instances {
+        engines.push(instance(&redis, "hammer", leased(capacity, max, "1h")).await);
+    }
+    let tasks: Vec<_> = engines
+        .iter()
+        .cloned()
+        .map(|engine| {
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                for _ in 0..each {
+                    admitted += usize::from(check(&engine).await.allowed());
+                }
+                admitted
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in tasks {
+        admitted.push(task.await.expect("the task ran"));
+    }
+    let total: usize = admitted.iter().sum();
+    assert!(
+        total <= capacity as usize,
+        "admitted {total} ({admitted:?}) of a bucket of {capacity}"
+    );
+    // Each instance spends its own lease before it is refused, so what is missing is
+    // at most the permits the other instances still hold.
+    let bound = (instances - 1) * max as usize;
+    assert!(
+        total + bound >= capacity as usize,
+        "admitted {total} ({admitted:?}): more than {bound} permits short of {capacity}"
+    );
+    // Given back, the permits still held are admitted again: exactly the bucket in all.
+    let mut released = 0;
+    for engine in &engines {
+        released += engine.release_leases().await.expect("leases given back");
+    }
+    let again = drain(&engines[0], capacity as usize).await;
+    assert_eq!(
+        total + again,
+        capacity as usize,
+        "{total} admitted, {released} permits given back, then {again} admitted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_key_costs_a_call_per_lease_and_its_headers_count_down() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "calls", leased(1_000_000, 100, "1h")).await;
+    redis.server().cli(&["CONFIG", "RESETSTAT"]);
+    let decisions = 2_000;
+    let start = Instant::now();
+    for i in 0..decisions {
+        let decision = check(&engine).await;
+        assert!(decision.allowed());
+        // What a single instance without a lease would say: the bucket less what it spent,
+        // plus what the bucket refilled since (1,000,000 an hour).
+        let spent = 1_000_000 - 1 - i;
+        let refilled = u64::try_from(start.elapsed().as_micros() / 3_600).expect("a short test") + 1;
+        let remaining = decision.remaining().expect("a figure");
+        assert!(
+            (spent..=spent + refilled).contains(&remaining),
+            "decision {i}: {remaining} remaining, {spent} without refill"
+        );
+    }
+    let calls = script_calls(&redis);
+    assert!(
+        calls <= decisions / 100,
+        "{calls} calls for {decisions} decisions with leases of 100"
+    );
+    assert!(calls >= decisions / 100, "{calls} calls: fewer than one per lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_shrinks_as_the_bucket_empties() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "shrink", leased(20, 8, "1h")).await;
+    redis.server().cli(&["CONFIG", "RESETSTAT"]);
+    assert_eq!(drain(&engine, 100).await, 20, "one instance admits the whole bucket");
+    // Calls of 8 permits (12 left), 1 + 6 (half the 12: 5 left), 1 + 2 (2 left),
+    // 1 + 1 (none left), then 1, refused. Leases of 8 throughout would take 8, 8, then
+    // 8 refused and retried as 1, four times.
+    let calls = script_calls(&redis);
+    assert_eq!(calls, 5, "the leases did not shrink as the bucket emptied");
+    // A second instance finds nothing held back.
+    let other = instance(&redis, "shrink", leased(20, 8, "1h")).await;
+    assert!(!check(&other).await.allowed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_holds_back_at_most_its_lease_until_it_expires() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let (capacity, max, ttl) = (50, 10, Duration::from_millis(400));
+    let holder = instance(&redis, "expiry", leased(capacity, max, "400ms")).await;
+    let other = instance(&redis, "expiry", leased(capacity, max, "400ms")).await;
+    let taken = Instant::now();
+    assert!(check(&holder).await.allowed(), "the holder takes a lease of {max}");
+    let admitted = drain(&other, 100).await;
+    let drained = taken.elapsed();
+    if drained < ttl {
+        assert_eq!(
+            admitted,
+            (capacity - max) as usize,
+            "the other instance is short of exactly the holder's {} unspent permits",
+            max - 1
+        );
+    } else {
+        eprintln!("draining took {drained:?}, past the lease's {ttl:?}: the shortfall is not checked");
+    }
+    // Expired, the lease goes back: the other instance admits the permits it held.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut more = 0;
+    while Instant::now() < deadline {
+        if check(&other).await.allowed() {
+            assert!(taken.elapsed() >= ttl, "a lease went back before it expired");
+            more = 1 + drain(&other, 100).await;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(admitted + more + 1, capacity as usize, "every permit admitted once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_or_changed_lease_goes_back() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let provider = Arc::new(ReloadingRuleSetProvider::new(leased(30, 10, "1h")));
+    let holder = instance(&redis, "release", provider.clone()).await;
+    let other = instance(&redis, "release", leased(30, 10, "1h")).await;
+
+    assert!(check(&holder).await.allowed());
+    assert_eq!(holder.release_leases().await.expect("given back"), 9);
+    assert_eq!(holder.release_leases().await.expect("nothing left"), 0);
+    assert_eq!(drain(&other, 100).await, 29, "released at shutdown");
+    other.release_leases().await.expect("given back");
+
+    // A bucket of its own, then the rule's lease changes: the lease taken goes back.
+    let rules = |max: u64| {
+        rules(&format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: changed
+        scope: global
+        bands: [{{ capacity: 30, window: 1h }}]
+        lease: {{ max: {max}, ttl: 1h }}
+"#
+        ))
+    };
+    provider.replace(rules(10)).expect("valid rules");
+    let other = instance(&redis, "release", rules(10)).await;
+    assert!(check(&holder).await.allowed());
+    provider.replace(rules(5)).expect("valid rules");
+    // Given back on the runtime: the other instance finds the permits once it is done.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut admitted = drain(&other, 100).await;
+    while admitted < 29 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        other.release_leases().await.expect("given back");
+        admitted += drain(&other, 100).await;
+    }
+    assert_eq!(admitted, 29, "the changed rule's lease went back");
+}
