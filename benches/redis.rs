@@ -31,7 +31,9 @@
 //! call per request, twice in turn; `-- batched-1x1` and `-- batched-3x2` one measurement.
 //! With batches, a call decides several requests: the line gives the calls and Redis's
 //! time per call, and the decisions per call. `BENCH_BATCH_CALLS` sets the batch calls in
-//! flight (`Batching::max_calls`, default 2).
+//! flight (`Batching::max_calls`, default 2). `-- leased` runs a global rule with leases of
+//! 100 and of 1,000 (`lease: { max: 100, ttl: 1s }`) next to the same rule without a lease
+//! and to the peer, twice in turn: with leases, most decisions make no call.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -78,6 +80,37 @@ rule_sets:
       - id: global
         scope: global
         bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
+"#;
+
+/// One global rule, 10^12 per hour (every request admitted), without a lease and with
+/// leases of 100 and of 1,000.
+const GLOBAL: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000000000, window: 1h }]
+"#;
+
+const GLOBAL_LEASED: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000000000, window: 1h }]
+        lease: { max: 100, ttl: 1s }
+"#;
+
+const GLOBAL_LEASED_1000: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000000000, window: 1h }]
+        lease: { max: 1000, ttl: 1s }
 "#;
 
 /// One rule of `algorithm`, 1,000,000 per hour (within every algorithm's exact range).
@@ -412,6 +445,7 @@ fn main() {
         "batched",
         "batched-1x1",
         "batched-3x2",
+        "leased",
     ];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
@@ -452,6 +486,9 @@ fn main() {
     if !only.is_empty() && run("3x2") {
         rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
             .print();
+    }
+    if !only.is_empty() && run("leased") {
+        leased_against_the_peer(&rt);
     }
     if run("algorithms") {
         for algorithm in fluxgate::Algorithm::ALL {
@@ -543,6 +580,22 @@ fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
             "fluxgate engine 3x2 batched",
             THREE_BY_TWO,
             batched,
+        ))
+        .print();
+    }
+}
+
+/// A global rule with leases of 100 and of 1,000 next to the same rule without a lease and to the peer,
+/// in turn, twice: the decisions per second of one instance, and its calls per decision.
+fn leased_against_the_peer(rt: &tokio::runtime::Runtime) {
+    for _ in 0..2 {
+        rt.block_on(peer_layer()).print();
+        rt.block_on(fluxgate_engine("fluxgate engine global", GLOBAL)).print();
+        rt.block_on(fluxgate_engine("fluxgate engine global leased 100", GLOBAL_LEASED))
+            .print();
+        rt.block_on(fluxgate_engine(
+            "fluxgate engine global leased 1000",
+            GLOBAL_LEASED_1000,
         ))
         .print();
     }

@@ -68,7 +68,16 @@ fn script_calls(redis: &Redis) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engines_hammering_one_leased_key_never_exceed_the_limit() {
-    let redis = Redis::start(Servers::standalone()).await;
+    hammer(Redis::start(Servers::standalone()).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_hammering_one_leased_key_never_exceed_the_limit_on_a_cluster() {
+    hammer(Redis::start(Servers::shared_cluster()).await).await;
+}
+
+/// Engines on `redis` deciding for one leased key at once.
+async fn hammer(redis: Redis) {
     let (capacity, max, instances, each) = (300, 16, 4, 200);
     let mut engines = Vec::new();
     for _ in 0..instances {
@@ -142,6 +151,33 @@ async fn a_leased_key_costs_a_call_per_lease_and_its_headers_count_down() {
         "{calls} calls for {decisions} decisions with leases of 100"
     );
     assert!(calls >= decisions / 100, "{calls} calls: fewer than one per lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_arriving_together_share_one_call() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "together", leased(1_000_000, 100, "1h")).await;
+    redis.server().cli(&["CONFIG", "RESETSTAT"]);
+    let decisions: Vec<_> = (0..60)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move { check(&engine).await })
+        })
+        .collect();
+    let mut remaining = Vec::new();
+    for decision in decisions {
+        let decision = decision.await.expect("the task ran");
+        assert!(decision.allowed());
+        remaining.push(decision.remaining().expect("a figure"));
+    }
+    assert_eq!(
+        script_calls(&redis),
+        1,
+        "60 requests waited for the one call taking the lease"
+    );
+    remaining.sort_unstable();
+    remaining.dedup();
+    assert_eq!(remaining.len(), 60, "each request has a figure of its own");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

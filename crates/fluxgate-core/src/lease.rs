@@ -10,6 +10,10 @@
 //! that cost, and never more than half of what the bucket held at the last call, so that
 //! the last permits of a bucket go one request per call. A call that asked for more than
 //! its request and was refused only for that is made again for the request alone.
+//!
+//! One call at a time takes a lease for a rule and key: the requests that find the lease
+//! spent while that call is out wait for it and spend from the lease it brings, rather
+//! than each taking one of their own.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash};
@@ -18,6 +22,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::SystemTime;
 
 use smallvec::SmallVec;
+use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::decision::{BandReport, Bands};
@@ -25,7 +30,7 @@ use crate::error::BoxError;
 use crate::future::MaybeReady;
 use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, RateLimiter, Wait};
 use crate::name::Name;
-use crate::rule::{Band, Lease, Rule, RuleSet};
+use crate::rule::{Algorithm, Band, Lease, Rule, RuleSet};
 use crate::text::Text;
 
 const SHARDS: usize = 16;
@@ -38,12 +43,20 @@ pub(crate) struct Leases {
 
 struct Shared {
     limiter: Arc<dyn RateLimiter>,
-    shards: Box<[Mutex<HashMap<LeaseKey, Held>>]>,
+    shards: Box<[Mutex<Shard>]>,
     hasher: std::collections::hash_map::RandomState,
     /// Whether a task gives back the leases that expire.
     sweeping: AtomicBool,
     /// The number given to the next lease taken.
     next_id: AtomicU64,
+}
+
+#[derive(Default)]
+struct Shard {
+    held: HashMap<LeaseKey, Held>,
+    /// The rules and keys for which calls taking leases are out: the requests that find
+    /// the lease spent wait for them.
+    taking: HashMap<LeaseKey, InFlight>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -152,12 +165,71 @@ struct GiveBack {
 }
 
 /// What a request does with each of its buckets.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Plan {
-    /// Admitted from the lease with this id (given back to it should the request fail).
-    Spent(u64),
+    /// Admitted from the lease with this id (given back to it should the request fail),
+    /// with its bands' figures just after the spend.
+    Spent(u64, Bands),
     /// Decided by the backend, taking this many permits more than the request's.
     Call { extra: u64 },
+}
+
+/// What a request does next.
+enum Planned {
+    /// Admitted from its leases alone.
+    Local(SmallVec<[Plan; 4]>),
+    /// A backend call, started at the instant given, taking the leases it holds back the
+    /// other requests for.
+    Call(SmallVec<[Plan; 4]>, SmallVec<[Taking; 1]>, Instant),
+    /// Wait for another request's call taking a lease this request needs, then plan again.
+    Wait(watch::Receiver<()>),
+}
+
+/// The calls out taking leases for a rule and key.
+struct InFlight {
+    /// Signalled as each call ends, and dropped with the last: wakes the waiting requests.
+    ended: watch::Sender<()>,
+    /// The permits they take beyond their requests'.
+    extra: u64,
+}
+
+/// A call taking a lease of `extra` permits for a rule and key: while it is out, the key's
+/// requests that find the lease spent wait for it. Dropped, it lets them go.
+struct Taking {
+    shared: Arc<Shared>,
+    key: LeaseKey,
+    extra: u64,
+}
+
+impl Taking {
+    /// Counts a call taking `extra` permits for `key` in `shard`.
+    fn start(shared: &Arc<Shared>, taking: &mut HashMap<LeaseKey, InFlight>, key: LeaseKey, extra: u64) -> Self {
+        taking
+            .entry(key.clone())
+            .or_insert_with(|| InFlight {
+                ended: watch::channel(()).0,
+                extra: 0,
+            })
+            .extra += extra;
+        Self {
+            shared: shared.clone(),
+            key,
+            extra,
+        }
+    }
+}
+
+impl Drop for Taking {
+    fn drop(&mut self) {
+        let mut shard = lock(self.shared.shard(&self.key));
+        if let Some(in_flight) = shard.taking.get_mut(&self.key) {
+            in_flight.extra = in_flight.extra.saturating_sub(self.extra);
+            in_flight.ended.send_replace(());
+            if in_flight.extra == 0 {
+                shard.taking.remove(&self.key);
+            }
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -169,7 +241,7 @@ impl Leases {
         Self {
             shared: Arc::new(Shared {
                 limiter,
-                shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+                shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: std::collections::hash_map::RandomState::new(),
                 sweeping: AtomicBool::new(false),
                 next_id: AtomicU64::new(1),
@@ -185,19 +257,14 @@ impl Leases {
     /// Decides `request`, some of whose rules have leases.
     pub(crate) fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let shared = &self.shared;
-        let now = Instant::now();
-        let mut plans: SmallVec<[Plan; 4]> = SmallVec::new();
-        let mut stale = Vec::new();
-        for bucket in request.buckets() {
-            plans.push(shared.plan(&bucket, now, &mut stale));
+        match shared.try_plan(request) {
+            Planned::Local(plans) => MaybeReady::ready(Ok(Shared::local_outcome(request, plans))),
+            planned => {
+                let shared = shared.clone();
+                let request = request.clone();
+                MaybeReady::boxed(async move { shared.settle(request, planned).await })
+            }
         }
-        shared.give_back_later(stale);
-        if plans.iter().all(|p| matches!(p, Plan::Spent(_))) {
-            return MaybeReady::ready(Ok(shared.local_outcome(request, &plans)));
-        }
-        let shared = shared.clone();
-        let request = request.clone();
-        MaybeReady::boxed(async move { shared.decide(request, plans, now).await })
     }
 
     /// Gives back every lease this instance holds; returns the permits given back.
@@ -212,59 +279,116 @@ impl Leases {
 }
 
 impl Shared {
-    fn shard(&self, key: &LeaseKey) -> &Mutex<HashMap<LeaseKey, Held>> {
+    fn shard(&self, key: &LeaseKey) -> &Mutex<Shard> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    /// What to do with `bucket`: spend from its lease, or ask the backend (for how many).
-    fn plan(&self, bucket: &Bucket<'_>, now: Instant, stale: &mut Vec<GiveBack>) -> Plan {
+    /// Plans every bucket of `request`; a request that must wait spends nothing.
+    fn try_plan(self: &Arc<Self>, request: &AcquireRequest) -> Planned {
+        let now = Instant::now();
+        let mut plans: SmallVec<[Plan; 4]> = SmallVec::new();
+        let mut taking = SmallVec::new();
+        let mut stale = Vec::new();
+        let mut wait = None;
+        for bucket in request.buckets() {
+            match self.plan(&bucket, now, &mut stale, &mut taking) {
+                Ok(plan) => plans.push(plan),
+                Err(receiver) => {
+                    wait = Some(receiver);
+                    break;
+                }
+            }
+        }
+        self.give_back_later(stale);
+        if let Some(receiver) = wait {
+            self.unspend(request, &plans);
+            drop(taking);
+            return Planned::Wait(receiver);
+        }
+        if plans.iter().all(|p| matches!(p, Plan::Spent(..))) {
+            return Planned::Local(plans);
+        }
+        Planned::Call(plans, taking, now)
+    }
+
+    /// What to do with `bucket`: spend from its lease, or ask the backend (for how many),
+    /// or (`Err`) wait for the call taking its lease.
+    fn plan(
+        self: &Arc<Self>,
+        bucket: &Bucket<'_>,
+        now: Instant,
+        stale: &mut Vec<GiveBack>,
+        taking: &mut SmallVec<[Taking; 1]>,
+    ) -> Result<Plan, watch::Receiver<()>> {
         let Some(lease) = bucket.rule.lease().filter(|_| !bucket.shadow()) else {
-            return Plan::Call { extra: 0 };
+            return Ok(Plan::Call { extra: 0 });
         };
         let cost = bucket.permits;
         let most = lease.max().saturating_sub(cost);
         let key = LeaseKey::of(bucket);
-        let mut shard = lock(self.shard(&key));
-        let Some(held) = shard.get_mut(&key) else {
-            return Plan::Call { extra: most };
-        };
-        if held.is_for(bucket.rule) && now < held.expires {
-            if held.left >= cost {
-                held.left -= cost;
-                return Plan::Spent(held.id);
+        let mut guard = lock(self.shard(&key));
+        let shard = &mut *guard;
+        let extra = match shard.held.get_mut(&key) {
+            None => most,
+            Some(held) if held.is_for(bucket.rule) && now < held.expires => {
+                if held.left >= cost {
+                    held.left -= cost;
+                    let mut reports = Bands::with_capacity(held.reports.len());
+                    reports.extend(held.reports_now(SystemTime::now()));
+                    return Ok(Plan::Spent(held.id, reports));
+                }
+                // Too few permits left: a new lease, no larger than half the bucket as it was.
+                most.min(held.shared_remaining() / 2)
             }
-            // Too few permits left: a new lease, no larger than half the bucket as it was.
-            return Plan::Call {
-                extra: most.min(held.shared_remaining() / 2),
-            };
+            Some(_) => {
+                // Expired, or taken for the rule as it was.
+                if let Some(old) = shard.held.remove(&key) {
+                    stale.extend(old.into_give_back(key.clone()));
+                }
+                most
+            }
+        };
+        if extra == 0 {
+            // Nothing to share: no reason to wait for another request's call.
+            return Ok(Plan::Call { extra });
         }
-        // Expired, or taken for the rule as it was.
-        if let Some(old) = shard.remove(&key) {
-            stale.extend(old.into_give_back(key));
+        if let Some(in_flight) = shard.taking.get(&key) {
+            return Err(in_flight.ended.subscribe());
         }
-        Plan::Call { extra: most }
+        let started = Taking::start(self, &mut shard.taking, key, extra);
+        drop(guard);
+        taking.push(started);
+        Ok(Plan::Call { extra })
+    }
+
+    /// Decides a request that could not be admitted from its leases at once.
+    async fn settle(
+        self: Arc<Self>,
+        request: AcquireRequest,
+        mut planned: Planned,
+    ) -> Result<AcquireOutcome, BoxError> {
+        loop {
+            match planned {
+                Planned::Local(plans) => return Ok(Shared::local_outcome(&request, plans)),
+                Planned::Call(plans, taking, now) => return self.decide(request, plans, taking, now).await,
+                Planned::Wait(mut receiver) => {
+                    // Ends when the call is over (its sender dropped).
+                    let _ = receiver.changed().await;
+                    planned = self.try_plan(&request);
+                }
+            }
+        }
     }
 
     /// The outcome of a request admitted from its leases alone.
-    fn local_outcome(&self, request: &AcquireRequest, plans: &[Plan]) -> AcquireOutcome {
-        let now = SystemTime::now();
+    fn local_outcome(request: &AcquireRequest, plans: SmallVec<[Plan; 4]>) -> AcquireOutcome {
         let mut bands = Bands::with_capacity(request.band_count());
-        for (bucket, plan) in request.buckets().zip(plans) {
-            let key = LeaseKey::of(&bucket);
-            let shard = lock(self.shard(&key));
-            match (shard.get(&key), plan) {
-                (Some(held), Plan::Spent(id)) if held.id == *id => bands.extend(held.reports_now(now)),
-                // The lease went (given back) since the spend: its figures as they were.
-                _ => bands.extend(
-                    bucket
-                        .rule
-                        .bands()
-                        .iter()
-                        .map(|band| bucket.report(band, unix_nanos(now), 0, std::time::Duration::ZERO, Wait::None)),
-                ),
+        for plan in plans {
+            if let Plan::Spent(_, reports) = plan {
+                bands.extend(reports);
             }
         }
-        AcquireOutcome::new(true, true, unix_nanos(now), bands).answered_locally()
+        AcquireOutcome::new(true, true, unix_nanos(SystemTime::now()), bands).answered_locally()
     }
 
     /// Decides the buckets the leases did not admit in the backend, takes the new leases,
@@ -273,6 +397,7 @@ impl Shared {
         self: Arc<Self>,
         request: AcquireRequest,
         plans: SmallVec<[Plan; 4]>,
+        taking: SmallVec<[Taking; 1]>,
         now: Instant,
     ) -> Result<AcquireOutcome, BoxError> {
         let mut asked = plans.clone();
@@ -297,24 +422,20 @@ impl Shared {
         if !outcome.allowed {
             self.unspend(&request, &plans);
         }
-        let wall = SystemTime::now();
         let mut called = outcome.bands.iter();
         let mut bands = Bands::with_capacity(request.band_count());
         let mut taken = Vec::new();
         for (index, (bucket, plan)) in request.buckets().zip(&asked).enumerate() {
             let count = bucket.rule.bands().len();
             match *plan {
-                Plan::Spent(id) => {
-                    let key = LeaseKey::of(&bucket);
-                    let shard = lock(self.shard(&key));
-                    // Refused: the lease holds this request's permits again (`unspend`).
-                    match shard.get(&key).filter(|held| held.id == id) {
-                        Some(held) => bands.extend(held.reports_now(wall)),
-                        None => bands.extend(bucket.rule.bands().iter().map(|band| {
-                            bucket.report(band, outcome.now_unix_nanos, 0, std::time::Duration::ZERO, Wait::None)
-                        })),
+                Plan::Spent(_, ref reports) => bands.extend(reports.iter().map(|r| {
+                    let mut r = r.clone();
+                    if !outcome.allowed {
+                        // Refused: the lease holds this request's permits again (`unspend`).
+                        r.remaining = r.remaining.saturating_add(bucket.permits).min(r.limit);
                     }
-                }
+                    r
+                })),
                 Plan::Call { extra } => {
                     let reports: SmallVec<[BandReport; 2]> = called.by_ref().take(count).cloned().collect();
                     let leased = bucket.rule.lease().filter(|_| !bucket.shadow());
@@ -346,6 +467,8 @@ impl Shared {
                 );
             }
         }
+        // The new leases are in: the requests waiting for them may go.
+        drop(taking);
         let mut merged = AcquireOutcome::new(outcome.allowed, outcome.shadow_allowed, outcome.now_unix_nanos, bands);
         merged.local = outcome.local;
         Ok(merged)
@@ -363,7 +486,8 @@ impl Shared {
         call
     }
 
-    /// Keeps the permits a call took beyond its request as the lease of `bucket`.
+    /// Keeps the permits a call took beyond its request as the lease of `bucket`: added to
+    /// the lease in force, or a new lease in place of one that has expired.
     #[allow(clippy::too_many_arguments)]
     fn hold(
         self: &Arc<Self>,
@@ -380,6 +504,20 @@ impl Shared {
             return;
         };
         let key = LeaseKey::of(bucket);
+        let expires = expiry(bucket.rule, lease, now, &reports);
+        let mut shard = lock(self.shard(&key));
+        if let Some(held) = shard.held.get_mut(&key) {
+            if held.is_for(bucket.rule) && Instant::now() < held.expires {
+                // Added to the lease in force, which keeps its expiry: no permit is spent
+                // later than `ttl` after it was taken. A window that has ended has expired
+                // its lease, so a fixed window's permits never reach the next window.
+                held.left += extra;
+                held.decided_unix_nanos = decided_unix_nanos;
+                held.reports = reports;
+                held.expires = held.expires.min(expires);
+                return;
+            }
+        }
         let held = Held {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             set: request.rule_set().clone(),
@@ -389,10 +527,11 @@ impl Shared {
             lease,
             left: extra,
             decided_unix_nanos,
-            expires: now + lease.ttl(),
+            expires,
             reports,
         };
-        let old = lock(self.shard(&key)).insert(key.clone(), held);
+        let old = shard.held.insert(key.clone(), held);
+        drop(shard);
         self.give_back_later(old.and_then(|old| old.into_give_back(key)).into_iter().collect());
         self.sweep_later();
     }
@@ -400,9 +539,9 @@ impl Shared {
     /// Makes back the spends of a request that was not admitted after all.
     fn unspend(&self, request: &AcquireRequest, plans: &[Plan]) {
         for (bucket, plan) in request.buckets().zip(plans) {
-            if let Plan::Spent(id) = *plan {
+            if let Plan::Spent(id, _) = *plan {
                 let key = LeaseKey::of(&bucket);
-                if let Some(held) = lock(self.shard(&key)).get_mut(&key).filter(|h| h.id == id) {
+                if let Some(held) = lock(self.shard(&key)).held.get_mut(&key).filter(|h| h.id == id) {
                     held.left += bucket.permits;
                 }
             }
@@ -415,12 +554,13 @@ impl Shared {
         for shard in self.shards.iter() {
             let mut shard = lock(shard);
             let keys: Vec<LeaseKey> = shard
+                .held
                 .iter()
                 .filter(|(k, h)| which(k, h))
                 .map(|(k, _)| k.clone())
                 .collect();
             for key in keys {
-                if let Some(held) = shard.remove(&key) {
+                if let Some(held) = shard.held.remove(&key) {
                     out.extend(held.into_give_back(key));
                 }
             }
@@ -469,7 +609,7 @@ impl Shared {
         let next = self
             .shards
             .iter()
-            .filter_map(|shard| lock(shard).values().map(|h| h.expires).min())
+            .filter_map(|shard| lock(shard).held.values().map(|h| h.expires).min())
             .min();
         (expired, next)
     }
@@ -488,8 +628,8 @@ async fn sweep(weak: Weak<Shared>) {
             None => {
                 shared.sweeping.store(false, Ordering::Release);
                 // A lease taken since, whose taker saw the task running, needs it again.
-                let again =
-                    shared.shards.iter().any(|s| !lock(s).is_empty()) && !shared.sweeping.swap(true, Ordering::AcqRel);
+                let again = shared.shards.iter().any(|s| !lock(s).held.is_empty())
+                    && !shared.sweeping.swap(true, Ordering::AcqRel);
                 drop(shared);
                 let _ = give_back_all(&*limiter, expired).await;
                 if again {
@@ -552,6 +692,17 @@ fn refused_for_the_lease(request: &AcquireRequest, asked: &[Plan], outcome: &Acq
     asked_more
 }
 
+/// When a lease taken at `now` expires: after its `ttl`, and for fixed windows at the end
+/// of the window it was taken in (as the call's reports give it, from an instant after
+/// `now`), so that each window admits no more than its capacity.
+fn expiry(rule: &Rule, lease: Lease, now: Instant, reports: &[BandReport]) -> Instant {
+    let ttl = now + lease.ttl();
+    if rule.algorithm() != Algorithm::FixedWindow {
+        return ttl;
+    }
+    reports.iter().map(|r| now + r.reset_after).fold(ttl, Instant::min)
+}
+
 fn unix_nanos(at: SystemTime) -> u64 {
     at.duration_since(SystemTime::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
@@ -559,7 +710,37 @@ fn unix_nanos(at: SystemTime) -> u64 {
 
 impl std::fmt::Debug for Leases {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let held: usize = self.shared.shards.iter().map(|s| lock(s).len()).sum();
+        let held: usize = self.shared.shards.iter().map(|s| lock(s).held.len()).sum();
         f.debug_struct("Leases").field("held", &held).finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Engine, MemoryLimiter, RateLimiter, RequestContext, RuleSets};
+
+    /// In memory every decision is local: a leased rule is decided one request at a time,
+    /// exactly as without its lease.
+    #[test]
+    fn in_memory_a_leased_rule_is_decided_as_without_its_lease() {
+        assert!(!MemoryLimiter::default().gives_back());
+        let rules = |lease: &str| {
+            RuleSets::from_yaml_str(&format!(
+                "rule_sets: [{{ id: default, rules: [{{ id: g, scope: global, bands: [{{ capacity: 5, window: 1h }}]{lease} }}] }}]"
+            ))
+            .unwrap()
+        };
+        let leased = Engine::in_memory(rules(", lease: { max: 5, ttl: 1s }"));
+        let plain = Engine::in_memory(rules(""));
+        let ctx = RequestContext::builder().build();
+        for i in 0..7 {
+            let a = leased.check(&ctx).into_ready().unwrap().unwrap();
+            let b = plain.check(&ctx).into_ready().unwrap().unwrap();
+            assert_eq!(
+                (a.allowed(), a.remaining()),
+                (b.allowed(), b.remaining()),
+                "request {i}"
+            );
+        }
     }
 }
