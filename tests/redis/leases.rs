@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use fluxgate::core::{Decision, Engine, ReloadingRuleSetProvider, RequestContext, RuleSets};
 use fluxgate::redis::RedisLimiter;
 
-use crate::support::app::rules;
+use crate::support::app::{app, get_from, layer, rules};
 use crate::support::redis::{Redis, Servers};
 
 /// A global rule of `capacity` per hour whose instances lease up to `max` permits for `ttl`.
@@ -59,11 +59,7 @@ async fn drain(engine: &Engine, limit: usize) -> usize {
 
 /// The `EVALSHA` calls `redis-server` has run since its statistics were last reset.
 fn script_calls(redis: &Redis) -> u64 {
-    let info = redis.server().cli(&["INFO", "commandstats"]);
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().expect("a call count"))
+    redis.server().evalsha_calls()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -270,4 +266,23 @@ rule_sets:
         admitted += drain(&other, 100).await;
     }
     assert_eq!(admitted, 29, "the changed rule's lease went back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_the_layer_leased_decisions_count_down_in_the_headers() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "layer", leased(10, 4, "1h")).await;
+    let app = app(layer(engine).build().expect("valid options"));
+    redis.server().cli(&["CONFIG", "RESETSTAT"]);
+    for expected in (0..10).rev() {
+        let reply = get_from(&app, "/api/users", "192.0.2.1").await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.num("x-ratelimit-remaining"), expected);
+    }
+    let refused = get_from(&app, "/api/users", "192.0.2.1").await;
+    assert_eq!(refused.status, 429);
+    assert!(refused.header("retry-after").is_some());
+    // Calls of 4 permits (6 left), 1 + 3 (half the 6: 2 left), 1 + 1 (none left), then
+    // the refused call.
+    assert_eq!(script_calls(&redis), 4);
 }

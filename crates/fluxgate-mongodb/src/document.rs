@@ -23,8 +23,8 @@
 //!
 //! Fields of the rule model that the Java documents do not have are read when present:
 //! `priority`, `paths` (or one `path`), `methods` (or one `method`), `compositeKeyFields`
-//! (with `scope: COMPOSITE`), `algorithm`, `permits`, `onMissingKey`, `mode` and
-//! `onBackendFailure`. Other fields (`_class`, timestamps, …) are ignored.
+//! (with `scope: COMPOSITE`), `algorithm`, `permits`, `onMissingKey`, `mode`,
+//! `onBackendFailure` and `lease` (`{ "max": 100, "ttl": "1s" }`). Other fields (`_class`, timestamps, …) are ignored.
 //!
 //! Numbers may be BSON int32, int64 or double; a double must be integral, except in
 //! `windowSeconds`, where it gives a fraction of a second (`0.5` is 500 ms). A band's
@@ -41,10 +41,10 @@ use std::fmt;
 use std::time::Duration;
 
 use bson::{doc, Bson, Document};
-use fluxgate_core::rule::{parse_duration, Problem};
+use fluxgate_core::rule::{format_duration, parse_duration, Problem};
 use fluxgate_core::{
-    Algorithm, BandSpec, FailurePolicy, Mode, OnMissingKey, Rule, RuleError, RuleSet, RuleSetSpec, RuleSets, RuleSpec,
-    ScopeKind,
+    Algorithm, BandSpec, FailurePolicy, LeaseSpec, Mode, OnMissingKey, Rule, RuleError, RuleSet, RuleSetSpec, RuleSets,
+    RuleSpec, ScopeKind,
 };
 
 /// The collection the Java FluxGate kept its rules in, and the default of
@@ -392,6 +392,19 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
     if let Some(permits) = get("permits") {
         rule.permits = non_negative(permits).map_err(|p| fail("permits", p))?;
     }
+    match get("lease") {
+        None | Some(Bson::Null) => {}
+        Some(Bson::Document(lease)) => {
+            let max = lease.get("max").ok_or_else(|| fail("lease.max", DocumentProblem::Missing))?;
+            let max = non_negative(max).map_err(|p| fail("lease.max", p))?;
+            let ttl = lease.get("ttl").ok_or_else(|| fail("lease.ttl", DocumentProblem::Missing))?;
+            let ttl = as_str(ttl)
+                .and_then(|s| parse_duration(s).map_err(|e| DocumentProblem::Duration(e.to_string())))
+                .map_err(|p| fail("lease.ttl", p))?;
+            rule.lease = Some(LeaseSpec::new(max, ttl));
+        }
+        Some(other) => return Err(fail("lease", wrong("a document", other))),
+    }
     if let Some(name) = string("algorithm")? {
         rule.algorithm = named(name, ALGORITHMS).map_err(|p| fail("algorithm", p))?;
     }
@@ -586,6 +599,9 @@ fn rule_to_document(rule_set: &str, rule: &RuleSpec) -> Result<Document, WriteEr
     }
     if let Some(policy) = rule.on_backend_failure {
         document.insert("onBackendFailure", serde_name(rule_set, rule, &policy)?);
+    }
+    if let Some(lease) = rule.lease {
+        document.insert("lease", doc! { "max": int64(lease.max), "ttl": format_duration(lease.ttl) });
     }
     Ok(document)
 }

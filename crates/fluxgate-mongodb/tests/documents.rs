@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use bson::{doc, oid::ObjectId, Bson, Document};
 use fluxgate_core::{
-    Algorithm, BandSpec, FailurePolicy, KeyField, Mode, OnMissingKey, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope,
-    ScopeKind,
+    Algorithm, BandSpec, FailurePolicy, KeyField, LeaseSpec, Mode, OnMissingKey, RuleSet, RuleSetSpec, RuleSets,
+    RuleSpec, Scope, ScopeKind,
 };
 use fluxgate_mongodb::document::{
     rule_from_document, rule_set_specs_from_documents, rule_set_to_documents, rule_sets_from_documents,
@@ -268,6 +268,7 @@ fn fields_of_the_rule_model_beyond_the_java_documents() {
         "mode": "SHADOW",
         "onBackendFailure": "fail_closed",
         "scope": "PER_USER",
+        "lease": { "max": 5, "ttl": "250ms" },
     })]);
     let rule = &sets.get("api").unwrap().rules()[0];
     let paths: Vec<&str> = rule.paths().iter().map(|p| p.as_str()).collect();
@@ -278,6 +279,8 @@ fn fields_of_the_rule_model_beyond_the_java_documents() {
     assert_eq!(rule.on_missing_key(), OnMissingKey::Skip);
     assert_eq!(rule.mode(), Mode::Shadow);
     assert_eq!(rule.on_backend_failure(), Some(FailurePolicy::FailClosed));
+    let lease = rule.lease().unwrap();
+    assert_eq!((lease.max(), lease.ttl()), (5, Duration::from_millis(250)));
 }
 
 #[test]
@@ -304,6 +307,14 @@ fn a_document_that_cannot_be_read_names_itself_and_the_field() {
         (
             doc! { "ruleSetId": 7 },
             r#"document {id: "r"}: field `ruleSetId`: expected a string, found int32 7"#,
+        ),
+        (
+            doc! { "lease": { "ttl": "1s" } },
+            r#"document {ruleSetId: "api", id: "r"}: field `lease.max`: is missing"#,
+        ),
+        (
+            doc! { "lease": { "max": 3, "ttl": 5 } },
+            r#"document {ruleSetId: "api", id: "r"}: field `lease.ttl`: expected a string, found int32 5"#,
         ),
         (
             doc! { "id": null },
@@ -581,6 +592,7 @@ fn rule_sets_round_trip_through_documents() {
     tenant.on_missing_key = OnMissingKey::Deny;
     tenant.on_backend_failure = Some(FailurePolicy::FallbackLocal);
     tenant.priority = 10;
+    tenant.lease = Some(LeaseSpec::new(8, Duration::from_millis(1500)));
     let mut off = RuleSpec::new("off", vec![BandSpec::new(1, Duration::from_secs(86_400))]);
     off.enabled = false;
     off.scope = ScopeKind::Global;

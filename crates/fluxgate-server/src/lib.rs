@@ -193,7 +193,8 @@ impl Service {
     }
 
     /// Serves the API on `listener` until `shutdown` completes; then stops accepting
-    /// connections and waits for the requests in flight to finish.
+    /// connections, waits for the requests in flight to finish, and gives back the permits
+    /// the engine holds in local leases (rules with a `lease`).
     ///
     /// # Errors
     ///
@@ -204,6 +205,12 @@ impl Service {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let app = router(self.state.clone());
-        axum::serve(listener, app).with_graceful_shutdown(shutdown).await
+        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+        match self.state.engine.release_leases().await {
+            Ok(0) => {}
+            Ok(permits) => tracing::info!(permits, "leased permits given back"),
+            Err(error) => tracing::warn!(%error, "leased permits not all given back"),
+        }
+        served
     }
 }
