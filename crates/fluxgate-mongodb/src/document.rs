@@ -395,9 +395,13 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
     match get("lease") {
         None | Some(Bson::Null) => {}
         Some(Bson::Document(lease)) => {
-            let max = lease.get("max").ok_or_else(|| fail("lease.max", DocumentProblem::Missing))?;
+            let max = lease
+                .get("max")
+                .ok_or_else(|| fail("lease.max", DocumentProblem::Missing))?;
             let max = non_negative(max).map_err(|p| fail("lease.max", p))?;
-            let ttl = lease.get("ttl").ok_or_else(|| fail("lease.ttl", DocumentProblem::Missing))?;
+            let ttl = lease
+                .get("ttl")
+                .ok_or_else(|| fail("lease.ttl", DocumentProblem::Missing))?;
             let ttl = as_str(ttl)
                 .and_then(|s| parse_duration(s).map_err(|e| DocumentProblem::Duration(e.to_string())))
                 .map_err(|p| fail("lease.ttl", p))?;
@@ -601,7 +605,10 @@ fn rule_to_document(rule_set: &str, rule: &RuleSpec) -> Result<Document, WriteEr
         document.insert("onBackendFailure", serde_name(rule_set, rule, &policy)?);
     }
     if let Some(lease) = rule.lease {
-        document.insert("lease", doc! { "max": int64(lease.max), "ttl": format_duration(lease.ttl) });
+        document.insert(
+            "lease",
+            doc! { "max": int64(lease.max), "ttl": format_duration(lease.ttl) },
+        );
     }
     Ok(document)
 }
