@@ -82,36 +82,17 @@ rule_sets:
         bands: [{ capacity: 10000000, window: 1h, label: hour }, { capacity: 10000000, window: 1m, label: minute }]
 "#;
 
-/// One global rule, 10^12 per hour (every request admitted), without a lease and with
-/// leases of 100 and of 1,000.
-const GLOBAL: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000000000000, window: 1h }]
-"#;
-
-const GLOBAL_LEASED: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000000000000, window: 1h }]
-        lease: { max: 100, ttl: 1s }
-"#;
-
-const GLOBAL_LEASED_1000: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000000000000, window: 1h }]
-        lease: { max: 1000, ttl: 1s }
-"#;
+/// One global rule, 10^12 per hour (every request admitted), with leases of `lease`
+/// permits (none for 0).
+fn global(lease: u64) -> &'static str {
+    let mut yaml = "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        \
+                    bands: [{ capacity: 1000000000000, window: 1h }]\n"
+        .to_owned();
+    if lease > 0 {
+        yaml.push_str(&format!("        lease: {{ max: {lease}, ttl: 1s }}\n"));
+    }
+    Box::leak(yaml.into_boxed_str())
+}
 
 /// One rule of `algorithm`, 1,000,000 per hour (within every algorithm's exact range).
 fn one_rule_of(algorithm: &str) -> &'static str {
@@ -585,19 +566,18 @@ fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
     }
 }
 
-/// A global rule with leases of 100 and of 1,000 next to the same rule without a lease and to the peer,
-/// in turn, twice: the decisions per second of one instance, and its calls per decision.
+/// A global rule with leases of 100 and of 1,000 next to the same rule without a lease
+/// and to the peer, in turn, twice: the decisions per second of one instance, and its
+/// calls per decision.
 fn leased_against_the_peer(rt: &tokio::runtime::Runtime) {
     for _ in 0..2 {
         rt.block_on(peer_layer()).print();
-        rt.block_on(fluxgate_engine("fluxgate engine global", GLOBAL)).print();
-        rt.block_on(fluxgate_engine("fluxgate engine global leased 100", GLOBAL_LEASED))
+        rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
             .print();
-        rt.block_on(fluxgate_engine(
-            "fluxgate engine global leased 1000",
-            GLOBAL_LEASED_1000,
-        ))
-        .print();
+        for max in [100, 1000] {
+            let name = format!("fluxgate engine global leased {max}");
+            rt.block_on(fluxgate_engine(&name, global(max))).print();
+        }
     }
 }
 
