@@ -20,4 +20,5 @@ mod mongodb;
 mod reload;
 mod rule_files;
 mod spans;
+mod wait;
 mod watch;

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tracing::Instrument;
 
@@ -18,6 +18,7 @@ use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimite
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets};
+use crate::wait::{may_wait, wait_for, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -65,8 +66,11 @@ struct Inner {
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
-    /// The local leases of rules with a `lease`, with a limiter that gives back.
+    /// The local leases of rules with a `lease`, with a limiter that gives back and is not
+    /// local.
     leases: Option<Leases>,
+    /// The requests waiting for the refill, per rule.
+    waiters: Waiters,
     /// The limiter's validation, handed to the provider, which holds it weakly: it
     /// applies while the engine lives.
     _check: HeldCheck,
@@ -169,10 +173,11 @@ impl EngineBuilder {
             .limiter
             .get_or_insert_with(|| Arc::new(MemoryLimiter::default()))
             .clone();
-        let leases = limiter.gives_back().then(|| Leases::new(limiter.clone()));
+        let leases = (limiter.gives_back() && !limiter.is_local()).then(|| Leases::new(limiter.clone()));
         let watch = leases.as_ref().map(Leases::watch);
         let check: RuleCheck = Arc::new(move |set: &RuleSet| {
             limiter.validate(set)?;
+            refuse_waits_without_reservations(&*limiter, set)?;
             // The rule set is about to be swapped in: leases of rules it changes go back.
             if let Some(watch) = &watch {
                 watch.rules_changed(set);
@@ -188,6 +193,7 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 leases,
+                waiters: Waiters::default(),
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
                 fallback: Fallback {
                     default: self.on_failure,
@@ -372,6 +378,8 @@ impl Engine {
             let id = request.rule_set().id().clone();
             return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
         }
+        // Rules that wait for the refill, while they have waiters' places free.
+        let places = self.inner.waiters.admit(&mut request);
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
         let acquired = match &self.inner.leases {
@@ -381,14 +389,35 @@ impl Engine {
         match acquired.into_ready() {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
-                MaybeReady::ready(self.inner.decided(&request, result))
+                match &result {
+                    Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
+                        let this = self.inner.clone();
+                        let (limiter, waited) = (this.limiter.clone(), request.clone());
+                        let outcome = outcome.clone();
+                        wait_for(limiter, &waited, &outcome, places, move || {
+                            this.decided(&request, result)
+                        })
+                    }
+                    _ => MaybeReady::ready(self.inner.decided(&request, result)),
+                }
             }
             Err(pending) => {
                 let this = self.inner.clone();
                 MaybeReady::boxed(async move {
                     let result = pending.await;
                     this.record_backend_call(start, &result);
-                    this.decided(&request, result)
+                    match &result {
+                        Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
+                            let limiter = this.limiter.clone();
+                            let outcome = outcome.clone();
+                            let waited = request.clone();
+                            wait_for(limiter, &waited, &outcome, places, move || {
+                                this.decided(&request, result)
+                            })
+                            .await
+                        }
+                        _ => this.decided(&request, result),
+                    }
                 })
             }
         }
@@ -416,6 +445,26 @@ impl Inner {
             Err(error) => Some(error),
         };
         recorder.record_backend_call(self.limiter.backend_name(), start.elapsed(), error);
+    }
+}
+
+/// A rule that waits for the refill (`on_limit.wait`) with a backend that cannot take a
+/// waiting request's place: refused when the rules load, rather than never waiting.
+fn refuse_waits_without_reservations(limiter: &dyn RateLimiter, set: &RuleSet) -> Result<(), RuleError> {
+    if limiter.reserves() {
+        return Ok(());
+    }
+    match set.rules().iter().find(|rule| rule.wait().is_some()) {
+        None => Ok(()),
+        Some(rule) => Err(RuleError::Unsupported {
+            backend: limiter.backend_name(),
+            rule_set: set.id().to_string(),
+            rule: rule.id().to_string(),
+            band: rule.bands().first().map(|b| b.name().to_string()).unwrap_or_default(),
+            message: "on_limit.wait: this backend does not take a waiting request's place; \
+                      remove `on_limit` or decide the rule in memory"
+                .to_owned(),
+        }),
     }
 }
 

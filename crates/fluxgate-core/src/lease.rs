@@ -719,11 +719,11 @@ impl std::fmt::Debug for Leases {
 mod tests {
     use crate::{Engine, MemoryLimiter, RateLimiter, RequestContext, RuleSets};
 
-    /// In memory every decision is local: a leased rule is decided one request at a time,
-    /// exactly as without its lease.
+    /// In memory every decision is local (`is_local`): a leased rule is decided one request
+    /// at a time, exactly as without its lease.
     #[test]
     fn in_memory_a_leased_rule_is_decided_as_without_its_lease() {
-        assert!(!MemoryLimiter::default().gives_back());
+        assert!(MemoryLimiter::default().is_local());
         let rules = |lease: &str| {
             RuleSets::from_yaml_str(&format!(
                 "rule_sets: [{{ id: default, rules: [{{ id: g, scope: global, bands: [{{ capacity: 5, window: 1h }}]{lease} }}] }}]"

@@ -71,6 +71,7 @@ mod provider;
 pub mod reload;
 pub mod rule;
 mod text;
+mod wait;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
@@ -89,7 +90,7 @@ pub use provider::{
 };
 pub use reload::{FileRuleSource, ReloadingRuleSetProvider};
 pub use rule::{
-    Algorithm, Band, BandSpec, Format, KeyField, Lease, LeaseSpec, MatchSpec, Mode, OnMissingKey, Rule, RuleSet,
-    RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind,
+    Algorithm, Band, BandSpec, Format, KeyField, Lease, LeaseSpec, MatchSpec, Mode, OnLimitSpec, OnMissingKey, Rule,
+    RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, WaitPolicy, WaitSpec,
 };
 pub use text::Text;

@@ -206,6 +206,14 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
         self.inner.gives_back()
     }
 
+    fn is_local(&self) -> bool {
+        self.inner.is_local()
+    }
+
+    fn reserves(&self) -> bool {
+        self.inner.reserves()
+    }
+
     /// Passed on whether the breaker is open or not: what a lease took must go back.
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
         self.inner.give_back(request, decided_unix_nanos)
@@ -290,6 +298,7 @@ mod tests {
                 now_unix_nanos: 0,
                 bands: crate::decision::Bands::new(),
                 local,
+                admitted_after: std::time::Duration::ZERO,
             };
             match *self.answer.lock().unwrap() {
                 Answer::Up => MaybeReady::ready(Ok(outcome(false))),

@@ -82,6 +82,10 @@ impl Fallback {
         let before = request.len();
         let mut request = request.clone();
         request.retain(|b| self.policy(&b) == Some(FailurePolicy::FallbackLocal));
+        // Decided at once: a degraded decision never waits for the refill.
+        for index in 0..request.len() {
+            request.set_max_wait(index, std::time::Duration::ZERO);
+        }
         let mut decision = if request.is_empty() {
             Decision::without_bands(rule_set, Outcome::Admitted)
         } else {

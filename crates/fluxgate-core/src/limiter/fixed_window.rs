@@ -9,13 +9,28 @@
 use super::{Eval, Wait};
 use std::time::Duration;
 
-/// A band's stored state: the end of the window it counts and the count.
+/// A band's stored state: the end of the window it counts, the count, and the permits
+/// reserved in the window after it by requests waiting for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Window {
     /// The end of the counted window, in nanoseconds since the Unix epoch.
     pub end: u64,
     /// Permits admitted in that window.
     pub count: u64,
+    /// Permits reserved in the next window (`[end, end + window)`).
+    pub next: u64,
+}
+
+impl Window {
+    /// The counts of the window ending at `end` and of the one after it, as of a time in
+    /// the window ending at `end`.
+    fn at(state: Option<Window>, end: u64, window_nanos: u64) -> (u64, u64) {
+        match state {
+            Some(s) if s.end == end => (s.count, s.next),
+            Some(s) if s.end.checked_add(window_nanos) == Some(end) => (s.next, 0),
+            _ => (0, 0),
+        }
+    }
 }
 
 /// The window `[start, end)` holding `now`.
@@ -39,10 +54,8 @@ pub(crate) fn bounds(now: u64, window_nanos: u64) -> (u64, u64) {
 /// ```
 pub fn evaluate(state: Option<Window>, now: u64, capacity: u64, window_nanos: u64, permits: u64) -> Eval<Window> {
     let (_, end) = bounds(now, window_nanos);
-    let count = match state {
-        Some(s) if s.end == end => s.count.min(capacity),
-        _ => 0,
-    };
+    let (count, next) = Window::at(state, end, window_nanos);
+    let count = count.min(capacity);
     let remaining_now = capacity - count;
     let reset_now = if count > 0 { end - now } else { 0 };
     let rejected = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
@@ -55,13 +68,57 @@ pub fn evaluate(state: Option<Window>, now: u64, capacity: u64, window_nanos: u6
     let count = count + permits;
     Eval {
         allowed: true,
-        next: Window { end, count },
+        next: Window { end, count, next },
         remaining_after: capacity - count,
         remaining_now,
         reset_after: end - now,
         reset_now,
         wait: Wait::None,
     }
+}
+
+/// The state after reserving `permits` at `at` (not before `now`) for a request that
+/// waits until then, if the band admits them there: in the window of `now` or the next
+/// one, which the state keeps apart; `None` otherwise.
+pub(crate) fn reserve(
+    state: Option<Window>,
+    now: u64,
+    at: u64,
+    capacity: u64,
+    window_nanos: u64,
+    permits: u64,
+) -> Option<Window> {
+    let (_, end) = bounds(now, window_nanos);
+    let (count, next) = Window::at(state, end, window_nanos);
+    let (_, end_at) = bounds(at, window_nanos);
+    if end_at == end {
+        (count + permits <= capacity).then_some(Window {
+            end,
+            count: count + permits,
+            next,
+        })
+    } else if Some(end_at) == end.checked_add(window_nanos) {
+        (next + permits <= capacity).then_some(Window {
+            end,
+            count,
+            next: next + permits,
+        })
+    } else {
+        None
+    }
+}
+
+/// The state after giving back `permits` taken at `at`: from its window's count, if the
+/// state still counts that window.
+pub(crate) fn give_back(state: Window, at: u64, window_nanos: u64, permits: u64) -> Window {
+    let (_, end_at) = bounds(at, window_nanos);
+    let mut state = state;
+    if state.end == end_at {
+        state.count = state.count.saturating_sub(permits);
+    } else if state.end.checked_add(window_nanos) == Some(end_at) {
+        state.next = state.next.saturating_sub(permits);
+    }
+    state
 }
 
 #[cfg(test)]

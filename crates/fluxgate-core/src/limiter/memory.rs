@@ -13,7 +13,7 @@ use super::sliding_window_log::Log;
 use super::token_bucket::Tat;
 use super::{
     fixed_window, leaky_bucket, sliding_window_counter, sliding_window_log, token_bucket, AcquireOutcome,
-    AcquireRequest, Bucket, Eval, RateLimiter,
+    AcquireRequest, Bucket, Eval, RateLimiter, Wait,
 };
 use crate::clock::{Clock, SystemClock};
 use smallvec::SmallVec;
@@ -155,6 +155,8 @@ enum Next {
     Counter(Counter),
     /// A new log entry.
     Log,
+    /// A new log entry at a later instant, for a request that waits until then.
+    LogAt(u64),
 }
 
 const MIX_P0: u64 = 0xa076_1d64_78bd_642f;
@@ -352,6 +354,7 @@ struct Item<'a> {
 struct Pending {
     guard: usize,
     allowed: bool,
+    wait: Wait,
     next: Next,
     remaining_now: u64,
     reset_now: u64,
@@ -470,10 +473,16 @@ impl MemoryLimiter {
             pending.push(Pending {
                 guard,
                 allowed: e.allowed,
+                wait: e.wait,
                 next: e.next,
                 remaining_now: e.remaining_now,
                 reset_now: e.reset_now,
             });
+        }
+        if !allowed {
+            if let Some(outcome) = self.reserve_all(&items, &pending, &mut guards, &guard_of, now) {
+                return outcome;
+            }
         }
         for ((i, p), report) in items.iter().zip(&pending).zip(bands.iter_mut()) {
             if p.allowed && allowed && (!i.bucket.shadow() || shadow_allowed) {
@@ -513,15 +522,114 @@ impl MemoryLimiter {
                     }
                 }
             }
+            if !e.allowed {
+                if let Some(outcome) = self.reserve_one(&mut shard, key, bucket, band, now, &e) {
+                    return outcome;
+                }
+            }
             drop(shard);
             return outcome(bucket, band, now, &e);
         }
         let e = evaluate(&shard, key, bucket, band, now);
         if e.allowed {
             self.store(&mut shard, key, e.next, now, band, bucket.permits);
+        } else if let Some(outcome) = self.reserve_one(&mut shard, key, bucket, band, now, &e) {
+            return outcome;
         }
         drop(shard);
         outcome(bucket, band, now, &e)
+    }
+
+    /// A one-band request the band refuses, if it may wait for it: the band's place at
+    /// the instant it admits the request, taken now.
+    fn reserve_one<S>(
+        &self,
+        shard: &mut Shard,
+        key: u128,
+        bucket: &Bucket<'_>,
+        band: &Band,
+        now: u64,
+        e: &Eval<S>,
+    ) -> Option<AcquireOutcome> {
+        let wait = allowed_wait(bucket, e.wait)?;
+        let at = now.checked_add(u64::try_from(wait.as_nanos()).ok()?)?;
+        let next = reserve(shard, key, bucket, band, now, at)?;
+        self.store(shard, key, next, now, band, bucket.permits);
+        let mut bands = Bands::with_capacity(1);
+        bands.push(figures_now(shard, key, bucket, band, now));
+        Some(AcquireOutcome::new(true, true, now, bands).admitted_later(wait))
+    }
+
+    /// A request some enforced band refuses, if it may wait for every one of them: the
+    /// place of every band at the instant the last of them admits it, taken now, all or
+    /// nothing (the shadow bands as if enforced, and only if they all admit then).
+    fn reserve_all(
+        &self,
+        items: &[Item<'_>],
+        pending: &[Pending],
+        guards: &mut [MutexGuard<'_, Shard>],
+        guard_of: &dyn Fn(usize) -> usize,
+        now: u64,
+    ) -> Option<AcquireOutcome> {
+        let mut wait = Duration::ZERO;
+        for (i, p) in items.iter().zip(pending) {
+            if !p.allowed && !i.bucket.shadow() {
+                wait = wait.max(allowed_wait(&i.bucket, p.wait)?);
+            }
+        }
+        let at = now.checked_add(u64::try_from(wait.as_nanos()).ok()?)?;
+        let mut nexts: SmallVec<[Option<Next>; 8]> = SmallVec::new();
+        let mut shadow_allowed = true;
+        for i in items {
+            let next = reserve(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now, at);
+            if next.is_none() {
+                if !i.bucket.shadow() {
+                    return None;
+                }
+                shadow_allowed = false;
+            }
+            nexts.push(next);
+        }
+        for (i, next) in items.iter().zip(&nexts) {
+            if let Some(next) = *next {
+                if !i.bucket.shadow() || shadow_allowed {
+                    self.store(
+                        &mut guards[guard_of(i.shard)],
+                        i.key,
+                        next,
+                        now,
+                        i.band,
+                        i.bucket.permits,
+                    );
+                }
+            }
+        }
+        let bands: Bands = items
+            .iter()
+            .map(|i| figures_now(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now))
+            .collect();
+        Some(AcquireOutcome::new(true, shadow_allowed, now, bands).admitted_later(wait))
+    }
+
+    /// Gives back what `request` took at `at` (see [`RateLimiter::give_back`]).
+    pub fn give_back_now(&self, request: &AcquireRequest, at: u64) {
+        for b in request.buckets() {
+            let hash = self.key_hash(&b);
+            let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
+            for band in b.rule.bands().iter() {
+                let key = hash.band(band);
+                let (capacity, window, permits) = (band.capacity(), window_nanos(band), b.permits);
+                if let Some(t) = shard.gcra.get_mut(&key) {
+                    *t = token_bucket::give_back(*t, capacity, window, permits);
+                } else if let Some(slot) = shard.windows.get_mut(&key) {
+                    match &mut slot.state {
+                        State::Fixed(w) => *w = fixed_window::give_back(*w, at, window, permits),
+                        State::Counter(c) => *c = sliding_window_counter::give_back(*c, at, window, permits),
+                        State::Log(log) => log.give_back(at, permits),
+                    }
+                }
+            }
+        }
     }
 
     /// Commits a band's evaluation.
@@ -547,28 +655,91 @@ impl MemoryLimiter {
         match next {
             Next::Fixed(w) => {
                 *slot = Slot {
-                    idle_after: w.end,
+                    // Reservations in the next window keep the state until it ends.
+                    idle_after: w.end.saturating_add(if w.next > 0 { window } else { 0 }),
                     state: State::Fixed(w),
                 }
             }
             Next::Counter(c) => {
                 *slot = Slot {
-                    idle_after: c.end.saturating_add(window),
+                    idle_after: c
+                        .end
+                        .saturating_add(window)
+                        .saturating_add(if c.next > 0 { window } else { 0 }),
                     state: State::Counter(c),
                 }
             }
-            Next::Log => {
+            Next::Log | Next::LogAt(_) => {
+                let at = match next {
+                    Next::LogAt(at) => at,
+                    _ => now,
+                };
                 if !matches!(slot.state, State::Log(_)) {
                     slot.state = State::Log(Box::default());
                 }
                 if let State::Log(log) = &mut slot.state {
-                    log.commit(now, window, permits);
+                    log.record(now, at, window, permits);
                 }
-                slot.idle_after = now.saturating_add(window);
+                slot.idle_after = slot.idle_after.max(at.saturating_add(window));
             }
             Next::Tat(_) => {}
         }
     }
+}
+
+/// How long a request may wait for a band that refuses it: the band's wait, if the
+/// bucket allows that long (never for a shadow rule).
+fn allowed_wait(bucket: &Bucket<'_>, wait: Wait) -> Option<Duration> {
+    match wait {
+        Wait::After(d) if !bucket.shadow() && d <= bucket.max_wait => Some(d),
+        _ => None,
+    }
+}
+
+/// The state of a band after taking the place of `bucket`'s request at `at` (not before
+/// `now`), if the band admits it then without giving up what it admitted so far.
+fn reserve(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64, at: u64) -> Option<Next> {
+    let (capacity, window, permits) = (band.capacity(), window_nanos(band), bucket.permits);
+    let state = || shard.windows.get(&key).map(|s| &s.state);
+    match bucket.rule.algorithm() {
+        Algorithm::TokenBucket | Algorithm::LeakyBucket => {
+            let e = evaluate_instant(shard.gcra.get(&key).copied(), bucket, band, at);
+            e.allowed.then_some(Next::Tat(e.next))
+        }
+        Algorithm::FixedWindow => {
+            let state = match state() {
+                Some(State::Fixed(w)) => Some(*w),
+                _ => None,
+            };
+            fixed_window::reserve(state, now, at, capacity, window, permits).map(Next::Fixed)
+        }
+        Algorithm::SlidingWindowCounter => {
+            let state = match state() {
+                Some(State::Counter(c)) => Some(*c),
+                _ => None,
+            };
+            sliding_window_counter::reserve(state, now, at, capacity, window, permits).map(Next::Counter)
+        }
+        Algorithm::SlidingWindowLog => {
+            let admits = match state() {
+                Some(State::Log(log)) => log.admits_at(at, capacity, window, permits),
+                _ => permits <= capacity,
+            };
+            admits.then_some(Next::LogAt(at))
+        }
+    }
+}
+
+/// A band's report at `now`, as it stands (after a request that waits took its place).
+fn figures_now(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64) -> BandReport {
+    let e = evaluate(shard, key, bucket, band, now);
+    bucket.report(
+        band,
+        now,
+        e.remaining_now,
+        Duration::from_nanos(e.reset_now),
+        Wait::None,
+    )
 }
 
 /// Evaluates a token- or leaky-bucket band from its stored instant.
@@ -672,6 +843,23 @@ fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize) {
 impl RateLimiter for MemoryLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         MaybeReady::ready(Ok(self.acquire_now(request)))
+    }
+
+    fn gives_back(&self) -> bool {
+        true
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.give_back_now(request, decided_unix_nanos);
+        MaybeReady::ready(Ok(()))
+    }
+
+    fn is_local(&self) -> bool {
+        true
+    }
+
+    fn reserves(&self) -> bool {
+        true
     }
 
     fn backend_name(&self) -> &'static str {

@@ -84,6 +84,10 @@ pub struct AcquireOutcome {
     /// deny-cache hit of the Redis backend): such an answer says nothing about the store's
     /// health, so a [`CircuitBreaker`](crate::CircuitBreaker) neither closes nor counts a success for it.
     pub local: bool,
+    /// For an admitted request that waits for the refill ([`Bucket::max_wait`]): how long
+    /// after [`now_unix_nanos`](Self::now_unix_nanos) it may proceed. The backend has
+    /// taken its place for that instant; zero for a request admitted at once.
+    pub admitted_after: Duration,
 }
 
 impl AcquireOutcome {
@@ -96,7 +100,16 @@ impl AcquireOutcome {
             now_unix_nanos,
             bands: bands.into(),
             local: false,
+            admitted_after: Duration::ZERO,
         }
+    }
+
+    /// Marks the outcome as admitted for `after` past its decision (a waiting request;
+    /// see [`admitted_after`](Self::admitted_after)).
+    #[must_use]
+    pub fn admitted_later(mut self, after: Duration) -> Self {
+        self.admitted_after = after;
+        self
     }
 
     /// Marks the outcome as answered from local knowledge (see [`local`](Self::local)).
@@ -143,6 +156,21 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// Whether this backend decides in this process, with no call to make: the in-memory
+    /// limiter. Local leases would save nothing there, and are not taken.
+    fn is_local(&self) -> bool {
+        false
+    }
+
+    /// Whether this backend lets a request wait for the refill ([`Bucket::max_wait`]):
+    /// it then takes the request's place at the instant it will be admitted, in the same
+    /// step as the decision, and says so in [`AcquireOutcome::admitted_after`]. The
+    /// default is `false`: the engine refuses rules with `on_limit.wait`
+    /// ([`validate`](Self::validate)).
+    fn reserves(&self) -> bool {
+        false
+    }
+
     /// Gives back what `request` consumed when the backend decided it at
     /// `decided_unix_nanos` (its [`AcquireOutcome::now_unix_nanos`]), each bucket its
     /// [`permits`](Bucket::permits), as far as the bucket can still take them back: a
@@ -185,6 +213,14 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn gives_back(&self) -> bool {
         (**self).gives_back()
+    }
+
+    fn is_local(&self) -> bool {
+        (**self).is_local()
+    }
+
+    fn reserves(&self) -> bool {
+        (**self).reserves()
     }
 
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {

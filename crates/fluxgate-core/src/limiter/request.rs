@@ -55,6 +55,8 @@ struct Entry {
     key: Text,
     /// What the bucket consumes: the rule's cost unless set otherwise.
     permits: u64,
+    /// How long the request may wait for the bucket to admit it.
+    max_wait: Duration,
 }
 
 /// One rule's counter for one request, as a view into an [`AcquireRequest`]: the rule (its
@@ -73,6 +75,9 @@ pub struct Bucket<'a> {
     /// ([`AcquireRequest::push_permits`]; local leases take several requests' permits in
     /// one call).
     pub permits: u64,
+    /// How long the request may wait for this bucket (its rule's `on_limit.wait`; zero:
+    /// refused at once). See [`AcquireOutcome::admitted_after`](super::AcquireOutcome::admitted_after).
+    pub max_wait: Duration,
 }
 
 impl Bucket<'_> {
@@ -118,7 +123,12 @@ impl AcquireRequest {
             self.set.rules().len()
         );
         let permits = self.set.rules()[rule].permits();
-        self.buckets.push(Entry { rule, key, permits });
+        self.buckets.push(Entry {
+            rule,
+            key,
+            permits,
+            max_wait: Duration::ZERO,
+        });
     }
 
     /// Adds the bucket of the rule at `rule` for the key value `key`, consuming `permits`
@@ -153,6 +163,7 @@ impl AcquireRequest {
             rule,
             key: Text::new(),
             permits: found.permits(),
+            max_wait: Duration::ZERO,
         });
         let written = match self.buckets.last_mut() {
             Some(entry) => key(found, &mut entry.key),
@@ -209,6 +220,7 @@ impl AcquireRequest {
                 rule: &set.rules()[e.rule],
                 key: &e.key,
                 permits: e.permits,
+                max_wait: e.max_wait,
             })
         });
     }
@@ -220,6 +232,15 @@ impl AcquireRequest {
             rule: &self.set.rules()[e.rule],
             key: &e.key,
             permits: e.permits,
+            max_wait: e.max_wait,
+        }
+    }
+
+    /// Lets the request wait up to `max_wait` for the bucket at `index` to admit it
+    /// instead of a refusal, with a backend that [reserves](super::RateLimiter::reserves).
+    pub fn set_max_wait(&mut self, index: usize, max_wait: Duration) {
+        if let Some(entry) = self.buckets.get_mut(index) {
+            entry.max_wait = max_wait;
         }
     }
 

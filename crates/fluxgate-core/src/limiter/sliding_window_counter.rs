@@ -24,6 +24,26 @@ pub struct Counter {
     pub previous: u64,
     /// Permits admitted in the current window.
     pub current: u64,
+    /// Permits reserved in the window after the current one by requests waiting for it.
+    pub next: u64,
+}
+
+/// The counts of the window before the one ending at `end`, of that window and of the one
+/// after it, as of a time in the window ending at `end`.
+fn counts(state: Option<Counter>, end: u64, window_nanos: u64) -> (u64, u64, u64) {
+    match state {
+        Some(s) if s.end == end => (s.previous, s.current, s.next),
+        Some(s) if s.end.checked_add(window_nanos) == Some(end) => (s.current, s.next, 0),
+        Some(s)
+            if s.end
+                .checked_add(window_nanos)
+                .and_then(|e| e.checked_add(window_nanos))
+                == Some(end) =>
+        {
+            (s.next, 0, 0)
+        }
+        _ => (0, 0, 0),
+    }
 }
 
 /// Evaluates a band of `capacity` per `window_nanos` for a request of `permits` at `now`.
@@ -31,19 +51,15 @@ pub struct Counter {
 /// ```
 /// use fluxgate_core::limiter::sliding_window_counter::{evaluate, Counter};
 /// const S: u64 = 60_000_000_000; // a minute
-/// let state = Counter { end: 2 * S, previous: 8, current: 3 };
+/// let state = Counter { end: 2 * S, previous: 8, current: 3, next: 0 };
 /// // Half-way: 8 × 0.5 + 3 = 7, admitted.
 /// assert!(evaluate(Some(state), S + S / 2, 10, S, 1).allowed);
 /// // A tenth of the way: 8 × 0.9 + 3 = 10.2, rejected.
 /// assert!(!evaluate(Some(state), S + S / 10, 10, S, 1).allowed);
 /// ```
 pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u64, permits: u64) -> Eval<Counter> {
-    let (start, end) = bounds(now, window_nanos);
-    let (previous, current) = match state {
-        Some(s) if s.end == end => (s.previous, s.current),
-        Some(s) if s.end == start => (s.current, 0),
-        _ => (0, 0),
-    };
+    let (_, end) = bounds(now, window_nanos);
+    let (previous, current, next) = counts(state, end, window_nanos);
     let w = u128::from(window_nanos);
     let c = u128::from(capacity);
     let left = u128::from(end - now); // the part of the previous window still covered
@@ -52,7 +68,9 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
     let used = (p * left + q * w).min(c * w);
     let remaining_now = to_u64(div(c * w - used, w));
     let reset = |current: u128| {
-        if current > 0 {
+        if next > 0 {
+            end - now + 2 * window_nanos
+        } else if current > 0 {
             end - now + window_nanos
         } else if previous > 0 {
             end - now
@@ -66,6 +84,11 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
         return rejected(Wait::Never);
     }
     let cost = u128::from(permits);
+    if next > 0 && q + cost + u128::from(next) > c {
+        // Requests wait for the next window: none may take a place now that would leave
+        // them over the capacity there.
+        return rejected(Wait::After(Duration::from_nanos((end - now).max(1))));
+    }
     if used + cost * w > c * w {
         // Without other traffic the estimate only falls: find when it first admits.
         let wait = if q + cost <= c {
@@ -88,6 +111,7 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
             end,
             previous,
             current: current + permits,
+            next,
         },
         remaining_after: to_u64(div(c * w - used, w)),
         remaining_now,
@@ -95,6 +119,60 @@ pub fn evaluate(state: Option<Counter>, now: u64, capacity: u64, window_nanos: u
         reset_now,
         wait: Wait::None,
     }
+}
+
+/// The state after reserving `permits` at `at` (not before `now`) for a request that
+/// waits until then, if the band admits them there: in the window of `now` or the next
+/// one, which the state keeps apart; `None` otherwise. A reservation in the next window
+/// counts there in full and, once that window has begun, as its previous one.
+pub(crate) fn reserve(
+    state: Option<Counter>,
+    now: u64,
+    at: u64,
+    capacity: u64,
+    window_nanos: u64,
+    permits: u64,
+) -> Option<Counter> {
+    let (_, end) = bounds(now, window_nanos);
+    let (previous, current, next) = counts(state, end, window_nanos);
+    let (_, end_at) = bounds(at, window_nanos);
+    let (w, c, cost) = (u128::from(window_nanos), u128::from(capacity), u128::from(permits));
+    let left = u128::from(end_at - at);
+    if end_at == end {
+        let used = u128::from(previous) * left + u128::from(current) * w;
+        let fits = used + cost * w <= c * w && (next == 0 || u128::from(current + next) + cost <= c);
+        fits.then_some(Counter {
+            end,
+            previous,
+            current: current + permits,
+            next,
+        })
+    } else if Some(end_at) == end.checked_add(window_nanos) {
+        let used = u128::from(current) * left + u128::from(next) * w;
+        (used + cost * w <= c * w).then_some(Counter {
+            end,
+            previous,
+            current,
+            next: next + permits,
+        })
+    } else {
+        None
+    }
+}
+
+/// The state after giving back `permits` taken at `at`: from the count of its window,
+/// wherever the state keeps it.
+pub(crate) fn give_back(state: Counter, at: u64, window_nanos: u64, permits: u64) -> Counter {
+    let (_, end_at) = bounds(at, window_nanos);
+    let mut state = state;
+    if state.end == end_at {
+        state.current = state.current.saturating_sub(permits);
+    } else if state.end.checked_add(window_nanos) == Some(end_at) {
+        state.next = state.next.saturating_sub(permits);
+    } else if end_at.checked_add(window_nanos) == Some(state.end) {
+        state.previous = state.previous.saturating_sub(permits);
+    }
+    state
 }
 
 #[cfg(test)]
@@ -108,6 +186,7 @@ mod tests {
             end: 120 * SEC,
             previous: 8,
             current: 3,
+            next: 0,
         };
         evaluate(Some(state), now, 10, 60 * SEC, 1)
     }

@@ -49,10 +49,44 @@ impl Log {
 
     /// Records an admitted request and drops the entries that left the window.
     pub fn commit(&mut self, now: u64, window_nanos: u64, permits: u64) {
+        self.record(now, now, window_nanos, permits);
+    }
+
+    /// Records a request admitted at `at` (a request waiting until then, or `now`) and
+    /// drops the entries that left the window as of `now`.
+    pub(crate) fn record(&mut self, now: u64, at: u64, window_nanos: u64, permits: u64) {
         let live = self.live_from(now, window_nanos);
         let expired: u64 = self.entries.drain(..live).map(|e| e.1).sum();
         self.total = self.total - expired + permits;
-        self.entries.push_back((now, permits));
+        // After the entries of requests that wait for a later instant, if any: the log
+        // stays in time order.
+        let place = self.entries.partition_point(|e| e.0 <= at);
+        self.entries.insert(place, (at, permits));
+    }
+
+    /// Gives back `permits` of the entries at `at`, the newest first.
+    pub(crate) fn give_back(&mut self, at: u64, permits: u64) {
+        let mut left = permits;
+        while left > 0 {
+            let Some(i) = self.entries.iter().rposition(|e| e.0 == at) else {
+                break;
+            };
+            let taken = self.entries[i].1.min(left);
+            self.entries[i].1 -= taken;
+            self.total -= taken;
+            left -= taken;
+            if self.entries[i].1 == 0 {
+                self.entries.remove(i);
+            }
+        }
+    }
+
+    /// Whether `permits` more at `at` (not before `now`) fit: every window holding `at`
+    /// keeps to the capacity, counting every entry after `at − window`, those of
+    /// requests that wait for a later instant as well.
+    pub(crate) fn admits_at(&self, at: u64, capacity: u64, window_nanos: u64, permits: u64) -> bool {
+        let (count, _) = self.count(at, window_nanos);
+        count.saturating_add(permits) <= capacity
     }
 
     /// The permits of the entries inside the window at `now`, and the first of them.

@@ -75,7 +75,10 @@ pub(crate) fn gcra(
     let c = u128::from(capacity);
     let w = u128::from(window_nanos);
     let cap = c * w;
-    // Stored states never exceed the capacity, but rules may have changed since.
+    // A stored state exceeds the capacity when requests wait for a later instant (their
+    // places are taken), or when rules have changed since: the figures see a bucket
+    // emptied, and a request waits behind all of it.
+    let owed = debt;
     let clamped = debt > cap;
     let debt = debt.min(cap);
     // `(c·w − d) / w` rounded down is `c − ⌈d / w⌉`: no division of the (often wider than
@@ -89,7 +92,7 @@ pub(crate) fn gcra(
             to_u64(c - ceil_div(debt, w)),
             (t.nanos - now).saturating_add(u64::from(t.frac > 0)),
         ),
-        _ => (to_u64(c - ceil_div(debt, w)), to_u64(ceil_div(debt, c))),
+        _ => (to_u64(c - ceil_div(debt, w)), to_u64(ceil_div(owed, c))),
     };
     let not_allowed = |wait| Eval::rejected(state.unwrap_or_default(), remaining_now, reset_now, wait);
     if permits > capacity {
@@ -97,7 +100,7 @@ pub(crate) fn gcra(
     }
     let new_debt = debt + u128::from(permits) * w;
     if new_debt > cap {
-        let wait = to_u64(ceil_div(new_debt - cap, c)).max(1);
+        let wait = to_u64(ceil_div(owed + u128::from(permits) * w - cap, c)).max(1);
         return not_allowed(Wait::After(Duration::from_nanos(wait)));
     }
     // ⌈(d + p·w) / w⌉ is ⌈d / w⌉ + p: without a credit, one division fewer.
@@ -120,6 +123,20 @@ pub(crate) fn gcra(
         reset_after: to_u64(whole + u128::from(whole * c < new_debt)),
         reset_now,
         wait: Wait::None,
+    }
+}
+
+/// The state of a token or leaky bucket after giving back `permits`: its instant moves
+/// back by their cost, `permits × window / capacity` (exactly, in units of `1 / capacity`
+/// nanoseconds). A token bucket more than full is full; a leaky bucket's grid stays put.
+pub(crate) fn give_back(state: Tat, capacity: u64, window_nanos: u64, permits: u64) -> Tat {
+    let c = u128::from(capacity.max(1));
+    let scaled = u128::from(state.nanos) * c + u128::from(state.frac);
+    let back = scaled.saturating_sub(u128::from(permits) * u128::from(window_nanos));
+    let whole = div(back, c);
+    Tat {
+        nanos: to_u64(whole),
+        frac: to_u64(back - whole * c),
     }
 }
 

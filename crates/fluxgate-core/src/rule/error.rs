@@ -29,6 +29,9 @@ pub enum Problem {
     /// The rule's `lease` block.
     #[error(transparent)]
     Lease(#[from] LeaseError),
+    /// The rule's `on_limit` block.
+    #[error(transparent)]
+    Wait(#[from] WaitError),
     /// `permits` is 0.
     #[error("permits is 0; a request costs at least 1")]
     PermitsZero,
@@ -67,6 +70,7 @@ impl Problem {
             Self::Scope(e) => e.field(),
             Self::Band(e) => e.field(),
             Self::Lease(e) => e.field(),
+            Self::Wait(e) => e.field(),
             Self::PermitsZero | Self::PermitsTooLarge { .. } => "permits".into(),
             Self::Shape(e) => e.field(),
             Self::Message(_) => "-".into(),
@@ -276,6 +280,34 @@ impl LeaseError {
         match self {
             Self::BelowPermits { .. } | Self::AboveCapacity { .. } => "lease.max".into(),
             Self::Ttl { .. } => "lease.ttl".into(),
+        }
+    }
+}
+
+/// What is wrong with a rule's `on_limit.wait` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// `max_wait` is out of range.
+    #[error("max_wait is {}; it must be from 1ms to 1h", super::format_duration(*max_wait))]
+    MaxWait {
+        /// The `max_wait` given.
+        max_wait: std::time::Duration,
+    },
+    /// `max_waiters` is 0.
+    #[error("max_waiters is 0; at least one request must be able to wait")]
+    NoWaiter,
+    /// The rule has a lease as well: its requests are decided from the lease, locally.
+    #[error("a rule with a lease cannot wait for the refill; remove `lease` or `on_limit`")]
+    WithLease,
+}
+
+impl WaitError {
+    fn field(&self) -> Cow<'static, str> {
+        match self {
+            Self::MaxWait { .. } => "on_limit.wait.max_wait".into(),
+            Self::NoWaiter => "on_limit.wait.max_waiters".into(),
+            Self::WithLease => "on_limit".into(),
         }
     }
 }

@@ -33,11 +33,13 @@ mod validate;
 use std::time::Duration;
 
 pub use duration::{format_duration, parse_duration, DurationError};
-pub use error::{BandError, BandRangeError, IdError, LeaseError, MatchError, Problem, ScopeError, ShapeError};
+pub use error::{
+    BandError, BandRangeError, IdError, LeaseError, MatchError, Problem, ScopeError, ShapeError, WaitError,
+};
 pub use load::{Format, MAX_RULE_FILE};
-pub use model::{Band, KeyField, Lease, Rule, RuleSet, RuleSets, Scope};
+pub use model::{Band, KeyField, Lease, Rule, RuleSet, RuleSets, Scope, WaitPolicy};
 pub use options::{Algorithm, Mode, OnMissingKey, ScopeKind};
-pub use spec::{BandSpec, LeaseSpec, MatchSpec, RuleSetSpec, RuleSpec, RulesFileSpec};
+pub use spec::{BandSpec, LeaseSpec, MatchSpec, OnLimitSpec, RuleSetSpec, RuleSpec, RulesFileSpec, WaitSpec};
 pub use validate::check_id;
 
 /// The largest capacity a band may have.

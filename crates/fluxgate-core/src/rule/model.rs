@@ -43,6 +43,30 @@ pub struct Rule {
     pub(super) mode: Mode,
     pub(super) on_backend_failure: Option<FailurePolicy>,
     pub(super) lease: Option<Lease>,
+    pub(super) wait: Option<WaitPolicy>,
+}
+
+/// A rule's `on_limit: { wait: { max_wait, max_waiters } }`: a request the rule would
+/// refuse, and that it would admit within `max_wait`, reserves its place at once (in the
+/// same step as the decision) and proceeds when that time comes, instead of a refusal. At
+/// most `max_waiters` requests of the rule wait at once on one instance. A waiting request
+/// that is dropped gives its place back. See `docs/acquisition.md`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WaitPolicy {
+    pub(super) max_wait: Duration,
+    pub(super) max_waiters: u32,
+}
+
+impl WaitPolicy {
+    /// The longest a request waits.
+    pub fn max_wait(&self) -> Duration {
+        self.max_wait
+    }
+
+    /// The most requests of the rule waiting at once on one instance.
+    pub fn max_waiters(&self) -> u32 {
+        self.max_waiters
+    }
 }
 
 /// A rule's local leases (`lease: { max, ttl }`): an instance takes up to `max` permits of
@@ -303,6 +327,11 @@ impl Rule {
     /// The rule's local leases, if it has them.
     pub fn lease(&self) -> Option<Lease> {
         self.lease
+    }
+
+    /// Whether and how a request the rule would refuse waits for the refill instead.
+    pub fn wait(&self) -> Option<WaitPolicy> {
+        self.wait
     }
 
     /// Whether the rule applies to a request with this path (split in segments, see

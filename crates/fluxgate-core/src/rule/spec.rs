@@ -80,6 +80,42 @@ pub struct RuleSpec {
     /// and spends them without further calls. Default: none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<LeaseSpec>,
+    /// What happens to a request the rule would refuse: `{ wait: { max_wait, max_waiters } }`
+    /// lets it wait for the refill instead. Default: refused at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_limit: Option<OnLimitSpec>,
+}
+
+/// A rule's `on_limit` block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct OnLimitSpec {
+    /// Wait for the refill instead of a refusal.
+    pub wait: WaitSpec,
+}
+
+/// `on_limit: { wait: { max_wait: 500ms, max_waiters: 100 } }`. See
+/// [`WaitPolicy`](super::WaitPolicy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+#[non_exhaustive]
+pub struct WaitSpec {
+    /// The longest a request waits: one that would be admitted later is refused at once.
+    #[serde(with = "duration_str")]
+    pub max_wait: Duration,
+    /// The most requests of the rule waiting at once on one instance; the next is refused
+    /// at once.
+    pub max_waiters: u32,
+}
+
+impl OnLimitSpec {
+    /// Waiting at most `max_wait`, at most `max_waiters` requests at once.
+    pub fn wait(max_wait: Duration, max_waiters: u32) -> Self {
+        Self {
+            wait: WaitSpec { max_wait, max_waiters },
+        }
+    }
 }
 
 /// A rule's `lease` block: `{ max: 100, ttl: 1s }`. See [`Lease`](super::Lease).
@@ -164,6 +200,7 @@ impl RuleSpec {
             mode: Mode::default(),
             on_backend_failure: None,
             lease: None,
+            on_limit: None,
         }
     }
 }

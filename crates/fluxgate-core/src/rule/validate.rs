@@ -16,8 +16,8 @@ use http::Method;
 use super::model::band_ident;
 use super::{
     Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, Lease, LeaseError, LeaseSpec, MatchError,
-    MatchSpec, Problem, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, MAX_CAPACITY,
-    MAX_ID_LEN, MAX_WINDOW,
+    MatchSpec, Problem, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, WaitError,
+    WaitPolicy, WaitSpec, MAX_CAPACITY, MAX_ID_LEN, MAX_WINDOW,
 };
 use crate::error::RuleError;
 use crate::name::Name;
@@ -136,6 +136,7 @@ impl Rule {
         let permits = permits(spec.permits)?;
         let bands = bands(rule_set, &spec.id, algorithm, &band_specs)?;
         let lease = spec.lease.map(|l| lease(l, permits, &bands)).transpose()?;
+        let wait = spec.on_limit.map(|o| wait(o.wait, lease.is_some())).transpose()?;
         Ok(Self {
             id: Name::new(&spec.id),
             enabled: spec.enabled,
@@ -150,6 +151,7 @@ impl Rule {
             mode: spec.mode,
             on_backend_failure: spec.on_backend_failure,
             lease,
+            wait,
         })
     }
 
@@ -308,6 +310,21 @@ fn lease(spec: LeaseSpec, permits: u64, bands: &[Band]) -> Result<Lease, LeaseEr
         return Err(LeaseError::Ttl { ttl });
     }
     Ok(Lease { max, ttl })
+}
+
+/// A rule's `on_limit.wait`: `max_wait` 1ms to 1h, at least one waiter, no lease.
+fn wait(spec: WaitSpec, leased: bool) -> Result<WaitPolicy, WaitError> {
+    let WaitSpec { max_wait, max_waiters } = spec;
+    if max_wait < Duration::from_millis(1) || max_wait > Duration::from_secs(3600) {
+        return Err(WaitError::MaxWait { max_wait });
+    }
+    if max_waiters == 0 {
+        return Err(WaitError::NoWaiter);
+    }
+    if leased {
+        return Err(WaitError::WithLease);
+    }
+    Ok(WaitPolicy { max_wait, max_waiters })
 }
 
 /// The bands, each with the identity of its counters: at least one, each in range, their

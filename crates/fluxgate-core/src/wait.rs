@@ -1,0 +1,146 @@
+//! Waiting for the refill (a rule's `on_limit: { wait: { max_wait, max_waiters } }`).
+//!
+//! A request that a rule with a wait policy would refuse, and that the rule would admit
+//! within `max_wait`, may wait instead: the engine lets the backend take the request's
+//! place at the instant it will be admitted (in the same step as the decision, see
+//! [`Bucket::max_wait`](crate::limiter::Bucket::max_wait)), then sleeps until then. At most
+//! `max_waiters` requests of a rule wait at once on one engine: a request that finds them
+//! all taken may not wait, and is refused at once. A waiting request that is dropped
+//! (its client gone) gives its place back.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::future::MaybeReady;
+use crate::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
+use crate::name::Name;
+
+/// The requests waiting on one engine, per rule set and rule.
+#[derive(Debug, Default)]
+pub(crate) struct Waiters {
+    counts: Mutex<HashMap<(Name, Name), Arc<AtomicU32>>>,
+}
+
+/// The places a request holds among its rules' waiters; given back when dropped.
+#[derive(Default)]
+pub(crate) struct Places(SmallVec<[Arc<AtomicU32>; 1]>);
+
+impl Drop for Places {
+    fn drop(&mut self) {
+        for count in &self.0 {
+            count.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+impl Places {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Waiters {
+    /// Lets `request` wait for each of its enforced buckets whose rule has a wait policy,
+    /// as long as the rule has a waiter's place free; returns the places taken.
+    pub(crate) fn admit(&self, request: &mut AcquireRequest) -> Places {
+        let mut places = Places::default();
+        let mut allowed: SmallVec<[(usize, Duration); 2]> = SmallVec::new();
+        for (index, bucket) in request.buckets().enumerate() {
+            let Some(policy) = bucket.rule.wait().filter(|_| !bucket.shadow()) else {
+                continue;
+            };
+            let count = {
+                let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+                counts
+                    .entry((bucket.rule_set.id().clone(), bucket.rule.id().clone()))
+                    .or_default()
+                    .clone()
+            };
+            if count.fetch_add(1, Ordering::AcqRel) < policy.max_waiters() {
+                places.0.push(count);
+                allowed.push((index, policy.max_wait()));
+            } else {
+                count.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        for (index, max_wait) in allowed {
+            request.set_max_wait(index, max_wait);
+        }
+        places
+    }
+}
+
+/// A request whose place the backend took for a later instant: given back unless the
+/// wait ends.
+struct Reserved {
+    limiter: Arc<dyn RateLimiter>,
+    /// The buckets that took the place: the enforced ones, and the shadow ones if they did.
+    request: AcquireRequest,
+    /// The instant of the place, on the backend's clock.
+    at_unix_nanos: u64,
+    over: bool,
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if self.over {
+            return;
+        }
+        // The waiting request was dropped: its place goes back for the next request.
+        match self.limiter.give_back(&self.request, self.at_unix_nanos).into_ready() {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "giving back a waiting request's place failed"),
+            Err(pending) => match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(async move {
+                        if let Err(error) = pending.await {
+                            tracing::warn!(%error, "giving back a waiting request's place failed");
+                        }
+                    });
+                }
+                Err(_) => tracing::warn!("no runtime to give a waiting request's place back on"),
+            },
+        }
+    }
+}
+
+/// Waits until the place `outcome` took for `request` comes, then answers with `then`;
+/// dropped before, gives the place back. `places` are held until then.
+pub(crate) fn wait_for<T: Send + 'static>(
+    limiter: Arc<dyn RateLimiter>,
+    request: &AcquireRequest,
+    outcome: &AcquireOutcome,
+    places: Places,
+    then: impl FnOnce() -> T + Send + 'static,
+) -> MaybeReady<T> {
+    let after = outcome.admitted_after;
+    let mut taken = request.clone();
+    let shadow_allowed = outcome.shadow_allowed;
+    taken.retain(|b| !b.shadow() || shadow_allowed);
+    let at_unix_nanos = outcome
+        .now_unix_nanos
+        .saturating_add(u64::try_from(after.as_nanos()).unwrap_or(u64::MAX));
+    let reserved = Reserved {
+        limiter,
+        request: taken,
+        at_unix_nanos,
+        over: false,
+    };
+    MaybeReady::boxed(async move {
+        // The whole guard moves into the future, to be dropped with it.
+        let mut reserved = reserved;
+        tokio::time::sleep(after).await;
+        reserved.over = true;
+        drop(places);
+        then()
+    })
+}
+
+/// Whether the request holds places among the waiters: only then can it wait.
+pub(crate) fn may_wait(places: &Places) -> bool {
+    !places.is_empty()
+}

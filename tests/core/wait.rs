@@ -1,0 +1,288 @@
+//! Waiting for the refill (`on_limit: { wait: { max_wait, max_waiters } }`) in memory, on
+//! a paused tokio clock: a request that would be refused, and admitted within `max_wait`,
+//! takes its place at once and proceeds at exactly the instant the band admits it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock};
+use tokio::time::Instant;
+
+/// A rule set of one global rule of `algorithm`, `capacity` per `window`, that lets
+/// requests wait up to `max_wait`, `max_waiters` at once.
+fn waiting(algorithm: &str, band: &str, max_wait: &str, max_waiters: u32) -> Engine {
+    waiting_on(TokioClock::new(), algorithm, band, max_wait, max_waiters)
+}
+
+fn waiting_on(clock: TokioClock, algorithm: &str, band: &str, max_wait: &str, max_waiters: u32) -> Engine {
+    let rules = RuleSets::from_yaml_str(&format!(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: {algorithm}
+        bands: [{band}]
+        on_limit: {{ wait: {{ max_wait: {max_wait}, max_waiters: {max_waiters} }} }}
+"#
+    ))
+    .expect("valid rules");
+    Engine::builder(rules)
+        .limiter(MemoryLimiter::builder().clock(clock).build())
+        .build()
+        .expect("the in-memory limiter decides every rule")
+}
+
+async fn check(engine: &Engine) -> Decision {
+    engine
+        .check(&RequestContext::builder().build())
+        .await
+        .expect("a decision")
+}
+
+/// Starts `n` requests at once; returns, for each, whether it was admitted and when it
+/// was answered, after `start`.
+async fn at_once(engine: &Engine, n: usize, start: Instant) -> Vec<(bool, Duration)> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let decision = check(&engine).await;
+                (decision.allowed(), start.elapsed())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("the task ran"));
+    }
+    answers.sort_by_key(|a| (a.1, a.0));
+    answers
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_bucket_admits_waiting_requests_at_its_refill_instants() {
+    // 2 per second: two at once, then one every 500 ms. Waiting up to 1.2 s, the next two
+    // proceed at 500 ms and 1 s (whole milliseconds: tokio's timer wakes them exactly);
+    // the fifth would wait 1.5 s and is refused at once.
+    let engine = waiting("token_bucket", "{ capacity: 2, window: 1s }", "1200ms", 100);
+    let start = Instant::now();
+    let answers = at_once(&engine, 5, start).await;
+    let ms = |n| Duration::from_millis(n);
+    assert_eq!(
+        answers,
+        [
+            (false, ms(0)),
+            (true, ms(0)),
+            (true, ms(0)),
+            (true, ms(500)),
+            (true, ms(1000))
+        ]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fixed_window_admits_waiting_requests_when_their_window_begins() {
+    // 3 per second, aligned on the epoch: the requests past the third wait for the next
+    // window, up to its 3; the seventh would wait two windows and is refused.
+    let clock = TokioClock::new();
+    let engine = waiting_on(clock, "fixed_window", "{ capacity: 3, window: 1s }", "1s", 100);
+    let to_boundary = Duration::from_nanos(1_000_000_000 - clock.now_nanos() % 1_000_000_000);
+    let start = Instant::now();
+    let answers = at_once(&engine, 7, start).await;
+    let now: Vec<(bool, Duration)> = answers.iter().copied().filter(|a| a.1.is_zero()).collect();
+    assert_eq!(
+        now,
+        [
+            (false, Duration::ZERO),
+            (true, Duration::ZERO),
+            (true, Duration::ZERO),
+            (true, Duration::ZERO)
+        ]
+    );
+    // The three others at the boundary, as tokio's timer wakes them: never before, and
+    // within its resolution of a millisecond.
+    let waited: Vec<(bool, Duration)> = answers.iter().copied().filter(|a| !a.1.is_zero()).collect();
+    assert_eq!(waited.len(), 3);
+    for (admitted, after) in waited {
+        assert!(admitted);
+        assert!(
+            after >= to_boundary && after < to_boundary + Duration::from_millis(1),
+            "proceeded after {after:?}, the window begins after {to_boundary:?}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_more_than_max_waiters_wait_and_the_next_is_refused_at_once() {
+    let engine = waiting("token_bucket", "{ capacity: 1, window: 1s }", "1h", 2);
+    let start = Instant::now();
+    let answers = at_once(&engine, 5, start).await;
+    let secs = Duration::from_secs;
+    assert_eq!(
+        answers,
+        [
+            (false, secs(0)),
+            (false, secs(0)),
+            (true, secs(0)),
+            (true, secs(1)),
+            (true, secs(2))
+        ]
+    );
+    // The places are free again: two more may wait.
+    let answers = at_once(&engine, 3, Instant::now()).await;
+    assert_eq!(answers.iter().filter(|a| a.0).count(), 2, "{answers:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_gives_its_place_to_the_next_request() {
+    let engine = waiting("token_bucket", "{ capacity: 1, window: 1s }", "10s", 100);
+    assert!(check(&engine).await.allowed());
+    // The second request waits for 1 s; dropped after 100 ms, its place goes back.
+    let waiter = tokio::spawn({
+        let engine = engine.clone();
+        async move { check(&engine).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    waiter.abort();
+    assert!(waiter.await.is_err(), "the waiter was dropped");
+    // The third request takes the place the dropped one held: at 1 s, not 2 s.
+    let start = Instant::now();
+    let decision = check(&engine).await;
+    assert!(decision.allowed());
+    assert_eq!(start.elapsed(), Duration::from_millis(900));
+}
+
+/// `tasks` tasks of `each` requests at once against `engine`: the instants (on `clock`)
+/// at which admitted requests proceeded, in order.
+async fn proceed_times(engine: &Engine, clock: TokioClock, tasks: usize, each: usize) -> Vec<u64> {
+    let times = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let (engine, times) = (engine.clone(), times.clone());
+            tokio::spawn(async move {
+                for _ in 0..each {
+                    if check(&engine).await.allowed() {
+                        times.lock().expect("not poisoned").push(clock.now_nanos());
+                    }
+                }
+            })
+        })
+        .collect();
+    for handle in handles {
+        handle.await.expect("the task ran");
+    }
+    let mut times = std::mem::take(&mut *times.lock().expect("not poisoned"));
+    times.sort_unstable();
+    times
+}
+
+const SEC: u64 = 1_000_000_000;
+
+#[tokio::test(start_paused = true)]
+async fn with_waiting_a_bucket_stays_exact_under_concurrency() {
+    // 40 tasks of 20 requests against 100 per second, waiting up to 2 s: 100 at once,
+    // then exactly one every 10 ms, whoever asks, for as long as the waits reach.
+    for algorithm in ["token_bucket", "leaky_bucket"] {
+        let clock = TokioClock::new();
+        let engine = waiting_on(clock, algorithm, "{ capacity: 100, window: 1s }", "2s", 10_000);
+        let start = clock.now_nanos();
+        let times = proceed_times(&engine, clock, 40, 20).await;
+        assert!(times.len() > 200, "{algorithm}: {} proceeded", times.len());
+        for (i, t) in times.iter().enumerate() {
+            let expected = (i as u64).saturating_sub(99) * 10_000_000;
+            assert_eq!(t - start, expected, "{algorithm}: request {i}");
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_waiting_the_windows_stay_within_their_capacity_under_concurrency() {
+    // The window algorithms: whatever waits, no window admits more than it allows.
+    for algorithm in ["fixed_window", "sliding_window_counter", "sliding_window_log"] {
+        let clock = TokioClock::new();
+        let engine = waiting_on(clock, algorithm, "{ capacity: 100, window: 1s }", "2s", 10_000);
+        let times = proceed_times(&engine, clock, 40, 20).await;
+        assert!(times.len() > 100, "{algorithm}: {} proceeded", times.len());
+        // Every aligned window (all three keep at most the capacity in one).
+        let mut per_window = std::collections::BTreeMap::new();
+        for t in &times {
+            *per_window.entry(t / SEC).or_insert(0) += 1;
+        }
+        assert!(per_window.values().all(|&n| n <= 100), "{algorithm}: {per_window:?}");
+        if algorithm == "sliding_window_log" {
+            // And every sliding window of one second.
+            for (i, t) in times.iter().enumerate() {
+                let within = times[i..].iter().take_while(|&&u| u < t + SEC).count();
+                assert!(within <= 100, "{algorithm}: {within} within a second of request {i}");
+            }
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_waits_for_its_slowest_rule_and_never_past_a_rule_that_does_not_wait() {
+    // `slow` (1 a second) lets requests wait; `hourly` (3 an hour, two bands) does not.
+    // Requests wait for `slow` and take their place in `hourly` for that instant; the
+    // fourth would fit `slow` but not `hourly`, which refuses at once.
+    let rules = RuleSets::from_yaml_str(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: slow
+        scope: global
+        bands: [{ capacity: 1, window: 1s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
+      - id: hourly
+        scope: global
+        algorithm: sliding_window_log
+        bands: [{ capacity: 3, window: 1h }, { capacity: 5, window: 2h }]
+"#,
+    )
+    .expect("valid rules");
+    let engine = Engine::builder(rules)
+        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
+        .build()
+        .expect("the in-memory limiter decides every rule");
+    let start = Instant::now();
+    let answers = at_once(&engine, 5, start).await;
+    let secs = Duration::from_secs;
+    assert_eq!(
+        answers,
+        [
+            (false, secs(0)),
+            (false, secs(0)),
+            (true, secs(0)),
+            (true, secs(1)),
+            (true, secs(2))
+        ]
+    );
+    let refused = check(&engine).await;
+    assert!(!refused.allowed());
+    assert_eq!(refused.rule().map(|r| &**r), Some("hourly"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_gives_its_window_place_back() {
+    let clock = TokioClock::new();
+    let engine = waiting_on(clock, "fixed_window", "{ capacity: 1, window: 1s }", "2s", 100);
+    assert!(check(&engine).await.allowed());
+    // The second waits for the next window; dropped, its place there goes back.
+    let waiter = tokio::spawn({
+        let engine = engine.clone();
+        async move { check(&engine).await }
+    });
+    tokio::task::yield_now().await;
+    waiter.abort();
+    assert!(waiter.await.is_err(), "the waiter was dropped");
+    let to_boundary = Duration::from_nanos(SEC - clock.now_nanos() % SEC);
+    let start = Instant::now();
+    assert!(check(&engine).await.allowed());
+    let after = start.elapsed();
+    assert!(
+        after >= to_boundary && after < to_boundary + Duration::from_millis(1),
+        "the next window's place was not given back: {after:?} against {to_boundary:?}"
+    );
+}
