@@ -119,15 +119,20 @@ async fn main() {
         std::process::exit(1);
     });
     let addr = listener.local_addr().expect("bound address");
+    // Stops on Ctrl-C once the requests in flight are answered.
     let server = axum::serve(
         listener,
-        app(engine).into_make_service_with_connect_info::<SocketAddr>(),
-    );
+        app(engine.clone()).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(async {
+        let _ = tokio::signal::ctrl_c().await;
+    });
 
     if args.demo {
         tokio::spawn(async move { server.await.expect("server") });
         println!("Buckets {backend}.");
         demo(addr).await;
+        give_back_leases(&engine).await;
         return;
     }
     println!(
@@ -140,6 +145,17 @@ async fn main() {
     println!("  curl -i -X POST http://{addr}/api/orders        # costs 2 permits of 6 per minute");
     println!("  curl -i http://{addr}/health                    # excluded from limiting");
     server.await.expect("server");
+    give_back_leases(&engine).await;
+}
+
+/// At shutdown: the permits this instance leased (the `everyone` rule, with `--redis`) and
+/// did not spend go back to the shared bucket.
+async fn give_back_leases(engine: &Engine) {
+    match engine.release_leases().await {
+        Ok(0) => {}
+        Ok(permits) => println!("{permits} leased permits given back"),
+        Err(error) => eprintln!("warning: leased permits not all given back: {error}"),
+    }
 }
 
 /// Prints what a reload of the rules file did.

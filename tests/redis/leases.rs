@@ -286,3 +286,45 @@ async fn through_the_layer_leased_decisions_count_down_in_the_headers() {
     // the refused call.
     assert_eq!(script_calls(&redis), 4);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_that_expires_first_goes_back_first() {
+    // The expiry task sleeps until the first lease it knows expires (an hour here); a
+    // lease taken later that expires sooner wakes it.
+    let redis = Redis::start(Servers::standalone()).await;
+    let rules = || {
+        rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: long
+        scope: global
+        bands: [{ capacity: 100, window: 1h }]
+        lease: { max: 10, ttl: 1h }
+      - id: short
+        scope: global
+        match: { paths: ["/short"] }
+        bands: [{ capacity: 20, window: 1h }]
+        lease: { max: 10, ttl: 200ms }
+"#,
+        )
+    };
+    let holder = instance(&redis, "first", rules()).await;
+    let other = instance(&redis, "first", rules()).await;
+    let at = |path: &str| RequestContext::builder().path(path).build();
+    assert!(holder.check(&at("/")).await.expect("a decision").allowed());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Both rules apply here: `short` takes a lease of 10 that expires in 200 ms.
+    assert!(holder.check(&at("/short")).await.expect("a decision").allowed());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut admitted = 0;
+    while admitted < 19 && Instant::now() < deadline {
+        if other.check(&at("/short")).await.expect("a decision").allowed() {
+            admitted += 1;
+        } else {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(admitted, 19, "the short lease's 9 permits went back when it expired");
+}

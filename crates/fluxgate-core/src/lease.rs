@@ -35,6 +35,10 @@ use crate::text::Text;
 
 const SHARDS: usize = 16;
 
+/// The most leases an engine holds, over all rules and keys: past that (a leased rule
+/// keyed by many values), a key without a lease is decided one request at a time.
+const MAX_LEASES: usize = 65_536;
+
 /// The leases of one engine: per rule and key, the permits this instance holds.
 #[derive(Clone)]
 pub(crate) struct Leases {
@@ -47,6 +51,9 @@ struct Shared {
     hasher: std::collections::hash_map::RandomState,
     /// Whether a task gives back the leases that expire.
     sweeping: AtomicBool,
+    /// When that task next looks, and how to wake it sooner for a lease that expires first.
+    next_sweep: Mutex<Option<Instant>>,
+    wake: Arc<tokio::sync::Notify>,
     /// The number given to the next lease taken.
     next_id: AtomicU64,
 }
@@ -182,13 +189,14 @@ enum Planned {
     /// other requests for.
     Call(SmallVec<[Plan; 4]>, SmallVec<[Taking; 1]>, Instant),
     /// Wait for another request's call taking a lease this request needs, then plan again.
-    Wait(watch::Receiver<()>),
+    Wait(watch::Receiver<bool>),
 }
 
 /// The calls out taking leases for a rule and key.
 struct InFlight {
-    /// Signalled as each call ends, and dropped with the last: wakes the waiting requests.
-    ended: watch::Sender<()>,
+    /// Signalled as each call ends (with whether it left a lease), and dropped with the
+    /// last: wakes the waiting requests.
+    ended: watch::Sender<bool>,
     /// The permits they take beyond their requests'.
     extra: u64,
 }
@@ -199,6 +207,8 @@ struct Taking {
     shared: Arc<Shared>,
     key: LeaseKey,
     extra: u64,
+    /// Whether the call left a lease for the waiting requests to spend.
+    stored: bool,
 }
 
 impl Taking {
@@ -207,7 +217,7 @@ impl Taking {
         taking
             .entry(key.clone())
             .or_insert_with(|| InFlight {
-                ended: watch::channel(()).0,
+                ended: watch::channel(false).0,
                 extra: 0,
             })
             .extra += extra;
@@ -215,6 +225,7 @@ impl Taking {
             shared: shared.clone(),
             key,
             extra,
+            stored: false,
         }
     }
 }
@@ -224,7 +235,7 @@ impl Drop for Taking {
         let mut shard = lock(self.shared.shard(&self.key));
         if let Some(in_flight) = shard.taking.get_mut(&self.key) {
             in_flight.extra = in_flight.extra.saturating_sub(self.extra);
-            in_flight.ended.send_replace(());
+            in_flight.ended.send_replace(self.stored);
             if in_flight.extra == 0 {
                 shard.taking.remove(&self.key);
             }
@@ -244,6 +255,8 @@ impl Leases {
                 shards: (0..SHARDS).map(|_| Mutex::default()).collect(),
                 hasher: std::collections::hash_map::RandomState::new(),
                 sweeping: AtomicBool::new(false),
+                next_sweep: Mutex::new(None),
+                wake: Arc::default(),
                 next_id: AtomicU64::new(1),
             }),
         }
@@ -257,7 +270,7 @@ impl Leases {
     /// Decides `request`, some of whose rules have leases.
     pub(crate) fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let shared = &self.shared;
-        match shared.try_plan(request) {
+        match shared.try_plan(request, true) {
             Planned::Local(plans) => MaybeReady::ready(Ok(Shared::local_outcome(request, plans))),
             planned => {
                 let shared = shared.clone();
@@ -283,15 +296,17 @@ impl Shared {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
     }
 
-    /// Plans every bucket of `request`; a request that must wait spends nothing.
-    fn try_plan(self: &Arc<Self>, request: &AcquireRequest) -> Planned {
+    /// Plans every bucket of `request`; a request that must wait spends nothing. A request
+    /// that is not `patient` (it waited for a call that left no lease) neither waits nor
+    /// takes a lease: it makes its own call.
+    fn try_plan(self: &Arc<Self>, request: &AcquireRequest, patient: bool) -> Planned {
         let now = Instant::now();
         let mut plans: SmallVec<[Plan; 4]> = SmallVec::new();
         let mut taking = SmallVec::new();
         let mut stale = Vec::new();
         let mut wait = None;
         for bucket in request.buckets() {
-            match self.plan(&bucket, now, &mut stale, &mut taking) {
+            match self.plan(&bucket, patient, &mut stale, &mut taking) {
                 Ok(plan) => plans.push(plan),
                 Err(receiver) => {
                     wait = Some(receiver);
@@ -316,10 +331,10 @@ impl Shared {
     fn plan(
         self: &Arc<Self>,
         bucket: &Bucket<'_>,
-        now: Instant,
+        patient: bool,
         stale: &mut Vec<GiveBack>,
         taking: &mut SmallVec<[Taking; 1]>,
-    ) -> Result<Plan, watch::Receiver<()>> {
+    ) -> Result<Plan, watch::Receiver<bool>> {
         let Some(lease) = bucket.rule.lease().filter(|_| !bucket.shadow()) else {
             return Ok(Plan::Call { extra: 0 });
         };
@@ -328,8 +343,13 @@ impl Shared {
         let key = LeaseKey::of(bucket);
         let mut guard = lock(self.shard(&key));
         let shard = &mut *guard;
+        // Read under the lock: a lease is never spent past its expiry.
+        let now = Instant::now();
+        let room = shard.held.len() < MAX_LEASES / SHARDS;
         let extra = match shard.held.get_mut(&key) {
-            None => most,
+            // A new lease, while the engine holds fewer than its most.
+            None if room => most,
+            None => 0,
             Some(held) if held.is_for(bucket.rule) && now < held.expires => {
                 if held.left >= cost {
                     held.left -= cost;
@@ -348,9 +368,9 @@ impl Shared {
                 most
             }
         };
-        if extra == 0 {
-            // Nothing to share: no reason to wait for another request's call.
-            return Ok(Plan::Call { extra });
+        if extra == 0 || !patient {
+            // Nothing to share, or no lease came of the last call: a call of its own.
+            return Ok(Plan::Call { extra: 0 });
         }
         if let Some(in_flight) = shard.taking.get(&key) {
             return Err(in_flight.ended.subscribe());
@@ -372,9 +392,11 @@ impl Shared {
                 Planned::Local(plans) => return Ok(Shared::local_outcome(&request, plans)),
                 Planned::Call(plans, taking, now) => return self.decide(request, plans, taking, now).await,
                 Planned::Wait(mut receiver) => {
-                    // Ends when the call is over (its sender dropped).
-                    let _ = receiver.changed().await;
-                    planned = self.try_plan(&request);
+                    // Ends when the call is over. If it left no lease (refused for another
+                    // rule, or failed), this request makes its own call rather than wait
+                    // for the next one.
+                    let stored = receiver.changed().await.is_ok() && *receiver.borrow();
+                    planned = self.try_plan(&request, stored);
                 }
             }
         }
@@ -397,7 +419,7 @@ impl Shared {
         self: Arc<Self>,
         request: AcquireRequest,
         plans: SmallVec<[Plan; 4]>,
-        taking: SmallVec<[Taking; 1]>,
+        mut taking: SmallVec<[Taking; 1]>,
         now: Instant,
     ) -> Result<AcquireOutcome, BoxError> {
         let mut asked = plans.clone();
@@ -465,6 +487,10 @@ impl Shared {
                     now,
                     reports,
                 );
+                let key = LeaseKey::of(&bucket);
+                for call in taking.iter_mut().filter(|t| t.key == key) {
+                    call.stored = extra > 0;
+                }
             }
         }
         // The new leases are in: the requests waiting for them may go.
@@ -510,11 +536,26 @@ impl Shared {
             if held.is_for(bucket.rule) && Instant::now() < held.expires {
                 // Added to the lease in force, which keeps its expiry: no permit is spent
                 // later than `ttl` after it was taken. A window that has ended has expired
-                // its lease, so a fixed window's permits never reach the next window.
-                held.left += extra;
+                // its lease, so a fixed window's permits never reach the next window. The
+                // lease holds at most `max` (refused requests may have put permits back
+                // meanwhile): what is over goes back.
+                let kept = extra.min(lease.max().saturating_sub(held.left));
+                held.left += kept;
                 held.decided_unix_nanos = decided_unix_nanos;
                 held.reports = reports;
                 held.expires = held.expires.min(expires);
+                let over = GiveBack {
+                    set: request.rule_set().clone(),
+                    rule,
+                    key: key.key.clone(),
+                    left: extra - kept,
+                    decided_unix_nanos,
+                };
+                drop(shard);
+                if over.left > 0 {
+                    self.give_back_later(vec![over]);
+                }
+                self.wake_sweep(expires);
                 return;
             }
         }
@@ -534,6 +575,16 @@ impl Shared {
         drop(shard);
         self.give_back_later(old.and_then(|old| old.into_give_back(key)).into_iter().collect());
         self.sweep_later();
+        self.wake_sweep(expires);
+    }
+
+    /// Wakes the expiry task if a lease expiring at `expires` is due before it next looks.
+    fn wake_sweep(&self, expires: Instant) {
+        // `None`: the task is between two looks (or about to start), and looks again.
+        let due_sooner = lock(&self.next_sweep).is_none_or(|next| expires < next);
+        if due_sooner {
+            self.wake.notify_one();
+        }
     }
 
     /// Makes back the spends of a request that was not admitted after all.
@@ -616,31 +667,36 @@ impl Shared {
 }
 
 /// Gives back expired leases as they expire, while there are leases; ends with the engine.
+/// It holds the engine's leases (and limiter) only while it works, not while it sleeps.
 async fn sweep(weak: Weak<Shared>) {
     loop {
         let Some(shared) = weak.upgrade() else {
             return;
         };
+        // While it looks, a lease taken wakes it again (`wake_sweep`): none is missed.
+        *lock(&shared.next_sweep) = None;
         let (expired, next) = shared.expired(Instant::now());
-        let limiter = shared.limiter.clone();
-        let next = match next {
-            Some(next) => next,
+        *lock(&shared.next_sweep) = next;
+        let (limiter, wake) = (shared.limiter.clone(), shared.wake.clone());
+        let again = match next {
+            Some(_) => true,
             None => {
                 shared.sweeping.store(false, Ordering::Release);
                 // A lease taken since, whose taker saw the task running, needs it again.
-                let again = shared.shards.iter().any(|s| !lock(s).held.is_empty())
-                    && !shared.sweeping.swap(true, Ordering::AcqRel);
-                drop(shared);
-                let _ = give_back_all(&*limiter, expired).await;
-                if again {
-                    continue;
-                }
-                return;
+                shared.shards.iter().any(|s| !lock(s).held.is_empty()) && !shared.sweeping.swap(true, Ordering::AcqRel)
             }
         };
         drop(shared);
         let _ = give_back_all(&*limiter, expired).await;
-        tokio::time::sleep_until(next).await;
+        drop(limiter);
+        match next {
+            // Until the next lease expires, or one that expires sooner is taken.
+            Some(next) => {
+                let _ = tokio::time::timeout_at(next, wake.notified()).await;
+            }
+            None if again => {}
+            None => return,
+        }
     }
 }
 
