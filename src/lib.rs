@@ -40,7 +40,7 @@ pub use fluxgate_core::{
     Algorithm, Band, CachingRuleSetProvider, CircuitBreaker, Decision, Engine, EngineBuilder, Error, FailurePolicy,
     FileRuleSource, MemoryLimiter, Mode, Outcome, RateLimitHandler, RateLimitMetricsRecorder, RateLimiter,
     ReloadingRuleSetProvider, RequestContext, RequestContextBuilder, Rule, RuleError, RuleSet, RuleSetProvider,
-    RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet,
+    RuleSets, Scope, StaticRuleSetProvider, UnknownRuleSet, WaitPolicy,
 };
 
 #[cfg(feature = "mongodb")]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock};
+use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock, WaitPolicy};
 use tokio::time::Instant;
 
 /// A rule set of one global rule of `algorithm`, `capacity` per `window`, that lets
@@ -285,4 +285,20 @@ async fn a_dropped_waiter_gives_its_window_place_back() {
         after >= to_boundary && after < to_boundary + Duration::from_millis(1),
         "the next window's place was not given back: {after:?} against {to_boundary:?}"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_engines_policy_lets_every_rule_without_its_own_wait() {
+    let rules = RuleSets::from_yaml_str(
+        "rule_sets: [{ id: default, rules: [{ id: g, scope: global, bands: [{ capacity: 1, window: 1s }] }] }]",
+    )
+    .expect("valid rules");
+    let engine = Engine::builder(rules)
+        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
+        .wait_on_limit(WaitPolicy::new(Duration::from_secs(1), 10).expect("in range"))
+        .build()
+        .expect("the in-memory limiter decides every rule");
+    let answers = at_once(&engine, 3, Instant::now()).await;
+    let secs = Duration::from_secs;
+    assert_eq!(answers, [(false, secs(0)), (true, secs(0)), (true, secs(1))]);
 }

@@ -17,7 +17,7 @@ use crate::lease::Leases;
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::with_paths;
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
-use crate::rule::{Mode, Rule, RuleSet, RuleSets};
+use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::wait::{may_wait, wait_for, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
@@ -99,6 +99,7 @@ pub struct EngineBuilder {
     resolver: KeyResolver,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
+    wait: Option<WaitPolicy>,
 }
 
 impl EngineBuilder {
@@ -153,6 +154,14 @@ impl EngineBuilder {
         self
     }
 
+    /// Lets the requests of every rule that names no `on_limit.wait` (and has no lease) wait
+    /// for the refill by `policy`, instead of a refusal: the setting for everything a layer
+    /// decides with this engine. Default: none, a refusal at once. See [`WaitPolicy`].
+    pub fn wait_on_limit(mut self, policy: WaitPolicy) -> Self {
+        self.wait = Some(policy);
+        self
+    }
+
     /// Sends every decision, and every error that leaves the engine, to `recorder`.
     /// Default: none.
     pub fn recorder(mut self, recorder: impl RateLimitMetricsRecorder) -> Self {
@@ -175,9 +184,10 @@ impl EngineBuilder {
             .clone();
         let leases = (limiter.gives_back() && !limiter.is_local()).then(|| Leases::new(limiter.clone()));
         let watch = leases.as_ref().map(Leases::watch);
+        let default_wait = self.wait;
         let check: RuleCheck = Arc::new(move |set: &RuleSet| {
             limiter.validate(set)?;
-            refuse_waits_without_reservations(&*limiter, set)?;
+            refuse_waits_without_reservations(&*limiter, set, default_wait)?;
             // The rule set is about to be swapped in: leases of rules it changes go back.
             if let Some(watch) = &watch {
                 watch.rules_changed(set);
@@ -193,7 +203,7 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 leases,
-                waiters: Waiters::default(),
+                waiters: Waiters::new(self.wait),
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
                 fallback: Fallback {
                     default: self.on_failure,
@@ -219,6 +229,7 @@ impl Engine {
             resolver: KeyResolver::default(),
             unknown_rule_set: UnknownRuleSet::default(),
             recorder: None,
+            wait: None,
         }
     }
 
@@ -450,19 +461,25 @@ impl Inner {
 
 /// A rule that waits for the refill (`on_limit.wait`) with a backend that cannot take a
 /// waiting request's place: refused when the rules load, rather than never waiting.
-fn refuse_waits_without_reservations(limiter: &dyn RateLimiter, set: &RuleSet) -> Result<(), RuleError> {
+fn refuse_waits_without_reservations(
+    limiter: &dyn RateLimiter,
+    set: &RuleSet,
+    default: Option<WaitPolicy>,
+) -> Result<(), RuleError> {
     if limiter.reserves() {
         return Ok(());
     }
-    match set.rules().iter().find(|rule| rule.wait().is_some()) {
+    let waits = |rule: &&Rule| rule.wait().is_some() || (default.is_some() && rule.lease().is_none());
+    match set.rules().iter().find(waits) {
         None => Ok(()),
         Some(rule) => Err(RuleError::Unsupported {
             backend: limiter.backend_name(),
             rule_set: set.id().to_string(),
             rule: rule.id().to_string(),
             band: rule.bands().first().map(|b| b.name().to_string()).unwrap_or_default(),
-            message: "on_limit.wait: this backend does not take a waiting request's place; \
-                      remove `on_limit` or decide the rule in memory"
+            message: "waiting for the refill (the rule's on_limit.wait, or the engine's \
+                      wait_on_limit): this backend does not take a waiting request's place; \
+                      decide the rule in memory, or let it refuse at once"
                 .to_owned(),
         }),
     }

@@ -18,11 +18,14 @@ use smallvec::SmallVec;
 use crate::future::MaybeReady;
 use crate::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::name::Name;
+use crate::rule::{Rule, WaitPolicy};
 
 /// The requests waiting on one engine, per rule set and rule.
 #[derive(Debug, Default)]
 pub(crate) struct Waiters {
     counts: Mutex<HashMap<(Name, Name), Arc<AtomicU32>>>,
+    /// The policy of the rules that name none (and have no lease).
+    default: Option<WaitPolicy>,
 }
 
 /// The places a request holds among its rules' waiters; given back when dropped.
@@ -44,13 +47,26 @@ impl Places {
 }
 
 impl Waiters {
+    /// Waiters with `default` for the rules that name no policy.
+    pub(crate) fn new(default: Option<WaitPolicy>) -> Self {
+        Self {
+            counts: Mutex::default(),
+            default,
+        }
+    }
+
+    /// The policy of `rule`: its own, else the engine's for a rule without a lease.
+    pub(crate) fn policy(&self, rule: &Rule) -> Option<WaitPolicy> {
+        rule.wait().or(self.default.filter(|_| rule.lease().is_none()))
+    }
+
     /// Lets `request` wait for each of its enforced buckets whose rule has a wait policy,
     /// as long as the rule has a waiter's place free; returns the places taken.
     pub(crate) fn admit(&self, request: &mut AcquireRequest) -> Places {
         let mut places = Places::default();
         let mut allowed: SmallVec<[(usize, Duration); 2]> = SmallVec::new();
         for (index, bucket) in request.buckets().enumerate() {
-            let Some(policy) = bucket.rule.wait().filter(|_| !bucket.shadow()) else {
+            let Some(policy) = self.policy(bucket.rule).filter(|_| !bucket.shadow()) else {
                 continue;
             };
             let count = {

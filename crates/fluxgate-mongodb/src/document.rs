@@ -24,7 +24,8 @@
 //! Fields of the rule model that the Java documents do not have are read when present:
 //! `priority`, `paths` (or one `path`), `methods` (or one `method`), `compositeKeyFields`
 //! (with `scope: COMPOSITE`), `algorithm`, `permits`, `onMissingKey`, `mode`,
-//! `onBackendFailure` and `lease` (`{ "max": 100, "ttl": "1s" }`). Other fields (`_class`, timestamps, …) are ignored.
+//! `onBackendFailure`, `lease` (`{ "max": 100, "ttl": "1s" }`) and `onLimit`
+//! (`{ "wait": { "maxWait": "500ms", "maxWaiters": 100 } }`). Other fields (`_class`, timestamps, …) are ignored.
 //!
 //! Numbers may be BSON int32, int64 or double; a double must be integral, except in
 //! `windowSeconds`, where it gives a fraction of a second (`0.5` is 500 ms). A band's
@@ -43,8 +44,8 @@ use std::time::Duration;
 use bson::{doc, Bson, Document};
 use fluxgate_core::rule::{format_duration, parse_duration, Problem};
 use fluxgate_core::{
-    Algorithm, BandSpec, FailurePolicy, LeaseSpec, Mode, OnMissingKey, Rule, RuleError, RuleSet, RuleSetSpec, RuleSets,
-    RuleSpec, ScopeKind,
+    Algorithm, BandSpec, FailurePolicy, LeaseSpec, Mode, OnLimitSpec, OnMissingKey, Rule, RuleError, RuleSet,
+    RuleSetSpec, RuleSets, RuleSpec, ScopeKind,
 };
 
 /// The collection the Java FluxGate kept its rules in, and the default of
@@ -409,6 +410,37 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
         }
         Some(other) => return Err(fail("lease", wrong("a document", other))),
     }
+    match get("onLimit") {
+        None | Some(Bson::Null) => {}
+        Some(Bson::Document(on_limit)) => {
+            let wait = match on_limit.get("wait") {
+                Some(Bson::Document(wait)) => wait,
+                Some(other) => return Err(fail("onLimit.wait", wrong("a document", other))),
+                None => return Err(fail("onLimit.wait", DocumentProblem::Missing)),
+            };
+            let max_wait = wait
+                .get("maxWait")
+                .ok_or_else(|| fail("onLimit.wait.maxWait", DocumentProblem::Missing))?;
+            let max_wait = as_str(max_wait)
+                .and_then(|s| parse_duration(s).map_err(|e| DocumentProblem::Duration(e.to_string())))
+                .map_err(|p| fail("onLimit.wait.maxWait", p))?;
+            let max_waiters = wait
+                .get("maxWaiters")
+                .ok_or_else(|| fail("onLimit.wait.maxWaiters", DocumentProblem::Missing))?;
+            let max_waiters = non_negative(max_waiters).map_err(|p| fail("onLimit.wait.maxWaiters", p))?;
+            let max_waiters = u32::try_from(max_waiters).map_err(|_| {
+                fail(
+                    "onLimit.wait.maxWaiters",
+                    DocumentProblem::OutOfRange {
+                        value: max_waiters.to_string(),
+                        range: "at most 4294967295 waiters",
+                    },
+                )
+            })?;
+            rule.on_limit = Some(OnLimitSpec::wait(max_wait, max_waiters));
+        }
+        Some(other) => return Err(fail("onLimit", wrong("a document", other))),
+    }
     if let Some(name) = string("algorithm")? {
         rule.algorithm = named(name, ALGORITHMS).map_err(|p| fail("algorithm", p))?;
     }
@@ -603,6 +635,13 @@ fn rule_to_document(rule_set: &str, rule: &RuleSpec) -> Result<Document, WriteEr
     }
     if let Some(policy) = rule.on_backend_failure {
         document.insert("onBackendFailure", serde_name(rule_set, rule, &policy)?);
+    }
+    if let Some(on_limit) = rule.on_limit {
+        let wait = on_limit.wait;
+        document.insert(
+            "onLimit",
+            doc! { "wait": { "maxWait": format_duration(wait.max_wait), "maxWaiters": i64::from(wait.max_waiters) } },
+        );
     }
     if let Some(lease) = rule.lease {
         document.insert(

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use bson::{doc, oid::ObjectId, Bson, Document};
 use fluxgate_core::{
-    Algorithm, BandSpec, FailurePolicy, KeyField, LeaseSpec, Mode, OnMissingKey, RuleSet, RuleSetSpec, RuleSets,
-    RuleSpec, Scope, ScopeKind,
+    Algorithm, BandSpec, FailurePolicy, KeyField, LeaseSpec, Mode, OnLimitSpec, OnMissingKey, RuleSet, RuleSetSpec,
+    RuleSets, RuleSpec, Scope, ScopeKind,
 };
 use fluxgate_mongodb::document::{
     rule_from_document, rule_set_specs_from_documents, rule_set_to_documents, rule_sets_from_documents,
@@ -309,6 +309,10 @@ fn a_document_that_cannot_be_read_names_itself_and_the_field() {
             r#"document {id: "r"}: field `ruleSetId`: expected a string, found int32 7"#,
         ),
         (
+            doc! { "onLimit": { "wait": { "maxWait": "1s" } } },
+            r#"document {ruleSetId: "api", id: "r"}: field `onLimit.wait.maxWaiters`: is missing"#,
+        ),
+        (
             doc! { "lease": { "ttl": "1s" } },
             r#"document {ruleSetId: "api", id: "r"}: field `lease.max`: is missing"#,
         ),
@@ -599,6 +603,7 @@ fn rule_sets_round_trip_through_documents() {
     let preset = RuleSpec::preset("preset", Algorithm::FixedWindow);
     let mut user = RuleSpec::new("user", vec![BandSpec::new(5, Duration::from_secs(60))]);
     user.scope = ScopeKind::User;
+    user.on_limit = Some(OnLimitSpec::wait(Duration::from_millis(250), 40));
     let mut key = RuleSpec::new("key", vec![BandSpec::new(5, Duration::from_secs(60))]);
     key.scope = ScopeKind::ApiKey;
     let spec = RuleSetSpec::new("api", vec![composite, tenant, off, preset, user, key]);

@@ -58,6 +58,24 @@ pub struct WaitPolicy {
 }
 
 impl WaitPolicy {
+    /// Waiting at most `max_wait` (1ms to 1h), at most `max_waiters` (at least 1) requests
+    /// of a rule at once on one instance.
+    ///
+    /// # Errors
+    ///
+    /// A [`WaitError`](super::WaitError) naming the value out of range.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use fluxgate_core::WaitPolicy;
+    /// let policy = WaitPolicy::new(Duration::from_millis(500), 100).unwrap();
+    /// assert_eq!(policy.max_waiters(), 100);
+    /// assert!(WaitPolicy::new(Duration::ZERO, 100).is_err());
+    /// ```
+    pub fn new(max_wait: Duration, max_waiters: u32) -> Result<Self, super::WaitError> {
+        super::validate::wait(super::WaitSpec { max_wait, max_waiters }, false)
+    }
+
     /// The longest a request waits.
     pub fn max_wait(&self) -> Duration {
         self.max_wait

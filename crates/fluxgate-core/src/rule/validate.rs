@@ -313,7 +313,7 @@ fn lease(spec: LeaseSpec, permits: u64, bands: &[Band]) -> Result<Lease, LeaseEr
 }
 
 /// A rule's `on_limit.wait`: `max_wait` 1ms to 1h, at least one waiter, no lease.
-fn wait(spec: WaitSpec, leased: bool) -> Result<WaitPolicy, WaitError> {
+pub(super) fn wait(spec: WaitSpec, leased: bool) -> Result<WaitPolicy, WaitError> {
     let WaitSpec { max_wait, max_waiters } = spec;
     if max_wait < Duration::from_millis(1) || max_wait > Duration::from_secs(3600) {
         return Err(WaitError::MaxWait { max_wait });
