@@ -302,3 +302,42 @@ async fn the_engines_policy_lets_every_rule_without_its_own_wait() {
     let secs = Duration::from_secs;
     assert_eq!(answers, [(false, secs(0)), (true, secs(0)), (true, secs(1))]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_never_holds_back_a_bucket_of_another_rule() {
+    // `export` lets its requests wait ten minutes; `api`, a bucket of 100 a second for
+    // everyone, does not wait. Taking the export's place in ten minutes would have moved
+    // `api`'s instant ten minutes ahead, refusing every request until then: the export
+    // request is refused at once instead, and `api` goes on admitting.
+    let rules = RuleSets::from_yaml_str(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: export
+        scope: global
+        match: { paths: ["/export"] }
+        bands: [{ capacity: 1, window: 10m }]
+        on_limit: { wait: { max_wait: 1h, max_waiters: 10 } }
+      - id: api
+        scope: global
+        bands: [{ capacity: 100, window: 1s }]
+"#,
+    )
+    .expect("valid rules");
+    let engine = Engine::builder(rules)
+        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
+        .build()
+        .expect("the in-memory limiter decides every rule");
+    let at = |path: &str| RequestContext::builder().path(path).build();
+    let decide = |path: &'static str| {
+        let engine = engine.clone();
+        async move { engine.check(&at(path)).await.expect("a decision") }
+    };
+    assert!(decide("/export").await.allowed());
+    let start = Instant::now();
+    let second = decide("/export").await;
+    assert!(!second.allowed(), "refused rather than hold `api` back");
+    assert_eq!(start.elapsed(), Duration::ZERO);
+    assert!(decide("/other").await.allowed(), "`api` still admits");
+}

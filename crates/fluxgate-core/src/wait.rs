@@ -61,8 +61,19 @@ impl Waiters {
     }
 
     /// Lets `request` wait for each of its enforced buckets whose rule has a wait policy,
-    /// as long as the rule has a waiter's place free; returns the places taken.
-    pub(crate) fn admit(&self, request: &mut AcquireRequest) -> Places {
+    /// as long as the rule has a waiter's place free; returns the places taken (`None`
+    /// when no rule of its rule set waits).
+    #[inline]
+    pub(crate) fn admit(&self, request: &mut AcquireRequest) -> Option<Places> {
+        // The common case, checked first and inline: nothing in the rule set waits.
+        if self.default.is_none() && !request.rule_set().rules().iter().any(Rule::waits) {
+            return None;
+        }
+        Some(self.places(request))
+    }
+
+    #[inline(never)]
+    fn places(&self, request: &mut AcquireRequest) -> Places {
         let mut places = Places::default();
         let mut allowed: SmallVec<[(usize, Duration); 2]> = SmallVec::new();
         for (index, bucket) in request.buckets().enumerate() {
@@ -130,7 +141,7 @@ pub(crate) fn wait_for<T: Send + 'static>(
     limiter: Arc<dyn RateLimiter>,
     request: &AcquireRequest,
     outcome: &AcquireOutcome,
-    places: Places,
+    places: Option<Places>,
     then: impl FnOnce() -> T + Send + 'static,
 ) -> MaybeReady<T> {
     let after = outcome.admitted_after;
@@ -156,7 +167,7 @@ pub(crate) fn wait_for<T: Send + 'static>(
     })
 }
 
-/// Whether the request holds places among the waiters: only then can it wait.
-pub(crate) fn may_wait(places: &Places) -> bool {
-    !places.is_empty()
+/// The places a request holds among the waiters, if any: only then can it wait.
+pub(crate) fn may_wait(places: &Option<Places>) -> bool {
+    places.as_ref().is_some_and(|p| !p.is_empty())
 }

@@ -691,7 +691,7 @@ impl MemoryLimiter {
 /// bucket allows that long (never for a shadow rule).
 fn allowed_wait(bucket: &Bucket<'_>, wait: Wait) -> Option<Duration> {
     match wait {
-        Wait::After(d) if !bucket.shadow() && d <= bucket.max_wait => Some(d),
+        Wait::After(d) if !bucket.shadow() && d <= bucket.max_wait() => Some(d),
         _ => None,
     }
 }
@@ -703,7 +703,16 @@ fn reserve(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64,
     let state = || shard.windows.get(&key).map(|s| &s.state);
     match bucket.rule.algorithm() {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => {
-            let e = evaluate_instant(shard.gcra.get(&key).copied(), bucket, band, at);
+            // The request counts at `at` only where the band's instant already lies at or
+            // past `at`: there, taking its place now is what taking it at `at` would be
+            // (the instant moves on by its cost, and back by it if the waiter is dropped).
+            // Before `at`, the instant would have to jump to `at`, refusing everyone
+            // until then: such a band does not let the request wait.
+            let state = shard.gcra.get(&key).copied();
+            if state.is_none_or(|t| t.nanos < at) {
+                return None;
+            }
+            let e = evaluate_instant(state, bucket, band, at);
             e.allowed.then_some(Next::Tat(e.next))
         }
         Algorithm::FixedWindow => {

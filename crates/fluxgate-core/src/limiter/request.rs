@@ -55,8 +55,8 @@ struct Entry {
     key: Text,
     /// What the bucket consumes: the rule's cost unless set otherwise.
     permits: u64,
-    /// How long the request may wait for the bucket to admit it.
-    max_wait: Duration,
+    /// How long the request may wait for the bucket to admit it, in nanoseconds.
+    max_wait_nanos: u64,
 }
 
 /// One rule's counter for one request, as a view into an [`AcquireRequest`]: the rule (its
@@ -75,12 +75,17 @@ pub struct Bucket<'a> {
     /// ([`AcquireRequest::push_permits`]; local leases take several requests' permits in
     /// one call).
     pub permits: u64,
-    /// How long the request may wait for this bucket (its rule's `on_limit.wait`; zero:
-    /// refused at once). See [`AcquireOutcome::admitted_after`](super::AcquireOutcome::admitted_after).
-    pub max_wait: Duration,
+    /// See [`Bucket::max_wait`].
+    max_wait_nanos: u64,
 }
 
 impl Bucket<'_> {
+    /// How long the request may wait for this bucket (its rule's `on_limit.wait`; zero:
+    /// refused at once). See [`AcquireOutcome::admitted_after`](super::AcquireOutcome::admitted_after).
+    pub fn max_wait(&self) -> Duration {
+        Duration::from_nanos(self.max_wait_nanos)
+    }
+
     /// Whether the rule is in shadow mode.
     pub fn shadow(&self) -> bool {
         self.rule.mode() == Mode::Shadow
@@ -127,7 +132,7 @@ impl AcquireRequest {
             rule,
             key,
             permits,
-            max_wait: Duration::ZERO,
+            max_wait_nanos: 0,
         });
     }
 
@@ -163,7 +168,7 @@ impl AcquireRequest {
             rule,
             key: Text::new(),
             permits: found.permits(),
-            max_wait: Duration::ZERO,
+            max_wait_nanos: 0,
         });
         let written = match self.buckets.last_mut() {
             Some(entry) => key(found, &mut entry.key),
@@ -220,7 +225,7 @@ impl AcquireRequest {
                 rule: &set.rules()[e.rule],
                 key: &e.key,
                 permits: e.permits,
-                max_wait: e.max_wait,
+                max_wait_nanos: e.max_wait_nanos,
             })
         });
     }
@@ -232,7 +237,7 @@ impl AcquireRequest {
             rule: &self.set.rules()[e.rule],
             key: &e.key,
             permits: e.permits,
-            max_wait: e.max_wait,
+            max_wait_nanos: e.max_wait_nanos,
         }
     }
 
@@ -240,7 +245,7 @@ impl AcquireRequest {
     /// instead of a refusal, with a backend that [reserves](super::RateLimiter::reserves).
     pub fn set_max_wait(&mut self, index: usize, max_wait: Duration) {
         if let Some(entry) = self.buckets.get_mut(index) {
-            entry.max_wait = max_wait;
+            entry.max_wait_nanos = u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX);
         }
     }
 

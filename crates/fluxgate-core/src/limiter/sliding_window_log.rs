@@ -4,7 +4,8 @@
 //! `now − window` plus its own stay within the capacity. Every admitted request is its own
 //! entry, so requests at the same instant are all counted (the seed's undercounting fix; in
 //! Redis each entry is a unique sorted-set member). The log holds at most `capacity`
-//! permits' worth of entries per key: exact, at the price of memory.
+//! permits' worth of entries per key, and those of requests waiting for a later instant
+//! (`on_limit.wait`, at most `max_waiters` of them): exact, at the price of memory.
 
 use std::collections::VecDeque;
 use std::time::Duration;

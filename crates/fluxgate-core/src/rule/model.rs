@@ -352,6 +352,12 @@ impl Rule {
         self.wait
     }
 
+    /// Whether the rule has a wait policy.
+    #[inline]
+    pub(crate) fn waits(&self) -> bool {
+        self.wait.is_some()
+    }
+
     /// Whether the rule applies to a request with this path (split in segments, see
     /// [`PathPattern::matches_segments`]) and method.
     pub fn applies_to(&self, path_segments: &[&str], method: &Method) -> bool {
