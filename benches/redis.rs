@@ -34,6 +34,7 @@
 //! flight (`Batching::max_calls`, default 2). `-- leased` runs a global rule with leases of
 //! 100 and of 1,000 (`lease: { max: 100, ttl: 1s }`) next to the same rule without a lease
 //! and to the peer, twice in turn: with leases, most decisions make no call.
+//! `-- acquisition` runs both, and one call per request, side by side in one command.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -427,6 +428,7 @@ fn main() {
         "batched-1x1",
         "batched-3x2",
         "leased",
+        "acquisition",
     ];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
@@ -470,6 +472,9 @@ fn main() {
     }
     if !only.is_empty() && run("leased") {
         leased_against_the_peer(&rt);
+    }
+    if !only.is_empty() && run("acquisition") {
+        acquisition_modes(&rt);
     }
     if run("algorithms") {
         for algorithm in fluxgate::Algorithm::ALL {
@@ -572,6 +577,33 @@ fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
 fn leased_against_the_peer(rt: &tokio::runtime::Runtime) {
     for _ in 0..2 {
         rt.block_on(peer_layer()).print();
+        rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
+            .print();
+        for max in [100, 1000] {
+            let name = format!("fluxgate engine global leased {max}");
+            rt.block_on(fluxgate_engine(&name, global(max))).print();
+        }
+    }
+}
+
+/// Every acquisition mode on Redis next to the peer and to one call per request, in turn,
+/// twice: the peer's layer; the engine 1x1 and 3x2 with one call per request and batched;
+/// a global rule without a lease and with leases of 100 and 1,000.
+fn acquisition_modes(rt: &tokio::runtime::Runtime) {
+    let batched = batching();
+    for _ in 0..2 {
+        rt.block_on(peer_layer()).print();
+        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
+        rt.block_on(fluxgate_engine_with("fluxgate engine 1x1 batched", ONE_BY_ONE, batched))
+            .print();
+        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
+            .print();
+        rt.block_on(fluxgate_engine_with(
+            "fluxgate engine 3x2 batched",
+            THREE_BY_TWO,
+            batched,
+        ))
+        .print();
         rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
             .print();
         for max in [100, 1000] {

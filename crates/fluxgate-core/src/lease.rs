@@ -633,12 +633,12 @@ impl Shared {
         };
         let limiter = self.limiter.clone();
         runtime.spawn(async move {
-            let _ = give_back_all(&*limiter, leases).await;
+            let _ = give_back_all(&limiter, leases).await;
         });
     }
 
     async fn give_back_all(&self, leases: Vec<GiveBack>) -> Result<u64, BoxError> {
-        give_back_all(&*self.limiter, leases).await
+        give_back_all(&self.limiter, leases).await
     }
 
     /// Starts the task that gives back expired leases, unless it runs.
@@ -687,7 +687,7 @@ async fn sweep(weak: Weak<Shared>) {
             }
         };
         drop(shared);
-        let _ = give_back_all(&*limiter, expired).await;
+        let _ = give_back_all(&limiter, expired).await;
         drop(limiter);
         match next {
             // Until the next lease expires, or one that expires sooner is taken.
@@ -700,24 +700,46 @@ async fn sweep(weak: Weak<Shared>) {
     }
 }
 
-/// Gives `leases` back one by one (each its own call); returns the permits given back.
+/// The give-back calls out at once for one batch of leases.
+const GIVING_BACK_AT_ONCE: usize = 16;
+
+/// Gives `leases` back, each in a call of its own, [`GIVING_BACK_AT_ONCE`] at a time;
+/// returns the permits given back.
 ///
 /// # Errors
 ///
 /// The first failure, after trying every lease.
-async fn give_back_all(limiter: &dyn RateLimiter, leases: Vec<GiveBack>) -> Result<u64, BoxError> {
+async fn give_back_all(limiter: &Arc<dyn RateLimiter>, leases: Vec<GiveBack>) -> Result<u64, BoxError> {
     let mut first_error = None;
     let mut given = 0;
-    for lease in leases {
-        let mut request = AcquireRequest::new(lease.set);
-        request.push_permits(lease.rule, lease.key, lease.left);
-        match limiter.give_back(&request, lease.decided_unix_nanos).await {
-            Ok(()) => given += lease.left,
-            Err(error) => {
-                tracing::warn!(%error, permits = lease.left, "giving back a lease failed: its permits stay consumed");
-                first_error.get_or_insert(error);
-            }
+    let mut leases = leases.into_iter();
+    let mut calls = tokio::task::JoinSet::new();
+    loop {
+        while calls.len() < GIVING_BACK_AT_ONCE {
+            let Some(lease) = leases.next() else {
+                break;
+            };
+            let mut request = AcquireRequest::new(lease.set);
+            request.push_permits(lease.rule, lease.key, lease.left);
+            let call = limiter.give_back(&request, lease.decided_unix_nanos);
+            calls.spawn(async move { (lease.left, call.await) });
         }
+        let Some(ended) = calls.join_next().await else {
+            break;
+        };
+        let error = match ended {
+            Ok((left, Ok(()))) => {
+                given += left;
+                continue;
+            }
+            Ok((left, Err(error))) => {
+                tracing::warn!(%error, permits = left, "giving back a lease failed: its permits stay consumed");
+                error
+            }
+            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+            Err(error) => error.into(),
+        };
+        first_error.get_or_insert(error);
     }
     match first_error {
         Some(error) => Err(error),
