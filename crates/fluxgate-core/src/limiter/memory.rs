@@ -354,7 +354,6 @@ struct Item<'a> {
 struct Pending {
     guard: usize,
     allowed: bool,
-    wait: Wait,
     next: Next,
     remaining_now: u64,
     reset_now: u64,
@@ -473,7 +472,6 @@ impl MemoryLimiter {
             pending.push(Pending {
                 guard,
                 allowed: e.allowed,
-                wait: e.wait,
                 next: e.next,
                 remaining_now: e.remaining_now,
                 reset_now: e.reset_now,
@@ -574,7 +572,9 @@ impl MemoryLimiter {
         let mut wait = Duration::ZERO;
         for (i, p) in items.iter().zip(pending) {
             if !p.allowed && !i.bucket.shadow() {
-                wait = wait.max(allowed_wait(&i.bucket, p.wait)?);
+                // Evaluated again on this rare path, rather than carried by every band.
+                let e = evaluate(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now);
+                wait = wait.max(allowed_wait(&i.bucket, e.wait)?);
             }
         }
         let at = now.checked_add(u64::try_from(wait.as_nanos()).ok()?)?;

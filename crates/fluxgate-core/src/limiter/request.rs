@@ -87,12 +87,14 @@ impl Bucket<'_> {
     }
 
     /// Whether the rule is in shadow mode.
+    #[inline]
     pub fn shadow(&self) -> bool {
         self.rule.mode() == Mode::Shadow
     }
 
     /// The report of `band` (one of this bucket's rule's bands) after a decision taken at
     /// `now_unix_nanos`: the one way every backend builds a [`BandReport`].
+    #[inline]
     pub fn report(
         &self,
         band: &Band,
