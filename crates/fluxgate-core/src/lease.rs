@@ -390,7 +390,17 @@ impl Shared {
         loop {
             match planned {
                 Planned::Local(plans) => return Ok(Shared::local_outcome(&request, plans)),
-                Planned::Call(plans, taking, now) => return self.decide(request, plans, taking, now).await,
+                Planned::Call(plans, taking, now) => {
+                    // On a task of its own: once the call has gone out, the lease it takes
+                    // is kept (or the spends put back) whether or not this request is still
+                    // awaited.
+                    let call = tokio::spawn(self.decide(request, plans, taking, now));
+                    return match call.await {
+                        Ok(result) => result,
+                        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+                        Err(error) => Err(error.into()),
+                    };
+                }
                 Planned::Wait(mut receiver) => {
                     // Ends when the call is over. If it left no lease (refused for another
                     // rule, or failed), this request makes its own call rather than wait
