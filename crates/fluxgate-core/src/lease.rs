@@ -3,13 +3,15 @@
 //! An instance takes up to `max` permits of a key from the shared bucket in one backend
 //! call, spends them with no further call, and gives back what it has not spent when the
 //! lease expires, when the rule changes, and at shutdown. The permits are consumed in the
-//! backend when they are taken, so the limit is never exceeded: what a lease costs is
-//! under-admission, permits sitting in one instance while another is refused.
+//! backend when they are taken, so no more requests are admitted than the bucket granted
+//! (each counted from when its lease was taken, at most `ttl` earlier): what a lease costs
+//! is under-admission, permits sitting in one instance while another is refused.
 //!
 //! How many permits a call takes adapts: the request's own cost, plus at most `max` less
-//! that cost, and never more than half of what the bucket held at the last call, so that
-//! the last permits of a bucket go one request per call. A call that asked for more than
-//! its request and was refused only for that is made again for the request alone.
+//! that cost, and after the first call never more than half of what the bucket held at the
+//! last one, so that the last permits of a bucket go one request per call. A call that
+//! asked for more than its request and was refused only for that is made again for the
+//! request alone.
 //!
 //! One call at a time takes a lease for a rule and key: the requests that find the lease
 //! spent while that call is out wait for it and spend from the lease it brings, rather
