@@ -552,22 +552,9 @@ fn against_the_peer(rt: &tokio::runtime::Runtime) {
 /// in turn, twice: the peer's layer, the engine and the layer 1x1 with and without batches,
 /// then the engine 3x2 without and with.
 fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
-    let batched = batching();
     for _ in 0..2 {
         rt.block_on(peer_layer()).print();
-        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
-        rt.block_on(fluxgate_engine_with("fluxgate engine 1x1 batched", ONE_BY_ONE, batched))
-            .print();
-        rt.block_on(fluxgate_layer_with("fluxgate layer 1x1 batched", batched))
-            .print();
-        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
-            .print();
-        rt.block_on(fluxgate_engine_with(
-            "fluxgate engine 3x2 batched",
-            THREE_BY_TWO,
-            batched,
-        ))
-        .print();
+        one_call_and_batched(rt, true);
     }
 }
 
@@ -577,12 +564,7 @@ fn batched_against_the_peer(rt: &tokio::runtime::Runtime) {
 fn leased_against_the_peer(rt: &tokio::runtime::Runtime) {
     for _ in 0..2 {
         rt.block_on(peer_layer()).print();
-        rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
-            .print();
-        for max in [100, 1000] {
-            let name = format!("fluxgate engine global leased {max}");
-            rt.block_on(fluxgate_engine(&name, global(max))).print();
-        }
+        global_leased(rt);
     }
 }
 
@@ -590,26 +572,41 @@ fn leased_against_the_peer(rt: &tokio::runtime::Runtime) {
 /// twice: the peer's layer; the engine 1x1 and 3x2 with one call per request and batched;
 /// a global rule without a lease and with leases of 100 and 1,000.
 fn acquisition_modes(rt: &tokio::runtime::Runtime) {
-    let batched = batching();
     for _ in 0..2 {
         rt.block_on(peer_layer()).print();
-        rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
-        rt.block_on(fluxgate_engine_with("fluxgate engine 1x1 batched", ONE_BY_ONE, batched))
-            .print();
-        rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
-            .print();
-        rt.block_on(fluxgate_engine_with(
-            "fluxgate engine 3x2 batched",
-            THREE_BY_TWO,
-            batched,
-        ))
+        one_call_and_batched(rt, false);
+        global_leased(rt);
+    }
+}
+
+/// The engine 1x1 with one call per request and batched (and the layer batched, with
+/// `layer`), then the engine 3x2 without and with batches.
+fn one_call_and_batched(rt: &tokio::runtime::Runtime, layer: bool) {
+    let batched = batching();
+    rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
+    rt.block_on(fluxgate_engine_with("fluxgate engine 1x1 batched", ONE_BY_ONE, batched))
         .print();
-        rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
+    if layer {
+        rt.block_on(fluxgate_layer_with("fluxgate layer 1x1 batched", batched))
             .print();
-        for max in [100, 1000] {
-            let name = format!("fluxgate engine global leased {max}");
-            rt.block_on(fluxgate_engine(&name, global(max))).print();
-        }
+    }
+    rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
+        .print();
+    rt.block_on(fluxgate_engine_with(
+        "fluxgate engine 3x2 batched",
+        THREE_BY_TWO,
+        batched,
+    ))
+    .print();
+}
+
+/// A global rule without a lease, then with leases of 100 and of 1,000.
+fn global_leased(rt: &tokio::runtime::Runtime) {
+    rt.block_on(fluxgate_engine("fluxgate engine global", global(0)))
+        .print();
+    for max in [100, 1000] {
+        let name = format!("fluxgate engine global leased {max}");
+        rt.block_on(fluxgate_engine(&name, global(max))).print();
     }
 }
 

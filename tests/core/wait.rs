@@ -28,10 +28,16 @@ rule_sets:
 "#
     ))
     .expect("valid rules");
-    Engine::builder(rules)
-        .limiter(MemoryLimiter::builder().clock(clock).build())
-        .build()
-        .expect("the in-memory limiter decides every rule")
+    in_memory(rules, clock, None)
+}
+
+/// An engine deciding `rules` in memory on `clock`, with the engine's wait policy `wait`.
+fn in_memory(rules: RuleSets, clock: TokioClock, wait: Option<WaitPolicy>) -> Engine {
+    let mut builder = Engine::builder(rules).limiter(MemoryLimiter::builder().clock(clock).build());
+    if let Some(wait) = wait {
+        builder = builder.wait_on_limit(wait);
+    }
+    builder.build().expect("the in-memory limiter decides every rule")
 }
 
 async fn check(engine: &Engine) -> Decision {
@@ -242,10 +248,7 @@ rule_sets:
 "#,
     )
     .expect("valid rules");
-    let engine = Engine::builder(rules)
-        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
-        .build()
-        .expect("the in-memory limiter decides every rule");
+    let engine = in_memory(rules, TokioClock::new(), None);
     let start = Instant::now();
     let answers = at_once(&engine, 5, start).await;
     let secs = Duration::from_secs;
@@ -293,11 +296,8 @@ async fn the_engines_policy_lets_every_rule_without_its_own_wait() {
         "rule_sets: [{ id: default, rules: [{ id: g, scope: global, bands: [{ capacity: 1, window: 1s }] }] }]",
     )
     .expect("valid rules");
-    let engine = Engine::builder(rules)
-        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
-        .wait_on_limit(WaitPolicy::new(Duration::from_secs(1), 10).expect("in range"))
-        .build()
-        .expect("the in-memory limiter decides every rule");
+    let wait = WaitPolicy::new(Duration::from_secs(1), 10).expect("in range");
+    let engine = in_memory(rules, TokioClock::new(), Some(wait));
     let answers = at_once(&engine, 3, Instant::now()).await;
     let secs = Duration::from_secs;
     assert_eq!(answers, [(false, secs(0)), (true, secs(0)), (true, secs(1))]);
@@ -325,10 +325,7 @@ rule_sets:
 "#,
     )
     .expect("valid rules");
-    let engine = Engine::builder(rules)
-        .limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
-        .build()
-        .expect("the in-memory limiter decides every rule");
+    let engine = in_memory(rules, TokioClock::new(), None);
     let at = |path: &str| RequestContext::builder().path(path).build();
     let decide = |path: &'static str| {
         let engine = engine.clone();

@@ -63,9 +63,9 @@ struct Shared {
 #[derive(Default)]
 struct Shard {
     held: HashMap<LeaseKey, Held>,
-    /// The rules and keys for which calls taking leases are out: the requests that find
-    /// the lease spent wait for them.
-    taking: HashMap<LeaseKey, InFlight>,
+    /// The rules and keys for which a call taking a lease is out: the requests that find
+    /// the lease spent wait for it, told at its end whether it left a lease.
+    taking: HashMap<LeaseKey, watch::Sender<bool>>,
 }
 
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -194,39 +194,22 @@ enum Planned {
     Wait(watch::Receiver<bool>),
 }
 
-/// The calls out taking leases for a rule and key.
-struct InFlight {
-    /// Signalled as each call ends (with whether it left a lease), and dropped with the
-    /// last: wakes the waiting requests.
-    ended: watch::Sender<bool>,
-    /// The permits they take beyond their requests'.
-    extra: u64,
-}
-
-/// A call taking a lease of `extra` permits for a rule and key: while it is out, the key's
+/// The call taking a lease for a rule and key (one at a time): while it is out, the key's
 /// requests that find the lease spent wait for it. Dropped, it lets them go.
 struct Taking {
     shared: Arc<Shared>,
     key: LeaseKey,
-    extra: u64,
     /// Whether the call left a lease for the waiting requests to spend.
     stored: bool,
 }
 
 impl Taking {
-    /// Counts a call taking `extra` permits for `key` in `shard`.
-    fn start(shared: &Arc<Shared>, taking: &mut HashMap<LeaseKey, InFlight>, key: LeaseKey, extra: u64) -> Self {
-        taking
-            .entry(key.clone())
-            .or_insert_with(|| InFlight {
-                ended: watch::channel(false).0,
-                extra: 0,
-            })
-            .extra += extra;
+    /// Marks the call taking `key`'s lease as out, in `taking` (its shard's).
+    fn start(shared: &Arc<Shared>, taking: &mut HashMap<LeaseKey, watch::Sender<bool>>, key: LeaseKey) -> Self {
+        taking.insert(key.clone(), watch::channel(false).0);
         Self {
             shared: shared.clone(),
             key,
-            extra,
             stored: false,
         }
     }
@@ -234,13 +217,10 @@ impl Taking {
 
 impl Drop for Taking {
     fn drop(&mut self) {
-        let mut shard = lock(self.shared.shard(&self.key));
-        if let Some(in_flight) = shard.taking.get_mut(&self.key) {
-            in_flight.extra = in_flight.extra.saturating_sub(self.extra);
-            in_flight.ended.send_replace(self.stored);
-            if in_flight.extra == 0 {
-                shard.taking.remove(&self.key);
-            }
+        let ended = lock(self.shared.shard(&self.key)).taking.remove(&self.key);
+        // Tells the waiting requests whether a lease came of the call.
+        if let Some(ended) = ended {
+            ended.send_replace(self.stored);
         }
     }
 }
@@ -289,7 +269,7 @@ impl Leases {
     /// The first backend failure; the other leases are given back all the same.
     pub(crate) async fn release_all(&self) -> Result<u64, BoxError> {
         let all = self.shared.take(|_, _| true);
-        self.shared.give_back_all(all).await
+        give_back_all(&self.shared.limiter, all).await
     }
 }
 
@@ -374,10 +354,10 @@ impl Shared {
             // Nothing to share, or no lease came of the last call: a call of its own.
             return Ok(Plan::Call { extra: 0 });
         }
-        if let Some(in_flight) = shard.taking.get(&key) {
-            return Err(in_flight.ended.subscribe());
+        if let Some(ended) = shard.taking.get(&key) {
+            return Err(ended.subscribe());
         }
-        let started = Taking::start(self, &mut shard.taking, key, extra);
+        let started = Taking::start(self, &mut shard.taking, key);
         drop(guard);
         taking.push(started);
         Ok(Plan::Call { extra })
@@ -647,10 +627,6 @@ impl Shared {
         runtime.spawn(async move {
             let _ = give_back_all(&limiter, leases).await;
         });
-    }
-
-    async fn give_back_all(&self, leases: Vec<GiveBack>) -> Result<u64, BoxError> {
-        give_back_all(&self.limiter, leases).await
     }
 
     /// Starts the task that gives back expired leases, unless it runs.

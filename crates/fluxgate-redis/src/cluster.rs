@@ -7,7 +7,7 @@ use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
 use futures_util::future::join_all;
 
 use crate::error::RedisError;
-use crate::protocol::{BandReply, RefundArgs, RefundedBand, Reply};
+use crate::protocol::{BandReply, RefundedBand, Reply};
 use crate::request::{outcome, Call};
 use crate::script::Scripts;
 
@@ -113,20 +113,15 @@ async fn refund(
         let Some(reply) = reply else {
             continue; // this slot failed: it consumed nothing
         };
-        let mut bands = to_refund(call, reply, allowed, shadow_allowed).peekable();
-        if bands.peek().is_none() {
+        // Each band refunded answers with its figures, in order (`Call::refund`).
+        let bands: Vec<usize> = to_refund(call, reply, allowed, shadow_allowed)
+            .filter(|&j| call.bands[j].refund().is_some())
+            .collect();
+        if bands.is_empty() {
             continue;
         }
-        let mut args = RefundArgs::new(reply.now_us);
-        let mut keys = Vec::new();
-        let mut positions = Vec::new();
-        for j in bands {
-            if let Some(refund) = call.bands[j].refund() {
-                args.band(&refund);
-            }
-            keys.push(call.keys[call.bands[j].key].clone());
-            positions.push(call.bands[j].position);
-        }
+        let positions: Vec<usize> = bands.iter().map(|&j| call.bands[j].position).collect();
+        let (keys, args) = call.refund(bands, reply.now_us);
         let call = scripts.refund(keys, args);
         pending.push(async move { (positions, call.await) });
     }

@@ -142,40 +142,27 @@ pub(crate) fn encode_refund(
     cluster: bool,
     decided_us: i64,
 ) -> Result<SmallVec<[RefundCall; 1]>, RuleError> {
-    let mut calls: SmallVec<[(u16, Vec<String>, RefundArgs); 1]> = SmallVec::new();
-    for bucket in request.buckets() {
-        let rule = bucket.rule;
-        let Some(first) = rule.bands().first() else {
-            continue;
-        };
-        let plan = plan(bucket.rule_set.id(), rule, first, bucket.permits)?;
-        let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
-        let slot = if cluster {
-            fred::util::redis_keyslot(start.as_bytes())
-        } else {
-            0
-        };
-        let at = match calls.iter().position(|(s, _, _)| *s == slot) {
-            Some(at) => at,
-            None => {
-                calls.push((slot, Vec::new(), RefundArgs::new(decided_us)));
-                calls.len() - 1
+    Ok(encode(request, prefix, cluster)?
+        .iter()
+        .map(|call| call.refund(0..call.bands.len(), decided_us))
+        .collect())
+}
+
+impl Call {
+    /// The refund call giving back what this call's `bands` (indexes into
+    /// [`bands`](Self::bands)) consumed when Redis decided at `decided_us`: each band's
+    /// key (a token-bucket rule's once per band) and refund arguments.
+    pub(crate) fn refund(&self, bands: impl IntoIterator<Item = usize>, decided_us: i64) -> RefundCall {
+        let mut args = RefundArgs::new(decided_us);
+        let mut keys = Vec::new();
+        for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
+            if let Some(refund) = band.refund() {
+                args.band(&refund);
+                keys.push(self.keys[band.key].clone());
             }
-        };
-        let (_, keys, args) = &mut calls[at];
-        for index in 0..plan.band_count() {
-            let Some(refund) = plan.refund(index) else {
-                continue;
-            };
-            args.band(&refund);
-            keys.push(if plan.is_one_key() {
-                start.clone()
-            } else {
-                plan.band_key(&start, index)
-            });
         }
+        (keys, args)
     }
-    Ok(calls.into_iter().map(|(_, keys, args)| (keys, args)).collect())
 }
 
 /// The outcome of a decision on `request` taken at `now_us` (Redis time), with what Redis
