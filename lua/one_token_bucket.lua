@@ -8,18 +8,21 @@
 -- KEYS[1]: the rule's key. ARGV: the rule's layout (token_bucket.lua, "State"), then in
 -- hexadecimal the band's capacity in units and the request's cost in units, then the
 -- key's expiry in ms (the window plus one second, in decimal, passed to SET as it came),
--- then the scale in hexadecimal, left out when it is 1.
--- Reply: now_us and the band's debt before the request; the caller derives the decision
--- and the band's figures from them. README.md, "The one-band call".
+-- then the scale in hexadecimal, left out when it is 1 unless a wait follows, then the
+-- longest the request may wait for the band in µs, in hexadecimal, left out when it may
+-- not wait.
+-- Reply: now_us and the band's debt before the request; the caller derives the decision,
+-- the wait and the band's figures from them. README.md, "The one-band call".
 
 local key, layout = KEYS[1], ARGV[1]
-local cap, cost, ttl, scale = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5]
+local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5], ARGV[6]
 scale = scale and tonumber(scale, 16) or 1
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 
--- The debt: how far the stored instant lies ahead of now, in units (at most cap).
-local debt = 0
+-- The debt: how far the stored instant lies ahead of now, in units. It exceeds cap when
+-- requests wait for a later instant (their places are taken) or the rule has changed.
+local debt, ahead = 0, 0
 local v = redis.call('GET', key)
 if v then
   if string.find(v, layout, 1, true) == 1 then
@@ -50,17 +53,18 @@ if v and v ~= '' then
     tat, frac = tonumber(string.sub(v, 1, colon - 1), 16), tonumber(string.sub(v, colon + 1), 16)
   end
   if tat > now or (tat == now and frac > 0) then
-    debt = (tat - now) * scale + frac
-    if debt > cap then
-      debt = cap
-    end
+    ahead = (tat - now) * scale
+    debt = ahead + frac
   end
 end
 
 local d = debt + cost
-if d <= cap then
-  -- Admitted: the instant moves d units ahead of now (a floor division, x - x % 1,
-  -- corrected by one when the double quotient is off).
+-- Admitted now; or, when the request may wait, at the instant the band admits it (`d -
+-- cap` units ahead, rounded up to the µs), if that is at most `wait` µs ahead and the
+-- stored instant already lies at or past it: the place is taken now either way.
+if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - cap) then
+  -- The instant moves d units ahead of now (a floor division, x - x % 1, corrected by one
+  -- when the double quotient is off).
   local whole = d / scale
   whole = whole - whole % 1
   if whole * scale > d then

@@ -16,20 +16,42 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local values = redis.call('MGET', unpack(KEYS))
 
--- One pass: each band's debt (how far its instant lies ahead of now, in units, at most its
--- capacity in units) into the reply; a rule admits when each of its bands does, and then
+-- A band's state `d` units ahead of now: the floor of d / scale (the double quotient
+-- corrected by one when it is off) and the remainder, in hexadecimal.
+local function state_after(d, scale)
+  local whole = d / scale
+  whole = whole - whole % 1
+  if whole * scale > d then
+    whole = whole - 1
+  elseif (whole + 1) * scale <= d then
+    whole = whole + 1
+  end
+  local frac = d - whole * scale
+  if frac == 0 then
+    return string.format('%x', now + whole)
+  end
+  return string.format('%x:%x', now + whole, frac)
+end
+
+-- One pass: each band's debt (how far its instant lies ahead of now, in units; more than
+-- its capacity in units when requests wait for a later instant or the rule changed) into
+-- the reply; a rule admits when each of its bands does, and then
 -- its new value (its layout, then each band's state after the request) and its expiry
 -- (its longest window plus one second, in ms, sent by the caller) go into `writes`, with
 -- whether it is in
 -- shadow mode.
 local reply = {now}
 local writes = {}
-local allowed, shadow_allowed = true, true
+local allowed, shadow_allowed, waits = true, true, false
 local arg, n = 1, 1
 for r = 1, #KEYS do
   local flags = tonumber(ARGV[arg], 16)
   local layout, expiry = ARGV[arg + 1], ARGV[arg + 2]
   arg = arg + 3
+  if flags % 8 >= 4 then
+    -- The rule lets the request wait: its longest wait, read again below if needed.
+    waits, arg = true, arg + 1
+  end
   local v = values[r]
   local at, states
   if v then
@@ -41,7 +63,7 @@ for r = 1, #KEYS do
   end
   local value = layout
   local scaled = flags % 4 >= 2
-  for i = 1, (flags - flags % 4) / 4 do
+  for i = 1, (flags - flags % 8) / 8 do
     local cap, cost, scale = tonumber(ARGV[arg], 16), tonumber(ARGV[arg + 1], 16), 1
     if scaled then
       scale = tonumber(ARGV[arg + 2], 16)
@@ -66,9 +88,6 @@ for r = 1, #KEYS do
       end
       if tat > now or (tat == now and frac > 0) then
         debt = (tat - now) * scale + frac
-        if debt > cap then
-          debt = cap
-        end
       end
     end
     n = n + 1
@@ -77,24 +96,10 @@ for r = 1, #KEYS do
     if d > cap then
       value = false
     elseif value then
-      -- The band's state after the request: the floor of d / scale, the double quotient
-      -- corrected by one when it is off, and the remainder.
-      local whole = d / scale
-      whole = whole - whole % 1
-      if whole * scale > d then
-        whole = whole - 1
-      elseif (whole + 1) * scale <= d then
-        whole = whole + 1
-      end
-      local frac = d - whole * scale
       if i > 1 then
         value = value .. '|'
       end
-      if frac == 0 then
-        value = value .. string.format('%x', now + whole)
-      else
-        value = value .. string.format('%x:%x', now + whole, frac)
-      end
+      value = value .. state_after(d, scale)
     end
   end
   local shadow = flags % 2 == 1
@@ -106,6 +111,83 @@ for r = 1, #KEYS do
     end
   end
   writes[3 * r - 2], writes[3 * r - 1], writes[3 * r] = value, expiry, shadow
+end
+
+-- Some enforced band refused: when every refusing one lets the request wait (its rule's
+-- longest wait, in µs) and every band admits it at the instant the last of them does,
+-- `off` µs ahead, the request takes its place there now, all or nothing, as the in-memory
+-- limiter does. A band admits it there when its stored instant lies at or past that
+-- instant (so no bucket jumps ahead for it) and `debt + cost - off × scale <= cap`; a
+-- shadow rule that does not is left as it is. Every band's state becomes `debt + cost`
+-- ahead of now, as after an admission. The caller derives the same from the debts.
+if not allowed and waits then
+  -- Each band in turn: visit(rule, band, layout, shadow, wait, cap, cost, scale, debt),
+  -- ARGV read as above.
+  local function each_band(visit)
+    local a, b = 1, 1
+    for r = 1, #KEYS do
+      local flags, layout, wait = tonumber(ARGV[a], 16), ARGV[a + 1], nil
+      a = a + 3
+      if flags % 8 >= 4 then
+        wait, a = tonumber(ARGV[a], 16), a + 1
+      end
+      local scaled = flags % 4 >= 2
+      for i = 1, (flags - flags % 8) / 8 do
+        local scale = scaled and tonumber(ARGV[a + 2], 16) or 1
+        b = b + 1
+        visit(r, i, layout, flags % 2 == 1, wait, tonumber(ARGV[a], 16), tonumber(ARGV[a + 1], 16), scale, reply[b])
+        a = a + (scaled and 3 or 2)
+      end
+    end
+  end
+  local off, may = 0, true
+  each_band(function(_, _, _, shadow, wait, cap, cost, scale, debt)
+    local excess = debt + cost - cap
+    if excess > 0 and not shadow then
+      if wait and excess <= wait * scale then
+        -- ⌈excess / scale⌉ µs, the double quotient corrected by one when it is off.
+        local q = excess / scale
+        q = q - q % 1
+        if q * scale > excess then
+          q = q - 1
+        elseif (q + 1) * scale < excess then
+          q = q + 1
+        end
+        if q * scale < excess then
+          q = q + 1
+        end
+        if q > off then
+          off = q
+        end
+      else
+        may = false
+      end
+    end
+  end)
+  if may then
+    allowed, shadow_allowed = true, true
+    each_band(function(r, i, layout, shadow, _, cap, cost, scale, debt)
+      local value = i == 1 and layout or writes[3 * r - 2]
+      if debt - debt % scale >= off * scale and debt + cost - off * scale <= cap then
+        if value then
+          value = (i == 1 and value or value .. '|') .. state_after(debt + cost, scale)
+        end
+      elseif value then
+        value = false
+        if shadow then
+          shadow_allowed = false
+        else
+          allowed = false
+        end
+      end
+      writes[3 * r - 2] = value
+    end)
+    -- A state now lies up to `off` µs further ahead than a window: each key outlives it.
+    local extra = (off - off % 1000) / 1000 + 1
+    for r = 1, #KEYS do
+      writes[3 * r - 1] = tonumber(writes[3 * r - 1]) + extra
+    end
+  end
 end
 
 -- When the enforced rules admitted, one write per rule to commit (a shadow rule only when

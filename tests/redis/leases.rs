@@ -330,35 +330,6 @@ rule_sets:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_redis_backend_refuses_rules_that_wait_for_the_refill() {
-    let redis = Redis::start(Servers::standalone()).await;
-    let limiter = RedisLimiter::builder(redis.url())
-        .prefix("wait")
-        .connect()
-        .await
-        .expect("connect to the test Redis");
-    let rules = rules(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: patient
-        bands: [{ capacity: 1, window: 1s }]
-        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
-"#,
-    );
-    let error = Engine::builder(rules)
-        .limiter(limiter)
-        .build()
-        .expect_err("refused when the rules load");
-    let message = error.to_string();
-    assert!(
-        message.contains("rule `patient`") && message.contains("on_limit.wait"),
-        "{message}"
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_taken_for_a_dropped_request_is_kept() {
     let redis = Redis::start(Servers::standalone()).await;
     let engine = instance(&redis, "dropped", leased(1_000, 10, "1h")).await;

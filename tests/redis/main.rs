@@ -29,3 +29,4 @@ mod metrics;
 mod outage;
 mod sentinel;
 mod store;
+mod waiting;

@@ -459,30 +459,23 @@ impl Inner {
     }
 }
 
-/// A rule that waits for the refill (`on_limit.wait`) with a backend that cannot take a
-/// waiting request's place: refused when the rules load, rather than never waiting.
+/// A rule that waits for the refill (`on_limit.wait`, or the engine's default) in a way
+/// the backend cannot ([`RateLimiter::check_wait`]): refused when the rules load, rather
+/// than never waiting.
 fn refuse_waits_without_reservations(
     limiter: &dyn RateLimiter,
     set: &RuleSet,
     default: Option<WaitPolicy>,
 ) -> Result<(), RuleError> {
-    if limiter.reserves() {
-        return Ok(());
+    for rule in set.rules() {
+        let wait = match (rule.wait(), default) {
+            (Some(policy), _) => policy,
+            (None, Some(policy)) if rule.lease().is_none() => policy,
+            _ => continue,
+        };
+        limiter.check_wait(set, rule, wait.max_wait())?;
     }
-    let waits = |rule: &&Rule| rule.wait().is_some() || (default.is_some() && rule.lease().is_none());
-    match set.rules().iter().find(waits) {
-        None => Ok(()),
-        Some(rule) => Err(RuleError::Unsupported {
-            backend: limiter.backend_name(),
-            rule_set: set.id().to_string(),
-            rule: rule.id().to_string(),
-            band: rule.bands().first().map(|b| b.name().to_string()).unwrap_or_default(),
-            message: "waiting for the refill (the rule's on_limit.wait, or the engine's \
-                      wait_on_limit): this backend does not take a waiting request's place; \
-                      decide the rule in memory, or let it refuse at once"
-                .to_owned(),
-        }),
-    }
+    Ok(())
 }
 
 impl RateLimitHandler for Engine {

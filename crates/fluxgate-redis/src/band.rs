@@ -1,7 +1,10 @@
 //! A band as the scripts compute it: its three numbers, and the range in which they decide
 //! it exactly.
 
-use fluxgate_core::{Band, Rule, RuleError};
+use std::time::Duration;
+
+use fluxgate_core::rule::format_duration;
+use fluxgate_core::{Algorithm, Band, Rule, RuleError, RuleSet};
 
 use crate::protocol::{BandArgs, ScriptAlgorithm};
 
@@ -23,6 +26,58 @@ pub const MAX_LOG_CAPACITY: u64 = 1 << 20;
 /// [`RuleError::Unsupported`] saying why not.
 pub(crate) fn check(rule_set: &str, rule: &Rule, band: &Band) -> Result<(), RuleError> {
     numbers(rule_set, rule, band).map(drop)
+}
+
+/// Checks that the requests of `rule` of `set` can wait for the refill up to `max_wait` on
+/// Redis: every rule of the set is a token bucket (the token-bucket scripts decide a
+/// request's rules at one instant and take a waiting request's place; the other
+/// algorithms' script does not), and each band's state stays within the scripts' exact
+/// arithmetic when it lies `max_wait` beyond its capacity.
+///
+/// # Errors
+///
+/// [`RuleError::Unsupported`] naming the rule that waits and why.
+pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+    let first = rule.bands().first();
+    let fail = |message: String| match first {
+        Some(band) => unsupported(set.id(), rule, band, message),
+        None => RuleError::Unsupported {
+            backend: "redis",
+            rule_set: set.id().to_string(),
+            rule: rule.id().to_string(),
+            band: String::new(),
+            message,
+        },
+    };
+    let wait = format_duration(max_wait);
+    if let Some(other) = set.rules().iter().find(|r| r.algorithm() != Algorithm::TokenBucket) {
+        return Err(fail(format!(
+            "waiting for the refill (up to {wait}): on Redis a request waits only in a rule set whose rules are \
+             all token buckets, which one script decides at one instant; rule `{}` is a {}",
+            other.id(),
+            other.algorithm().as_str()
+        )));
+    }
+    let wait_us = u64::try_from(max_wait.as_micros()).unwrap_or(u64::MAX);
+    for other in set.rules() {
+        for band in other.bands().iter() {
+            let [capacity, scale, interval] = numbers(set.id(), other, band)?;
+            let furthest = wait_us
+                .checked_mul(scale)
+                .and_then(|ahead| ahead.checked_add(capacity.saturating_mul(interval)));
+            if furthest.is_none_or(|n| n > MAX_SCALED_CAPACITY) {
+                return Err(fail(format!(
+                    "waiting for the refill up to {wait}: band `{}` of rule `{}` ({} per {}) would then lie \
+                     beyond 2^52 units, the largest the script computes exactly; wait less",
+                    band.name(),
+                    other.id(),
+                    band.capacity(),
+                    format_duration(band.window()),
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A band's three numbers for the scripts.
@@ -117,7 +172,7 @@ fn numbers(rule_set: &str, rule: &Rule, band: &Band) -> Result<[u64; 3], RuleErr
                 "{} per {}: {what} is {shown}, above 2^52 ({MAX_SCALED_CAPACITY}), the largest the script computes \
                  exactly; use a smaller capacity or a shorter window",
                 capacity,
-                fluxgate_core::rule::format_duration(window),
+                format_duration(window),
             )));
         }
     }

@@ -65,11 +65,12 @@ pub(crate) async fn decide_across_slots(
     if let Some(position) = per_band.iter().position(Option::is_none) {
         return Err(RedisError::Reply(format!("no reply for band {position}")));
     }
+    // Requests split across slots never wait (see `encode`).
     Ok(outcome(
         &request,
-        allowed,
-        shadow_allowed,
+        (allowed, shadow_allowed),
         now_us,
+        0,
         per_band.into_iter().flatten(),
     ))
 }

@@ -2,10 +2,10 @@
 
 use std::fmt;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
-use fluxgate_core::{BoxError, MaybeReady, RuleError, RuleSet};
+use fluxgate_core::{BoxError, MaybeReady, Rule, RuleError, RuleSet};
 use fred::clients::Client;
 
 use crate::band;
@@ -160,7 +160,11 @@ impl RateLimiter for RedisLimiter {
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let start = Instant::now();
-        if let Some(outcome) = inner.denied.as_ref().and_then(|c| c.check(request, &calls, start)) {
+        // A request that may wait for the refill is decided by Redis: a refusal remembered
+        // for another's retry-after would refuse one that can wait now.
+        let waits = request.buckets().any(|b| !b.max_wait().is_zero());
+        let denied = inner.denied.as_ref().filter(|_| !waits);
+        if let Some(outcome) = denied.and_then(|c| c.check(request, &calls, start)) {
             #[cfg(feature = "metrics")]
             metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
             return MaybeReady::ready(Ok(outcome));
@@ -193,12 +197,12 @@ impl RateLimiter for RedisLimiter {
                     };
                     let outcome = outcome(
                         &request,
-                        reply.allowed,
-                        reply.shadow_allowed,
+                        (reply.allowed, reply.shadow_allowed),
                         reply.now_us,
+                        reply.admitted_after_us,
                         reply.bands(),
                     );
-                    if let Some(cache) = &inner.denied {
+                    if let Some(cache) = inner.denied.as_ref().filter(|_| !waits) {
                         cache.remember(&request, &inner.prefix, &bands, &outcome, start);
                     }
                     Ok(outcome)
@@ -229,6 +233,12 @@ impl RateLimiter for RedisLimiter {
 
     fn backend_name(&self) -> &'static str {
         "redis"
+    }
+
+    /// Redis takes a waiting request's place where every rule of its rule set is a token
+    /// bucket (see `docs/acquisition.md`, "Wait for refill").
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        band::check_wait(set, rule, max_wait)
     }
 
     fn gives_back(&self) -> bool {

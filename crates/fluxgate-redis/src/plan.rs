@@ -59,6 +59,7 @@ pub(crate) struct RulePlan {
     rule_set: Name,
     rule: Name,
     permits: u64,
+    max_wait_us: i64,
     algorithm: Algorithm,
     mode: Mode,
     /// The scripts' arguments.
@@ -74,22 +75,32 @@ pub(crate) struct RulePlan {
 }
 
 /// The plan of `rule` of the rule set `rule_set` for a request of `permits` (the rule's
-/// cost, or a lease's), the thread's kept one when it has it.
+/// cost, or a lease's) that may wait `max_wait_us` for a token-bucket rule to admit it (0:
+/// not at all), the thread's kept one when it has it.
 ///
 /// # Errors
 ///
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated). `rule` has at least one band.
-pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band, permits: u64) -> Result<Arc<RulePlan>, RuleError> {
-    // A cost other than the rule's (a lease's) is a plan of its own, found beside it.
+pub(crate) fn plan(
+    rule_set: &Name,
+    rule: &Rule,
+    first: &Band,
+    permits: u64,
+    max_wait_us: i64,
+) -> Result<Arc<RulePlan>, RuleError> {
+    // A cost other than the rule's (a lease's), or a wait, is a plan of its own, found
+    // beside it.
     let other_cost = (permits ^ rule.permits()) as usize;
-    let address = rule.bands().as_ptr() as usize ^ other_cost.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize);
+    let address = rule.bands().as_ptr() as usize
+        ^ other_cost.wrapping_mul(0x9e37_79b9_7f4a_7c15_u64 as usize)
+        ^ (max_wait_us as usize).wrapping_mul(0xc2b2_ae3d_27d4_eb4f_u64 as usize);
     let kept = PLANS
         .try_with(|plans| {
             let plans = plans.try_borrow().ok()?;
             plans
                 .get(&address)
-                .filter(|plan| plan.is_for(rule_set, rule, permits))
+                .filter(|plan| plan.is_for(rule_set, rule, permits, max_wait_us))
                 .cloned()
         })
         .ok()
@@ -97,7 +108,7 @@ pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band, permits: u64) -> 
     if let Some(plan) = kept {
         return Ok(plan);
     }
-    let plan = Arc::new(RulePlan::new(rule_set, rule, first, permits)?);
+    let plan = Arc::new(RulePlan::new(rule_set, rule, first, permits, max_wait_us)?);
     let _ = PLANS.try_with(|plans| {
         if let Ok(mut plans) = plans.try_borrow_mut() {
             if plans.len() >= KEPT {
@@ -110,7 +121,7 @@ pub(crate) fn plan(rule_set: &Name, rule: &Rule, first: &Band, permits: u64) -> 
 }
 
 impl RulePlan {
-    fn new(rule_set: &Name, rule: &Rule, first: &Band, cost: u64) -> Result<Self, RuleError> {
+    fn new(rule_set: &Name, rule: &Rule, first: &Band, cost: u64, max_wait_us: i64) -> Result<Self, RuleError> {
         let set: &str = rule_set.as_ref();
         let algorithm = script_algorithm(set, rule, first)?;
         let permits = script_number(cost, set, rule, first)?;
@@ -150,12 +161,14 @@ impl RulePlan {
             permits,
             flags: Flags::new(numbers.len(), algorithm, shadow),
             layout,
+            max_wait_us,
         };
         Ok(Self {
             bands: rule.bands().clone(),
             rule_set: rule_set.clone(),
             rule: rule.id().clone(),
             permits: cost,
+            max_wait_us,
             algorithm: rule.algorithm(),
             mode: rule.mode(),
             args: Arc::new(RuleArgs::new(bucket, numbers)),
@@ -165,12 +178,13 @@ impl RulePlan {
     }
 
     /// Whether this plan was made from `rule` (or a copy of it) of the rule set `rule_set`,
-    /// for a request of `permits`.
-    fn is_for(&self, rule_set: &Name, rule: &Rule, permits: u64) -> bool {
+    /// for a request of `permits` that may wait `max_wait_us`.
+    fn is_for(&self, rule_set: &Name, rule: &Rule, permits: u64, max_wait_us: i64) -> bool {
         Arc::ptr_eq(&self.bands, rule.bands())
             && self.rule == *rule.id()
             && self.rule_set == *rule_set
             && self.permits == permits
+            && self.max_wait_us == max_wait_us
             && self.algorithm == rule.algorithm()
             && self.mode == rule.mode()
     }
@@ -241,7 +255,7 @@ mod tests {
     fn the_plan(sets: &RuleSets, rule: usize) -> Arc<RulePlan> {
         let set = sets.get("api").unwrap();
         let rule = &set.rules()[rule];
-        plan(set.id(), rule, &rule.bands()[0], rule.permits()).unwrap()
+        plan(set.id(), rule, &rule.bands()[0], rule.permits(), 0).unwrap()
     }
 
     #[test]
@@ -286,7 +300,7 @@ mod tests {
         let rule = &copy.rules()[0];
         assert!(Arc::ptr_eq(
             &a,
-            &plan(copy.id(), rule, &rule.bands()[0], rule.permits()).unwrap()
+            &plan(copy.id(), rule, &rule.bands()[0], rule.permits(), 0).unwrap()
         ));
         // The same ids with other bands (a reload) make another plan.
         let second = rules(&json(20));
@@ -318,7 +332,7 @@ mod tests {
             let set = sets.get("api").unwrap();
             for round in 0..2 {
                 for (i, rule) in set.rules().iter().enumerate() {
-                    let plan = plan(set.id(), rule, &rule.bands()[0], rule.permits()).unwrap();
+                    let plan = plan(set.id(), rule, &rule.bands()[0], rule.permits(), 0).unwrap();
                     assert_eq!(
                         plan.args.bands[0].capacity,
                         i64::try_from(i).unwrap() + 1,

@@ -104,6 +104,9 @@ pub(crate) struct BucketArgs {
     pub(crate) permits: i64,
     pub(crate) flags: Flags,
     pub(crate) layout: Option<Str>,
+    /// How long the request may wait for a token-bucket rule's bands to admit it, in µs
+    /// (0: refused at once); see [`DecideArgs::token_reply`].
+    pub(crate) max_wait_us: i64,
 }
 
 /// What a decision call sends for one rule, worked out once per rule (see
@@ -142,10 +145,11 @@ impl RuleArgs {
         self.bucket.flags.algorithm() == ScriptAlgorithm::TokenBucket.number()
     }
 
-    /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 4 + scaled × 2 + shadow`, its
-    /// layout and its key's expiry in ms (its longest window plus one second, in decimal,
-    /// passed to `PSETEX` as it came), then for each of its bands its capacity and the
-    /// request's cost in units and, when some band of the rule has a scale other than 1
+    /// Its part of the `ARGV` of `token_buckets.lua`: `bands × 8 + waits × 4 + scaled × 2 +
+    /// shadow`, its layout and its key's expiry in ms (its longest window and longest wait
+    /// plus one second, in decimal, passed to `PSETEX` as it came), then its longest wait in
+    /// µs when the request may wait (`waits`), then for each of its bands its capacity and
+    /// the request's cost in units and, when some band of the rule has a scale other than 1
     /// (`scaled`), its scale, in hexadecimal (see `lua/README.md`, "The token-bucket call").
     fn write_token_buckets_argv(&self) -> Vec<Value> {
         let bucket = &self.bucket;
@@ -155,14 +159,21 @@ impl RuleArgs {
             .map(|band| TokenBand::new(bucket.permits, *band))
             .collect();
         let scaled = bands.iter().any(|band| band.scale != 1);
-        let mut argv = Vec::with_capacity(2 + 3 * bands.len());
+        let mut argv = Vec::with_capacity(3 + 3 * bands.len());
         let count = i64::try_from(bands.len()).unwrap_or(i64::MAX);
-        let flags = count.saturating_mul(4) + 2 * i64::from(scaled) + i64::from(bucket.flags.is_shadow());
+        let waits = bucket.max_wait_us > 0;
+        let flags = count.saturating_mul(8)
+            + 4 * i64::from(waits)
+            + 2 * i64::from(scaled)
+            + i64::from(bucket.flags.is_shadow());
         argv.push(hex(flags));
         argv.push(Value::String(bucket.layout.clone().unwrap_or_default()));
         // capacity × interval / scale is a band's window in µs (validated below 2^52).
         let window_us = bands.iter().map(|band| band.cap / band.scale.max(1)).max().unwrap_or(0);
-        argv.push(Value::String(Str::from((window_us / 1000 + 1001).to_string())));
+        argv.push(Value::String(Str::from(self.expiry_ms(window_us).to_string())));
+        if waits {
+            argv.push(hex(bucket.max_wait_us));
+        }
         for band in bands {
             argv.extend([hex(band.cap), hex(band.cost)]);
             if scaled {
@@ -173,9 +184,9 @@ impl RuleArgs {
     }
 
     /// The `ARGV` of `one_token_bucket.lua`: the layout, the band's capacity and the
-    /// request's cost in units (hexadecimal), the key's expiry in ms (the window plus one
-    /// second, as `px()` in `lua/common.lua`), then the scale (hexadecimal), left out when
-    /// it is 1.
+    /// request's cost in units (hexadecimal), the key's expiry in ms (the window and the
+    /// longest wait plus one second), then the scale (hexadecimal), left out when it is 1
+    /// and the request may not wait, then the longest wait in µs (hexadecimal) when it may.
     fn write_one_token_bucket_argv(&self, band: BandArgs) -> Vec<Value> {
         let numbers = TokenBand::new(self.bucket.permits, band);
         // capacity × interval / scale is the window in µs (validated below 2^52).
@@ -184,12 +195,24 @@ impl RuleArgs {
             Value::String(self.bucket.layout.clone().unwrap_or_default()),
             hex(numbers.cap),
             hex(numbers.cost),
-            Value::Integer(window_us / 1000 + 1001),
+            Value::Integer(self.expiry_ms(window_us)),
         ];
-        if numbers.scale != 1 {
+        let waits = self.bucket.max_wait_us > 0;
+        if numbers.scale != 1 || waits {
             argv.push(hex(numbers.scale));
         }
+        if waits {
+            argv.push(hex(self.bucket.max_wait_us));
+        }
         argv
+    }
+
+    /// A token-bucket rule's key expiry in ms, its longest window being `window_us`: one
+    /// second after the last instant a band's state may lie ahead of now (its window, and
+    /// the longest wait of a request that took its place ahead), as `px()` in
+    /// `lua/common.lua`.
+    fn expiry_ms(&self, window_us: i64) -> i64 {
+        window_us.saturating_add(self.bucket.max_wait_us) / 1000 + 1001
     }
 }
 
@@ -303,7 +326,9 @@ impl DecideArgs {
     /// The reply of a token-bucket script (`now_us`, then each band's debt before the
     /// request), read as the script decided: a rule admits when each of its bands does; the
     /// enforced rules commit when they all admit, the shadow rules when, besides, every
-    /// shadow rule admits.
+    /// shadow rule admits. When an enforced band refuses and every refusing one lets the
+    /// request wait ([`wait_us`](Self::wait_us)), the rules are decided again at that
+    /// instant, and the request admitted then commits now.
     ///
     /// # Errors
     ///
@@ -315,18 +340,12 @@ impl DecideArgs {
         if debts.len() != self.band_count {
             return Err(Reply::wrong_length(numbers, self.band_count));
         }
-        let (mut allowed, mut shadow_allowed) = (true, true);
-        let mut at = 0;
-        for (bucket, bands) in self.buckets() {
-            let admits = bands
-                .iter()
-                .zip(&debts[at..])
-                .all(|(band, &debt)| TokenBand::new(bucket.permits, *band).admits(debt));
-            at += bands.len();
-            if bucket.flags.is_shadow() {
-                shadow_allowed &= admits;
-            } else {
-                allowed &= admits;
+        let (mut allowed, mut shadow_allowed) = self.verdicts(debts, 0);
+        let mut off = 0;
+        if !allowed {
+            if let Some(wait) = self.wait_us(debts) {
+                (allowed, shadow_allowed) = self.verdicts(debts, wait);
+                off = if allowed { wait } else { 0 };
             }
         }
         let mut replies = Vec::with_capacity(self.band_count);
@@ -341,8 +360,50 @@ impl DecideArgs {
             allowed,
             shadow_allowed,
             now_us,
+            admitted_after_us: off,
             bands: replies,
         })
+    }
+
+    /// Whether the enforced rules, and the shadow rules, admit a request `off` µs after the
+    /// decision, each band's debt at the decision being in `debts` (see
+    /// [`TokenBand::admits_at`]).
+    fn verdicts(&self, debts: &[i64], off: i64) -> (bool, bool) {
+        let (mut allowed, mut shadow_allowed) = (true, true);
+        let mut debts = debts.iter();
+        for (bucket, bands) in self.buckets() {
+            let admits = bands.iter().zip(debts.by_ref()).fold(true, |all, (band, &debt)| {
+                all & TokenBand::new(bucket.permits, *band).admits_at(debt, off)
+            });
+            if bucket.flags.is_shadow() {
+                shadow_allowed &= admits;
+            } else {
+                allowed &= admits;
+            }
+        }
+        (allowed, shadow_allowed)
+    }
+
+    /// How long, in µs, a request some enforced band refuses waits for the last of them to
+    /// admit it, if each such band's rule lets it wait that long (its `max_wait_us`);
+    /// `None` when one does not.
+    fn wait_us(&self, debts: &[i64]) -> Option<i64> {
+        let mut wait = 0;
+        let mut debts = debts.iter();
+        for (bucket, bands) in self.buckets() {
+            for (band, &debt) in bands.iter().zip(debts.by_ref()) {
+                let band = TokenBand::new(bucket.permits, *band);
+                if bucket.flags.is_shadow() || band.admits(debt) {
+                    continue;
+                }
+                let excess = band.excess(debt);
+                if excess > bucket.max_wait_us.saturating_mul(band.scale) {
+                    return None;
+                }
+                wait = wait.max(ceil_div(excess, band.scale));
+            }
+        }
+        Some(wait)
     }
 }
 
@@ -375,29 +436,51 @@ impl TokenBand {
         }
     }
 
-    /// Whether the band admits the request, its debt (the units its instant lies ahead of
-    /// now) being `debt`.
-    fn admits(self, debt: i64) -> bool {
-        debt.saturating_add(self.cost) <= self.cap
+    /// How far the request's cost takes the band past its capacity, its debt (the units its
+    /// instant lies ahead of now) being `debt`: the band admits when it is at most 0.
+    fn excess(self, debt: i64) -> i64 {
+        debt.saturating_add(self.cost) - self.cap
     }
 
-    /// What the band reports after the decision, its debt before being `debt`: committed,
-    /// its debt grows by the cost.
+    /// Whether the band admits the request, its debt being `debt`.
+    fn admits(self, debt: i64) -> bool {
+        self.excess(debt) <= 0
+    }
+
+    /// Whether the band admits the request at `off` µs after the decision, its debt at the
+    /// decision being `debt`, and takes its place then as it would now: its stored instant
+    /// lies at or past that instant (whole µs: `debt` less its remainder, at least `off ×
+    /// scale`), so that it does not jump ahead, and `debt + cost - off × scale <= cap`. At
+    /// `off = 0`, whether it admits now.
+    fn admits_at(self, debt: i64, off: i64) -> bool {
+        let ahead = off.saturating_mul(self.scale);
+        debt - debt % self.scale >= ahead && self.excess(debt) <= ahead
+    }
+
+    /// What the band reports after the decision, its debt before being `debt`: committed
+    /// (admitted now, or its place taken for later), its debt grows by the cost. The debt
+    /// may exceed the capacity (requests waiting for a later instant, or a rule changed):
+    /// remaining counts from the capacity, the reset and the wait from the whole debt.
     fn reply(self, debt: i64, committed: bool) -> BandReply {
-        let debt = debt.clamp(0, self.cap);
-        let admits = self.admits(debt);
-        let after = if committed && admits { debt + self.cost } else { debt };
-        let wait = if admits {
+        let debt = debt.max(0);
+        let allowed = committed || self.admits(debt);
+        let after = if committed {
+            debt.saturating_add(self.cost)
+        } else {
+            debt
+        };
+        let wait = if allowed {
             Wait::None
         } else if self.cost > self.cap {
             Wait::Never
         } else {
-            let excess = debt + self.cost - self.cap;
-            Wait::After(Duration::from_micros(nonnegative(ceil_div(excess, self.scale).max(1))))
+            Wait::After(Duration::from_micros(nonnegative(
+                ceil_div(self.excess(debt), self.scale).max(1),
+            )))
         };
         BandReply {
-            allowed: admits,
-            remaining: nonnegative((self.cap - after) / self.interval),
+            allowed,
+            remaining: nonnegative((self.cap - after.min(self.cap)) / self.interval),
             reset_after: Duration::from_micros(nonnegative(ceil_div(after, self.scale))),
             wait,
         }
@@ -479,6 +562,9 @@ pub(crate) struct Reply {
     pub(crate) shadow_allowed: bool,
     /// Redis `TIME` of the decision, in µs.
     pub(crate) now_us: i64,
+    /// How long after `now_us` the request is admitted: 0, unless it waits for the refill
+    /// (its place taken now).
+    pub(crate) admitted_after_us: i64,
     bands: Vec<BandReply>,
 }
 
@@ -502,6 +588,7 @@ impl Reply {
             allowed: allowed == 1,
             shadow_allowed: shadow_allowed == 1,
             now_us,
+            admitted_after_us: 0,
             bands: numbers[Self::HEAD..]
                 .chunks_exact(BandReply::LEN)
                 .filter_map(|chunk| chunk.try_into().ok())
@@ -671,6 +758,7 @@ mod tests {
             permits,
             flags: Flags::new(bands, ScriptAlgorithm::TokenBucket, shadow),
             layout: Some(Str::from_static("b0:10/1s|")),
+            max_wait_us: 0,
         }
     }
 
@@ -688,6 +776,7 @@ mod tests {
                 permits: 3,
                 flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
                 layout: None,
+                max_wait_us: 0,
             },
             &[BandArgs {
                 capacity: 5,
@@ -754,7 +843,7 @@ mod tests {
         assert_eq!(
             text(&args.token_buckets_argv()),
             [
-                "a",
+                "12",
                 "b0:10/1s|",
                 "1001",
                 "e10",
@@ -763,7 +852,7 @@ mod tests {
                 "e10",
                 "168",
                 "7",
-                "7",
+                "b",
                 "b0:10/1s|",
                 "1001",
                 "e10",
@@ -779,13 +868,14 @@ mod tests {
         unscaled.rule(rule(tb(2, false, 2), &[band, long]));
         assert_eq!(
             text(&unscaled.token_buckets_argv()),
-            ["8", "b0:10/1s|", "4601", "e10", "2d0", "36ee80", "afc80"]
+            ["10", "b0:10/1s|", "4601", "e10", "2d0", "36ee80", "afc80"]
         );
         args.rule(rule(
             BucketArgs {
                 permits: 1,
                 flags: Flags::new(1, ScriptAlgorithm::LeakyBucket, false),
                 layout: None,
+                max_wait_us: 0,
             },
             &[band],
         ));
@@ -846,6 +936,116 @@ mod tests {
         );
         assert!(args.token_reply(&[42, 0]).is_err());
         assert!(args.token_reply(&[]).is_err());
+    }
+
+    /// A request that may wait: its longest wait in the arguments, and the key's expiry
+    /// past it.
+    #[test]
+    fn waiting_arguments() {
+        let band = BandArgs {
+            capacity: 10,
+            a: 1,
+            b: 360,
+        };
+        let waiting = |bands: &[BandArgs]| {
+            let mut args = DecideArgs::new();
+            args.rule(rule(
+                BucketArgs {
+                    max_wait_us: 2_500_000,
+                    ..tb(bands.len(), false, 1)
+                },
+                bands,
+            ));
+            args
+        };
+        // One band: the scale (1) is sent, then the wait (2.5 s = 0x2625a0 µs); the key
+        // outlives the window (3.6 ms) and the wait by a second: 2,503.6 ms, rounded
+        // down, + 1001.
+        let argv = waiting(&[band]).one_token_bucket_argv().unwrap();
+        assert_eq!(text(&argv), ["b0:10/1s|", "e10", "168", "3504", "1", "2625a0"]);
+        // Several: the flags say the rule waits (2 × 8 + 4), the wait follows the expiry.
+        assert_eq!(
+            text(&waiting(&[band, band]).token_buckets_argv()),
+            ["14", "b0:10/1s|", "3504", "2625a0", "e10", "168", "e10", "168"]
+        );
+    }
+
+    /// A token-bucket reply when the request may wait: the verdicts and figures of the
+    /// request admitted later, its place taken now, as the scripts decide.
+    #[test]
+    fn waiting_replies() {
+        // 10 per 3,600 µs at scale 1: a permit costs 360 units, the band holds 3,600.
+        let band = BandArgs {
+            capacity: 10,
+            a: 1,
+            b: 360,
+        };
+        let waits = |max_wait_us| BucketArgs {
+            max_wait_us,
+            ..tb(1, false, 1)
+        };
+        for (debt, max_wait_us, admitted_after_us) in [
+            // A full bucket: admitted now, whatever the wait.
+            (3_240, 1_000, Some(0)),
+            // Empty: the next permit in 360 µs.
+            (3_600, 1_000, Some(360)),
+            (3_600, 360, Some(360)),
+            (3_600, 359, None),
+            // Three waiters ahead: the fourth place, 4 × 360 µs ahead.
+            (4_680, 2_000, Some(1_440)),
+            (4_680, 1_439, None),
+        ] {
+            let mut args = DecideArgs::new();
+            args.rule(rule(waits(max_wait_us), &[band]));
+            let reply = args.token_reply(&[42, debt]).unwrap();
+            assert_eq!(reply.allowed, admitted_after_us.is_some(), "{debt} {max_wait_us}");
+            assert_eq!(reply.admitted_after_us, admitted_after_us.unwrap_or(0));
+            let [b]: [BandReply; 1] = reply.bands().collect::<Vec<_>>().try_into().unwrap();
+            if admitted_after_us.is_some() {
+                // Committed: the debt grows by the cost, past the capacity while waiting.
+                assert_eq!(b.wait, Wait::None);
+                assert_eq!(b.reset_after, Duration::from_micros((debt + 360) as u64));
+            } else {
+                // Refused: the wait counts every place taken ahead.
+                assert_eq!(b.wait, Wait::After(Duration::from_micros((debt + 360 - 3_600) as u64)));
+            }
+            // Every permit taken: none remains.
+            assert_eq!(b.remaining, 0);
+        }
+
+        // Two rules: the second, waiting, needs 720 µs; the first admits now and its instant
+        // lies 1,000 µs ahead, past 720: it takes its place then as now.
+        let mut args = DecideArgs::new();
+        args.rule(rule(tb(1, false, 1), &[band]));
+        args.rule(rule(waits(1_000), &[band]));
+        let reply = args.token_reply(&[42, 1_000, 3_960]).unwrap();
+        assert!(reply.allowed);
+        assert_eq!(reply.admitted_after_us, 720);
+        let bands: Vec<_> = reply.bands().collect();
+        assert_eq!(bands[0].remaining, (3_600 - 1_360) / 360);
+        assert!(bands.iter().all(|b| b.allowed));
+        // The first rule's instant lies only 500 µs ahead: taking its place 720 µs ahead
+        // would move it on, holding back its other requests: refused at once.
+        let reply = args.token_reply(&[42, 500, 3_960]).unwrap();
+        assert!(!reply.allowed);
+        assert_eq!(reply.admitted_after_us, 0);
+        // A rule that may not wait refuses at once, whatever the others allow.
+        let reply = args.token_reply(&[42, 3_600, 0]).unwrap();
+        assert!(!reply.allowed);
+        // A shadow rule never makes a request wait.
+        let mut args = DecideArgs::new();
+        args.rule(rule(
+            BucketArgs {
+                max_wait_us: 1_000,
+                ..tb(1, true, 1)
+            },
+            &[band],
+        ));
+        let reply = args.token_reply(&[42, 3_600]).unwrap();
+        assert_eq!(
+            (reply.allowed, reply.shadow_allowed, reply.admitted_after_us),
+            (true, false, 0)
+        );
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! A request as script calls, one per hash slot, and their replies back as an outcome.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate_core::RuleError;
+use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Bucket};
+use fluxgate_core::{Algorithm, RuleError};
 use smallvec::SmallVec;
 
 use crate::key;
@@ -65,11 +66,40 @@ impl CallBand {
 /// What depends on the rule alone comes from its plan ([`plan`]); only the keys are
 /// written per request.
 ///
+/// A request may wait for the refill ([`Bucket::max_wait`](fluxgate_core::limiter::Bucket::max_wait))
+/// only in one call, which decides all its rules at one instant: split across the slots of
+/// a cluster, it is encoded again without waiting, and is refused at once when a band
+/// refuses.
+///
 /// # Errors
 ///
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated).
 pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> Result<SmallVec<[Call; 1]>, RuleError> {
+    let calls = encode_waiting(request, prefix, cluster, true)?;
+    if calls.len() > 1 && request.buckets().any(|b| !b.max_wait().is_zero()) {
+        return encode_waiting(request, prefix, cluster, false);
+    }
+    Ok(calls)
+}
+
+/// How long, in whole µs, the request may wait for `bucket` to admit it, if `waits` and the
+/// rule is an enforced token bucket (the token-bucket scripts take a waiting request's
+/// place; the engine refuses waiting rules of other algorithms on this backend).
+fn max_wait_us(bucket: &Bucket<'_>, waits: bool) -> i64 {
+    if !waits || bucket.shadow() || bucket.rule.algorithm() != Algorithm::TokenBucket {
+        return 0;
+    }
+    i64::try_from(bucket.max_wait().as_micros()).unwrap_or(i64::MAX)
+}
+
+/// [`encode`], letting the request wait when `waits`.
+fn encode_waiting(
+    request: &AcquireRequest,
+    prefix: &str,
+    cluster: bool,
+    waits: bool,
+) -> Result<SmallVec<[Call; 1]>, RuleError> {
     let mut calls: SmallVec<[(u16, Call); 1]> = SmallVec::new();
     let mut position = 0;
     for bucket in request.buckets() {
@@ -77,7 +107,13 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
         let Some(first) = rule.bands().first() else {
             continue; // validated rules have at least one band
         };
-        let plan = plan(bucket.rule_set.id(), rule, first, bucket.permits)?;
+        let plan = plan(
+            bucket.rule_set.id(),
+            rule,
+            first,
+            bucket.permits,
+            max_wait_us(&bucket, waits),
+        )?;
         let start = key::rule_key(prefix, bucket.rule_set.id(), rule, bucket.key.as_str());
         let slot = if cluster {
             // As Redis computes it, from the whole key: with a prefix holding `{` its tag
@@ -142,7 +178,7 @@ pub(crate) fn encode_refund(
     cluster: bool,
     decided_us: i64,
 ) -> Result<SmallVec<[RefundCall; 1]>, RuleError> {
-    Ok(encode(request, prefix, cluster)?
+    Ok(encode_waiting(request, prefix, cluster, false)?
         .iter()
         .map(|call| call.refund(0..call.bands.len(), decided_us))
         .collect())
@@ -166,12 +202,13 @@ impl Call {
 }
 
 /// The outcome of a decision on `request` taken at `now_us` (Redis time), with what Redis
-/// said of each of its bands, in order.
+/// said of each of its bands, in order; admitted `admitted_after_us` later when it waits
+/// for the refill.
 pub(crate) fn outcome(
     request: &AcquireRequest,
-    allowed: bool,
-    shadow_allowed: bool,
+    (allowed, shadow_allowed): (bool, bool),
     now_us: i64,
+    admitted_after_us: i64,
     replies: impl Iterator<Item = BandReply>,
 ) -> AcquireOutcome {
     let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
@@ -180,5 +217,9 @@ pub(crate) fn outcome(
         .zip(replies)
         .map(|((bucket, band), reply)| bucket.report(band, now_ns, reply.remaining, reply.reset_after, reply.wait))
         .collect();
-    AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands)
+    let outcome = AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands);
+    match u64::try_from(admitted_after_us) {
+        Ok(after) if after > 0 => outcome.admitted_later(Duration::from_micros(after)),
+        _ => outcome,
+    }
 }

@@ -13,7 +13,7 @@ use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
 use crate::handler::RateLimitHandler;
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
-use crate::rule::RuleSet;
+use crate::rule::{Rule, RuleSet};
 
 /// The error of a call refused because the circuit is open.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
@@ -210,8 +210,8 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
         self.inner.is_local()
     }
 
-    fn reserves(&self) -> bool {
-        self.inner.reserves()
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        self.inner.check_wait(set, rule, max_wait)
     }
 
     /// Passed on whether the breaker is open or not: what a lease took must go back.

@@ -19,9 +19,9 @@ use crate::clock::{Clock, SystemClock};
 use smallvec::SmallVec;
 
 use crate::decision::{BandReport, Bands};
-use crate::error::BoxError;
+use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
-use crate::rule::{Algorithm, Band};
+use crate::rule::{Algorithm, Band, Rule, RuleSet};
 
 /// The in-memory limiter: the embedded default backend.
 ///
@@ -867,8 +867,8 @@ impl RateLimiter for MemoryLimiter {
         true
     }
 
-    fn reserves(&self) -> bool {
-        true
+    fn check_wait(&self, _: &RuleSet, _: &Rule, _: Duration) -> Result<(), RuleError> {
+        Ok(())
     }
 
     fn backend_name(&self) -> &'static str {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::decision::Bands;
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
-use crate::rule::RuleSet;
+use crate::rule::{Rule, RuleSet};
 
 pub mod fixed_window;
 pub mod leaky_bucket;
@@ -162,13 +162,28 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         false
     }
 
-    /// Whether this backend lets a request wait for the refill ([`Bucket::max_wait`]):
-    /// it then takes the request's place at the instant it will be admitted, in the same
-    /// step as the decision, and says so in [`AcquireOutcome::admitted_after`]. The
-    /// default is `false`: the engine refuses rules with `on_limit.wait`
-    /// ([`validate`](Self::validate)).
-    fn reserves(&self) -> bool {
-        false
+    /// Checks that this backend lets the requests of `rule` (of `set`) wait for the refill
+    /// up to `max_wait` ([`Bucket::max_wait`]): it then takes a request's place at the
+    /// instant it will be admitted, in the same step as the decision, and says so in
+    /// [`AcquireOutcome::admitted_after`]. The engine calls it, when rules load, for each
+    /// rule that waits (its `on_limit.wait`, or the engine's default).
+    ///
+    /// # Errors
+    ///
+    /// A [`RuleError::Unsupported`] saying why the backend cannot; the default refuses every
+    /// rule.
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        let _ = max_wait;
+        Err(RuleError::Unsupported {
+            backend: self.backend_name(),
+            rule_set: set.id().to_string(),
+            rule: rule.id().to_string(),
+            band: rule.bands().first().map(|b| b.name().to_string()).unwrap_or_default(),
+            message: "waiting for the refill (the rule's on_limit.wait, or the engine's \
+                      wait_on_limit): this backend does not take a waiting request's place; \
+                      decide the rule in memory, or let it refuse at once"
+                .to_owned(),
+        })
     }
 
     /// Gives back what `request` consumed when the backend decided it at
@@ -219,8 +234,8 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
         (**self).is_local()
     }
 
-    fn reserves(&self) -> bool {
-        (**self).reserves()
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        (**self).check_wait(set, rule, max_wait)
     }
 
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {

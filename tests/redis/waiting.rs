@@ -1,0 +1,393 @@
+//! Waiting for the refill (`on_limit: { wait: { max_wait, max_waiters } }`) against a real
+//! `redis-server`: a waiting request's place is taken in the same script call as the
+//! decision, for the exact instant its token buckets admit it (Redis time, in µs), and
+//! kept for it; a dropped waiter gives it back; waiting requests proceed no faster than the
+//! rate; and a rule set the token-bucket scripts cannot decide at one instant is refused
+//! when the rules load.
+//!
+//! Redis reads its own clock, so these tests run in real time. The exact figures they check
+//! come from Redis's answers (the decision's instant and the wait), not from the test's
+//! clock; where a step took so long that a bucket refilled in between, the test says so
+//! instead of asserting.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::limiter::Wait;
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
+use fluxgate::core::{Decision, Engine, RateLimiter, RequestContext, RuleSet, Text, WaitPolicy};
+use fluxgate::redis::{Batching, RedisLimiter};
+
+use crate::support::app::rules;
+use crate::support::redis::{Redis, Servers};
+
+/// A limiter on `redis` with keys under `prefix`, batching its calls when `batching`.
+async fn limiter(redis: &Redis, prefix: &str, batching: Option<Batching>) -> RedisLimiter {
+    RedisLimiter::builder(redis.url())
+        .prefix(prefix)
+        .timeout(Duration::from_secs(20))
+        .batching(batching)
+        .connect()
+        .await
+        .expect("connect to the test Redis")
+}
+
+/// The rule set `default` of `yaml`.
+fn rule_set(yaml: &str) -> Arc<RuleSet> {
+    rules(yaml).get("default").expect("a rule set `default`").clone()
+}
+
+/// A request of the rules at `indexes` of `set`, each keyed `global`, that may wait
+/// `max_wait` for each.
+fn request(set: &Arc<RuleSet>, indexes: &[usize], max_wait: Duration) -> AcquireRequest {
+    let mut request = AcquireRequest::new(set.clone());
+    for (at, &rule) in indexes.iter().enumerate() {
+        request.push(rule, Text::from("global"));
+        request.set_max_wait(at, max_wait);
+    }
+    request
+}
+
+async fn acquire(limiter: &RedisLimiter, request: &AcquireRequest) -> AcquireOutcome {
+    limiter.acquire(request).await.expect("Redis decides")
+}
+
+/// The decision's Redis time, in µs.
+fn at_us(outcome: &AcquireOutcome) -> i64 {
+    i64::try_from(outcome.now_unix_nanos / 1_000).expect("a recent instant")
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).expect("a short wait")
+}
+
+/// Two per 10 s (a permit every 5 s), global.
+const TWO_PER_TEN_SECONDS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 2, window: 10s }]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_takes_the_next_free_instant() {
+    let redis = Redis::start(Servers::standalone()).await;
+    next_free_instants(Some(&redis), limiter(&redis, "next", None).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_takes_the_next_free_instant_in_a_batch() {
+    let redis = Redis::start(Servers::standalone()).await;
+    next_free_instants(None, limiter(&redis, "next-batched", Some(Batching::new())).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_takes_the_next_free_instant_on_a_cluster() {
+    let redis = Redis::start(Servers::shared_cluster()).await;
+    next_free_instants(None, limiter(&redis, "next-cluster", None).await).await;
+}
+
+/// Two per 10 s: two requests pass at once; each next one that may wait 20 s takes the next
+/// permit, 5 s after the one before, exactly as Redis counts it; the one that would wait
+/// 25 s is refused and takes nothing. With `standalone` (the limiter's server, its prefix
+/// `next`), the key's expiry is checked too.
+async fn next_free_instants(standalone: Option<&Redis>, limiter: RedisLimiter) {
+    let set = rule_set(TWO_PER_TEN_SECONDS);
+    let patient = request(&set, &[0], Duration::from_secs(20));
+    let first = acquire(&limiter, &patient).await;
+    assert!(first.allowed && first.admitted_after.is_zero());
+    let t1 = at_us(&first);
+    let mut outcomes = vec![acquire(&limiter, &patient).await];
+    for _ in 0..5 {
+        outcomes.push(acquire(&limiter, &patient).await);
+    }
+    let last = at_us(outcomes.last().expect("six outcomes"));
+    if last - t1 >= 5_000_000 {
+        eprintln!(
+            "the requests took {} ms, past the first permit's refill: not checked",
+            (last - t1) / 1_000
+        );
+        return;
+    }
+    // The second passes at once; the n-th (from 3) waits until t1 + (n - 2) × 5 s.
+    assert!(outcomes[0].allowed && outcomes[0].admitted_after.is_zero());
+    for (n, outcome) in (3..).zip(&outcomes[1..5]) {
+        assert!(outcome.allowed, "request {n} waits");
+        let expected = t1 + (n - 2) * 5_000_000 - at_us(outcome);
+        assert_eq!(micros(outcome.admitted_after), expected, "request {n}");
+        let band = &outcome.bands[0];
+        assert_eq!(band.remaining, 0);
+        // The band is full again once every place taken has passed.
+        assert_eq!(
+            micros(band.reset_after),
+            t1 + n * 5_000_000 - at_us(outcome),
+            "request {n}"
+        );
+    }
+    // The seventh would wait 25 s: refused, and told when it could pass.
+    let refused = &outcomes[5];
+    assert!(!refused.allowed && refused.admitted_after.is_zero());
+    let Wait::After(wait) = refused.bands[0].wait else {
+        panic!("a refusal with a wait: {:?}", refused.bands[0].wait);
+    };
+    assert_eq!(micros(wait), t1 + 25_000_000 - at_us(refused));
+    // It took no place: one that may wait 30 s gets the same instant.
+    let longer = acquire(&limiter, &request(&set, &[0], Duration::from_secs(30))).await;
+    assert!(longer.allowed);
+    assert_eq!(micros(longer.admitted_after), t1 + 25_000_000 - at_us(&longer));
+    // The key outlives the last place taken (35 s after t1), its window and its wait.
+    if let Some(redis) = standalone {
+        let ttl_ms: i64 = redis
+            .server()
+            .cli(&["PTTL", "next:{default:global:global}"])
+            .trim()
+            .parse()
+            .expect("a key with an expiry");
+        assert!(ttl_ms * 1_000 >= t1 + 35_000_000 - at_us(&longer), "{ttl_ms} ms");
+    }
+}
+
+/// Two global token-bucket rules: `slow`, 1 per 4 s, and `wide`, 10 per 10 s (a permit a
+/// second).
+const TWO_RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: slow
+        scope: global
+        bands: [{ capacity: 1, window: 4s }]
+      - id: wide
+        scope: global
+        bands: [{ capacity: 10, window: 10s }]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_several_rules_waits_for_the_slowest_without_moving_the_others() {
+    let redis = Redis::start(Servers::standalone()).await;
+    for batching in [None, Some(Batching::new())] {
+        let prefix = format!("rules-{}", batching.is_some());
+        let limiter = limiter(&redis, &prefix, batching).await;
+        several_rules(&limiter).await;
+    }
+}
+
+async fn several_rules(limiter: &RedisLimiter) {
+    let set = rule_set(TWO_RULES);
+    let wait = Duration::from_secs(10);
+    // `wide` six permits ahead (its instant 6 s ahead), `slow` one (4 s ahead).
+    for _ in 0..6 {
+        assert!(acquire(limiter, &request(&set, &[1], wait)).await.allowed);
+    }
+    let slow = acquire(limiter, &request(&set, &[0], wait)).await;
+    assert!(slow.allowed);
+    let t_slow = at_us(&slow);
+    // Both: `slow` admits it 4 s after its request; `wide`'s instant lies past that, so
+    // taking its place then is taking it now.
+    let both = acquire(limiter, &request(&set, &[0, 1], wait)).await;
+    if at_us(&both) - t_slow >= 1_000_000 {
+        eprintln!("the requests took over a second: not checked");
+        return;
+    }
+    assert!(both.allowed);
+    assert_eq!(micros(both.admitted_after), t_slow + 4_000_000 - at_us(&both));
+    // Again: `slow` would admit it 8 s after its first request, past `wide`'s instant
+    // (7 s): `wide` would have to jump ahead, holding back its other requests. Refused at
+    // once, and neither rule moves.
+    let again = acquire(limiter, &request(&set, &[0, 1], wait)).await;
+    assert!(!again.allowed && again.admitted_after.is_zero());
+    let wide_alone = acquire(limiter, &request(&set, &[1], Duration::ZERO)).await;
+    assert!(wide_alone.allowed, "wide kept its three free permits");
+    assert_eq!(wide_alone.bands[0].remaining, 2);
+}
+
+/// One per 2 s, global, waiting up to 10 s.
+const PATIENT: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1, window: 2s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
+"#;
+
+async fn engine(redis: &Redis, prefix: &str, yaml: &str, batching: Option<Batching>) -> Engine {
+    Engine::builder(rules(yaml))
+        .limiter(limiter(redis, prefix, batching).await)
+        .build()
+        .expect("Redis takes the place of these rules' waiting requests")
+}
+
+async fn check(engine: &Engine) -> Decision {
+    engine
+        .check(&RequestContext::builder().build())
+        .await
+        .expect("a decision")
+}
+
+/// The instant, in µs, at which the global rule's bucket of `key` is full again.
+fn stored_instant(redis: &Redis, key: &str) -> i64 {
+    let value = redis.server().cli(&["GET", key]);
+    let state = value.trim().rsplit('|').next().unwrap_or_default();
+    let whole = state.split(':').next().unwrap_or_default();
+    i64::from_str_radix(whole, 16).unwrap_or_else(|_| panic!("a stored instant in {value:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_waiter_gives_its_place_back() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = engine(&redis, "dropped", PATIENT, None).await;
+    let key = "dropped:{default:global:global}";
+    assert!(check(&engine).await.allowed());
+    let first = stored_instant(&redis, key);
+    // A second request waits for the next permit: its place is taken, 2 s further.
+    let waiter = tokio::spawn({
+        let engine = engine.clone();
+        async move { check(&engine).await }
+    });
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while stored_instant(&redis, key) == first && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stored_instant(&redis, key), first + 2_000_000, "the waiter's place");
+    // The client goes away: its place goes back.
+    waiter.abort();
+    while stored_instant(&redis, key) != first && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(stored_instant(&redis, key), first, "the place given back");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_proceed_no_faster_than_the_rate() {
+    let redis = Redis::start(Servers::standalone()).await;
+    no_faster(&redis, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_proceed_no_faster_than_the_rate_in_batches() {
+    let redis = Redis::start(Servers::standalone()).await;
+    no_faster(&redis, Some(Batching::new())).await;
+}
+
+/// 5 per second, 30 requests at once, each may wait 10 s: all pass, the first five at once
+/// and then one every 200 ms, never sooner.
+async fn no_faster(redis: &Redis, batching: Option<Batching>) {
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 5, window: 1s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
+"#;
+    let engine = engine(redis, "rate", yaml, batching).await;
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..30)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let decision = check(&engine).await;
+                (decision.allowed(), start.elapsed())
+            })
+        })
+        .collect();
+    let mut passed = Vec::new();
+    for task in tasks {
+        let (allowed, at) = task.await.expect("the request's task");
+        assert!(allowed, "every request waits for its permit");
+        passed.push(at);
+    }
+    passed.sort();
+    // The k-th to pass (from 0) passes no sooner than (k − 4) × 200 ms after the start
+    // (1 ms for Redis's µs against the test's clock).
+    for (k, at) in passed.iter().enumerate().skip(5) {
+        let earliest = Duration::from_millis(200 * (k as u64 - 4)).saturating_sub(Duration::from_millis(1));
+        assert!(*at >= earliest, "request {k} passed at {at:?}, before {earliest:?}");
+    }
+    let last = passed.last().copied().unwrap_or_default();
+    let late = last.saturating_sub(Duration::from_millis(200 * 25));
+    eprintln!("the last request passed {late:?} after its instant (the machine's lateness)");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_backend_refuses_waits_its_scripts_cannot_take() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let build = |yaml: &str, limiter: RedisLimiter| {
+        Engine::builder(rules(yaml))
+            .limiter(limiter)
+            .build()
+            .expect_err("refused when the rules load")
+            .to_string()
+    };
+    // A waiting rule beside a rule of another algorithm: one script cannot decide both at
+    // one instant.
+    let mixed = build(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: patient
+        bands: [{ capacity: 1, window: 1s }]
+        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
+      - id: windowed
+        algorithm: fixed_window
+        bands: [{ capacity: 10, window: 1m }]
+"#,
+        limiter(&redis, "mixed", None).await,
+    );
+    assert!(
+        mixed.contains("rule `patient`") && mixed.contains("windowed") && mixed.contains("fixed_window"),
+        "{mixed}"
+    );
+    // A leaky bucket that waits.
+    let leaky = build(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: queue
+        algorithm: leaky_bucket
+        bands: [{ capacity: 1, window: 1s }]
+        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
+"#,
+        limiter(&redis, "leaky", None).await,
+    );
+    assert!(
+        leaky.contains("rule `queue`") && leaky.contains("leaky_bucket"),
+        "{leaky}"
+    );
+    // A wait that takes a band's state past the scripts' exact range.
+    let far = build(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: huge
+        bands: [{ capacity: 2000003, window: 1s }]
+        on_limit: { wait: { max_wait: 1h, max_waiters: 10 } }
+"#,
+        limiter(&redis, "far", None).await,
+    );
+    assert!(far.contains("rule `huge`") && far.contains("2^52"), "{far}");
+    // The engine's default wait counts as the rules' own.
+    let defaulted = Engine::builder(rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: windowed
+        algorithm: fixed_window
+        bands: [{ capacity: 10, window: 1m }]
+"#,
+    ))
+    .limiter(limiter(&redis, "defaulted", None).await)
+    .wait_on_limit(WaitPolicy::new(Duration::from_secs(1), 10).expect("a valid policy"))
+    .build()
+    .expect_err("refused when the rules load")
+    .to_string();
+    assert!(defaulted.contains("rule `windowed`"), "{defaulted}");
+}
