@@ -1,7 +1,7 @@
 //! An axum app limited by FluxGate, in memory by default or in Redis with `--redis`.
 //!
 //! Run with: `cargo run --example quickstart` (options: `--listen ADDR`, `--rules FILE`,
-//! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send ~15
+//! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send ~20
 //! requests to itself, print each status and the rate-limit headers, and exit).
 //!
 //! The rules file is watched: an edit is in force about 100 ms after it is saved, and an
@@ -54,6 +54,7 @@ fn app(engine: Engine) -> Router {
     Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
         .route("/api/orders", get(|| async { "[]\n" }).post(|| async { "created\n" }))
+        .route("/reports", get(|| async { "report\n" }))
         .route("/health", get(|| async { "ok\n" }))
         .layer(
             RateLimitLayer::builder(engine)
@@ -143,6 +144,8 @@ async fn main() {
     println!("  curl -i http://{addr}/api/hello                 # 5 per 10 s, 20 per minute per IP");
     println!("  for i in $(seq 8); do curl -s -o /dev/null -w '%{{http_code}}\\n' http://{addr}/api/hello; done");
     println!("  curl -i -X POST http://{addr}/api/orders        # costs 2 permits of 6 per minute");
+    println!("  for i in $(seq 5); do curl -s -o /dev/null -w '%{{http_code}} %{{time_total}}s\\n' http://{addr}/reports; done");
+    println!("                                                  # 2 per second; the next ones wait for their turn");
     println!("  curl -i http://{addr}/health                    # excluded from limiting");
     server.await.expect("server");
     give_back_leases(&engine).await;
@@ -189,22 +192,33 @@ fn describe(set: &RuleSet) {
     }
 }
 
-/// Sends requests to the running app over a plain TCP connection and prints what comes back.
-async fn demo(addr: SocketAddr) {
+/// Sends `GET path` to the running app over a plain TCP connection; returns the response.
+async fn get_over_tcp(addr: SocketAddr, path: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).await.expect("read");
+    response
+}
+
+/// The status line of `response`, without the protocol.
+fn status(response: &str) -> String {
+    response
+        .lines()
+        .next()
+        .unwrap_or("")
+        .trim_start_matches("HTTP/1.1 ")
+        .to_owned()
+}
+
+/// Sends requests to the running app and prints what comes back.
+async fn demo(addr: SocketAddr) {
     println!("Sending 15 requests to http://{addr}/api/hello (burst: 5 per 10 s):");
     for i in 1..=15 {
-        let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
-        let request = format!("GET /api/hello HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.expect("send");
-        let mut response = String::new();
-        stream.read_to_string(&mut response).await.expect("read");
-        let status = response
-            .lines()
-            .next()
-            .unwrap_or("")
-            .trim_start_matches("HTTP/1.1 ")
-            .to_owned();
+        let response = get_over_tcp(addr, "/api/hello").await;
+        let status = status(&response);
         let header = |name: &str| {
             response
                 .lines()
@@ -223,5 +237,14 @@ async fn demo(addr: SocketAddr) {
             header("retry-after"),
             header("ratelimit"),
         );
+    }
+    println!("Sending 5 requests at once to http://{addr}/reports (2 per second; the others wait):");
+    let start = std::time::Instant::now();
+    let requests: Vec<_> = (0..5)
+        .map(|_| tokio::spawn(async move { (status(&get_over_tcp(addr, "/reports").await), start.elapsed()) }))
+        .collect();
+    for request in requests {
+        let (status, after) = request.await.expect("the request's task");
+        println!("    {status:<22} after {} ms", after.as_millis());
     }
 }

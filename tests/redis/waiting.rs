@@ -239,25 +239,55 @@ fn stored_instant(redis: &Redis, key: &str) -> i64 {
 async fn a_dropped_waiter_gives_its_place_back() {
     let redis = Redis::start(Servers::standalone()).await;
     let engine = engine(&redis, "dropped", PATIENT, None).await;
-    let key = "dropped:{default:global:global}";
-    assert!(check(&engine).await.allowed());
-    let first = stored_instant(&redis, key);
+    let ctx = RequestContext::builder().build();
+    waiter_dropped(&redis, &engine, &ctx, "dropped:{default:global:global}").await;
+}
+
+/// A rule set with a leased rule on other paths: a request of its waiting rule still waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_beside_a_leased_rule_of_its_rule_set() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: everyone
+        match: { paths: ["/api/**"] }
+        scope: global
+        bands: [{ capacity: 1000, window: 1s }]
+        lease: { max: 50, ttl: 1s }
+      - id: reports
+        match: { paths: ["/reports"] }
+        scope: global
+        bands: [{ capacity: 1, window: 2s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
+"#;
+    let engine = engine(&redis, "leased", yaml, None).await;
+    let ctx = RequestContext::builder().path("/reports").build();
+    waiter_dropped(&redis, &engine, &ctx, "leased:{default:reports:global}").await;
+}
+
+/// One request for `ctx` passes; the next waits 2 s for its permit, its place taken in
+/// `key`; dropped, it gives the place back.
+async fn waiter_dropped(redis: &Redis, engine: &Engine, ctx: &RequestContext, key: &str) {
+    assert!(engine.check(ctx).await.expect("a decision").allowed());
+    let first = stored_instant(redis, key);
     // A second request waits for the next permit: its place is taken, 2 s further.
     let waiter = tokio::spawn({
-        let engine = engine.clone();
-        async move { check(&engine).await }
+        let (engine, ctx) = (engine.clone(), ctx.clone());
+        async move { engine.check(&ctx).await }
     });
     let deadline = Instant::now() + Duration::from_secs(20);
-    while stored_instant(&redis, key) == first && Instant::now() < deadline {
+    while stored_instant(redis, key) == first && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(stored_instant(&redis, key), first + 2_000_000, "the waiter's place");
+    assert_eq!(stored_instant(redis, key), first + 2_000_000, "the waiter's place");
     // The client goes away: its place goes back.
     waiter.abort();
-    while stored_instant(&redis, key) != first && Instant::now() < deadline {
+    while stored_instant(redis, key) != first && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(stored_instant(&redis, key), first, "the place given back");
+    assert_eq!(stored_instant(redis, key), first, "the place given back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

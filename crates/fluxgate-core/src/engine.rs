@@ -393,8 +393,16 @@ impl Engine {
         let places = self.inner.waiters.admit(&mut request);
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
+        // Leases decide the requests of leased rules; one that may wait for the refill is
+        // decided by the backend as without leases (its place taken at one instant for all
+        // its rules).
         let acquired = match &self.inner.leases {
-            Some(leases) if request.rule_set().rules().iter().any(|r| r.lease().is_some()) => leases.acquire(&request),
+            Some(leases)
+                if request.buckets().any(|b| b.rule.lease().is_some())
+                    && request.buckets().all(|b| b.max_wait().is_zero()) =>
+            {
+                leases.acquire(&request)
+            }
             _ => self.inner.limiter.acquire(&request),
         };
         match acquired.into_ready() {
