@@ -244,7 +244,8 @@ impl AcquireRequest {
     }
 
     /// Lets the request wait up to `max_wait` for the bucket at `index` to admit it
-    /// instead of a refusal, with a backend that [reserves](super::RateLimiter::reserves).
+    /// instead of a refusal, with a backend that lets its rule wait
+    /// ([`check_wait`](super::RateLimiter::check_wait)).
     pub fn set_max_wait(&mut self, index: usize, max_wait: Duration) {
         if let Some(entry) = self.buckets.get_mut(index) {
             entry.max_wait_nanos = u64::try_from(max_wait.as_nanos()).unwrap_or(u64::MAX);
