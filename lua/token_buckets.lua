@@ -16,23 +16,6 @@ local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local values = redis.call('MGET', unpack(KEYS))
 
--- A band's state `d` units ahead of now: the floor of d / scale (the double quotient
--- corrected by one when it is off) and the remainder, in hexadecimal.
-local function state_after(d, scale)
-  local whole = d / scale
-  whole = whole - whole % 1
-  if whole * scale > d then
-    whole = whole - 1
-  elseif (whole + 1) * scale <= d then
-    whole = whole + 1
-  end
-  local frac = d - whole * scale
-  if frac == 0 then
-    return string.format('%x', now + whole)
-  end
-  return string.format('%x:%x', now + whole, frac)
-end
-
 -- One pass: each band's debt (how far its instant lies ahead of now, in units; more than
 -- its capacity in units when requests wait for a later instant or the rule changed) into
 -- the reply; a rule admits when each of its bands does, and then
@@ -96,10 +79,25 @@ for r = 1, #KEYS do
     if d > cap then
       value = false
     elseif value then
+      -- The band's state after the request: the floor of d / scale, the double quotient
+      -- corrected by one when it is off, and the remainder (inline: a function defined
+      -- here would cost every call).
+      local whole = d / scale
+      whole = whole - whole % 1
+      if whole * scale > d then
+        whole = whole - 1
+      elseif (whole + 1) * scale <= d then
+        whole = whole + 1
+      end
+      local frac = d - whole * scale
       if i > 1 then
         value = value .. '|'
       end
-      value = value .. state_after(d, scale)
+      if frac == 0 then
+        value = value .. string.format('%x', now + whole)
+      else
+        value = value .. string.format('%x:%x', now + whole, frac)
+      end
     end
   end
   local shadow = flags % 2 == 1
@@ -121,6 +119,21 @@ end
 -- shadow rule that does not is left as it is. Every band's state becomes `debt + cost`
 -- ahead of now, as after an admission. The caller derives the same from the debts.
 if not allowed and waits then
+  -- A band's state `d` units ahead of now, as in the loop above.
+  local function state_after(d, scale)
+    local whole = d / scale
+    whole = whole - whole % 1
+    if whole * scale > d then
+      whole = whole - 1
+    elseif (whole + 1) * scale <= d then
+      whole = whole + 1
+    end
+    local frac = d - whole * scale
+    if frac == 0 then
+      return string.format('%x', now + whole)
+    end
+    return string.format('%x:%x', now + whole, frac)
+  end
   -- Each band in turn: visit(rule, band, layout, shadow, wait, cap, cost, scale, debt),
   -- ARGV read as above.
   local function each_band(visit)

@@ -115,7 +115,8 @@ def count(name, script, keys, args, n, per=1):
 def rule(r, bands):
     """One rule of `bands` bands of 10,000,000 per hour, as the crate sends it."""
     layout = ','.join(f'b{b}:10000000/1h' for b in range(bands)) + '|'
-    return [format(bands * 4, 'x'), layout, '3601001'] + ['d693a400', '168'] * bands
+    # Flags: bands × 8 (+ 4 when the request may wait, 2 when scaled, 1 in shadow mode).
+    return [format(bands * 8, 'x'), layout, '3601001'] + ['d693a400', '168'] * bands
 
 
 def main():
