@@ -160,6 +160,42 @@ async fn a_dropped_waiter_gives_its_place_to_the_next_request() {
     assert_eq!(start.elapsed(), Duration::from_millis(900));
 }
 
+/// A waiter dropped while another waits behind it: the one behind counted its place, so
+/// giving the dropped place back would let a new request share the later one. It stays
+/// taken, and no two requests proceed within one permit's interval.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_with_another_behind_it_keeps_its_place() {
+    let clock = TokioClock::new();
+    let engine = waiting_on(clock, "token_bucket", "{ capacity: 1, window: 2s }", "10s", 100);
+    let start = Instant::now();
+    assert!(check(&engine).await.allowed());
+    let spawn = || {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let decision = check(&engine).await;
+            (decision.allowed(), start.elapsed())
+        })
+    };
+    // W1 waits for 2 s, W2 behind it for 4 s.
+    let first = spawn();
+    tokio::task::yield_now().await;
+    let second = spawn();
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    first.abort();
+    assert!(first.await.is_err(), "W1 was dropped");
+    // A new request: after W2 (6 s), not beside it at 4 s.
+    let (allowed, at) = {
+        let decision = check(&engine).await;
+        (decision.allowed(), start.elapsed())
+    };
+    assert!(allowed);
+    assert_eq!(at, Duration::from_secs(6));
+    assert_eq!(second.await.expect("W2 ran"), (true, Duration::from_secs(4)));
+    // W2 and the new request were the last places: with nobody behind, a dropped one's
+    // place goes back (a_dropped_waiter_gives_its_place_to_the_next_request).
+}
+
 /// `tasks` tasks of `each` requests at once against `engine`: the instants (on `clock`)
 /// at which admitted requests proceeded, in order.
 async fn proceed_times(engine: &Engine, clock: TokioClock, tasks: usize, each: usize) -> Vec<u64> {

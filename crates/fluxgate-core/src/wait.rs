@@ -109,6 +109,8 @@ struct Reserved {
     request: AcquireRequest,
     /// The instant of the place, on the backend's clock.
     at_unix_nanos: u64,
+    /// What the backend recorded of each band's state ([`AcquireOutcome::marks`]).
+    marks: Vec<u128>,
     over: bool,
 }
 
@@ -118,7 +120,10 @@ impl Drop for Reserved {
             return;
         }
         // The waiting request was dropped: its place goes back for the next request.
-        match self.limiter.give_back(&self.request, self.at_unix_nanos).into_ready() {
+        let given = self
+            .limiter
+            .give_back_place(&self.request, self.at_unix_nanos, &self.marks);
+        match given.into_ready() {
             Ok(Ok(())) => {}
             Ok(Err(error)) => tracing::warn!(%error, "giving back a waiting request's place failed"),
             Err(pending) => match tokio::runtime::Handle::try_current() {
@@ -147,6 +152,15 @@ pub(crate) fn wait_for<T: Send + 'static>(
     let after = outcome.admitted_after;
     let mut taken = request.clone();
     let shadow_allowed = outcome.shadow_allowed;
+    // The marks of the buckets kept, band by band.
+    let mut marks = Vec::with_capacity(outcome.marks.len());
+    let mut all = outcome.marks.iter();
+    for bucket in request.buckets() {
+        let bands = all.by_ref().take(bucket.rule.bands().len());
+        if !bucket.shadow() || shadow_allowed {
+            marks.extend(bands);
+        }
+    }
     taken.retain(|b| !b.shadow() || shadow_allowed);
     let at_unix_nanos = outcome
         .now_unix_nanos
@@ -155,6 +169,7 @@ pub(crate) fn wait_for<T: Send + 'static>(
         limiter,
         request: taken,
         at_unix_nanos,
+        marks,
         over: false,
     };
     MaybeReady::boxed(async move {

@@ -218,6 +218,16 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
         self.inner.give_back(request, decided_unix_nanos)
     }
+
+    /// Passed on whether the breaker is open or not, as [`give_back`](Self::give_back).
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.inner.give_back_place(request, at_unix_nanos, marks)
+    }
 }
 
 /// Guards a remote [`RateLimitHandler`] (the rate-limit service) as it guards a limiter:
@@ -299,6 +309,7 @@ mod tests {
                 bands: crate::decision::Bands::new(),
                 local,
                 admitted_after: std::time::Duration::ZERO,
+                marks: Vec::new(),
             };
             match *self.answer.lock().unwrap() {
                 Answer::Up => MaybeReady::ready(Ok(outcome(false))),

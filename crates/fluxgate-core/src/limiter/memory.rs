@@ -555,7 +555,11 @@ impl MemoryLimiter {
         self.store(shard, key, next, now, band, bucket.permits);
         let mut bands = Bands::with_capacity(1);
         bands.push(figures_now(shard, key, bucket, band, now));
-        Some(AcquireOutcome::new(true, true, now, bands).admitted_later(wait))
+        Some(
+            AcquireOutcome::new(true, true, now, bands)
+                .admitted_later(wait)
+                .with_marks(vec![mark(next)]),
+        )
     }
 
     /// A request some enforced band refuses, if it may wait for every one of them: the
@@ -608,19 +612,32 @@ impl MemoryLimiter {
             .iter()
             .map(|i| figures_now(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now))
             .collect();
-        Some(AcquireOutcome::new(true, shadow_allowed, now, bands).admitted_later(wait))
+        let marks = nexts.iter().map(|next| next.map_or(0, mark)).collect();
+        Some(
+            AcquireOutcome::new(true, shadow_allowed, now, bands)
+                .admitted_later(wait)
+                .with_marks(marks),
+        )
     }
 
-    /// Gives back what `request` took at `at` (see [`RateLimiter::give_back`]).
-    pub fn give_back_now(&self, request: &AcquireRequest, at: u64) {
+    /// Gives back what `request` took at `at` (see [`RateLimiter::give_back`]); with
+    /// `marks`, a token or leaky bucket only while its state is the one its mark records
+    /// (see [`RateLimiter::give_back_place`]).
+    pub fn give_back_now(&self, request: &AcquireRequest, at: u64, marks: Option<&[u128]>) {
+        let mut position = 0;
         for b in request.buckets() {
             let hash = self.key_hash(&b);
             let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
             for band in b.rule.bands().iter() {
                 let key = hash.band(band);
+                let expected = marks.map(|marks| marks.get(position).copied().unwrap_or(0));
+                position += 1;
                 let (capacity, window, permits) = (band.capacity(), window_nanos(band), b.permits);
                 if let Some(t) = shard.gcra.get_mut(&key) {
-                    *t = token_bucket::give_back(*t, capacity, window, permits);
+                    // A place taken after this one was counted behind it: this one stays.
+                    if expected.is_none_or(|expected| expected == mark(Next::Tat(*t))) {
+                        *t = token_bucket::give_back(*t, capacity, window, permits);
+                    }
                 } else if let Some(slot) = shard.windows.get_mut(&key) {
                     match &mut slot.state {
                         State::Fixed(w) => *w = fixed_window::give_back(*w, at, window, permits),
@@ -684,6 +701,16 @@ impl MemoryLimiter {
             }
             Next::Tat(_) => {}
         }
+    }
+}
+
+/// What [`AcquireOutcome::marks`] records of a band's state after a place was taken: a
+/// token or leaky bucket's instant and remainder; 0 for the window algorithms, whose
+/// places go back by their instant.
+fn mark(next: Next) -> u128 {
+    match next {
+        Next::Tat(t) => (u128::from(t.nanos) << 64) | u128::from(t.frac),
+        _ => 0,
     }
 }
 
@@ -859,7 +886,17 @@ impl RateLimiter for MemoryLimiter {
     }
 
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
-        self.give_back_now(request, decided_unix_nanos);
+        self.give_back_now(request, decided_unix_nanos, None);
+        MaybeReady::ready(Ok(()))
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.give_back_now(request, at_unix_nanos, Some(marks));
         MaybeReady::ready(Ok(()))
     }
 

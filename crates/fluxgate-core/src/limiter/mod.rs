@@ -88,6 +88,12 @@ pub struct AcquireOutcome {
     /// after [`now_unix_nanos`](Self::now_unix_nanos) it may proceed. The backend has
     /// taken its place for that instant; zero for a request admitted at once.
     pub admitted_after: Duration,
+    /// For a request admitted for later: per band of the request, in order, the state the
+    /// backend left in that band when it took the place, as the backend records it (a
+    /// token or leaky bucket's instant in the high 64 bits and its remainder in the low
+    /// ones; 0 for a band without one). [`RateLimiter::give_back_place`] reads them back.
+    /// Empty otherwise.
+    pub marks: Vec<u128>,
 }
 
 impl AcquireOutcome {
@@ -101,7 +107,15 @@ impl AcquireOutcome {
             bands: bands.into(),
             local: false,
             admitted_after: Duration::ZERO,
+            marks: Vec::new(),
         }
+    }
+
+    /// Sets the bands' [`marks`](Self::marks) of a request admitted for later.
+    #[must_use]
+    pub fn with_marks(mut self, marks: Vec<u128>) -> Self {
+        self.marks = marks;
+        self
     }
 
     /// Marks the outcome as admitted for `after` past its decision (a waiting request;
@@ -205,6 +219,32 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         .into()))
     }
 
+    /// Gives back the place a request admitted for later (waiting for the refill) took for
+    /// `at_unix_nanos`, the request having gone before that instant: `marks` are the
+    /// outcome's [`AcquireOutcome::marks`]. As [`give_back`](Self::give_back), except that
+    /// a token or leaky bucket gives it back only while its state is still the one its
+    /// mark records. A place taken after it was counted behind it, and giving this one
+    /// back would let a new request share that later place; so then the place stays
+    /// taken, and its permits pass unused. A backend that lets requests wait
+    /// ([`check_wait`](Self::check_wait)) implements it.
+    ///
+    /// # Errors
+    ///
+    /// The backend's failure; the default says the backend cannot.
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        let _ = (request, at_unix_nanos, marks);
+        MaybeReady::ready(Err(format!(
+            "the {} backend cannot give a waiting request's place back",
+            self.backend_name()
+        )
+        .into()))
+    }
+
     /// A short, fixed name of the backend (`memory`, `redis`): the `backend` label of the
     /// backend metrics. A wrapper such as [`CircuitBreaker`](crate::CircuitBreaker) gives
     /// the name of the backend it wraps. The default is `custom`.
@@ -240,6 +280,15 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
         (**self).give_back(request, decided_unix_nanos)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        (**self).give_back_place(request, at_unix_nanos, marks)
     }
 }
 
