@@ -7,7 +7,8 @@
 --
 -- KEYS[1]: the rule's key. ARGV: the rule's layout (token_bucket.lua, "State"), then in
 -- hexadecimal the band's capacity in units and the request's cost in units, then the
--- key's expiry in ms (the window plus one second, in decimal, passed to SET as it came),
+-- key's expiry in ms (the window and the request's longest wait plus one second, in
+-- decimal, passed to PSETEX as it came),
 -- then the scale in hexadecimal, left out when it is 1 unless a wait follows, then the
 -- longest the request may wait for the band in µs, in hexadecimal, left out when it may
 -- not wait.

@@ -13,10 +13,12 @@ for _, key in ipairs(KEYS) do
   arg = arg + 5
   local rem, reset
   if algorithm == TOKEN_BUCKET then
-    -- The band's rule: its layout, the band's position in it and its band count.
+    -- The band's rule: its layout, the band's position in it and its band count; then the
+    -- state expected of it, or '' (see token_bucket_refund).
     local layout, index, count = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
-    arg = arg + 3
-    rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b)
+    local expect = ARGV[arg + 3]
+    arg = arg + 4
+    rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b, expect)
   else
     local eval, _, refund = algorithm_functions(algorithm)
     refund(key, decided, permits, c, a, b)

@@ -130,12 +130,15 @@ local function token_bucket_band_eval(state, permits, capacity, scale, interval)
 end
 
 -- Refund of band `index` of the `count` bands of a token-bucket rule of `layout` (see
--- gcra_refund below): returns its remaining and reset_after_us after the refund.
-local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval)
+-- gcra_refund below): returns its remaining and reset_after_us after the refund. With an
+-- `expect`ed state (a waiting request's place), only while the band's state is that one:
+-- a place taken after it was counted behind it, and giving it back would let a new
+-- request share that later place.
+local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect)
   local states = rule_states(redis.call('GET', key), layout, count)
   local tat, frac = state_tat(states[index])
   local debt = debt_of(tat, frac, scale)
-  if debt then
+  if debt and (expect == '' or states[index] == expect) then
     debt = debt - permits * interval
     if debt < 0 then
       debt = 0

@@ -20,7 +20,8 @@ local values = redis.call('MGET', unpack(KEYS))
 -- its capacity in units when requests wait for a later instant or the rule changed) into
 -- the reply; a rule admits when each of its bands does, and then
 -- its new value (its layout, then each band's state after the request) and its expiry
--- (its longest window plus one second, in ms, sent by the caller) go into `writes`, with
+-- (its longest window and its wait plus one second, in ms, sent by the caller; the wait
+-- pass below adds its own) go into `writes`, with
 -- whether it is in
 -- shadow mode.
 local reply = {now}

@@ -290,6 +290,45 @@ async fn waiter_dropped(redis: &Redis, engine: &Engine, ctx: &RequestContext, ke
     assert_eq!(stored_instant(redis, key), first, "the place given back");
 }
 
+/// A place given back only while it is the last one taken: a place taken after it was
+/// counted behind it, and giving the earlier one back would let a new request share the
+/// later place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_waiter_with_another_behind_it_keeps_its_place() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let limiter = limiter(&redis, "behind", None).await;
+    let set = rule_set(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1, window: 2s }]
+"#,
+    );
+    let key = "behind:{default:global:global}";
+    let patient = request(&set, &[0], Duration::from_secs(10));
+    assert!(acquire(&limiter, &patient).await.allowed);
+    let first = acquire(&limiter, &patient).await;
+    let second = acquire(&limiter, &patient).await;
+    if first.admitted_after.is_zero() || second.admitted_after.is_zero() {
+        eprintln!("the requests took over 2 s: not checked");
+        return;
+    }
+    let at = |o: &AcquireOutcome| o.now_unix_nanos + u64::try_from(o.admitted_after.as_nanos()).unwrap_or(0);
+    let last = stored_instant(&redis, key);
+    // The first waiter goes: the second is behind it, so nothing moves.
+    let give_back = |o: &AcquireOutcome| limiter.give_back_place(&patient, at(o), &o.marks);
+    give_back(&first).await.expect("Redis answers");
+    assert_eq!(stored_instant(&redis, key), last, "a place behind it: kept");
+    // The second, the last place, goes back; then the first, the last one now.
+    give_back(&second).await.expect("Redis answers");
+    assert_eq!(stored_instant(&redis, key), last - 2_000_000);
+    give_back(&first).await.expect("Redis answers");
+    assert_eq!(stored_instant(&redis, key), last - 4_000_000);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_requests_proceed_no_faster_than_the_rate() {
     let redis = Redis::start(Servers::standalone()).await;

@@ -69,8 +69,8 @@ pub(crate) async fn decide_across_slots(
     Ok(outcome(
         &request,
         (allowed, shadow_allowed),
-        now_us,
-        0,
+        (now_us, 0),
+        Vec::new(),
         per_band.into_iter().flatten(),
     ))
 }
@@ -122,7 +122,7 @@ async fn refund(
             continue;
         }
         let positions: Vec<usize> = bands.iter().map(|&j| call.bands[j].position).collect();
-        let (keys, args) = call.refund(bands, reply.now_us);
+        let (keys, args) = call.refund(bands, reply.now_us, &[]);
         let call = scripts.refund(keys, args);
         pending.push(async move { (positions, call.await) });
     }

@@ -182,7 +182,7 @@ impl RateLimiter for RedisLimiter {
             }) = calls.pop()
             {
                 return MaybeReady::boxed(async move {
-                    let reply = match inner.decide(slot, keys, &args).await {
+                    let mut reply = match inner.decide(slot, keys, &args).await {
                         Err(e) if missing_script(&e) => {
                             // The keys went to Redis: made again from the request (one call, as
                             // the first time), then decided within the rest of the deadline.
@@ -195,11 +195,12 @@ impl RateLimiter for RedisLimiter {
                         }
                         result => result?,
                     };
+                    let marks = std::mem::take(&mut reply.marks);
                     let outcome = outcome(
                         &request,
                         (reply.allowed, reply.shadow_allowed),
-                        reply.now_us,
-                        reply.admitted_after_us,
+                        (reply.now_us, reply.admitted_after_us),
+                        marks,
                         reply.bands(),
                     );
                     if let Some(cache) = inner.denied.as_ref().filter(|_| !waits) {
@@ -248,10 +249,29 @@ impl RateLimiter for RedisLimiter {
     /// Gives back with the refund script (each algorithm's refund, in `lua/`), one call
     /// per hash slot, within the limiter's deadline.
     fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.refund(request, decided_unix_nanos, &[])
+    }
+
+    /// As [`give_back`](Self::give_back), each token-bucket band only while it holds the
+    /// state its mark records (the refund script compares it).
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.refund(request, at_unix_nanos, marks)
+    }
+}
+
+impl RedisLimiter {
+    /// Gives back what `request` took at `at_unix_nanos`, with `marks` (see
+    /// [`encode_refund`]).
+    fn refund(&self, request: &AcquireRequest, at_unix_nanos: u64, marks: &[u128]) -> MaybeReady<Result<(), BoxError>> {
         let inner = &self.inner;
         let cluster = inner.scripts.connection().is_cluster();
-        let decided_us = i64::try_from(decided_unix_nanos / 1_000).unwrap_or(i64::MAX);
-        let calls = match encode_refund(request, &inner.prefix, cluster, decided_us) {
+        let decided_us = i64::try_from(at_unix_nanos / 1_000).unwrap_or(i64::MAX);
+        let calls = match encode_refund(request, &inner.prefix, cluster, decided_us, marks) {
             Ok(calls) => calls,
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };

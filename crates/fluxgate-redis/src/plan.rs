@@ -161,7 +161,9 @@ impl RulePlan {
             permits,
             flags: Flags::new(numbers.len(), algorithm, shadow),
             layout,
-            max_wait_us,
+            // A shadow rule never makes a request wait (the one-band script cannot tell it
+            // from an enforced one).
+            max_wait_us: if shadow { 0 } else { max_wait_us },
         };
         Ok(Self {
             bands: rule.bands().clone(),
@@ -229,6 +231,7 @@ impl RulePlan {
                 index: i64::try_from(index + 1).unwrap_or(i64::MAX),
                 count: i64::try_from(args.bands.len()).unwrap_or(i64::MAX),
             }),
+            expect: None,
         })
     }
 }

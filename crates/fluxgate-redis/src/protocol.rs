@@ -349,11 +349,16 @@ impl DecideArgs {
             }
         }
         let mut replies = Vec::with_capacity(self.band_count);
+        let mut marks = Vec::new();
         let mut debts = debts.iter();
         for (bucket, bands) in self.buckets() {
             let commit = allowed && (shadow_allowed || !bucket.flags.is_shadow());
             for (band, &debt) in bands.iter().zip(debts.by_ref()) {
-                replies.push(TokenBand::new(bucket.permits, *band).reply(debt, commit));
+                let band = TokenBand::new(bucket.permits, *band);
+                replies.push(band.reply(debt, commit));
+                if off > 0 {
+                    marks.push(if commit { band.mark(now_us, debt) } else { 0 });
+                }
             }
         }
         Ok(Reply {
@@ -361,6 +366,7 @@ impl DecideArgs {
             shadow_allowed,
             now_us,
             admitted_after_us: off,
+            marks,
             bands: replies,
         })
     }
@@ -442,6 +448,16 @@ impl TokenBand {
         debt.saturating_add(self.cost) - self.cap
     }
 
+    /// The band's state after the request committed at `now_us`, its debt before being
+    /// `debt`: its instant in µs (high 64 bits) and its remainder (low), as the scripts
+    /// store it (see [`expected_state`]).
+    fn mark(self, now_us: i64, debt: i64) -> u128 {
+        let after = debt.max(0).saturating_add(self.cost);
+        let whole = after / self.scale;
+        let (tat, frac) = (now_us.saturating_add(whole), after - whole * self.scale);
+        (u128::from(nonnegative(tat)) << 64) | u128::from(nonnegative(frac))
+    }
+
     /// Whether the band admits the request, its debt being `debt`.
     fn admits(self, debt: i64) -> bool {
         self.excess(debt) <= 0
@@ -487,6 +503,21 @@ impl TokenBand {
     }
 }
 
+/// A token-bucket band's state as the scripts write it (`<instant>` or
+/// `<instant>:<remainder>`, in hexadecimal), from its mark (see [`Reply::marks`]); `None`
+/// for no mark.
+pub(crate) fn expected_state(mark: u128) -> Option<String> {
+    if mark == 0 {
+        return None;
+    }
+    let (tat, frac) = ((mark >> 64) as u64, mark as u64);
+    Some(if frac == 0 {
+        format!("{tat:x}")
+    } else {
+        format!("{tat:x}:{frac:x}")
+    })
+}
+
 /// The ceiling of `a / b`, for `a >= 0` and `b > 0`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
@@ -501,6 +532,10 @@ pub(crate) struct RefundBand {
     pub(crate) band: BandArgs,
     /// A token-bucket band: where it lies in its rule's key.
     pub(crate) place: Option<RulePlace>,
+    /// A token-bucket band: the state it must still hold to be refunded (a waiting
+    /// request's place, see [`Reply::marks`]), as the scripts write it; `None`: refunded
+    /// whatever it holds.
+    pub(crate) expect: Option<String>,
 }
 
 /// Where a token-bucket band lies in its rule's key: the rule's layout, the band's position
@@ -534,6 +569,7 @@ impl RefundArgs {
             permits,
             band,
             ref place,
+            ref expect,
         } = *refund;
         self.argv
             .extend([algorithm.number(), permits, band.capacity, band.a, band.b].map(Value::Integer));
@@ -542,6 +578,7 @@ impl RefundArgs {
                 Value::String(place.layout.clone()),
                 Value::Integer(place.index),
                 Value::Integer(place.count),
+                Value::String(Str::from(expect.as_deref().unwrap_or_default())),
             ]);
         }
     }
@@ -565,6 +602,11 @@ pub(crate) struct Reply {
     /// How long after `now_us` the request is admitted: 0, unless it waits for the refill
     /// (its place taken now).
     pub(crate) admitted_after_us: i64,
+    /// For a request admitted later: per band, the state its place left (its instant in µs
+    /// in the high 64 bits, its remainder in the low ones; 0 for a band not committed), as
+    /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
+    /// otherwise.
+    pub(crate) marks: Vec<u128>,
     bands: Vec<BandReply>,
 }
 
@@ -589,6 +631,7 @@ impl Reply {
             shadow_allowed: shadow_allowed == 1,
             now_us,
             admitted_after_us: 0,
+            marks: Vec::new(),
             bands: numbers[Self::HEAD..]
                 .chunks_exact(BandReply::LEN)
                 .filter_map(|chunk| chunk.try_into().ok())
@@ -1060,6 +1103,7 @@ mod tests {
                 b: 0,
             },
             place: None,
+            expect: None,
         });
         args.band(&RefundBand {
             algorithm: ScriptAlgorithm::TokenBucket,
@@ -1074,6 +1118,7 @@ mod tests {
                 index: 1,
                 count: 1,
             }),
+            expect: Some("6553f100:3".to_owned()),
         });
         assert_eq!(
             text(&args.into_argv()),
@@ -1091,9 +1136,40 @@ mod tests {
                 "360",
                 "b0:10/1s|",
                 "1",
-                "1"
+                "1",
+                "6553f100:3"
             ]
         );
+    }
+
+    /// A waiting request's marks: each committed band's state after it, as the scripts
+    /// write it.
+    #[test]
+    fn marks_of_a_waiting_request() {
+        // 10 per 3,600 µs at scale 7 (a permit costs 360 units, 51 3/7 µs).
+        let band = BandArgs {
+            capacity: 10,
+            a: 7,
+            b: 360,
+        };
+        let mut args = DecideArgs::new();
+        args.rule(rule(
+            BucketArgs {
+                max_wait_us: 1_000,
+                ..tb(1, false, 1)
+            },
+            &[band],
+        ));
+        // Full: 3,600 units of debt; the request's place 360 units past the capacity.
+        let reply = args.token_reply(&[1_000, 3_600]).unwrap();
+        assert_eq!(reply.admitted_after_us, 52);
+        // After: 3,960 units = 565 µs and 5 units (565 × 7 = 3,955).
+        assert_eq!(reply.marks, [(1_565u128 << 64) | 5]);
+        assert_eq!(expected_state(reply.marks[0]).as_deref(), Some("61d:5"));
+        assert_eq!(expected_state((0x61d_u128) << 64).as_deref(), Some("61d"));
+        assert_eq!(expected_state(0), None);
+        // Admitted at once: no marks.
+        assert!(args.token_reply(&[1_000, 0]).unwrap().marks.is_empty());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use crate::key;
 use crate::plan::{plan, RulePlan};
-use crate::protocol::{BandReply, DecideArgs, RefundArgs, RefundBand};
+use crate::protocol::{expected_state, BandReply, DecideArgs, RefundArgs, RefundBand};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -167,7 +167,9 @@ pub(crate) type RefundCall = (Vec<String>, RefundArgs);
 
 /// What giving back `request`'s consumption, decided at `decided_us`, sends: one refund call
 /// per hash slot (one on a standalone Redis), each with one key per band (a token-bucket
-/// rule's key once for each of its bands) and the bands' refund arguments.
+/// rule's key once for each of its bands) and the bands' refund arguments. With `marks`
+/// (a waiting request's place, [`AcquireOutcome::marks`]), each token-bucket band is
+/// refunded only while it holds the state its mark records.
 ///
 /// # Errors
 ///
@@ -177,22 +179,28 @@ pub(crate) fn encode_refund(
     prefix: &str,
     cluster: bool,
     decided_us: i64,
+    marks: &[u128],
 ) -> Result<SmallVec<[RefundCall; 1]>, RuleError> {
     Ok(encode_waiting(request, prefix, cluster, false)?
         .iter()
-        .map(|call| call.refund(0..call.bands.len(), decided_us))
+        .map(|call| call.refund(0..call.bands.len(), decided_us, marks))
         .collect())
 }
 
 impl Call {
     /// The refund call giving back what this call's `bands` (indexes into
     /// [`bands`](Self::bands)) consumed when Redis decided at `decided_us`: each band's
-    /// key (a token-bucket rule's once per band) and refund arguments.
-    pub(crate) fn refund(&self, bands: impl IntoIterator<Item = usize>, decided_us: i64) -> RefundCall {
+    /// key (a token-bucket rule's once per band) and refund arguments; with `marks` (per
+    /// band of the request, see [`encode_refund`]), the state each token-bucket band must
+    /// still hold.
+    pub(crate) fn refund(&self, bands: impl IntoIterator<Item = usize>, decided_us: i64, marks: &[u128]) -> RefundCall {
         let mut args = RefundArgs::new(decided_us);
         let mut keys = Vec::new();
         for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
-            if let Some(refund) = band.refund() {
+            if let Some(mut refund) = band.refund() {
+                if refund.place.is_some() {
+                    refund.expect = marks.get(band.position).and_then(|&mark| expected_state(mark));
+                }
                 args.band(&refund);
                 keys.push(self.keys[band.key].clone());
             }
@@ -207,8 +215,8 @@ impl Call {
 pub(crate) fn outcome(
     request: &AcquireRequest,
     (allowed, shadow_allowed): (bool, bool),
-    now_us: i64,
-    admitted_after_us: i64,
+    (now_us, admitted_after_us): (i64, i64),
+    marks: Vec<u128>,
     replies: impl Iterator<Item = BandReply>,
 ) -> AcquireOutcome {
     let now_ns = u64::try_from(now_us).unwrap_or(0).saturating_mul(1_000);
@@ -219,7 +227,7 @@ pub(crate) fn outcome(
         .collect();
     let outcome = AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands);
     match u64::try_from(admitted_after_us) {
-        Ok(after) if after > 0 => outcome.admitted_later(Duration::from_micros(after)),
+        Ok(after) if after > 0 => outcome.admitted_later(Duration::from_micros(after)).with_marks(marks),
         _ => outcome,
     }
 }
