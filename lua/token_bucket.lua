@@ -130,16 +130,32 @@ local function token_bucket_band_eval(state, permits, capacity, scale, interval)
 end
 
 -- Refund of band `index` of the `count` bands of a token-bucket rule of `layout` (see
--- gcra_refund below): returns its remaining and reset_after_us after the refund. With an
--- `expect`ed state (a waiting request's place), only while the band's state is that one:
--- a place taken after it was counted behind it, and giving it back would let a new
--- request share that later place.
+-- gcra_refund below): returns its remaining and reset_after_us after the refund. The
+-- band keeps one instant, so a refund moves back what was taken last. `expect` says how
+-- far that may go:
+-- - '': the whole cost;
+-- - a state (a waiting request's place, a lease): only while the band's state is that
+--   one, since a place taken after it was counted behind it, and giving it back would let
+--   a new request share that later place;
+-- - '~' then a state, the band's state right after the request (a refund across cluster
+--   slots, made at once): the part of the request's permits still ahead of now, so that
+--   the permits taken since move back no earlier than now.
 local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect)
   local states = rule_states(redis.call('GET', key), layout, count)
   local tat, frac = state_tat(states[index])
   local debt = debt_of(tat, frac, scale)
-  if debt and (expect == '' or states[index] == expect) then
-    debt = debt - permits * interval
+  local cost = permits * interval
+  if debt and string.sub(expect, 1, 1) == '~' then
+    local end_tat, end_frac = state_tat(string.sub(expect, 2))
+    local ahead = debt_of(end_tat, end_frac, scale) or 0
+    if ahead < cost then
+      cost = ahead
+    end
+  elseif expect ~= '' and states[index] ~= expect then
+    debt = nil
+  end
+  if debt then
+    debt = debt - cost
     if debt < 0 then
       debt = 0
     end

@@ -212,18 +212,46 @@ async fn an_instance_holds_back_at_most_its_lease_until_it_expires() {
     } else {
         eprintln!("draining took {drained:?}, past the lease's {ttl:?}: the shortfall is not checked");
     }
-    // Expired, the lease goes back: the other instance admits the permits it held.
+    // Expired, the lease's permits stay taken: the other instance took permits after
+    // them, and a bucket keeps one instant, so giving them back would free the other's
+    // last permits instead (see `Held::into_give_back`). They pass unused.
+    tokio::time::sleep(ttl.saturating_sub(taken.elapsed()) + Duration::from_millis(300)).await;
+    assert!(!check(&other).await.allowed(), "no permit came back");
+
+    // Alone, an expired lease goes back: the other instance then admits what it held.
+    let holder = instance(&redis, "alone", leased(capacity, max, "400ms")).await;
+    let other = instance(&redis, "alone", leased(capacity, max, "400ms")).await;
+    let taken = Instant::now();
+    assert!(check(&holder).await.allowed());
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut more = 0;
+    let mut admitted = 0;
     while Instant::now() < deadline {
-        if check(&other).await.allowed() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if lease_went_back(&redis, "alone:{default:global:global}", 72_000_000) {
             assert!(taken.elapsed() >= ttl, "a lease went back before it expired");
-            more = 1 + drain(&other, 100).await;
+            admitted = drain(&other, 100).await;
             break;
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(admitted + more + 1, capacity as usize, "every permit admitted once");
+    assert_eq!(admitted, capacity as usize - 1, "every permit admitted once");
+}
+
+/// Whether the instant stored for the one-band rule in `key` lies at most `ahead_us` ahead
+/// of now: the permits a lease held went back, and only those spent remain.
+fn lease_went_back(redis: &Redis, key: &str, ahead_us: i64) -> bool {
+    let value = redis.server().cli(&["GET", key]);
+    let state = value.trim().rsplit('|').next().unwrap_or_default();
+    let whole = state.split(':').next().unwrap_or_default();
+    let Ok(instant_us) = i64::from_str_radix(whole, 16) else {
+        return false;
+    };
+    let now_us = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros()),
+    )
+    .unwrap_or(0);
+    instant_us - now_us <= ahead_us
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,15 +285,13 @@ rule_sets:
     let other = instance(&redis, "release", rules(10)).await;
     assert!(check(&holder).await.allowed());
     provider.replace(rules(5)).expect("valid rules");
-    // Given back on the runtime: the other instance finds the permits once it is done.
+    // Given back on the runtime (30 per hour: 120 s a permit; once back, the instant lies
+    // one permit ahead): the other instance then finds the permits.
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut admitted = drain(&other, 100).await;
-    while admitted < 29 && Instant::now() < deadline {
+    while !lease_went_back(&redis, "release:{default:changed:global}", 120_000_000) && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
-        other.release_leases().await.expect("given back");
-        admitted += drain(&other, 100).await;
     }
-    assert_eq!(admitted, 29, "the changed rule's lease went back");
+    assert_eq!(drain(&other, 100).await, 29, "the changed rule's lease went back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -316,17 +342,35 @@ rule_sets:
     assert!(holder.check(&at("/")).await.expect("a decision").allowed());
     tokio::time::sleep(Duration::from_millis(50)).await;
     // Both rules apply here: `short` takes a lease of 10 that expires in 200 ms.
+    let taken = Instant::now();
     assert!(holder.check(&at("/short")).await.expect("a decision").allowed());
+    // Nobody takes `short`'s permits meanwhile, so its lease's 9 go back when it expires
+    // (20 per hour: 180 s a permit; its instant then lies one permit ahead).
+    let key = "first:{default:short:global}";
+    let stored = || {
+        let value = redis.server().cli(&["GET", key]);
+        let state = value.trim().rsplit('|').next().unwrap_or_default().to_owned();
+        i64::from_str_radix(state.split(':').next().unwrap_or_default(), 16).unwrap_or(0)
+    };
+    let before = stored();
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut admitted = 0;
-    while admitted < 19 && Instant::now() < deadline {
-        if other.check(&at("/short")).await.expect("a decision").allowed() {
-            admitted += 1;
-        } else {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    while stored() == before && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(admitted, 19, "the short lease's 9 permits went back when it expired");
+    assert!(
+        taken.elapsed() >= Duration::from_millis(200),
+        "went back before it expired"
+    );
+    assert_eq!(
+        before - stored(),
+        9 * 180_000_000,
+        "the short lease's 9 permits went back"
+    );
+    let mut admitted = 0;
+    while other.check(&at("/short")).await.expect("a decision").allowed() {
+        admitted += 1;
+    }
+    assert_eq!(admitted, 19, "all but the one spent");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,4 +402,47 @@ async fn a_lease_taken_for_a_dropped_request_is_kept() {
         assert!(check(&engine).await.allowed(), "request {i}");
     }
     assert_eq!(script_calls(&redis), 1, "the 9 requests were admitted from the lease");
+}
+
+/// A lease that expires after another instance took permits behind it gives nothing back:
+/// a bucket keeps one instant, and moving it back would free the other's last permits, so
+/// that more than the bucket allows would pass (old behaviour: two more here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_lease_never_frees_permits_taken_after_it() {
+    let redis = Redis::start(Servers::standalone()).await;
+    // 3 per 3 s: a permit a second.
+    let holder = instance(&redis, "behind", leased_every_second(3, "3500ms")).await;
+    let other = instance(&redis, "behind", leased_every_second(3, "3500ms")).await;
+    let t0 = Instant::now();
+    assert!(
+        check(&holder).await.allowed(),
+        "the holder takes a lease of 3: 1 spent, 2 held"
+    );
+    // The bucket is full again 3 s later: the other instance takes its own lease of 3.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(check(&other).await.allowed());
+    let taken = Instant::now();
+    // The holder's lease expires (3.5 s after it was taken) with 2 permits unspent.
+    tokio::time::sleep((t0 + Duration::from_millis(4_000)).saturating_duration_since(Instant::now())).await;
+    let admitted = drain(&other, 100).await as u64;
+    // What the bucket allows the other instance since its lease: the 2 it held, and one
+    // permit a second since.
+    let allowed = 2 + taken.elapsed().as_secs();
+    assert!(admitted <= allowed, "{admitted} admitted, {allowed} allowed");
+}
+
+/// A global rule of `capacity` per `capacity` seconds whose instances lease up to
+/// `capacity` permits for `ttl`.
+fn leased_every_second(capacity: u64, ttl: &str) -> RuleSets {
+    rules(&format!(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{{ capacity: {capacity}, window: {capacity}s }}]
+        lease: {{ max: {capacity}, ttl: {ttl} }}
+"#
+    ))
 }

@@ -98,6 +98,11 @@ struct Held {
     lease: Lease,
     /// Permits taken and not spent.
     left: u64,
+    /// What the backend recorded of each band's state after the last call that added to
+    /// the lease ([`AcquireOutcome::marks`]; empty when it recorded none), and the permits
+    /// that call took beyond its request: see [`Held::into_give_back`].
+    marks: Vec<u128>,
+    last_extra: u64,
     /// The backend's clock when the permits were taken.
     decided_unix_nanos: u64,
     expires: Instant,
@@ -132,13 +137,31 @@ impl Held {
         })
     }
 
+    /// What goes back of the lease. A token or leaky bucket keeps one instant, not a list
+    /// of whose permits lie where: permits given back move it back, freeing the last
+    /// permits taken, so they go back only while they are the lease's own, the last
+    /// taken: at most what the lease's last call took beyond its request, and only while
+    /// the bucket still holds the state that call left (the backend checks the marks).
+    /// Without marks, such a bucket's permits stay taken, and pass unused. A window's
+    /// count is a count: its permits go back whoever took permits since.
     fn into_give_back(self, key: LeaseKey) -> Option<GiveBack> {
-        (self.left > 0).then_some(GiveBack {
+        let instant = self
+            .set
+            .rules()
+            .get(self.rule)
+            .is_some_and(|rule| matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket));
+        let left = match (instant, self.marks.is_empty()) {
+            (false, _) => self.left,
+            (true, true) => 0,
+            (true, false) => self.left.min(self.last_extra),
+        };
+        (left > 0).then_some(GiveBack {
             set: self.set,
             rule: self.rule,
             key: key.key,
-            left: self.left,
+            left,
             decided_unix_nanos: self.decided_unix_nanos,
+            marks: self.marks,
         })
     }
 }
@@ -171,6 +194,18 @@ struct GiveBack {
     key: Text,
     left: u64,
     decided_unix_nanos: u64,
+    /// The state the bucket must still hold for them to go back (see
+    /// [`Held::into_give_back`]); empty: whatever it holds.
+    marks: Vec<u128>,
+}
+
+/// What a call took for a lease: the permits beyond its request, when the backend decided,
+/// each band's report and what the backend recorded of each band's state.
+struct Took {
+    extra: u64,
+    decided_unix_nanos: u64,
+    reports: SmallVec<[BandReport; 2]>,
+    marks: Vec<u128>,
 }
 
 /// What a request does with each of its buckets.
@@ -437,6 +472,8 @@ impl Shared {
             self.unspend(&request, &plans);
         }
         let mut called = outcome.bands.iter();
+        // Where the bucket's bands begin among the call's, for their marks.
+        let mut band_at = 0;
         let mut bands = Bands::with_capacity(request.band_count());
         let mut taken = Vec::new();
         for (index, (bucket, plan)) in request.buckets().zip(&asked).enumerate() {
@@ -452,6 +489,8 @@ impl Shared {
                 })),
                 Plan::Call { extra } => {
                     let reports: SmallVec<[BandReport; 2]> = called.by_ref().take(count).cloned().collect();
+                    let marks = outcome.marks.get(band_at..band_at + count).unwrap_or_default().to_vec();
+                    band_at += count;
                     let leased = bucket.rule.lease().filter(|_| !bucket.shadow());
                     match leased {
                         Some(lease) if outcome.allowed => {
@@ -460,25 +499,23 @@ impl Shared {
                                 r.remaining = r.remaining.saturating_add(extra).min(r.limit);
                                 r
                             }));
-                            taken.push((index, lease, extra, reports));
+                            let took = Took {
+                                extra,
+                                decided_unix_nanos: outcome.now_unix_nanos,
+                                reports,
+                                marks,
+                            };
+                            taken.push((index, lease, took));
                         }
                         _ => bands.extend(reports),
                     }
                 }
             }
         }
-        for (index, lease, extra, reports) in taken {
+        for (index, lease, took) in taken {
             if let Some(bucket) = request.bucket(index) {
-                self.hold(
-                    &request,
-                    index,
-                    &bucket,
-                    lease,
-                    extra,
-                    outcome.now_unix_nanos,
-                    now,
-                    reports,
-                );
+                let extra = took.extra;
+                self.hold(&request, index, &bucket, lease, took, now);
                 let key = LeaseKey::of(&bucket);
                 for call in taking.iter_mut().filter(|t| t.key == key) {
                     call.stored = extra > 0;
@@ -499,6 +536,10 @@ impl Shared {
         for (index, (bucket, plan)) in request.buckets().zip(plans).enumerate() {
             if let (Plan::Call { extra }, Some(rule)) = (plan, request.rule_index(index)) {
                 call.push_permits(rule, bucket.key.clone(), bucket.permits.saturating_add(*extra));
+                if *extra > 0 {
+                    // What giving the lease back checks (see `Held::into_give_back`).
+                    call.mark_places();
+                }
             }
         }
         call
@@ -506,18 +547,21 @@ impl Shared {
 
     /// Keeps the permits a call took beyond its request as the lease of `bucket`: added to
     /// the lease in force, or a new lease in place of one that has expired.
-    #[allow(clippy::too_many_arguments)]
     fn hold(
         self: &Arc<Self>,
         request: &AcquireRequest,
         index: usize,
         bucket: &Bucket<'_>,
         lease: Lease,
-        extra: u64,
-        decided_unix_nanos: u64,
+        took: Took,
         now: Instant,
-        reports: SmallVec<[BandReport; 2]>,
     ) {
+        let Took {
+            extra,
+            decided_unix_nanos,
+            reports,
+            marks,
+        } = took;
         let Some(rule) = request.rule_index(index) else {
             return;
         };
@@ -536,12 +580,19 @@ impl Shared {
                 held.decided_unix_nanos = decided_unix_nanos;
                 held.reports = reports;
                 held.expires = held.expires.min(expires);
+                // What is over goes back now, from the last permits taken; after it, the
+                // bucket no longer holds the state the call left, and the lease keeps no
+                // marks (its bucket's permits then stay taken, see `into_give_back`).
+                let over = extra - kept;
+                held.marks = if over > 0 { Vec::new() } else { marks.clone() };
+                held.last_extra = kept;
                 let over = GiveBack {
                     set: request.rule_set().clone(),
                     rule,
                     key: key.key.clone(),
-                    left: extra - kept,
+                    left: over,
                     decided_unix_nanos,
+                    marks,
                 };
                 drop(shard);
                 if over.left > 0 {
@@ -559,6 +610,8 @@ impl Shared {
             permits: bucket.rule.permits(),
             lease,
             left: extra,
+            marks,
+            last_extra: extra,
             decided_unix_nanos,
             expires,
             reports,
@@ -709,7 +762,11 @@ async fn give_back_all(limiter: &Arc<dyn RateLimiter>, leases: Vec<GiveBack>) ->
             };
             let mut request = AcquireRequest::new(lease.set);
             request.push_permits(lease.rule, lease.key, lease.left);
-            let call = limiter.give_back(&request, lease.decided_unix_nanos);
+            let call = if lease.marks.is_empty() {
+                limiter.give_back(&request, lease.decided_unix_nanos)
+            } else {
+                limiter.give_back_place(&request, lease.decided_unix_nanos, &lease.marks)
+            };
             calls.spawn(async move { (lease.left, call.await) });
         }
         let Some(ended) = calls.join_next().await else {

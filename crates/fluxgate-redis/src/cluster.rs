@@ -40,14 +40,20 @@ pub(crate) async fn decide_across_slots(
     let shadow_allowed = failure.is_none() && answered().all(|r| r.shadow_allowed);
     let now_us = answered().map(|r| r.now_us).max().unwrap_or(0);
     let mut per_band: Vec<Option<BandReply>> = vec![None; request.band_count()];
+    // Each band's mark, from the token-bucket calls (0 elsewhere): a refund gives a band
+    // back only while it holds that state.
+    let mut marks = vec![0; request.band_count()];
     for (call, reply) in calls.iter().zip(&replies) {
         if let Some(reply) = reply {
             for (band, reply) in call.bands.iter().zip(reply.bands()) {
                 per_band[band.position] = Some(reply);
             }
+            for (band, &mark) in call.bands.iter().zip(&reply.marks) {
+                marks[band.position] = mark;
+            }
         }
     }
-    match refund(&scripts, &calls, &replies, allowed, shadow_allowed).await {
+    match refund(&scripts, &calls, &replies, &marks, allowed, shadow_allowed).await {
         Ok(refunded) => {
             for (position, after) in refunded {
                 if let Some(band) = &mut per_band[position] {
@@ -66,11 +72,16 @@ pub(crate) async fn decide_across_slots(
         return Err(RedisError::Reply(format!("no reply for band {position}")));
     }
     // Requests split across slots never wait (see `encode`).
+    let marks = if request.marks_places() && allowed {
+        marks
+    } else {
+        Vec::new()
+    };
     Ok(outcome(
         &request,
         (allowed, shadow_allowed),
         (now_us, 0),
-        Vec::new(),
+        marks,
         per_band.into_iter().flatten(),
     ))
 }
@@ -106,6 +117,7 @@ async fn refund(
     scripts: &Scripts,
     calls: &[Call],
     replies: &[Option<Reply>],
+    marks: &[u128],
     allowed: bool,
     shadow_allowed: bool,
 ) -> Result<Vec<(usize, RefundedBand)>, RedisError> {
@@ -122,7 +134,7 @@ async fn refund(
             continue;
         }
         let positions: Vec<usize> = bands.iter().map(|&j| call.bands[j].position).collect();
-        let (keys, args) = call.refund(bands, reply.now_us, &[]);
+        let (keys, args) = call.refund(bands, reply.now_us, marks, true);
         let call = scripts.refund(keys, args);
         pending.push(async move { (positions, call.await) });
     }

@@ -225,6 +225,9 @@ pub(crate) struct DecideArgs {
     band_count: usize,
     /// Every rule so far is a token bucket.
     token_buckets: bool,
+    /// Whether the reply gives the bands' marks even for a request admitted at once
+    /// ([`Reply::marks`]).
+    marks: bool,
 }
 
 /// Which script decides a call: the one-band script, the token buckets' script or the
@@ -252,7 +255,14 @@ impl DecideArgs {
             rules: SmallVec::new(),
             band_count: 0,
             token_buckets: true,
+            marks: false,
         }
+    }
+
+    /// Asks the reply for the bands' marks ([`Reply::marks`]) whether the request waits or
+    /// not.
+    pub(crate) fn mark_places(&mut self) {
+        self.marks = true;
     }
 
     /// A rule of the call.
@@ -356,7 +366,7 @@ impl DecideArgs {
             for (band, &debt) in bands.iter().zip(debts.by_ref()) {
                 let band = TokenBand::new(bucket.permits, *band);
                 replies.push(band.reply(debt, commit));
-                if off > 0 {
+                if off > 0 || self.marks {
                     marks.push(if commit { band.mark(now_us, debt) } else { 0 });
                 }
             }
@@ -602,10 +612,11 @@ pub(crate) struct Reply {
     /// How long after `now_us` the request is admitted: 0, unless it waits for the refill
     /// (its place taken now).
     pub(crate) admitted_after_us: i64,
-    /// For a request admitted later: per band, the state its place left (its instant in µs
-    /// in the high 64 bits, its remainder in the low ones; 0 for a band not committed), as
-    /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
-    /// otherwise.
+    /// For a request admitted later, or a call that asked for them
+    /// ([`DecideArgs::mark_places`]): per band, the state the request left (its instant in
+    /// µs in the high 64 bits, its remainder in the low ones; 0 for a band not committed),
+    /// as [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
+    /// otherwise, and for the general script's replies.
     pub(crate) marks: Vec<u128>,
     bands: Vec<BandReply>,
 }

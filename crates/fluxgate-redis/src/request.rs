@@ -76,9 +76,15 @@ impl CallBand {
 /// [`RuleError::Unsupported`] for a band the scripts cannot decide exactly (a rule that
 /// was not validated).
 pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> Result<SmallVec<[Call; 1]>, RuleError> {
-    let calls = encode_waiting(request, prefix, cluster, true)?;
+    let mut calls = encode_waiting(request, prefix, cluster, true)?;
     if calls.len() > 1 && request.buckets().any(|b| !b.max_wait().is_zero()) {
-        return encode_waiting(request, prefix, cluster, false);
+        calls = encode_waiting(request, prefix, cluster, false)?;
+    }
+    // Marks for the request that asks, and for the slots a refund may follow.
+    if request.marks_places() || calls.len() > 1 {
+        for call in &mut calls {
+            call.args.mark_places();
+        }
     }
     Ok(calls)
 }
@@ -183,7 +189,7 @@ pub(crate) fn encode_refund(
 ) -> Result<SmallVec<[RefundCall; 1]>, RuleError> {
     Ok(encode_waiting(request, prefix, cluster, false)?
         .iter()
-        .map(|call| call.refund(0..call.bands.len(), decided_us, marks))
+        .map(|call| call.refund(0..call.bands.len(), decided_us, marks, false))
         .collect())
 }
 
@@ -192,14 +198,30 @@ impl Call {
     /// [`bands`](Self::bands)) consumed when Redis decided at `decided_us`: each band's
     /// key (a token-bucket rule's once per band) and refund arguments; with `marks` (per
     /// band of the request, see [`encode_refund`]), the state each token-bucket band must
-    /// still hold.
-    pub(crate) fn refund(&self, bands: impl IntoIterator<Item = usize>, decided_us: i64, marks: &[u128]) -> RefundCall {
+    /// still hold, or, `ahead_only`, the state the request left, of whose permits only
+    /// those still ahead of now go back (see `token_bucket_refund` in
+    /// `lua/token_bucket.lua`).
+    pub(crate) fn refund(
+        &self,
+        bands: impl IntoIterator<Item = usize>,
+        decided_us: i64,
+        marks: &[u128],
+        ahead_only: bool,
+    ) -> RefundCall {
         let mut args = RefundArgs::new(decided_us);
         let mut keys = Vec::new();
         for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
             if let Some(mut refund) = band.refund() {
-                if refund.place.is_some() {
-                    refund.expect = marks.get(band.position).and_then(|&mark| expected_state(mark));
+                if refund.place.is_some() && !marks.is_empty() {
+                    let mark = marks.get(band.position).copied().unwrap_or(0);
+                    refund.expect = match (expected_state(mark), ahead_only) {
+                        (Some(state), true) => Some(format!("~{state}")),
+                        (Some(state), false) => Some(state),
+                        // Without a mark, all of it (a refund across slots) or, for a place,
+                        // nothing (a state no band holds).
+                        (None, true) => None,
+                        (None, false) => Some("-".to_owned()),
+                    };
                 }
                 args.band(&refund);
                 keys.push(self.keys[band.key].clone());
@@ -225,9 +247,9 @@ pub(crate) fn outcome(
         .zip(replies)
         .map(|((bucket, band), reply)| bucket.report(band, now_ns, reply.remaining, reply.reset_after, reply.wait))
         .collect();
-    let outcome = AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands);
+    let outcome = AcquireOutcome::new(allowed, shadow_allowed, now_ns, bands).with_marks(marks);
     match u64::try_from(admitted_after_us) {
-        Ok(after) if after > 0 => outcome.admitted_later(Duration::from_micros(after)).with_marks(marks),
+        Ok(after) if after > 0 => outcome.admitted_later(Duration::from_micros(after)),
         _ => outcome,
     }
 }

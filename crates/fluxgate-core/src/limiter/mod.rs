@@ -88,11 +88,12 @@ pub struct AcquireOutcome {
     /// after [`now_unix_nanos`](Self::now_unix_nanos) it may proceed. The backend has
     /// taken its place for that instant; zero for a request admitted at once.
     pub admitted_after: Duration,
-    /// For a request admitted for later: per band of the request, in order, the state the
-    /// backend left in that band when it took the place, as the backend records it (a
-    /// token or leaky bucket's instant in the high 64 bits and its remainder in the low
-    /// ones; 0 for a band without one). [`RateLimiter::give_back_place`] reads them back.
-    /// Empty otherwise.
+    /// For a request admitted for later, or one that asked for them
+    /// ([`AcquireRequest::mark_places`]), from a backend that records them: per band of the
+    /// request, in order, the state the backend left in that band, as the backend records
+    /// it (a token or leaky bucket's instant in the high 64 bits and its remainder in the
+    /// low ones; 0 for a band without one). [`RateLimiter::give_back_place`] reads them
+    /// back. Empty otherwise.
     pub marks: Vec<u128>,
 }
 

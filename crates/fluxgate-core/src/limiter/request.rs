@@ -47,6 +47,8 @@ use crate::text::Text;
 pub struct AcquireRequest {
     set: Arc<RuleSet>,
     buckets: SmallVec<[Entry; 4]>,
+    /// Whether the backend is asked for the bands' marks ([`mark_places`](Self::mark_places)).
+    marked: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -113,7 +115,22 @@ impl AcquireRequest {
         Self {
             set,
             buckets: SmallVec::new(),
+            marked: false,
         }
+    }
+
+    /// Asks the backend for the state it leaves in each token-bucket band
+    /// ([`AcquireOutcome::marks`](super::AcquireOutcome::marks)), to give what it takes
+    /// back later with [`RateLimiter::give_back_place`](super::RateLimiter::give_back_place),
+    /// which gives a bucket's permits back only while no one took any after them. Local
+    /// leases ask for them. A request admitted for later has them whether asked or not.
+    pub fn mark_places(&mut self) {
+        self.marked = true;
+    }
+
+    /// Whether the request asks for the bands' marks (see [`mark_places`](Self::mark_places)).
+    pub fn marks_places(&self) -> bool {
+        self.marked
     }
 
     /// Adds the bucket of the rule at `rule` in the rule set, for the key value `key`.
