@@ -14,6 +14,12 @@ use crate::support::redis::{Redis, Servers};
 
 /// A global rule of `capacity` per hour whose instances lease up to `max` permits for `ttl`.
 fn leased(capacity: u64, max: u64, ttl: &str) -> RuleSets {
+    leased_per(capacity, "1h", max, ttl)
+}
+
+/// A global rule of `capacity` per `window` whose instances lease up to `max` permits for
+/// `ttl`.
+fn leased_per(capacity: u64, window: &str, max: u64, ttl: &str) -> RuleSets {
     rules(&format!(
         r#"
 rule_sets:
@@ -21,7 +27,7 @@ rule_sets:
     rules:
       - id: global
         scope: global
-        bands: [{{ capacity: {capacity}, window: 1h }}]
+        bands: [{{ capacity: {capacity}, window: {window} }}]
         lease: {{ max: {max}, ttl: {ttl} }}
 "#
     ))
@@ -239,10 +245,7 @@ async fn an_instance_holds_back_at_most_its_lease_until_it_expires() {
 /// Whether the instant stored for the one-band rule in `key` lies at most `ahead_us` ahead
 /// of now: the permits a lease held went back, and only those spent remain.
 fn lease_went_back(redis: &Redis, key: &str, ahead_us: i64) -> bool {
-    let value = redis.server().cli(&["GET", key]);
-    let state = value.trim().rsplit('|').next().unwrap_or_default();
-    let whole = state.split(':').next().unwrap_or_default();
-    let Ok(instant_us) = i64::from_str_radix(whole, 16) else {
+    let Some(instant_us) = redis.stored_instant_us(key) else {
         return false;
     };
     let now_us = i64::try_from(
@@ -347,11 +350,7 @@ rule_sets:
     // Nobody takes `short`'s permits meanwhile, so its lease's 9 go back when it expires
     // (20 per hour: 180 s a permit; its instant then lies one permit ahead).
     let key = "first:{default:short:global}";
-    let stored = || {
-        let value = redis.server().cli(&["GET", key]);
-        let state = value.trim().rsplit('|').next().unwrap_or_default().to_owned();
-        i64::from_str_radix(state.split(':').next().unwrap_or_default(), 16).unwrap_or(0)
-    };
+    let stored = || redis.stored_instant_us(key).unwrap_or(0);
     let before = stored();
     let deadline = Instant::now() + Duration::from_secs(20);
     while stored() == before && Instant::now() < deadline {
@@ -411,8 +410,8 @@ async fn a_lease_taken_for_a_dropped_request_is_kept() {
 async fn an_expired_lease_never_frees_permits_taken_after_it() {
     let redis = Redis::start(Servers::standalone()).await;
     // 3 per 3 s: a permit a second.
-    let holder = instance(&redis, "behind", leased_every_second(3, "3500ms")).await;
-    let other = instance(&redis, "behind", leased_every_second(3, "3500ms")).await;
+    let holder = instance(&redis, "behind", leased_per(3, "3s", 3, "3500ms")).await;
+    let other = instance(&redis, "behind", leased_per(3, "3s", 3, "3500ms")).await;
     let t0 = Instant::now();
     assert!(
         check(&holder).await.allowed(),
@@ -429,20 +428,4 @@ async fn an_expired_lease_never_frees_permits_taken_after_it() {
     // permit a second since.
     let allowed = 2 + taken.elapsed().as_secs();
     assert!(admitted <= allowed, "{admitted} admitted, {allowed} allowed");
-}
-
-/// A global rule of `capacity` per `capacity` seconds whose instances lease up to
-/// `capacity` permits for `ttl`.
-fn leased_every_second(capacity: u64, ttl: &str) -> RuleSets {
-    rules(&format!(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{{ capacity: {capacity}, window: {capacity}s }}]
-        lease: {{ max: {capacity}, ttl: {ttl} }}
-"#
-    ))
 }

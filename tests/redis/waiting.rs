@@ -229,10 +229,9 @@ async fn check(engine: &Engine) -> Decision {
 
 /// The instant, in µs, at which the global rule's bucket of `key` is full again.
 fn stored_instant(redis: &Redis, key: &str) -> i64 {
-    let value = redis.server().cli(&["GET", key]);
-    let state = value.trim().rsplit('|').next().unwrap_or_default();
-    let whole = state.split(':').next().unwrap_or_default();
-    i64::from_str_radix(whole, 16).unwrap_or_else(|_| panic!("a stored instant in {value:?}"))
+    redis
+        .stored_instant_us(key)
+        .unwrap_or_else(|| panic!("a stored instant in {key}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

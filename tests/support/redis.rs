@@ -109,6 +109,14 @@ impl Redis {
         }
     }
 
+    /// The instant, in µs, stored for the last band of the token-bucket rule in `key` of
+    /// its standalone server (the bucket is full again then); `None` without one.
+    pub(crate) fn stored_instant_us(&self, key: &str) -> Option<i64> {
+        let value = self.server().cli(&["GET", key]);
+        let state = value.trim().rsplit('|').next().unwrap_or_default();
+        i64::from_str_radix(state.split(':').next().unwrap_or_default(), 16).ok()
+    }
+
     /// Its standalone server, to stop it.
     pub(crate) fn server_mut(&mut self) -> &mut RedisServer {
         match &mut self.servers {
