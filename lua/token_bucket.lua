@@ -139,7 +139,8 @@ end
 --   a new request share that later place;
 -- - '~' then a state, the band's state right after the request (a refund across cluster
 --   slots, made at once): the part of the request's permits still ahead of now, so that
---   the permits taken since move back no earlier than now.
+--   the permits taken since move back no earlier than now; and nothing while the band
+--   holds more than its capacity, a waiting request's place pending behind them.
 local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect)
   local states = rule_states(redis.call('GET', key), layout, count)
   local tat, frac = state_tat(states[index])
@@ -148,6 +149,9 @@ local function token_bucket_refund(key, layout, index, count, permits, capacity,
   if debt and string.sub(expect, 1, 1) == '~' then
     local end_tat, end_frac = state_tat(string.sub(expect, 2))
     local ahead = debt_of(end_tat, end_frac, scale) or 0
+    if debt > capacity * interval then
+      ahead = 0
+    end
     if ahead < cost then
       cost = ahead
     end

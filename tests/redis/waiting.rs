@@ -328,6 +328,77 @@ rule_sets:
     assert_eq!(stored_instant(&redis, key), last - 4_000_000);
 }
 
+/// A refund across cluster slots (`~` and the state the refunded request left) gives back
+/// the part of its permits still ahead of now, and nothing while a waiting request's place
+/// lies behind them: the waiter would share its place with the next request. The refund
+/// script is run as the limiter would send it, on a standalone server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let limiter = limiter(&redis, "tilde", None).await;
+    // 1 per 10 s: scale 1, a permit 10,000,000 units (µs).
+    let set = rule_set(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1, window: 10s }]
+"#,
+    );
+    let key = "tilde:{default:global:global}";
+    let refund = |left: &AcquireOutcome| {
+        let mark = left.marks[0];
+        let state = match (mark >> 64, mark as u64) {
+            (tat, 0) => format!("~{tat:x}"),
+            (tat, frac) => format!("~{tat:x}:{frac:x}"),
+        };
+        let decided = (left.now_unix_nanos / 1_000).to_string();
+        // KEYS: the rule's key; ARGV: decided_us, then the band: token bucket (0), 1 permit,
+        // capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1, expect.
+        let args = [
+            "EVAL",
+            fluxgate::redis::REFUND_LUA,
+            "1",
+            key,
+            &decided,
+            "0",
+            "1",
+            "1",
+            "1",
+            "10000000",
+            "b0:1/10s|",
+            "1",
+            "1",
+            &state,
+        ];
+        redis.server().cli(&args)
+    };
+    let mut marked = request(&set, &[0], Duration::ZERO);
+    marked.mark_places();
+    let first = acquire(&limiter, &marked).await;
+    assert!(first.allowed && first.marks.len() == 1);
+    // Nobody behind: the refund gives the permit back.
+    let taken = stored_instant(&redis, key);
+    refund(&first);
+    assert!(stored_instant(&redis, key) <= taken - 9_000_000, "given back");
+
+    let first = acquire(&limiter, &marked).await;
+    let before = stored_instant(&redis, key);
+    // A waiting request takes the next place, 10 s after the first.
+    let waiter = acquire(&limiter, &request(&set, &[0], Duration::from_secs(20))).await;
+    assert!(waiter.allowed && !waiter.admitted_after.is_zero());
+    let behind = stored_instant(&redis, key);
+    assert_eq!(behind, before + 10_000_000);
+    refund(&first);
+    assert_eq!(
+        stored_instant(&redis, key),
+        behind,
+        "the waiter's place stays where it was"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_requests_proceed_no_faster_than_the_rate() {
     let redis = Redis::start(Servers::standalone()).await;

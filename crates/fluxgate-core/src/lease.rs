@@ -137,32 +137,18 @@ impl Held {
         })
     }
 
-    /// What goes back of the lease. A token or leaky bucket keeps one instant, not a list
-    /// of whose permits lie where: permits given back move it back, freeing the last
-    /// permits taken, so they go back only while they are the lease's own, the last
-    /// taken: at most what the lease's last call took beyond its request, and only while
-    /// the bucket still holds the state that call left (the backend checks the marks).
-    /// Without marks, such a bucket's permits stay taken, and pass unused. A window's
-    /// count is a count: its permits go back whoever took permits since.
+    /// What goes back of the lease: see [`GiveBack::of`]; the lease's own permits are at
+    /// most what its last call took beyond its request.
     fn into_give_back(self, key: LeaseKey) -> Option<GiveBack> {
-        let instant = self
-            .set
-            .rules()
-            .get(self.rule)
-            .is_some_and(|rule| matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket));
-        let left = match (instant, self.marks.is_empty()) {
-            (false, _) => self.left,
-            (true, true) => 0,
-            (true, false) => self.left.min(self.last_extra),
-        };
-        (left > 0).then_some(GiveBack {
-            set: self.set,
-            rule: self.rule,
-            key: key.key,
-            left,
-            decided_unix_nanos: self.decided_unix_nanos,
-            marks: self.marks,
-        })
+        GiveBack::of(
+            self.set,
+            self.rule,
+            key.key,
+            self.left.min(self.last_extra),
+            self.left,
+            self.decided_unix_nanos,
+            self.marks,
+        )
     }
 }
 
@@ -197,6 +183,47 @@ struct GiveBack {
     /// The state the bucket must still hold for them to go back (see
     /// [`Held::into_give_back`]); empty: whatever it holds.
     marks: Vec<u128>,
+}
+
+impl GiveBack {
+    /// What goes back of `left` permits of rule `rule` of `set` for `key`, taken by a call
+    /// decided at `decided_unix_nanos` that left `marks` (see
+    /// [`AcquireOutcome::marks`]), of which `own` are the last that call took. A token or
+    /// leaky bucket keeps one instant, not a list of whose permits lie where: moving it back
+    /// frees the last permits taken, so they go back only while they are the lease's own:
+    /// at most `own`, and only while the bucket holds the state the call left (the backend
+    /// compares the marks). Without marks (none, or none for a band), such a bucket's
+    /// permits stay taken, and pass unused. A window's count is a count: its permits go back
+    /// whoever took permits since.
+    #[allow(clippy::too_many_arguments)]
+    fn of(
+        set: Arc<RuleSet>,
+        rule: usize,
+        key: Text,
+        own: u64,
+        left: u64,
+        decided_unix_nanos: u64,
+        marks: Vec<u128>,
+    ) -> Option<Self> {
+        let instant = set
+            .rules()
+            .get(rule)
+            .is_some_and(|rule| matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket));
+        let marked = !marks.is_empty() && marks.iter().all(|&mark| mark != 0);
+        let left = match (instant, marked) {
+            (false, _) => left,
+            (true, false) => 0,
+            (true, true) => own,
+        };
+        (left > 0).then_some(Self {
+            set,
+            rule,
+            key,
+            left,
+            decided_unix_nanos,
+            marks: if instant { marks } else { Vec::new() },
+        })
+    }
 }
 
 /// What a call took for a lease: the permits beyond its request, when the backend decided,
@@ -586,16 +613,17 @@ impl Shared {
                 let over = extra - kept;
                 held.marks = if over > 0 { Vec::new() } else { marks.clone() };
                 held.last_extra = kept;
-                let over = GiveBack {
-                    set: request.rule_set().clone(),
+                let over = GiveBack::of(
+                    request.rule_set().clone(),
                     rule,
-                    key: key.key.clone(),
-                    left: over,
+                    key.key.clone(),
+                    over,
+                    over,
                     decided_unix_nanos,
                     marks,
-                };
+                );
                 drop(shard);
-                if over.left > 0 {
+                if let Some(over) = over {
                     self.give_back_later(vec![over]);
                 }
                 self.wake_sweep(expires);

@@ -217,10 +217,9 @@ impl Call {
                     refund.expect = match (expected_state(mark), ahead_only) {
                         (Some(state), true) => Some(format!("~{state}")),
                         (Some(state), false) => Some(state),
-                        // Without a mark, all of it (a refund across slots) or, for a place,
-                        // nothing (a state no band holds).
-                        (None, true) => None,
-                        (None, false) => Some("-".to_owned()),
+                        // Without a mark (a band the general script decided, or not
+                        // committed): nothing (a state no band holds).
+                        (None, _) => Some("-".to_owned()),
                     };
                 }
                 args.band(&refund);
