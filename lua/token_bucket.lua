@@ -142,9 +142,15 @@ end
 --   the permits taken since move back no earlier than now; and nothing while the band
 --   holds more than its capacity, a waiting request's place pending behind them.
 local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect)
-  local states = rule_states(redis.call('GET', key), layout, count)
+  local v = redis.call('GET', key)
+  local states = rule_states(v, layout, count)
   local tat, frac = state_tat(states[index])
   local debt = debt_of(tat, frac, scale)
+  if v and string.find(v, layout, 1, true) ~= 1 then
+    -- The rule changed since the request: writing its old layout would lose the new
+    -- bands' states. The permits stay taken.
+    debt = nil
+  end
   local cost = permits * interval
   if debt and string.sub(expect, 1, 1) == '~' then
     local end_tat, end_frac = state_tat(string.sub(expect, 2))

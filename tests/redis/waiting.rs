@@ -399,6 +399,48 @@ rule_sets:
     );
 }
 
+/// A refund for a rule that changed since the request (the stored layout is not the
+/// request's) leaves the key alone: writing the old layout would lose the new bands'
+/// states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_under_a_changed_rule_leaves_the_new_bands_alone() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let key = "changed:{default:global:global}";
+    // The rule now has two bands, both ahead of now.
+    let ahead = |secs: u64| {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970");
+        format!("{:x}", (now + Duration::from_secs(secs)).as_micros())
+    };
+    let stored = format!("b0:1/10s,b1:5/1m|{}|{}", ahead(10), ahead(30));
+    redis.server().cli(&["SET", key, &stored]);
+    // A refund of the rule's old, one-band layout.
+    let decided = (std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros())
+    .to_string();
+    let args = [
+        "EVAL",
+        fluxgate::redis::REFUND_LUA,
+        "1",
+        key,
+        &decided,
+        "0",
+        "1",
+        "1",
+        "1",
+        "10000000",
+        "b0:1/10s|",
+        "1",
+        "1",
+        "",
+    ];
+    redis.server().cli(&args);
+    assert_eq!(redis.server().cli(&["GET", key]).trim(), stored);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_requests_proceed_no_faster_than_the_rate() {
     let redis = Redis::start(Servers::standalone()).await;
