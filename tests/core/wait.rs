@@ -196,6 +196,42 @@ async fn a_dropped_waiter_with_another_behind_it_keeps_its_place() {
     // place goes back (a_dropped_waiter_gives_its_place_to_the_next_request).
 }
 
+/// A waiter whose shadow rule did not take a place (it would have refused then) gives its
+/// enforced place back when dropped: each band's mark is matched to its own band.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_waiter_behind_a_shadow_rule_gives_its_place_back() {
+    let rules = RuleSets::from_yaml_str(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: watched
+        scope: global
+        priority: 10
+        mode: shadow
+        bands: [{ capacity: 1, window: 1s }]
+      - id: patient
+        scope: global
+        bands: [{ capacity: 1, window: 2s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }
+"#,
+    )
+    .expect("valid rules");
+    let engine = in_memory(rules, TokioClock::new(), None);
+    assert!(check(&engine).await.allowed());
+    let waiter = tokio::spawn({
+        let engine = engine.clone();
+        async move { check(&engine).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    waiter.abort();
+    assert!(waiter.await.is_err(), "the waiter was dropped");
+    // The next request takes the dropped one's place, at 2 s.
+    let start = Instant::now();
+    assert!(check(&engine).await.allowed());
+    assert_eq!(start.elapsed(), Duration::from_millis(1_900));
+}
+
 /// `tasks` tasks of `each` requests at once against `engine`: the instants (on `clock`)
 /// at which admitted requests proceeded, in order.
 async fn proceed_times(engine: &Engine, clock: TokioClock, tasks: usize, each: usize) -> Vec<u64> {

@@ -156,9 +156,13 @@ pub(crate) fn wait_for<T: Send + 'static>(
     let mut marks = Vec::with_capacity(outcome.marks.len());
     let mut all = outcome.marks.iter();
     for bucket in request.buckets() {
-        let bands = all.by_ref().take(bucket.rule.bands().len());
-        if !bucket.shadow() || shadow_allowed {
-            marks.extend(bands);
+        let keep = !bucket.shadow() || shadow_allowed;
+        for _ in 0..bucket.rule.bands().len() {
+            // Every band's mark is read, kept or not, so that the next bucket's line up.
+            let mark = all.next().copied().unwrap_or(0);
+            if keep {
+                marks.push(mark);
+            }
         }
     }
     taken.retain(|b| !b.shadow() || shadow_allowed);
