@@ -61,15 +61,19 @@ fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).expect("a short wait")
 }
 
-/// Two per 10 s (a permit every 5 s), global.
-const TWO_PER_TEN_SECONDS: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 2, window: 10s }]
-"#;
+/// A rule set of one global token-bucket rule, `global`, of `capacity` per `window`,
+/// letting its requests wait up to 10 s when `waits`.
+fn global(capacity: u64, window: &str, waits: bool) -> String {
+    let on_limit = if waits {
+        "\n        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }"
+    } else {
+        ""
+    };
+    format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        \
+         bands: [{{ capacity: {capacity}, window: {window} }}]{on_limit}\n"
+    )
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waiting_request_takes_the_next_free_instant() {
@@ -94,7 +98,8 @@ async fn a_waiting_request_takes_the_next_free_instant_on_a_cluster() {
 /// 25 s is refused and takes nothing. With `standalone` (the limiter's server, its prefix
 /// `next`), the key's expiry is checked too.
 async fn next_free_instants(standalone: Option<&Redis>, limiter: RedisLimiter) {
-    let set = rule_set(TWO_PER_TEN_SECONDS);
+    // Two per 10 s: a permit every 5 s.
+    let set = rule_set(&global(2, "10s", false));
     let patient = request(&set, &[0], Duration::from_secs(20));
     let first = acquire(&limiter, &patient).await;
     assert!(first.allowed && first.admitted_after.is_zero());
@@ -202,17 +207,6 @@ async fn several_rules(limiter: &RedisLimiter) {
     assert_eq!(wide_alone.bands[0].remaining, 2);
 }
 
-/// One per 2 s, global, waiting up to 10 s.
-const PATIENT: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1, window: 2s }]
-        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
-"#;
-
 async fn engine(redis: &Redis, prefix: &str, yaml: &str, batching: Option<Batching>) -> Engine {
     Engine::builder(rules(yaml))
         .limiter(limiter(redis, prefix, batching).await)
@@ -237,7 +231,7 @@ fn stored_instant(redis: &Redis, key: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dropped_waiter_gives_its_place_back() {
     let redis = Redis::start(Servers::standalone()).await;
-    let engine = engine(&redis, "dropped", PATIENT, None).await;
+    let engine = engine(&redis, "dropped", &global(1, "2s", true), None).await;
     let ctx = RequestContext::builder().build();
     waiter_dropped(&redis, &engine, &ctx, "dropped:{default:global:global}").await;
 }
@@ -296,16 +290,7 @@ async fn waiter_dropped(redis: &Redis, engine: &Engine, ctx: &RequestContext, ke
 async fn a_dropped_waiter_with_another_behind_it_keeps_its_place() {
     let redis = Redis::start(Servers::standalone()).await;
     let limiter = limiter(&redis, "behind", None).await;
-    let set = rule_set(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1, window: 2s }]
-"#,
-    );
+    let set = rule_set(&global(1, "2s", false));
     let key = "behind:{default:global:global}";
     let patient = request(&set, &[0], Duration::from_secs(10));
     assert!(acquire(&limiter, &patient).await.allowed);
@@ -337,16 +322,7 @@ async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
     let redis = Redis::start(Servers::standalone()).await;
     let limiter = limiter(&redis, "tilde", None).await;
     // 1 per 10 s: scale 1, a permit 10,000,000 units (µs).
-    let set = rule_set(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1, window: 10s }]
-"#,
-    );
+    let set = rule_set(&global(1, "10s", false));
     let key = "tilde:{default:global:global}";
     let refund = |left: &AcquireOutcome| {
         let mark = left.marks[0];
@@ -456,16 +432,7 @@ async fn waiting_requests_proceed_no_faster_than_the_rate_in_batches() {
 /// 5 per second, 30 requests at once, each may wait 10 s: all pass, the first five at once
 /// and then one every 200 ms, never sooner.
 async fn no_faster(redis: &Redis, batching: Option<Batching>) {
-    let yaml = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 5, window: 1s }]
-        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }
-"#;
-    let engine = engine(redis, "rate", yaml, batching).await;
+    let engine = engine(redis, "rate", &global(5, "1s", true), batching).await;
     let start = Instant::now();
     let tasks: Vec<_> = (0..30)
         .map(|_| {
@@ -492,6 +459,27 @@ rule_sets:
     let last = passed.last().copied().unwrap_or_default();
     let late = last.saturating_sub(Duration::from_millis(200 * 25));
     eprintln!("the last request passed {late:?} after its instant (the machine's lateness)");
+}
+
+/// On a cluster, a waiting rule set has one rule: a request of several rules may span hash
+/// slots, and a refund across slots could free a waiting request's place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_only_a_rule_set_of_one_rule_waits() {
+    let redis = Redis::start(Servers::shared_cluster()).await;
+    let two = format!(
+        "{}      - id: other\n        scope: user\n        bands: [{{ capacity: 5, window: 1s }}]\n",
+        global(1, "1s", true)
+    );
+    let error = Engine::builder(rules(&two))
+        .limiter(limiter(&redis, "two", None).await)
+        .build()
+        .expect_err("refused when the rules load")
+        .to_string();
+    assert!(error.contains("rule `global`") && error.contains("one rule"), "{error}");
+    Engine::builder(rules(&global(1, "1s", true)))
+        .limiter(limiter(&redis, "one", None).await)
+        .build()
+        .expect("one rule waits on a cluster");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

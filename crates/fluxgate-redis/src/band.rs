@@ -32,12 +32,15 @@ pub(crate) fn check(rule_set: &str, rule: &Rule, band: &Band) -> Result<(), Rule
 /// Redis: every rule of the set is a token bucket (the token-bucket scripts decide a
 /// request's rules at one instant and take a waiting request's place; the other
 /// algorithms' script does not), and each band's state stays within the scripts' exact
-/// arithmetic when it lies `max_wait` beyond its capacity.
+/// arithmetic when it lies `max_wait` beyond its capacity. On a cluster (`cluster`), the
+/// rule set has one rule: a request of several rules may span hash slots, and a refund
+/// made across slots moves a bucket's instant back past a waiting request's place it
+/// cannot see (a band the waiter did not wait for).
 ///
 /// # Errors
 ///
 /// [`RuleError::Unsupported`] naming the rule that waits and why.
-pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration, cluster: bool) -> Result<(), RuleError> {
     let first = rule.bands().first();
     let fail = |message: String| match first {
         Some(band) => unsupported(set.id(), rule, band, message),
@@ -56,6 +59,14 @@ pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration) -> Resu
              all token buckets, which one script decides at one instant; rule `{}` is a {}",
             other.id(),
             other.algorithm().as_str()
+        )));
+    }
+    if cluster && set.rules().len() > 1 {
+        return Err(fail(format!(
+            "waiting for the refill (up to {wait}): on a Redis Cluster a request waits only in a rule set of one \
+             rule, whose requests never span hash slots; this rule set has {} (a refund across slots could free a \
+             waiting request's place)",
+            set.rules().len()
         )));
     }
     let wait_us = u64::try_from(max_wait.as_micros()).unwrap_or(u64::MAX);

@@ -239,7 +239,7 @@ impl RateLimiter for RedisLimiter {
     /// Redis takes a waiting request's place where every rule of its rule set is a token
     /// bucket (see `docs/acquisition.md`, "Wait for refill").
     fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
-        band::check_wait(set, rule, max_wait)
+        band::check_wait(set, rule, max_wait, self.connection().is_cluster())
     }
 
     fn gives_back(&self) -> bool {
