@@ -349,6 +349,18 @@ struct Item<'a> {
     band: &'a Band,
 }
 
+/// A band whose instant [`MemoryLimiter::acquire_instants`] wrote before the request was
+/// decided: what puts it back, and its figures should it not be committed.
+struct Written {
+    guard: usize,
+    key: u128,
+    old: Option<Tat>,
+    shadow: bool,
+    report: usize,
+    remaining_now: u64,
+    reset_now: u64,
+}
+
 /// What a band's evaluation leaves for the commit: the state to store, and the band's
 /// figures should the request not be committed.
 struct Pending {
@@ -431,6 +443,101 @@ impl MemoryLimiter {
                 }
             }
         }
+        if request.buckets().all(|b| keeps_an_instant(b.rule.algorithm())) {
+            if let Some(outcome) = self.acquire_instants(request, now) {
+                return outcome;
+            }
+        }
+        self.acquire_items(request, now)
+    }
+
+    /// A request whose buckets are all token or leaky buckets, in one pass: each band's
+    /// instant is looked up once, and written at once where the band admits (no one sees it
+    /// before the request is decided: the shards stay locked); the instants written are put
+    /// back when the request is not committed. `None` when the request is refused and may
+    /// wait: nothing has changed, and [`Self::acquire_items`] takes its places.
+    fn acquire_instants(&self, request: &AcquireRequest, now: u64) -> Option<AcquireOutcome> {
+        // Per bucket: its key's hash and shard, then the index of that shard's guard.
+        let mut keys: SmallVec<[(KeyHash, usize); 4]> = SmallVec::new();
+        let mut shards: SmallVec<[usize; 4]> = SmallVec::new();
+        for b in request.buckets() {
+            let hash = self.key_hash(&b);
+            let shard = self.shard_of(&hash);
+            if !shards.contains(&shard) {
+                shards.push(shard);
+            }
+            keys.push((hash, shard));
+        }
+        // Lock every shard involved, in index order (no deadlock between requests).
+        shards.sort_unstable();
+        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
+            shards.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        let max = self.inner.max_per_shard;
+        let mut bands = Bands::with_capacity(request.len() * 2);
+        let mut written: SmallVec<[Written; 8]> = SmallVec::new();
+        let (mut allowed, mut shadow_allowed, mut may_wait) = (true, true, false);
+        for (b, (hash, shard)) in request.buckets().zip(&keys) {
+            let guard = shards.iter().position(|s| s == shard).unwrap_or(0);
+            let shard = &mut *guards[guard];
+            let shadow = b.shadow();
+            may_wait |= !b.max_wait().is_zero();
+            for band in b.rule.bands().iter() {
+                let key = hash.band(band);
+                let stored = shard.gcra.get_mut(&key);
+                let old = stored.as_deref().copied();
+                let e = evaluate_instant(old, &b, band, now);
+                if shadow {
+                    shadow_allowed &= e.allowed;
+                } else {
+                    allowed &= e.allowed;
+                }
+                bands.push(report(&b, band, now, &e, true));
+                if e.allowed {
+                    match stored {
+                        Some(t) => *t = e.next,
+                        None => {
+                            shard.make_room(now, max);
+                            shard.gcra.insert(key, e.next);
+                        }
+                    }
+                    written.push(Written {
+                        guard,
+                        key,
+                        old,
+                        shadow,
+                        report: bands.len() - 1,
+                        remaining_now: e.remaining_now,
+                        reset_now: e.reset_now,
+                    });
+                }
+            }
+        }
+        if !allowed || !shadow_allowed {
+            // Put back what is not committed, the last written first.
+            for w in written.iter().rev().filter(|w| !allowed || w.shadow) {
+                let shard = &mut *guards[w.guard];
+                match w.old {
+                    Some(t) => {
+                        shard.gcra.insert(w.key, t);
+                    }
+                    None => {
+                        shard.gcra.remove(&w.key);
+                    }
+                }
+                // Admitted by its band, not committed: the band as it stays.
+                bands[w.report].refigure(now, w.remaining_now, Duration::from_nanos(w.reset_now));
+            }
+            if !allowed && may_wait {
+                return None;
+            }
+        }
+        drop(guards);
+        Some(AcquireOutcome::new(allowed, shadow_allowed, now, bands))
+    }
+
+    /// The general path: any mix of algorithms, every band evaluated, then committed or
+    /// left as it was; a refused request that may wait takes its places here.
+    fn acquire_items(&self, request: &AcquireRequest, now: u64) -> AcquireOutcome {
         // Per band: its bucket's identity; per key: its shard, every band of a key in one.
         let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::new();
         let mut shards: SmallVec<[usize; 4]> = SmallVec::new();
@@ -702,6 +809,11 @@ impl MemoryLimiter {
             Next::Tat(_) => {}
         }
     }
+}
+
+/// Whether the algorithm's state is one instant (the token and leaky buckets).
+fn keeps_an_instant(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket)
 }
 
 /// What [`AcquireOutcome::marks`] records of a band's state after a place was taken: a
