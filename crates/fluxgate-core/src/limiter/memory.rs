@@ -435,14 +435,14 @@ impl MemoryLimiter {
 
     /// Applies a request synchronously (what [`RateLimiter::acquire`] does).
     pub fn acquire_now(&self, request: &AcquireRequest) -> AcquireOutcome {
-        let now = self.inner.clock.now_nanos();
         if request.len() == 1 {
             if let Some(only) = request.bucket(0) {
                 if let [band] = &**only.rule.bands() {
-                    return self.acquire_one(&only, band, now);
+                    return self.acquire_one(&only, band);
                 }
             }
         }
+        let now = self.inner.clock.now_nanos();
         if request.buckets().all(|b| keeps_an_instant(b.rule.algorithm())) {
             if let Some(outcome) = self.acquire_instants(request, now) {
                 return outcome;
@@ -603,20 +603,22 @@ impl MemoryLimiter {
     }
 
     /// One bucket with one band: one lock, no intermediate allocation.
-    fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band, now: u64) -> AcquireOutcome {
+    fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band) -> AcquireOutcome {
         let hash = self.key_hash(bucket);
         let key = hash.band(band);
         let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
-        fn outcome<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> AcquireOutcome {
+        fn outcome<S>(mut bands: Bands, bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> AcquireOutcome {
             let shadow = bucket.shadow();
-            let mut bands = Bands::with_capacity(1);
             bands.push(report(bucket, band, now, e, e.allowed));
             AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
         }
-        let rule = bucket.rule;
-        if matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket) {
-            // One lookup of the instant, read and written in place.
+        if keeps_an_instant(bucket.rule.algorithm()) {
+            // One lookup of the instant, read and written in place. The clock is read and
+            // the report's vector taken after the lookup, which they do not depend on: the
+            // processor does both while the bucket's slot, rarely in its caches, loads.
             let stored = shard.gcra.get_mut(&key);
+            let now = self.inner.clock.now_nanos();
+            let bands = Bands::with_capacity(1);
             let e = evaluate_instant(stored.as_deref().copied(), bucket, band, now);
             if e.allowed {
                 match stored {
@@ -633,8 +635,9 @@ impl MemoryLimiter {
                 }
             }
             drop(shard);
-            return outcome(bucket, band, now, &e);
+            return outcome(bands, bucket, band, now, &e);
         }
+        let now = self.inner.clock.now_nanos();
         let e = evaluate(&shard, key, bucket, band, now);
         if e.allowed {
             self.store(&mut shard, key, e.next, now, band, bucket.permits);
@@ -642,7 +645,7 @@ impl MemoryLimiter {
             return outcome;
         }
         drop(shard);
-        outcome(bucket, band, now, &e)
+        outcome(Bands::with_capacity(1), bucket, band, now, &e)
     }
 
     /// A one-band request the band refuses, if it may wait for it: the band's place at
