@@ -15,7 +15,7 @@ use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolver, Resolved};
 use crate::lease::Leases;
 use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
-use crate::path::with_paths;
+use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::wait::{may_wait, wait_for, Waiters};
@@ -351,10 +351,10 @@ impl Engine {
         let mut request = AcquireRequest::new(set);
         let mut denied_by = None;
         let method = ctx.method();
-        let mut select = |normalized: &[&str], routed: Option<&[&str]>| {
+        let mut select = |paths: &RequestPaths<'_>| {
             for i in 0..request.rule_set().rules().len() {
                 let rule = &request.rule_set().rules()[i];
-                if !rule.applies_to_paths(normalized, routed, method) {
+                if !rule.applies_to_paths(paths, method) {
                     continue;
                 }
                 // The key value is written where the request keeps it.
@@ -378,7 +378,7 @@ impl Engine {
         if with_patterns {
             with_paths(ctx, select);
         } else {
-            select(&[], None);
+            select(&RequestPaths::normalized(ctx.path()));
         }
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };

@@ -5,8 +5,11 @@
 //! applies when either matches, so normalization can only add rules to a request, never
 //! take one away.
 
+use std::cell::OnceCell;
 use std::fmt;
 use std::str::FromStr;
+
+use smallvec::SmallVec;
 
 use crate::context::RequestContext;
 use crate::text::Text;
@@ -160,19 +163,51 @@ fn hex(b: u8) -> Option<u8> {
     }
 }
 
-/// Runs `f` with the non-empty segments of a normalized path, without allocating for
-/// paths of up to 16 segments.
-pub(crate) fn with_segments<'a, R>(path: &'a str, f: impl FnOnce(&[&'a str]) -> R) -> R {
-    with_split(path.split('/').filter(|s| !s.is_empty()), f)
+/// A request's paths, as rules' patterns match them: the normalized path, split into
+/// segments only when a pattern needs them (see [`PathPattern::matches_normalized`]), and
+/// the segments of the path as routed when it differs.
+pub(crate) struct RequestPaths<'a> {
+    normalized: &'a str,
+    segments: OnceCell<SmallVec<[&'a str; 16]>>,
+    routed: Option<&'a [&'a str]>,
 }
 
-/// Runs `f` with the segments of a request's normalized path and, when it differs, of its
-/// path as routed; without allocating for usual paths.
-pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&[&str], Option<&[&str]>) -> R) -> R {
-    with_segments(ctx.path(), |normalized| match ctx.distinct_routed_path() {
-        None => f(normalized, None),
-        Some(raw) => with_routed_segments(raw, |routed| f(normalized, Some(routed))),
-    })
+impl<'a> RequestPaths<'a> {
+    /// A normalized path alone (no routed path that differs).
+    pub(crate) fn normalized(normalized: &'a str) -> Self {
+        Self {
+            normalized,
+            segments: OnceCell::new(),
+            routed: None,
+        }
+    }
+
+    /// The segments of the normalized path, split on first use.
+    fn normalized_segments(&self) -> &[&'a str] {
+        self.segments
+            .get_or_init(|| self.normalized.split('/').filter(|s| !s.is_empty()).collect())
+    }
+
+    /// The segments of the path as routed, when it differs from the normalized path.
+    pub(crate) fn routed(&self) -> Option<&[&'a str]> {
+        self.routed
+    }
+}
+
+/// Runs `f` with a request's paths: its normalized path and, when it differs, the segments
+/// of its path as routed; without allocating for usual paths.
+pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'_>) -> R) -> R {
+    let normalized = ctx.path();
+    match ctx.distinct_routed_path() {
+        None => f(&RequestPaths::normalized(normalized)),
+        Some(raw) => with_routed_segments(raw, |routed| {
+            f(&RequestPaths {
+                normalized,
+                segments: OnceCell::new(),
+                routed: Some(routed),
+            })
+        }),
+    }
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
@@ -232,6 +267,47 @@ pub fn routed_segments(raw_path: &str) -> Vec<&str> {
 pub struct PathPattern {
     source: String,
     segments: Vec<Segment>,
+    /// The pattern as a comparison of a normalized path's text, when it has that shape.
+    text: Shape,
+}
+
+/// What matching a normalized path takes, worked out from the pattern's segments. A
+/// normalized path is `/` or `/` followed by non-empty segments joined by `/`: its segments
+/// begin with literal segments exactly when its text equals them joined (each after a `/`)
+/// or continues them with a `/`.
+#[derive(Clone, PartialEq, Eq, Debug)]
+enum Shape {
+    /// Literal segments only: the path is exactly this (`/` for none).
+    Exact(String),
+    /// Literal segments, then `**`: the path is this, or this then `/` and more (`""`
+    /// for none: every path).
+    Under(String),
+    /// Another shape (globs, `**` elsewhere): the path's segments are matched.
+    Segments,
+}
+
+impl Shape {
+    fn of(segments: &[Segment]) -> Self {
+        let (literals, any_depth) = match segments.split_last() {
+            Some((Segment::AnyDepth, literals)) => (literals, true),
+            _ => (segments, false),
+        };
+        let mut text = String::new();
+        for segment in literals {
+            match segment {
+                Segment::Literal(literal) => {
+                    text.push('/');
+                    text.push_str(literal);
+                }
+                _ => return Self::Segments,
+            }
+        }
+        match any_depth {
+            true => Self::Under(text),
+            false if text.is_empty() => Self::Exact("/".to_owned()),
+            false => Self::Exact(text),
+        }
+    }
 }
 
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -294,6 +370,7 @@ impl FromStr for PathPattern {
         }
         Ok(Self {
             source: s.to_owned(),
+            text: Shape::of(&segments),
             segments,
         })
     }
@@ -307,7 +384,20 @@ impl PathPattern {
 
     /// Whether a normalized path matches.
     pub fn matches(&self, normalized_path: &str) -> bool {
-        with_segments(normalized_path, |segments| self.matches_segments(segments))
+        self.matches_normalized(&RequestPaths::normalized(normalized_path))
+    }
+
+    /// Whether a request's normalized path matches: compared as text when the pattern is
+    /// literal segments, optionally followed by `**` (no split), else segment by segment.
+    pub(crate) fn matches_normalized(&self, paths: &RequestPaths<'_>) -> bool {
+        let path = paths.normalized;
+        match &self.text {
+            Shape::Exact(text) => path == text,
+            Shape::Under(text) => {
+                path.starts_with(text.as_str()) && (path.len() == text.len() || path.as_bytes()[text.len()] == b'/')
+            }
+            Shape::Segments => self.matches_segments(paths.normalized_segments()),
+        }
     }
 
     /// Whether a path matches as a router sees it: the raw path, split at every `/`,
@@ -363,20 +453,23 @@ fn segment_matches(pattern: &Segment, segment: &str) -> bool {
 }
 
 fn glob_matches(glob: &[char], text: &str) -> bool {
-    let text: Vec<char> = text.chars().collect();
+    // `t` is a byte offset into `text`, always at a character boundary: no allocation.
+    let next = |t: usize| text[t..].chars().next();
     let (mut p, mut t) = (0, 0);
     let mut backtrack: Option<(usize, usize)> = None;
-    while t < text.len() {
+    while let Some(c) = next(t) {
         if p < glob.len() && glob[p] == '*' {
             backtrack = Some((p, t));
             p += 1;
-        } else if p < glob.len() && (glob[p] == '?' || glob[p] == text[t]) {
+        } else if p < glob.len() && (glob[p] == '?' || glob[p] == c) {
             p += 1;
-            t += 1;
+            t += c.len_utf8();
         } else if let Some((bp, bt)) = backtrack {
+            // The star takes one more character.
+            let bt = bt + next(bt).map_or(1, char::len_utf8);
             p = bp + 1;
-            t = bt + 1;
-            backtrack = Some((bp, bt + 1));
+            t = bt;
+            backtrack = Some((bp, bt));
         } else {
             return false;
         }

@@ -11,7 +11,7 @@ use super::validate::validate_band;
 use super::{Algorithm, BandRangeError, Mode, OnMissingKey};
 use crate::failure::FailurePolicy;
 use crate::name::Name;
-use crate::path::PathPattern;
+use crate::path::{PathPattern, RequestPaths};
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
 /// order of the file).
@@ -387,17 +387,17 @@ impl Rule {
     /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
     /// ```
     pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
-        crate::path::with_paths(ctx, |normalized, routed| {
-            self.applies_to_paths(normalized, routed, ctx.method())
-        })
+        crate::path::with_paths(ctx, |paths| self.applies_to_paths(paths, ctx.method()))
     }
 
-    /// Whether the rule applies to a request with these segments of its normalized path
-    /// and, when they differ, of its routed path.
-    pub(crate) fn applies_to_paths(&self, normalized: &[&str], routed: Option<&[&str]>, method: &Method) -> bool {
+    /// Whether the rule applies to a request with these paths (its normalized path and,
+    /// when it differs, its routed path) and method.
+    pub(crate) fn applies_to_paths(&self, paths: &RequestPaths<'_>, method: &Method) -> bool {
         self.enabled
             && self.matches_method(method)
-            && (self.matches_path(normalized) || routed.is_some_and(|r| self.matches_path(r)))
+            && (self.paths.is_empty()
+                || self.paths.iter().any(|p| p.matches_normalized(paths))
+                || paths.routed().is_some_and(|r| self.matches_path(r)))
     }
 
     /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
