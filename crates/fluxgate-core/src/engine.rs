@@ -351,7 +351,8 @@ impl Engine {
         let mut request = AcquireRequest::new(set);
         let mut denied_by = None;
         let method = ctx.method();
-        let mut select = |paths: &RequestPaths<'_>| {
+        // `paths` is `None` when no rule has path patterns.
+        let mut select = |paths: Option<&RequestPaths<'_>>| {
             for i in 0..request.rule_set().rules().len() {
                 let rule = &request.rule_set().rules()[i];
                 if !rule.applies_to_paths(paths, method) {
@@ -376,9 +377,9 @@ impl Engine {
         // router sees it: normalization adds rules, never removes one. The paths are split
         // only when a rule has patterns.
         if with_patterns {
-            with_paths(ctx, select);
+            with_paths(ctx, |paths| select(Some(paths)));
         } else {
-            select(&RequestPaths::normalized(ctx.path()));
+            select(None);
         }
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };

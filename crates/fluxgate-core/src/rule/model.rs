@@ -387,17 +387,20 @@ impl Rule {
     /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
     /// ```
     pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
-        crate::path::with_paths(ctx, |paths| self.applies_to_paths(paths, ctx.method()))
+        crate::path::with_paths(ctx, |paths| self.applies_to_paths(Some(paths), ctx.method()))
     }
 
     /// Whether the rule applies to a request with these paths (its normalized path and,
-    /// when it differs, its routed path) and method.
-    pub(crate) fn applies_to_paths(&self, paths: &RequestPaths<'_>, method: &Method) -> bool {
+    /// when it differs, its routed path; `None` only for a rule without path patterns) and
+    /// method.
+    pub(crate) fn applies_to_paths(&self, paths: Option<&RequestPaths<'_>>, method: &Method) -> bool {
         self.enabled
             && self.matches_method(method)
             && (self.paths.is_empty()
-                || self.paths.iter().any(|p| p.matches_normalized(paths))
-                || paths.routed().is_some_and(|r| self.matches_path(r)))
+                || paths.is_some_and(|paths| {
+                    self.paths.iter().any(|p| p.matches_normalized(paths))
+                        || paths.routed().is_some_and(|r| self.matches_path(r))
+                }))
     }
 
     /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
