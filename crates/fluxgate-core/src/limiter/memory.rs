@@ -230,13 +230,20 @@ struct KeyHash {
 }
 
 impl KeyHash {
-    /// A band's bucket identity, 128 bits: each half of the key's keyed hash folded with
-    /// the band's identity. The hash is keyed at random per limiter, so a client cannot
-    /// choose a key value whose hash meets another's; two buckets share state only if all
-    /// 128 bits meet.
+    /// A band's bucket identity, 128 bits: the key's keyed hash with the band's identity
+    /// folded into its high half and into the top 7 bits of its low half. The hash is
+    /// keyed at random per limiter, so a client cannot choose a key value whose hash meets
+    /// another's; two buckets share state only if all 128 bits meet (two bands of one key
+    /// differ in 71 bits folded from their identities).
+    ///
+    /// The low half is where the shard's table looks first (its low bits; the top 7 are
+    /// the tag it compares): every band of a key starts at the same place, so a rule's
+    /// bands sit next to each other, in one or two cache lines, instead of each at a random
+    /// place that leaves the caches between two visits of the key.
     fn band(&self, band: &Band) -> u128 {
+        const TAG: u64 = !0 >> 7;
         let ident = band.ident();
-        let low = fold(self.low ^ ident, MIX_P0) ^ self.low;
+        let low = (self.low & TAG) | (fold(self.low ^ ident, MIX_P0) & !TAG);
         let high = fold(self.high ^ ident, MIX_P1) ^ self.high;
         (u128::from(high) << 64) | u128::from(low)
     }
