@@ -2,8 +2,9 @@
 -- the other in the order they came, each all or nothing as its own script would decide it
 -- alone. The build script puts before this file the three decision scripts, each as a
 -- function of its own keys and arguments (decide_one, decide_token_buckets,
--- decide_general), and reads the clock once for the batch: each `redis.call('TIME')` of
--- those scripts becomes `batch_time`. README.md, "The batch call".
+-- decide_general), and reads the clock once for the batch: each of those scripts' two
+-- lines that read `TIME` and convert it to `now` becomes `local now = batch_now`.
+-- README.md, "The batch call".
 --
 -- Requests of the same rules have the same arguments: each distinct list of arguments is
 -- sent once. ARGV: the number of lists, each list as its length then its arguments; then

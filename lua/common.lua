@@ -32,8 +32,10 @@ local function cdiv(a, b)
   return q
 end
 
+-- The strings of TIME converted by the arithmetic: once each, where tonumber converts a
+-- decimal string twice (to check it, then to read it), each a strtod.
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 
 -- The PX argument for a key that must outlive `us` microseconds from now by one second.
 local function px(us)

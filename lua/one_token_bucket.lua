@@ -18,8 +18,10 @@
 local key, layout = KEYS[1], ARGV[1]
 local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5], ARGV[6]
 scale = scale and tonumber(scale, 16) or 1
+-- The strings of TIME converted by the arithmetic: once each, where tonumber converts a
+-- decimal string twice (to check it, then to read it), each a strtod.
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 
 -- The debt: how far the stored instant lies ahead of now, in units. It exceeds cap when
 -- requests wait for a later instant (their places are taken) or the rule has changed.

@@ -12,8 +12,10 @@
 -- (strtoul instead of strtod), takes no scale for a rule whose bands all have a scale of 1,
 -- and writes each rule's value by concatenation.
 
+-- The strings of TIME converted by the arithmetic: once each, where tonumber converts a
+-- decimal string twice (to check it, then to read it), each a strtod.
 local time = redis.call('TIME')
-local now = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local now = time[1] * 1000000 + time[2]
 local values = redis.call('MGET', unpack(KEYS))
 
 -- One pass: each band's debt (how far its instant lies ahead of now, in units; more than

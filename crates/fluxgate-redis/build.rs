@@ -65,10 +65,12 @@ fn read(dir: &Path, parts: &[&str]) -> String {
 }
 
 /// The batch script: each decision script as a function of its own keys and arguments,
-/// reading the clock the batch read once, then `batch.lua`.
+/// reading the clock the batch read once (and converted once), then `batch.lua`.
 fn batch(dir: &Path, out: &Path) {
-    const TIME: &str = "redis.call('TIME')";
-    let mut script = String::from("local batch_time = redis.call('TIME')\n");
+    const TIME: &str = "local time = redis.call('TIME')\nlocal now = time[1] * 1000000 + time[2]\n";
+    let mut script = String::from(
+        "local batch_time = redis.call('TIME')\nlocal batch_now = batch_time[1] * 1000000 + batch_time[2]\n",
+    );
     let general = parts("decide.lua");
     let functions: [(&str, &[&str]); 3] = [
         ("decide_one", &["one_token_bucket.lua"]),
@@ -84,7 +86,7 @@ fn batch(dir: &Path, out: &Path) {
         );
         script.push_str(&format!(
             "local {name} = function(KEYS, ARGV)\n{}\nend\n",
-            body.replace(TIME, "batch_time")
+            body.replace(TIME, "local now = batch_now\n")
         ));
     }
     script.push_str(&read(dir, &["batch.lua"]));
