@@ -267,8 +267,8 @@ pub fn routed_segments(raw_path: &str) -> Vec<&str> {
 pub struct PathPattern {
     source: String,
     segments: Vec<Segment>,
-    /// The pattern as a comparison of a normalized path's text, when it has that shape.
-    text: Shape,
+    /// How a normalized path is matched: as text, when the pattern has that shape.
+    shape: Shape,
 }
 
 /// What matching a normalized path takes, worked out from the pattern's segments. A
@@ -370,7 +370,7 @@ impl FromStr for PathPattern {
         }
         Ok(Self {
             source: s.to_owned(),
-            text: Shape::of(&segments),
+            shape: Shape::of(&segments),
             segments,
         })
     }
@@ -391,7 +391,7 @@ impl PathPattern {
     /// literal segments, optionally followed by `**` (no split), else segment by segment.
     pub(crate) fn matches_normalized(&self, paths: &RequestPaths<'_>) -> bool {
         let path = paths.normalized;
-        match &self.text {
+        match &self.shape {
             Shape::Exact(text) => path == text,
             Shape::Under(text) => {
                 path.starts_with(text.as_str()) && (path.len() == text.len() || path.as_bytes()[text.len()] == b'/')
