@@ -78,6 +78,7 @@ pub struct BandReport {
 
 impl BandReport {
     /// The report of `band` of `rule` after a decision taken at `now_unix_nanos`.
+    #[inline]
     pub(crate) fn new(
         rule: &Rule,
         band: &Band,

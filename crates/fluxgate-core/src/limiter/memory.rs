@@ -351,10 +351,14 @@ impl fmt::Debug for MemoryLimiter {
 
 struct Item<'a> {
     key: u128,
-    shard: usize,
+    /// The index of its shard's guard.
+    guard: usize,
     bucket: Bucket<'a>,
     band: &'a Band,
 }
+
+/// The locks of a request's shards, in index order.
+type Guards<'a> = SmallVec<[MutexGuard<'a, Shard>; 4]>;
 
 /// A band whose instant [`MemoryLimiter::acquire_instants`] wrote before the request was
 /// decided: what puts it back, and its figures should it not be committed.
@@ -458,13 +462,11 @@ impl MemoryLimiter {
         self.acquire_items(request, now)
     }
 
-    /// A request whose buckets are all token or leaky buckets, in one pass: each band's
-    /// instant is looked up once, and written at once where the band admits (no one sees it
-    /// before the request is decided: the shards stay locked); the instants written are put
-    /// back when the request is not committed. `None` when the request is refused and may
-    /// wait: nothing has changed, and [`Self::acquire_items`] takes its places.
-    fn acquire_instants(&self, request: &AcquireRequest, now: u64) -> Option<AcquireOutcome> {
-        // Per bucket: its key's hash and shard, then the index of that shard's guard.
+    /// Each bucket's key hash, and the shards of the keys locked in index order (no
+    /// deadlock between requests), each once: per bucket its hash and the index of its
+    /// shard's guard.
+    #[inline]
+    fn lock_keys(&self, request: &AcquireRequest) -> (SmallVec<[(KeyHash, usize); 4]>, Guards<'_>) {
         let mut keys: SmallVec<[(KeyHash, usize); 4]> = SmallVec::new();
         let mut shards: SmallVec<[usize; 4]> = SmallVec::new();
         for b in request.buckets() {
@@ -475,17 +477,27 @@ impl MemoryLimiter {
             }
             keys.push((hash, shard));
         }
-        // Lock every shard involved, in index order (no deadlock between requests).
         shards.sort_unstable();
-        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
-            shards.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        for (_, shard) in &mut keys {
+            *shard = shards.iter().position(|s| s == shard).unwrap_or(0);
+        }
+        let guards = shards.iter().map(|&s| lock(&self.inner.shards[s])).collect();
+        (keys, guards)
+    }
+
+    /// A request whose buckets are all token or leaky buckets, in one pass: each band's
+    /// instant is looked up once, and written at once where the band admits (no one sees it
+    /// before the request is decided: the shards stay locked); the instants written are put
+    /// back when the request is not committed. `None` when the request is refused and may
+    /// wait: nothing has changed, and [`Self::acquire_items`] takes its places.
+    fn acquire_instants(&self, request: &AcquireRequest, now: u64) -> Option<AcquireOutcome> {
+        let (keys, mut guards) = self.lock_keys(request);
         let max = self.inner.max_per_shard;
         let mut bands = Bands::with_capacity(request.len() * 2);
         let mut written: SmallVec<[Written; 8]> = SmallVec::new();
         let (mut allowed, mut shadow_allowed, mut may_wait) = (true, true, false);
-        for (b, (hash, shard)) in request.buckets().zip(&keys) {
-            let guard = shards.iter().position(|s| s == shard).unwrap_or(0);
-            let shard = &mut *guards[guard];
+        for (b, (hash, guard)) in request.buckets().zip(&keys) {
+            let (guard, shard) = (*guard, &mut *guards[*guard]);
             let shadow = b.shadow();
             may_wait |= !b.max_wait().is_zero();
             for band in b.rule.bands().iter() {
@@ -545,29 +557,19 @@ impl MemoryLimiter {
     /// The general path: any mix of algorithms, every band evaluated, then committed or
     /// left as it was; a refused request that may wait takes its places here.
     fn acquire_items(&self, request: &AcquireRequest, now: u64) -> AcquireOutcome {
-        // Per band: its bucket's identity; per key: its shard, every band of a key in one.
+        // Per band: its bucket's identity and its shard's guard, every band of a key in one.
+        let (keys, mut guards) = self.lock_keys(request);
         let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::new();
-        let mut shards: SmallVec<[usize; 4]> = SmallVec::new();
-        for b in request.buckets() {
-            let hash = self.key_hash(&b);
-            let shard = self.shard_of(&hash);
-            if !shards.contains(&shard) {
-                shards.push(shard);
-            }
+        for (b, (hash, guard)) in request.buckets().zip(&keys) {
             for band in b.rule.bands().iter() {
                 items.push(Item {
                     key: hash.band(band),
-                    shard,
+                    guard: *guard,
                     bucket: b,
                     band,
                 });
             }
         }
-        // Lock every shard involved, in index order (no deadlock between requests).
-        shards.sort_unstable();
-        let mut guards: SmallVec<[MutexGuard<'_, Shard>; 4]> =
-            shards.iter().map(|&s| lock(&self.inner.shards[s])).collect();
-        let guard_of = |shard: usize| shards.iter().position(|&s| s == shard).unwrap_or(0);
 
         // Every band evaluated at one instant; its report is written as if the request were
         // committed, and corrected below for the bands that do not commit.
@@ -575,7 +577,7 @@ impl MemoryLimiter {
         let mut pending: SmallVec<[Pending; 8]> = SmallVec::new();
         let (mut allowed, mut shadow_allowed) = (true, true);
         for i in &items {
-            let guard = guard_of(i.shard);
+            let guard = i.guard;
             let e = evaluate(&guards[guard], i.key, &i.bucket, i.band, now);
             if i.bucket.shadow() {
                 shadow_allowed &= e.allowed;
@@ -592,7 +594,7 @@ impl MemoryLimiter {
             });
         }
         if !allowed {
-            if let Some(outcome) = self.reserve_all(&items, &pending, &mut guards, &guard_of, now) {
+            if let Some(outcome) = self.reserve_all(&items, &pending, &mut guards, now) {
                 return outcome;
             }
         }
@@ -687,14 +689,13 @@ impl MemoryLimiter {
         items: &[Item<'_>],
         pending: &[Pending],
         guards: &mut [MutexGuard<'_, Shard>],
-        guard_of: &dyn Fn(usize) -> usize,
         now: u64,
     ) -> Option<AcquireOutcome> {
         let mut wait = Duration::ZERO;
         for (i, p) in items.iter().zip(pending) {
             if !p.allowed && !i.bucket.shadow() {
                 // Evaluated again on this rare path, rather than carried by every band.
-                let e = evaluate(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now);
+                let e = evaluate(&guards[i.guard], i.key, &i.bucket, i.band, now);
                 wait = wait.max(allowed_wait(&i.bucket, e.wait)?);
             }
         }
@@ -702,7 +703,7 @@ impl MemoryLimiter {
         let mut nexts: SmallVec<[Option<Next>; 8]> = SmallVec::new();
         let mut shadow_allowed = true;
         for i in items {
-            let next = reserve(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now, at);
+            let next = reserve(&guards[i.guard], i.key, &i.bucket, i.band, now, at);
             if next.is_none() {
                 if !i.bucket.shadow() {
                     return None;
@@ -714,20 +715,13 @@ impl MemoryLimiter {
         for (i, next) in items.iter().zip(&nexts) {
             if let Some(next) = *next {
                 if !i.bucket.shadow() || shadow_allowed {
-                    self.store(
-                        &mut guards[guard_of(i.shard)],
-                        i.key,
-                        next,
-                        now,
-                        i.band,
-                        i.bucket.permits,
-                    );
+                    self.store(&mut guards[i.guard], i.key, next, now, i.band, i.bucket.permits);
                 }
             }
         }
         let bands: Bands = items
             .iter()
-            .map(|i| figures_now(&guards[guard_of(i.shard)], i.key, &i.bucket, i.band, now))
+            .map(|i| figures_now(&guards[i.guard], i.key, &i.bucket, i.band, now))
             .collect();
         let marks = nexts.iter().map(|next| next.map_or(0, mark)).collect();
         Some(
