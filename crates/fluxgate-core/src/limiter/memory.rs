@@ -1100,6 +1100,42 @@ mod tests {
         assert_eq!(limiter.len(), 0);
     }
 
+    /// The one pass over token buckets writes each band as it goes: a request another band
+    /// refuses leaves every band it wrote as it was, a new key's bucket included.
+    #[test]
+    fn a_refused_request_leaves_the_bands_it_wrote_as_they_were() {
+        use crate::rule::RuleSet;
+        let limiter = MemoryLimiter::builder().clock(ManualClock::new(1_000_000_000)).build();
+        let hourly = Rule::from_spec(
+            "s",
+            RuleSpec::new("hourly", vec![BandSpec::new(1, Duration::from_secs(3600))]),
+        )
+        .unwrap();
+        let set = Arc::new(RuleSet::new("s", [rule(10, 1), hourly]).unwrap());
+        let request = |key: &str| {
+            let mut request = AcquireRequest::new(set.clone());
+            request.push(0, key.into());
+            request.push(1, "shared".into());
+            request
+        };
+        let first = limiter.acquire_now(&request("old"));
+        assert!(first.allowed);
+        assert_eq!(first.bands[0].remaining, 9);
+        let buckets = limiter.len();
+        // The second rule's only permit is gone: refused, after the first rule's band took
+        // one from a key it had seen and from a key it had not.
+        for key in ["old", "new"] {
+            let refused = limiter.acquire_now(&request(key));
+            assert!(!refused.allowed, "{key}");
+            let expected = if key == "old" { 9 } else { 10 };
+            assert_eq!(refused.bands[0].remaining, expected, "{key}: the band as it stays");
+            assert_eq!(limiter.len(), buckets, "{key}: no bucket left behind");
+        }
+        let mut alone = AcquireRequest::new(set.clone());
+        alone.push(0, "old".into());
+        assert_eq!(limiter.acquire_now(&alone).bands[0].remaining, 8, "nothing taken twice");
+    }
+
     #[test]
     fn a_rule_in_two_rule_sets_has_two_counters() {
         use crate::rule::RuleSet;
