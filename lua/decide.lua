@@ -8,14 +8,15 @@
 -- admits too. Nothing is written on rejection. A token-bucket rule is one key (its layout
 -- follows its flags in ARGV) and one write; a band of another algorithm is a key.
 
--- Pass 1: evaluate every band.
+-- Pass 1: evaluate every band. ARGV's decimal numbers are converted by the arithmetic
+-- (`s + 0`): one strtod each, where tonumber makes two.
 local bands = {}
 local rules = {}
 local allowed, shadow_allowed = true, true
 local arg, n, k = 2, 0, 0
-for _ = 1, tonumber(ARGV[1]) do
-  local permits = tonumber(ARGV[arg])
-  local flags = tonumber(ARGV[arg + 1])
+for _ = 1, ARGV[1] + 0 do
+  local permits = ARGV[arg] + 0
+  local flags = ARGV[arg + 1] + 0
   local shadow = flags % FLAG_ALGORITHM == FLAG_SHADOW
   local algorithm = floor((flags % FLAG_BANDS) / FLAG_ALGORITHM)
   local count = floor(flags / FLAG_BANDS)
@@ -31,7 +32,7 @@ for _ = 1, tonumber(ARGV[1]) do
     eval, store = algorithm_functions(algorithm)
   end
   for i = 1, count do
-    local c, a, b = tonumber(ARGV[arg]), tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    local c, a, b = ARGV[arg] + 0, ARGV[arg + 1] + 0, ARGV[arg + 2] + 0
     arg = arg + 3
     n = n + 1
     local value, wait, rem, reset, rem_after, reset_after, key

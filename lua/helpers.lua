@@ -12,7 +12,8 @@ local function fields(v)
   if not a then
     return nil
   end
-  return tonumber(a), tonumber(b), tonumber(c)
+  -- Converted by the arithmetic: one strtod each, where tonumber makes two.
+  return a + 0, b ~= '' and b + 0 or nil, c ~= '' and c + 0 or nil
 end
 
 -- The end of the window of `w` microseconds (aligned on the Unix epoch) holding the

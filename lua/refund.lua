@@ -3,19 +3,21 @@
 -- KEYS, ARGV and the reply: README.md, "The refund call". Each algorithm's file says how
 -- it gives a request back (its `*_refund`); the reply describes each band after it.
 
-local decided = tonumber(ARGV[1])
+-- ARGV's decimal numbers are converted by the arithmetic (`s + 0`): one strtod each, where
+-- tonumber makes two.
+local decided = ARGV[1] + 0
 local reply = {}
 local arg = 2
 for _, key in ipairs(KEYS) do
-  local algorithm = tonumber(ARGV[arg])
-  local permits = tonumber(ARGV[arg + 1])
-  local c, a, b = tonumber(ARGV[arg + 2]), tonumber(ARGV[arg + 3]), tonumber(ARGV[arg + 4])
+  local algorithm = ARGV[arg] + 0
+  local permits = ARGV[arg + 1] + 0
+  local c, a, b = ARGV[arg + 2] + 0, ARGV[arg + 3] + 0, ARGV[arg + 4] + 0
   arg = arg + 5
   local rem, reset
   if algorithm == TOKEN_BUCKET then
     -- The band's rule: its layout, the band's position in it and its band count; then the
     -- state expected of it, or '' (see token_bucket_refund).
-    local layout, index, count = ARGV[arg], tonumber(ARGV[arg + 1]), tonumber(ARGV[arg + 2])
+    local layout, index, count = ARGV[arg], ARGV[arg + 1] + 0, ARGV[arg + 2] + 0
     local expect = ARGV[arg + 3]
     arg = arg + 4
     rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b, expect)

@@ -15,7 +15,7 @@ local function sliding_window_log_eval(key, permits, capacity, w)
   local rem, reset = capacity - count, 0
   if count > 0 then
     local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-    reset = math.max(tonumber(newest[2]) + w - now, 0)
+    reset = math.max(newest[2] + w - now, 0)
   end
   if permits > capacity then
     return false, -1, rem, reset, rem, reset
@@ -24,7 +24,7 @@ local function sliding_window_log_eval(key, permits, capacity, w)
     -- The oldest entries leave first: wait for the one that makes room.
     local k = count + permits - capacity
     local entry = redis.call('ZRANGEBYSCORE', key, after, '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
-    return false, math.max(tonumber(entry[2]) + w - now, 1), rem, reset, rem, reset
+    return false, math.max(entry[2] + w - now, 1), rem, reset, rem, reset
   end
   return true, 0, rem, reset, capacity - count - permits, w
 end

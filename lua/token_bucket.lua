@@ -29,12 +29,15 @@
 -- The stored instant and remainder, or nil for a missing key.
 local function tat_of(key)
   local v = redis.call('GET', key)
-  local t = tonumber(v)
-  if t or not v then
-    return t, 0
+  if not v then
+    return nil, 0
   end
+  -- Converted by the arithmetic: one strtod each, where tonumber makes two.
   local colon = string.find(v, ':', 1, true)
-  return tonumber(string.sub(v, 1, colon - 1)), tonumber(string.sub(v, colon + 1))
+  if not colon then
+    return v + 0, 0
+  end
+  return string.sub(v, 1, colon - 1) + 0, string.sub(v, colon + 1) + 0
 end
 
 -- The GCRA step shared with the leaky bucket: `debt` is how far the stored instant lies

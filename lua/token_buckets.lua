@@ -201,7 +201,7 @@ if not allowed and waits then
     -- A state now lies up to `off` µs further ahead than a window: each key outlives it.
     local extra = (off - off % 1000) / 1000 + 1
     for r = 1, #KEYS do
-      writes[3 * r - 1] = tonumber(writes[3 * r - 1]) + extra
+      writes[3 * r - 1] = writes[3 * r - 1] + extra
     end
   end
 end
