@@ -493,7 +493,7 @@ impl MemoryLimiter {
     fn acquire_instants(&self, request: &AcquireRequest, now: u64) -> Option<AcquireOutcome> {
         let (keys, mut guards) = self.lock_keys(request);
         let max = self.inner.max_per_shard;
-        let mut bands = Bands::with_capacity(request.len() * 2);
+        let mut bands = Bands::with_capacity(request.band_count());
         let mut written: SmallVec<[Written; 8]> = SmallVec::new();
         let (mut allowed, mut shadow_allowed, mut may_wait) = (true, true, false);
         for (b, (hash, guard)) in request.buckets().zip(&keys) {
