@@ -8,6 +8,8 @@ use std::time::Duration;
 use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock, WaitPolicy};
 use tokio::time::Instant;
 
+use crate::support::backend::at_once;
+
 /// A rule set of one global rule of `algorithm`, `capacity` per `window`, that lets
 /// requests wait up to `max_wait`, `max_waiters` at once.
 fn waiting(algorithm: &str, band: &str, max_wait: &str, max_waiters: u32) -> Engine {
@@ -47,24 +49,20 @@ async fn check(engine: &Engine) -> Decision {
         .expect("a decision")
 }
 
-/// Starts `n` requests at once; returns, for each, whether it was admitted and when it
-/// was answered, after `start`.
-async fn at_once(engine: &Engine, n: usize, start: Instant) -> Vec<(bool, Duration)> {
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let engine = engine.clone();
-            tokio::spawn(async move {
-                let decision = check(&engine).await;
-                (decision.allowed(), start.elapsed())
-            })
-        })
-        .collect();
-    let mut answers = Vec::new();
-    for task in tasks {
-        answers.push(task.await.expect("the task ran"));
+/// Starts a request that waits, and drops it after `after` (at once, once it has started,
+/// for zero).
+async fn drop_a_waiter(engine: &Engine, after: Duration) {
+    let waiter = tokio::spawn({
+        let engine = engine.clone();
+        async move { check(&engine).await }
+    });
+    if after.is_zero() {
+        tokio::task::yield_now().await;
+    } else {
+        tokio::time::sleep(after).await;
     }
-    answers.sort_by_key(|a| (a.1, a.0));
-    answers
+    waiter.abort();
+    assert!(waiter.await.is_err(), "the waiter was dropped");
 }
 
 #[tokio::test(start_paused = true)]
@@ -146,13 +144,7 @@ async fn a_dropped_waiter_gives_its_place_to_the_next_request() {
     let engine = waiting("token_bucket", "{ capacity: 1, window: 1s }", "10s", 100);
     assert!(check(&engine).await.allowed());
     // The second request waits for 1 s; dropped after 100 ms, its place goes back.
-    let waiter = tokio::spawn({
-        let engine = engine.clone();
-        async move { check(&engine).await }
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    waiter.abort();
-    assert!(waiter.await.is_err(), "the waiter was dropped");
+    drop_a_waiter(&engine, Duration::from_millis(100)).await;
     // The third request takes the place the dropped one held: at 1 s, not 2 s.
     let start = Instant::now();
     let decision = check(&engine).await;
@@ -219,13 +211,7 @@ rule_sets:
     .expect("valid rules");
     let engine = in_memory(rules, TokioClock::new(), None);
     assert!(check(&engine).await.allowed());
-    let waiter = tokio::spawn({
-        let engine = engine.clone();
-        async move { check(&engine).await }
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    waiter.abort();
-    assert!(waiter.await.is_err(), "the waiter was dropped");
+    drop_a_waiter(&engine, Duration::from_millis(100)).await;
     // The next request takes the dropped one's place, at 2 s.
     let start = Instant::now();
     assert!(check(&engine).await.allowed());
@@ -345,13 +331,7 @@ async fn a_dropped_waiter_gives_its_window_place_back() {
     let engine = waiting_on(clock, "fixed_window", "{ capacity: 1, window: 1s }", "2s", 100);
     assert!(check(&engine).await.allowed());
     // The second waits for the next window; dropped, its place there goes back.
-    let waiter = tokio::spawn({
-        let engine = engine.clone();
-        async move { check(&engine).await }
-    });
-    tokio::task::yield_now().await;
-    waiter.abort();
-    assert!(waiter.await.is_err(), "the waiter was dropped");
+    drop_a_waiter(&engine, Duration::ZERO).await;
     let to_boundary = Duration::from_nanos(SEC - clock.now_nanos() % SEC);
     let start = Instant::now();
     assert!(check(&engine).await.allowed());

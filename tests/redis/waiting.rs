@@ -15,10 +15,11 @@ use std::time::{Duration, Instant};
 
 use fluxgate::core::limiter::Wait;
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate::core::{Decision, Engine, RateLimiter, RequestContext, RuleSet, Text, WaitPolicy};
+use fluxgate::core::{Engine, RateLimiter, RequestContext, RuleSet, Text, WaitPolicy};
 use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
+use crate::support::backend::at_once;
 use crate::support::redis::{Redis, Servers};
 
 /// A limiter on `redis` with keys under `prefix`, batching its calls when `batching`.
@@ -214,11 +215,30 @@ async fn engine(redis: &Redis, prefix: &str, yaml: &str, batching: Option<Batchi
         .expect("Redis takes the place of these rules' waiting requests")
 }
 
-async fn check(engine: &Engine) -> Decision {
-    engine
-        .check(&RequestContext::builder().build())
-        .await
-        .expect("a decision")
+/// The refund script, as the limiter sends it, giving back one permit decided at
+/// `decided_us` of a one-band token-bucket rule of 1 per 10 s stored at `key`, with the
+/// refund's `expect` (`''`, a state, or `~` and a state); Redis's answer.
+fn refund_one_permit(redis: &Redis, key: &str, decided_us: u64, expect: &str) -> String {
+    let decided = decided_us.to_string();
+    // KEYS: the rule's key; ARGV: decided_us, then the band: token bucket (0), 1 permit,
+    // capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1, expect.
+    let args = [
+        "EVAL",
+        fluxgate::redis::REFUND_LUA,
+        "1",
+        key,
+        &decided,
+        "0",
+        "1",
+        "1",
+        "1",
+        "10000000",
+        "b0:1/10s|",
+        "1",
+        "1",
+        expect,
+    ];
+    redis.server().cli(&args)
 }
 
 /// The instant, in µs, at which the global rule's bucket of `key` is full again.
@@ -330,26 +350,7 @@ async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
             (tat, 0) => format!("~{tat:x}"),
             (tat, frac) => format!("~{tat:x}:{frac:x}"),
         };
-        let decided = (left.now_unix_nanos / 1_000).to_string();
-        // KEYS: the rule's key; ARGV: decided_us, then the band: token bucket (0), 1 permit,
-        // capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1, expect.
-        let args = [
-            "EVAL",
-            fluxgate::redis::REFUND_LUA,
-            "1",
-            key,
-            &decided,
-            "0",
-            "1",
-            "1",
-            "1",
-            "10000000",
-            "b0:1/10s|",
-            "1",
-            "1",
-            &state,
-        ];
-        redis.server().cli(&args)
+        refund_one_permit(&redis, key, left.now_unix_nanos / 1_000, &state)
     };
     let mut marked = request(&set, &[0], Duration::ZERO);
     marked.mark_places();
@@ -392,28 +393,11 @@ async fn a_refund_under_a_changed_rule_leaves_the_new_bands_alone() {
     let stored = format!("b0:1/10s,b1:5/1m|{}|{}", ahead(10), ahead(30));
     redis.server().cli(&["SET", key, &stored]);
     // A refund of the rule's old, one-band layout.
-    let decided = (std::time::SystemTime::now()
+    let decided = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .expect("after 1970")
-        .as_micros())
-    .to_string();
-    let args = [
-        "EVAL",
-        fluxgate::redis::REFUND_LUA,
-        "1",
-        key,
-        &decided,
-        "0",
-        "1",
-        "1",
-        "1",
-        "10000000",
-        "b0:1/10s|",
-        "1",
-        "1",
-        "",
-    ];
-    redis.server().cli(&args);
+        .as_micros();
+    refund_one_permit(&redis, key, u64::try_from(decided).expect("µs fit"), "");
     assert_eq!(redis.server().cli(&["GET", key]).trim(), stored);
 }
 
@@ -433,23 +417,12 @@ async fn waiting_requests_proceed_no_faster_than_the_rate_in_batches() {
 /// and then one every 200 ms, never sooner.
 async fn no_faster(redis: &Redis, batching: Option<Batching>) {
     let engine = engine(redis, "rate", &global(5, "1s", true), batching).await;
-    let start = Instant::now();
-    let tasks: Vec<_> = (0..30)
-        .map(|_| {
-            let engine = engine.clone();
-            tokio::spawn(async move {
-                let decision = check(&engine).await;
-                (decision.allowed(), start.elapsed())
-            })
-        })
-        .collect();
-    let mut passed = Vec::new();
-    for task in tasks {
-        let (allowed, at) = task.await.expect("the request's task");
-        assert!(allowed, "every request waits for its permit");
-        passed.push(at);
-    }
-    passed.sort();
+    let answers = at_once(&engine, 30, tokio::time::Instant::now()).await;
+    assert!(
+        answers.iter().all(|a| a.0),
+        "every request waits for its permit: {answers:?}"
+    );
+    let passed: Vec<Duration> = answers.iter().map(|a| a.1).collect();
     // The k-th to pass (from 0) passes no sooner than (k − 4) × 200 ms after the start
     // (1 ms for Redis's µs against the test's clock).
     for (k, at) in passed.iter().enumerate().skip(5) {

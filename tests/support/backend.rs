@@ -114,3 +114,23 @@ pub(crate) fn ctx(ip: &str) -> RequestContext {
 pub(crate) async fn check(engine: &Engine, ctx: &RequestContext) -> Decision {
     engine.check(ctx).await.expect("decision")
 }
+
+/// Starts `n` requests with an empty context at once; returns, for each, whether it was
+/// admitted and when it was answered, after `start`, in the order they were answered.
+pub(crate) async fn at_once(engine: &Engine, n: usize, start: tokio::time::Instant) -> Vec<(bool, Duration)> {
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let decision = check(&engine, &RequestContext::builder().build()).await;
+                (decision.allowed(), start.elapsed())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        answers.push(task.await.expect("the task ran"));
+    }
+    answers.sort_by_key(|a| (a.1, a.0));
+    answers
+}
