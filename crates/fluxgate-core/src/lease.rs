@@ -208,7 +208,7 @@ impl GiveBack {
         let instant = set
             .rules()
             .get(rule)
-            .is_some_and(|rule| matches!(rule.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket));
+            .is_some_and(|rule| rule.algorithm().keeps_an_instant());
         let marked = !marks.is_empty() && marks.iter().all(|&mark| mark != 0);
         let left = match (instant, marked) {
             (false, _) => left,

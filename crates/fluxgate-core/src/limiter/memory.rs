@@ -454,7 +454,7 @@ impl MemoryLimiter {
             }
         }
         let now = self.inner.clock.now_nanos();
-        if request.buckets().all(|b| keeps_an_instant(b.rule.algorithm())) {
+        if request.buckets().all(|b| b.rule.algorithm().keeps_an_instant()) {
             if let Some(outcome) = self.acquire_instants(request, now) {
                 return outcome;
             }
@@ -621,7 +621,7 @@ impl MemoryLimiter {
             bands.push(report(bucket, band, now, e, e.allowed));
             AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
         }
-        if keeps_an_instant(bucket.rule.algorithm()) {
+        if bucket.rule.algorithm().keeps_an_instant() {
             // One lookup of the instant, read and written in place. The clock is read and
             // the report's vector taken after the lookup, which they do not depend on: the
             // processor does both while the bucket's slot, rarely in its caches, loads.
@@ -813,11 +813,6 @@ impl MemoryLimiter {
             Next::Tat(_) => {}
         }
     }
-}
-
-/// Whether the algorithm's state is one instant (the token and leaky buckets).
-fn keeps_an_instant(algorithm: Algorithm) -> bool {
-    matches!(algorithm, Algorithm::TokenBucket | Algorithm::LeakyBucket)
 }
 
 /// What [`AcquireOutcome::marks`] records of a band's state after a place was taken: a

@@ -59,6 +59,12 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Whether a band's state is one instant (the token and leaky buckets): moving it
+    /// back frees the last permits taken, whoever took them.
+    pub(crate) fn keeps_an_instant(self) -> bool {
+        matches!(self, Self::TokenBucket | Self::LeakyBucket)
+    }
+
     /// The name used in files.
     pub fn as_str(self) -> &'static str {
         match self {
