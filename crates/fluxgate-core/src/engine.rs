@@ -398,10 +398,7 @@ impl Engine {
         // decided by the backend as without leases (its place taken at one instant for all
         // its rules).
         let acquired = match &self.inner.leases {
-            Some(leases)
-                if request.buckets().any(|b| b.rule.lease().is_some())
-                    && request.buckets().all(|b| b.max_wait().is_zero()) =>
-            {
+            Some(leases) if request.buckets().any(|b| b.rule.lease().is_some()) && !request.may_wait() => {
                 leases.acquire(&request)
             }
             _ => self.inner.limiter.acquire(&request),

@@ -162,7 +162,7 @@ impl RateLimiter for RedisLimiter {
         let start = Instant::now();
         // A request that may wait for the refill is decided by Redis: a refusal remembered
         // for another's retry-after would refuse one that can wait now.
-        let waits = request.buckets().any(|b| !b.max_wait().is_zero());
+        let waits = request.may_wait();
         let denied = inner.denied.as_ref().filter(|_| !waits);
         if let Some(outcome) = denied.and_then(|c| c.check(request, &calls, start)) {
             #[cfg(feature = "metrics")]

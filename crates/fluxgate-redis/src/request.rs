@@ -77,7 +77,7 @@ impl CallBand {
 /// was not validated).
 pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> Result<SmallVec<[Call; 1]>, RuleError> {
     let mut calls = encode_waiting(request, prefix, cluster, true)?;
-    if calls.len() > 1 && request.buckets().any(|b| !b.max_wait().is_zero()) {
+    if calls.len() > 1 && request.may_wait() {
         calls = encode_waiting(request, prefix, cluster, false)?;
     }
     // Marks for the request that asks, and for the slots a refund may follow.

@@ -495,11 +495,10 @@ impl MemoryLimiter {
         let max = self.inner.max_per_shard;
         let mut bands = Bands::with_capacity(request.band_count());
         let mut written: SmallVec<[Written; 8]> = SmallVec::new();
-        let (mut allowed, mut shadow_allowed, mut may_wait) = (true, true, false);
+        let (mut allowed, mut shadow_allowed) = (true, true);
         for (b, (hash, guard)) in request.buckets().zip(&keys) {
             let (guard, shard) = (*guard, &mut *guards[*guard]);
             let shadow = b.shadow();
-            may_wait |= !b.max_wait().is_zero();
             for band in b.rule.bands().iter() {
                 let key = hash.band(band);
                 let stored = shard.gcra.get_mut(&key);
@@ -546,7 +545,7 @@ impl MemoryLimiter {
                 // Admitted by its band, not committed: the band as it stays.
                 bands[w.report].refigure(now, w.remaining_now, Duration::from_nanos(w.reset_now));
             }
-            if !allowed && may_wait {
+            if !allowed && request.may_wait() {
                 return None;
             }
         }

@@ -260,6 +260,12 @@ impl AcquireRequest {
         }
     }
 
+    /// Whether a bucket of the request may wait for the refill
+    /// ([`set_max_wait`](Self::set_max_wait)) instead of a refusal.
+    pub fn may_wait(&self) -> bool {
+        self.buckets.iter().any(|e| e.max_wait_nanos > 0)
+    }
+
     /// Lets the request wait up to `max_wait` for the bucket at `index` to admit it
     /// instead of a refusal, with a backend that lets its rule wait
     /// ([`check_wait`](super::RateLimiter::check_wait)).
