@@ -6,19 +6,21 @@
 -- Pass 1 evaluates every band without writing. Enforced buckets are all or nothing.
 -- Shadow buckets consume only when the enforced ones admitted and every shadow band
 -- admits too. Nothing is written on rejection. A token-bucket rule is one key (its layout
--- follows its flags in ARGV) and one write; a band of another algorithm is a key.
+-- follows its flags in ARGV) and one write; a band of another algorithm is a key. A
+-- request refused that may wait takes its places for a later instant in between
+-- ("Waiting for the refill" below), then pass 2 commits and reports.
 
 -- Pass 1: evaluate every band. ARGV's decimal numbers are converted by the arithmetic
 -- (`s + 0`): one strtod each, where tonumber makes two.
 local bands = {}
 local rules = {}
-local allowed, shadow_allowed = true, true
+local allowed, shadow_allowed, waits = true, true, false
 local arg, n, k = 2, 0, 0
 for _ = 1, ARGV[1] + 0 do
   local permits = ARGV[arg] + 0
   local flags = ARGV[arg + 1] + 0
   local shadow = flags % FLAG_ALGORITHM == FLAG_SHADOW
-  local algorithm = floor((flags % FLAG_BANDS) / FLAG_ALGORITHM)
+  local algorithm = floor((flags % FLAG_WAITS) / FLAG_ALGORITHM)
   local count = floor(flags / FLAG_BANDS)
   arg = arg + 2
   local eval, store, states
@@ -31,13 +33,20 @@ for _ = 1, ARGV[1] + 0 do
   else
     eval, store = algorithm_functions(algorithm)
   end
+  local max_wait = false
+  if flags % FLAG_BANDS >= FLAG_WAITS then
+    max_wait = ARGV[arg] + 0
+    arg = arg + 1
+    waits = true
+  end
   for i = 1, count do
     local c, a, b = ARGV[arg] + 0, ARGV[arg + 1] + 0, ARGV[arg + 2] + 0
     arg = arg + 3
     n = n + 1
-    local value, wait, rem, reset, rem_after, reset_after, key
+    local value, wait, rem, reset, rem_after, reset_after, key, state
     if states then
-      value, wait, rem, reset, rem_after, reset_after = token_bucket_band_eval(states[i], permits, c, a, b)
+      state = states[i]
+      value, wait, rem, reset, rem_after, reset_after = token_bucket_band_eval(state, permits, c, a, b)
     else
       k = k + 1
       key = KEYS[k]
@@ -46,12 +55,65 @@ for _ = 1, ARGV[1] + 0 do
     if not value then
       if shadow then shadow_allowed = false else allowed = false end
     end
-    bands[n] = {store, permits, c, a, b, shadow, value, wait, rem, reset, rem_after, reset_after, key}
+    bands[n] = {store, permits, c, a, b, shadow, value, wait, rem, reset, rem_after, reset_after, key,
+      algorithm, state, max_wait}
   end
 end
 
--- Pass 2: commit when admitted, and report.
-local reply = {allowed and 1 or 0, shadow_allowed and 1 or 0, now}
+-- Waiting for the refill: a request some enforced band refuses, when each such band's
+-- bucket lets it wait for that band's wait, waits for the longest of them, until `at`.
+-- Every band takes the request's place for `at` now, as its algorithm's reserve says
+-- (algorithms.lua), all or nothing for the enforced bands; the shadow ones only if they
+-- all admit it then. The reservations become the values pass 2 commits.
+local after = 0
+if not allowed and waits then
+  local wait = 0
+  for i = 1, n do
+    local t = bands[i]
+    if not t[7] and not t[6] then
+      if t[16] and t[8] > 0 and t[8] <= t[16] then
+        if t[8] > wait then
+          wait = t[8]
+        end
+      else
+        wait = false
+        break
+      end
+    end
+  end
+  if wait then
+    local at, values, enforced, shadowed = now + wait, {}, true, true
+    for i = 1, n do
+      local t = bands[i]
+      local value
+      if t[14] == TOKEN_BUCKET then
+        local tat, frac = state_tat(t[15])
+        value = gcra_reserve(tat, frac, at, t[2], t[3], t[4], t[5])
+      else
+        local _, _, _, reserve = algorithm_functions(t[14])
+        value = reserve(t[13], at, t[2], t[3], t[4], t[5])
+      end
+      if not value then
+        if not t[6] then
+          enforced = false
+          break
+        end
+        shadowed = false
+      end
+      values[i] = value
+    end
+    if enforced then
+      allowed, shadow_allowed, after = true, shadowed, wait
+      for i = 1, n do
+        bands[i][7] = values[i]
+      end
+    end
+  end
+end
+
+-- Pass 2: commit when admitted, and report. A waiting request's bands report their figures
+-- once its places are taken.
+local reply = {allowed and 1 or 0, shadow_allowed and 1 or 0, now, after}
 for i = 1, n do
   local t = bands[i]
   local commit = t[7] and allowed and (not t[6] or shadow_allowed)
@@ -59,26 +121,52 @@ for i = 1, n do
     if t[1] then
       t[1](t[13], t[7], t[2], t[3], t[4], t[5])
     end
+    local rem, reset = t[11], t[12]
+    if after > 0 then
+      if t[14] == TOKEN_BUCKET or t[14] == LEAKY_BUCKET then
+        rem, reset = gcra_figures(t[7], t[3], t[4], t[5])
+      else
+        local eval = algorithm_functions(t[14])
+        local _
+        _, _, rem, reset = eval(t[13], t[2], t[3], t[4], t[5])
+      end
+    end
     reply[#reply + 1] = 1
-    reply[#reply + 1] = t[11]
-    reply[#reply + 1] = t[12]
+    reply[#reply + 1] = rem
+    reply[#reply + 1] = reset
+    reply[#reply + 1] = 0
   else
     reply[#reply + 1] = t[7] and 1 or 0
     reply[#reply + 1] = t[9]
     reply[#reply + 1] = t[10]
+    reply[#reply + 1] = t[8]
   end
-  reply[#reply + 1] = t[8]
+end
+-- A waiting request's marks: each committed token or leaky band's state, its instant and
+-- remainder, which a refund of the place expects to find.
+if after > 0 then
+  for i = 1, n do
+    local t = bands[i]
+    local tat, frac = 0, 0
+    if (t[14] == TOKEN_BUCKET or t[14] == LEAKY_BUCKET) and t[7] and (not t[6] or shadow_allowed) then
+      local whole = idiv(t[7], t[4])
+      tat, frac = now + whole, t[7] - whole * t[4]
+    end
+    reply[#reply + 1] = tat
+    reply[#reply + 1] = frac
+  end
 end
 -- A committed token-bucket rule: its bands' new instants in one write, the key outliving
--- its longest window by one second.
+-- its longest window, or the furthest instant a waiting request put in it, by one second.
 for _, rule in ipairs(rules) do
   if allowed and (not rule[5] or shadow_allowed) then
     local states, window = {}, 0
     for i = 1, rule[4] do
       local t = bands[rule[3] + i - 1]
       states[i] = state_of(t[7], t[4])
-      if t[3] * t[5] / t[4] > window then
-        window = t[3] * t[5] / t[4]
+      local longest = math.max(t[3] * t[5], t[7]) / t[4]
+      if longest > window then
+        window = longest
       end
     end
     redis.call('SET', rule[1], rule_value(rule[2], states, rule[4]), 'PX', px(window))

@@ -12,7 +12,9 @@ local SLIDING_WINDOW_LOG = 3
 local SLIDING_WINDOW_COUNTER = 4
 
 -- The flags of a bucket: band count * FLAG_BANDS + algorithm * FLAG_ALGORITHM, plus
--- FLAG_SHADOW when its rule is in shadow mode.
+-- FLAG_SHADOW when its rule is in shadow mode and FLAG_WAITS when the request may wait for
+-- it (decide.lua: its longest wait follows).
 local FLAG_SHADOW = 1
 local FLAG_ALGORITHM = 2
-local FLAG_BANDS = 16
+local FLAG_WAITS = 16
+local FLAG_BANDS = 32

@@ -23,7 +23,22 @@ for _, key in ipairs(KEYS) do
     rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b, expect)
   else
     local eval, _, refund = algorithm_functions(algorithm)
-    refund(key, decided, permits, c, a, b)
+    local expect = ''
+    if algorithm == LEAKY_BUCKET then
+      -- The state expected of the band ("<instant>:<remainder>", a waiting request's
+      -- place), or '': given back only while it holds that state, as a token bucket.
+      expect = ARGV[arg]
+      arg = arg + 1
+    end
+    if expect == '' then
+      refund(key, decided, permits, c, a, b)
+    else
+      local tat, frac = tat_of(key)
+      local want_tat, want_frac = fields(expect)
+      if tat and tat == want_tat and frac == want_frac then
+        refund(key, decided, permits, c, a, b)
+      end
+    end
     local _
     _, _, rem, reset = eval(key, 1, c, a, b)
   end

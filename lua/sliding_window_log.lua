@@ -1,10 +1,15 @@
 -- Sliding window log: a sorted set with one member per admitted permit, scored by its
 -- instant in microseconds. Members are "<us>:<n>", n counting the members already at that
 -- microsecond, so requests in the same microsecond are all counted. Only entries newer
--- than now - window count; older ones are removed when a request is committed. The key
--- expires one second after its newest entry leaves the window.
+-- than now - window count, those of requests waiting for a later instant as well; older
+-- ones are removed when a request is committed. The key expires one second after its
+-- newest entry leaves the window.
 --
 -- Band arguments: capacity, window_us, 0.
+--
+-- What eval and reserve return for a committed request (the value store receives): the
+-- instant of the log's newest entry once the request is in, and, from reserve, in a table
+-- before it, the instant of the request's own entries (now otherwise).
 
 local function sliding_window_log_eval(key, permits, capacity, w)
   local after = string.format('(%.0f', now - w)
@@ -26,12 +31,36 @@ local function sliding_window_log_eval(key, permits, capacity, w)
     local entry = redis.call('ZRANGEBYSCORE', key, after, '+inf', 'WITHSCORES', 'LIMIT', k - 1, 1)
     return false, math.max(entry[2] + w - now, 1), rem, reset, rem, reset
   end
-  return true, 0, rem, reset, capacity - count - permits, w
+  -- The newest entry lies at reset + now - w (before now - w: none counts).
+  return math.max(now, reset + now - w), 0, rem, reset, capacity - count - permits, w
 end
 
-local function sliding_window_log_store(key, _, permits, _, w)
+-- The place of a request waiting until `at` (not before now): its entries at `at`, if
+-- every window holding `at` keeps to the capacity, counting every entry after `at -
+-- window` (later ones included); false otherwise.
+local function sliding_window_log_reserve(key, at, permits, capacity, w)
+  if permits > capacity then
+    return false
+  end
+  local count = redis.call('ZCOUNT', key, string.format('(%.0f', at - w), '+inf')
+  if count + permits > capacity then
+    return false
+  end
+  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  local last = at
+  if newest[2] and newest[2] + 0 > last then
+    last = newest[2] + 0
+  end
+  return {at, last}
+end
+
+local function sliding_window_log_store(key, value, permits, _, w)
+  local at, last = now, value
+  if type(value) == 'table' then
+    at, last = value[1], value[2]
+  end
   redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now - w))
-  local at = string.format('%.0f', now)
+  at = string.format('%.0f', at)
   local n = redis.call('ZCOUNT', key, at, at)
   local args = {}
   for i = 1, permits do
@@ -45,7 +74,7 @@ local function sliding_window_log_store(key, _, permits, _, w)
   if #args > 0 then
     redis.call('ZADD', key, unpack(args))
   end
-  redis.call('PEXPIRE', key, px(w))
+  redis.call('PEXPIRE', key, px(last + w - now))
 end
 
 -- Refund: removes as many members as the request added at the decision's microsecond,

@@ -42,13 +42,15 @@ end
 
 -- The GCRA step shared with the leaky bucket: `debt` is how far the stored instant lies
 -- ahead of now, in units; `credit` (only with no debt) moves an admitted request's
--- instant back before now by less than one interval.
+-- instant back before now by less than one interval. A debt above the capacity (requests
+-- waiting for a later instant, or a rule changed) leaves no permit, and the reset and the
+-- wait count from all of it.
 local function gcra(debt, credit, permits, capacity, scale, interval)
   local cap = capacity * interval
-  if debt > cap then
-    debt = cap
+  local rem, reset = 0, cdiv(debt, scale)
+  if debt < cap then
+    rem = idiv(cap - debt, interval)
   end
-  local rem, reset = idiv(cap - debt, interval), cdiv(debt, scale)
   if permits > capacity then
     return false, -1, rem, reset, rem, reset
   end
@@ -62,6 +64,29 @@ local function gcra(debt, credit, permits, capacity, scale, interval)
   end
   d = d - credit
   return d, 0, rem, reset, idiv(cap - d, interval), cdiv(d, scale)
+end
+
+-- The place of a request waiting until `at` (not before now) in a band whose stored
+-- instant and remainder are `tat` and `frac` (nil: a full band): the band's debt from now
+-- once the place is taken, or false. A place is taken only where the stored instant lies
+-- at or past `at`, so that taking it now is what taking it then would be: before `at`,
+-- the instant would have to jump ahead, refusing everyone until then.
+local function gcra_reserve(tat, frac, at, permits, capacity, scale, interval)
+  if not tat or tat < at or permits > capacity then
+    return false
+  end
+  local cost = permits * interval
+  if (tat - at) * scale + frac + cost > capacity * interval then
+    return false
+  end
+  return (tat - now) * scale + frac + cost
+end
+
+-- What a band reports once a waiting request's place is taken, its debt from now being
+-- `debt`: its remaining permits and the time until it is full again.
+local function gcra_figures(debt, capacity, scale, interval)
+  local _, _, rem, reset = gcra(debt, 0, 1, capacity, scale, interval)
+  return rem, reset
 end
 
 -- The debt of a stored instant at now, or nil when it lies in the past.
@@ -179,12 +204,16 @@ local function token_bucket_refund(key, layout, index, count, permits, capacity,
   return rem, reset
 end
 
--- Writes the instant `debt` units from now and its expiry (the window plus one second):
--- the leaky bucket's commit (a key per band).
+-- Writes the instant `debt` units from now and its expiry (the window, or the instant when
+-- it lies further, plus one second): the leaky bucket's commit (a key per band).
 local function gcra_store(key, debt, _, capacity, scale, interval)
   local whole = idiv(debt, scale)
   local frac = debt - whole * scale
-  local ttl = px(capacity * interval / scale)
+  local cap = capacity * interval
+  if debt > cap then
+    cap = debt
+  end
+  local ttl = px(cap / scale)
   if frac == 0 then
     -- A number argument is written in full (no 14-digit rounding).
     redis.call('SET', key, now + whole, 'PX', ttl)

@@ -1,9 +1,9 @@
 //! Waiting for the refill (`on_limit: { wait: { max_wait, max_waiters } }`) against a real
 //! `redis-server`: a waiting request's place is taken in the same script call as the
-//! decision, for the exact instant its token buckets admit it (Redis time, in µs), and
-//! kept for it; a dropped waiter gives it back; waiting requests proceed no faster than the
-//! rate; and a rule set the token-bucket scripts cannot decide at one instant is refused
-//! when the rules load.
+//! decision, for the exact instant its bands admit it (Redis time, in µs), and kept for
+//! it; every algorithm decides as the in-memory limiter does at the same instants; a
+//! dropped waiter gives it back; waiting requests proceed no faster than the rate; and a
+//! wait the scripts cannot compute exactly is refused when the rules load.
 //!
 //! Redis reads its own clock, so these tests run in real time. The exact figures they check
 //! come from Redis's answers (the decision's instant and the wait), not from the test's
@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 
 use fluxgate::core::limiter::Wait;
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate::core::{Engine, RateLimiter, RequestContext, RuleSet, Text, WaitPolicy};
+use fluxgate::core::{
+    Clock, Engine, ManualClock, MemoryLimiter, RateLimiter, RequestContext, RuleSet, Text, WaitPolicy,
+};
 use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
@@ -65,6 +67,11 @@ fn micros(d: Duration) -> i64 {
 /// A rule set of one global token-bucket rule, `global`, of `capacity` per `window`,
 /// letting its requests wait up to 10 s when `waits`.
 fn global(capacity: u64, window: &str, waits: bool) -> String {
+    global_of("token_bucket", capacity, window, waits)
+}
+
+/// [`global`], of `algorithm`.
+fn global_of(algorithm: &str, capacity: u64, window: &str, waits: bool) -> String {
     let on_limit = if waits {
         "\n        on_limit: { wait: { max_wait: 10s, max_waiters: 100 } }"
     } else {
@@ -72,7 +79,7 @@ fn global(capacity: u64, window: &str, waits: bool) -> String {
     };
     format!(
         "rule_sets:\n  - id: default\n    rules:\n      - id: global\n        scope: global\n        \
-         bands: [{{ capacity: {capacity}, window: {window} }}]{on_limit}\n"
+         algorithm: {algorithm}\n        bands: [{{ capacity: {capacity}, window: {window} }}]{on_limit}\n"
     )
 }
 
@@ -404,19 +411,28 @@ async fn a_refund_under_a_changed_rule_leaves_the_new_bands_alone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_requests_proceed_no_faster_than_the_rate() {
     let redis = Redis::start(Servers::standalone()).await;
-    no_faster(&redis, None).await;
+    no_faster(&redis, "token_bucket", None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn waiting_requests_proceed_no_faster_than_the_rate_in_batches() {
     let redis = Redis::start(Servers::standalone()).await;
-    no_faster(&redis, Some(Batching::new())).await;
+    no_faster(&redis, "token_bucket", Some(Batching::new())).await;
 }
 
-/// 5 per second, 30 requests at once, each may wait 10 s: all pass, the first five at once
-/// and then one every 200 ms, never sooner.
-async fn no_faster(redis: &Redis, batching: Option<Batching>) {
-    let engine = engine(redis, "rate", &global(5, "1s", true), batching).await;
+/// The same through a leaky bucket, which the general script decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_of_a_leaky_bucket_proceed_no_faster_than_the_rate() {
+    let redis = Redis::start(Servers::standalone()).await;
+    no_faster(&redis, "leaky_bucket", None).await;
+    no_faster(&redis, "leaky_bucket", Some(Batching::new())).await;
+}
+
+/// 5 per second of `algorithm` (a token or leaky bucket), 30 requests at once, each may
+/// wait 10 s: all pass, the first five at once and then one every 200 ms, never sooner.
+async fn no_faster(redis: &Redis, algorithm: &str, batching: Option<Batching>) {
+    let prefix = format!("rate-{algorithm}-{}", batching.is_some());
+    let engine = engine(redis, &prefix, &global_of(algorithm, 5, "1s", true), batching).await;
     let answers = at_once(&engine, 30, tokio::time::Instant::now()).await;
     assert!(
         answers.iter().all(|a| a.0),
@@ -458,78 +474,211 @@ async fn on_a_cluster_only_a_rule_set_of_one_rule_waits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_redis_backend_refuses_waits_its_scripts_cannot_take() {
     let redis = Redis::start(Servers::standalone()).await;
-    let build = |yaml: &str, limiter: RedisLimiter| {
-        Engine::builder(rules(yaml))
-            .limiter(limiter)
+    // A wait that takes a band's state past the scripts' exact range, in a token bucket
+    // and in a leaky bucket.
+    for algorithm in ["token_bucket", "leaky_bucket"] {
+        let yaml = format!(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: huge\n        algorithm: {algorithm}\n        \
+             bands: [{{ capacity: 2000003, window: 1s }}]\n        \
+             on_limit: {{ wait: {{ max_wait: 1h, max_waiters: 10 }} }}\n"
+        );
+        let far = Engine::builder(rules(&yaml))
+            .limiter(limiter(&redis, algorithm, None).await)
             .build()
             .expect_err("refused when the rules load")
-            .to_string()
-    };
-    // A waiting rule beside a rule of another algorithm: one script cannot decide both at
-    // one instant.
-    let mixed = build(
-        r#"
+            .to_string();
+        assert!(far.contains("rule `huge`") && far.contains("2^52"), "{far}");
+    }
+}
+
+/// Every algorithm waits on Redis, beside rules of other algorithms, and under the engine's
+/// default wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_backend_lets_every_algorithm_wait() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let mixed = r#"
 rule_sets:
   - id: default
     rules:
       - id: patient
         bands: [{ capacity: 1, window: 1s }]
         on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
-      - id: windowed
-        algorithm: fixed_window
-        bands: [{ capacity: 10, window: 1m }]
-"#,
-        limiter(&redis, "mixed", None).await,
-    );
-    assert!(
-        mixed.contains("rule `patient`") && mixed.contains("windowed") && mixed.contains("fixed_window"),
-        "{mixed}"
-    );
-    // A leaky bucket that waits.
-    let leaky = build(
-        r#"
-rule_sets:
-  - id: default
-    rules:
       - id: queue
         algorithm: leaky_bucket
         bands: [{ capacity: 1, window: 1s }]
         on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
-"#,
-        limiter(&redis, "leaky", None).await,
-    );
-    assert!(
-        leaky.contains("rule `queue`") && leaky.contains("leaky_bucket"),
-        "{leaky}"
-    );
-    // A wait that takes a band's state past the scripts' exact range.
-    let far = build(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: huge
-        bands: [{ capacity: 2000003, window: 1s }]
-        on_limit: { wait: { max_wait: 1h, max_waiters: 10 } }
-"#,
-        limiter(&redis, "far", None).await,
-    );
-    assert!(far.contains("rule `huge`") && far.contains("2^52"), "{far}");
-    // The engine's default wait counts as the rules' own.
-    let defaulted = Engine::builder(rules(
-        r#"
-rule_sets:
-  - id: default
-    rules:
       - id: windowed
         algorithm: fixed_window
         bands: [{ capacity: 10, window: 1m }]
-"#,
-    ))
-    .limiter(limiter(&redis, "defaulted", None).await)
-    .wait_on_limit(WaitPolicy::new(Duration::from_secs(1), 10).expect("a valid policy"))
-    .build()
-    .expect_err("refused when the rules load")
-    .to_string();
-    assert!(defaulted.contains("rule `windowed`"), "{defaulted}");
+      - id: logged
+        algorithm: sliding_window_log
+        bands: [{ capacity: 10, window: 1m }]
+        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
+      - id: counted
+        algorithm: sliding_window_counter
+        bands: [{ capacity: 10, window: 1m }]
+        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
+"#;
+    Engine::builder(rules(mixed))
+        .limiter(limiter(&redis, "mixed", None).await)
+        .build()
+        .expect("every algorithm waits on Redis");
+    Engine::builder(rules(mixed))
+        .limiter(limiter(&redis, "defaulted", None).await)
+        .wait_on_limit(WaitPolicy::new(Duration::from_secs(1), 10).expect("a valid policy"))
+        .build()
+        .expect("the engine's default wait applies to every algorithm on Redis");
+}
+
+/// Rules of each algorithm, one global key each, for [`every_algorithm_waits_as_in_memory`].
+/// The numbers keep every figure a whole number of µs (Redis's unit) in both backends.
+const ALGORITHMS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: leaky
+        scope: global
+        algorithm: leaky_bucket
+        bands: [{ capacity: 2, window: 1s }]
+      - id: fixed
+        scope: global
+        algorithm: fixed_window
+        bands: [{ capacity: 3, window: 1s }]
+      - id: log
+        scope: global
+        algorithm: sliding_window_log
+        bands: [{ capacity: 3, window: 1s }]
+      - id: counter
+        scope: global
+        algorithm: sliding_window_counter
+        bands: [{ capacity: 2, window: 1s }]
+      - id: token
+        scope: global
+        bands: [{ capacity: 4, window: 1s }]
+      - id: two_bands
+        scope: global
+        algorithm: fixed_window
+        bands: [{ capacity: 2, window: 500ms }, { capacity: 5, window: 2s }]
+      - id: fast_leaky
+        scope: global
+        algorithm: leaky_bucket
+        bands: [{ capacity: 10, window: 1s }]
+      - id: long_window
+        scope: global
+        algorithm: fixed_window
+        bands: [{ capacity: 1, window: 10s }]
+"#;
+
+/// Waiting requests of each algorithm, and of a token bucket beside a fixed window, decided
+/// by Redis (the general script, alone and in batches) as the in-memory limiter decides
+/// them at the same instants (Redis's, to the µs): which are admitted at once, which wait
+/// and how long, which are refused and told when to come back, and every band's figures.
+/// Then a waiter gives its place back, the last one first and then the first one (kept in
+/// a token or leaky bucket while a place lies behind it, given back in a window), on both,
+/// and the next requests still agree. A leaky bucket beside a long window is refused
+/// rather than made to jump ahead to the window's end (unless its instant already lies
+/// there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_waits_as_in_memory() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let mut waited = 0;
+    for batching in [None, Some(Batching::new())] {
+        waited += all_alike(&redis, batching, &ALIKE).await;
+    }
+    assert!(waited >= 12, "only {waited} requests waited");
+}
+
+/// The same on a cluster, where a waiting rule set has one rule: the cases of one rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_algorithm_waits_as_in_memory_on_a_cluster() {
+    let redis = Redis::start(Servers::shared_cluster()).await;
+    let one_rule: Vec<_> = ALIKE.iter().filter(|(_, rules, _)| rules.len() == 1).copied().collect();
+    let waited = all_alike(&redis, None, &one_rule).await;
+    assert!(waited >= 5, "only {waited} requests waited");
+}
+
+/// The cases of [`every_algorithm_waits_as_in_memory`]: a name, the rules of
+/// [`ALGORITHMS`] a request is of, and how long it may wait, in ms.
+const ALIKE: [(&str, &[usize], u64); 7] = [
+    ("leaky", &[0], 1_500),
+    ("fixed", &[1], 1_500),
+    ("log", &[2], 1_500),
+    ("counter", &[3], 1_500),
+    ("token beside fixed", &[4, 1], 1_500),
+    ("two bands", &[5], 1_500),
+    ("leaky beside a long window", &[6, 7], 15_000),
+];
+
+/// [`alike`] for each of `cases`, on `redis`, batching when `batching`; the number of
+/// requests that waited.
+async fn all_alike(redis: &Redis, batching: Option<Batching>, cases: &[(&str, &[usize], u64)]) -> usize {
+    let set = rule_set(ALGORITHMS);
+    let mut waited = 0;
+    for &(name, indexes, max_wait) in cases {
+        let prefix = format!("alike-{}-{}", batching.is_some(), name.replace(' ', "-"));
+        let redis_limiter = limiter(redis, &prefix, batching).await;
+        let case = format!("{name}, batched: {}", batching.is_some());
+        let patient = request(&set, indexes, Duration::from_millis(max_wait));
+        waited += alike(&redis_limiter, &patient, &case).await;
+    }
+    waited
+}
+
+/// Decides `request` on `limiter` and on an in-memory limiter at Redis's instants, step by
+/// step, and checks that they agree; the number of requests that waited.
+async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str) -> usize {
+    // Moved to each of Redis's instants in turn.
+    let clock = ManualClock::new(0);
+    let memory = MemoryLimiter::builder().clock(clock.clone()).build();
+    let both = async |step: &str| {
+        let on_redis = acquire(limiter, request).await;
+        let ahead = on_redis.now_unix_nanos.checked_sub(clock.now_nanos());
+        clock.advance(Duration::from_nanos(ahead.expect("Redis time goes forward")));
+        let in_memory = memory.acquire_now(request);
+        assert_eq!(show(&on_redis), show(&in_memory), "{case}, {step}");
+        (on_redis, in_memory)
+    };
+    let mut waiters = Vec::new();
+    for n in 0..8 {
+        let (on_redis, in_memory) = both(&format!("request {n}")).await;
+        if on_redis.allowed && !on_redis.admitted_after.is_zero() {
+            waiters.push((on_redis, in_memory));
+        }
+    }
+    let count = waiters.len();
+    // The last waiter, then the first, give their places back, on both backends.
+    let give_back = async |(on_redis, in_memory): &(AcquireOutcome, AcquireOutcome)| {
+        let at = |o: &AcquireOutcome| o.now_unix_nanos + u64::try_from(o.admitted_after.as_nanos()).unwrap_or(0);
+        limiter
+            .give_back_place(request, at(on_redis), &on_redis.marks)
+            .await
+            .expect("Redis answers");
+        memory.give_back_now(request, at(in_memory), Some(&in_memory.marks));
+    };
+    if let Some(last) = waiters.last() {
+        give_back(last).await;
+    }
+    if count > 1 {
+        give_back(&waiters[0]).await;
+    }
+    for n in 0..3 {
+        both(&format!("request {n} after the give-backs")).await;
+    }
+    count
+}
+
+/// What a decision says, for comparing two: the verdicts, the wait before admission, and
+/// each band's verdict, figures and wait.
+fn show(outcome: &AcquireOutcome) -> String {
+    let mut text = format!(
+        "allowed {} shadow {} after {:?}",
+        outcome.allowed, outcome.shadow_allowed, outcome.admitted_after
+    );
+    for band in outcome.bands.iter() {
+        text.push_str(&format!(
+            " | {}/{} {} rem {} reset {:?} wait {:?}",
+            band.rule, band.band, band.allowed, band.remaining, band.reset_after, band.wait
+        ));
+    }
+    text
 }

@@ -29,13 +29,13 @@ pub(crate) fn check(rule_set: &str, rule: &Rule, band: &Band) -> Result<(), Rule
 }
 
 /// Checks that the requests of `rule` of `set` can wait for the refill up to `max_wait` on
-/// Redis: every rule of the set is a token bucket (the token-bucket scripts decide a
-/// request's rules at one instant and take a waiting request's place; the other
-/// algorithms' script does not), and each band's state stays within the scripts' exact
-/// arithmetic when it lies `max_wait` beyond its capacity. On a cluster (`cluster`), the
-/// rule set has one rule: a request of several rules may span hash slots, and a refund
-/// made across slots moves a bucket's instant back past a waiting request's place it
-/// cannot see (a band the waiter did not wait for).
+/// Redis: each token- or leaky-bucket band's state stays within the scripts' exact
+/// arithmetic when it lies `max_wait` beyond its capacity (a waiting request's place is
+/// taken in every band of its request, of whatever rule). The window algorithms' places lie
+/// in the present window or the next, which their states keep apart. On a cluster
+/// (`cluster`), the rule set has one rule: a request of several rules may span hash slots,
+/// and a refund made across slots moves a bucket's instant back past a waiting request's
+/// place it cannot see (a band the waiter did not wait for).
 ///
 /// # Errors
 ///
@@ -53,14 +53,6 @@ pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration, cluster
         },
     };
     let wait = format_duration(max_wait);
-    if let Some(other) = set.rules().iter().find(|r| r.algorithm() != Algorithm::TokenBucket) {
-        return Err(fail(format!(
-            "waiting for the refill (up to {wait}): on Redis a request waits only in a rule set whose rules are \
-             all token buckets, which one script decides at one instant; rule `{}` is a {}",
-            other.id(),
-            other.algorithm().as_str()
-        )));
-    }
     if cluster && set.rules().len() > 1 {
         return Err(fail(format!(
             "waiting for the refill (up to {wait}): on a Redis Cluster a request waits only in a rule set of one \
@@ -70,7 +62,11 @@ pub(crate) fn check_wait(set: &RuleSet, rule: &Rule, max_wait: Duration, cluster
         )));
     }
     let wait_us = u64::try_from(max_wait.as_micros()).unwrap_or(u64::MAX);
-    for other in set.rules() {
+    let buckets = set
+        .rules()
+        .iter()
+        .filter(|r| matches!(r.algorithm(), Algorithm::TokenBucket | Algorithm::LeakyBucket));
+    for other in buckets {
         for band in other.bands().iter() {
             let [capacity, scale, interval] = numbers(set.id(), other, band)?;
             let furthest = wait_us

@@ -48,14 +48,16 @@ impl ScriptAlgorithm {
 }
 
 /// A bucket's flags: its band count, algorithm and mode in one number,
-/// `bands × 16 + algorithm × 2 + shadow` (`FLAG_*` in `lua/protocol.lua`).
+/// `bands × 32 + algorithm × 2 + shadow`, and `16` more in a call where the request may
+/// wait for the bucket (`FLAG_*` in `lua/protocol.lua`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Flags(i64);
 
 impl Flags {
     const SHADOW: i64 = 1;
     const ALGORITHM: i64 = 2;
-    const BANDS: i64 = 16;
+    const WAITS: i64 = 16;
+    const BANDS: i64 = 32;
 
     /// The flags of a bucket of `bands` bands of `algorithm`, whose rule is in shadow mode
     /// or not.
@@ -70,6 +72,17 @@ impl Flags {
         self.0
     }
 
+    /// The flags of the same bucket in a call where the request may wait for it.
+    fn waiting(self) -> Self {
+        Self(self.0 + Self::WAITS)
+    }
+
+    /// Whether the request may wait for the bucket.
+    #[cfg(test)]
+    fn waits(self) -> bool {
+        self.0 % Self::BANDS >= Self::WAITS
+    }
+
     /// The band count.
     #[cfg(test)]
     fn bands(self) -> i64 {
@@ -78,7 +91,7 @@ impl Flags {
 
     /// The algorithm's number.
     fn algorithm(self) -> i64 {
-        self.0 % Self::BANDS / Self::ALGORITHM
+        self.0 % Self::WAITS / Self::ALGORITHM
     }
 
     /// Whether the rule is in shadow mode.
@@ -104,8 +117,8 @@ pub(crate) struct BucketArgs {
     pub(crate) permits: i64,
     pub(crate) flags: Flags,
     pub(crate) layout: Option<Str>,
-    /// How long the request may wait for a token-bucket rule's bands to admit it, in µs
-    /// (0: refused at once); see [`DecideArgs::token_reply`].
+    /// How long the request may wait for the rule's bands to admit it, in µs (0: refused
+    /// at once); see [`DecideArgs::token_reply`] and `lua/decide.lua`.
     pub(crate) max_wait_us: i64,
 }
 
@@ -297,15 +310,21 @@ impl DecideArgs {
         self.rules.iter().map(|rule| (&rule.bucket, rule.bands.as_slice()))
     }
 
-    /// The `ARGV` of `decide.lua`: the bucket count, then each bucket's permits, flags and
-    /// (a token bucket) layout, followed by its bands' three numbers.
+    /// The `ARGV` of `decide.lua`: the bucket count, then each bucket's permits, flags,
+    /// (a token bucket) layout and (a bucket the request may wait for) longest wait in µs,
+    /// followed by its bands' three numbers.
     pub(crate) fn general_argv(&self) -> Vec<Value> {
-        let mut argv = Vec::with_capacity(1 + 3 * self.rules.len() + 3 * self.band_count);
+        let mut argv = Vec::with_capacity(1 + 4 * self.rules.len() + 3 * self.band_count);
         argv.push(Value::Integer(i64::try_from(self.rules.len()).unwrap_or(i64::MAX)));
         for (bucket, bands) in self.buckets() {
-            argv.extend([Value::Integer(bucket.permits), Value::Integer(bucket.flags.get())]);
+            let waits = bucket.max_wait_us > 0;
+            let flags = if waits { bucket.flags.waiting() } else { bucket.flags };
+            argv.extend([Value::Integer(bucket.permits), Value::Integer(flags.get())]);
             if let Some(layout) = &bucket.layout {
                 argv.push(Value::String(layout.clone()));
+            }
+            if waits {
+                argv.push(Value::Integer(bucket.max_wait_us));
             }
             for band in bands {
                 argv.extend([band.capacity, band.a, band.b].map(Value::Integer));
@@ -528,6 +547,13 @@ pub(crate) fn expected_state(mark: u128) -> Option<String> {
     })
 }
 
+/// A leaky-bucket band's state as the refund script compares it (`<instant>:<remainder>`,
+/// in decimal, see `lua/refund.lua`), from its mark (see [`Reply::marks`]); `None` for no
+/// mark.
+pub(crate) fn expected_leaky_state(mark: u128) -> Option<String> {
+    (mark != 0).then(|| format!("{}:{}", (mark >> 64) as u64, mark as u64))
+}
+
 /// The ceiling of `a / b`, for `a >= 0` and `b > 0`.
 fn ceil_div(a: i64, b: i64) -> i64 {
     a / b + i64::from(a % b != 0)
@@ -542,9 +568,9 @@ pub(crate) struct RefundBand {
     pub(crate) band: BandArgs,
     /// A token-bucket band: where it lies in its rule's key.
     pub(crate) place: Option<RulePlace>,
-    /// A token-bucket band: the state it must still hold to be refunded (a waiting
-    /// request's place, see [`Reply::marks`]), as the scripts write it; `None`: refunded
-    /// whatever it holds.
+    /// A token- or leaky-bucket band: the state it must still hold to be refunded (a
+    /// waiting request's place, see [`Reply::marks`]), as the refund script compares it
+    /// ([`expected_state`], [`expected_leaky_state`]); `None`: refunded whatever it holds.
     pub(crate) expect: Option<String>,
 }
 
@@ -583,6 +609,10 @@ impl RefundArgs {
         } = *refund;
         self.argv
             .extend([algorithm.number(), permits, band.capacity, band.a, band.b].map(Value::Integer));
+        if algorithm == ScriptAlgorithm::LeakyBucket {
+            self.argv
+                .push(Value::String(Str::from(expect.as_deref().unwrap_or_default())));
+        }
         if let Some(place) = place {
             self.argv.extend([
                 Value::String(place.layout.clone()),
@@ -614,36 +644,47 @@ pub(crate) struct Reply {
     pub(crate) admitted_after_us: i64,
     /// For a request admitted later, or a call that asked for them
     /// ([`DecideArgs::mark_places`]): per band, the state the request left (its instant in
-    /// µs in the high 64 bits, its remainder in the low ones; 0 for a band not committed),
-    /// as [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
-    /// otherwise, and for the general script's replies.
+    /// µs in the high 64 bits, its remainder in the low ones; 0 for a band not committed,
+    /// and for the window algorithms, whose places go back by their instant), as
+    /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
+    /// otherwise, and for the general script's replies to a request admitted at once.
     pub(crate) marks: Vec<u128>,
     bands: Vec<BandReply>,
 }
 
 impl Reply {
     /// The numbers before the first band.
-    const HEAD: usize = 3;
+    const HEAD: usize = 4;
+
+    /// The numbers of a band's mark, after the bands, in the reply of a request admitted
+    /// later: its instant in µs and its remainder.
+    const MARK: usize = 2;
 
     /// Checks that `numbers` is the reply of `decide.lua` for a call of `bands` bands.
     ///
     /// # Errors
     ///
-    /// [`RedisError::Reply`] when it has not `3 + 4 × bands` numbers.
+    /// [`RedisError::Reply`] when it has not `4 + 4 × bands` numbers, and `2 × bands`
+    /// more (the marks) for a request admitted later.
     pub(crate) fn decode(numbers: &[i64], bands: usize) -> Result<Self, RedisError> {
-        let &[allowed, shadow_allowed, now_us, ..] = numbers else {
+        let &[allowed, shadow_allowed, now_us, admitted_after_us, ..] = numbers else {
             return Err(Self::wrong_length(numbers, bands));
         };
-        if numbers.len() != Self::HEAD + BandReply::LEN * bands {
+        let figures = Self::HEAD + BandReply::LEN * bands;
+        let marks = if admitted_after_us > 0 { Self::MARK * bands } else { 0 };
+        if numbers.len() != figures + marks {
             return Err(Self::wrong_length(numbers, bands));
         }
         Ok(Self {
             allowed: allowed == 1,
             shadow_allowed: shadow_allowed == 1,
             now_us,
-            admitted_after_us: 0,
-            marks: Vec::new(),
-            bands: numbers[Self::HEAD..]
+            admitted_after_us: admitted_after_us.max(0),
+            marks: numbers[figures..]
+                .chunks_exact(Self::MARK)
+                .map(|mark| (u128::from(nonnegative(mark[0])) << 64) | u128::from(nonnegative(mark[1])))
+                .collect(),
+            bands: numbers[Self::HEAD..figures]
                 .chunks_exact(BandReply::LEN)
                 .filter_map(|chunk| chunk.try_into().ok())
                 .map(BandReply::decode)
@@ -770,6 +811,7 @@ mod tests {
         for (name, value) in [
             ("FLAG_SHADOW", Flags::SHADOW),
             ("FLAG_ALGORITHM", Flags::ALGORITHM),
+            ("FLAG_WAITS", Flags::WAITS),
             ("FLAG_BANDS", Flags::BANDS),
         ] {
             let line = format!("\nlocal {name} = {value}\n");
@@ -781,15 +823,20 @@ mod tests {
     fn flags() {
         for (algorithm, _) in ALGORITHMS {
             for bands in [1, 2, 15, 16, 1000] {
-                for shadow in [false, true] {
-                    let flags = Flags::new(bands, algorithm, shadow);
+                for (shadow, waits) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let mut flags = Flags::new(bands, algorithm, shadow);
+                    if waits {
+                        flags = flags.waiting();
+                    }
                     assert_eq!(flags.bands(), i64::try_from(bands).unwrap());
                     assert_eq!(flags.algorithm(), algorithm.number());
                     assert_eq!(flags.is_shadow(), shadow);
+                    assert_eq!(flags.waits(), waits);
                 }
             }
         }
-        assert_eq!(Flags::new(2, ScriptAlgorithm::FixedWindow, true).get(), 37);
+        assert_eq!(Flags::new(2, ScriptAlgorithm::FixedWindow, true).get(), 69);
+        assert_eq!(Flags::new(2, ScriptAlgorithm::FixedWindow, true).waiting().get(), 85);
     }
 
     fn text(values: &[Value]) -> Vec<String> {
@@ -825,12 +872,13 @@ mod tests {
             b: 360,
         };
         args.rule(rule(tb(2, false, 1), &[band, band]));
+        // A fixed window the request may wait 2.5 s for: its flags say so, its wait follows.
         args.rule(rule(
             BucketArgs {
                 permits: 3,
-                flags: Flags::new(1, ScriptAlgorithm::FixedWindow, true),
+                flags: Flags::new(1, ScriptAlgorithm::FixedWindow, false),
                 layout: None,
-                max_wait_us: 0,
+                max_wait_us: 2_500_000,
             },
             &[BandArgs {
                 capacity: 5,
@@ -843,7 +891,7 @@ mod tests {
             [
                 "2",
                 "1",
-                "32",
+                "64",
                 "b0:10/1s|",
                 "10",
                 "1",
@@ -852,7 +900,8 @@ mod tests {
                 "1",
                 "360",
                 "3",
-                "21",
+                "52",
+                "2500000",
                 "5",
                 "60000000",
                 "0"
@@ -1185,9 +1234,11 @@ mod tests {
 
     #[test]
     fn replies() {
-        let reply = Reply::decode(&[1, 0, 42, 1, 9, 100, 0, 0, 0, 7, -1], 2).unwrap();
+        let reply = Reply::decode(&[1, 0, 42, 0, 1, 9, 100, 0, 0, 0, 7, -1], 2).unwrap();
         assert!(reply.allowed && !reply.shadow_allowed);
         assert_eq!(reply.now_us, 42);
+        assert_eq!(reply.admitted_after_us, 0);
+        assert!(reply.marks.is_empty());
         let bands: Vec<_> = reply.bands().collect();
         assert_eq!(
             bands,
@@ -1206,6 +1257,15 @@ mod tests {
                 },
             ]
         );
+        // Admitted 30 µs later: each band's mark follows the figures (0 for a window band).
+        let later = Reply::decode(&[1, 1, 42, 30, 1, 0, 1_530, 0, 1, 2, 60, 0, 1_572, 3, 0, 0], 2).unwrap();
+        assert!(later.allowed && later.shadow_allowed);
+        assert_eq!(later.admitted_after_us, 30);
+        assert_eq!(later.marks, [(1_572u128 << 64) | 3, 0]);
+        assert_eq!(expected_leaky_state(later.marks[0]).as_deref(), Some("1572:3"));
+        assert_eq!(expected_leaky_state(1_572u128 << 64).as_deref(), Some("1572:0"));
+        assert_eq!(expected_leaky_state(0), None);
+        assert_eq!(later.bands().count(), 2);
         let refunded = RefundReply::decode(vec![3, 50, -1, 0], 2).unwrap();
         let refunded: Vec<_> = refunded.bands().collect();
         assert_eq!(refunded[0].remaining, 3);
@@ -1217,9 +1277,11 @@ mod tests {
     fn malformed_replies() {
         for (numbers, bands) in [
             (vec![], 0),
-            (vec![1, 1], 0),
-            (vec![1, 1, 5], 1),
-            (vec![1, 1, 5, 1, 2, 3, 4, 5], 1),
+            (vec![1, 1, 5], 0),
+            (vec![1, 1, 5, 0], 1),
+            (vec![1, 1, 5, 0, 1, 2, 3, 4, 5], 1),
+            // Admitted later: the marks are missing.
+            (vec![1, 1, 5, 9, 1, 2, 3, 4], 1),
         ] {
             let error = Reply::decode(&numbers, bands).unwrap_err();
             assert_eq!(
@@ -1230,7 +1292,7 @@ mod tests {
                 )
             );
         }
-        assert!(Reply::decode(&[1, 1, 5], 0).is_ok());
+        assert!(Reply::decode(&[1, 1, 5, 0], 0).is_ok());
         assert!(RefundReply::decode(vec![1, 2, 3], 2).is_err());
     }
 }

@@ -4,12 +4,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Bucket};
-use fluxgate_core::{Algorithm, RuleError};
+use fluxgate_core::RuleError;
 use smallvec::SmallVec;
 
 use crate::key;
 use crate::plan::{plan, RulePlan};
-use crate::protocol::{expected_state, BandReply, DecideArgs, RefundArgs, RefundBand};
+use crate::protocol::{
+    expected_leaky_state, expected_state, BandReply, DecideArgs, RefundArgs, RefundBand, ScriptAlgorithm,
+};
 
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
@@ -90,10 +92,9 @@ pub(crate) fn encode(request: &AcquireRequest, prefix: &str, cluster: bool) -> R
 }
 
 /// How long, in whole µs, the request may wait for `bucket` to admit it, if `waits` and the
-/// rule is an enforced token bucket (the token-bucket scripts take a waiting request's
-/// place; the engine refuses waiting rules of other algorithms on this backend).
+/// rule is enforced (a shadow rule never makes a request wait).
 fn max_wait_us(bucket: &Bucket<'_>, waits: bool) -> i64 {
-    if !waits || bucket.shadow() || bucket.rule.algorithm() != Algorithm::TokenBucket {
+    if !waits || bucket.shadow() {
         return 0;
     }
     i64::try_from(bucket.max_wait().as_micros()).unwrap_or(i64::MAX)
@@ -212,15 +213,18 @@ impl Call {
         let mut keys = Vec::new();
         for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
             if let Some(mut refund) = band.refund() {
+                let mark = || marks.get(band.position).copied().unwrap_or(0);
                 if refund.place.is_some() && !marks.is_empty() {
-                    let mark = marks.get(band.position).copied().unwrap_or(0);
-                    refund.expect = match (expected_state(mark), ahead_only) {
+                    refund.expect = match (expected_state(mark()), ahead_only) {
                         (Some(state), true) => Some(format!("~{state}")),
                         (Some(state), false) => Some(state),
-                        // Without a mark (a band the general script decided, or not
-                        // committed): nothing (a state no band holds).
+                        // Without a mark (a band the general script decided at once, or
+                        // not committed): nothing (a state no band holds).
                         (None, _) => Some("-".to_owned()),
                     };
+                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket && !marks.is_empty() && !ahead_only {
+                    // A waiting request's place: only while the band holds the state it left.
+                    refund.expect = Some(expected_leaky_state(mark()).unwrap_or_else(|| "-".to_owned()));
                 }
                 args.band(&refund);
                 keys.push(self.keys[band.key].clone());
