@@ -43,30 +43,106 @@ for _ = 1, ARGV[1] + 0 do
     local c, a, b = ARGV[arg] + 0, ARGV[arg + 1] + 0, ARGV[arg + 2] + 0
     arg = arg + 3
     n = n + 1
-    local value, wait, rem, reset, rem_after, reset_after, key, state
+    local value, wait, rem, reset, rem_after, reset_after, last, key, state
     if states then
       state = states[i]
       value, wait, rem, reset, rem_after, reset_after = token_bucket_band_eval(state, permits, c, a, b)
     else
       k = k + 1
       key = KEYS[k]
-      value, wait, rem, reset, rem_after, reset_after = eval(key, permits, c, a, b)
+      value, wait, rem, reset, rem_after, reset_after, last = eval(key, permits, c, a, b)
     end
     if not value then
       if shadow then shadow_allowed = false else allowed = false end
     end
     bands[n] = {store, permits, c, a, b, shadow, value, wait, rem, reset, rem_after, reset_after, key,
-      algorithm, state, max_wait}
+      algorithm, state, max_wait, last}
   end
 end
 
 -- Waiting for the refill: a request some enforced band refuses, when each such band's
 -- bucket lets it wait for that band's wait, waits for the longest of them, until `at`.
--- Every band takes the request's place for `at` now, as its algorithm's reserve says
--- (algorithms.lua), all or nothing for the enforced bands; the shadow ones only if they
--- all admit it then. The reservations become the values pass 2 commits.
+-- Every band takes the request's place for `at` now (`place` below), all or nothing for
+-- the enforced bands; the shadow ones only if they all admit it then. The places become
+-- the values pass 2 commits. Its functions are defined on this path only: Redis runs a
+-- script from the top on every call, and a function defined there costs every call.
 local after = 0
 if not allowed and waits then
+  -- A token or leaky bucket's place, its stored instant and remainder being `tat` and
+  -- `frac` (nil: a full band): its debt from now once the place is taken, or false. Only
+  -- where the stored instant lies at or past `at`: taking the place now is then what
+  -- taking it at `at` would be. Before `at`, the instant would have to jump ahead,
+  -- refusing everyone until then.
+  local function gcra_place(tat, frac, at, permits, capacity, scale, interval)
+    if not tat or tat < at or permits > capacity then
+      return false
+    end
+    local cost = permits * interval
+    if (tat - at) * scale + frac + cost > capacity * interval then
+      return false
+    end
+    return (tat - now) * scale + frac + cost
+  end
+
+  -- Band `t`'s place for a request admitted at `at` (not before now): the value to store
+  -- and, for a window algorithm, the instant its state must outlive; false when the band
+  -- does not admit the request then. A fixed window or sliding window counter takes it in
+  -- now's window or the next one, whose count the state keeps apart (`later`); a sliding
+  -- window log when every window holding `at` keeps to the capacity, counting the entries
+  -- after `at - window` (later ones included).
+  local function place(t, at)
+    local algorithm, key, permits, capacity, a, b = t[14], t[13], t[2], t[3], t[4], t[5]
+    if algorithm == TOKEN_BUCKET then
+      local tat, frac = state_tat(t[15])
+      return gcra_place(tat, frac, at, permits, capacity, a, b)
+    elseif algorithm == LEAKY_BUCKET then
+      local tat, frac = tat_of(key)
+      return gcra_place(tat, frac, at, permits, capacity, a, b)
+    elseif permits > capacity then
+      return false
+    end
+    local w = a
+    if algorithm == SLIDING_WINDOW_LOG then
+      local count = redis.call('ZCOUNT', key, string.format('(%.0f', at - w), '+inf')
+      if count + permits > capacity then
+        return false
+      end
+      local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+      return at, math.max(at, newest and newest + 0 or at)
+    end
+    local e, e_at = window_end(w), window_end(w, at)
+    local stored_end, x, y, z = fields(redis.call('GET', key) or '')
+    if algorithm == FIXED_WINDOW then
+      local _, count, later = window_counts(stored_end, e, w, nil, x, y)
+      if e_at == e and count + permits <= capacity then
+        count = count + permits
+      elseif e_at == e + w and later + permits <= capacity then
+        later = later + permits
+      else
+        return false
+      end
+      if later > 0 then
+        return string.format('%.0f:%.0f:%.0f', e, count, later), e + w
+      end
+      return string.format('%.0f:%.0f', e, count), e
+    end
+    -- A sliding window counter: a place in the next window counts there in full and, once
+    -- that window has begun, as its previous one.
+    local p, q, later = window_counts(stored_end, e, w, x, y, z)
+    local left, full, cost = e_at - at, capacity * w, permits * w
+    if e_at == e and p * left + q * w + cost <= full and (later == 0 or q + later + permits <= capacity) then
+      q = q + permits
+    elseif e_at == e + w and q * left + later * w + cost <= full then
+      later = later + permits
+    else
+      return false
+    end
+    if later > 0 then
+      return string.format('%.0f:%.0f:%.0f:%.0f', e, p, q, later), e + 2 * w
+    end
+    return string.format('%.0f:%.0f:%.0f', e, p, q), e + w
+  end
+
   local wait = 0
   for i = 1, n do
     local t = bands[i]
@@ -82,17 +158,10 @@ if not allowed and waits then
     end
   end
   if wait then
-    local at, values, enforced, shadowed = now + wait, {}, true, true
+    local at, values, lasts, enforced, shadowed = now + wait, {}, {}, true, true
     for i = 1, n do
       local t = bands[i]
-      local value
-      if t[14] == TOKEN_BUCKET then
-        local tat, frac = state_tat(t[15])
-        value = gcra_reserve(tat, frac, at, t[2], t[3], t[4], t[5])
-      else
-        local _, _, _, reserve = algorithm_functions(t[14])
-        value = reserve(t[13], at, t[2], t[3], t[4], t[5])
-      end
+      local value, last = place(t, at)
       if not value then
         if not t[6] then
           enforced = false
@@ -100,12 +169,12 @@ if not allowed and waits then
         end
         shadowed = false
       end
-      values[i] = value
+      values[i], lasts[i] = value, last
     end
     if enforced then
       allowed, shadow_allowed, after = true, shadowed, wait
       for i = 1, n do
-        bands[i][7] = values[i]
+        bands[i][7], bands[i][17] = values[i], lasts[i]
       end
     end
   end
@@ -119,15 +188,16 @@ for i = 1, n do
   local commit = t[7] and allowed and (not t[6] or shadow_allowed)
   if commit then
     if t[1] then
-      t[1](t[13], t[7], t[2], t[3], t[4], t[5])
+      t[1](t[13], t[7], t[2], t[3], t[4], t[5], t[17])
     end
     local rem, reset = t[11], t[12]
     if after > 0 then
+      -- The figures once the place is taken: from the debt, or the band's state read again.
+      local _
       if t[14] == TOKEN_BUCKET or t[14] == LEAKY_BUCKET then
-        rem, reset = gcra_figures(t[7], t[3], t[4], t[5])
+        _, _, rem, reset = gcra(t[7], 0, 1, t[3], t[4], t[5])
       else
         local eval = algorithm_functions(t[14])
-        local _
         _, _, rem, reset = eval(t[13], t[2], t[3], t[4], t[5])
       end
     end

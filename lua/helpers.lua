@@ -16,6 +16,22 @@ local function fields(v)
   return a + 0, b ~= '' and b + 0 or nil, c ~= '' and c + 0 or nil, d ~= '' and d + 0 or nil
 end
 
+-- The counts of the windows ending at e - w, e and e + w (now's window ends at e), from a
+-- state that counts a, b and c (nil for none) in those ending at stored_end - w,
+-- stored_end and stored_end + w: the same windows, or those the state's have become since.
+-- The window algorithms' states (fixed_window.lua, sliding_window_counter.lua) and the
+-- places of waiting requests (decide.lua) read their counts through it.
+local function window_counts(stored_end, e, w, a, b, c)
+  if stored_end == e then
+    return a or 0, b or 0, c or 0
+  elseif stored_end == e - w then
+    return b or 0, c or 0, 0
+  elseif stored_end == e - 2 * w then
+    return c or 0, 0, 0
+  end
+  return 0, 0, 0
+end
+
 -- The end of the window of `w` microseconds (aligned on the Unix epoch) holding the
 -- instant `t`, now by default.
 local function window_end(w, t)

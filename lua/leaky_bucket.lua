@@ -21,12 +21,6 @@ local function leaky_bucket_eval(key, permits, capacity, scale, interval)
   return gcra(0, credit, permits, capacity, scale, interval)
 end
 
--- A waiting request's place at `at` (see gcra_reserve in token_bucket.lua).
-local function leaky_bucket_reserve(key, at, permits, capacity, scale, interval)
-  local tat, frac = tat_of(key)
-  return gcra_reserve(tat, frac, at, permits, capacity, scale, interval)
-end
-
 -- Refund: the instant moves back by the cost even before now, by whole leak intervals, so
 -- the leak grid stays put (see gcra_refund in token_bucket.lua).
 local function leaky_bucket_refund(key, decided, permits, capacity, scale, interval)

@@ -7,9 +7,9 @@
 --
 -- Band arguments: capacity, window_us, 0.
 --
--- What eval and reserve return for a committed request (the value store receives): the
--- instant of the log's newest entry once the request is in, and, from reserve, in a table
--- before it, the instant of the request's own entries (now otherwise).
+-- The value eval returns for a request it admits, which store receives, is the instant of
+-- the request's entries (now; a waiting request's later instant, decide.lua), and `last`
+-- the instant of the log's newest entry once the request is in.
 
 local function sliding_window_log_eval(key, permits, capacity, w)
   local after = string.format('(%.0f', now - w)
@@ -32,35 +32,12 @@ local function sliding_window_log_eval(key, permits, capacity, w)
     return false, math.max(entry[2] + w - now, 1), rem, reset, rem, reset
   end
   -- The newest entry lies at reset + now - w (before now - w: none counts).
-  return math.max(now, reset + now - w), 0, rem, reset, capacity - count - permits, w
+  return now, 0, rem, reset, capacity - count - permits, w, math.max(now, reset + now - w)
 end
 
--- The place of a request waiting until `at` (not before now): its entries at `at`, if
--- every window holding `at` keeps to the capacity, counting every entry after `at -
--- window` (later ones included); false otherwise.
-local function sliding_window_log_reserve(key, at, permits, capacity, w)
-  if permits > capacity then
-    return false
-  end
-  local count = redis.call('ZCOUNT', key, string.format('(%.0f', at - w), '+inf')
-  if count + permits > capacity then
-    return false
-  end
-  local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  local last = at
-  if newest[2] and newest[2] + 0 > last then
-    last = newest[2] + 0
-  end
-  return {at, last}
-end
-
-local function sliding_window_log_store(key, value, permits, _, w)
-  local at, last = now, value
-  if type(value) == 'table' then
-    at, last = value[1], value[2]
-  end
+local function sliding_window_log_store(key, value, permits, _, w, _, last)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', string.format('%.0f', now - w))
-  at = string.format('%.0f', at)
+  local at = string.format('%.0f', value)
   local n = redis.call('ZCOUNT', key, at, at)
   local args = {}
   for i = 1, permits do

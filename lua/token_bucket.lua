@@ -21,8 +21,10 @@
 -- Every `*_eval(key, permits, capacity, a, b)` of the algorithm files returns:
 --   the value to store when the request is committed, or false when the band rejects;
 --   the wait in microseconds (0 none, -1 never);
---   remaining and reset_after_us if not committed; the same if committed.
--- Every `*_store(key, value, permits, capacity, a, b)` commits.
+--   remaining and reset_after_us if not committed; the same if committed;
+--   for a window algorithm that admits, `last`: the instant its state must outlive (the
+--   end of the last window it counts, or the log's newest entry).
+-- Every `*_store(key, value, permits, capacity, a, b, last)` commits.
 -- Every `*_refund(key, decided_us, permits, capacity, a, b)` gives back what a request
 -- committed at decided_us (the decision's now), for refund.lua.
 
@@ -64,29 +66,6 @@ local function gcra(debt, credit, permits, capacity, scale, interval)
   end
   d = d - credit
   return d, 0, rem, reset, idiv(cap - d, interval), cdiv(d, scale)
-end
-
--- The place of a request waiting until `at` (not before now) in a band whose stored
--- instant and remainder are `tat` and `frac` (nil: a full band): the band's debt from now
--- once the place is taken, or false. A place is taken only where the stored instant lies
--- at or past `at`, so that taking it now is what taking it then would be: before `at`,
--- the instant would have to jump ahead, refusing everyone until then.
-local function gcra_reserve(tat, frac, at, permits, capacity, scale, interval)
-  if not tat or tat < at or permits > capacity then
-    return false
-  end
-  local cost = permits * interval
-  if (tat - at) * scale + frac + cost > capacity * interval then
-    return false
-  end
-  return (tat - now) * scale + frac + cost
-end
-
--- What a band reports once a waiting request's place is taken, its debt from now being
--- `debt`: its remaining permits and the time until it is full again.
-local function gcra_figures(debt, capacity, scale, interval)
-  local _, _, rem, reset = gcra(debt, 0, 1, capacity, scale, interval)
-  return rem, reset
 end
 
 -- The debt of a stored instant at now, or nil when it lies in the past.

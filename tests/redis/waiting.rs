@@ -575,15 +575,17 @@ rule_sets:
 /// and how long, which are refused and told when to come back, and every band's figures.
 /// Then a waiter gives its place back, the last one first and then the first one (kept in
 /// a token or leaky bucket while a place lies behind it, given back in a window), on both,
-/// and the next requests still agree. A leaky bucket beside a long window is refused
-/// rather than made to jump ahead to the window's end (unless its instant already lies
-/// there).
+/// and the next requests still agree; then again once the first waiter's instant has come
+/// (the places taken in the next window now count in the present one) and, in batches,
+/// once a quiet window more has passed (they count as the previous one). A leaky bucket
+/// beside a long window is refused rather than made to jump ahead to the window's end
+/// (unless its instant already lies there).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_algorithm_waits_as_in_memory() {
     let redis = Redis::start(Servers::standalone()).await;
     let mut waited = 0;
-    for batching in [None, Some(Batching::new())] {
-        waited += all_alike(&redis, batching, &ALIKE).await;
+    for (batching, quiet) in [(None, false), (Some(Batching::new()), true)] {
+        waited += all_alike(&redis, batching, quiet, &ALIKE).await;
     }
     assert!(waited >= 12, "only {waited} requests waited");
 }
@@ -593,7 +595,7 @@ async fn every_algorithm_waits_as_in_memory() {
 async fn every_algorithm_waits_as_in_memory_on_a_cluster() {
     let redis = Redis::start(Servers::shared_cluster()).await;
     let one_rule: Vec<_> = ALIKE.iter().filter(|(_, rules, _)| rules.len() == 1).copied().collect();
-    let waited = all_alike(&redis, None, &one_rule).await;
+    let waited = all_alike(&redis, None, false, &one_rule).await;
     assert!(waited >= 5, "only {waited} requests waited");
 }
 
@@ -609,9 +611,9 @@ const ALIKE: [(&str, &[usize], u64); 7] = [
     ("leaky beside a long window", &[6, 7], 15_000),
 ];
 
-/// [`alike`] for each of `cases`, on `redis`, batching when `batching`; the number of
-/// requests that waited.
-async fn all_alike(redis: &Redis, batching: Option<Batching>, cases: &[(&str, &[usize], u64)]) -> usize {
+/// [`alike`] for each of `cases`, on `redis`, batching when `batching`, `quiet` or not;
+/// the number of requests that waited.
+async fn all_alike(redis: &Redis, batching: Option<Batching>, quiet: bool, cases: &[(&str, &[usize], u64)]) -> usize {
     let set = rule_set(ALGORITHMS);
     let mut waited = 0;
     for &(name, indexes, max_wait) in cases {
@@ -619,14 +621,15 @@ async fn all_alike(redis: &Redis, batching: Option<Batching>, cases: &[(&str, &[
         let redis_limiter = limiter(redis, &prefix, batching).await;
         let case = format!("{name}, batched: {}", batching.is_some());
         let patient = request(&set, indexes, Duration::from_millis(max_wait));
-        waited += alike(&redis_limiter, &patient, &case).await;
+        waited += alike(&redis_limiter, &patient, &case, quiet).await;
     }
     waited
 }
 
 /// Decides `request` on `limiter` and on an in-memory limiter at Redis's instants, step by
-/// step, and checks that they agree; the number of requests that waited.
-async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str) -> usize {
+/// step, and checks that they agree; the number of requests that waited. The last steps
+/// come once the first waiter's instant has passed, and with `quiet` a window later.
+async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str, quiet: bool) -> usize {
     // Moved to each of Redis's instants in turn.
     let clock = ManualClock::new(0);
     let memory = MemoryLimiter::builder().clock(clock.clone()).build();
@@ -639,9 +642,11 @@ async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str) -> 
         (on_redis, in_memory)
     };
     let mut waiters = Vec::new();
+    let mut first_place = None;
     for n in 0..8 {
         let (on_redis, in_memory) = both(&format!("request {n}")).await;
         if on_redis.allowed && !on_redis.admitted_after.is_zero() {
+            first_place.get_or_insert(Instant::now() + on_redis.admitted_after);
             waiters.push((on_redis, in_memory));
         }
     }
@@ -664,7 +669,71 @@ async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str) -> 
     for n in 0..3 {
         both(&format!("request {n} after the give-backs")).await;
     }
+    // Once the first place's instant has come (a window's places taken in the next window
+    // now count in the present one), or, `quiet`, a window of 1 s later with no request in
+    // between (they count as the previous window's), the next requests still agree.
+    if let Some(first_place) = first_place {
+        let quiet_for = if quiet { Duration::from_secs(1) } else { Duration::ZERO };
+        tokio::time::sleep_until((first_place + quiet_for + Duration::from_millis(2)).into()).await;
+        for n in 0..3 {
+            both(&format!("request {n} after the first place's instant, quiet: {quiet}")).await;
+        }
+    }
     count
+}
+
+/// A key outlives every place a waiting request took in it, by the second every key keeps
+/// past its last instant: a leaky bucket its instant, a fixed window the end of the place's
+/// window, a sliding window counter the end of the window after it (where the place still
+/// counts as the previous window), a sliding window log the place's entry leaving the
+/// window. Checked from Redis's own clock and the key's `PTTL`, read together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_outlives_the_places_waiting_requests_take() {
+    const W: i64 = 1_000_000;
+    let redis = Redis::start(Servers::standalone()).await;
+    let set = rule_set(ALGORITHMS);
+    // The instant a key must outlive, from its place's instant and the band's reset.
+    type Last = fn(i64, i64) -> i64;
+    let cases: [(usize, &str, Last); 4] = [
+        (0, "leaky:global}:b0:2/1s:lb", |_, reset_end| reset_end),
+        (1, "fixed:global}:b0:3/1s:fw", |at, _| at - at % W + W),
+        (2, "log:global}:b0:3/1s:swl", |at, _| at + W),
+        (3, "counter:global}:b0:2/1s:swc", |at, _| at - at % W + 2 * W),
+    ];
+    for (rule, key, last) in cases {
+        let prefix = format!("ttl-{rule}");
+        let limiter = limiter(&redis, &prefix, None).await;
+        let patient = request(&set, &[rule], Duration::from_secs(15));
+        let mut waiter = None;
+        for _ in 0..10 {
+            let outcome = acquire(&limiter, &patient).await;
+            if outcome.allowed && !outcome.admitted_after.is_zero() {
+                waiter = Some(outcome);
+                break;
+            }
+        }
+        let waiter = waiter.unwrap_or_else(|| panic!("{key}: no request waited"));
+        let at = at_us(&waiter) + micros(waiter.admitted_after);
+        let reset_end = at_us(&waiter) + micros(waiter.bands[0].reset_after);
+        let key = format!("{prefix}:{{default:{key}");
+        let read = redis.server().cli(&[
+            "EVAL",
+            "local t = redis.call('TIME') return {t[1], t[2], redis.call('PTTL', KEYS[1])}",
+            "1",
+            &key,
+        ]);
+        let numbers: Vec<i64> = read.split_whitespace().filter_map(|n| n.parse().ok()).collect();
+        let [secs, us, ttl_ms] = numbers[..] else {
+            panic!("{key}: TIME and PTTL, not {read:?}");
+        };
+        let expires = secs * W + us + ttl_ms * 1_000;
+        // PTTL counts whole ms: 1 ms of slack.
+        assert!(
+            expires >= last(at, reset_end) + W - 1_000,
+            "{key} expires at {expires}, before {} and its second",
+            last(at, reset_end)
+        );
+    }
 }
 
 /// What a decision says, for comparing two: the verdicts, the wait before admission, and

@@ -236,8 +236,9 @@ impl RateLimiter for RedisLimiter {
         "redis"
     }
 
-    /// Redis takes a waiting request's place where every rule of its rule set is a token
-    /// bucket (see `docs/acquisition.md`, "Wait for refill").
+    /// Redis takes a waiting request's place in every algorithm, within the scripts' exact
+    /// range, and on a cluster in a rule set of one rule (see `docs/acquisition.md`, "Wait
+    /// for refill").
     fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
         band::check_wait(set, rule, max_wait, self.connection().is_cluster())
     }
@@ -252,8 +253,8 @@ impl RateLimiter for RedisLimiter {
         self.refund(request, decided_unix_nanos, &[])
     }
 
-    /// As [`give_back`](Self::give_back), each token-bucket band only while it holds the
-    /// state its mark records (the refund script compares it).
+    /// As [`give_back`](Self::give_back), each token- or leaky-bucket band only while it
+    /// holds the state its mark records (the refund script compares it).
     fn give_back_place(
         &self,
         request: &AcquireRequest,

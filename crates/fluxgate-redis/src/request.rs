@@ -175,8 +175,8 @@ pub(crate) type RefundCall = (Vec<String>, RefundArgs);
 /// What giving back `request`'s consumption, decided at `decided_us`, sends: one refund call
 /// per hash slot (one on a standalone Redis), each with one key per band (a token-bucket
 /// rule's key once for each of its bands) and the bands' refund arguments. With `marks`
-/// (a waiting request's place, [`AcquireOutcome::marks`]), each token-bucket band is
-/// refunded only while it holds the state its mark records.
+/// (a waiting request's place, [`AcquireOutcome::marks`]), each token- or leaky-bucket band
+/// is refunded only while it holds the state its mark records.
 ///
 /// # Errors
 ///
