@@ -60,8 +60,8 @@ for _ = 1, ARGV[1] + 0 do
   end
 end
 
--- Waiting for the refill: a request some enforced band refuses, when each such band's
--- bucket lets it wait for that band's wait, waits for the longest of them, until `at`.
+-- Waiting for the refill: a request some enforced band refuses waits until the last of
+-- them admits it, `at`, when each such band's bucket lets it wait that long.
 -- Every band takes the request's place for `at` now (`place` below), all or nothing for
 -- the enforced bands; the shadow ones only if they all admit it then. The places become
 -- the values pass 2 commits. Its functions are defined on this path only: Redis runs a
@@ -143,13 +143,17 @@ if not allowed and waits then
     return string.format('%.0f:%.0f:%.0f', e, p, q), e + w
   end
 
-  local wait = 0
+  -- The longest wait of the refusing enforced bands, and the shortest their buckets allow.
+  local wait, most = 0, nil
   for i = 1, n do
     local t = bands[i]
     if not t[7] and not t[6] then
-      if t[16] and t[8] > 0 and t[8] <= t[16] then
+      if t[16] and t[8] > 0 then
         if t[8] > wait then
           wait = t[8]
+        end
+        if not most or t[16] < most then
+          most = t[16]
         end
       else
         wait = false
@@ -157,7 +161,7 @@ if not allowed and waits then
       end
     end
   end
-  if wait then
+  if wait and wait <= most then
     local at, values, lasts, enforced, shadowed = now + wait, {}, {}, true, true
     for i = 1, n do
       local t = bands[i]

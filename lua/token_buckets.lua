@@ -114,8 +114,8 @@ for r = 1, #KEYS do
   writes[3 * r - 2], writes[3 * r - 1], writes[3 * r] = value, expiry, shadow
 end
 
--- Some enforced band refused: when every refusing one lets the request wait (its rule's
--- longest wait, in µs) and every band admits it at the instant the last of them does,
+-- Some enforced band refused: when every refusing one lets the request wait until the
+-- last of them admits it (its rule's longest wait, in µs) and every band admits it then,
 -- `off` µs ahead, the request takes its place there now, all or nothing, as the in-memory
 -- limiter does. A band admits it there when its stored instant lies at or past that
 -- instant (so no bucket jumps ahead for it) and `debt + cost - off × scale <= cap`; a
@@ -156,11 +156,14 @@ if not allowed and waits then
       end
     end
   end
-  local off, may = 0, true
+  local off, may, most = 0, true, nil
   each_band(function(_, _, _, shadow, wait, cap, cost, scale, debt)
     local excess = debt + cost - cap
     if excess > 0 and not shadow then
       if wait and excess <= wait * scale then
+        if not most or wait < most then
+          most = wait
+        end
         -- ⌈excess / scale⌉ µs, the double quotient corrected by one when it is off.
         local q = excess / scale
         q = q - q % 1
@@ -180,7 +183,7 @@ if not allowed and waits then
       end
     end
   end)
-  if may then
+  if may and off <= most then
     allowed, shadow_allowed = true, true
     each_band(function(r, i, layout, shadow, _, cap, cost, scale, debt)
       local value = i == 1 and layout or writes[3 * r - 2]

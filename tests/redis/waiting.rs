@@ -682,6 +682,66 @@ async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str, qui
     count
 }
 
+/// A request waits only as long as every rule that refuses it allows (the in-memory test
+/// of the same name): on Redis, through the token-bucket scripts (`quick` a token bucket)
+/// and the general one (`quick` a leaky bucket).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_no_longer_than_every_refusing_rule_allows() {
+    let redis = Redis::start(Servers::standalone()).await;
+    for algorithm in ["token_bucket", "leaky_bucket"] {
+        let yaml = format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: quick
+        scope: global
+        algorithm: {algorithm}
+        bands: [{{ capacity: 10, window: 10s }}]
+        on_limit: {{ wait: {{ max_wait: 1500ms, max_waiters: 10 }} }}
+      - id: slow
+        match: {{ paths: ["/slow"] }}
+        scope: global
+        bands: [{{ capacity: 1, window: 4s }}]
+        on_limit: {{ wait: {{ max_wait: 10s, max_waiters: 10 }} }}
+"#
+        );
+        let engine = engine(&redis, &format!("shortest-{algorithm}"), &yaml, None).await;
+        let check_on = async |path: &str| {
+            engine
+                .check(&RequestContext::builder().path(path).build())
+                .await
+                .expect("a decision")
+        };
+        let start = Instant::now();
+        assert!(check_on("/slow").await.allowed());
+        for _ in 0..9 {
+            assert!(check_on("/fast").await.allowed());
+        }
+        if start.elapsed() >= Duration::from_secs(1) {
+            eprintln!("{algorithm}: the requests took over a second, quick refilled: not checked");
+            continue;
+        }
+        let prefix = format!("shortest-{algorithm}");
+        let quick = match algorithm {
+            "leaky_bucket" => format!("{prefix}:{{default:quick:global}}:b0:10/10s:lb"),
+            _ => format!("{prefix}:{{default:quick:global}}"),
+        };
+        let keys = [quick, format!("{prefix}:{{default:slow:global}}")];
+        let stored = || {
+            keys.iter()
+                .map(|key| redis.server().cli(&["GET", key]))
+                .collect::<Vec<_>>()
+        };
+        let before = stored();
+        let asked = Instant::now();
+        let refused = check_on("/slow").await;
+        assert!(!refused.allowed(), "{algorithm}: a wait of 4 s past quick's 1.5 s");
+        assert!(asked.elapsed() < Duration::from_secs(1), "{algorithm}: refused at once");
+        assert_eq!(stored(), before, "{algorithm}: the refused request took no place");
+    }
+}
+
 /// A key outlives every place a waiting request took in it, by the second every key keeps
 /// past its last instant: a leaky bucket its instant, a fixed window the end of the place's
 /// window, a sliding window counter the end of the window after it (where the place still

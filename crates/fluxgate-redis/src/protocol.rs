@@ -423,7 +423,7 @@ impl DecideArgs {
     /// admit it, if each such band's rule lets it wait that long (its `max_wait_us`);
     /// `None` when one does not.
     fn wait_us(&self, debts: &[i64]) -> Option<i64> {
-        let mut wait = 0;
+        let (mut wait, mut most) = (0, i64::MAX);
         let mut debts = debts.iter();
         for (bucket, bands) in self.buckets() {
             for (band, &debt) in bands.iter().zip(debts.by_ref()) {
@@ -431,14 +431,11 @@ impl DecideArgs {
                 if bucket.flags.is_shadow() || band.admits(debt) {
                     continue;
                 }
-                let excess = band.excess(debt);
-                if excess > bucket.max_wait_us.saturating_mul(band.scale) {
-                    return None;
-                }
-                wait = wait.max(ceil_div(excess, band.scale));
+                wait = wait.max(ceil_div(band.excess(debt), band.scale));
+                most = most.min(bucket.max_wait_us);
             }
         }
-        Some(wait)
+        (wait <= most).then_some(wait)
     }
 }
 

@@ -690,13 +690,19 @@ impl MemoryLimiter {
         guards: &mut [MutexGuard<'_, Shard>],
         now: u64,
     ) -> Option<AcquireOutcome> {
-        let mut wait = Duration::ZERO;
+        // The longest wait of the refusing enforced bands, and the shortest their rules
+        // allow: each must let the request wait until the last of them admits it.
+        let (mut wait, mut most) = (Duration::ZERO, Duration::MAX);
         for (i, p) in items.iter().zip(pending) {
             if !p.allowed && !i.bucket.shadow() {
                 // Evaluated again on this rare path, rather than carried by every band.
                 let e = evaluate(&guards[i.guard], i.key, &i.bucket, i.band, now);
                 wait = wait.max(allowed_wait(&i.bucket, e.wait)?);
+                most = most.min(i.bucket.max_wait());
             }
+        }
+        if wait > most {
+            return None;
         }
         let at = now.checked_add(u64::try_from(wait.as_nanos()).ok()?)?;
         let mut nexts: SmallVec<[Option<Next>; 8]> = SmallVec::new();
