@@ -8,7 +8,7 @@ use std::time::Duration;
 use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock, WaitPolicy};
 use tokio::time::Instant;
 
-use crate::support::backend::at_once;
+use crate::support::backend::{at_once, shortest_wait};
 
 /// A rule set of one global rule of `algorithm`, `capacity` per `window`, that lets
 /// requests wait up to `max_wait`, `max_waiters` at once.
@@ -391,30 +391,6 @@ rule_sets:
     assert!(decide("/other").await.allowed(), "`api` still admits");
 }
 
-/// Rules for [`a_request_waits_no_longer_than_every_refusing_rule_allows`]: `quick`, of
-/// `algorithm` (a token or leaky bucket), 10 per 10 s, lets its requests wait 1.5 s; `slow`,
-/// a token bucket of 1 per 4 s on `/slow`, lets them wait 10 s.
-fn shortest_wait(algorithm: &str) -> RuleSets {
-    RuleSets::from_yaml_str(&format!(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: quick
-        scope: global
-        algorithm: {algorithm}
-        bands: [{{ capacity: 10, window: 10s }}]
-        on_limit: {{ wait: {{ max_wait: 1500ms, max_waiters: 10 }} }}
-      - id: slow
-        match: {{ paths: ["/slow"] }}
-        scope: global
-        bands: [{{ capacity: 1, window: 4s }}]
-        on_limit: {{ wait: {{ max_wait: 10s, max_waiters: 10 }} }}
-"#
-    ))
-    .expect("valid rules")
-}
-
 /// A request waits only as long as every rule that refuses it allows: once `quick` is
 /// empty, a request on `/slow`, which `quick` would admit after 1 s and `slow` after 4 s,
 /// is refused at once (`quick` lets it wait 1.5 s), while one that `quick` alone decides
@@ -422,7 +398,8 @@ rule_sets:
 #[tokio::test(start_paused = true)]
 async fn a_request_waits_no_longer_than_every_refusing_rule_allows() {
     for algorithm in ["token_bucket", "leaky_bucket"] {
-        let engine = in_memory(shortest_wait(algorithm), TokioClock::new(), None);
+        let rules = RuleSets::from_yaml_str(&shortest_wait(algorithm)).expect("valid rules");
+        let engine = in_memory(rules, TokioClock::new(), None);
         let check_on = async |path: &str| {
             engine
                 .check(&RequestContext::builder().path(path).build())

@@ -21,7 +21,7 @@ use fluxgate::core::{
 use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
-use crate::support::backend::at_once;
+use crate::support::backend::{at_once, shortest_wait};
 use crate::support::redis::{Redis, Servers};
 
 /// A limiter on `redis` with keys under `prefix`, batching its calls when `batching`.
@@ -689,23 +689,7 @@ async fn alike(limiter: &RedisLimiter, request: &AcquireRequest, case: &str, qui
 async fn a_request_waits_no_longer_than_every_refusing_rule_allows() {
     let redis = Redis::start(Servers::standalone()).await;
     for algorithm in ["token_bucket", "leaky_bucket"] {
-        let yaml = format!(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: quick
-        scope: global
-        algorithm: {algorithm}
-        bands: [{{ capacity: 10, window: 10s }}]
-        on_limit: {{ wait: {{ max_wait: 1500ms, max_waiters: 10 }} }}
-      - id: slow
-        match: {{ paths: ["/slow"] }}
-        scope: global
-        bands: [{{ capacity: 1, window: 4s }}]
-        on_limit: {{ wait: {{ max_wait: 10s, max_waiters: 10 }} }}
-"#
-        );
+        let yaml = shortest_wait(algorithm);
         let engine = engine(&redis, &format!("shortest-{algorithm}"), &yaml, None).await;
         let check_on = async |path: &str| {
             engine

@@ -115,6 +115,30 @@ pub(crate) async fn check(engine: &Engine, ctx: &RequestContext) -> Decision {
     engine.check(ctx).await.expect("decision")
 }
 
+/// Rules of two waiting rules, for the tests that a request waits only as long as every rule
+/// that refuses it allows: `quick`, of `algorithm` (a token or leaky bucket), 10 per 10 s,
+/// lets its requests wait 1.5 s; `slow`, a token bucket of 1 per 4 s on `/slow`, lets them
+/// wait 10 s.
+pub(crate) fn shortest_wait(algorithm: &str) -> String {
+    format!(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: quick
+        scope: global
+        algorithm: {algorithm}
+        bands: [{{ capacity: 10, window: 10s }}]
+        on_limit: {{ wait: {{ max_wait: 1500ms, max_waiters: 10 }} }}
+      - id: slow
+        match: {{ paths: ["/slow"] }}
+        scope: global
+        bands: [{{ capacity: 1, window: 4s }}]
+        on_limit: {{ wait: {{ max_wait: 10s, max_waiters: 10 }} }}
+"#
+    )
+}
+
 /// Starts `n` requests with an empty context at once; returns, for each, whether it was
 /// admitted and when it was answered, after `start`, in the order they were answered.
 pub(crate) async fn at_once(engine: &Engine, n: usize, start: tokio::time::Instant) -> Vec<(bool, Duration)> {
