@@ -16,7 +16,9 @@ local bands = {}
 local rules = {}
 local allowed, shadow_allowed, waits = true, true, false
 local arg, n, k = 2, 0, 0
-for _ = 1, ARGV[1] + 0 do
+local head = ARGV[1] + 0
+local marks = head >= CALL_MARKS
+for _ = 1, head % CALL_MARKS do
   local permits = ARGV[arg] + 0
   local flags = ARGV[arg + 1] + 0
   local shadow = flags % FLAG_ALGORITHM == FLAG_SHADOW
@@ -216,9 +218,9 @@ for i = 1, n do
     reply[#reply + 1] = t[8]
   end
 end
--- A waiting request's marks: each committed token or leaky band's state, its instant and
--- remainder, which a refund of the place expects to find.
-if after > 0 then
+-- A waiting request's marks, or a call's that asks for them: each committed token or leaky
+-- band's state, its instant and remainder, which a refund of the place expects to find.
+if after > 0 or marks then
   for i = 1, n do
     local t = bands[i]
     local tat, frac = 0, 0

@@ -18,3 +18,7 @@ local FLAG_SHADOW = 1
 local FLAG_ALGORITHM = 2
 local FLAG_WAITS = 16
 local FLAG_BANDS = 32
+
+-- decide.lua's ARGV[1]: the bucket count, plus CALL_MARKS when the reply is to give each
+-- band's mark even for a request admitted at once (a lease's call).
+local CALL_MARKS = 65536

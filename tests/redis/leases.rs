@@ -257,6 +257,48 @@ fn lease_went_back(redis: &Redis, key: &str, ahead_us: i64) -> bool {
     instant_us - now_us <= ahead_us
 }
 
+/// A leaky bucket's lease goes back too: the general script records the state its call
+/// left (the call asks for the bands' marks), and the refund script gives the lease's
+/// permits back only while the bucket still holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_leaky_bucket_lease_goes_back() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let leaky = || {
+        rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: queue
+        scope: global
+        algorithm: leaky_bucket
+        bands: [{ capacity: 30, window: 1h }]
+        lease: { max: 10, ttl: 1h }
+"#,
+        )
+    };
+    let holder = instance(&redis, "leaky-release", leaky()).await;
+    let other = instance(&redis, "leaky-release", leaky()).await;
+    assert!(check(&holder).await.allowed());
+    assert_eq!(holder.release_leases().await.expect("given back"), 9);
+    assert_eq!(drain(&other, 100).await, 29, "released at shutdown");
+
+    // Another instance's lease taken after it: the first lease's state is no longer the
+    // bucket's, so its permits stay taken (the later ones lie behind them); the later
+    // lease, the last one taken, goes back.
+    let holder = instance(&redis, "leaky-behind", leaky()).await;
+    let other = instance(&redis, "leaky-behind", leaky()).await;
+    assert!(check(&holder).await.allowed());
+    assert!(check(&other).await.allowed());
+    let key = "leaky-behind:{default:queue:global}:b0:30/1h:lb";
+    let stored = || redis.server().cli(&["GET", key]);
+    let both = stored();
+    holder.release_leases().await.expect("answered");
+    assert_eq!(stored(), both, "a lease with another behind it stays taken");
+    other.release_leases().await.expect("given back");
+    assert_ne!(stored(), both, "the last lease goes back");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_or_changed_lease_goes_back() {
     let redis = Redis::start(Servers::standalone()).await;

@@ -255,6 +255,10 @@ pub(crate) enum Shape {
     General,
 }
 
+/// Added to `decide.lua`'s bucket count when the reply is to give the bands' marks
+/// (`CALL_MARKS` in `lua/protocol.lua`).
+const CALL_MARKS: i64 = 65_536;
+
 /// A number in hexadecimal, as the token-bucket scripts read it (`tonumber(s, 16)`, which
 /// Lua 5.1 parses with `strtoul`, cheaper than the `strtod` of a decimal number).
 fn hex(n: i64) -> Value {
@@ -276,6 +280,11 @@ impl DecideArgs {
     /// not.
     pub(crate) fn mark_places(&mut self) {
         self.marks = true;
+    }
+
+    /// Whether the reply gives the bands' marks even for a request admitted at once.
+    pub(crate) fn marks_places(&self) -> bool {
+        self.marks
     }
 
     /// A rule of the call.
@@ -310,12 +319,14 @@ impl DecideArgs {
         self.rules.iter().map(|rule| (&rule.bucket, rule.bands.as_slice()))
     }
 
-    /// The `ARGV` of `decide.lua`: the bucket count, then each bucket's permits, flags,
-    /// (a token bucket) layout and (a bucket the request may wait for) longest wait in µs,
-    /// followed by its bands' three numbers.
+    /// The `ARGV` of `decide.lua`: the bucket count (plus [`CALL_MARKS`] when the reply is
+    /// to give the bands' marks), then each bucket's permits, flags, (a token bucket)
+    /// layout and (a bucket the request may wait for) longest wait in µs, followed by its
+    /// bands' three numbers.
     pub(crate) fn general_argv(&self) -> Vec<Value> {
         let mut argv = Vec::with_capacity(1 + 4 * self.rules.len() + 3 * self.band_count);
-        argv.push(Value::Integer(i64::try_from(self.rules.len()).unwrap_or(i64::MAX)));
+        let buckets = i64::try_from(self.rules.len()).unwrap_or(i64::MAX);
+        argv.push(Value::Integer(if self.marks { buckets + CALL_MARKS } else { buckets }));
         for (bucket, bands) in self.buckets() {
             let waits = bucket.max_wait_us > 0;
             let flags = if waits { bucket.flags.waiting() } else { bucket.flags };
@@ -644,7 +655,7 @@ pub(crate) struct Reply {
     /// µs in the high 64 bits, its remainder in the low ones; 0 for a band not committed,
     /// and for the window algorithms, whose places go back by their instant), as
     /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
-    /// otherwise, and for the general script's replies to a request admitted at once.
+    /// otherwise.
     pub(crate) marks: Vec<u128>,
     bands: Vec<BandReply>,
 }
@@ -657,18 +668,23 @@ impl Reply {
     /// later: its instant in µs and its remainder.
     const MARK: usize = 2;
 
-    /// Checks that `numbers` is the reply of `decide.lua` for a call of `bands` bands.
+    /// Checks that `numbers` is the reply of `decide.lua` for a call of `bands` bands that
+    /// asked for the bands' marks or not (`marked`).
     ///
     /// # Errors
     ///
     /// [`RedisError::Reply`] when it has not `4 + 4 × bands` numbers, and `2 × bands`
-    /// more (the marks) for a request admitted later.
-    pub(crate) fn decode(numbers: &[i64], bands: usize) -> Result<Self, RedisError> {
+    /// more (the marks) for a request admitted later or a call that asked for them.
+    pub(crate) fn decode(numbers: &[i64], bands: usize, marked: bool) -> Result<Self, RedisError> {
         let &[allowed, shadow_allowed, now_us, admitted_after_us, ..] = numbers else {
             return Err(Self::wrong_length(numbers, bands));
         };
         let figures = Self::HEAD + BandReply::LEN * bands;
-        let marks = if admitted_after_us > 0 { Self::MARK * bands } else { 0 };
+        let marks = if admitted_after_us > 0 || marked {
+            Self::MARK * bands
+        } else {
+            0
+        };
         if numbers.len() != figures + marks {
             return Err(Self::wrong_length(numbers, bands));
         }
@@ -810,6 +826,7 @@ mod tests {
             ("FLAG_ALGORITHM", Flags::ALGORITHM),
             ("FLAG_WAITS", Flags::WAITS),
             ("FLAG_BANDS", Flags::BANDS),
+            ("CALL_MARKS", CALL_MARKS),
         ] {
             let line = format!("\nlocal {name} = {value}\n");
             assert!(PROTOCOL_LUA.contains(&line), "{line:?}");
@@ -904,6 +921,9 @@ mod tests {
                 "0"
             ]
         );
+        // A call asking for the bands' marks says so with its bucket count.
+        args.mark_places();
+        assert_eq!(text(&args.general_argv())[0], "65538");
     }
 
     #[test]
@@ -1231,7 +1251,7 @@ mod tests {
 
     #[test]
     fn replies() {
-        let reply = Reply::decode(&[1, 0, 42, 0, 1, 9, 100, 0, 0, 0, 7, -1], 2).unwrap();
+        let reply = Reply::decode(&[1, 0, 42, 0, 1, 9, 100, 0, 0, 0, 7, -1], 2, false).unwrap();
         assert!(reply.allowed && !reply.shadow_allowed);
         assert_eq!(reply.now_us, 42);
         assert_eq!(reply.admitted_after_us, 0);
@@ -1255,7 +1275,7 @@ mod tests {
             ]
         );
         // Admitted 30 µs later: each band's mark follows the figures (0 for a window band).
-        let later = Reply::decode(&[1, 1, 42, 30, 1, 0, 1_530, 0, 1, 2, 60, 0, 1_572, 3, 0, 0], 2).unwrap();
+        let later = Reply::decode(&[1, 1, 42, 30, 1, 0, 1_530, 0, 1, 2, 60, 0, 1_572, 3, 0, 0], 2, false).unwrap();
         assert!(later.allowed && later.shadow_allowed);
         assert_eq!(later.admitted_after_us, 30);
         assert_eq!(later.marks, [(1_572u128 << 64) | 3, 0]);
@@ -1263,6 +1283,10 @@ mod tests {
         assert_eq!(expected_leaky_state(1_572u128 << 64).as_deref(), Some("1572:0"));
         assert_eq!(expected_leaky_state(0), None);
         assert_eq!(later.bands().count(), 2);
+        // Admitted at once, its marks asked for (a lease's call).
+        let marked = Reply::decode(&[1, 1, 42, 0, 1, 5, 900, 0, 1_042, 7], 1, true).unwrap();
+        assert_eq!(marked.marks, [(1_042u128 << 64) | 7]);
+        assert!(Reply::decode(&[1, 1, 42, 0, 1, 5, 900, 0], 1, true).is_err());
         let refunded = RefundReply::decode(vec![3, 50, -1, 0], 2).unwrap();
         let refunded: Vec<_> = refunded.bands().collect();
         assert_eq!(refunded[0].remaining, 3);
@@ -1280,7 +1304,7 @@ mod tests {
             // Admitted later: the marks are missing.
             (vec![1, 1, 5, 9, 1, 2, 3, 4], 1),
         ] {
-            let error = Reply::decode(&numbers, bands).unwrap_err();
+            let error = Reply::decode(&numbers, bands, false).unwrap_err();
             assert_eq!(
                 error.to_string(),
                 format!(
@@ -1289,7 +1313,7 @@ mod tests {
                 )
             );
         }
-        assert!(Reply::decode(&[1, 1, 5, 0], 0).is_ok());
+        assert!(Reply::decode(&[1, 1, 5, 0], 0, false).is_ok());
         assert!(RefundReply::decode(vec![1, 2, 3], 2).is_err());
     }
 }

@@ -251,7 +251,7 @@ impl Scripts {
     pub(crate) fn read(args: &DecideArgs, reply: &[i64]) -> Result<Reply, RedisError> {
         match args.shape() {
             Shape::OneTokenBucket | Shape::TokenBuckets => args.token_reply(reply),
-            Shape::General => Reply::decode(reply, args.band_count()),
+            Shape::General => Reply::decode(reply, args.band_count(), args.marks_places()),
         }
     }
 
