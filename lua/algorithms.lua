@@ -1,7 +1,8 @@
 -- FluxGate: the dispatch from an algorithm's number in ARGV (protocol.lua) to its
 -- functions, for decide.lua and refund.lua. Each algorithm's file defines them:
 --   eval(key, permits, capacity, a, b): what the band would do (see token_bucket.lua);
---   store(key, value, permits, capacity, a, b): commits what eval returned;
+--   store(key, value, permits, capacity, a, b, last): commits what eval returned (`last`, its
+--     7th value for a window algorithm, the instant the state must outlive);
 --   refund(key, decided_us, permits, capacity, a, b): gives a committed request back.
 -- A request that waits for the refill takes its places in decide.lua ("Waiting for the
 -- refill"), on that path only.

@@ -224,7 +224,7 @@ if after > 0 or marks then
   for i = 1, n do
     local t = bands[i]
     local tat, frac = 0, 0
-    if (t[14] == TOKEN_BUCKET or t[14] == LEAKY_BUCKET) and t[7] and (not t[6] or shadow_allowed) then
+    if (t[14] == TOKEN_BUCKET or t[14] == LEAKY_BUCKET) and t[7] and allowed and (not t[6] or shadow_allowed) then
       local whole = idiv(t[7], t[4])
       tat, frac = now + whole, t[7] - whole * t[4]
     end

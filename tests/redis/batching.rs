@@ -7,7 +7,8 @@ use std::pin::Pin;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use fluxgate::core::{Decision, Engine, Error, RequestContext};
+use fluxgate::core::limiter::AcquireRequest;
+use fluxgate::core::{Decision, Engine, Error, RateLimiter, RequestContext, Text};
 use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
@@ -268,6 +269,64 @@ async fn a_request_that_fails_in_redis_fails_alone() {
     match &results[2] {
         Ok(d) => assert!(d.degraded, "{d:?}"),
         Err(e) => assert!(e.to_string().contains("WRONGTYPE"), "{e}"),
+    }
+}
+
+/// Requests of the same rules, one of which asks for the bands' marks (a lease's call) and
+/// the others not, gathered in one batch: each goes with its own arguments and reads its
+/// own reply, as its own call would (the general script's arguments say whether to give
+/// the marks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_asking_for_marks_or_not_keep_their_own_arguments_in_a_batch() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix("marks")
+        .deny_cache(false)
+        .timeout(Duration::from_secs(20))
+        .batching(Batching::new().max_calls(1))
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    let rules = rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: windowed
+        scope: global
+        algorithm: fixed_window
+        bands: [{ capacity: 10, window: 1h }]
+"#,
+    );
+    let set = rules.get("default").expect("a rule set").clone();
+    let request = |marked: bool| {
+        let mut request = AcquireRequest::new(set.clone());
+        request.push(0, Text::from("global"));
+        if marked {
+            request.mark_places();
+        }
+        request
+    };
+    // The first goes out alone; the next three gather behind it, the marked one between.
+    let requests = [request(false), request(false), request(true), request(false)];
+    let paused = Paused::new(&redis, Duration::from_millis(1500));
+    let mut pending: Vec<_> = requests.iter().map(|r| limiter.acquire(r)).collect();
+    poll_fn(|cx| {
+        for (i, outcome) in pending.iter_mut().enumerate() {
+            assert!(
+                Pin::new(outcome).poll(cx).is_pending(),
+                "request {i} decided while Redis is paused"
+            );
+        }
+        Poll::Ready(())
+    })
+    .await;
+    paused.check_still_paused();
+    for (i, outcome) in pending.into_iter().enumerate() {
+        let outcome = outcome.await.unwrap_or_else(|e| panic!("request {i}: {e}"));
+        assert!(outcome.allowed, "request {i}");
+        assert_eq!(outcome.bands[0].remaining, 9 - i as u64, "request {i}");
+        assert_eq!(outcome.marks.len(), usize::from(i == 2), "request {i}");
     }
 }
 

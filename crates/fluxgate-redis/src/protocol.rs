@@ -295,9 +295,12 @@ impl DecideArgs {
     }
 
     /// Whether `other` has the same arguments: the same rules' arguments (the same
-    /// [`RuleArgs`], which these hold), in the same order.
+    /// [`RuleArgs`], which these hold), in the same order, and the same request for the
+    /// bands' marks (the general script's arguments say it).
     pub(crate) fn same_as(&self, other: &Self) -> bool {
-        self.rules.len() == other.rules.len() && self.rules.iter().zip(&other.rules).all(|(a, b)| Arc::ptr_eq(a, b))
+        self.marks == other.marks
+            && self.rules.len() == other.rules.len()
+            && self.rules.iter().zip(&other.rules).all(|(a, b)| Arc::ptr_eq(a, b))
     }
 
     /// The number of bands.
