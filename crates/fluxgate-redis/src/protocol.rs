@@ -386,9 +386,13 @@ impl DecideArgs {
         let (mut allowed, mut shadow_allowed) = self.verdicts(debts, 0);
         let mut off = 0;
         if !allowed {
+            // Decided again at the instant the request would wait for; refused there too, it
+            // is refused now, with the shadow rules' verdict of now.
             if let Some(wait) = self.wait_us(debts) {
-                (allowed, shadow_allowed) = self.verdicts(debts, wait);
-                off = if allowed { wait } else { 0 };
+                let (later, shadow_later) = self.verdicts(debts, wait);
+                if later {
+                    (allowed, shadow_allowed, off) = (true, shadow_later, wait);
+                }
             }
         }
         let mut replies = Vec::with_capacity(self.band_count);
@@ -1152,6 +1156,12 @@ mod tests {
         let reply = args.token_reply(&[42, 500, 3_960]).unwrap();
         assert!(!reply.allowed);
         assert_eq!(reply.admitted_after_us, 0);
+        // With a shadow rule that admits now but not 720 µs ahead (its instant lies before
+        // then): refused, and the shadow rule's verdict is now's.
+        let mut shadowed = args.clone();
+        shadowed.rule(rule(tb(1, true, 1), &[band]));
+        let reply = shadowed.token_reply(&[42, 500, 3_960, 0]).unwrap();
+        assert_eq!((reply.allowed, reply.shadow_allowed), (false, true));
         // A rule that may not wait refuses at once, whatever the others allow.
         let reply = args.token_reply(&[42, 3_600, 0]).unwrap();
         assert!(!reply.allowed);
