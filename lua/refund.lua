@@ -25,8 +25,13 @@ for _, key in ipairs(KEYS) do
     local eval, _, refund = algorithm_functions(algorithm)
     local expect = ''
     if algorithm == LEAKY_BUCKET then
-      -- The state expected of the band ("<instant>:<remainder>", a waiting request's
-      -- place), or '': given back only while it holds that state, as a token bucket.
+      -- As a token bucket's `expect` (token_bucket_refund), the state in decimal,
+      -- "<instant>:<remainder>": '', the whole cost; a state (a waiting request's place, a
+      -- lease), only while the band holds it; '~' and the state the request left (a refund
+      -- across cluster slots, made at once), its permits whose leaks still lie ahead of
+      -- now (the whole intervals reaching past now), and nothing while the band holds more than its capacity (a waiting
+      -- request's place pending). A leaky bucket's instant moves by whole intervals only,
+      -- so that its leak grid stays put.
       expect = ARGV[arg]
       arg = arg + 1
     end
@@ -34,9 +39,21 @@ for _, key in ipairs(KEYS) do
       refund(key, decided, permits, c, a, b)
     else
       local tat, frac = tat_of(key)
-      local want_tat, want_frac = fields(expect)
-      if tat and tat == want_tat and frac == want_frac then
-        refund(key, decided, permits, c, a, b)
+      if string.sub(expect, 1, 1) == '~' then
+        local debt = debt_of(tat, frac, a)
+        local end_tat, end_frac = fields(string.sub(expect, 2))
+        local ahead = end_tat and debt_of(end_tat, end_frac or 0, a)
+        if debt and ahead and debt <= c * b then
+          local back = math.min(permits, cdiv(ahead, b))
+          if back > 0 then
+            refund(key, decided, back, c, a, b)
+          end
+        end
+      else
+        local want_tat, want_frac = fields(expect)
+        if tat and tat == want_tat and frac == want_frac then
+          refund(key, decided, permits, c, a, b)
+        end
       end
     end
     local _

@@ -383,6 +383,68 @@ async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
     );
 }
 
+/// A leaky bucket's refund across cluster slots (`~` and the state the refunded request
+/// left) gives back only its permits whose leaks still lie ahead of now: the permits
+/// another request took since move back no earlier than they would have come had the
+/// refunded request never been there. And nothing while the
+/// band holds more than its capacity (a waiting request's place behind). The refund script
+/// is run as the limiter would send it, on a standalone server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let key = "leaky-tilde:{default:queue:global}:b0:10/1s:lb";
+    let now_us = || {
+        let time = redis.server().cli(&["TIME"]);
+        let mut parts = time
+            .split_whitespace()
+            .map(|n| n.parse::<i64>().expect("TIME's numbers"));
+        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
+        secs * 1_000_000 + micros
+    };
+    // 10 per second: scale 1, a leak every 100,000 µs. Refunds a request of 5 permits
+    // whose own state ended at `end_us`, the band now holding `stored_us`.
+    let refund = |stored_us: i64, end_us: i64| {
+        redis.server().cli(&["SET", key, &stored_us.to_string()]);
+        let expect = format!("~{end_us}:0");
+        let args = [
+            "EVAL",
+            fluxgate::redis::REFUND_LUA,
+            "1",
+            key,
+            "0",
+            "1",
+            "5",
+            "10",
+            "1",
+            "100000",
+            &expect,
+        ];
+        redis.server().cli(&args);
+        redis
+            .server()
+            .cli(&["GET", key])
+            .trim()
+            .split(':')
+            .next()
+            .and_then(|t| t.parse::<i64>().ok())
+            .expect("a stored instant")
+    };
+    // The request's permits end 150 ms ahead; another's 5 lie behind them, to 650 ms: at
+    // most two of the request's permits still leak after now (at 50 and 150 ms), and only
+    // they go back.
+    let now = now_us();
+    let after = refund(now + 650_000, now + 150_000);
+    assert!(
+        after >= now + 450_000,
+        "{} µs ahead: given back more than what was still ahead",
+        after - now
+    );
+    assert!(after <= now + 650_000);
+    // The band holds more than its capacity (1 s of leaks): a waiting place behind, nothing moves.
+    let now = now_us();
+    assert_eq!(refund(now + 1_500_000, now + 900_000), now + 1_500_000);
+}
+
 /// A refund for a rule that changed since the request (the stored layout is not the
 /// request's) leaves the key alone: writing the old layout would lose the new bands'
 /// states.

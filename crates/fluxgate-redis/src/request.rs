@@ -222,9 +222,13 @@ impl Call {
                         // not committed): nothing (a state no band holds).
                         (None, _) => Some("-".to_owned()),
                     };
-                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket && !marks.is_empty() && !ahead_only {
-                    // A waiting request's place: only while the band holds the state it left.
-                    refund.expect = Some(expected_leaky_state(mark()).unwrap_or_else(|| "-".to_owned()));
+                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket && !marks.is_empty() {
+                    // As a token bucket's, in whole leak intervals (see `lua/refund.lua`).
+                    refund.expect = Some(match (expected_leaky_state(mark()), ahead_only) {
+                        (Some(state), true) => format!("~{state}"),
+                        (Some(state), false) => state,
+                        (None, _) => "-".to_owned(),
+                    });
                 }
                 args.band(&refund);
                 keys.push(self.keys[band.key].clone());
