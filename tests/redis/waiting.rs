@@ -629,6 +629,11 @@ rule_sets:
         scope: global
         algorithm: fixed_window
         bands: [{ capacity: 1, window: 10s }]
+      - id: shadow_window
+        scope: global
+        mode: shadow
+        algorithm: fixed_window
+        bands: [{ capacity: 1, window: 1s }]
 "#;
 
 /// Waiting requests of each algorithm, and of a token bucket beside a fixed window, decided
@@ -641,7 +646,8 @@ rule_sets:
 /// (the places taken in the next window now count in the present one) and, in batches,
 /// once a quiet window more has passed (they count as the previous one). A leaky bucket
 /// beside a long window is refused rather than made to jump ahead to the window's end
-/// (unless its instant already lies there).
+/// (unless its instant already lies there). Beside a shadow window, a request that waits
+/// while the shadow rule would refuse it then reports that rule's refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_algorithm_waits_as_in_memory() {
     let redis = Redis::start(Servers::standalone()).await;
@@ -663,7 +669,7 @@ async fn every_algorithm_waits_as_in_memory_on_a_cluster() {
 
 /// The cases of [`every_algorithm_waits_as_in_memory`]: a name, the rules of
 /// [`ALGORITHMS`] a request is of, and how long it may wait, in ms.
-const ALIKE: [(&str, &[usize], u64); 7] = [
+const ALIKE: [(&str, &[usize], u64); 8] = [
     ("leaky", &[0], 1_500),
     ("fixed", &[1], 1_500),
     ("log", &[2], 1_500),
@@ -671,6 +677,7 @@ const ALIKE: [(&str, &[usize], u64); 7] = [
     ("token beside fixed", &[4, 1], 1_500),
     ("two bands", &[5], 1_500),
     ("leaky beside a long window", &[6, 7], 15_000),
+    ("fixed beside a shadow window", &[1, 8], 1_500),
 ];
 
 /// [`alike`] for each of `cases`, on `redis`, batching when `batching`, `quiet` or not;

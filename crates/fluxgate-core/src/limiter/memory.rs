@@ -717,18 +717,33 @@ impl MemoryLimiter {
             }
             nexts.push(next);
         }
+        // The enforced bands, and the shadow ones if they all admit the request then.
+        let kept = |i: &Item<'_>| !i.bucket.shadow() || shadow_allowed;
         for (i, next) in items.iter().zip(&nexts) {
-            if let Some(next) = *next {
-                if !i.bucket.shadow() || shadow_allowed {
-                    self.store(&mut guards[i.guard], i.key, next, now, i.band, i.bucket.permits);
-                }
+            if let Some(next) = next.filter(|_| kept(i)) {
+                self.store(&mut guards[i.guard], i.key, next, now, i.band, i.bucket.permits);
             }
         }
+        // The bands that took their place report their figures with it, and their marks;
+        // the shadow bands that did not (a shadow rule refused the request then) report
+        // what they said now, and no mark.
         let bands: Bands = items
             .iter()
-            .map(|i| figures_now(&guards[i.guard], i.key, &i.bucket, i.band, now))
+            .zip(&nexts)
+            .map(|(i, next)| {
+                if next.is_some() && kept(i) {
+                    figures_now(&guards[i.guard], i.key, &i.bucket, i.band, now)
+                } else {
+                    let e = evaluate(&guards[i.guard], i.key, &i.bucket, i.band, now);
+                    report(&i.bucket, i.band, now, &e, false)
+                }
+            })
             .collect();
-        let marks = nexts.iter().map(|next| next.map_or(0, mark)).collect();
+        let marks = items
+            .iter()
+            .zip(&nexts)
+            .map(|(i, next)| next.filter(|_| kept(i)).map_or(0, mark))
+            .collect();
         Some(
             AcquireOutcome::new(true, shadow_allowed, now, bands)
                 .admitted_later(wait)
