@@ -20,18 +20,19 @@ for _, key in ipairs(KEYS) do
     local layout, index, count = ARGV[arg], ARGV[arg + 1] + 0, ARGV[arg + 2] + 0
     local expect = ARGV[arg + 3]
     arg = arg + 4
-    rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b, expect)
+    rem, reset = token_bucket_refund(key, layout, index, count, permits, c, a, b, expect, decided)
   else
     local eval, _, refund = algorithm_functions(algorithm)
     local expect = ''
     if algorithm == LEAKY_BUCKET then
       -- As a token bucket's `expect` (token_bucket_refund), the state in decimal,
       -- "<instant>:<remainder>": '', the whole cost; a state (a waiting request's place, a
-      -- lease), only while the band holds it; '~' and the state the request left (a refund
-      -- across cluster slots, made at once), its permits whose leaks still lie ahead of
-      -- now (the whole intervals reaching past now), and nothing while the band holds more than its capacity (a waiting
-      -- request's place pending). A leaky bucket's instant moves by whole intervals only,
-      -- so that its leak grid stays put.
+      -- lease), only while the band holds it; '~' and the state the request left (a
+      -- refund across cluster slots, made at once), the whole cost while the band holds
+      -- it, otherwise its permits whose leaks still lie ahead of now by that state and by
+      -- what has not leaked since the decision, and nothing while the band holds more
+      -- than its capacity. A leaky bucket's instant moves by whole intervals only, so that
+      -- its leak grid stays put.
       expect = ARGV[arg]
       arg = arg + 1
     end
@@ -39,20 +40,21 @@ for _, key in ipairs(KEYS) do
       refund(key, decided, permits, c, a, b)
     else
       local tat, frac = tat_of(key)
-      if string.sub(expect, 1, 1) == '~' then
+      local tilde = string.sub(expect, 1, 1) == '~'
+      local want_tat, want_frac = fields(tilde and string.sub(expect, 2) or expect)
+      if tat and tat == want_tat and frac == want_frac then
+        refund(key, decided, permits, c, a, b)
+      elseif tilde then
         local debt = debt_of(tat, frac, a)
-        local end_tat, end_frac = fields(string.sub(expect, 2))
-        local ahead = end_tat and debt_of(end_tat, end_frac or 0, a)
+        local ahead = want_tat and debt_of(want_tat, want_frac or 0, a)
         if debt and ahead and debt <= c * b then
-          local back = math.min(permits, cdiv(ahead, b))
+          local back = cdiv(math.min(ahead, permits * b - (now - decided) * a), b)
+          if back > permits then
+            back = permits
+          end
           if back > 0 then
             refund(key, decided, back, c, a, b)
           end
-        end
-      else
-        local want_tat, want_frac = fields(expect)
-        if tat and tat == want_tat and frac == want_frac then
-          refund(key, decided, permits, c, a, b)
         end
       end
     end

@@ -383,12 +383,40 @@ async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
     );
 }
 
+/// A token bucket's refund across cluster slots whose state has moved since for another
+/// reason than requests behind it (a refund of permits taken before it) gives back no more
+/// than what has not refilled since the decision: 1 per 10 s, a permit decided 8 s ago
+/// whose state said it ends 20 s ahead gives back 2 s at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_refund_across_slots_gives_back_no_more_than_has_not_refilled() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let key = "stale:{default:global:global}";
+    let time = redis.server().cli(&["TIME"]);
+    let mut parts = time
+        .split_whitespace()
+        .map(|n| n.parse::<i64>().expect("TIME's numbers"));
+    let now = parts.next().expect("seconds") * 1_000_000 + parts.next().expect("microseconds");
+    redis
+        .server()
+        .cli(&["SET", key, &format!("b0:1/10s|{:x}", now + 5_000_000)]);
+    let decided = u64::try_from(now - 8_000_000).expect("a recent instant");
+    refund_one_permit(&redis, key, decided, &format!("~{:x}", now + 20_000_000));
+    let after = stored_instant(&redis, key);
+    assert!(
+        after >= now + 3_000_000,
+        "{} µs ahead: given back more than had not refilled since the decision",
+        after - now
+    );
+}
+
 /// A leaky bucket's refund across cluster slots (`~` and the state the refunded request
-/// left) gives back only its permits whose leaks still lie ahead of now: the permits
-/// another request took since move back no earlier than they would have come had the
-/// refunded request never been there. And nothing while the
-/// band holds more than its capacity (a waiting request's place behind). The refund script
-/// is run as the limiter would send it, on a standalone server.
+/// left) gives back its whole cost while the band still holds that state; otherwise only
+/// its permits whose leaks still lie ahead of now, by that state and by what has not leaked
+/// since the decision: the permits another request took since move back no earlier than
+/// they would have come had the refunded request never been there, even when a refund of
+/// permits taken before it moved its own earlier than its state says. And nothing while
+/// the band holds more than its capacity (a waiting request's place behind). The refund
+/// script is run as the limiter would send it, on a standalone server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     let redis = Redis::start(Servers::standalone()).await;
@@ -402,16 +430,17 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
         secs * 1_000_000 + micros
     };
     // 10 per second: scale 1, a leak every 100,000 µs. Refunds a request of 5 permits
-    // whose own state ended at `end_us`, the band now holding `stored_us`.
-    let refund = |stored_us: i64, end_us: i64| {
+    // decided at `decided_us` whose own state ended at `end_us`, the band now holding
+    // `stored_us`.
+    let refund = |stored_us: i64, end_us: i64, decided_us: i64| {
         redis.server().cli(&["SET", key, &stored_us.to_string()]);
-        let expect = format!("~{end_us}:0");
+        let (decided, expect) = (decided_us.to_string(), format!("~{end_us}:0"));
         let args = [
             "EVAL",
             fluxgate::redis::REFUND_LUA,
             "1",
             key,
-            "0",
+            &decided,
             "1",
             "5",
             "10",
@@ -429,20 +458,33 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
             .and_then(|t| t.parse::<i64>().ok())
             .expect("a stored instant")
     };
+    // Nothing came since: the whole cost goes back, five leak intervals.
+    let now = now_us();
+    assert_eq!(refund(now + 450_000, now + 450_000, now), now - 50_000);
     // The request's permits end 150 ms ahead; another's 5 lie behind them, to 650 ms: at
     // most two of the request's permits still leak after now (at 50 and 150 ms), and only
     // they go back.
     let now = now_us();
-    let after = refund(now + 650_000, now + 150_000);
+    let after = refund(now + 650_000, now + 150_000, now);
     assert!(
         after >= now + 450_000,
         "{} µs ahead: given back more than what was still ahead",
         after - now
     );
     assert!(after <= now + 650_000);
+    // Decided 400 ms ago, its state said its permits end 600 ms ahead, but a refund of
+    // permits before them has moved them since: of its 500 ms of leaks, at most 100 ms
+    // are still to come, one permit.
+    let now = now_us();
+    let after = refund(now + 300_000, now + 600_000, now - 400_000);
+    assert!(
+        after >= now + 200_000,
+        "{} µs ahead: given back more than had not leaked since the decision",
+        after - now
+    );
     // The band holds more than its capacity (1 s of leaks): a waiting place behind, nothing moves.
     let now = now_us();
-    assert_eq!(refund(now + 1_500_000, now + 900_000), now + 1_500_000);
+    assert_eq!(refund(now + 1_500_000, now + 900_000, now), now + 1_500_000);
 }
 
 /// A refund for a rule that changed since the request (the stored layout is not the

@@ -384,10 +384,20 @@ rule_sets:
         // beyond a limit.
         assert!((60..=90).contains(&admitted), "{admitted}");
     }
-    // Either way, only admitted requests consumed the global band.
+    // Either way, only admitted requests consumed the global band: across slots, a refund
+    // while others took permits since keeps what refilled between the decision and the
+    // refund (milliseconds of a permit of 36 s each), which may cost the band one permit.
     let d = check(&engine, &RequestContext::builder().user_id("fresh").build()).await;
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap().remaining;
-    assert_eq!(global, 100 - admitted as u64 - 1);
+    let exact = 100 - admitted as u64 - 1;
+    if backend.atomic_across_rules() {
+        assert_eq!(global, exact);
+    } else {
+        assert!(
+            (exact - 1..=exact).contains(&global),
+            "{global} left, {exact} without refunds' time"
+        );
+    }
 }
 
 async fn run_concurrently(engine: &fluxgate::core::Engine, ctx_for: impl Fn(usize) -> RequestContext) -> usize {
