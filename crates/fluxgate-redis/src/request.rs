@@ -213,20 +213,23 @@ impl Call {
         let mut keys = Vec::new();
         for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
             if let Some(mut refund) = band.refund() {
-                let mark = || marks.get(band.position).copied().unwrap_or(0);
-                if refund.place.is_some() && !marks.is_empty() {
-                    refund.expect = match (expected_state(mark()), ahead_only) {
-                        (Some(state), true) => Some(format!("~{state}")),
-                        (Some(state), false) => Some(state),
-                        // Without a mark (a band the general script decided at once, or
-                        // not committed): nothing (a state no band holds).
-                        (None, _) => Some("-".to_owned()),
-                    };
-                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket && !marks.is_empty() {
-                    // As a token bucket's, in whole leak intervals (see `lua/refund.lua`).
-                    refund.expect = Some(match (expected_leaky_state(mark()), ahead_only) {
+                // A token or leaky bucket keeps one instant: its state as the request left it,
+                // in the form the refund script compares (a leaky bucket's in whole leak
+                // intervals, see `lua/refund.lua`).
+                let mark = marks.get(band.position).copied().unwrap_or(0);
+                let expected = if refund.place.is_some() {
+                    Some(expected_state(mark))
+                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket {
+                    Some(expected_leaky_state(mark))
+                } else {
+                    None
+                };
+                if let Some(expected) = expected.filter(|_| !marks.is_empty()) {
+                    refund.expect = Some(match (expected, ahead_only) {
                         (Some(state), true) => format!("~{state}"),
                         (Some(state), false) => state,
+                        // Without a mark (a band not committed): nothing (a state no band
+                        // holds).
                         (None, _) => "-".to_owned(),
                     });
                 }
