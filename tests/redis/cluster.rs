@@ -194,13 +194,6 @@ mod refunds {
             .expect("an address on another node")
     }
 
-    fn redis_time_us(node: &RedisServer) -> u64 {
-        let out = node.cli(&["TIME"]);
-        let mut parts = out.split_whitespace().map(|p| p.parse::<u64>().expect("TIME"));
-        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
-        secs * 1_000_000 + micros
-    }
-
     /// Pauses a node's writes (and scripts) for `ms` milliseconds.
     fn pause_writes(node: &RedisServer, ms: u64) {
         let out = Command::new("redis-cli")
@@ -244,7 +237,7 @@ rule_sets:
         // An empty queue whose grid stands 250 ms before now (one leak per second).
         let key = format!("lb:{{default:queue:ip={ip}}}:b0:2/2s:lb");
         let node = cluster.node_of_key(&key);
-        let anchor = redis_time_us(node) - 250_000;
+        let anchor = node.time_us() - 250_000;
         node.cli(&["SET", &key, &anchor.to_string(), "PX", "10000"]);
         // The queue admits (and commits), the global rule rejects: the queue is refunded.
         let d = check(&engine, &at(&ip)).await;
@@ -305,7 +298,7 @@ rule_sets:
     fn a_sliding_window_counter_refund_survives_a_rollover() {
         let server = RedisServer::start();
         let w: u64 = 60_000_000; // a minute, in µs
-        let now = redis_time_us(&server);
+        let now = server.time_us();
         let end = now - now % w + w; // the current window's end
         let refund = |key: &str, decided: u64, algorithm: u64| {
             let mut args = vec![
@@ -373,7 +366,7 @@ rule_sets:
             let stored = node.cli(&["GET", &key]);
             let state = stored.trim().strip_prefix("b0:1/1h|").unwrap_or("0");
             let tat = u64::from_str_radix(state.split(':').next().unwrap_or("0"), 16).unwrap_or(0);
-            if tat <= redis_time_us(node) {
+            if tat <= node.time_us() {
                 break; // full again
             }
             assert!(

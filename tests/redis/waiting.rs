@@ -391,11 +391,7 @@ async fn a_refund_across_slots_leaves_a_waiting_place_behind_it_alone() {
 async fn a_token_refund_across_slots_gives_back_no_more_than_has_not_refilled() {
     let redis = Redis::start(Servers::standalone()).await;
     let key = "stale:{default:global:global}";
-    let time = redis.server().cli(&["TIME"]);
-    let mut parts = time
-        .split_whitespace()
-        .map(|n| n.parse::<i64>().expect("TIME's numbers"));
-    let now = parts.next().expect("seconds") * 1_000_000 + parts.next().expect("microseconds");
+    let now = i64::try_from(redis.server().time_us()).expect("a recent instant");
     redis
         .server()
         .cli(&["SET", key, &format!("b0:1/10s|{:x}", now + 5_000_000)]);
@@ -421,14 +417,7 @@ async fn a_token_refund_across_slots_gives_back_no_more_than_has_not_refilled() 
 async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     let redis = Redis::start(Servers::standalone()).await;
     let key = "leaky-tilde:{default:queue:global}:b0:10/1s:lb";
-    let now_us = || {
-        let time = redis.server().cli(&["TIME"]);
-        let mut parts = time
-            .split_whitespace()
-            .map(|n| n.parse::<i64>().expect("TIME's numbers"));
-        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
-        secs * 1_000_000 + micros
-    };
+    let now_us = || i64::try_from(redis.server().time_us()).expect("a recent instant");
     // 10 per second: scale 1, a leak every 100,000 µs. Refunds a request of 5 permits
     // decided at `decided_us` whose own state ended at `end_us`, the band now holding
     // `stored_us`.

@@ -162,6 +162,16 @@ impl RedisServer {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// The server's clock (`TIME`), in µs since the Unix epoch.
+    pub(crate) fn time_us(&self) -> u64 {
+        let out = self.cli(&["TIME"]);
+        let mut parts = out
+            .split_whitespace()
+            .map(|p| p.parse::<u64>().expect("TIME's numbers"));
+        let (secs, micros) = (parts.next().expect("seconds"), parts.next().expect("microseconds"));
+        secs * 1_000_000 + micros
+    }
+
     fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
