@@ -27,35 +27,49 @@ for _, key in ipairs(KEYS) do
     if algorithm == LEAKY_BUCKET then
       -- As a token bucket's `expect` (token_bucket_refund), the state in decimal,
       -- "<instant>:<remainder>": '', the whole cost; a state (a waiting request's place, a
-      -- lease), only while the band holds it; '~' and the state the request left (a
-      -- refund across cluster slots, made at once), the whole cost while the band holds
-      -- it, otherwise its permits whose leaks still lie ahead of now by that state and by
-      -- what has not leaked since the decision, and nothing while the band holds more
-      -- than its capacity. A leaky bucket's instant moves by whole intervals only, so that
-      -- its leak grid stays put.
+      -- lease), only while the band holds it; '~' and the state the request left (a refund
+      -- across cluster slots, made at once), its permits still to leak. A leaky bucket's
+      -- instant moves by whole intervals only, so that its leak grid stays put.
       expect = ARGV[arg]
       arg = arg + 1
     end
     if expect == '' then
       refund(key, decided, permits, c, a, b)
+    elseif string.sub(expect, 1, 1) == '~' then
+      -- The request's permits leak one interval apart on the band's grid, the first at the
+      -- first grid point after its decision at the earliest (a refund of permits before
+      -- them may have moved them there since), and no later than its state says: those
+      -- still to leak after now, counted the earliest way, go back. Nothing while the band
+      -- holds more than its capacity (a waiting request's place pending).
+      local tat, frac = tat_of(key)
+      local want_tat, want_frac = fields(string.sub(expect, 2))
+      local debt = debt_of(tat, frac, a)
+      local ahead = want_tat and debt_of(want_tat, want_frac or 0, a)
+      if debt and ahead and debt <= c * b then
+        -- In units from now: the decision at -elapsed, the grid through the stored instant.
+        local elapsed = (now - decided) * a
+        local first = imod(debt + elapsed, b)
+        if first == 0 then
+          first = b
+        end
+        first = first - elapsed
+        local back = permits
+        if first <= 0 then
+          back = permits - idiv(-first, b) - 1
+        end
+        local stated = cdiv(ahead, b)
+        if stated < back then
+          back = stated
+        end
+        if back > 0 then
+          refund(key, decided, back, c, a, b)
+        end
+      end
     else
       local tat, frac = tat_of(key)
-      local tilde = string.sub(expect, 1, 1) == '~'
-      local want_tat, want_frac = fields(tilde and string.sub(expect, 2) or expect)
+      local want_tat, want_frac = fields(expect)
       if tat and tat == want_tat and frac == want_frac then
         refund(key, decided, permits, c, a, b)
-      elseif tilde then
-        local debt = debt_of(tat, frac, a)
-        local ahead = want_tat and debt_of(want_tat, want_frac or 0, a)
-        if debt and ahead and debt <= c * b then
-          local back = cdiv(math.min(ahead, permits * b - (now - decided) * a), b)
-          if back > permits then
-            back = permits
-          end
-          if back > 0 then
-            refund(key, decided, back, c, a, b)
-          end
-        end
       end
     end
     local _

@@ -145,14 +145,14 @@ end
 --   one, since a place taken after it was counted behind it, and giving it back would let
 --   a new request share that later place;
 -- - '~' then a state, the band's state right after the request (a refund across cluster
---   slots, made at once, the request decided at `decided` µs): the whole cost while the
---   band still holds that state; otherwise the part of the request's permits still ahead
---   of now, which is at most what that state says (a refund since of permits taken before
---   it moved its permits earlier than the state says) and at most what has not refilled
---   since the decision (had its permits been the first): so that the permits taken since
---   move back no earlier than they would have come without the request; and nothing
---   while the band holds more than its capacity, a waiting request's place pending behind
---   them.
+--   slots, made at once, the request decided at `decided` µs): the part of the request's
+--   permits still ahead of now, which is at most what that state says and at most what
+--   has not refilled since the decision (a refund since of permits taken before it may
+--   have moved its permits earlier than the state says, even back to the decision; and
+--   the same state may come back with other permits behind it, so it tells nothing on
+--   its own): so that the permits taken since move back no earlier than they would have
+--   come without the request; and nothing while the band holds more than its capacity, a
+--   waiting request's place pending behind them.
 local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect, decided)
   local v = redis.call('GET', key)
   local states = rule_states(v, layout, count)
@@ -164,7 +164,7 @@ local function token_bucket_refund(key, layout, index, count, permits, capacity,
     debt = nil
   end
   local cost = permits * interval
-  if debt and string.sub(expect, 1, 1) == '~' and states[index] ~= string.sub(expect, 2) then
+  if debt and string.sub(expect, 1, 1) == '~' then
     local end_tat, end_frac = state_tat(string.sub(expect, 2))
     local ahead = math.min(debt_of(end_tat, end_frac, scale) or 0, cost - (now - decided) * scale)
     if debt > capacity * interval or ahead < 0 then
@@ -173,8 +173,6 @@ local function token_bucket_refund(key, layout, index, count, permits, capacity,
     if ahead < cost then
       cost = ahead
     end
-  elseif string.sub(expect, 1, 1) == '~' then
-    -- The band holds the state the request left: nothing came since, the whole cost.
   elseif expect ~= '' and states[index] ~= expect then
     debt = nil
   end

@@ -406,9 +406,8 @@ async fn a_token_refund_across_slots_gives_back_no_more_than_has_not_refilled() 
 }
 
 /// A leaky bucket's refund across cluster slots (`~` and the state the refunded request
-/// left) gives back its whole cost while the band still holds that state; otherwise only
-/// its permits whose leaks still lie ahead of now, by that state and by what has not leaked
-/// since the decision: the permits another request took since move back no earlier than
+/// left) gives back only its permits still to leak after now, by that state and by the
+/// grid from its decision on: the permits another request took since move back no earlier than
 /// they would have come had the refunded request never been there, even when a refund of
 /// permits taken before it moved its own earlier than its state says. And nothing while
 /// the band holds more than its capacity (a waiting request's place behind). The refund
@@ -469,6 +468,18 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     assert!(
         after >= now + 200_000,
         "{} µs ahead: given back more than had not leaked since the decision",
+        after - now
+    );
+    // Decided 300 ms ago, the band holding just the state it left: that state may have
+    // come back with other permits behind it, so it proves nothing. Its five permits leak
+    // one interval apart from the first grid point after its decision at the earliest (the
+    // grid runs through the stored instant): at -250, -150, -50, 50 and 150 ms. Two are
+    // still to leak, and only those go back.
+    let now = now_us();
+    let after = refund(now + 450_000, now + 450_000, now - 300_000);
+    assert!(
+        after >= now + 250_000,
+        "{} µs ahead: given back permits that may have leaked since the decision",
         after - now
     );
     // The band holds more than its capacity (1 s of leaks): a waiting place behind, nothing moves.

@@ -385,8 +385,8 @@ rule_sets:
         assert!((60..=90).contains(&admitted), "{admitted}");
     }
     // Either way, only admitted requests consumed the global band: across slots, a refund
-    // while others took permits since keeps what refilled between the decision and the
-    // refund (milliseconds of a permit of 36 s each), which may cost the band one permit.
+    // keeps what refilled between the decision and the refund (milliseconds of a permit of
+    // 36 s each), which may cost the band one permit.
     let d = check(&engine, &RequestContext::builder().user_id("fresh").build()).await;
     let global = d.bands.iter().find(|b| &*b.rule == "global").unwrap().remaining;
     let exact = 100 - admitted as u64 - 1;
