@@ -1,5 +1,6 @@
 -- FluxGate refund: gives back what a request consumed in some hash slots of a Redis
--- Cluster when another slot rejected it, so that a rejected request consumes nothing.
+-- Cluster when another slot rejected it, so that a rejected request consumes nothing; and
+-- a dropped waiting request's place, and a lease's unused permits.
 -- KEYS, ARGV and the reply: README.md, "The refund call". Each algorithm's file says how
 -- it gives a request back (its `*_refund`); the reply describes each band after it.
 
