@@ -449,39 +449,48 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     // Nothing came since: the whole cost goes back, five leak intervals.
     let now = now_us();
     assert_eq!(refund(now + 450_000, now + 450_000, now), now - 50_000);
-    // The request's permits end 150 ms ahead; another's 5 lie behind them, to 650 ms: at
-    // most two of the request's permits still leak after now (at 50 and 150 ms), and only
-    // they go back.
-    let now = now_us();
-    let after = refund(now + 650_000, now + 150_000, now);
-    assert!(
-        after >= now + 450_000,
-        "{} µs ahead: given back more than what was still ahead",
-        after - now
-    );
-    assert!(after <= now + 650_000);
-    // Decided 400 ms ago, its state said its permits end 600 ms ahead, but a refund of
-    // permits before them has moved them since: of its 500 ms of leaks, at most 100 ms
-    // are still to come, one permit.
-    let now = now_us();
-    let after = refund(now + 300_000, now + 600_000, now - 400_000);
-    assert!(
-        after >= now + 200_000,
-        "{} µs ahead: given back more than had not leaked since the decision",
-        after - now
-    );
-    // Decided 300 ms ago, the band holding just the state it left: that state may have
-    // come back with other permits behind it, so it proves nothing. Its five permits leak
-    // one interval apart from the first grid point after its decision at the earliest (the
-    // grid runs through the stored instant): at -250, -150, -50, 50 and 150 ms. Two are
-    // still to leak, and only those go back.
-    let now = now_us();
-    let after = refund(now + 450_000, now + 450_000, now - 300_000);
-    assert!(
-        after >= now + 250_000,
-        "{} µs ahead: given back permits that may have leaked since the decision",
-        after - now
-    );
+    // Cases of a band whose state has changed since the request, in µs from now: the
+    // stored instant, the request's end state, its decision, and the least the stored
+    // instant may fall to (what may go back is no more than what is still to leak).
+    let cases = [
+        // The request's permits end 150 ms ahead; another's 5 lie behind them, to 650 ms:
+        // at most two of the request's permits still leak after now (at 50 and 150 ms).
+        (
+            650_000,
+            150_000,
+            0,
+            450_000,
+            "given back more than what was still ahead",
+        ),
+        // Decided 400 ms ago, its state said its permits end 600 ms ahead, but a refund of
+        // permits before them has moved them since: of its 500 ms of leaks, at most
+        // 100 ms are still to come, one permit.
+        (
+            300_000,
+            600_000,
+            -400_000,
+            200_000,
+            "given back more than had not leaked since the decision",
+        ),
+        // Decided 300 ms ago, the band holding just the state it left: that state may have
+        // come back with other permits behind it, so it proves nothing. Its five permits
+        // leak one interval apart from the first grid point after its decision at the
+        // earliest (the grid runs through the stored instant): at -250, -150, -50, 50 and
+        // 150 ms. Two are still to leak, and only those go back.
+        (
+            450_000,
+            450_000,
+            -300_000,
+            250_000,
+            "given back permits that may have leaked since the decision",
+        ),
+    ];
+    for (stored, end, decided, least, what) in cases {
+        let now = now_us();
+        let after = refund(now + stored, now + end, now + decided);
+        assert!(after >= now + least, "{} µs ahead: {what}", after - now);
+        assert!(after <= now + stored, "{} µs ahead: moved forward", after - now);
+    }
     // The band holds more than its capacity (1 s of leaks): a waiting place behind, nothing moves.
     let now = now_us();
     assert_eq!(refund(now + 1_500_000, now + 900_000, now), now + 1_500_000);

@@ -198,10 +198,11 @@ impl Call {
     /// The refund call giving back what this call's `bands` (indexes into
     /// [`bands`](Self::bands)) consumed when Redis decided at `decided_us`: each band's
     /// key (a token-bucket rule's once per band) and refund arguments; with `marks` (per
-    /// band of the request, see [`encode_refund`]), the state each token-bucket band must
-    /// still hold, or, `ahead_only`, the state the request left, of whose permits only
-    /// those still ahead of now go back (see `token_bucket_refund` in
-    /// `lua/token_bucket.lua`).
+    /// band of the request, see [`encode_refund`]), the state each token- or leaky-bucket
+    /// band must still hold, or, `ahead_only`, the state the request left, of whose permits
+    /// only those still ahead of now and not refilled since the decision go back (see
+    /// `token_bucket_refund` in `lua/token_bucket.lua` and the leaky bucket's in
+    /// `lua/refund.lua`).
     pub(crate) fn refund(
         &self,
         bands: impl IntoIterator<Item = usize>,
