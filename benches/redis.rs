@@ -50,9 +50,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fluxgate::core::KeyField;
 use fluxgate::redis::{Batching, RedisLimiter};
 use fluxgate::tower::{ClientIp, RateLimitLayer};
-use fluxgate::{Engine, RequestContext, RuleSets};
+use fluxgate::{Engine, RequestContext, RuleSets, Scope};
 use fred::interfaces::ClientLike as _;
 use http::{Request, Response};
 use servers::RedisServer;
@@ -243,6 +244,17 @@ async fn engine(server: &RedisServer, yaml: &str, batching: Option<Batching>) ->
         .expect("the backend decides every rule")
 }
 
+/// Whether a rule of `yaml` keys by the user, alone or with other fields.
+fn keys_by_user(yaml: &str) -> bool {
+    let rules = RuleSets::from_yaml_str(yaml).unwrap();
+    let by_user = rules.iter().flat_map(|set| set.rules()).any(|rule| match rule.scope() {
+        Scope::User => true,
+        Scope::Composite(fields) => fields.contains(&KeyField::User),
+        _ => false,
+    });
+    by_user
+}
+
 async fn fluxgate_engine(name: &str, yaml: &'static str) -> Report {
     fluxgate_engine_with(name, yaml, None).await
 }
@@ -251,7 +263,7 @@ async fn fluxgate_engine_with(name: &str, yaml: &'static str, batching: Option<B
     let server = RedisServer::start();
     let engine = engine(&server, yaml, batching).await;
     // A user id only for rule sets that key by it: the text costs the driver, not the engine.
-    let by_user = yaml.contains("scope: user");
+    let by_user = keys_by_user(yaml);
     let before = server.evalsha_calls();
     let mut report = drive(name, move |n| {
         let engine = engine.clone();
@@ -414,6 +426,10 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return; // `cargo test --benches` lists; nothing to list here.
     }
+    assert!(
+        keys_by_user(THREE_BY_TWO) && !keys_by_user(ONE_BY_ONE),
+        "the drivers' user ids"
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
