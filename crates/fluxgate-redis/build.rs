@@ -68,6 +68,7 @@ fn read(dir: &Path, parts: &[&str]) -> String {
 /// reading the clock the batch read once (and converted once), then `batch.lua`.
 fn batch(dir: &Path, out: &Path) {
     const TIME: &str = "local time = redis.call('TIME')\nlocal now = time[1] * 1000000 + time[2]\n";
+    const ONE_REPLY: &str = "return {now, debt}\n";
     let mut script = String::from(
         "local batch_time = redis.call('TIME')\nlocal batch_now = batch_time[1] * 1000000 + batch_time[2]\n",
     );
@@ -78,16 +79,24 @@ fn batch(dir: &Path, out: &Path) {
         ("decide_general", &general),
     ];
     for (name, parts) in functions {
-        let body = read(dir, parts);
+        let mut body = read(dir, parts);
         assert_eq!(
             body.matches(TIME).count(),
             1,
             "the batch script needs exactly one {TIME} in the parts of {name}"
         );
-        script.push_str(&format!(
-            "local {name} = function(KEYS, ARGV)\n{}\nend\n",
-            body.replace(TIME, "local now = batch_now\n")
-        ));
+        body = body.replace(TIME, "local now = batch_now\n");
+        if name == "decide_one" {
+            // The batch's reply holds `now` once: the one-band call's reply is its debt
+            // alone, a number rather than a table.
+            assert_eq!(
+                body.matches(ONE_REPLY).count(),
+                1,
+                "the batch script needs exactly one {ONE_REPLY} in the one-band call"
+            );
+            body = body.replace(ONE_REPLY, "return debt\n");
+        }
+        script.push_str(&format!("local {name} = function(KEYS, ARGV)\n{body}\nend\n"));
     }
     script.push_str(&read(dir, &["batch.lua"]));
     if let Err(e) = fs::write(out, script) {

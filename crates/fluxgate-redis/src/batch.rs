@@ -448,19 +448,41 @@ fn hex(n: u64) -> Value {
     Value::String(format!("{n:x}").into())
 }
 
-/// Answers each request of a batch from the batch script's reply (`lua/batch.lua`).
+/// Answers each request of a batch from the batch script's reply (`lua/batch.lua`): the
+/// batch's `now_us`, then each request's reply.
 fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Vec<i64>, RedisError>>>) {
     let mut values = values.into_iter();
     let total = replies.len();
+    let now = match values.next() {
+        Some(Value::Integer(now)) => Ok(now),
+        _ => Err(RedisError::Reply(format!(
+            "batch reply of {total} requests: no instant first"
+        ))),
+    };
     for (i, reply) in replies.into_iter().enumerate() {
-        let _ = reply.send(next_reply(&mut values, i, total));
+        let _ = reply.send(match &now {
+            Ok(now) => next_reply(&mut values, *now, i, total),
+            Err(e) => Err(copy(e)),
+        });
     }
 }
 
-/// The reply of request `i` of `total` from the rest of the batch's reply.
-fn next_reply(values: &mut impl Iterator<Item = Value>, i: usize, total: usize) -> Result<Vec<i64>, RedisError> {
+/// The reply of request `i` of `total` from the rest of the batch's reply, decided at
+/// `now` (µs).
+fn next_reply(
+    values: &mut impl Iterator<Item = Value>,
+    now: i64,
+    i: usize,
+    total: usize,
+) -> Result<Vec<i64>, RedisError> {
     let wrong = |what: &str| RedisError::Reply(format!("batch reply of request {} of {total}: {what}", i + 1));
     match values.next() {
+        // The one-band call's reply, its debt alone: with the batch's instant, as its own
+        // call replies.
+        Some(Value::Integer(-2)) => match values.next() {
+            Some(Value::Integer(debt)) => Ok(vec![now, debt]),
+            _ => Err(wrong("a one-band reply without its debt")),
+        },
         Some(Value::Integer(-1)) => {
             let message = match values.next() {
                 Some(Value::String(s)) => s.to_string(),
@@ -536,6 +558,17 @@ mod tests {
         assert_eq!(rest, [3, 3, 7], "the others wait, in order");
     }
 
+    /// A batch reply without its instant first fails every request of the batch.
+    #[tokio::test]
+    async fn a_reply_without_its_instant_fails_every_request() {
+        let (first, second) = (oneshot::channel(), oneshot::channel());
+        answer(Vec::new(), vec![first.0, second.0]);
+        for answer in [first.1, second.1] {
+            let error = answer.await.unwrap().unwrap_err().to_string();
+            assert!(error.contains("no instant first"), "{error}");
+        }
+    }
+
     /// Each request gets its own reply; an error reaches only its request, and a reply cut
     /// short is an error that names the request.
     #[test]
@@ -546,17 +579,24 @@ mod tests {
             Value::Integer(20),
             Value::Integer(-1),
             Value::String("WRONGTYPE oops".into()),
+            Value::Integer(-2),
+            Value::Integer(7),
             Value::Integer(1),
             Value::Integer(30),
-            Value::Integer(3),
-            Value::Integer(40),
+            Value::Integer(-2),
         ];
         let mut values = values.into_iter();
-        assert_eq!(next_reply(&mut values, 0, 4).unwrap(), [10, 20]);
-        let error = next_reply(&mut values, 1, 4).unwrap_err().to_string();
+        let now = 1_700_000_000_000_000;
+        assert_eq!(next_reply(&mut values, now, 0, 5).unwrap(), [10, 20]);
+        let error = next_reply(&mut values, now, 1, 5).unwrap_err().to_string();
         assert!(error.contains("WRONGTYPE oops"), "{error}");
-        assert_eq!(next_reply(&mut values, 2, 4).unwrap(), [30]);
-        let cut = next_reply(&mut values, 3, 4).unwrap_err().to_string();
-        assert!(cut.contains("request 4 of 4"), "{cut}");
+        assert_eq!(
+            next_reply(&mut values, now, 2, 5).unwrap(),
+            [now, 7],
+            "a one-band reply gets the batch's instant"
+        );
+        assert_eq!(next_reply(&mut values, now, 3, 5).unwrap(), [30]);
+        let cut = next_reply(&mut values, now, 4, 5).unwrap_err().to_string();
+        assert!(cut.contains("request 5 of 5") && cut.contains("debt"), "{cut}");
     }
 }
