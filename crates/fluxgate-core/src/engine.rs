@@ -423,7 +423,9 @@ impl Engine {
                 MaybeReady::boxed(async move {
                     let result = pending.await;
                     this.record_backend_call(start, &result);
-                    match &result {
+                    // The wait, if any, is a future of its own: what it needs is not kept
+                    // in this one, which every request that goes to the backend allocates.
+                    let waiting = match &result {
                         Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
                             let limiter = this.limiter.clone();
                             let outcome = outcome.clone();
@@ -431,10 +433,10 @@ impl Engine {
                             wait_for(limiter, &waited, &outcome, places, move || {
                                 this.decided(&request, result)
                             })
-                            .await
                         }
-                        _ => this.decided(&request, result),
-                    }
+                        _ => return this.decided(&request, result),
+                    };
+                    waiting.await
                 })
             }
         }

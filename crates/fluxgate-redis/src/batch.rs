@@ -2,16 +2,19 @@
 //! call of the batch script ([`BATCH_LUA`](crate::BATCH_LUA)).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::fmt::Write as _;
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use fred::bytes_utils::Str;
 use fred::error::{Error as FredError, ErrorKind};
-use fred::types::Value;
+use fred::types::{Key, Value};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::error::RedisError;
-use crate::protocol::{DecideArgs, Reply};
+use crate::protocol::{DecideArgs, Numbers, Reply};
+use crate::request::Keys;
 use crate::script::{missing_script, Scripts};
 
 /// Batched decisions, for [`RedisLimiterBuilder::batching`](crate::RedisLimiterBuilder::batching):
@@ -107,11 +110,11 @@ const MAX_KEYS: usize = 256;
 struct Job {
     /// The hash slot of its keys (0 on a standalone Redis).
     slot: u16,
-    keys: Vec<String>,
+    keys: Keys,
     /// Its arguments (a request of the same rules has the same: sent once per batch).
     args: DecideArgs,
     arrived: Instant,
-    reply: oneshot::Sender<Result<Vec<i64>, RedisError>>,
+    reply: oneshot::Sender<Result<Numbers, RedisError>>,
 }
 
 /// The batching of one limiter: the requests waiting for a call, and the calls in flight.
@@ -164,10 +167,11 @@ impl Batcher {
     ///
     /// As [`Scripts::decide`]; [`RedisError::Interrupted`] when the call's task ended
     /// without an answer (its runtime shut down).
-    pub(crate) async fn decide(&self, slot: u16, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+    pub(crate) async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         if keys.len() >= MAX_KEYS {
-            // More keys than a batch's header can count: a call of its own.
-            return self.shared.scripts.decide(keys, args).await;
+            // More keys than a batch's header can count: a call of its own (a future of its
+            // own, rarely made, that this one does not hold).
+            return Box::pin(self.shared.scripts.decide(keys, args)).await;
         }
         let (reply, answer) = oneshot::channel();
         let arrived = Instant::now();
@@ -423,7 +427,7 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     for (job, list) in batch.into_iter().zip(refs) {
         let header = u64::try_from(entries[list]).unwrap_or(0) + 4 * job.keys.len() as u64 + 1024 * list as u64;
         argv.push(hex(header));
-        keys.extend(job.keys);
+        keys.extend(job.keys.into_iter().map(Key::from));
         replies.push(job.reply);
     }
     // What is left of the deadline of the oldest request.
@@ -443,14 +447,40 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     }
 }
 
-/// A number in hexadecimal, as `lua/batch.lua` reads it.
+/// The numbers [`hex`] writes from a table, written once: every header of a request of up
+/// to 255 keys in the first four argument lists, and every count below that.
+const SMALL: usize = 4096;
+
+/// A number in hexadecimal, as `lua/batch.lua` reads it. Below [`SMALL`] it comes from a
+/// table written once, whose strings are static: a header costs no allocation, and fred's
+/// copy of it no reference count.
 fn hex(n: u64) -> Value {
-    Value::String(format!("{n:x}").into())
+    static TABLE: LazyLock<Vec<Str>> = LazyLock::new(|| {
+        let mut all = String::new();
+        let mut ends = Vec::with_capacity(SMALL);
+        for n in 0..SMALL {
+            let _ = write!(all, "{n:x}");
+            ends.push(all.len());
+        }
+        let all: &'static str = Box::leak(all.into_boxed_str());
+        let mut start = 0;
+        ends.into_iter()
+            .map(|end| {
+                let s = Str::from_static(&all[start..end]);
+                start = end;
+                s
+            })
+            .collect()
+    });
+    match usize::try_from(n).ok().and_then(|n| TABLE.get(n)) {
+        Some(s) => Value::String(s.clone()),
+        None => Value::String(format!("{n:x}").into()),
+    }
 }
 
 /// Answers each request of a batch from the batch script's reply (`lua/batch.lua`): the
 /// batch's `now_us`, then each request's reply.
-fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Vec<i64>, RedisError>>>) {
+fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Numbers, RedisError>>>) {
     let mut values = values.into_iter();
     let total = replies.len();
     let now = match values.next() {
@@ -474,13 +504,13 @@ fn next_reply(
     now: i64,
     i: usize,
     total: usize,
-) -> Result<Vec<i64>, RedisError> {
+) -> Result<Numbers, RedisError> {
     let wrong = |what: &str| RedisError::Reply(format!("batch reply of request {} of {total}: {what}", i + 1));
     match values.next() {
         // The one-band call's reply, its debt alone: with the batch's instant, as its own
         // call replies.
         Some(Value::Integer(-2)) => match values.next() {
-            Some(Value::Integer(debt)) => Ok(vec![now, debt]),
+            Some(Value::Integer(debt)) => Ok(Numbers::from_slice(&[now, debt])),
             _ => Err(wrong("a one-band reply without its debt")),
         },
         Some(Value::Integer(-1)) => {
@@ -493,7 +523,7 @@ fn next_reply(
         }
         Some(Value::Integer(len)) => {
             let len = usize::try_from(len).map_err(|_| wrong("a negative length"))?;
-            let mut numbers = Vec::with_capacity(len);
+            let mut numbers = Numbers::with_capacity(len);
             for _ in 0..len {
                 match values.next() {
                     Some(Value::Integer(n)) => numbers.push(n),
@@ -525,11 +555,11 @@ fn copy(error: &RedisError) -> RedisError {
 mod tests {
     use super::*;
 
-    fn job(slot: u16) -> (Job, oneshot::Receiver<Result<Vec<i64>, RedisError>>) {
+    fn job(slot: u16) -> (Job, oneshot::Receiver<Result<Numbers, RedisError>>) {
         let (reply, answer) = oneshot::channel();
         let job = Job {
             slot,
-            keys: vec![format!("k{slot}")],
+            keys: Keys::from_elem(format!("k{slot}"), 1),
             args: DecideArgs::new(),
             arrived: Instant::now(),
             reply,
@@ -552,10 +582,18 @@ mod tests {
         let batch = take(&mut waiting, None, 2);
         let slots: Vec<u16> = batch.iter().map(|j| j.slot).collect();
         assert_eq!(slots, [7, 7]);
-        assert_eq!(batch[1].keys, ["k7"]);
+        assert_eq!(batch[1].keys.as_slice(), ["k7"]);
         assert!(!batch[1].reply.is_closed(), "the caller gone was left out");
         let rest: Vec<u16> = waiting.iter().map(|j| j.slot).collect();
         assert_eq!(rest, [3, 3, 7], "the others wait, in order");
+    }
+
+    /// Numbers in hexadecimal, from the table and past it.
+    #[test]
+    fn numbers_are_written_in_hexadecimal() {
+        for n in [0, 5, 255, 1029, SMALL as u64 - 1, SMALL as u64, 1 << 40] {
+            assert_eq!(hex(n), Value::String(format!("{n:x}").into()), "{n}");
+        }
     }
 
     /// A batch reply without its instant first fails every request of the batch.
@@ -587,15 +625,15 @@ mod tests {
         ];
         let mut values = values.into_iter();
         let now = 1_700_000_000_000_000;
-        assert_eq!(next_reply(&mut values, now, 0, 5).unwrap(), [10, 20]);
+        assert_eq!(next_reply(&mut values, now, 0, 5).unwrap().as_slice(), [10, 20]);
         let error = next_reply(&mut values, now, 1, 5).unwrap_err().to_string();
         assert!(error.contains("WRONGTYPE oops"), "{error}");
         assert_eq!(
-            next_reply(&mut values, now, 2, 5).unwrap(),
+            next_reply(&mut values, now, 2, 5).unwrap().as_slice(),
             [now, 7],
             "a one-band reply gets the batch's instant"
         );
-        assert_eq!(next_reply(&mut values, now, 3, 5).unwrap(), [30]);
+        assert_eq!(next_reply(&mut values, now, 3, 5).unwrap().as_slice(), [30]);
         let cut = next_reply(&mut values, now, 4, 5).unwrap_err().to_string();
         assert!(cut.contains("request 5 of 5") && cut.contains("debt"), "{cut}");
     }

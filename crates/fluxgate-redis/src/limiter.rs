@@ -16,6 +16,7 @@ use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
 use crate::protocol::{DecideArgs, Reply};
+use crate::request::Keys;
 use crate::request::{encode, encode_refund, outcome, Call};
 use crate::script::{missing_script, Scripts};
 
@@ -36,7 +37,7 @@ struct Inner {
 
 impl Inner {
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
-    async fn decide(&self, slot: u16, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+    async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         match &self.batcher {
             Some(batcher) => batcher.decide(slot, keys, args).await,
             None => self.scripts.decide(keys, args).await,
@@ -183,15 +184,21 @@ impl RateLimiter for RedisLimiter {
             {
                 return MaybeReady::boxed(async move {
                     let mut reply = match inner.decide(slot, keys, &args).await {
+                        // The keys went to Redis: made again from the request (one call, as
+                        // the first time), then decided within the rest of the deadline. A
+                        // future of its own, rarely made: this one, which every request
+                        // allocates, does not hold it.
                         Err(e) if missing_script(&e) => {
-                            // The keys went to Redis: made again from the request (one call, as
-                            // the first time), then decided within the rest of the deadline.
-                            let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
-                            let mut calls = encode(&request, &inner.prefix, cluster)?;
-                            let Some(Call { keys, args, .. }) = calls.pop() else {
-                                return Err(e.into());
-                            };
-                            inner.scripts.decide_again(keys, &args, remaining).await?
+                            Box::pin(async {
+                                let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
+                                let mut calls = encode(&request, &inner.prefix, cluster)?;
+                                let Some(Call { keys, args, .. }) = calls.pop() else {
+                                    return Err(BoxError::from(e));
+                                };
+                                drop(calls);
+                                Ok(inner.scripts.decide_again(keys, &args, remaining).await?)
+                            })
+                            .await?
                         }
                         result => result?,
                     };

@@ -259,6 +259,10 @@ pub(crate) enum Shape {
 /// (`CALL_MARKS` in `lua/protocol.lua`).
 const CALL_MARKS: i64 = 65_536;
 
+/// The numbers of a decision script's reply: in place for a token-bucket request of up to
+/// seven bands.
+pub(crate) type Numbers = SmallVec<[i64; 8]>;
+
 /// A number in hexadecimal, as the token-bucket scripts read it (`tonumber(s, 16)`, which
 /// Lua 5.1 parses with `strtoul`, cheaper than the `strtod` of a decimal number).
 fn hex(n: i64) -> Value {
@@ -395,7 +399,7 @@ impl DecideArgs {
                 }
             }
         }
-        let mut replies = Vec::with_capacity(self.band_count);
+        let mut replies = SmallVec::with_capacity(self.band_count);
         let mut marks = Vec::new();
         let mut debts = debts.iter();
         for (bucket, bands) in self.buckets() {
@@ -664,7 +668,8 @@ pub(crate) struct Reply {
     /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
     /// otherwise.
     pub(crate) marks: Vec<u128>,
-    bands: Vec<BandReply>,
+    /// In place for a request of one band.
+    bands: SmallVec<[BandReply; 1]>,
 }
 
 impl Reply {

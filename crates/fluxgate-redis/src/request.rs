@@ -13,12 +13,15 @@ use crate::protocol::{
     expected_leaky_state, expected_state, BandReply, DecideArgs, RefundArgs, RefundBand, ScriptAlgorithm,
 };
 
+/// The keys of a decision call: in place for a call of one key.
+pub(crate) type Keys = SmallVec<[String; 1]>;
+
 /// One decision call: the buckets of one hash slot (all buckets on a standalone Redis).
 pub(crate) struct Call {
     /// The hash slot of its keys (0 on a standalone Redis).
     pub(crate) slot: u16,
     /// One key per token-bucket rule, one per band of the other algorithms.
-    pub(crate) keys: Vec<String>,
+    pub(crate) keys: Keys,
     pub(crate) args: DecideArgs,
     /// Per band, in the order of `keys`.
     pub(crate) bands: Vec<CallBand>,
@@ -136,7 +139,7 @@ fn encode_waiting(
                     slot,
                     Call {
                         slot,
-                        keys: Vec::with_capacity(request.buckets().len()),
+                        keys: Keys::with_capacity(request.buckets().len()),
                         args: DecideArgs::new(),
                         bands: Vec::with_capacity(request.bands().count()),
                     },

@@ -8,11 +8,12 @@ use std::time::{Duration, Instant};
 use fred::error::ErrorKind;
 use fred::interfaces::LuaInterface;
 use fred::types::scripts::Script;
-use fred::types::Value;
+use fred::types::{Key, Value};
 
 use crate::connection::Connection;
 use crate::error::RedisError;
-use crate::protocol::{DecideArgs, RefundArgs, RefundReply, Reply, Shape};
+use crate::protocol::{DecideArgs, Numbers, RefundArgs, RefundReply, Reply, Shape};
+use crate::request::Keys;
 
 /// The general decision script (see `lua/README.md`): every band of every rule of a
 /// request, of any algorithm, all or nothing. The build script joins it from the files of
@@ -106,18 +107,18 @@ impl Scripts {
     /// [`RedisError::Command`] when Redis fails the call (`NOSCRIPT` among them),
     /// [`RedisError::Timeout`] when it does not answer in time, and [`RedisError::Reply`]
     /// for a reply of the wrong shape.
-    pub(crate) async fn decide(&self, keys: Vec<String>, args: &DecideArgs) -> Result<Reply, RedisError> {
+    pub(crate) async fn decide(&self, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         let (script, argv) = self.decision(args);
         let timeout = self.connection.timeout();
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
-        let call = Box::pin(
-            self.connection
-                .next()
-                .evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv),
-        );
+        let call = Box::pin(self.connection.next().evalsha::<Value, _, _, _>(
+            script.sha1().clone(),
+            fred_keys(keys),
+            argv,
+        ));
         let reply = self.bounded(call, timeout).await?;
-        Self::read(args, &reply)
+        Self::read(args, &numbers(reply)?)
     }
 
     /// A decision call after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`): loads the
@@ -129,7 +130,7 @@ impl Scripts {
     /// As [`Scripts::decide`].
     pub(crate) async fn decide_again(
         &self,
-        keys: Vec<String>,
+        keys: Keys,
         args: &DecideArgs,
         remaining: Duration,
     ) -> Result<Reply, RedisError> {
@@ -138,7 +139,7 @@ impl Scripts {
         let again = async {
             script.load(client).await?;
             client
-                .evalsha::<Vec<i64>, _, _, _>(script.sha1().clone(), keys, argv)
+                .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
                 .await
         };
         let reply = match tokio::time::timeout(remaining, Box::pin(again)).await {
@@ -146,7 +147,7 @@ impl Scripts {
             Ok(Err(e)) => return Err(RedisError::Command(e)),
             Err(_) => return Err(RedisError::Timeout(self.connection.timeout())),
         };
-        Self::read(args, &reply)
+        Self::read(args, &numbers(reply)?)
     }
 
     /// A decision call with keys the caller keeps: [`Scripts::decide`], then after
@@ -157,10 +158,10 @@ impl Scripts {
     /// As [`Scripts::decide`].
     pub(crate) async fn decide_kept(&self, keys: &[String], args: &DecideArgs) -> Result<Reply, RedisError> {
         let start = Instant::now();
-        match self.decide(keys.to_vec(), args).await {
+        match self.decide(Keys::from(keys), args).await {
             Err(e) if missing_script(&e) => {
                 let remaining = self.connection.timeout().saturating_sub(start.elapsed());
-                self.decide_again(keys.to_vec(), args, remaining).await
+                self.decide_again(Keys::from(keys), args, remaining).await
             }
             result => result,
         }
@@ -191,7 +192,7 @@ impl Scripts {
     /// [`Scripts::reload_batch`].
     pub(crate) async fn decide_batch(
         &self,
-        keys: Vec<String>,
+        keys: Vec<Key>,
         argv: Vec<Value>,
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
@@ -282,9 +283,47 @@ impl Scripts {
     }
 }
 
+/// The keys of a call as fred sends them: one vector, made here rather than from another.
+fn fred_keys(keys: Keys) -> Vec<Key> {
+    keys.into_iter().map(Key::from).collect()
+}
+
+/// The numbers of a decision script's reply (an array of integers), read in place: no
+/// vector on the heap for the few numbers of a request of one or two bands.
+///
+/// # Errors
+///
+/// [`RedisError::Reply`] for a reply that is not an array of integers.
+fn numbers(reply: Value) -> Result<Numbers, RedisError> {
+    let wrong = |what: &Value| RedisError::Reply(format!("a decision reply of numbers, not {what:?}"));
+    match &reply {
+        Value::Array(values) => values
+            .iter()
+            .map(|value| match value {
+                Value::Integer(n) => Ok(*n),
+                other => Err(wrong(other)),
+            })
+            .collect(),
+        other => Err(wrong(other)),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reply is read as its numbers; anything else is an error that shows it.
+    #[test]
+    fn a_reply_is_its_numbers() {
+        let reply = Value::Array(vec![Value::Integer(1_700_000_000_000_000), Value::Integer(-3)]);
+        assert_eq!(numbers(reply).unwrap().as_slice(), [1_700_000_000_000_000, -3]);
+        assert!(numbers(Value::Array(Vec::new())).unwrap().is_empty());
+        let error = numbers(Value::Array(vec![Value::Integer(1), Value::String("x".into())]))
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("String"), "{error}");
+        assert!(numbers(Value::Null).is_err());
+    }
 
     /// The future of a decision stays small, whatever fred's futures weigh: the limiter
     /// boxes it once per request, and a large one costs a copy of all of it.
@@ -292,7 +331,7 @@ mod tests {
     fn a_decision_future_is_small() {
         let scripts = Scripts::new(Connection::client(fred::clients::Client::default()));
         let args = DecideArgs::new();
-        let future = scripts.decide(Vec::new(), &args);
+        let future = scripts.decide(Keys::new(), &args);
         let size = std::mem::size_of_val(&future);
         assert!(size <= 512, "{size} bytes");
     }
