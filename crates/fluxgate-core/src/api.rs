@@ -31,10 +31,13 @@ use crate::limiter::Wait;
 use crate::name::Name;
 use crate::rule::check_id;
 
-/// The longest path accepted, in characters.
-pub const MAX_PATH: usize = 8 * 1024;
+/// The longest path accepted, in characters: the longest an HTTP request's path can be
+/// (`http` refuses a URI of more than 65,534 bytes), so that every request a layer sees can
+/// be described.
+pub const MAX_PATH: usize = 64 * 1024;
 
 /// The longest user id, API key or attribute value accepted, in characters.
+/// [`CheckRequest::from_context`] sends a longer value as its digest (see there).
 pub const MAX_VALUE: usize = 1024;
 
 /// The most attributes accepted in one request.
@@ -66,10 +69,11 @@ pub struct CheckRequest {
     #[cfg_attr(feature = "openapi", schema(max_length = 1024))]
     pub api_key: Option<String>,
     /// The request's path as the router sees it, starting with `/` (`endpoint` is
-    /// accepted too); `/` when absent. Send it raw (`/api/../login`, not `/login`): the
-    /// service normalizes it and matches rules against both forms, as the layer does.
+    /// accepted too); `/` when absent; `*` for `OPTIONS *` and empty for a `CONNECT` to an
+    /// authority. Send it raw (`/api/../login`, not `/login`): the service normalizes it
+    /// and matches rules against both forms, as the layer does.
     #[serde(default, alias = "endpoint", skip_serializing_if = "Option::is_none")]
-    #[cfg_attr(feature = "openapi", schema(pattern = "^/", max_length = 8192))]
+    #[cfg_attr(feature = "openapi", schema(pattern = "^(/|\\*$|$)", max_length = 65536))]
     pub path: Option<String>,
     /// The HTTP method; `GET` when absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -327,17 +331,27 @@ impl ApiError {
 }
 
 impl CheckRequest {
-    /// The request describing `ctx` (its normalized path).
+    /// The request describing `ctx`, as [`to_context`](Self::to_context) accepts it.
+    ///
+    /// A user id, API key or attribute value longer than [`MAX_VALUE`] characters (a
+    /// client's header can be much longer) is sent as `~sha256:` and the 64 hexadecimal
+    /// digits of its SHA-256: the service counts it under that digest, one counter per
+    /// value as for any other, where it would refuse the value itself. Only someone who
+    /// knows the value can name its digest, and they could send the value.
     pub fn from_context(ctx: &RequestContext) -> Self {
         Self {
             rule_set_id: Some(ctx.rule_set_id().to_owned()),
             client_ip: ctx.client_ip().map(|ip| ip.to_string()),
-            user_id: ctx.user_id().map(str::to_owned),
-            api_key: ctx.api_key().map(str::to_owned),
+            user_id: ctx.user_id().map(bounded),
+            api_key: ctx.api_key().map(bounded),
             // The raw path: rules match it as well as its normalized form.
             path: Some(ctx.routed_path().to_owned()),
             method: Some(ctx.method().as_str().to_owned()),
-            attributes: ctx.attributes().clone(),
+            attributes: ctx
+                .attributes()
+                .iter()
+                .map(|(name, value)| (name.clone(), bounded(value)))
+                .collect(),
             permits: None,
         }
     }
@@ -347,7 +361,7 @@ impl CheckRequest {
     /// # Errors
     ///
     /// An [`ApiError`] naming the field: a rule set id that is not a valid id, an address
-    /// that is not an IP address, a path not starting with `/` or longer than
+    /// that is not an IP address, a path not starting with `/` (but `*` or empty) or longer than
     /// [`MAX_PATH`], a method that is not an HTTP method, a user id, API key or attribute
     /// value longer than [`MAX_VALUE`], an attribute name that is not a valid id, more than
     /// [`MAX_ATTRIBUTES`] attributes.
@@ -378,8 +392,10 @@ impl CheckRequest {
         builder.set_user_id(value("userId", &self.user_id)?);
         builder.set_api_key(value("apiKey", &self.api_key)?);
         let path = self.path.as_deref().unwrap_or("/");
-        if !path.starts_with('/') {
-            return Err(ApiError::field("path", "must start with `/`"));
+        // `*` is the path of `OPTIONS *`, and the empty path that of a `CONNECT` to an
+        // authority: requests a layer sees, and decides by the rules without patterns.
+        if !(path.starts_with('/') || path == "*" || path.is_empty()) {
+            return Err(ApiError::field("path", "must start with `/` (or be `*` or empty)"));
         }
         if path.chars().count() > MAX_PATH {
             return Err(ApiError::field("path", format!("longer than {MAX_PATH} characters")));
@@ -410,6 +426,22 @@ impl CheckRequest {
         }
         Ok(builder.build())
     }
+}
+
+/// `value`, or its digest when it is longer than the service accepts (see
+/// [`CheckRequest::from_context`]).
+fn bounded(value: &str) -> String {
+    use sha2::{Digest, Sha256};
+    use std::fmt::Write as _;
+    if value.chars().count() <= MAX_VALUE {
+        return value.to_owned();
+    }
+    let mut out = String::with_capacity(8 + 64);
+    out.push_str("~sha256:");
+    for byte in Sha256::digest(value.as_bytes()) {
+        let _ = write!(out, "{byte:02x}");
+    }
+    out
 }
 
 impl CheckResponse {
@@ -534,6 +566,42 @@ fn millis_up(duration: Duration) -> u64 {
 mod tests {
     use super::*;
     use crate::{Engine, RuleSets};
+
+    /// Every request a layer sees can be described to the service: a gateway would
+    /// otherwise have no decision for it (and must not admit it uncounted).
+    #[test]
+    fn every_context_a_layer_builds_is_accepted() {
+        let long = "u".repeat(MAX_VALUE + 1);
+        let contexts = [
+            RequestContext::builder().path("*").method(Method::OPTIONS).build(),
+            RequestContext::builder().path("").method(Method::CONNECT).build(),
+            RequestContext::builder().user_id(long.clone()).build(),
+            RequestContext::builder().api_key(long.clone()).build(),
+            RequestContext::builder().attribute("tenant", long.clone()).build(),
+            RequestContext::builder()
+                .path(&format!("/api/{}", "a".repeat(65_000)))
+                .build(),
+        ];
+        for ctx in contexts {
+            let request = CheckRequest::from_context(&ctx);
+            assert!(request.to_context().is_ok(), "{request:?}");
+        }
+    }
+
+    /// A value too long for the service goes as its digest: one per value, never the
+    /// same for two values, and a value within bounds goes as it is.
+    #[test]
+    fn a_long_value_is_sent_as_its_digest() {
+        let (a, b) = ("a".repeat(MAX_VALUE + 1), format!("{}b", "a".repeat(MAX_VALUE)));
+        let digest =
+            |v: &str| CheckRequest::from_context(&RequestContext::builder().user_id(v.to_owned()).build()).user_id;
+        let (da, db) = (digest(&a).unwrap(), digest(&b).unwrap());
+        assert!(da.starts_with("~sha256:") && da.len() == 8 + 64, "{da}");
+        assert_ne!(da, db);
+        assert_eq!(digest(&a).unwrap(), da, "the same value, the same digest");
+        let within = "a".repeat(MAX_VALUE);
+        assert_eq!(digest(&within).unwrap(), within);
+    }
 
     #[test]
     fn a_request_is_read_from_an_object_only() {

@@ -119,6 +119,11 @@ pub enum Error {
     /// it opens no circuit and no failure policy admits the request.
     #[error("rate-limit rules cannot be decided: {0}")]
     Rule(#[source] RuleError),
+    /// A rate-limit service refused to decide the request as it was described to it (its
+    /// answer `400`: a value beyond its bounds). The service answered, so this is no
+    /// backend failure: it opens no circuit, and no failure policy admits the request.
+    #[error("the rate-limit service refused to decide the request: {0}")]
+    Refused(String),
 }
 
 impl Error {

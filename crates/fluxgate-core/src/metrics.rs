@@ -172,6 +172,7 @@ impl RateLimitMetricsRecorder for MetricsRecorder {
             // The rule set was found: its id is valid.
             Error::Backend(_) => (SharedString::from(rule_set.to_owned()), "backend"),
             Error::Rule(_) => (SharedString::from(rule_set.to_owned()), "rule"),
+            Error::Refused(_) => (SharedString::const_str(UNKNOWN), "refused"),
             // The id the request asked for, not known to be a rule set's.
             Error::Provider { .. } => (SharedString::const_str(UNKNOWN), "provider"),
         };

@@ -68,16 +68,70 @@ async fn gateway(service: SocketAddr, on_error: FailurePolicy) -> SocketAddr {
 
 /// `GET path` on a new connection: the status line and headers, lowercased.
 async fn get_head(addr: SocketAddr, path: &'static str) -> String {
+    exchange(
+        addr,
+        format!("GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"),
+    )
+    .await
+}
+
+/// `request` as it is on a new connection: the status line and headers, lowercased.
+async fn exchange(addr: SocketAddr, request: String) -> String {
     tokio::task::spawn_blocking(move || {
         let mut stream = TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        write!(stream, "GET {path} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n").unwrap();
+        stream.write_all(request.as_bytes()).unwrap();
         let mut answer = String::new();
         let _ = stream.read_to_string(&mut answer);
         answer.split("\r\n\r\n").next().unwrap_or("").to_ascii_lowercase()
     })
     .await
     .unwrap()
+}
+
+/// Requests whose values the service bounds (a long user id) are decided and counted like
+/// any other; requests with no rule of theirs (`OPTIONS *`) are decided; and a request the
+/// service refuses to decide (a method of more than 32 characters) is refused, not
+/// admitted uncounted, and none of them opens the circuit for everyone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_the_service_bounds_are_counted_and_open_no_circuit() {
+    let (service_addr, _stop_service) = service();
+    let gateway = gateway(service_addr, FailurePolicy::FailOpen).await;
+    let long_user = |path: &str| {
+        format!(
+            "GET {path} HTTP/1.1\r\nhost: t\r\nx-user-id: {}\r\nconnection: close\r\n\r\n",
+            "u".repeat(5_000)
+        )
+    };
+    for expected in ["200", "200", "429"] {
+        let head = exchange(gateway, long_user("/api/hello")).await;
+        assert!(head.starts_with(&format!("http/1.1 {expected}")), "{head}");
+    }
+    // More than three answers without a decision's failure: were they failures, the
+    // circuit would open and fail open would admit the next request.
+    for _ in 0..5 {
+        let head = exchange(
+            gateway,
+            "OPTIONS * HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n".to_owned(),
+        )
+        .await;
+        assert!(!head.starts_with("http/1.1 5"), "decided, no failure: {head}");
+        let method = "X".repeat(40);
+        let head = exchange(
+            gateway,
+            format!("{method} /api/hello HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"),
+        )
+        .await;
+        assert!(
+            head.starts_with("http/1.1 400"),
+            "refused, never admitted uncounted: {head}"
+        );
+    }
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(
+        head.starts_with("http/1.1 429"),
+        "still limited, the circuit closed: {head}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -160,6 +160,15 @@ impl Config {
                 tracing::error!(%error, "rate-limit rules cannot be decided; refusing the request");
                 Verdict::Reject(crate::response::misconfigured())
             }
+            Err(Error::Refused(error)) if self.shadow => {
+                tracing::warn!(%error, "the rate-limit service refused the request; shadow mode: admitting it");
+                Verdict::Pass(None)
+            }
+            Err(Error::Refused(error)) => {
+                // The service cannot count this request: no failure policy admits it.
+                tracing::warn!(%error, "the rate-limit service refused the request; refusing it");
+                Verdict::Reject(crate::response::refused())
+            }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
                     log_failure(&error, "admitting the request");

@@ -221,9 +221,21 @@ impl RateLimitHandler for RemoteHandler {
                 Ok(answer) => answer,
                 Err(_) => Err(RemoteError::Timeout(timeout)),
             };
-            answer.map_err(|error| {
-                tracing::warn!(%error, "rate-limit service failed");
-                Error::Backend(Box::new(error))
+            answer.map_err(|error| match error {
+                // The service is up and refuses this request as described: no failure of
+                // the service (no circuit opens), and the request is refused, never
+                // admitted uncounted by a failure policy.
+                RemoteError::Status {
+                    status: StatusCode::BAD_REQUEST,
+                    body,
+                } => {
+                    tracing::warn!(answer = %body, "the rate-limit service refused to decide a request");
+                    Error::Refused(body)
+                }
+                error => {
+                    tracing::warn!(%error, "rate-limit service failed");
+                    Error::Backend(Box::new(error))
+                }
             })
         })
     }

@@ -227,6 +227,17 @@ pub(crate) fn misconfigured() -> Response<Bytes> {
     response
 }
 
+/// The response when the rate-limit service refused to decide the request as described
+/// (a value beyond its bounds): `400`, since it cannot be counted.
+pub(crate) fn refused() -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Request cannot be rate-limited\"}"));
+    *response.status_mut() = StatusCode::BAD_REQUEST;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
 /// The `429` response: the user's, or the JSON body of the Java original.
 pub(crate) fn rejection(config: &Config, decision: &Decision) -> Response<Bytes> {
     let mut response = match &config.rejection {
