@@ -30,8 +30,9 @@ for _ = 1, head % CALL_MARKS do
     k = k + 1
     local layout = ARGV[arg]
     arg = arg + 1
-    states = rule_states(redis.call('GET', KEYS[k]), layout, count)
-    rules[#rules + 1] = {KEYS[k], layout, n + 1, count, shadow}
+    local kept
+    states, kept = rule_states(redis.call('GET', KEYS[k]), layout, count)
+    rules[#rules + 1] = {KEYS[k], layout, n + 1, count, shadow, kept}
   else
     eval, store = algorithm_functions(algorithm)
   end
@@ -245,7 +246,8 @@ for _, rule in ipairs(rules) do
         window = longest
       end
     end
-    redis.call('SET', rule[1], rule_value(rule[2], states, rule[4]), 'PX', px(window))
+    local value, ms = with_kept_bands(rule_value(rule[2], states, rule[4]), px(window), rule[6], now)
+    redis.call('SET', rule[1], value, 'PX', ms)
   end
 end
 return reply

@@ -26,20 +26,41 @@ local now = time[1] * 1000000 + time[2]
 -- The debt: how far the stored instant lies ahead of now, in units. It exceeds cap when
 -- requests wait for a later instant (their places are taken) or the rule has changed.
 local debt, ahead = 0, 0
+-- The bands of another version of the rule the key holds, kept with this one (layout.lua):
+-- their names, their states (each after a `|`) and their furthest instant.
+local kept_names, kept_states, kept_last
 local v = redis.call('GET', key)
 if v then
   if string.find(v, layout, 1, true) == 1 then
     v = string.sub(v, #layout + 1)
   else
-    -- The rule changed since the write: the band's state if the stored layout names it
-    -- (layout.lua's matching_states, for one band, inline: no function on the common path).
+    -- The rule changed since the write, or another instance holds another version of it:
+    -- the band's state if the stored layout names it, and the other bands still holding
+    -- permits, kept (layout.lua's matching_states, for one band, inline: no function on
+    -- the common path).
     local bar = string.find(v, '|', 1, true) or #v
-    local tag, at, s = string.sub(layout, 1, #layout - 1), bar + 1, nil
+    local tag, at, s, count = string.sub(layout, 1, #layout - 1), bar + 1, nil, 0
     for name in string.gmatch(string.sub(v, 1, bar - 1), '[^,]+') do
       local next_bar = string.find(v, '|', at, true)
+      local state = string.sub(v, at, (next_bar or 0) - 1)
       if name == tag then
-        s = string.sub(v, at, (next_bar or 0) - 1)
-        break
+        s = state
+      elseif state ~= '' and count < 16 then
+        local t, f = tonumber(state, 16), 0
+        if not t then
+          local colon = string.find(state, ':', 1, true)
+          if colon then
+            t, f = tonumber(string.sub(state, 1, colon - 1), 16), tonumber(string.sub(state, colon + 1), 16)
+          end
+        end
+        if t and f and (t > now or (t == now and f > 0)) then
+          count = count + 1
+          kept_names = kept_names and kept_names .. ',' .. name or name
+          kept_states = (kept_states or '') .. '|' .. state
+          if not kept_last or t > kept_last then
+            kept_last = t
+          end
+        end
       end
       if not next_bar then
         break
@@ -76,10 +97,20 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
     whole = whole + 1
   end
   local frac = d - whole * scale
+  local value
   if frac == 0 then
-    redis.call('PSETEX', key, ttl, string.format('%s%x', layout, now + whole))
+    value = string.format('%s%x', layout, now + whole)
   else
-    redis.call('PSETEX', key, ttl, string.format('%s%x:%x', layout, now + whole, frac))
+    value = string.format('%s%x:%x', layout, now + whole, frac)
   end
+  if kept_names then
+    -- layout.lua's with_kept_bands, inline.
+    value = string.sub(layout, 1, #layout - 1) .. ',' .. kept_names .. '|' .. string.sub(value, #layout + 1) .. kept_states
+    local least = (kept_last - now - (kept_last - now) % 1000) / 1000 + 1001
+    if least > ttl + 0 then
+      ttl = string.format('%d', least)
+    end
+  end
+  redis.call('PSETEX', key, ttl, value)
 end
 return {now, debt}

@@ -77,13 +77,14 @@ local function debt_of(tat, frac, scale)
 end
 
 -- The states of the `count` bands of a token-bucket rule of `layout` stored in `v` (nil for
--- a missing key), one string or nil per band.
+-- a missing key), one string or nil per band; then, when the stored layout is not the
+-- caller's, the bands of another version it keeps (layout.lua).
 local function rule_states(v, layout, count)
   if not v then
     return {}
   end
   if string.find(v, layout, 1, true) ~= 1 then
-    return matching_states(v, layout)
+    return matching_states(v, layout, now)
   end
   local states, at = {}, #layout + 1
   for i = 1, count do

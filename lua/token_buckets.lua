@@ -29,6 +29,8 @@ local values = redis.call('MGET', unpack(KEYS))
 local reply = {now}
 local writes = {}
 local allowed, shadow_allowed, waits = true, true, false
+-- Per rule, the bands of another version of it its key holds (layout.lua), when any.
+local kept_bands = nil
 local arg, n = 1, 1
 for r = 1, #KEYS do
   local flags = tonumber(ARGV[arg], 16)
@@ -44,7 +46,12 @@ for r = 1, #KEYS do
     if string.find(v, layout, 1, true) == 1 then
       at = #layout + 1
     else
-      states = matching_states(v, layout)
+      local kept
+      states, kept = matching_states(v, layout, now)
+      if kept then
+        kept_bands = kept_bands or {}
+        kept_bands[r] = kept
+      end
     end
   end
   local value = layout
@@ -213,9 +220,12 @@ end
 -- every shadow rule admitted), the key outliving the rule's longest window by one second.
 if allowed then
   for r = 1, #KEYS do
-    local value = writes[3 * r - 2]
+    local value, expiry = writes[3 * r - 2], writes[3 * r - 1]
     if value and (shadow_allowed or not writes[3 * r]) then
-      redis.call('PSETEX', KEYS[r], writes[3 * r - 1], value)
+      if kept_bands then
+        value, expiry = with_kept_bands(value, expiry, kept_bands[r], now)
+      end
+      redis.call('PSETEX', KEYS[r], expiry, value)
     end
   end
 end

@@ -169,11 +169,13 @@ rule_sets:
             (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 19), ("hour", 97)]),
             // One band left (the one-band script): the hour keeps its count.
             (HOUR.to_owned(), false, &[("hour", 96)]),
-            // The minute back: written over since, it starts full.
-            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 19), ("hour", 95)]),
+            // The minute back: the key kept its state (a band of another version of the
+            // rule, still holding permits), so it goes on from it.
+            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 18), ("hour", 95)]),
             // With a rule of another algorithm (the general script).
-            (format!("{MINUTE_20}, {HOUR}"), true, &[("minute", 18), ("hour", 94)]),
-            (format!("{MINUTE_10}, {HOUR}"), true, &[("minute", 9), ("hour", 93)]),
+            (format!("{MINUTE_20}, {HOUR}"), true, &[("minute", 17), ("hour", 94)]),
+            // The first minute band, kept through every version since.
+            (format!("{MINUTE_10}, {HOUR}"), true, &[("minute", 7), ("hour", 93)]),
         ];
         for (bands, other, expected) in steps {
             let bands: &'static str = Box::leak(bands.into_boxed_str());
@@ -765,5 +767,92 @@ rule_sets:
         let client = fred::types::Builder::from_config(config).build().expect("a client");
         client.init().await.expect("the client connects");
         assert!(fluxgate::redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
+    }
+
+    /// Two instances holding two versions of a token-bucket rule at once (a rolling change,
+    /// a file each instance polls, an instance whose reload failed) share the rule's key:
+    /// neither refills the other's band, whichever script decides. Each version counts
+    /// against its own band: at most the two capacities together, once.
+    #[tokio::test]
+    async fn two_versions_of_a_rule_do_not_refill_each_others_bands() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let engine_of = |bands: String, other: bool| {
+            let url = redis.url();
+            async move {
+                let limiter = fluxgate::redis::RedisLimiter::builder(url)
+                    .prefix("versions")
+                    .deny_cache(false)
+                    .timeout(std::time::Duration::from_secs(2))
+                    .connect()
+                    .await
+                    .unwrap();
+                let mut yaml =
+                    format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
+                if other {
+                    yaml.push_str(
+                        "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 1000, window: 1h }] }\n",
+                    );
+                }
+                Engine::builder(rules(&yaml)).limiter(limiter).build().unwrap()
+            }
+        };
+        // One band against one band (the one-band script), two bands (the token-bucket
+        // script) and a rule of another algorithm beside (the general script).
+        let cases = [
+            ("{ capacity: 10, window: 1h }", "{ capacity: 5, window: 1h }", false, 15),
+            (
+                "{ capacity: 10, window: 1h }, { capacity: 1000, window: 1d }",
+                "{ capacity: 5, window: 1h }, { capacity: 1000, window: 1d }",
+                false,
+                15,
+            ),
+            ("{ capacity: 10, window: 1h }", "{ capacity: 5, window: 1h }", true, 15),
+        ];
+        for (i, (old, new, other, most)) in cases.into_iter().enumerate() {
+            let (old, new) = (
+                engine_of(old.to_owned(), other).await,
+                engine_of(new.to_owned(), other).await,
+            );
+            let ctx = RequestContext::builder()
+                .client_ip(format!("192.0.2.{}", 100 + i).parse().unwrap())
+                .build();
+            let mut admitted = 0;
+            for n in 0..100 {
+                let engine = if n % 2 == 0 { &old } else { &new };
+                admitted += usize::from(check(engine, &ctx).await.allowed());
+            }
+            assert_eq!(
+                admitted, most,
+                "case {i}: admitted of 100 alternating between the versions"
+            );
+        }
+
+        // The key outlives the other version's band: a day's band kept by an hour's writes.
+        let (day, hour) = (
+            engine_of("{ capacity: 10, window: 1d }".to_owned(), false).await,
+            engine_of("{ capacity: 5, window: 1h }".to_owned(), false).await,
+        );
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.120".parse().unwrap())
+            .build();
+        assert!(check(&day, &ctx).await.allowed());
+        assert!(check(&hour, &ctx).await.allowed());
+        let key = "versions:{default:r:ip=192.0.2.120}";
+        let value = redis.server().cli(&["GET", key]);
+        assert!(value.starts_with("b0:5/1h,b0:10/1d|"), "{value}");
+        let ttl: i64 = redis.server().cli(&["PTTL", key]).trim().parse().unwrap();
+        assert!(ttl > 8_640_000, "a tenth of a day's band ahead: {ttl} ms");
+
+        // A band of another version that is full again is dropped at the next write.
+        let key = "versions:{default:r:ip=192.0.2.121}";
+        redis.server().cli(&["SET", key, "b0:10/1h,b9:7/1m|1|1"]);
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.121".parse().unwrap())
+            .build();
+        let d = check(&hour, &ctx).await;
+        assert!(d.allowed());
+        assert_eq!(d.remaining(), Some(4));
+        let value = redis.server().cli(&["GET", key]);
+        assert!(value.starts_with("b0:5/1h|") && !value.contains(','), "{value}");
     }
 }
