@@ -252,14 +252,18 @@ mod tests {
 
         cached.invalidate("api");
         *cached.get_ref().fail.lock().unwrap() = true;
-        assert!(cached.rule_set("api").await.is_err());
-        assert!(cached.rule_set("api").await.is_err(), "errors are not cached");
+        // The source fails: the rule set found last stays in force, and nothing is cached.
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        assert!(cached.rule_set("api").await.unwrap().is_some(), "errors are not cached");
         assert_eq!(lookups(&cached), 4);
+        // An id never found has nothing to fall back on: the error.
+        assert!(cached.rule_set("never").await.is_err());
+        assert_eq!(lookups(&cached), 5);
         *cached.get_ref().fail.lock().unwrap() = false;
         assert!(cached.rule_set("api").await.unwrap().is_some());
         cached.invalidate_all();
         assert!(cached.rule_set("api").await.unwrap().is_some());
-        assert_eq!(lookups(&cached), 6);
+        assert_eq!(lookups(&cached), 7);
     }
 
     #[test]
@@ -283,7 +287,11 @@ mod tests {
 }
 
 /// A [moka] cache in front of another provider: lookups (found or not) are kept until
-/// they expire or are invalidated. Errors are not cached.
+/// they expire or are invalidated. Errors are not cached, and do not take rules out of
+/// force: when the inner provider fails to look up a rule set it found before (the source
+/// is down after an entry expired), the rule set it found last is served, and the failure
+/// logged, until a lookup succeeds. A source outage therefore never leaves requests
+/// without their rules (to a failure policy that may admit them all).
 ///
 /// ```
 /// use std::time::Duration;
@@ -298,6 +306,9 @@ mod tests {
 pub struct CachingRuleSetProvider<P> {
     inner: Arc<P>,
     cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
+    /// The rule set each id was last found to be, served when a lookup fails; dropped when
+    /// a lookup finds none.
+    last: moka::sync::Cache<Arc<str>, Arc<RuleSet>>,
     /// The checks of the engines built on this provider, run on every rule set it loads.
     checks: Arc<Checks>,
 }
@@ -357,6 +368,7 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
                 .max_capacity(self.max_capacity)
                 .time_to_live(self.ttl)
                 .build(),
+            last: moka::sync::Cache::builder().max_capacity(self.max_capacity).build(),
             checks: Arc::new(Checks::default()),
         }
     }
@@ -368,15 +380,30 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
             return MaybeReady::ready(Ok(hit));
         }
         let key: Arc<str> = Arc::from(id);
-        let cache = self.cache.clone();
+        let (cache, last) = (self.cache.clone(), self.last.clone());
         let checks = self.checks.clone();
         self.inner.rule_set(id).map(move |result| {
-            let found = result?;
-            if let Some(set) = &found {
-                if let Err(error) = checks.run(set) {
-                    tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
-                    return Err(error.into());
+            let found = match result {
+                Ok(found) => found,
+                Err(error) => {
+                    return match last.get(&key) {
+                        Some(set) => {
+                            tracing::warn!(rule_set = %key, %error, "rule source failed: the rule set found last stays in force");
+                            Ok(Some(set))
+                        }
+                        None => Err(error),
+                    };
                 }
+            };
+            match &found {
+                Some(set) => {
+                    if let Err(error) = checks.run(set) {
+                        tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
+                        return Err(error.into());
+                    }
+                    last.insert(key.clone(), set.clone());
+                }
+                None => last.invalidate(&key),
             }
             cache.insert(key, found.clone());
             Ok(found)
