@@ -422,3 +422,27 @@ async fn a_request_waits_no_longer_than_every_refusing_rule_allows() {
         );
     }
 }
+
+/// A caller's own bound on waiting (`RequestContext::max_wait`, what a gateway asking the
+/// rate-limit service sends) caps every rule's: a request that would wait longer is refused
+/// at once, one within it waits as the rule lets it, and a bound of zero never waits.
+#[tokio::test(start_paused = true)]
+async fn a_callers_max_wait_caps_the_rules() {
+    // 1 per second, waiting up to 2 s: the second request would wait 1 s.
+    let engine = waiting("token_bucket", "{ capacity: 1, window: 1s }", "2s", 100);
+    assert!(check(&engine).await.allowed());
+    let start = Instant::now();
+    let bounded = |max_wait: Duration| RequestContext::builder().max_wait(max_wait).build();
+    for cap in [Duration::ZERO, Duration::from_millis(999)] {
+        let decision = engine.check(&bounded(cap)).await.expect("a decision");
+        assert!(!decision.allowed(), "a wait of 1 s past a bound of {cap:?}");
+        assert_eq!(start.elapsed(), Duration::ZERO, "refused at once");
+        assert_eq!(decision.retry_after, Some(Duration::from_secs(1)));
+    }
+    let decision = engine
+        .check(&bounded(Duration::from_secs(1)))
+        .await
+        .expect("a decision");
+    assert!(decision.allowed());
+    assert_eq!(start.elapsed(), Duration::from_secs(1), "waited as the rule lets it");
+}

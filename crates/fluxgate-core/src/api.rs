@@ -90,6 +90,13 @@ pub struct CheckRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 1, maximum = 1))]
     pub permits: Option<u64>,
+    /// The longest the caller waits for the answer, in ms: a rule that waits for the refill
+    /// (`on_limit.wait`) makes the request wait at most this long before the answer, and
+    /// refuses it at once when it would have to wait longer. A caller with a deadline sends
+    /// it, so that the service never answers after the caller gave up (`RemoteHandler`
+    /// sends three quarters of its own). No bound when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_wait_ms: Option<u64>,
 }
 
 /// [`CheckRequest`]'s fields, read by serde's derived code (which also reads arrays).
@@ -112,6 +119,8 @@ struct CheckRequestFields {
     attributes: Option<BTreeMap<String, String>>,
     #[serde(default)]
     permits: Option<u64>,
+    #[serde(default)]
+    max_wait_ms: Option<u64>,
 }
 
 impl<'de> Deserialize<'de> for CheckRequest {
@@ -135,6 +144,7 @@ impl<'de> Deserialize<'de> for CheckRequest {
                     method: fields.method,
                     attributes: fields.attributes.unwrap_or_default(),
                     permits: fields.permits,
+                    max_wait_ms: fields.max_wait_ms,
                 })
             }
         }
@@ -353,6 +363,9 @@ impl CheckRequest {
                 .map(|(name, value)| (name.clone(), bounded(value)))
                 .collect(),
             permits: None,
+            max_wait_ms: ctx
+                .max_wait()
+                .map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
         }
     }
 
@@ -373,6 +386,7 @@ impl CheckRequest {
             ));
         }
         let mut builder = RequestContext::builder();
+        builder.set_max_wait(self.max_wait_ms.map(Duration::from_millis));
         let rule_set = self.rule_set_id.as_deref().unwrap_or(DEFAULT_RULE_SET);
         check_id(rule_set).map_err(|e| ApiError::field("ruleSetId", e.to_string()))?;
         builder.set_rule_set_id(rule_set);

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::Method;
 
@@ -40,6 +41,8 @@ pub struct RequestContext {
     api_key: Option<String>,
     rule_set_id: Name,
     attributes: BTreeMap<String, String>,
+    /// The longest the caller waits for the decision, when it says.
+    max_wait: Option<Duration>,
 }
 
 impl RequestContext {
@@ -101,6 +104,12 @@ impl RequestContext {
     pub fn attributes(&self) -> &BTreeMap<String, String> {
         &self.attributes
     }
+    /// The longest the caller waits for the decision, when it said
+    /// ([`RequestContextBuilder::max_wait`]): no rule makes the request wait for the
+    /// refill longer.
+    pub fn max_wait(&self) -> Option<Duration> {
+        self.max_wait
+    }
     /// A builder holding this context's values, to derive a changed context.
     pub fn to_builder(&self) -> RequestContextBuilder {
         RequestContextBuilder { ctx: self.clone() }
@@ -138,8 +147,24 @@ impl RequestContextBuilder {
                 api_key: None,
                 rule_set_id,
                 attributes: BTreeMap::new(),
+                max_wait: None,
             },
         }
+    }
+
+    /// The longest the caller waits for the decision: a rule that waits for the refill
+    /// (`on_limit.wait`) makes the request wait at most this long, and refuses it at once
+    /// when it would have to wait longer. A caller with a deadline (a gateway asking the
+    /// rate-limit service) sets it, so that a wait never outlasts its deadline.
+    pub fn max_wait(mut self, max_wait: Duration) -> Self {
+        self.ctx.max_wait = Some(max_wait);
+        self
+    }
+
+    /// Sets or clears [`max_wait`](Self::max_wait) in place.
+    pub fn set_max_wait(&mut self, max_wait: Option<Duration>) -> &mut Self {
+        self.ctx.max_wait = max_wait;
+        self
     }
 
     /// Sets the path: the request's raw path, as the router sees it. Rules match it and

@@ -391,7 +391,7 @@ impl Engine {
             return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
         }
         // Rules that wait for the refill, while they have waiters' places free.
-        let places = self.inner.waiters.admit(&mut request);
+        let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
         // Leases decide the requests of leased rules; one that may wait for the refill is

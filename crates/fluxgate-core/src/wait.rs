@@ -61,19 +61,24 @@ impl Waiters {
     }
 
     /// Lets `request` wait for each of its enforced buckets whose rule has a wait policy,
-    /// as long as the rule has a waiter's place free; returns the places taken (`None`
+    /// as long as the rule has a waiter's place free, and at most `cap` (the caller's
+    /// [`max_wait`](crate::RequestContext::max_wait)); returns the places taken (`None`
     /// when no rule of its rule set waits).
     #[inline]
-    pub(crate) fn admit(&self, request: &mut AcquireRequest) -> Option<Places> {
+    pub(crate) fn admit(&self, request: &mut AcquireRequest, cap: Option<Duration>) -> Option<Places> {
         // The common case, checked first and inline: nothing in the rule set waits.
         if self.default.is_none() && !request.rule_set().rules().iter().any(Rule::waits) {
             return None;
         }
-        Some(self.places(request))
+        Some(self.places(request, cap.unwrap_or(Duration::MAX)))
     }
 
     #[inline(never)]
-    fn places(&self, request: &mut AcquireRequest) -> Places {
+    fn places(&self, request: &mut AcquireRequest, cap: Duration) -> Places {
+        if cap.is_zero() {
+            // The caller cannot wait: no rule makes it.
+            return Places::default();
+        }
         let mut places = Places::default();
         let mut allowed: SmallVec<[(usize, Duration); 2]> = SmallVec::new();
         for (index, bucket) in request.buckets().enumerate() {
@@ -89,7 +94,7 @@ impl Waiters {
             };
             if count.fetch_add(1, Ordering::AcqRel) < policy.max_waiters() {
                 places.0.push(count);
-                allowed.push((index, policy.max_wait()));
+                allowed.push((index, policy.max_wait().min(cap)));
             } else {
                 count.fetch_sub(1, Ordering::AcqRel);
             }

@@ -18,14 +18,18 @@ use fluxgate_tower::RateLimitLayer;
 /// The service on a runtime of its own, so that stopping it closes every connection
 /// (kept-alive ones included): answers its address and what stops it.
 fn service() -> (SocketAddr, std::sync::mpsc::Sender<()>) {
-    let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let rules = dir.join("rules.yaml");
-    std::fs::write(
-        &rules,
+    service_with(
+        "per-ip",
         "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, bands: [{capacity: 2, window: 1h, label: hourly}]}]}]",
     )
-    .unwrap();
+}
+
+/// [`service`] deciding by `yaml`, its file named after `name`.
+fn service_with(name: &str, yaml: &str) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
+    let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.yaml");
+    std::fs::write(&rules, yaml).unwrap();
     let (ready, address) = std::sync::mpsc::channel();
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
@@ -87,6 +91,28 @@ async fn exchange(addr: SocketAddr, request: String) -> String {
     })
     .await
     .unwrap()
+}
+
+/// A request the service would make wait for the refill longer than the gateway's
+/// deadline is refused at once, rather than timed out and admitted early by `fail_open`
+/// while the service still held its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_at_the_service_never_outlasts_the_gateways_deadline() {
+    let (service_addr, _stop_service) = service_with(
+        "waits",
+        "rule_sets: [{id: default, rules: [{id: w, match: {paths: [\"/api/**\"]}, bands: [{capacity: 1, window: 2s}], \
+         on_limit: {wait: {max_wait: 2s, max_waiters: 10}}}]}]",
+    );
+    // A deadline of 500 ms: the service lets the request wait at most 375 ms.
+    let gateway = gateway(service_addr, FailurePolicy::FailOpen).await;
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    // The next would wait 2 s at the service.
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(
+        head.starts_with("http/1.1 429"),
+        "refused at once, not admitted early: {head}"
+    );
 }
 
 /// Requests whose values the service bounds (a long user id) are decided and counted like

@@ -211,7 +211,13 @@ impl RemoteHandlerBuilder {
 
 impl RateLimitHandler for RemoteHandler {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let body = match serde_json::to_vec(&CheckRequest::from_context(ctx)) {
+        // A wait for the refill at the service ends within the deadline: the answer then
+        // comes before the handler gives up, rather than a timeout that a failure policy
+        // would admit while the service still held the request's place.
+        let mut request = CheckRequest::from_context(ctx);
+        let ours = u64::try_from((self.timeout * 3 / 4).as_millis()).unwrap_or(u64::MAX);
+        request.max_wait_ms = Some(request.max_wait_ms.map_or(ours, |theirs| theirs.min(ours)));
+        let body = match serde_json::to_vec(&request) {
             Ok(body) => body,
             Err(e) => return MaybeReady::ready(Err(Error::Backend(Box::new(RemoteError::Http(e.to_string()))))),
         };
