@@ -46,6 +46,9 @@ async fn auth(mut req: Request, next: Next) -> Response {
 fn app() -> Router {
     let rules = RuleSets::from_yaml_str(RULES).expect("valid rules");
     let limiter = RateLimitLayer::builder(Engine::in_memory(rules))
+        // The user comes from `auth` alone: a client's own X-User-Id must not choose its
+        // counter (an unauthenticated request falls back to its address).
+        .no_user_header()
         .customizer(|ctx, parts| {
             if let Some(tenant) = parts.headers.get("x-tenant-id").and_then(|v| v.to_str().ok()) {
                 ctx.set_attribute("tenant", tenant);

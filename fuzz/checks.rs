@@ -725,13 +725,16 @@ fn reference_hops(headers: &HeaderMap, header: &str) -> Vec<Hop> {
         let text = String::from_utf8_lossy(value.as_bytes());
         for element in text.split(',') {
             if header == FORWARDED {
+                // An empty element is no hop; one without `for=` names no address, a hop
+                // that cannot be read.
+                if element.trim().is_empty() {
+                    continue;
+                }
                 let for_value = element.split(';').find_map(|pair| {
                     let (k, v) = pair.split_once('=')?;
                     k.trim().eq_ignore_ascii_case("for").then_some(v)
                 });
-                if let Some(v) = for_value {
-                    hops.push(read_hop(v.trim().trim_matches('"')));
-                }
+                hops.push(for_value.map_or(Hop::Garbage, |v| read_hop(v.trim().trim_matches('"'))));
             } else {
                 hops.push(read_hop(element.trim()));
             }

@@ -861,3 +861,41 @@ impl LayerService for RateLimitLayer {
         tower::Layer::layer(self, inner)
     }
 }
+
+/// The user header is the client's to write: of several instances, the last (a proxy that
+/// appends writes it) is read; with the header turned off, as when an authentication layer
+/// provides the user, a client's own `X-User-Id` chooses no counter and the rule falls back
+/// to the address.
+#[tokio::test]
+async fn a_forged_user_header_chooses_no_counter_when_the_header_is_off() {
+    const PER_USER: &str = "rule_sets: [{id: default, rules: [{id: per-user, scope: user, \
+        on_missing_key: fallback_ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let app_with = |on: bool| {
+        let builder = layer(engine(PER_USER));
+        app((if on { builder } else { builder.no_user_header() }).build().unwrap())
+    };
+    // The last instance decides: the forged first one is ignored.
+    let open = app_with(true);
+    let mut req = request("GET", "/api/users", "192.0.2.91", &[("x-user-id", "forged")]);
+    req.headers_mut().append("x-user-id", "alice".parse().unwrap());
+    assert_eq!(send(&open, req).await.num("x-ratelimit-remaining"), 1);
+    let req = request("GET", "/api/users", "192.0.2.92", &[("x-user-id", "alice")]);
+    assert_eq!(
+        send(&open, req).await.num("x-ratelimit-remaining"),
+        0,
+        "alice's counter"
+    );
+    // Turned off: ten forged ids are one client, its address.
+    let closed = app_with(false);
+    let mut admitted = 0;
+    for i in 0..10 {
+        let user = format!("forged-{i}");
+        let r = send(
+            &closed,
+            request("GET", "/api/users", "192.0.2.90", &[("x-user-id", &user)]),
+        )
+        .await;
+        admitted += usize::from(r.status == StatusCode::OK);
+    }
+    assert_eq!(admitted, 2, "ten forged X-User-Id values counted as one address");
+}

@@ -182,14 +182,18 @@ impl ClientIpResolver {
             let text = String::from_utf8_lossy(value.as_bytes());
             for element in text.split(',') {
                 if rfc7239 {
-                    // `for=` of each element; an element without one is not a hop.
+                    // `for=` of each element. An element without one (a proxy that writes
+                    // only `proto=` or `by=`) names no address: a hop that cannot be read,
+                    // so that nothing to its left (which the client may have written) is
+                    // believed. An empty element is no hop at all.
+                    if element.trim().is_empty() {
+                        continue;
+                    }
                     let for_value = element.split(';').find_map(|pair| {
                         let (k, v) = pair.split_once('=')?;
                         k.trim().eq_ignore_ascii_case("for").then_some(v)
                     });
-                    if let Some(v) = for_value {
-                        hops.push(parse_hop(v.trim().trim_matches('"')));
-                    }
+                    hops.push(for_value.and_then(|v| parse_hop(v.trim().trim_matches('"'))));
                 } else {
                     hops.push(parse_hop(element.trim()));
                 }
@@ -276,6 +280,21 @@ mod tests {
             resolver(&[]).resolve(&ext("10.0.0.1"), &headers(&[("x-forwarded-for", "1.2.3.4")])),
             Some("10.0.0.1".parse().unwrap())
         );
+    }
+
+    /// A `Forwarded` element without `for=` (written by a trusted proxy that names no
+    /// address) ends the walk: the client's own element to its left is not believed.
+    #[test]
+    fn a_forwarded_element_without_for_ends_the_walk() {
+        let r = with_header(&["10.0.0.0/8"], "forwarded");
+        let h = headers(&[
+            ("forwarded", "for=198.51.100.77"),
+            ("forwarded", "proto=https;by=10.0.0.1"),
+        ]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.1".parse().unwrap()));
+        // An empty element is no hop: the walk goes on past it.
+        let h = headers(&[("forwarded", "for=198.51.100.77, , for=10.0.0.2")]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.77".parse().unwrap()));
     }
 
     #[test]

@@ -100,7 +100,13 @@ impl Config {
         headers: &HeaderMap,
         extensions: &Extensions,
     ) {
-        let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| headers.get(n)).map(header_text);
+        // The last instance of the header: a proxy that appends its own value to a
+        // client's puts it after the client's.
+        let header = |name: &Option<http::HeaderName>| {
+            name.as_ref()
+                .and_then(|n| headers.get_all(n).iter().next_back())
+                .map(header_text)
+        };
         let user = extensions
             .get::<UserId>()
             .map(|u| u.0.clone())

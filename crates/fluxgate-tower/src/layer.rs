@@ -177,7 +177,14 @@ impl RateLimitLayerBuilder {
     }
 
     /// The header carrying the user id. Default `X-User-Id`. A [`UserId`](crate::UserId)
-    /// extension wins over it.
+    /// extension wins over it; of several instances of the header, the last is read.
+    ///
+    /// A client can send any value in it: a rule keyed by the user counts what the client
+    /// claims, one counter per claimed id. Read it only behind a gateway that sets it for
+    /// every request; when an authentication layer provides the [`UserId`](crate::UserId),
+    /// turn the header off ([`no_user_header`](Self::no_user_header)), so that an
+    /// unauthenticated request falls back as the rule says (`on_missing_key`) instead of
+    /// choosing its own counter.
     pub fn user_header(mut self, name: impl Into<String>) -> Self {
         self.user_header = Some(name.into());
         self
@@ -190,7 +197,9 @@ impl RateLimitLayerBuilder {
     }
 
     /// The header carrying the API key. Default `X-API-Key`. An [`ApiKey`](crate::ApiKey)
-    /// extension wins over it.
+    /// extension wins over it; of several instances of the header, the last is read. As
+    /// with [`user_header`](Self::user_header), a client chooses its value: a rule keyed
+    /// by it counts per key the client sends, checked or not.
     pub fn api_key_header(mut self, name: impl Into<String>) -> Self {
         self.api_key_header = Some(name.into());
         self
