@@ -122,6 +122,23 @@ async fn head_requests_are_limited_by_get_rules() {
     assert_eq!(r.header("x-ratelimit-limit"), None);
 }
 
+/// A WebSocket route is an `any` route in axum (a handshake over HTTP/2 is a `CONNECT`,
+/// RFC 8441): a `GET` rule on it limits the `CONNECT` handshake too.
+#[tokio::test]
+async fn a_get_rule_on_an_any_route_limits_connect() {
+    let rules = "rule_sets: [{id: default, rules: [{id: ws, match: {paths: [\"/ws\"], methods: [GET]}, \
+        bands: [{capacity: 1, window: 1h}]}]}]";
+    let app = axum::Router::new()
+        .route("/ws", axum::routing::any(|| async { "ws" }))
+        .layer(layer(engine(rules)).build().unwrap());
+    assert_eq!(
+        send(&app, request("GET", "/ws", "192.0.2.70", &[])).await.status,
+        StatusCode::OK
+    );
+    let r = send(&app, request("CONNECT", "/ws", "192.0.2.70", &[])).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "CONNECT escaped the GET rule");
+}
+
 /// axum routes the raw path: `/api/../login` and its kin reach `/api/{version}/login`
 /// with `version` set to `..`, `.` or the empty string. The rule `/api/*/login` applies
 /// to each of them, though their normalized paths (`/login`, `/api/login`) do not match it.

@@ -43,6 +43,9 @@ pub const MAX_VALUE: usize = 1024;
 /// The most attributes accepted in one request.
 pub const MAX_ATTRIBUTES: usize = 64;
 
+/// The longest `maxWaitMs` accepted: a day.
+pub const MAX_WAIT_MS: u64 = 86_400_000;
+
 /// One request to decide.
 ///
 /// Read from a JSON object only (not from an array of fields by position); fields it does
@@ -94,8 +97,9 @@ pub struct CheckRequest {
     /// (`on_limit.wait`) makes the request wait at most this long before the answer, and
     /// refuses it at once when it would have to wait longer. A caller with a deadline sends
     /// it, so that the service never answers after the caller gave up (`RemoteHandler`
-    /// sends three quarters of its own). No bound when absent.
+    /// sends three quarters of its own). No bound when absent; at most [`MAX_WAIT_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 86_400_000))]
     pub max_wait_ms: Option<u64>,
 }
 
@@ -119,8 +123,9 @@ struct CheckRequestFields {
     attributes: Option<BTreeMap<String, String>>,
     #[serde(default)]
     permits: Option<u64>,
+    /// A JSON number: a whole one, written as an integer or not (`52400.0`).
     #[serde(default)]
-    max_wait_ms: Option<u64>,
+    max_wait_ms: Option<f64>,
 }
 
 impl<'de> Deserialize<'de> for CheckRequest {
@@ -144,7 +149,18 @@ impl<'de> Deserialize<'de> for CheckRequest {
                     method: fields.method,
                     attributes: fields.attributes.unwrap_or_default(),
                     permits: fields.permits,
-                    max_wait_ms: fields.max_wait_ms,
+                    max_wait_ms: match fields.max_wait_ms {
+                        None => None,
+                        Some(ms) if ms.is_finite() && ms >= 0.0 && ms.fract() == 0.0 && ms <= MAX_WAIT_MS as f64 => {
+                            // Whole and within the bound: exact as an integer.
+                            Some(ms as u64)
+                        }
+                        Some(ms) => {
+                            return Err(serde::de::Error::custom(format_args!(
+                                "maxWaitMs: {ms} is not a whole number of ms from 0 to {MAX_WAIT_MS}"
+                            )))
+                        }
+                    },
                 })
             }
         }
@@ -365,7 +381,7 @@ impl CheckRequest {
             permits: None,
             max_wait_ms: ctx
                 .max_wait()
-                .map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX)),
+                .map(|wait| u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).min(MAX_WAIT_MS)),
         }
     }
 
@@ -386,6 +402,9 @@ impl CheckRequest {
             ));
         }
         let mut builder = RequestContext::builder();
+        if self.max_wait_ms.is_some_and(|ms| ms > MAX_WAIT_MS) {
+            return Err(ApiError::field("maxWaitMs", format!("more than {MAX_WAIT_MS} ms")));
+        }
         builder.set_max_wait(self.max_wait_ms.map(Duration::from_millis));
         let rule_set = self.rule_set_id.as_deref().unwrap_or(DEFAULT_RULE_SET);
         check_id(rule_set).map_err(|e| ApiError::field("ruleSetId", e.to_string()))?;
@@ -580,6 +599,21 @@ fn millis_up(duration: Duration) -> u64 {
 mod tests {
     use super::*;
     use crate::{Engine, RuleSets};
+
+    /// `maxWaitMs`: a whole number of ms, written as an integer or not, up to a day.
+    #[test]
+    fn max_wait_is_a_whole_number_of_ms_up_to_a_day() {
+        let read = |json: &str| serde_json::from_str::<CheckRequest>(json).map(|r| r.max_wait_ms);
+        assert_eq!(read(r#"{"maxWaitMs": 52400}"#).unwrap(), Some(52_400));
+        assert_eq!(read(r#"{"maxWaitMs": 52400.0}"#).unwrap(), Some(52_400));
+        assert_eq!(read(r#"{}"#).unwrap(), None);
+        for bad in ["1.5", "-1", "86400001", "9223372036854775808", "\"5\""] {
+            assert!(read(&format!(r#"{{"maxWaitMs": {bad}}}"#)).is_err(), "{bad}");
+        }
+        let ctx = CheckRequest::from_context(&RequestContext::builder().max_wait(Duration::from_millis(75)).build());
+        assert_eq!(ctx.max_wait_ms, Some(75));
+        assert_eq!(ctx.to_context().unwrap().max_wait(), Some(Duration::from_millis(75)));
+    }
 
     /// Every request a layer sees can be described to the service: a gateway would
     /// otherwise have no decision for it (and must not admit it uncounted).

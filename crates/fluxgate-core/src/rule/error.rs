@@ -134,13 +134,22 @@ pub enum MatchError {
         /// The method as given.
         method: String,
     },
+    /// A method meant as every method (`*`, `ANY`, `ALL`): as a token it would match none,
+    /// and the rule would apply to no request.
+    #[error("`{method}` names no method (the rule would apply to none): leave `methods` out to match every method")]
+    Wildcard {
+        /// Its position in `match.methods`.
+        index: usize,
+        /// The method as given.
+        method: String,
+    },
 }
 
 impl MatchError {
     fn field(&self) -> Cow<'static, str> {
         match self {
             Self::Path { index, .. } => format!("match.paths[{index}]").into(),
-            Self::Method { index, .. } => format!("match.methods[{index}]").into(),
+            Self::Method { index, .. } | Self::Wildcard { index, .. } => format!("match.methods[{index}]").into(),
         }
     }
 }

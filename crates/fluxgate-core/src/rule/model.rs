@@ -404,11 +404,15 @@ impl Rule {
     }
 
     /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
-    /// because routers (axum among them) run `GET` handlers for `HEAD` requests.
+    /// because routers (axum among them) run `GET` handlers for `HEAD` requests; and so is
+    /// `CONNECT`, because a WebSocket handshake over HTTP/2 is a `CONNECT` (RFC 8441) that
+    /// axum's `any` routes run the handler of a handshake over HTTP/1.1, a `GET`, for. A
+    /// `CONNECT` to a `GET`-only route is refused by the router: counting it only counts
+    /// more, never less.
     pub fn matches_method(&self, method: &Method) -> bool {
         self.methods.is_empty()
             || self.methods.contains(method)
-            || (*method == Method::HEAD && self.methods.contains(&Method::GET))
+            || ((*method == Method::HEAD || *method == Method::CONNECT) && self.methods.contains(&Method::GET))
     }
 
     /// Whether the rule names path patterns (without, it applies to every path).

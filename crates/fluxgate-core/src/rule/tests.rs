@@ -93,6 +93,25 @@ fn errors_carry_the_typed_problem_at_its_field() {
             })
         )
     );
+    // Every method meant, no method matched: refused with the way to say it.
+    type Edit = fn(&mut RuleSpec);
+    let wildcards: [(&str, Edit); 3] = [
+        ("*", |s| s.matcher.methods = vec!["GET".into(), "*".into()]),
+        ("any", |s| s.matcher.methods = vec!["GET".into(), "any".into()]),
+        ("ALL", |s| s.matcher.methods = vec!["GET".into(), "ALL".into()]),
+    ];
+    for (wildcard, edit) in wildcards {
+        let (field, problem) = invalid(one(), edit);
+        assert_eq!(field, "match.methods[1]");
+        assert_eq!(
+            problem,
+            Problem::Match(MatchError::Wildcard {
+                index: 1,
+                method: wildcard.into()
+            })
+        );
+        assert!(problem.to_string().contains("leave `methods` out"), "{problem}");
+    }
     assert_eq!(
         invalid(one(), |s| {
             s.scope = ScopeKind::Composite;

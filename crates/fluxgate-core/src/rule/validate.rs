@@ -207,6 +207,12 @@ fn matcher(spec: &MatchSpec) -> Result<(Vec<PathPattern>, Vec<Method>), MatchErr
         .enumerate()
         .map(|(index, m)| {
             let upper = m.to_ascii_uppercase();
+            if matches!(upper.trim(), "*" | "ANY" | "ALL") {
+                return Err(MatchError::Wildcard {
+                    index,
+                    method: m.clone(),
+                });
+            }
             Method::from_str(&upper)
                 .ok()
                 .filter(|_| !upper.is_empty())
