@@ -250,6 +250,12 @@ pub struct CheckResponse {
     /// The first rule in shadow mode that would have rejected the request.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shadow_rejected_by: Option<String>,
+    /// In a batch's results only: why this request could not be decided (the backend
+    /// failed and no failure policy of its rules covered it); `allowed` is then false,
+    /// `outcome` is `error`, and the caller's own failure policy decides the request, as
+    /// after a single call's `503`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// One band of a [`CheckResponse`].
@@ -515,6 +521,19 @@ impl CheckResponse {
             rule: decision.rule().map(|rule| rule.to_string()),
             rule_set_id: decision.rule_set.to_string(),
             degraded: decision.degraded,
+            error: None,
+        }
+    }
+
+    /// A batch's result for a request of the rule set `rule_set_id` that could not be
+    /// decided: `error` says why (see [`CheckResponse::error`]).
+    pub fn failed(rule_set_id: &str, error: impl Into<String>) -> Self {
+        Self {
+            allowed: false,
+            rule_set_id: rule_set_id.to_owned(),
+            outcome: "error".to_owned(),
+            error: Some(error.into()),
+            ..Self::default()
         }
     }
 }

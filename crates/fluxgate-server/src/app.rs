@@ -158,10 +158,9 @@ pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     path = "/api/ratelimit/check/batch",
     request_body = BatchCheckRequest,
     responses(
-        (status = 200, description = "One decision per request, in order", body = BatchCheckResponse),
+        (status = 200, description = "One result per request, in order: its decision, or the error that kept it from one (`error`)", body = BatchCheckResponse),
         (status = 400, description = "A request of the batch is invalid (the field names it), or the batch is too large", body = ApiError),
         (status = 413, description = "The body is larger than the limit"),
-        (status = 503, description = "The backend is unavailable", body = ApiError),
     ),
     tag = "check"
 )]
@@ -190,13 +189,19 @@ pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let decisions = futures_util::future::join_all(contexts.iter().map(|ctx| state.engine.check(ctx))).await;
+    // Each request's own result: a failure of one takes none of the others' decisions
+    // (made, and their permits taken) from the caller.
     let results = decisions
         .iter()
-        .map(|decision| match decision {
-            Ok(decision) => Ok(CheckResponse::from_decision(decision)),
-            Err(error) => Err(engine_failure(error)),
+        .zip(&contexts)
+        .map(|(decision, ctx)| match decision {
+            Ok(decision) => CheckResponse::from_decision(decision),
+            Err(error) => {
+                let Failure(_, answer) = engine_failure(error);
+                CheckResponse::failed(ctx.rule_set_id(), answer.error)
+            }
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
     Ok(Json(BatchCheckResponse::new(results)).into_response())
 }
 

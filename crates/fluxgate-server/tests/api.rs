@@ -199,6 +199,36 @@ async fn a_batch_agrees_with_single_calls() {
     );
 }
 
+/// A request of a batch that cannot be decided (its key holds a list in Redis, and its rule
+/// names no failure policy) is an error of its own: the others' decisions, made and
+/// counted, reach the caller, the rejection among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_a_batch_that_fails_takes_none_of_the_others_decisions() {
+    let rules = rule_file("batch-errors");
+    let redis = RedisServer::start();
+    let (addr, _task) = serve(config(&["--rules", rules.to_str().unwrap(), "--redis", &redis.url()])).await;
+    redis.cli(&["RPUSH", "fluxgate:{api:orders:ip=192.0.2.9}", "not a bucket"]);
+    let request = |ip: &str| json!({"ruleSetId": "api", "clientIp": ip, "path": "/orders/1"});
+    let requests: Vec<Value> = std::iter::once(request("192.0.2.9"))
+        .chain((0..4).map(|_| request("192.0.2.8")))
+        .collect();
+    let batch = json!({ "requests": requests });
+    let answer = blocking(move || post(addr, "/api/ratelimit/check/batch", &batch)).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let results = answer.json()["results"].as_array().unwrap().clone();
+    assert_eq!(results.len(), 5);
+    assert_eq!(results[0]["allowed"], false);
+    assert_eq!(results[0]["outcome"], "error");
+    assert!(
+        results[0]["error"].as_str().unwrap().contains("WRONGTYPE"),
+        "{}",
+        results[0]
+    );
+    let allowed = results[1..].iter().filter(|r| r["allowed"] == true).count();
+    assert_eq!(allowed, 3, "the capacity of 3, then the rejection: {results:?}");
+    assert!(results[1..].iter().all(|r| r.get("error").is_none()));
+}
+
 /// With `[limiter.batching]`, the requests of a batch sent to the service go to Redis in a
 /// few script calls instead of one each, and are decided as single calls are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
