@@ -468,3 +468,67 @@ fn a_change_event_round_trips_through_its_json() {
     let change = RuleChange::rule_set("api").with_source("admin").with_new_event_id();
     assert_eq!(RuleChange::parse(&change.to_json()).expect("parse"), change);
 }
+
+/// A rule source whose next `failures` loads fail (a store that times out), then the store.
+#[derive(Debug)]
+struct Flaky {
+    store: Arc<RedisRuleSetStore>,
+    failures: std::sync::atomic::AtomicU32,
+}
+
+impl fluxgate::core::reload::RuleSource for Flaky {
+    fn load(&self) -> fluxgate::core::BoxFuture<Result<fluxgate::core::RuleSets, fluxgate::core::BoxError>> {
+        use std::sync::atomic::Ordering;
+        let fail = self
+            .failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if fail {
+            return Box::pin(async { Err("the rule store did not answer in time".into()) });
+        }
+        let store = self.store.clone();
+        Box::pin(async move { store.load_rule_sets().await.map_err(Into::into) })
+    }
+}
+
+/// A reload that fails when a change arrives is tried again until it succeeds: the instance
+/// does not stay on the rules it had (here a limit of 100 where the change made it 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_that_fails_is_tried_again() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("retry", 100)).await.expect("put");
+    let provider = Arc::new(ReloadingRuleSetProvider::new(
+        store.load_rule_sets().await.expect("load"),
+    ));
+    let source = Arc::new(Flaky {
+        store: store.clone(),
+        failures: std::sync::atomic::AtomicU32::new(3),
+    });
+    let _listener = RuleChangeListener::builder(provider.clone(), source)
+        .subscribe(&url)
+        .await
+        .expect("subscribe");
+    RuleAdmin::new((*store).clone())
+        .put(&spec("retry", 1))
+        .await
+        .expect("put");
+    let capacity = || {
+        provider
+            .rule_sets()
+            .get("retry")
+            .map(|set| set.rules()[0].bands()[0].capacity())
+    };
+    // Three failures: tries after about 100, 200 and 400 ms, the fourth load succeeds.
+    let took = until(
+        Duration::from_secs(10),
+        "the tightened limit reaches the instance",
+        || capacity() == Some(1),
+    )
+    .await;
+    assert!(
+        took >= Duration::from_millis(300),
+        "tried again after waits, not at once: {took:?}"
+    );
+}

@@ -280,6 +280,55 @@ struct Listen {
     on_event: Option<OnEvent>,
 }
 
+/// The first wait before a failed reload or subscription is tried again.
+const RETRY_FIRST: Duration = Duration::from_millis(100);
+/// The longest wait between two tries.
+const RETRY_MOST: Duration = Duration::from_secs(5);
+
+/// What the listener tries again: the reload (when the last one failed) and the
+/// subscription (when it was lost), with the wait before the next try.
+struct Retry {
+    at: Option<tokio::time::Instant>,
+    wait: Duration,
+    subscribed: bool,
+}
+
+impl Default for Retry {
+    fn default() -> Self {
+        Self {
+            at: None,
+            wait: RETRY_FIRST,
+            subscribed: true,
+        }
+    }
+}
+
+impl Retry {
+    /// When to try again, if anything is to be tried.
+    fn due(&self) -> Option<tokio::time::Instant> {
+        self.at
+    }
+
+    /// After a reload that succeeded or not: nothing more to try once the rules are
+    /// reloaded and the channel subscribed; otherwise the next try, waiting longer.
+    fn after(&mut self, reloaded: bool) {
+        if reloaded && self.subscribed {
+            *self = Self::default();
+        } else {
+            self.at = Some(tokio::time::Instant::now() + self.wait);
+            self.wait = (self.wait * 2).min(RETRY_MOST);
+        }
+    }
+}
+
+/// Sleeps until `due`; never ends without one.
+async fn sleep_until_due(due: Option<tokio::time::Instant>) {
+    match due {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 impl Listen {
     fn notify(&self, change: &RuleChange) {
         if let Some(callback) = &self.on_event {
@@ -295,57 +344,74 @@ impl Listen {
         mut messages: tokio::sync::broadcast::Receiver<fred::types::Message>,
         mut reconnects: tokio::sync::broadcast::Receiver<fred::types::config::Server>,
     ) {
+        // A reload or a subscription that failed is tried again, after RETRY_FIRST, then
+        // twice as long each time up to RETRY_MOST, until it succeeds: the instance never
+        // stays on the rules it had when a change reached it, nor deaf to the next ones.
+        let mut retry = Retry::default();
         loop {
-            tokio::select! {
+            let due = retry.due();
+            let outcome = tokio::select! {
                 message = messages.recv() => match message {
                     Ok(message) if *message.channel == *self.channel => {
                         let bytes = message.value.as_bytes().map(<[u8]>::to_vec);
-                        if !self.event(bytes.as_deref()).await {
-                            return;
-                        }
+                        self.event(bytes.as_deref()).await
                     }
-                    Ok(_) => {}
+                    Ok(_) => continue,
                     Err(RecvError::Lagged(missed)) => {
                         tracing::warn!(missed, channel = %self.channel, "rule change events dropped: reloading everything");
-                        if !self.resync().await {
-                            return;
-                        }
+                        self.resync().await.map(Some)
                     }
                     Err(RecvError::Closed) => return,
                 },
                 reconnect = reconnects.recv() => match reconnect {
                     Ok(_) | Err(RecvError::Lagged(_)) => {
                         // A new connection holds no subscription.
-                        if let Err(error) = self.client.subscribe(self.channel.as_str()).await {
-                            tracing::warn!(%error, channel = %self.channel, "cannot subscribe again to the rule change channel");
-                        }
+                        retry.subscribed = self.subscribe().await;
                         tracing::info!(channel = %self.channel, "rule change listener reconnected: reloading everything");
-                        if !self.resync().await {
-                            return;
-                        }
+                        self.resync().await.map(Some)
                     }
                     Err(RecvError::Closed) => return,
                 },
+                () = sleep_until_due(due) => {
+                    if !retry.subscribed {
+                        retry.subscribed = self.subscribe().await;
+                    }
+                    tracing::info!(channel = %self.channel, "trying the rule reload again");
+                    self.resync().await.map(Some)
+                }
+            };
+            match outcome {
+                None => return,
+                Some(None) => {}
+                Some(Some(reloaded)) => retry.after(reloaded),
             }
         }
     }
 
-    /// Reloads every rule set; answers whether the provider is still there.
-    async fn resync(&self) -> bool {
-        let Some(provider) = self.provider.upgrade() else {
-            return false;
-        };
-        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
-        let _ = self.reload(&provider).await;
-        self.notify(&RuleChange::everything());
-        true
+    /// Subscribes to the channel again; answers whether it did.
+    async fn subscribe(&self) -> bool {
+        match self.client.subscribe(self.channel.as_str()).await {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, channel = %self.channel, "cannot subscribe again to the rule change channel: trying again");
+                false
+            }
+        }
     }
 
-    /// Handles one message; answers whether the provider is still there.
-    async fn event(&self, bytes: Option<&[u8]>) -> bool {
-        let Some(provider) = self.provider.upgrade() else {
-            return false;
-        };
+    /// Reloads every rule set; answers whether it did (`None` when the provider is gone).
+    async fn resync(&self) -> Option<bool> {
+        let provider = self.provider.upgrade()?;
+        self.stats.resyncs.fetch_add(1, Ordering::Relaxed);
+        let reloaded = self.reload(&provider).await;
+        self.notify(&RuleChange::everything());
+        Some(reloaded)
+    }
+
+    /// Handles one message; answers whether the rules were reloaded (`Some(None)` for a
+    /// message that reloads nothing, `None` when the provider is gone).
+    async fn event(&self, bytes: Option<&[u8]>) -> Option<Option<bool>> {
+        let provider = self.provider.upgrade()?;
         let parsed = match bytes {
             Some(bytes) => RuleChange::parse_bytes(bytes),
             None => Err(crate::changes::ChangeError::NotText),
@@ -355,18 +421,18 @@ impl Listen {
             Err(error) => {
                 self.stats.invalid.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(%error, channel = %self.channel, "rule change message ignored");
-                return true;
+                return Some(None);
             }
         };
         tracing::info!(%change, "rule change event");
-        let _ = self.reload(&provider).await;
+        let reloaded = self.reload(&provider).await;
         if change.reset_buckets {
             let message = bytes.map(String::from_utf8_lossy).unwrap_or_default();
             self.reset(&provider, &change, &message).await;
         }
         self.stats.events.fetch_add(1, Ordering::Relaxed);
         self.notify(&change);
-        true
+        Some(Some(reloaded))
     }
 
     /// Reloads the provider from the source; a failure (a panic of the source included)
