@@ -417,6 +417,10 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
                 check(&set)?;
             }
         }
+        // The rule sets a failed lookup would serve are held to the same check.
+        for (_, set) in &self.last {
+            check(&set)?;
+        }
         // Rule sets loaded from now on are checked before they are cached.
         self.checks.push(&check);
         Ok(())
