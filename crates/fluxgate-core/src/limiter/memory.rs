@@ -76,7 +76,7 @@ struct Padded(Mutex<Shard>);
 
 struct Shard {
     /// Token and leaky buckets: one instant each.
-    gcra: Map<Tat>,
+    gcra: Map<Kept>,
     /// Fixed windows, sliding window counters and logs.
     windows: Map<Slot>,
     next_sweep: usize,
@@ -84,8 +84,71 @@ struct Shard {
 
 /// A window-based band's state and the instant after which it counts nothing.
 struct Slot {
+    /// That instant, rounded up to a multiple of 64 ns, with its band's window class
+    /// ([`class_of`]) in the low 6 bits: no byte more per key, and the state kept at most
+    /// 127 ns longer.
     idle_after: u64,
     state: State,
+}
+
+impl Slot {
+    /// The instant after which the state counts nothing (a few ns late at most).
+    fn idle(&self) -> u64 {
+        self.idle_after & !63
+    }
+
+    fn class(&self) -> u8 {
+        (self.idle_after & 63) as u8
+    }
+
+    /// Keeps the state until `idle` (rounded up), for a band of window class `class`.
+    fn set_idle(&mut self, idle: u64, class: u8) {
+        self.idle_after = (idle.saturating_add(63) & !63) | u64::from(class & 63);
+    }
+}
+
+/// The top byte of a kept instant's remainder holds its band's window class.
+const CLASS_SHIFT: u32 = 56;
+const FRAC_MASK: u64 = (1 << CLASS_SHIFT) - 1;
+
+/// A band's window class, for eviction: the window's length in ns, rounded down to a power
+/// of two, as that power.
+fn class_of(band: &Band) -> u8 {
+    // Below 64: a window's nanoseconds fit in 64 bits.
+    (63 - window_nanos(band).max(1).leading_zeros()) as u8
+}
+
+/// A token or leaky bucket's instant as the table keeps it: its remainder is below the
+/// band's capacity (at most 2^40), so the remainder's top byte holds the band's window
+/// class, which eviction reads, at no cost in memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Kept(Tat);
+
+impl Kept {
+    fn new(tat: Tat, band: &Band) -> Self {
+        Self(Tat {
+            nanos: tat.nanos,
+            frac: (tat.frac & FRAC_MASK) | (u64::from(class_of(band)) << CLASS_SHIFT),
+        })
+    }
+
+    fn tat(self) -> Tat {
+        Tat {
+            nanos: self.0.nanos,
+            frac: self.0.frac & FRAC_MASK,
+        }
+    }
+
+    fn class(self) -> u8 {
+        (self.0.frac >> CLASS_SHIFT) as u8
+    }
+}
+
+/// How much of its window a state still has to refill (or to count) at `now`, in 2^-20
+/// of the window's class: what evicting it gives back, as a share of its limit.
+fn share_ahead(until: u64, now: u64, class: u8) -> u64 {
+    let ahead = u128::from(until.saturating_sub(now)) << 20;
+    u64::try_from(ahead >> class).unwrap_or(u64::MAX)
 }
 
 enum State {
@@ -96,27 +159,33 @@ enum State {
 
 /// A stored state that becomes the same as no state once time has passed.
 trait Stored {
-    /// The instant from which the state counts nothing.
-    fn horizon(&self) -> u64;
+    /// What evicting the state at `now` gives back, as a share of its band's window: its
+    /// time until it counts nothing, divided by its window (see [`share_ahead`]). Comparing
+    /// times alone across windows would evict an exhausted one-minute bucket (a minute
+    /// from full) before a daily one that counted one request (86 s from full).
+    fn share_ahead(&self, now: u64) -> u64;
     /// Whether the state can be forgotten at `now`.
     fn idle_at(&self, now: u64) -> bool;
 }
 
-impl Stored for Tat {
-    fn horizon(&self) -> u64 {
-        self.nanos
+impl Stored for Kept {
+    fn share_ahead(&self, now: u64) -> u64 {
+        if self.idle_at(now) {
+            return 0;
+        }
+        share_ahead(self.0.nanos, now, self.class())
     }
     fn idle_at(&self, now: u64) -> bool {
-        self.is_full_at(now)
+        self.tat().is_full_at(now)
     }
 }
 
 impl Stored for Slot {
-    fn horizon(&self) -> u64 {
-        self.idle_after
+    fn share_ahead(&self, now: u64) -> u64 {
+        share_ahead(self.idle(), now, self.class())
     }
     fn idle_at(&self, now: u64) -> bool {
-        self.idle_after <= now
+        self.idle() <= now
     }
 }
 
@@ -140,8 +209,8 @@ impl Shard {
             let target = (max - max / 8).min(max.saturating_sub(1));
             let excess = self.len().saturating_sub(target);
             let from_gcra = (excess * self.gcra.len()).div_ceil(self.len().max(1));
-            evict_nearest_full(&mut self.gcra, from_gcra);
-            evict_nearest_full(&mut self.windows, excess - from_gcra);
+            evict_nearest_full(&mut self.gcra, from_gcra, now);
+            evict_nearest_full(&mut self.windows, excess - from_gcra, now);
         }
         self.next_sweep = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
     }
@@ -365,7 +434,7 @@ type Guards<'a> = SmallVec<[MutexGuard<'a, Shard>; 4]>;
 struct Written {
     guard: usize,
     key: u128,
-    old: Option<Tat>,
+    old: Option<Kept>,
     shadow: bool,
     report: usize,
     remaining_now: u64,
@@ -503,7 +572,7 @@ impl MemoryLimiter {
                 let key = hash.band(band);
                 let stored = shard.gcra.get_mut(&key);
                 let old = stored.as_deref().copied();
-                let e = evaluate_instant(old, &b, band, now);
+                let e = evaluate_instant(old.map(Kept::tat), &b, band, now);
                 if shadow {
                     shadow_allowed &= e.allowed;
                 } else {
@@ -511,11 +580,12 @@ impl MemoryLimiter {
                 }
                 bands.push(report(&b, band, now, &e, true));
                 if e.allowed {
+                    let next = Kept::new(e.next, band);
                     match stored {
-                        Some(t) => *t = e.next,
+                        Some(t) => *t = next,
                         None => {
                             shard.make_room(now, max);
-                            shard.gcra.insert(key, e.next);
+                            shard.gcra.insert(key, next);
                         }
                     }
                     written.push(Written {
@@ -627,13 +697,14 @@ impl MemoryLimiter {
             let stored = shard.gcra.get_mut(&key);
             let now = self.inner.clock.now_nanos();
             let bands = Bands::with_capacity(1);
-            let e = evaluate_instant(stored.as_deref().copied(), bucket, band, now);
+            let e = evaluate_instant(stored.as_deref().copied().map(Kept::tat), bucket, band, now);
             if e.allowed {
+                let next = Kept::new(e.next, band);
                 match stored {
-                    Some(slot) => *slot = e.next,
+                    Some(slot) => *slot = next,
                     None => {
                         shard.make_room(now, self.inner.max_per_shard);
-                        shard.gcra.insert(key, e.next);
+                        shard.gcra.insert(key, next);
                     }
                 }
             }
@@ -766,8 +837,8 @@ impl MemoryLimiter {
                 let (capacity, window, permits) = (band.capacity(), window_nanos(band), b.permits);
                 if let Some(t) = shard.gcra.get_mut(&key) {
                     // A place taken after this one was counted behind it: this one stays.
-                    if expected.is_none_or(|expected| expected == mark(Next::Tat(*t))) {
-                        *t = token_bucket::give_back(*t, capacity, window, permits);
+                    if expected.is_none_or(|expected| expected == mark(Next::Tat(t.tat()))) {
+                        *t = Kept::new(token_bucket::give_back(t.tat(), capacity, window, permits), band);
                     }
                 } else if let Some(slot) = shard.windows.get_mut(&key) {
                     match &mut slot.state {
@@ -785,6 +856,7 @@ impl MemoryLimiter {
         let max = self.inner.max_per_shard;
         let window = window_nanos(band);
         if let Next::Tat(tat) = next {
+            let tat = Kept::new(tat, band);
             if let Some(slot) = shard.gcra.get_mut(&key) {
                 *slot = tat;
             } else {
@@ -796,26 +868,24 @@ impl MemoryLimiter {
         if !shard.windows.contains_key(&key) {
             shard.make_room(now, max);
         }
+        let class = class_of(band);
         let slot = shard.windows.entry(key).or_insert_with(|| Slot {
             idle_after: 0,
             state: State::Fixed(Window::default()),
         });
         match next {
             Next::Fixed(w) => {
-                *slot = Slot {
-                    // Reservations in the next window keep the state until it ends.
-                    idle_after: w.end.saturating_add(if w.next > 0 { window } else { 0 }),
-                    state: State::Fixed(w),
-                }
+                // Reservations in the next window keep the state until it ends.
+                slot.set_idle(w.end.saturating_add(if w.next > 0 { window } else { 0 }), class);
+                slot.state = State::Fixed(w);
             }
             Next::Counter(c) => {
-                *slot = Slot {
-                    idle_after: c
-                        .end
-                        .saturating_add(window)
-                        .saturating_add(if c.next > 0 { window } else { 0 }),
-                    state: State::Counter(c),
-                }
+                let idle = c
+                    .end
+                    .saturating_add(window)
+                    .saturating_add(if c.next > 0 { window } else { 0 });
+                slot.set_idle(idle, class);
+                slot.state = State::Counter(c);
             }
             Next::Log | Next::LogAt(_) => {
                 let at = match next {
@@ -828,7 +898,7 @@ impl MemoryLimiter {
                 if let State::Log(log) = &mut slot.state {
                     log.record(now, at, window, permits);
                 }
-                slot.idle_after = slot.idle_after.max(at.saturating_add(window));
+                slot.set_idle(slot.idle().max(at.saturating_add(window)), class);
             }
             Next::Tat(_) => {}
         }
@@ -866,7 +936,7 @@ fn reserve(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64,
             // (the instant moves on by its cost, and back by it if the waiter is dropped).
             // Before `at`, the instant would have to jump to `at`, refusing everyone
             // until then: such a band does not let the request wait.
-            let state = shard.gcra.get(&key).copied();
+            let state = shard.gcra.get(&key).copied().map(Kept::tat);
             if state.is_none_or(|t| t.nanos < at) {
                 return None;
             }
@@ -937,7 +1007,7 @@ fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64
     let state = || shard.windows.get(&key).map(|s| &s.state);
     match bucket.rule.algorithm() {
         Algorithm::TokenBucket | Algorithm::LeakyBucket => map(
-            evaluate_instant(shard.gcra.get(&key).copied(), bucket, band, now),
+            evaluate_instant(shard.gcra.get(&key).copied().map(Kept::tat), bucket, band, now),
             Next::Tat,
         ),
         Algorithm::FixedWindow => {
@@ -983,18 +1053,19 @@ fn report<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>, committed:
     bucket.report(band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
-/// Drops the `count` states closest to being forgotten anyway.
-fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize) {
+/// Drops the `count` states that give back the least of their limits: the smallest share
+/// of their windows still ahead at `now` ([`Stored::share_ahead`]).
+fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize, now: u64) {
     if count == 0 || map.is_empty() {
         return;
     }
     let drop_count = count.min(map.len());
-    let mut horizons: Vec<u64> = map.values().map(Stored::horizon).collect();
-    let (_, cut, _) = horizons.select_nth_unstable(drop_count - 1);
+    let mut shares: Vec<u64> = map.values().map(|v| v.share_ahead(now)).collect();
+    let (_, cut, _) = shares.select_nth_unstable(drop_count - 1);
     let cut = *cut;
     let mut dropped = 0;
     map.retain(|_, v| {
-        if dropped < drop_count && v.horizon() <= cut {
+        if dropped < drop_count && v.share_ahead(now) <= cut {
             dropped += 1;
             false
         } else {
@@ -1113,6 +1184,49 @@ mod tests {
         clock.advance(Duration::from_secs(2));
         assert!(limiter.purge_idle() > 0);
         assert_eq!(limiter.len(), 0);
+    }
+
+    /// At `max_keys`, a flood of fresh buckets under a long window (made-up API keys under
+    /// a daily quota) does not evict an exhausted bucket of a short window (a login's
+    /// minute), which would come back full: eviction drops the buckets that give back the
+    /// least of their limits, whatever their windows. So for the window algorithms.
+    #[test]
+    fn a_flood_of_long_window_buckets_does_not_evict_an_exhausted_short_one() {
+        let window_rule = |algorithm: crate::rule::Algorithm, cap: u64, secs: u64| {
+            let mut spec = RuleSpec::new("w", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
+            spec.algorithm = algorithm;
+            Rule::from_spec("s", spec).unwrap()
+        };
+        for (login, quota) in [
+            (rule(5, 60), rule(1000, 86_400)),
+            (
+                window_rule(crate::rule::Algorithm::FixedWindow, 5, 60),
+                window_rule(crate::rule::Algorithm::FixedWindow, 1000, 86_400),
+            ),
+        ] {
+            let clock = ManualClock::new(1_000_000_000);
+            let limiter = MemoryLimiter::builder()
+                .shards(1)
+                .max_keys(1_000)
+                .clock(clock.clone())
+                .build();
+            for _ in 0..5 {
+                assert!(limiter.acquire_now(&request(&login, "victim")).allowed);
+            }
+            assert!(!limiter.acquire_now(&request(&login, "victim")).allowed);
+            // A microsecond apart: every bucket of the flood is further from full than the
+            // victim's, by time, and each by a different time.
+            for i in 0..5_000 {
+                clock.advance(Duration::from_micros(1));
+                assert!(limiter.acquire_now(&request(&quota, &format!("k{i}"))).allowed);
+            }
+            assert!(limiter.len() <= 1_000, "{}", limiter.len());
+            assert!(
+                !limiter.acquire_now(&request(&login, "victim")).allowed,
+                "{:?}: the exhausted bucket was evicted and came back full",
+                login.algorithm()
+            );
+        }
     }
 
     /// The one pass over token buckets writes each band as it goes: a request another band
