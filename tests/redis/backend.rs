@@ -117,6 +117,29 @@ rule_sets:
         }
     }
 
+    /// An engine on a limiter of its own (keys under `prefix`, no deny cache) for a
+    /// token-bucket rule `r` of `bands`, with a leaky-bucket rule `lb` of `other` per hour
+    /// beside it when given (the general script then decides).
+    async fn rule_r_engine(url: String, prefix: &str, bands: &str, other: Option<u64>) -> Engine {
+        let limiter = fluxgate::redis::RedisLimiter::builder(url)
+            .prefix(prefix)
+            .deny_cache(false)
+            .timeout(std::time::Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("the test server takes connections");
+        let mut yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
+        if let Some(capacity) = other {
+            yaml.push_str(&format!(
+                "      - {{ id: lb, algorithm: leaky_bucket, bands: [{{ capacity: {capacity}, window: 1h }}] }}\n"
+            ));
+        }
+        Engine::builder(rules(&yaml))
+            .limiter(limiter)
+            .build()
+            .expect("Redis decides every rule")
+    }
+
     /// A token-bucket rule keeps its bands in one key: when the rule changes, a band whose
     /// capacity, window or label changed starts full and the others keep their counts,
     /// whichever script decides (one band, token buckets only, or with another algorithm).
@@ -124,26 +147,8 @@ rule_sets:
     async fn a_changed_band_starts_fresh_and_the_others_keep_their_counts() {
         let redis = Redis::start(Servers::standalone()).await;
         let url = redis.url();
-        let engine_of = |bands: &'static str, other: bool| {
-            let url = url.clone();
-            async move {
-                let limiter = fluxgate::redis::RedisLimiter::builder(url)
-                    .prefix("changes")
-                    .deny_cache(false)
-                    .timeout(std::time::Duration::from_secs(2))
-                    .connect()
-                    .await
-                    .unwrap();
-                let mut yaml =
-                    format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
-                if other {
-                    yaml.push_str(
-                        "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 100, window: 1h }] }\n",
-                    );
-                }
-                Engine::builder(rules(&yaml)).limiter(limiter).build().unwrap()
-            }
-        };
+        let engine_of =
+            |bands: &'static str, other: bool| rule_r_engine(url.clone(), "changes", bands, other.then_some(100));
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.77".parse().unwrap())
             .build();
@@ -776,26 +781,9 @@ rule_sets:
     #[tokio::test]
     async fn two_versions_of_a_rule_do_not_refill_each_others_bands() {
         let redis = Redis::start(Servers::standalone()).await;
-        let engine_of = |bands: String, other: bool| {
-            let url = redis.url();
-            async move {
-                let limiter = fluxgate::redis::RedisLimiter::builder(url)
-                    .prefix("versions")
-                    .deny_cache(false)
-                    .timeout(std::time::Duration::from_secs(2))
-                    .connect()
-                    .await
-                    .unwrap();
-                let mut yaml =
-                    format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
-                if other {
-                    yaml.push_str(
-                        "      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 1000, window: 1h }] }\n",
-                    );
-                }
-                Engine::builder(rules(&yaml)).limiter(limiter).build().unwrap()
-            }
-        };
+        let url = redis.url();
+        let engine_of =
+            |bands: &'static str, other: bool| rule_r_engine(url.clone(), "versions", bands, other.then_some(1000));
         // One band against one band (the one-band script), two bands (the token-bucket
         // script) and a rule of another algorithm beside (the general script).
         let cases = [
@@ -809,10 +797,7 @@ rule_sets:
             ("{ capacity: 10, window: 1h }", "{ capacity: 5, window: 1h }", true, 15),
         ];
         for (i, (old, new, other, most)) in cases.into_iter().enumerate() {
-            let (old, new) = (
-                engine_of(old.to_owned(), other).await,
-                engine_of(new.to_owned(), other).await,
-            );
+            let (old, new) = (engine_of(old, other).await, engine_of(new, other).await);
             let ctx = RequestContext::builder()
                 .client_ip(format!("192.0.2.{}", 100 + i).parse().unwrap())
                 .build();
@@ -829,8 +814,8 @@ rule_sets:
 
         // The key outlives the other version's band: a day's band kept by an hour's writes.
         let (day, hour) = (
-            engine_of("{ capacity: 10, window: 1d }".to_owned(), false).await,
-            engine_of("{ capacity: 5, window: 1h }".to_owned(), false).await,
+            engine_of("{ capacity: 10, window: 1d }", false).await,
+            engine_of("{ capacity: 5, window: 1h }", false).await,
         );
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.120".parse().unwrap())

@@ -208,30 +208,31 @@ fn policy_name(out: &mut ValueBuf<'_>, decision: &Decision, band: &BandReport, d
 
 /// The response when no decision could be made and the policy is to fail closed.
 pub(crate) fn unavailable(status: StatusCode) -> Response<Bytes> {
-    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Rate limiter unavailable\"}"));
-    *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
+    json_error(status, b"{\"error\":\"Rate limiter unavailable\"}")
 }
 
 /// The response when a rule cannot be decided (a configuration error): `500`, without
 /// details for the client; the log names the rule.
 pub(crate) fn misconfigured() -> Response<Bytes> {
-    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Rate limiter misconfigured\"}"));
-    *response.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
-    response
-        .headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
+    json_error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        b"{\"error\":\"Rate limiter misconfigured\"}",
+    )
 }
 
 /// The response when the rate-limit service refused to decide the request as described
 /// (a value beyond its bounds): `400`, since it cannot be counted.
 pub(crate) fn refused() -> Response<Bytes> {
-    let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Request cannot be rate-limited\"}"));
-    *response.status_mut() = StatusCode::BAD_REQUEST;
+    json_error(
+        StatusCode::BAD_REQUEST,
+        b"{\"error\":\"Request cannot be rate-limited\"}",
+    )
+}
+
+/// A JSON error `body` with `status`.
+fn json_error(status: StatusCode, body: &'static [u8]) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::from_static(body));
+    *response.status_mut() = status;
     response
         .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
