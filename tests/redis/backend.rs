@@ -487,9 +487,9 @@ rule_sets:
                 "2^52",
             ),
             (
-                "{ id: huge-log, algorithm: sliding_window_log, bands: [{ capacity: 10000000, window: 1h }] }",
+                "{ id: huge-log, algorithm: sliding_window_log, bands: [{ capacity: 100000, window: 1h }] }",
                 "b0",
-                "1048576",
+                "65536",
             ),
         ] {
             let yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - {rule}\n");

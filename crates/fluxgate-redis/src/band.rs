@@ -16,8 +16,11 @@ pub const MAX_SCALED_CAPACITY: u64 = 1 << 52;
 
 /// The largest capacity of a sliding window log band: the log keeps one sorted-set member
 /// per admitted permit, and a request adds its permits one member each, so both the key's
-/// size and the time one script call takes grow with it.
-pub const MAX_LOG_CAPACITY: u64 = 1 << 20;
+/// size and the time one script call takes grow with it. Redis runs one script at a time:
+/// removing 2^20 expired members took 332 ms of `redis-server` (measured, `ZREMRANGEBYSCORE`,
+/// Redis 7.0), past every caller's deadline, so that a client which spent its own quota of
+/// such a band made every instance fail for that long once per window; 2^16 take 8 ms.
+pub const MAX_LOG_CAPACITY: u64 = 1 << 16;
 
 /// Whether the scripts decide `band` exactly, as checked when rules are loaded.
 ///
