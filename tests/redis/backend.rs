@@ -840,4 +840,36 @@ rule_sets:
         let value = redis.server().cli(&["GET", key]);
         assert!(value.starts_with("b0:5/1h|") && !value.contains(','), "{value}");
     }
+
+    /// A limiter made from another (`with_batching`) shares its deny cache: a reset through
+    /// either forgets the denials both remembered, rather than one refusing reset keys until
+    /// each remembered retry-after.
+    #[tokio::test]
+    async fn a_reset_forgets_the_denials_of_every_handle_of_a_limiter() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let limiter = fluxgate::redis::RedisLimiter::builder(redis.url())
+            .prefix("shared-denials")
+            .timeout(std::time::Duration::from_secs(2))
+            .connect()
+            .await
+            .unwrap();
+        assert!(limiter.has_deny_cache());
+        let batched = limiter.with_batching(Some(fluxgate::redis::Batching::new()));
+        let engine = Engine::builder(rules(
+            "rule_sets: [{id: default, rules: [{id: r, bands: [{capacity: 1, window: 1h}]}]}]",
+        ))
+        .limiter(batched)
+        .build()
+        .unwrap();
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.130".parse().unwrap())
+            .build();
+        assert!(check(&engine, &ctx).await.allowed());
+        assert!(!check(&engine, &ctx).await.allowed(), "refused, and remembered");
+        limiter.reset_buckets(fluxgate::redis::ResetScope::All).await.unwrap();
+        assert!(
+            check(&engine, &ctx).await.allowed(),
+            "the reset reached the batched handle's denials"
+        );
+    }
 }

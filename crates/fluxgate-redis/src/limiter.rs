@@ -29,7 +29,9 @@ pub struct RedisLimiter {
 struct Inner {
     scripts: Arc<Scripts>,
     prefix: String,
-    denied: Option<DenyCache>,
+    /// Shared by the handles made from one another ([`RedisLimiter::with_batching`],
+    /// [`RedisLimiter::with_prefix`]): a reset through one forgets what any remembered.
+    denied: Option<Arc<DenyCache>>,
     /// With batched decisions: the gathering of the requests (shared by the limiters of
     /// [`RedisLimiter::with_prefix`], whose requests carry their own keys).
     batcher: Option<Arc<Batcher>>,
@@ -67,7 +69,7 @@ impl RedisLimiter {
                 batcher: batching.map(|b| Arc::new(Batcher::new(scripts.clone(), b))),
                 scripts,
                 prefix,
-                denied: deny_cache.then(DenyCache::new),
+                denied: deny_cache.then(|| Arc::new(DenyCache::new())),
             }),
         }
     }
@@ -79,8 +81,10 @@ impl RedisLimiter {
         Self::new(Scripts::new(Connection::client(client)), prefix.into(), true, None)
     }
 
-    /// A limiter sharing this one's connections, prefix and deny cache setting, that
-    /// decides in batches ([`Batching`]); with `None`, one call per request.
+    /// A limiter sharing this one's connections, prefix and deny cache, that decides in
+    /// batches ([`Batching`]); with `None`, one call per request. A reset through either
+    /// ([`reset_buckets`](Self::reset_buckets), a rule change listener's) forgets the
+    /// denials both remembered.
     pub fn with_batching(&self, batching: Option<Batching>) -> Self {
         let scripts = self.inner.scripts.clone();
         Self {
@@ -88,7 +92,7 @@ impl RedisLimiter {
                 batcher: batching.map(|b| Arc::new(Batcher::new(scripts.clone(), b))),
                 scripts,
                 prefix: self.inner.prefix.clone(),
-                denied: self.inner.denied.as_ref().map(|_| DenyCache::new()),
+                denied: self.inner.denied.clone(),
             }),
         }
     }
@@ -105,13 +109,14 @@ impl RedisLimiter {
         self.inner.denied.is_some()
     }
 
-    /// A limiter sharing this one's connections, with another key prefix.
+    /// A limiter sharing this one's connections and deny cache, with another key prefix
+    /// (whose keys, and so whose denials, are its own).
     pub fn with_prefix(&self, prefix: impl Into<String>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 scripts: self.inner.scripts.clone(),
                 prefix: prefix.into(),
-                denied: self.inner.denied.as_ref().map(|_| DenyCache::new()),
+                denied: self.inner.denied.clone(),
                 batcher: self.inner.batcher.clone(),
             }),
         }
