@@ -84,42 +84,24 @@ struct Shard {
 
 /// A window-based band's state and the instant after which it counts nothing.
 struct Slot {
-    /// That instant, rounded up to a multiple of 64 ns, with its band's window class
-    /// ([`class_of`]) in the low 6 bits: no byte more per key, and the state kept at most
-    /// 127 ns longer.
     idle_after: u64,
     state: State,
 }
 
-impl Slot {
-    /// The instant after which the state counts nothing (a few ns late at most).
-    fn idle(&self) -> u64 {
-        self.idle_after & !63
-    }
-
-    fn class(&self) -> u8 {
-        (self.idle_after & 63) as u8
-    }
-
-    /// Keeps the state until `idle` (rounded up), for a band of window class `class`.
-    fn set_idle(&mut self, idle: u64, class: u8) {
-        self.idle_after = (idle.saturating_add(63) & !63) | u64::from(class & 63);
-    }
-}
-
-/// The top byte of a kept instant's remainder holds its band's window class.
+/// The top byte of a kept instant's remainder holds its band's interval class.
 const CLASS_SHIFT: u32 = 56;
 const FRAC_MASK: u64 = (1 << CLASS_SHIFT) - 1;
 
-/// A band's window class, for eviction: the window's length in ns, rounded down to a power
-/// of two, as that power.
+/// A band's interval class, for eviction: the time one permit takes to come back (the
+/// window divided by the capacity) in ns, rounded down to a power of two, as that power.
 fn class_of(band: &Band) -> u8 {
-    // Below 64: a window's nanoseconds fit in 64 bits.
-    (63 - window_nanos(band).max(1).leading_zeros()) as u8
+    let interval = window_nanos(band) / band.capacity().max(1);
+    // Below 64: the nanoseconds fit in 64 bits.
+    (63 - interval.max(1).leading_zeros()) as u8
 }
 
 /// A token or leaky bucket's instant as the table keeps it: its remainder is below the
-/// band's capacity (at most 2^40), so the remainder's top byte holds the band's window
+/// band's capacity (at most 2^40), so the remainder's top byte holds the band's interval
 /// class, which eviction reads, at no cost in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Kept(Tat);
@@ -144,11 +126,10 @@ impl Kept {
     }
 }
 
-/// How much of its window a state still has to refill (or to count) at `now`, in 2^-20
-/// of the window's class: what evicting it gives back, as a share of its limit.
-fn share_ahead(until: u64, now: u64, class: u8) -> u64 {
-    let ahead = u128::from(until.saturating_sub(now)) << 20;
-    u64::try_from(ahead >> class).unwrap_or(u64::MAX)
+/// The permits a token or leaky bucket still counts at `now`: the time until it is full,
+/// in intervals of its class (within a factor of two).
+fn permits_ahead(until: u64, now: u64, class: u8) -> u64 {
+    until.saturating_sub(now) >> class
 }
 
 enum State {
@@ -159,21 +140,23 @@ enum State {
 
 /// A stored state that becomes the same as no state once time has passed.
 trait Stored {
-    /// What evicting the state at `now` gives back, as a share of its band's window: its
-    /// time until it counts nothing, divided by its window (see [`share_ahead`]). Comparing
-    /// times alone across windows would evict an exhausted one-minute bucket (a minute
-    /// from full) before a daily one that counted one request (86 s from full).
-    fn share_ahead(&self, now: u64) -> u64;
+    /// What evicting the state at `now` gives back: the permits it still counts. Ranked by
+    /// time alone, an exhausted bucket of a minute (a minute from full) would go before a
+    /// daily one that counted one request (86 s from full); by the share of its window, a
+    /// daily quota counting a thousand requests before a flood of minute buckets counting
+    /// one each. Each key an attacker makes costs it as many requests as the permits that
+    /// make it outrank another.
+    fn permits_ahead(&self, now: u64) -> u64;
     /// Whether the state can be forgotten at `now`.
     fn idle_at(&self, now: u64) -> bool;
 }
 
 impl Stored for Kept {
-    fn share_ahead(&self, now: u64) -> u64 {
+    fn permits_ahead(&self, now: u64) -> u64 {
         if self.idle_at(now) {
             return 0;
         }
-        share_ahead(self.0.nanos, now, self.class())
+        permits_ahead(self.0.nanos, now, self.class())
     }
     fn idle_at(&self, now: u64) -> bool {
         self.tat().is_full_at(now)
@@ -181,11 +164,19 @@ impl Stored for Kept {
 }
 
 impl Stored for Slot {
-    fn share_ahead(&self, now: u64) -> u64 {
-        share_ahead(self.idle(), now, self.class())
+    fn permits_ahead(&self, now: u64) -> u64 {
+        if self.idle_at(now) {
+            return 0;
+        }
+        // What the state holds, expired permits included: an upper bound.
+        match &self.state {
+            State::Fixed(w) => w.count.saturating_add(w.next),
+            State::Counter(c) => c.previous.saturating_add(c.current).saturating_add(c.next),
+            State::Log(log) => log.held(),
+        }
     }
     fn idle_at(&self, now: u64) -> bool {
-        self.idle() <= now
+        self.idle_after <= now
     }
 }
 
@@ -868,24 +859,26 @@ impl MemoryLimiter {
         if !shard.windows.contains_key(&key) {
             shard.make_room(now, max);
         }
-        let class = class_of(band);
         let slot = shard.windows.entry(key).or_insert_with(|| Slot {
             idle_after: 0,
             state: State::Fixed(Window::default()),
         });
         match next {
             Next::Fixed(w) => {
-                // Reservations in the next window keep the state until it ends.
-                slot.set_idle(w.end.saturating_add(if w.next > 0 { window } else { 0 }), class);
-                slot.state = State::Fixed(w);
+                *slot = Slot {
+                    // Reservations in the next window keep the state until it ends.
+                    idle_after: w.end.saturating_add(if w.next > 0 { window } else { 0 }),
+                    state: State::Fixed(w),
+                }
             }
             Next::Counter(c) => {
-                let idle = c
-                    .end
-                    .saturating_add(window)
-                    .saturating_add(if c.next > 0 { window } else { 0 });
-                slot.set_idle(idle, class);
-                slot.state = State::Counter(c);
+                *slot = Slot {
+                    idle_after: c
+                        .end
+                        .saturating_add(window)
+                        .saturating_add(if c.next > 0 { window } else { 0 }),
+                    state: State::Counter(c),
+                }
             }
             Next::Log | Next::LogAt(_) => {
                 let at = match next {
@@ -898,7 +891,7 @@ impl MemoryLimiter {
                 if let State::Log(log) = &mut slot.state {
                     log.record(now, at, window, permits);
                 }
-                slot.set_idle(slot.idle().max(at.saturating_add(window)), class);
+                slot.idle_after = slot.idle_after.max(at.saturating_add(window));
             }
             Next::Tat(_) => {}
         }
@@ -1053,19 +1046,19 @@ fn report<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>, committed:
     bucket.report(band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
-/// Drops the `count` states that give back the least of their limits: the smallest share
-/// of their windows still ahead at `now` ([`Stored::share_ahead`]).
+/// Drops the `count` states that give back the fewest permits at `now`
+/// ([`Stored::permits_ahead`]).
 fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize, now: u64) {
     if count == 0 || map.is_empty() {
         return;
     }
     let drop_count = count.min(map.len());
-    let mut shares: Vec<u64> = map.values().map(|v| v.share_ahead(now)).collect();
+    let mut shares: Vec<u64> = map.values().map(|v| v.permits_ahead(now)).collect();
     let (_, cut, _) = shares.select_nth_unstable(drop_count - 1);
     let cut = *cut;
     let mut dropped = 0;
     map.retain(|_, v| {
-        if dropped < drop_count && v.share_ahead(now) <= cut {
+        if dropped < drop_count && v.permits_ahead(now) <= cut {
             dropped += 1;
             false
         } else {
@@ -1186,23 +1179,25 @@ mod tests {
         assert_eq!(limiter.len(), 0);
     }
 
-    /// At `max_keys`, a flood of fresh buckets under a long window (made-up API keys under
-    /// a daily quota) does not evict an exhausted bucket of a short window (a login's
-    /// minute), which would come back full: eviction drops the buckets that give back the
-    /// least of their limits, whatever their windows. So for the window algorithms.
+    /// At `max_keys`, a flood of made-up keys does not evict an exhausted bucket, which
+    /// would come back full: eviction drops the buckets that still count the fewest
+    /// permits, whatever their windows. A flood of buckets under a long window, each
+    /// counting one request, does not evict a login's minute; nor does a flood of minute
+    /// buckets, each exhausted by one request, evict a daily quota. So for windows.
     #[test]
-    fn a_flood_of_long_window_buckets_does_not_evict_an_exhausted_short_one() {
-        let window_rule = |algorithm: crate::rule::Algorithm, cap: u64, secs: u64| {
-            let mut spec = RuleSpec::new("w", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
+    fn a_flood_of_made_up_keys_does_not_evict_an_exhausted_bucket() {
+        use crate::rule::Algorithm::{FixedWindow, TokenBucket};
+        let of = |algorithm, cap: u64, secs: u64| {
+            let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
             spec.algorithm = algorithm;
             Rule::from_spec("s", spec).unwrap()
         };
-        for (login, quota) in [
-            (rule(5, 60), rule(1000, 86_400)),
-            (
-                window_rule(crate::rule::Algorithm::FixedWindow, 5, 60),
-                window_rule(crate::rule::Algorithm::FixedWindow, 1000, 86_400),
-            ),
+        // The victim's rule, then the flood's.
+        for (victim, flood) in [
+            (of(TokenBucket, 5, 60), of(TokenBucket, 1000, 86_400)),
+            (of(TokenBucket, 20, 86_400), of(TokenBucket, 1, 60)),
+            (of(FixedWindow, 5, 60), of(FixedWindow, 1000, 86_400)),
+            (of(FixedWindow, 20, 86_400), of(FixedWindow, 1, 60)),
         ] {
             let clock = ManualClock::new(1_000_000_000);
             let limiter = MemoryLimiter::builder()
@@ -1210,21 +1205,22 @@ mod tests {
                 .max_keys(1_000)
                 .clock(clock.clone())
                 .build();
-            for _ in 0..5 {
-                assert!(limiter.acquire_now(&request(&login, "victim")).allowed);
+            let capacity = victim.bands()[0].capacity();
+            for _ in 0..capacity {
+                assert!(limiter.acquire_now(&request(&victim, "victim")).allowed);
             }
-            assert!(!limiter.acquire_now(&request(&login, "victim")).allowed);
-            // A microsecond apart: every bucket of the flood is further from full than the
-            // victim's, by time, and each by a different time.
+            assert!(!limiter.acquire_now(&request(&victim, "victim")).allowed);
+            // A microsecond apart, each key of the flood ranks differently by time.
             for i in 0..5_000 {
                 clock.advance(Duration::from_micros(1));
-                assert!(limiter.acquire_now(&request(&quota, &format!("k{i}"))).allowed);
+                assert!(limiter.acquire_now(&request(&flood, &format!("k{i}"))).allowed);
             }
             assert!(limiter.len() <= 1_000, "{}", limiter.len());
             assert!(
-                !limiter.acquire_now(&request(&login, "victim")).allowed,
-                "{:?}: the exhausted bucket was evicted and came back full",
-                login.algorithm()
+                !limiter.acquire_now(&request(&victim, "victim")).allowed,
+                "{:?} {capacity} per {:?}: the exhausted bucket was evicted and came back full",
+                victim.algorithm(),
+                victim.bands()[0].window()
             );
         }
     }

@@ -37,6 +37,11 @@ impl Log {
         self.entries.len()
     }
 
+    /// The permits of all its entries, expired ones included until the next commit.
+    pub(crate) fn held(&self) -> u64 {
+        self.total
+    }
+
     /// Whether the log holds no entry.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
