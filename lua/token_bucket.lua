@@ -156,14 +156,12 @@ end
 --   waiting request's place pending behind them.
 local function token_bucket_refund(key, layout, index, count, permits, capacity, scale, interval, expect, decided)
   local v = redis.call('GET', key)
-  local states = rule_states(v, layout, count)
+  -- When the stored layout is not the request's (the rule changed since, or another
+  -- version of it writes the key too), its band is matched by name, and the bands of the
+  -- other versions that hold permits are written back with the request's (layout.lua).
+  local states, kept = rule_states(v, layout, count)
   local tat, frac = state_tat(states[index])
   local debt = debt_of(tat, frac, scale)
-  if v and string.find(v, layout, 1, true) ~= 1 then
-    -- The rule changed since the request: writing its old layout would lose the new
-    -- bands' states. The permits stay taken.
-    debt = nil
-  end
   local cost = permits * interval
   if debt and string.sub(expect, 1, 1) == '~' then
     local end_tat, end_frac = state_tat(string.sub(expect, 2))
@@ -183,7 +181,8 @@ local function token_bucket_refund(key, layout, index, count, permits, capacity,
       debt = 0
     end
     states[index] = state_of(debt, scale)
-    redis.call('SET', key, rule_value(layout, states, count), 'KEEPTTL')
+    local value = with_kept_bands(rule_value(layout, states, count), 0, kept, now)
+    redis.call('SET', key, value, 'KEEPTTL')
   end
   local _, _, rem, reset = gcra(debt or 0, 0, 1, capacity, scale, interval)
   return rem, reset

@@ -405,6 +405,31 @@ async fn a_token_refund_across_slots_gives_back_no_more_than_has_not_refilled() 
     );
 }
 
+/// A token-bucket refund on a key that also holds another version of the rule's bands
+/// (a rolling change): the request's band is given back, the other version's band is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_refund_keeps_the_bands_of_another_version() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let key = "versions-refund:{default:global:global}";
+    let now = i64::try_from(redis.server().time_us()).expect("a recent instant");
+    let other = format!("{:x}", now + 3_000_000_000);
+    redis
+        .server()
+        .cli(&["SET", key, &format!("b0:2/1h,b0:1/10s|{other}|{:x}", now + 9_000_000)]);
+    let decided = u64::try_from(now).expect("a recent instant");
+    refund_one_permit(&redis, key, decided, "");
+    let value = redis.server().cli(&["GET", key]);
+    let value = value.trim();
+    assert!(value.starts_with("b0:1/10s,b0:2/1h|"), "{value}");
+    assert!(
+        value.ends_with(&format!("|{other}")),
+        "the other version's band kept: {value}"
+    );
+    // The request's band: 9 s from full, one permit of 10 s given back: full now.
+    let ours = value.split('|').nth(1).and_then(|s| i64::from_str_radix(s, 16).ok());
+    assert!(ours.is_some_and(|t| t < now + 1_000_000), "given back: {value}");
+}
+
 /// A leaky bucket's refund across cluster slots (`~` and the state the refunded request
 /// left) gives back only its permits still to leak after now, by that state and by the
 /// grid from its decision on: the permits another request took since move back no earlier than
@@ -497,8 +522,8 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
 }
 
 /// A refund for a rule that changed since the request (the stored layout is not the
-/// request's) leaves the key alone: writing the old layout would lose the new bands'
-/// states.
+/// request's) gives back the request's band, matched by name, and leaves the new bands'
+/// states as they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_under_a_changed_rule_leaves_the_new_bands_alone() {
     let redis = Redis::start(Servers::standalone()).await;
@@ -518,7 +543,20 @@ async fn a_refund_under_a_changed_rule_leaves_the_new_bands_alone() {
         .expect("after 1970")
         .as_micros();
     refund_one_permit(&redis, key, u64::try_from(decided).expect("µs fit"), "");
-    assert_eq!(redis.server().cli(&["GET", key]).trim(), stored);
+    let value = redis.server().cli(&["GET", key]);
+    let value = value.trim();
+    // The request's band first (its own layout), then the new band, its state unchanged.
+    assert!(value.starts_with("b0:1/10s,b1:5/1m|"), "{value}");
+    let states: Vec<&str> = value.split('|').skip(1).collect();
+    assert_eq!(states.len(), 2, "{value}");
+    assert_eq!(
+        states[1],
+        stored.split('|').nth(2).expect("b1's state"),
+        "b1 untouched: {value}"
+    );
+    // b0 was 10 s ahead, one permit of 10 s: given back, no later than the refund's now.
+    let b0 = u128::from_str_radix(states[0], 16).expect("b0's instant");
+    assert!(b0 < decided + 1_000_000, "b0 given back: {value}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
