@@ -96,8 +96,8 @@ pub struct CheckRequest {
     /// The longest the caller waits for the answer, in ms: a rule that waits for the refill
     /// (`on_limit.wait`) makes the request wait at most this long before the answer, and
     /// refuses it at once when it would have to wait longer. A caller with a deadline sends
-    /// it, so that the service never answers after the caller gave up (`RemoteHandler`
-    /// sends three quarters of its own). No bound when absent; at most [`MAX_WAIT_MS`].
+    /// it, so that a wait does not outlast the deadline (`RemoteHandler` sends half its
+    /// own, the other half left for the exchange). No bound when absent; at most [`MAX_WAIT_MS`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(minimum = 0, maximum = 86_400_000))]
     pub max_wait_ms: Option<u64>,

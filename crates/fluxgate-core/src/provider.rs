@@ -252,13 +252,16 @@ mod tests {
 
         cached.invalidate("api");
         *cached.get_ref().fail.lock().unwrap() = true;
-        // The source fails: the rule set found last stays in force, and nothing is cached.
+        // The source fails: the rule set found last stays in force, from the cache until
+        // it expires again.
         assert!(cached.rule_set("api").await.unwrap().is_some());
-        assert!(cached.rule_set("api").await.unwrap().is_some(), "errors are not cached");
-        assert_eq!(lookups(&cached), 4);
-        // An id never found has nothing to fall back on: the error.
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        assert_eq!(lookups(&cached), 3, "served from the cache, not asked again");
+        // An id never found has nothing to fall back on: the error, not cached.
+        assert!(cached.rule_set("never").await.is_err());
         assert!(cached.rule_set("never").await.is_err());
         assert_eq!(lookups(&cached), 5);
+        cached.invalidate("api");
         *cached.get_ref().fail.lock().unwrap() = false;
         assert!(cached.rule_set("api").await.unwrap().is_some());
         cached.invalidate_all();
@@ -389,6 +392,9 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
                     return match last.get(&key) {
                         Some(set) => {
                             tracing::warn!(rule_set = %key, %error, "rule source failed: the rule set found last stays in force");
+                            // Served from the cache until it expires again: requests do not
+                            // each wait for a source that is down.
+                            cache.insert(key, Some(set.clone()));
                             Ok(Some(set))
                         }
                         None => Err(error),

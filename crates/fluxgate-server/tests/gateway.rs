@@ -51,7 +51,7 @@ fn service_with(name: &str, yaml: &str) -> (SocketAddr, std::sync::mpsc::Sender<
 async fn gateway(service: SocketAddr, on_error: FailurePolicy) -> SocketAddr {
     let remote = RemoteHandler::builder(&format!("http://{service}"))
         .unwrap()
-        .timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2))
         .build();
     let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
         .on_error(on_error)
@@ -103,7 +103,7 @@ async fn a_wait_at_the_service_never_outlasts_the_gateways_deadline() {
         "rule_sets: [{id: default, rules: [{id: w, match: {paths: [\"/api/**\"]}, bands: [{capacity: 1, window: 2s}], \
          on_limit: {wait: {max_wait: 2s, max_waiters: 10}}}]}]",
     );
-    // A deadline of 500 ms: the service lets the request wait at most 375 ms.
+    // A deadline of 2 s: the service lets the request wait at most 1 s.
     let gateway = gateway(service_addr, FailurePolicy::FailOpen).await;
     let head = get_head(gateway, "/api/hello").await;
     assert!(head.starts_with("http/1.1 200"), "{head}");
@@ -133,8 +133,9 @@ async fn requests_the_service_bounds_are_counted_and_open_no_circuit() {
         let head = exchange(gateway, long_user("/api/hello")).await;
         assert!(head.starts_with(&format!("http/1.1 {expected}")), "{head}");
     }
-    // More than three answers without a decision's failure: were they failures, the
-    // circuit would open and fail open would admit the next request.
+    // Five answers in a row of each kind, with no decision between them: were they
+    // failures, the circuit would open after three and fail open would admit the next
+    // request.
     for _ in 0..5 {
         let head = exchange(
             gateway,
@@ -142,7 +143,14 @@ async fn requests_the_service_bounds_are_counted_and_open_no_circuit() {
         )
         .await;
         assert!(!head.starts_with("http/1.1 5"), "decided, no failure: {head}");
-        let method = "X".repeat(40);
+    }
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(
+        head.starts_with("http/1.1 429"),
+        "still limited, the circuit closed: {head}"
+    );
+    let method = "X".repeat(40);
+    for _ in 0..5 {
         let head = exchange(
             gateway,
             format!("{method} /api/hello HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"),

@@ -211,11 +211,12 @@ impl RemoteHandlerBuilder {
 
 impl RateLimitHandler for RemoteHandler {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        // A wait for the refill at the service ends within the deadline: the answer then
-        // comes before the handler gives up, rather than a timeout that a failure policy
-        // would admit while the service still held the request's place.
+        // A wait for the refill at the service ends within half the deadline, the other
+        // half left for the exchange: the answer then comes before the handler gives up,
+        // rather than a timeout that a failure policy would admit while the service still
+        // held the request's place.
         let mut request = CheckRequest::from_context(ctx);
-        let ours = u64::try_from((self.timeout * 3 / 4).as_millis()).unwrap_or(u64::MAX);
+        let ours = u64::try_from((self.timeout / 2).as_millis()).unwrap_or(u64::MAX);
         request.max_wait_ms = Some(request.max_wait_ms.map_or(ours, |theirs| theirs.min(ours)));
         let body = match serde_json::to_vec(&request) {
             Ok(body) => body,
