@@ -115,6 +115,25 @@ async fn a_wait_at_the_service_never_outlasts_the_gateways_deadline() {
     );
 }
 
+/// A 400 that is not the service's own error (a proxy on the way, a wrong base path) is a
+/// failure of the service, which the failure policy decides, not a refusal of the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_400_from_something_else_than_the_service_follows_the_policy() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let not_the_service = listener.local_addr().unwrap();
+    let proxy = Router::new().fallback(|| async { (axum::http::StatusCode::BAD_REQUEST, "<html>bad request</html>") });
+    tokio::spawn(async move { axum::serve(listener, proxy).await.unwrap() });
+    let closed = gateway(not_the_service, FailurePolicy::FailClosed).await;
+    let head = get_head(closed, "/api/hello").await;
+    assert!(
+        head.starts_with("http/1.1 503"),
+        "fail closed, as for a service down: {head}"
+    );
+    let open = gateway(not_the_service, FailurePolicy::FailOpen).await;
+    let head = get_head(open, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 200"), "fail open: {head}");
+}
+
 /// Requests whose values the service bounds (a long user id) are decided and counted like
 /// any other; requests with no rule of theirs (`OPTIONS *`) are decided; and a request the
 /// service refuses to decide (a method of more than 32 characters) is refused, not

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fluxgate_core::api::{CheckRequest, CheckResponse};
+use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse};
 use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
@@ -94,6 +94,10 @@ pub enum RemoteError {
     /// A 200 answer that is not a decision.
     #[error("the rate-limit service's answer is not a decision: {0}")]
     Answer(String),
+    /// The service's own refusal to decide the request as described: a 400 whose body is
+    /// the service's error (a value beyond its bounds). Not a failure of the service.
+    #[error("the rate-limit service refused the request: {0}")]
+    Refused(String),
 }
 
 impl fmt::Debug for RemoteHandler {
@@ -165,6 +169,13 @@ impl RemoteHandler {
             .await
             .map_err(|e| RemoteError::Http(e.to_string()))?
             .to_bytes();
+        if status == StatusCode::BAD_REQUEST {
+            // The service's error names what it refused; a 400 of anything else on the way
+            // (a proxy, a wrong base path) is a failure of the service, for `on_error`.
+            if let Ok(error) = serde_json::from_slice::<ApiError>(&body) {
+                return Err(RemoteError::Refused(error.to_string()));
+            }
+        }
         if status != StatusCode::OK {
             let text: String = String::from_utf8_lossy(&body).chars().take(200).collect();
             return Err(RemoteError::Status { status, body: text });
@@ -232,12 +243,9 @@ impl RateLimitHandler for RemoteHandler {
                 // The service is up and refuses this request as described: no failure of
                 // the service (no circuit opens), and the request is refused, never
                 // admitted uncounted by a failure policy.
-                RemoteError::Status {
-                    status: StatusCode::BAD_REQUEST,
-                    body,
-                } => {
-                    tracing::warn!(answer = %body, "the rate-limit service refused to decide a request");
-                    Error::Refused(body)
+                RemoteError::Refused(message) => {
+                    tracing::warn!(answer = %message, "the rate-limit service refused to decide a request");
+                    Error::Refused(message)
                 }
                 error => {
                     tracing::warn!(%error, "rate-limit service failed");
