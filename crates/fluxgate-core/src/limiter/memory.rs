@@ -92,17 +92,9 @@ struct Slot {
 const CLASS_SHIFT: u32 = 56;
 const FRAC_MASK: u64 = (1 << CLASS_SHIFT) - 1;
 
-/// A band's interval class, for eviction: the time one permit takes to come back (the
-/// window divided by the capacity) in ns, rounded down to a power of two, as that power.
-fn class_of(band: &Band) -> u8 {
-    let interval = window_nanos(band) / band.capacity().max(1);
-    // Below 64: the nanoseconds fit in 64 bits.
-    (63 - interval.max(1).leading_zeros()) as u8
-}
-
 /// A token or leaky bucket's instant as the table keeps it: its remainder is below the
 /// band's capacity (at most 2^40), so the remainder's top byte holds the band's interval
-/// class, which eviction reads, at no cost in memory.
+/// class ([`Band::interval_class`]), which eviction reads, at no cost in memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Kept(Tat);
 
@@ -110,7 +102,7 @@ impl Kept {
     fn new(tat: Tat, band: &Band) -> Self {
         Self(Tat {
             nanos: tat.nanos,
-            frac: (tat.frac & FRAC_MASK) | (u64::from(class_of(band)) << CLASS_SHIFT),
+            frac: (tat.frac & FRAC_MASK) | (u64::from(band.interval_class()) << CLASS_SHIFT),
         })
     }
 
@@ -200,8 +192,8 @@ impl Shard {
             let target = (max - max / 8).min(max.saturating_sub(1));
             let excess = self.len().saturating_sub(target);
             let from_gcra = (excess * self.gcra.len()).div_ceil(self.len().max(1));
-            evict_nearest_full(&mut self.gcra, from_gcra, now);
-            evict_nearest_full(&mut self.windows, excess - from_gcra, now);
+            evict_fewest_permits(&mut self.gcra, from_gcra, now);
+            evict_fewest_permits(&mut self.windows, excess - from_gcra, now);
         }
         self.next_sweep = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
     }
@@ -1048,13 +1040,13 @@ fn report<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>, committed:
 
 /// Drops the `count` states that give back the fewest permits at `now`
 /// ([`Stored::permits_ahead`]).
-fn evict_nearest_full<V: Stored>(map: &mut Map<V>, count: usize, now: u64) {
+fn evict_fewest_permits<V: Stored>(map: &mut Map<V>, count: usize, now: u64) {
     if count == 0 || map.is_empty() {
         return;
     }
     let drop_count = count.min(map.len());
-    let mut shares: Vec<u64> = map.values().map(|v| v.permits_ahead(now)).collect();
-    let (_, cut, _) = shares.select_nth_unstable(drop_count - 1);
+    let mut ranks: Vec<u64> = map.values().map(|v| v.permits_ahead(now)).collect();
+    let (_, cut, _) = ranks.select_nth_unstable(drop_count - 1);
     let cut = *cut;
     let mut dropped = 0;
     map.retain(|_, v| {

@@ -151,6 +151,17 @@ pub struct Band {
     pub(super) label: Option<Arc<str>>,
     pub(super) name: Name,
     pub(super) ident: u64,
+    /// See [`Band::interval_class`]: worked out once, not for each request.
+    pub(super) interval_class: u8,
+}
+
+/// The time one permit of `capacity` per `window` takes to come back, in ns, rounded down
+/// to a power of two, as that power (0 to 63).
+pub(super) fn interval_class(capacity: u64, window: Duration) -> u8 {
+    let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
+    let interval = (window / capacity.max(1)).max(1);
+    // At most 63: the nanoseconds fit in 64 bits.
+    (63 - interval.leading_zeros()) as u8
 }
 
 /// A digest of what identifies a band's counters: rule set, rule, band name, algorithm,
@@ -197,6 +208,7 @@ impl Band {
             label: None,
             name: Name::new(""),
             ident: band_ident("", "", "", Algorithm::TokenBucket, capacity, window),
+            interval_class: interval_class(capacity, window),
         })
     }
 
@@ -204,6 +216,13 @@ impl Band {
     /// band's counters by it (with the key value).
     pub fn ident(&self) -> u64 {
         self.ident
+    }
+
+    /// The time one permit takes to come back (the window divided by the capacity) in ns,
+    /// rounded down to a power of two, as that power: what the in-memory limiter ranks
+    /// buckets by when it must evict some.
+    pub(crate) fn interval_class(&self) -> u8 {
+        self.interval_class
     }
 
     /// The capacity: tokens, or requests per window.

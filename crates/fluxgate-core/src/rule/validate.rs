@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use http::Method;
 
-use super::model::band_ident;
+use super::model::{band_ident, interval_class};
 use super::{
     Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, Lease, LeaseError, LeaseSpec, MatchError,
     MatchSpec, Problem, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, WaitError,
@@ -361,6 +361,7 @@ fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -
             window: b.window,
             label: b.label.as_deref().map(Arc::from),
             ident: band_ident(rule_set, rule, &name, algorithm, b.capacity, b.window),
+            interval_class: interval_class(b.capacity, b.window),
             name,
         });
     }
