@@ -470,16 +470,12 @@ impl CheckRequest {
 /// `value`, or its digest when it is longer than the service accepts (see
 /// [`CheckRequest::from_context`]).
 fn bounded(value: &str) -> String {
-    use sha2::{Digest, Sha256};
-    use std::fmt::Write as _;
     if value.chars().count() <= MAX_VALUE {
         return value.to_owned();
     }
     let mut out = String::with_capacity(8 + 64);
     out.push_str("~sha256:");
-    for byte in Sha256::digest(value.as_bytes()) {
-        let _ = write!(out, "{byte:02x}");
-    }
+    crate::key::push_digest(&mut out, value, 32);
     out
 }
 

@@ -255,10 +255,15 @@ fn push_component(out: &mut Text, tag: &str, value: &str) {
         encode_into(out, value);
     } else {
         out.push('~');
-        let digest = Sha256::digest(value.as_bytes());
-        for b in &digest[..16] {
-            let _ = write!(out, "{b:02x}");
-        }
+        push_digest(out, value, 16);
+    }
+}
+
+/// Appends the first `bytes` bytes (at most 32) of the SHA-256 of `value`, in hexadecimal.
+pub(crate) fn push_digest(out: &mut impl std::fmt::Write, value: &str, bytes: usize) {
+    let digest = Sha256::digest(value.as_bytes());
+    for b in &digest[..bytes.min(digest.len())] {
+        let _ = write!(out, "{b:02x}");
     }
 }
 

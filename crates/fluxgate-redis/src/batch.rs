@@ -636,5 +636,9 @@ mod tests {
         assert_eq!(next_reply(&mut values, now, 3, 5).unwrap().as_slice(), [30]);
         let cut = next_reply(&mut values, now, 4, 5).unwrap_err().to_string();
         assert!(cut.contains("request 5 of 5") && cut.contains("debt"), "{cut}");
+        // A reply of several numbers cut short.
+        let mut values = vec![Value::Integer(3), Value::Integer(40)].into_iter();
+        let cut = next_reply(&mut values, now, 3, 4).unwrap_err().to_string();
+        assert!(cut.contains("request 4 of 4") && cut.contains("fewer numbers"), "{cut}");
     }
 }

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse};
+use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, MAX_WAIT_MS};
 use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
@@ -227,7 +227,7 @@ impl RateLimitHandler for RemoteHandler {
         // rather than a timeout that a failure policy would admit while the service still
         // held the request's place.
         let mut request = CheckRequest::from_context(ctx);
-        let ours = u64::try_from((self.timeout / 2).as_millis()).unwrap_or(u64::MAX);
+        let ours = wait_bound(self.timeout);
         request.max_wait_ms = Some(request.max_wait_ms.map_or(ours, |theirs| theirs.min(ours)));
         let body = match serde_json::to_vec(&request) {
             Ok(body) => body,
@@ -253,5 +253,25 @@ impl RateLimitHandler for RemoteHandler {
                 }
             })
         })
+    }
+}
+
+/// The longest wait at the service for a handler of deadline `timeout`, in ms: half of it,
+/// and no more than the service takes (a longer bound would be refused).
+fn wait_bound(timeout: Duration) -> u64 {
+    u64::try_from((timeout / 2).as_millis()).map_or(MAX_WAIT_MS, |ms| ms.min(MAX_WAIT_MS))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Half the deadline, within what the service takes, for any deadline.
+    #[test]
+    fn the_wait_bound_is_half_the_deadline_within_the_services_own() {
+        assert_eq!(wait_bound(Duration::from_millis(100)), 50);
+        assert_eq!(wait_bound(Duration::ZERO), 0);
+        assert_eq!(wait_bound(Duration::from_secs(10 * 86_400)), MAX_WAIT_MS);
+        assert_eq!(wait_bound(Duration::MAX), MAX_WAIT_MS);
     }
 }
