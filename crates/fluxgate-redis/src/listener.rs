@@ -288,6 +288,7 @@ const RETRY_MOST: Duration = Duration::from_secs(5);
 /// What the listener tries again: the reload (when the last one failed) and the
 /// subscription (when it was lost), with the wait before the next try.
 struct Retry {
+    /// When to try again, if anything is to be tried.
     at: Option<tokio::time::Instant>,
     wait: Duration,
     subscribed: bool,
@@ -304,11 +305,6 @@ impl Default for Retry {
 }
 
 impl Retry {
-    /// When to try again, if anything is to be tried.
-    fn due(&self) -> Option<tokio::time::Instant> {
-        self.at
-    }
-
     /// After a reload that succeeded or not: nothing more to try once the rules are
     /// reloaded and the channel subscribed; otherwise the next try, waiting longer.
     fn after(&mut self, reloaded: bool) {
@@ -349,7 +345,7 @@ impl Listen {
         // stays on the rules it had when a change reached it, nor deaf to the next ones.
         let mut retry = Retry::default();
         loop {
-            let due = retry.due();
+            let due = retry.at;
             let outcome = tokio::select! {
                 message = messages.recv() => match message {
                     Ok(message) if *message.channel == *self.channel => {
