@@ -33,6 +33,10 @@ enum Repeating {
 }
 
 fn repeating(kind: Repeating, n: u64) -> HeaderValue {
+    if n < values::SMALL {
+        // From the table, cheaper still.
+        return values::number(n);
+    }
     thread_local! {
         static LAST: RefCell<[Option<(u64, HeaderValue)>; 2]> = const { RefCell::new([None, None]) };
     }

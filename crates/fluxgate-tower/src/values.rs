@@ -10,7 +10,7 @@
 
 use std::cell::RefCell;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use http::HeaderValue;
 
 /// The size of a thread's chunk.
@@ -62,8 +62,35 @@ pub(crate) fn value(write: impl FnOnce(&mut ValueBuf<'_>)) -> HeaderValue {
     from_chunk.unwrap_or_else(|_| run(&mut BytesMut::new()))
 }
 
+/// The numbers below [`SMALL`] as four digits each, leading zeros included: a value of
+/// one of them is a slice of this table, with nothing written, counted or freed.
+static DIGITS: [[u8; 4]; SMALL as usize] = {
+    let mut table = [[0u8; 4]; SMALL as usize];
+    let mut n = 0;
+    while n < SMALL as usize {
+        table[n] = [
+            b'0' + (n / 1000 % 10) as u8,
+            b'0' + (n / 100 % 10) as u8,
+            b'0' + (n / 10 % 10) as u8,
+            b'0' + (n % 10) as u8,
+        ];
+        n += 1;
+    }
+    table
+};
+
+/// Numbers below this come from [`DIGITS`].
+pub(crate) const SMALL: u64 = 10_000;
+
 /// A number as a header value.
 pub(crate) fn number(n: u64) -> HeaderValue {
+    if n < SMALL {
+        let digits = &DIGITS[n as usize];
+        let skip = usize::from(n < 1000) + usize::from(n < 100) + usize::from(n < 10);
+        if let Ok(value) = HeaderValue::from_maybe_shared(Bytes::from_static(&digits[skip..])) {
+            return value;
+        }
+    }
     value(|v| v.push_u64(n))
 }
 
@@ -89,5 +116,8 @@ mod tests {
         assert_eq!(number(42), "42");
         assert_eq!(value(|v| v.push(b"a\nb")), "");
         assert_eq!(number(7), "7");
+        for n in (0..=10_001).chain([99_999, 100_000, u64::MAX]) {
+            assert_eq!(number(n).to_str().unwrap(), n.to_string());
+        }
     }
 }
