@@ -180,6 +180,64 @@ async fn an_invalid_rule_set_is_never_stored_nor_published() {
     assert_eq!(change.source.as_deref(), Some("admin"));
 }
 
+/// `api` with a second rule that waits for the refill longer than the Redis limiter can
+/// reserve exactly (its debt would pass 2^52 units): valid rules, and every band within the
+/// limiter's range, but an engine on that limiter refuses the rule set.
+fn unwaitable() -> RuleSetSpec {
+    serde_json::from_str(
+        r#"{"id": "api", "rules": [
+            {"id": "per-ip", "bands": [{"capacity": 1, "window": "1h"}]},
+            {"id": "slow", "bands": [{"capacity": 999983, "window": "1h"}],
+             "on_limit": {"wait": {"max_wait": "1h", "max_waiters": 1}}}]}"#,
+    )
+    .expect("a rule set spec")
+}
+
+/// A rule set the engines would refuse is refused by an admin that validates with the
+/// limiter or the engine; stored past such an admin, it is refused by every instance's
+/// reload, and the change then resets no bucket: the counts go on under the rules in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_the_engines_refuse_is_not_stored_and_resets_nothing() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 2)).await.expect("put");
+    let a = Instance::start(&url, &store, "refused").await;
+    let limiter = RedisLimiter::builder(&url).connect().await.expect("limiter");
+    for admin in [
+        RuleAdmin::new((*store).clone()).validate_with(limiter),
+        RuleAdmin::new((*store).clone()).validate_with_engine(a.engine.clone()),
+    ] {
+        let error = admin.put(&unwaitable()).await.unwrap_err();
+        assert!(matches!(error, AdminError::Rule(_)), "{error}");
+        assert!(error.to_string().contains("slow"), "{error}");
+    }
+    assert_eq!(store.list().await.expect("list"), [spec("api", 2)]);
+
+    assert_eq!(a.remaining("api", "192.0.2.1").await, Some(1));
+    assert_eq!(a.remaining("api", "192.0.2.1").await, Some(0));
+    // Stored by an admin that does not validate with the limiter: published, refused by
+    // the reload.
+    RuleAdmin::new((*store).clone())
+        .put(&unwaitable())
+        .await
+        .expect("stored without the limiter's check");
+    until(PROPAGATION, "the listener handled the event", || {
+        a.listener.stats().events == 1
+    })
+    .await;
+    assert_eq!(a.listener.stats().redis_resets, 0, "no reset for a refused reload");
+    assert_eq!(a.capacity("api"), Some(2), "the rules in force stay");
+    assert!(
+        !a.engine
+            .check(&ctx("api", "192.0.2.1"))
+            .await
+            .expect("decision")
+            .allowed(),
+        "the spent bucket was not refilled"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_three_message_forms_and_an_invalid_message() {
     let server = RedisServer::start();

@@ -14,7 +14,7 @@ use crate::future::MaybeReady;
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolver, Resolved};
 use crate::lease::Leases;
-use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
+use crate::limiter::{is_rule_error, validate_rule_set, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
 use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
@@ -71,6 +71,8 @@ struct Inner {
     leases: Option<Leases>,
     /// The requests waiting for the refill, per rule.
     waiters: Waiters,
+    /// The wait for the refill of rules without their own (`wait_on_limit`).
+    default_wait: Option<WaitPolicy>,
     /// The limiter's validation, handed to the provider, which holds it weakly: it
     /// applies while the engine lives.
     _check: HeldCheck,
@@ -186,8 +188,7 @@ impl EngineBuilder {
         let watch = leases.as_ref().map(Leases::watch);
         let default_wait = self.wait;
         let check: RuleCheck = Arc::new(move |set: &RuleSet| {
-            limiter.validate(set)?;
-            refuse_waits_without_reservations(&*limiter, set, default_wait)?;
+            validate_rule_set(&*limiter, set, default_wait)?;
             // The rule set is about to be swapped in: leases of rules it changes go back.
             if let Some(watch) = &watch {
                 watch.rules_changed(set);
@@ -204,6 +205,7 @@ impl EngineBuilder {
                 provider: self.provider,
                 leases,
                 waiters: Waiters::new(self.wait),
+                default_wait: self.wait,
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
                 fallback: Fallback {
                     default: self.on_failure,
@@ -253,14 +255,16 @@ impl Engine {
         }
     }
 
-    /// Checks that the engine's limiter decides every rule of `set` exactly; rule sources
-    /// call it before they swap a rule set in.
+    /// Checks that the engine's limiter decides every rule of `set` as the rule asks, as
+    /// the engine itself checks every rule set its provider loads: the bands and the waits
+    /// for the refill, the engine's default wait included (see [`validate_rule_set`]). Run
+    /// it before storing rules that this engine will load.
     ///
     /// # Errors
     ///
-    /// See [`RateLimiter::validate`].
+    /// See [`validate_rule_set`].
     pub fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
-        self.inner.limiter.validate(set)
+        validate_rule_set(&*self.inner.limiter, set, self.inner.default_wait)
     }
 
     /// Decides one request.
@@ -465,25 +469,6 @@ impl Inner {
         };
         recorder.record_backend_call(self.limiter.backend_name(), start.elapsed(), error);
     }
-}
-
-/// A rule that waits for the refill (`on_limit.wait`, or the engine's default) in a way
-/// the backend cannot ([`RateLimiter::check_wait`]): refused when the rules load, rather
-/// than never waiting.
-fn refuse_waits_without_reservations(
-    limiter: &dyn RateLimiter,
-    set: &RuleSet,
-    default: Option<WaitPolicy>,
-) -> Result<(), RuleError> {
-    for rule in set.rules() {
-        let wait = match (rule.wait(), default) {
-            (Some(policy), _) => policy,
-            (None, Some(policy)) if rule.lease().is_none() => policy,
-            _ => continue,
-        };
-        limiter.check_wait(set, rule, wait.max_wait())?;
-    }
-    Ok(())
 }
 
 impl RateLimitHandler for Engine {

@@ -3,8 +3,8 @@
 
 use std::fmt;
 
-use fluxgate_core::limiter::RateLimiter;
-use fluxgate_core::{RuleError, RuleSet, RuleSetSpec};
+use fluxgate_core::limiter::{validate_rule_set, RateLimiter};
+use fluxgate_core::{Engine, RuleError, RuleSet, RuleSetSpec};
 use fred::interfaces::PubsubInterface;
 
 use crate::changes::{RuleChange, DEFAULT_CHANGES_CHANNEL};
@@ -15,10 +15,12 @@ use crate::store::{RedisRuleSetStore, StoreError};
 /// then published as a [`RuleChange`] (JSON, with a new event id and source `admin`) on
 /// the change channel, where [`RuleChangeListener`](crate::RuleChangeListener)s reload.
 ///
-/// - A rule set is validated as rules ([`RuleSet::from_spec`]) and by every limiter given
-///   to [`validate_with`](Self::validate_with) (the Redis limiter refuses a band beyond its
-///   exact range, for example) before anything is stored: a rule set that fails is never
-///   stored, and nothing is published.
+/// - A rule set is validated as rules ([`RuleSet::from_spec`]) and by every limiter or
+///   engine given to [`validate_with`](Self::validate_with) or
+///   [`validate_with_engine`](Self::validate_with_engine) (the Redis limiter refuses a
+///   band beyond its exact range, or a wait for the refill it cannot reserve, for example)
+///   before anything is stored: a rule set that fails is never stored, and nothing is
+///   published.
 /// - Changes reset the changed rule set's buckets by default, as the original did
 ///   ([`reset_on_change`](Self::reset_on_change)); the listeners run the reset once per
 ///   change.
@@ -40,7 +42,7 @@ pub struct RuleAdmin {
     store: RedisRuleSetStore,
     channel: String,
     reset_on_change: bool,
-    limiters: Vec<Box<dyn RateLimiter>>,
+    validators: Vec<Validator>,
 }
 
 /// Why a [`RuleAdmin`] call failed.
@@ -65,13 +67,20 @@ pub enum AdminError {
     },
 }
 
+/// What a rule set is validated with before it is stored.
+#[derive(Debug)]
+enum Validator {
+    Limiter(Box<dyn RateLimiter>),
+    Engine(Engine),
+}
+
 impl fmt::Debug for RuleAdmin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RuleAdmin")
             .field("store", &self.store)
             .field("channel", &self.channel)
             .field("reset_on_change", &self.reset_on_change)
-            .field("limiters", &self.limiters)
+            .field("validators", &self.validators)
             .finish()
     }
 }
@@ -83,7 +92,7 @@ impl RuleAdmin {
             store,
             channel: DEFAULT_CHANGES_CHANNEL.to_owned(),
             reset_on_change: true,
-            limiters: Vec::new(),
+            validators: Vec::new(),
         }
     }
 
@@ -101,11 +110,24 @@ impl RuleAdmin {
         self
     }
 
-    /// Validates rule sets with this limiter's [`RateLimiter::validate`] too, before
-    /// storing them: pass the limiter the engines use.
+    /// Validates rule sets with this limiter too, before storing them: its bands and the
+    /// waits for the refill rules ask for ([`validate_rule_set`]). Pass the limiter the
+    /// engines use; when an engine has a default wait
+    /// ([`wait_on_limit`](fluxgate_core::EngineBuilder::wait_on_limit)), prefer
+    /// [`validate_with_engine`](Self::validate_with_engine), which checks it too.
     #[must_use]
     pub fn validate_with(mut self, limiter: impl RateLimiter) -> Self {
-        self.limiters.push(Box::new(limiter));
+        self.validators.push(Validator::Limiter(Box::new(limiter)));
+        self
+    }
+
+    /// Validates rule sets as `engine` checks every rule set it loads
+    /// ([`Engine::validate`]), before storing them: a rule set stored past this check
+    /// would be refused by every engine like it, and the rules in force would stay as
+    /// they were.
+    #[must_use]
+    pub fn validate_with_engine(mut self, engine: Engine) -> Self {
+        self.validators.push(Validator::Engine(engine));
         self
     }
 
@@ -123,8 +145,11 @@ impl RuleAdmin {
     /// [`AdminError::Publish`] (stored, not published).
     pub async fn put(&self, spec: &RuleSetSpec) -> Result<RuleChange, AdminError> {
         let set = RuleSet::from_spec(spec.clone())?;
-        for limiter in &self.limiters {
-            limiter.validate(&set)?;
+        for validator in &self.validators {
+            match validator {
+                Validator::Limiter(limiter) => validate_rule_set(&**limiter, &set, None)?,
+                Validator::Engine(engine) => engine.validate(&set)?,
+            }
         }
         self.store.put(spec).await?;
         self.announce(&spec.id).await

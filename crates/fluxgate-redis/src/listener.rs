@@ -423,8 +423,14 @@ impl Listen {
         tracing::info!(%change, "rule change event");
         let reloaded = self.reload(&provider).await;
         if change.reset_buckets {
-            let message = bytes.map(String::from_utf8_lossy).unwrap_or_default();
-            self.reset(&provider, &change, &message).await;
+            if reloaded {
+                let message = bytes.map(String::from_utf8_lossy).unwrap_or_default();
+                self.reset(&provider, &change, &message).await;
+            } else {
+                // The rules in force are the ones the counts were made under: a reset now
+                // would only refill them.
+                tracing::warn!(%change, "rules not reloaded: their buckets are not reset");
+            }
         }
         self.stats.events.fetch_add(1, Ordering::Relaxed);
         self.notify(&change);

@@ -141,14 +141,14 @@ impl Service {
             (Some(store), Some(url)) => {
                 let store = Arc::new(store);
                 let mut listener = RuleChangeListener::builder(provider.clone(), store.clone());
-                let mut admin = RuleAdmin::new((*store).clone());
+                // What the admin stores, this engine (and engines like it) must load.
+                let mut admin = RuleAdmin::new((*store).clone()).validate_with_engine(engine.clone());
                 if let Some(channel) = &config.store.channel {
                     listener = listener.channel(channel.clone());
                     admin = admin.channel(channel.clone());
                 }
                 if let Some(limiter) = &redis {
                     listener = listener.reset(limiter.clone());
-                    admin = admin.validate_with(limiter.clone());
                 }
                 let listener = listener.subscribe(url).await?;
                 let polling = config.store.poll_interval_ms.map(|ms| {

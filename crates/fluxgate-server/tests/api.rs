@@ -418,6 +418,20 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
         "{}",
         answer.body
     );
+    // Valid rules the service's engine refuses (a wait for the refill beyond what Redis
+    // reserves exactly): 400 naming the rule, nothing stored, the limit in force unchanged.
+    let unwaitable = json!({"id": "api", "rules": [
+        {"id": "per-ip", "bands": [{"capacity": 1, "window": "1h"}]},
+        {"id": "slow", "bands": [{"capacity": 999983, "window": "1h"}],
+         "on_limit": {"wait": {"max_wait": "1h", "max_waiters": 1}}}]});
+    let answer = admin_call(one, "PUT", "/api/rulesets/api", unwaitable.to_string()).await;
+    assert_eq!(answer.status, 400, "{}", answer.body);
+    assert!(
+        answer.json()["error"].as_str().unwrap().contains("slow"),
+        "{}",
+        answer.body
+    );
+    assert_eq!(limit(one).await, 2);
     let mismatch = json!({"id": "other", "rules": []});
     let answer = admin_call(one, "PUT", "/api/rulesets/api", mismatch.to_string()).await;
     assert_eq!((answer.status, answer.json()["field"].clone()), (400, json!("id")));

@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::decision::Bands;
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
-use crate::rule::{Rule, RuleSet};
+use crate::rule::{Rule, RuleSet, WaitPolicy};
 
 pub mod fixed_window;
 pub mod leaky_bucket;
@@ -19,6 +19,33 @@ pub mod token_bucket;
 
 pub use memory::{MemoryLimiter, MemoryLimiterBuilder};
 pub use request::{AcquireRequest, Bucket};
+
+/// Checks that `limiter` decides every rule of `set` as the rule asks: its bands
+/// ([`RateLimiter::validate`]) and, for a rule that waits for the refill, the wait
+/// ([`RateLimiter::check_wait`]): the rule's own `on_limit.wait`, or `default_wait` (an
+/// engine's [`wait_on_limit`](crate::EngineBuilder::wait_on_limit)) for a rule without a
+/// lease. An engine runs it on every rule set before swapping it in; rule stores run it
+/// before storing one, so that what they store loads.
+///
+/// # Errors
+///
+/// The first [`RuleError`] of the limiter, naming the rule set, the rule and the band.
+pub fn validate_rule_set(
+    limiter: &dyn RateLimiter,
+    set: &RuleSet,
+    default_wait: Option<WaitPolicy>,
+) -> Result<(), RuleError> {
+    limiter.validate(set)?;
+    for rule in set.rules() {
+        let wait = match (rule.wait(), default_wait) {
+            (Some(policy), _) => policy,
+            (None, Some(policy)) if rule.lease().is_none() => policy,
+            _ => continue,
+        };
+        limiter.check_wait(set, rule, wait.max_wait())?;
+    }
+    Ok(())
+}
 
 /// When a band that rejects would admit the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
