@@ -113,8 +113,12 @@ if not allowed and waits then
       local newest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
       return at, math.max(at, newest and newest + 0 or at)
     end
-    local e, e_at = window_end(w), window_end(w, at)
     local stored_end, x, y, z = fields(redis.call('GET', key) or '')
+    local e, t = current_window(w, stored_end)
+    -- With Redis's clock gone back, `at` may fall before the stored window: the place is
+    -- then taken there, from its start.
+    local e_at = math.max(window_end(w, at), e)
+    at = math.max(at, t)
     if algorithm == FIXED_WINDOW then
       local _, count, later = window_counts(stored_end, e, w, nil, x, y)
       if e_at == e and count + permits <= capacity then

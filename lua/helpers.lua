@@ -38,3 +38,16 @@ local function window_end(w, t)
   t = t or now
   return t - imod(t, w) + w
 end
+
+-- Now's window for a window state whose window ends at `stored_end` (nil: none): its end
+-- and the instant the band takes for now. Redis's clock may go back (a step of the
+-- server's clock, a failover to a replica whose clock is behind): a state whose window lies
+-- ahead of now's is never read as empty nor moved back, which would count afresh what its
+-- window already counted. Its window stays the current one, from its start.
+local function current_window(w, stored_end)
+  local e = window_end(w)
+  if stored_end and stored_end > e then
+    return stored_end, stored_end - w
+  end
+  return e, now
+end

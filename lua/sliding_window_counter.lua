@@ -12,10 +12,10 @@
 -- Band arguments: capacity, window_us, 0.
 
 local function sliding_window_counter_eval(key, permits, capacity, w)
-  local e = window_end(w)
   local stored_end, a, b, c = fields(redis.call('GET', key) or '')
+  local e, t = current_window(w, stored_end)
   local p, q, later = window_counts(stored_end, e, w, a, b, c)
-  local left = e - now
+  local left = e - t
   local full = capacity * w
   local used = p * left + q * w
   if used > full then

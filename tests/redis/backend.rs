@@ -775,6 +775,68 @@ rule_sets:
         assert!(fluxgate::redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
     }
 
+    /// Redis's clock may go back (a step of the server's clock, a failover to a replica
+    /// whose clock is behind): a window state then lies ahead of now's window. It keeps
+    /// counting, neither read as empty nor moved back to an earlier window.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_window_state_ahead_of_redis_clock_keeps_its_counts() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let limiter = fluxgate::redis::RedisLimiter::builder(redis.url())
+            .prefix("clockback")
+            .deny_cache(false)
+            .timeout(std::time::Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("the test server takes connections");
+        let engine = Engine::builder(rules(
+            "rule_sets:\n  - id: default\n    rules:\n      \
+             - { id: fw, algorithm: fixed_window, bands: [{ capacity: 3, window: 1h }] }\n      \
+             - { id: swc, algorithm: sliding_window_counter, bands: [{ capacity: 3, window: 1h }] }\n",
+        ))
+        .limiter(limiter)
+        .build()
+        .expect("Redis decides every rule");
+        let time = redis.server().cli(&["TIME"]);
+        let mut time = time.lines().map(|l| l.trim().parse::<u64>().expect("TIME"));
+        let now = time.next().expect("seconds") * 1_000_000 + time.next().expect("microseconds");
+        let w = 3_600_000_000u64;
+        // The state as a clock one window ahead left it: the window after now's, full.
+        let ahead = now - now % w + 2 * w;
+        let (fw, swc) = (
+            "clockback:{default:fw:ip=192.0.2.50}:b0:3/1h:fw",
+            "clockback:{default:swc:ip=192.0.2.50}:b0:3/1h:swc",
+        );
+        let (fw_state, swc_state) = (format!("{ahead}:3"), format!("{ahead}:0:3"));
+        redis.server().cli(&["SET", fw, &fw_state, "PX", "86400000"]);
+        redis.server().cli(&["SET", swc, &swc_state, "PX", "86400000"]);
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.50".parse().unwrap())
+            .build();
+        for _ in 0..3 {
+            let d = check(&engine, &ctx).await;
+            assert!(!d.allowed());
+            for band in &d.bands {
+                assert!(!band.allowed, "{}: admitted from a state ahead of the clock", band.rule);
+                assert_eq!(band.remaining, 0, "{}", band.rule);
+            }
+        }
+        assert_eq!(redis.server().cli(&["GET", fw]).trim(), fw_state);
+        assert_eq!(redis.server().cli(&["GET", swc]).trim(), swc_state);
+
+        // A state with room left counts on in its own window, not in an earlier one.
+        redis
+            .server()
+            .cli(&["SET", fw, &format!("{ahead}:1"), "PX", "86400000"]);
+        redis
+            .server()
+            .cli(&["SET", swc, &format!("{ahead}:0:1"), "PX", "86400000"]);
+        let d = check(&engine, &ctx).await;
+        assert!(d.allowed());
+        assert_eq!(d.remaining(), Some(1));
+        assert_eq!(redis.server().cli(&["GET", fw]).trim(), format!("{ahead}:2"));
+        assert_eq!(redis.server().cli(&["GET", swc]).trim(), format!("{ahead}:0:2"));
+    }
+
     /// Two instances holding two versions of a token-bucket rule at once (a rolling change,
     /// a file each instance polls, an instance whose reload failed) share the rule's key:
     /// neither refills the other's band, whichever script decides. Each version counts
