@@ -6,9 +6,10 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use fred::error::ErrorKind;
-use fred::interfaces::LuaInterface;
+use fred::interfaces::{ClientLike, LuaInterface};
+use fred::types::config::Options;
 use fred::types::scripts::Script;
-use fred::types::{Key, Value};
+use fred::types::{ClusterHash, CustomCommand, Key, Value};
 
 use crate::connection::Connection;
 use crate::error::RedisError;
@@ -260,25 +261,53 @@ impl Scripts {
     ///
     /// # Errors
     ///
-    /// As [`Scripts::run`], and [`RedisError::Reply`] for a reply of the wrong shape.
+    /// As [`Scripts::run_once`], and [`RedisError::Reply`] for a reply of the wrong shape.
     pub(crate) async fn refund(&self, keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
         let bands = keys.len();
-        let reply = self.run(&self.refund, keys, args.into_argv()).await?;
+        let reply = self.run_once(&self.refund, keys, args.into_argv()).await?;
         RefundReply::decode(reply, bands)
     }
 
     /// Runs `script` with `EVALSHA` within the deadline; after `NOSCRIPT` (a restart, a
     /// failover, `SCRIPT FLUSH`) loads it and tries again, within the same deadline.
     ///
+    /// The call is written at most once: the scripts run this way (refunds) must not run
+    /// twice. fred writes a command again on a new connection
+    /// when the one it was written on drops before the reply, unless the command's
+    /// attempts are used up; a refund run again would give the same permits back a second
+    /// time, freeing what others have taken since. A refund whose connection drops fails
+    /// instead, which leaves its permits taken.
+    ///
     /// # Errors
     ///
-    /// [`RedisError::Command`] when Redis fails the call, [`RedisError::Timeout`] when it
-    /// does not answer in time.
-    async fn run(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
-        // fred's future is large: boxed once here, the futures around it (the deadline, the
-        // decision, the limiter's) stay small, and moving them copies a pointer instead of
-        // kilobytes.
-        let call = Box::pin(script.evalsha_with_reload(self.connection.next(), keys, args));
+    /// [`RedisError::Command`] when Redis fails the call (the connection dropped after the
+    /// call was written among them), [`RedisError::Timeout`] when it does not answer in
+    /// time.
+    async fn run_once(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
+        let client = self.connection.next();
+        let once = client.with_options(&Options {
+            max_attempts: Some(1),
+            ..Options::default()
+        });
+        // `EVALSHA` as a command of its own, which takes the options (fred's scripting
+        // interface does not), sent to its first key's slot, as `EVALSHA` is.
+        let slot = keys.first().map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
+        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        let mut argv = Vec::with_capacity(2 + keys.len() + args.len());
+        argv.push(Value::from(script.sha1().clone()));
+        argv.push(Value::Integer(i64::try_from(keys.len()).unwrap_or(i64::MAX)));
+        argv.extend(keys.into_iter().map(Value::from));
+        argv.extend(args);
+        let call = Box::pin(async move {
+            match once.custom::<Vec<i64>, Value>(evalsha.clone(), argv.clone()).await {
+                // Redis ran nothing: the script is loaded and the call made again.
+                Err(e) if e.details().starts_with("NOSCRIPT") => {
+                    script.load(client).await?;
+                    once.custom(evalsha, argv).await
+                }
+                result => result,
+            }
+        });
         self.connection.within_deadline(call).await
     }
 }
