@@ -48,6 +48,13 @@ pub enum RuleError {
         /// What is out of range, the limit, and how to fix it.
         message: String,
     },
+    /// A rate-limit service cannot decide the rules of a request (its answer `500` with
+    /// its error): a configuration error at the service, reported by a client of it.
+    #[error("the rate-limit service cannot decide the request's rules: {message}")]
+    Service {
+        /// The service's error.
+        message: String,
+    },
     /// An error in a rule file.
     #[error("rule file `{}`: {source}", path.display())]
     File {

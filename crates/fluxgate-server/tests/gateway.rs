@@ -222,3 +222,66 @@ async fn the_services_no_is_a_429_with_the_headers_and_a_service_down_follows_th
     let head = get_head(closed, "/api/hello").await;
     assert!(head.starts_with("http/1.1 503"), "fail closed: {head}");
 }
+
+/// A limiter that cannot decide any rule it is given, found when a request comes (as a
+/// rule set an engine never validated is): a configuration error.
+#[derive(Debug)]
+struct CannotDecide;
+
+impl fluxgate_core::RateLimiter for CannotDecide {
+    fn acquire(
+        &self,
+        request: &fluxgate_core::limiter::AcquireRequest,
+    ) -> fluxgate_core::MaybeReady<Result<fluxgate_core::limiter::AcquireOutcome, fluxgate_core::BoxError>> {
+        let rule = &request.rule_set().rules()[0];
+        fluxgate_core::MaybeReady::ready(Err(Box::new(fluxgate_core::RuleError::Unsupported {
+            backend: "test",
+            rule_set: request.rule_set().id().to_string(),
+            rule: rule.id().to_string(),
+            band: "b0".to_owned(),
+            message: "no rule is decided here".to_owned(),
+        })))
+    }
+}
+
+/// The service's 500 for a rule it cannot decide is a configuration error at the gateway
+/// too: refused whatever the failure policy (never admitted uncounted by `fail_open`), and
+/// no failure of the service, so the circuit stays closed for the requests it decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_the_service_cannot_decide_is_refused_whatever_the_policy() {
+    let rules = fluxgate_core::RuleSets::from_yaml_str(
+        "rule_sets: [{id: default, rules: [{id: broken, match: {paths: [\"/api/**\"]}, bands: [{capacity: 5, window: 1h}]}]}]",
+    )
+    .unwrap();
+    let engine = fluxgate_core::Engine::builder(fluxgate_core::StaticRuleSetProvider::new(rules))
+        .limiter(CannotDecide)
+        .build()
+        .expect("the engine is built: the limiter validates nothing");
+    let state = std::sync::Arc::new(fluxgate_server::AppState {
+        engine,
+        redis: None,
+        admin: None,
+        admin_token: None,
+        max_batch: 100,
+        max_body_bytes: 64 * 1024,
+        metrics: None,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let service_addr = listener.local_addr().unwrap();
+    let service = fluxgate_server::router(state);
+    tokio::spawn(async move { axum::serve(listener, service).await.unwrap() });
+
+    for policy in [FailurePolicy::FailOpen, FailurePolicy::FailClosed] {
+        let gateway = gateway(service_addr, policy).await;
+        // More than the breaker's failures in a row, each refused as misconfigured: not
+        // admitted by fail_open, not a 503 of fail_closed.
+        for _ in 0..5 {
+            let head = get_head(gateway, "/api/hello").await;
+            assert!(head.starts_with("http/1.1 500"), "{policy:?}: {head}");
+        }
+        // A request without a rule is still decided by the service and routed (an open
+        // circuit would answer 503 with fail_closed).
+        let head = get_head(gateway, "/hello").await;
+        assert!(head.starts_with("http/1.1 404"), "{policy:?}: {head}");
+    }
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, MAX_WAIT_MS};
-use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext};
+use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext, RuleError};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -23,9 +23,11 @@ const MAX_ANSWER: usize = 1024 * 1024;
 /// pooled keep-alive HTTP/1.1 client, within a deadline.
 ///
 /// The service answers with the decision and every band, so the layer writes the same
-/// headers as with a local engine. Any failure (the deadline, a refused connection, an
-/// answer other than 200, an answer that is not a decision) is
-/// [`Error::Backend`]: wrap the handler in a
+/// headers as with a local engine. The service's own errors are no failure of it: its `400`
+/// (a value beyond its bounds) is [`Error::Refused`] and its `500` (a rule it cannot
+/// decide) [`Error::Rule`], both refused whatever the failure policy. Any failure (the
+/// deadline, a refused connection, another answer than 200, an answer that is not a
+/// decision, a 400 or 500 without the service's error) is [`Error::Backend`]: wrap the handler in a
 /// [`CircuitBreaker`](fluxgate_core::CircuitBreaker) to stop waiting for a service that is
 /// down, and choose with the layer's `on_error` what such a failure means (fail open, or
 /// answer 503), as for the Redis backend.
@@ -98,6 +100,10 @@ pub enum RemoteError {
     /// the service's error (a value beyond its bounds). Not a failure of the service.
     #[error("the rate-limit service refused the request: {0}")]
     Refused(String),
+    /// The service cannot decide the request's rules: a `500` whose body is the service's
+    /// error (a configuration error at the service). Not a failure of the service either.
+    #[error("the rate-limit service cannot decide the request's rules: {0}")]
+    Misconfigured(String),
 }
 
 impl fmt::Debug for RemoteHandler {
@@ -169,11 +175,16 @@ impl RemoteHandler {
             .await
             .map_err(|e| RemoteError::Http(e.to_string()))?
             .to_bytes();
-        if status == StatusCode::BAD_REQUEST {
-            // The service's error names what it refused; a 400 of anything else on the way
-            // (a proxy, a wrong base path) is a failure of the service, for `on_error`.
+        if status == StatusCode::BAD_REQUEST || status == StatusCode::INTERNAL_SERVER_ERROR {
+            // The service's error names what it refused, or the rule it cannot decide; a 400
+            // or 500 of anything else on the way (a proxy, a wrong base path) is a failure
+            // of the service, for `on_error`.
             if let Ok(error) = serde_json::from_slice::<ApiError>(&body) {
-                return Err(RemoteError::Refused(error.to_string()));
+                return Err(if status == StatusCode::BAD_REQUEST {
+                    RemoteError::Refused(error.to_string())
+                } else {
+                    RemoteError::Misconfigured(error.to_string())
+                });
             }
         }
         if status != StatusCode::OK {
@@ -247,6 +258,9 @@ impl RateLimitHandler for RemoteHandler {
                     tracing::warn!(answer = %message, "the rate-limit service refused to decide a request");
                     Error::Refused(message)
                 }
+                // A configuration error at the service: refused whatever the failure
+                // policy, as a rule this engine could not decide would be.
+                RemoteError::Misconfigured(message) => Error::Rule(RuleError::Service { message }),
                 error => {
                     tracing::warn!(%error, "rate-limit service failed");
                     Error::Backend(Box::new(error))
