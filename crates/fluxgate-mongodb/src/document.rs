@@ -28,7 +28,8 @@
 //! (`{ "wait": { "maxWait": "500ms", "maxWaiters": 100 } }`). Other fields (`_class`, timestamps, …) are ignored.
 //!
 //! Numbers may be BSON int32, int64 or double; a double must be integral, except in
-//! `windowSeconds`, where it gives a fraction of a second (`0.5` is 500 ms). A band's
+//! `windowSeconds`, where it gives a fraction of a second in whole milliseconds (`0.5` is
+//! 500 ms; `1.0005` is refused, as every window with a fraction of a millisecond). A band's
 //! window is one of `windowSeconds`, `windowMillis` (an integer) or `window` (a string of
 //! the rule files, such as `"500ms"` or `"1m"`).
 //!

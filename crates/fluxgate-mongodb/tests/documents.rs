@@ -496,6 +496,12 @@ fn an_invalid_rule_names_the_document_rule_set_rule_and_field() {
             r#"document {ruleSetId: "api", id: "r"}: rule set `api`, rule `r`, field `bands[0].windowSeconds`: band 1: window is shorter than 1ms; a window must be at least 1ms"#,
         ),
         (
+            // Named `1s` in a backend's keys and in the rules written back, it would be
+            // taken for a window of one second.
+            band(doc! { "windowSeconds": 1.0005, "capacity": 10 }),
+            r#"document {ruleSetId: "api", id: "r"}: rule set `api`, rule `r`, field `bands[0].windowSeconds`: band 1: window has a fraction of a millisecond; a window is a whole number of milliseconds"#,
+        ),
+        (
             band(doc! { "windowMillis": 0, "capacity": 10 }),
             r#"document {ruleSetId: "api", id: "r"}: rule set `api`, rule `r`, field `bands[0].windowMillis`: band 1: window is 0; a window must be at least 1ms"#,
         ),
@@ -685,7 +691,7 @@ fn what_cannot_be_written_is_refused() {
     );
     assert_eq!(
         rule_set_to_documents(&fraction).unwrap_err().to_string(),
-        "rule set `api`, rule `r`, band 1: the window 1.5ms is not a whole number of milliseconds and cannot be stored exactly"
+        "rule set `api`, rule `r`, field `bands[0].window`: band 1: window has a fraction of a millisecond; a window is a whole number of milliseconds"
     );
 }
 

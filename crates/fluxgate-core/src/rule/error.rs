@@ -322,7 +322,7 @@ impl WaitError {
 }
 
 /// Why a band's capacity or window is out of range: a capacity is 1 to [`MAX_CAPACITY`],
-/// a window 1ms to [`MAX_WINDOW`](super::MAX_WINDOW).
+/// a window a whole number of milliseconds from 1ms to [`MAX_WINDOW`](super::MAX_WINDOW).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum BandRangeError {
@@ -341,6 +341,10 @@ pub enum BandRangeError {
     /// The window is longer than [`MAX_WINDOW`](super::MAX_WINDOW).
     #[error("window is longer than ten years")]
     WindowTooLong,
+    /// The window has a fraction of a millisecond: the rules' format and the names of
+    /// bands in a backend's keys count whole milliseconds.
+    #[error("window has a fraction of a millisecond; a window is a whole number of milliseconds")]
+    WindowFraction,
 }
 
 impl BandRangeError {
@@ -348,7 +352,7 @@ impl BandRangeError {
     pub fn field(self) -> &'static str {
         match self {
             Self::CapacityZero | Self::CapacityTooLarge => "capacity",
-            Self::WindowZero | Self::WindowTooShort | Self::WindowTooLong => "window",
+            Self::WindowZero | Self::WindowTooShort | Self::WindowTooLong | Self::WindowFraction => "window",
         }
     }
 }

@@ -82,6 +82,17 @@ fn errors_carry_the_typed_problem_at_its_field() {
             })
         )
     );
+    let fraction = vec![BandSpec::new(1, Duration::from_micros(1_000_500))];
+    assert_eq!(
+        invalid(fraction, |_| {}),
+        (
+            "bands[0].window".to_owned(),
+            Problem::Band(BandError::OutOfRange {
+                index: 0,
+                error: BandRangeError::WindowFraction
+            })
+        )
+    );
     let one = || vec![BandSpec::new(1, Duration::from_secs(1))];
     assert_eq!(
         invalid(one(), |s| s.matcher.methods = vec!["GET".into(), "GE T".into()]),

@@ -368,7 +368,8 @@ fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -
     Ok(bands)
 }
 
-/// A band's capacity (1 to [`MAX_CAPACITY`]) and window (1ms to [`MAX_WINDOW`]).
+/// A band's capacity (1 to [`MAX_CAPACITY`]) and window (whole milliseconds, 1ms to
+/// [`MAX_WINDOW`]).
 pub(super) fn validate_band(capacity: u64, window: Duration) -> Result<(), BandRangeError> {
     if capacity == 0 {
         return Err(BandRangeError::CapacityZero);
@@ -384,6 +385,11 @@ pub(super) fn validate_band(capacity: u64, window: Duration) -> Result<(), BandR
     }
     if window > MAX_WINDOW {
         return Err(BandRangeError::WindowTooLong);
+    }
+    if window.subsec_nanos() % 1_000_000 != 0 {
+        // Written back as whole milliseconds (`format_duration`), such a window would name
+        // the same band as another window, in a backend's keys and in the rules stored.
+        return Err(BandRangeError::WindowFraction);
     }
     Ok(())
 }
