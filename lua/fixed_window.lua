@@ -9,26 +9,26 @@
 
 local function fixed_window_eval(key, permits, capacity, w)
   local stored_end, stored, stored_later = fields(redis.call('GET', key) or '')
-  local e, t = current_window(w, stored_end)
+  local e = current_window(w, stored_end)
   local _, count, later = window_counts(stored_end, e, w, nil, stored, stored_later)
   if count > capacity then
     count = capacity
   end
   local rem, reset = capacity - count, 0
   if count > 0 then
-    reset = e - t
+    reset = e - now
   end
   if permits > capacity then
     return false, -1, rem, reset, rem, reset
   end
   if count + permits > capacity then
-    return false, math.max(e - t, 1), rem, reset, rem, reset
+    return false, math.max(e - now, 1), rem, reset, rem, reset
   end
   count = count + permits
   if later > 0 then
-    return string.format('%.0f:%.0f:%.0f', e, count, later), 0, rem, reset, capacity - count, e - t, e + w
+    return string.format('%.0f:%.0f:%.0f', e, count, later), 0, rem, reset, capacity - count, e - now, e + w
   end
-  return string.format('%.0f:%.0f', e, count), 0, rem, reset, capacity - count, e - t, e
+  return string.format('%.0f:%.0f', e, count), 0, rem, reset, capacity - count, e - now, e
 end
 
 -- `last`: the end of the last window the state counts.

@@ -15,7 +15,9 @@ local function sliding_window_counter_eval(key, permits, capacity, w)
   local stored_end, a, b, c = fields(redis.call('GET', key) or '')
   local e, t = current_window(w, stored_end)
   local p, q, later = window_counts(stored_end, e, w, a, b, c)
-  local left = e - t
+  -- `left` weighs the previous window as of the band's instant; the figures reported are
+  -- counted from now, `ahead` earlier when Redis's clock has gone back behind the state.
+  local left, ahead = e - t, t - now
   local full = capacity * w
   local used = p * left + q * w
   if used > full then
@@ -23,11 +25,11 @@ local function sliding_window_counter_eval(key, permits, capacity, w)
   end
   local function reset(current)
     if later > 0 then
-      return left + 2 * w
+      return ahead + left + 2 * w
     elseif current > 0 then
-      return left + w
+      return ahead + left + w
     elseif p > 0 then
-      return left
+      return ahead + left
     end
     return 0
   end
@@ -38,7 +40,7 @@ local function sliding_window_counter_eval(key, permits, capacity, w)
   if later > 0 and q + permits + later > capacity then
     -- Requests wait for the next window: none may take a place now that would leave them
     -- over the capacity there.
-    return false, math.max(left, 1), rem, reset_now, rem, reset_now
+    return false, math.max(ahead + left, 1), rem, reset_now, rem, reset_now
   end
   if used + permits * w > full then
     -- Without other traffic the estimate only falls: the first instant it admits.
@@ -48,7 +50,7 @@ local function sliding_window_counter_eval(key, permits, capacity, w)
     else
       wait = left + w - math.min(idiv((capacity - permits) * w, q), w)
     end
-    return false, math.max(wait, 1), rem, reset_now, rem, reset_now
+    return false, math.max(ahead + wait, 1), rem, reset_now, rem, reset_now
   end
   local rem_after, reset_after = idiv(full - used - permits * w, w), reset(q + permits)
   if later > 0 then

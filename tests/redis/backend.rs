@@ -818,6 +818,13 @@ rule_sets:
             for band in &d.bands {
                 assert!(!band.allowed, "{}: admitted from a state ahead of the clock", band.rule);
                 assert_eq!(band.remaining, 0, "{}", band.rule);
+                // Counted on Redis's clock: the stored window ends more than an hour ahead.
+                assert!(
+                    band.reset_after > std::time::Duration::from_secs(3_600),
+                    "{}: {:?}",
+                    band.rule,
+                    band.reset_after
+                );
             }
         }
         assert_eq!(redis.server().cli(&["GET", fw]).trim(), fw_state);
