@@ -159,7 +159,7 @@ mod refunds {
     use std::process::Command;
     use std::time::Duration;
 
-    use fluxgate::core::{Engine, RequestContext};
+    use fluxgate::core::{Engine, FailurePolicy, RequestContext};
     use fluxgate::redis::RedisLimiter;
 
     use crate::support::app::rules;
@@ -440,5 +440,132 @@ rule_sets:
             took < Duration::from_millis(1_800),
             "the refunds took {took:?}: they ran one after the other"
         );
+    }
+
+    /// A refund to a slot that has moved to another node since the client last learnt the
+    /// slots (a resharding; the node answers `MOVED`, having run nothing) is made there:
+    /// the rejected request consumes nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refund_follows_a_slot_that_moved() {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("moved")
+            .timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .unwrap();
+        let engine = Engine::builder(rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 2, window: 1h }]
+      - id: per-user
+        scope: user
+        bands: [{ capacity: 100, window: 1h }]
+"#,
+        ))
+        .limiter(limiter)
+        .build()
+        .unwrap();
+        let at = |ip: &str| {
+            RequestContext::builder()
+                .client_ip(ip.parse().unwrap())
+                .user_id("alice")
+                .build()
+        };
+        let user_key = "moved:{default:per-user:user=alice}";
+        let slot = fred::util::redis_keyslot(user_key.as_bytes());
+        assert_ne!(
+            slot,
+            fred::util::redis_keyslot(b"moved:{default:per-ip:ip=192.0.2.44}"),
+            "the two rules in two slots"
+        );
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+
+        // The per-user slot moves to another node, its key with it.
+        let source = cluster.node_of_slot(slot);
+        let target = cluster.nodes.iter().find(|n| n.port() != source.port()).unwrap();
+        let (source_id, target_id) = (
+            source.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
+            target.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
+        );
+        let s = slot.to_string();
+        assert_eq!(
+            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
+            "OK"
+        );
+        assert_eq!(
+            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
+            "OK"
+        );
+        let port = target.port().to_string();
+        let out = source.cli(&["MIGRATE", "127.0.0.1", &port, user_key, "0", "5000"]);
+        assert_eq!(out.trim(), "OK", "{out}");
+        for node in &cluster.nodes {
+            assert_eq!(node.cli(&["CLUSTER", "SETSLOT", &s, "NODE", &target_id]).trim(), "OK");
+        }
+
+        // Rejected by per-ip: per-user's permit goes back, wherever its slot now is.
+        let d = check(&engine, &at("192.0.2.44")).await;
+        assert!(!d.allowed());
+        let user = |d: &fluxgate::core::Decision| d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining;
+        assert_eq!(user(&d), 98, "the per-user slot was refunded");
+        assert_eq!(user(&check(&engine, &at("192.0.2.45")).await), 97);
+    }
+
+    /// A slot that fails does not overturn another slot's rejection: the request is
+    /// rejected, and a `fail_open` policy does not admit it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rejection_stands_when_another_slot_fails() {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("partial")
+            .timeout(Duration::from_millis(100))
+            .connect()
+            .await
+            .unwrap();
+        let engine = Engine::builder(rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 1, window: 1h }]
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000, window: 1h }]
+"#,
+        ))
+        .limiter(limiter)
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+        // An address whose per-IP key is on another node than the global rule's.
+        let global_node = cluster.node_of_key("partial:{default:global:global}");
+        let ip = (1..=250)
+            .map(|i| format!("192.0.2.{i}"))
+            .find(|ip| {
+                cluster
+                    .node_of_key(&format!("partial:{{default:per-ip:ip={ip}}}"))
+                    .port()
+                    != global_node.port()
+            })
+            .unwrap();
+        let ctx = RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        assert!(check(&engine, &ctx).await.allowed());
+        assert!(!check(&engine, &ctx).await.allowed(), "per-ip's one permit is spent");
+        // The global rule's node stops answering writes; the per-IP node still rejects.
+        pause_writes(global_node, 3_000);
+        for _ in 0..5 {
+            let d = check(&engine, &ctx).await;
+            assert!(!d.allowed(), "admitted while a healthy slot rejects: {d:?}");
+            assert_eq!(d.rule().map(|r| &**r), Some("per-ip"));
+            assert!(!d.failed_open && !d.degraded);
+        }
     }
 }

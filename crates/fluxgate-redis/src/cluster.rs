@@ -17,7 +17,8 @@ use crate::script::Scripts;
 ///
 /// # Errors
 ///
-/// The error of a slot that failed, after the other slots' refunds.
+/// The error of a slot that failed, after the other slots' refunds, unless a slot that
+/// answered rejects the request: it is then rejected.
 pub(crate) async fn decide_across_slots(
     scripts: Arc<Scripts>,
     calls: Vec<Call>,
@@ -66,7 +67,21 @@ pub(crate) async fn decide_across_slots(
         Err(error) => tracing::warn!(%error, "rate-limit refund failed: a rejected request's consumption stays"),
     }
     if let Some(e) = failure {
-        return Err(e);
+        // A slot that answered rejects the request: the request is rejected, whatever the
+        // failed slot would have said, and no failure policy gets to admit it. The failed
+        // slot's bands, of which nothing is known, are reported full and never binding.
+        if !answered().any(|r| !r.allowed) {
+            return Err(e);
+        }
+        tracing::warn!(error = %e, "a hash slot failed; another slot's rejection decides the request");
+        for (position, (_, band)) in request.bands().enumerate() {
+            per_band[position].get_or_insert(BandReply {
+                allowed: true,
+                remaining: band.capacity(),
+                reset_after: std::time::Duration::ZERO,
+                wait: fluxgate_core::limiter::Wait::None,
+            });
+        }
     }
     if let Some(position) = per_band.iter().position(Option::is_none) {
         return Err(RedisError::Reply(format!("no reply for band {position}")));

@@ -261,38 +261,46 @@ impl Scripts {
     ///
     /// # Errors
     ///
-    /// As [`Scripts::run_once`], and [`RedisError::Reply`] for a reply of the wrong shape.
+    /// As [`Scripts::run_refund`], and [`RedisError::Reply`] for a reply of the wrong shape.
     pub(crate) async fn refund(&self, keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
         let bands = keys.len();
-        let reply = self.run_once(&self.refund, keys, args.into_argv()).await?;
+        let reply = self.run_refund(&self.refund, keys, args.into_argv()).await?;
         RefundReply::decode(reply, bands)
     }
 
     /// Runs `script` with `EVALSHA` within the deadline; after `NOSCRIPT` (a restart, a
     /// failover, `SCRIPT FLUSH`) loads it and tries again, within the same deadline.
     ///
-    /// The call is written at most once: the scripts run this way (refunds) must not run
-    /// twice. fred writes a command again on a new connection
-    /// when the one it was written on drops before the reply, unless the command's
-    /// attempts are used up; a refund run again would give the same permits back a second
-    /// time, freeing what others have taken since. A refund whose connection drops fails
-    /// instead, which leaves its permits taken.
+    /// Off a cluster the call is written at most once: the scripts run this way (refunds)
+    /// must not run twice. fred writes a command again on a new connection when the one it
+    /// was written on drops before the reply, unless the command's attempts are used up; a
+    /// refund run again would give the same permits back a second time, freeing what
+    /// others have taken since. A refund whose connection drops fails instead, which
+    /// leaves its permits taken. On a cluster fred's attempts also follow `MOVED` and
+    /// `ASK` (a slot migrated or being migrated, Redis having run nothing), so the call
+    /// keeps them there: a refund that a slot migration redirects is made, and one whose
+    /// connection drops after Redis ran it may run again (docs/redis.md).
     ///
     /// # Errors
     ///
     /// [`RedisError::Command`] when Redis fails the call (the connection dropped after the
     /// call was written among them), [`RedisError::Timeout`] when it does not answer in
     /// time.
-    async fn run_once(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
+    async fn run_refund(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
         let client = self.connection.next();
+        if self.connection.is_cluster() {
+            // fred's script interface: its attempts follow redirections. Boxed once here:
+            // fred's future is large, and the futures around it stay small.
+            let call = Box::pin(script.evalsha_with_reload(client, keys, args));
+            return self.connection.within_deadline(call).await;
+        }
         let once = client.with_options(&Options {
             max_attempts: Some(1),
             ..Options::default()
         });
         // `EVALSHA` as a command of its own, which takes the options (fred's scripting
-        // interface does not), sent to its first key's slot, as `EVALSHA` is.
-        let slot = keys.first().map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
-        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Custom(slot), false);
+        // interface does not); off a cluster, no slot to hash.
+        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Random, false);
         let mut argv = Vec::with_capacity(2 + keys.len() + args.len());
         argv.push(Value::from(script.sha1().clone()));
         argv.push(Value::Integer(i64::try_from(keys.len()).unwrap_or(i64::MAX)));
