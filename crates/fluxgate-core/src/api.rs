@@ -46,6 +46,11 @@ pub const MAX_ATTRIBUTES: usize = 64;
 /// The longest `maxWaitMs` accepted: a day.
 pub const MAX_WAIT_MS: u64 = 86_400_000;
 
+/// The header the service puts on each of its error answers (value `1`), so that a client
+/// tells them from the errors of whatever else is on the way (a proxy's `500`, a wrong
+/// base path).
+pub const ERROR_HEADER: &str = "x-fluxgate-error";
+
 /// One request to decide.
 ///
 /// Read from a JSON object only (not from an array of fields by position); fields it does

@@ -72,6 +72,10 @@ pub(crate) struct Failure(StatusCode, ApiError);
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
         let mut response = (self.0, Json(self.1)).into_response();
+        response.headers_mut().insert(
+            header::HeaderName::from_static(fluxgate_core::api::ERROR_HEADER),
+            HeaderValue::from_static("1"),
+        );
         if self.0 == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, MAX_WAIT_MS};
+use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, ERROR_HEADER, MAX_WAIT_MS};
 use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext, RuleError};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
@@ -25,7 +25,8 @@ const MAX_ANSWER: usize = 1024 * 1024;
 /// The service answers with the decision and every band, so the layer writes the same
 /// headers as with a local engine. The service's own errors are no failure of it: its `400`
 /// (a value beyond its bounds) is [`Error::Refused`] and its `500` (a rule it cannot
-/// decide) [`Error::Rule`], both refused whatever the failure policy. Any failure (the
+/// decide, marked with its [`ERROR_HEADER`]) [`Error::Rule`], both refused whatever the
+/// failure policy. Any failure (the
 /// deadline, a refused connection, another answer than 200, an answer that is not a
 /// decision, a 400 or 500 without the service's error) is [`Error::Backend`]: wrap the handler in a
 /// [`CircuitBreaker`](fluxgate_core::CircuitBreaker) to stop waiting for a service that is
@@ -101,7 +102,8 @@ pub enum RemoteError {
     #[error("the rate-limit service refused the request: {0}")]
     Refused(String),
     /// The service cannot decide the request's rules: a `500` whose body is the service's
-    /// error (a configuration error at the service). Not a failure of the service either.
+    /// error, marked with its [`ERROR_HEADER`] (a configuration error at the service). Not a
+    /// failure of the service either.
     #[error("the rate-limit service cannot decide the request's rules: {0}")]
     Misconfigured(String),
 }
@@ -170,15 +172,16 @@ impl RemoteHandler {
             .await
             .map_err(|e| RemoteError::Http(e.to_string()))?;
         let status = response.status();
+        let marked = response.headers().contains_key(ERROR_HEADER);
         let body = Limited::new(response.into_body(), MAX_ANSWER)
             .collect()
             .await
             .map_err(|e| RemoteError::Http(e.to_string()))?
             .to_bytes();
-        if status == StatusCode::BAD_REQUEST || status == StatusCode::INTERNAL_SERVER_ERROR {
-            // The service's error names what it refused, or the rule it cannot decide; a 400
-            // or 500 of anything else on the way (a proxy, a wrong base path) is a failure
-            // of the service, for `on_error`.
+        // The service's error names what it refused (400), or the rule it cannot decide
+        // (500, marked as the service's own); a 400 or 500 of anything else on the way (a
+        // proxy, a wrong base path) is a failure of the service, for `on_error`.
+        if status == StatusCode::BAD_REQUEST || (status == StatusCode::INTERNAL_SERVER_ERROR && marked) {
             if let Ok(error) = serde_json::from_slice::<ApiError>(&body) {
                 return Err(if status == StatusCode::BAD_REQUEST {
                     RemoteError::Refused(error.to_string())
