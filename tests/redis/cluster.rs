@@ -568,4 +568,61 @@ rule_sets:
             assert!(!d.failed_open && !d.degraded);
         }
     }
+
+    /// A request that another slot rejects while a slot fails is no evidence that the
+    /// backend is healthy: as the circuit breaker's probe, it does not close the circuit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rejection_across_a_failed_slot_does_not_close_the_circuit() {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("probe")
+            .timeout(Duration::from_millis(100))
+            .connect()
+            .await
+            .unwrap();
+        let breaker = std::sync::Arc::new(
+            fluxgate::core::CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(Duration::from_millis(50)),
+        );
+        let engine = Engine::builder(rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 1, window: 1h }]
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000, window: 1h }]
+"#,
+        ))
+        .limiter(breaker.clone())
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+        let global_node = cluster.node_of_key("probe:{default:global:global}");
+        let ips: Vec<String> = (1..=250)
+            .map(|i| format!("192.0.2.{i}"))
+            .filter(|ip| cluster.node_of_key(&format!("probe:{{default:per-ip:ip={ip}}}")).port() != global_node.port())
+            .take(2)
+            .collect();
+        let ctx = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        assert!(check(&engine, &ctx(&ips[0])).await.allowed());
+        assert!(!check(&engine, &ctx(&ips[0])).await.allowed());
+        pause_writes(global_node, 3_000);
+        // A fresh address: per-ip admits, the global rule's slot fails: the circuit opens.
+        let d = check(&engine, &ctx(&ips[1])).await;
+        assert!(d.failed_open, "{d:?}");
+        assert!(breaker.is_open(), "the circuit opens on the failure");
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        // The probe: per-ip rejects while the global rule's slot still fails.
+        let d = check(&engine, &ctx(&ips[0])).await;
+        assert!(!d.allowed());
+        assert!(
+            breaker.is_tripped(),
+            "the probe met the failed slot: the circuit did not close"
+        );
+    }
 }

@@ -66,10 +66,12 @@ pub(crate) async fn decide_across_slots(
         // The decision stands; what could not be given back errs towards admitting less.
         Err(error) => tracing::warn!(%error, "rate-limit refund failed: a rejected request's consumption stays"),
     }
+    // A slot that answered rejects the request: the request is rejected, whatever the failed
+    // slot would have said, and no failure policy gets to admit it. The failed slot's bands,
+    // of which nothing is known, are reported full and never binding. A slot that timed out
+    // may still run its call late: its consumption then stays, erring towards rejecting.
+    let partial = failure.is_some();
     if let Some(e) = failure {
-        // A slot that answered rejects the request: the request is rejected, whatever the
-        // failed slot would have said, and no failure policy gets to admit it. The failed
-        // slot's bands, of which nothing is known, are reported full and never binding.
         if !answered().any(|r| !r.allowed) {
             return Err(e);
         }
@@ -92,13 +94,16 @@ pub(crate) async fn decide_across_slots(
     } else {
         Vec::new()
     };
-    Ok(outcome(
+    let outcome = outcome(
         &request,
         (allowed, shadow_allowed),
         (now_us, 0),
         marks,
         per_band.into_iter().flatten(),
-    ))
+    );
+    // A slot failed: the answer is no evidence that the backend is healthy, so a circuit
+    // breaker neither closes nor counts a success for it.
+    Ok(if partial { outcome.answered_locally() } else { outcome })
 }
 
 /// The bands of a call that it committed and the request as a whole must not keep: every
