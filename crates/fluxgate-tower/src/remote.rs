@@ -179,10 +179,17 @@ impl RemoteHandler {
             .map_err(|e| RemoteError::Http(e.to_string()))?
             .to_bytes();
         // The service's error names what it refused (400), or the rule it cannot decide
-        // (500, marked as the service's own); a 400 or 500 of anything else on the way (a
-        // proxy, a wrong base path) is a failure of the service, for `on_error`.
-        if status == StatusCode::BAD_REQUEST || (status == StatusCode::INTERNAL_SERVER_ERROR && marked) {
-            if let Ok(error) = serde_json::from_slice::<ApiError>(&body) {
+        // (500): marked as the service's own, or, from a service of an earlier release, with
+        // exactly the service's fields. A 400 or 500 of anything else on the way (a proxy,
+        // another framework's JSON error, a wrong base path) is a failure of the service,
+        // for `on_error`.
+        if status == StatusCode::BAD_REQUEST || status == StatusCode::INTERNAL_SERVER_ERROR {
+            let error = if marked {
+                serde_json::from_slice::<ApiError>(&body).ok()
+            } else {
+                exact_api_error(&body)
+            };
+            if let Some(error) = error {
                 return Err(if status == StatusCode::BAD_REQUEST {
                     RemoteError::Refused(error.to_string())
                 } else {
@@ -273,6 +280,27 @@ impl RateLimitHandler for RemoteHandler {
     }
 }
 
+/// The service's error, its fields and no other (`error`, and `field` when it names one):
+/// how an answer of a service that does not mark its errors ([`ERROR_HEADER`]) is told from
+/// another server's JSON error.
+fn exact_api_error(body: &[u8]) -> Option<ApiError> {
+    let serde_json::Value::Object(fields) = serde_json::from_slice(body).ok()? else {
+        return None;
+    };
+    let error = fields.get("error")?.as_str()?;
+    let field = match fields.get("field") {
+        None => None,
+        Some(field) => Some(field.as_str()?),
+    };
+    if fields.len() != 1 + usize::from(field.is_some()) {
+        return None;
+    }
+    Some(match field {
+        Some(field) => ApiError::field(field, error),
+        None => ApiError::general(error),
+    })
+}
+
 /// The longest wait at the service for a handler of deadline `timeout`, in ms: half of it,
 /// and no more than the service takes (a longer bound would be refused).
 fn wait_bound(timeout: Duration) -> u64 {
@@ -282,6 +310,25 @@ fn wait_bound(timeout: Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Without the service's mark, only a body of exactly the service's fields is its error.
+    #[test]
+    fn an_unmarked_error_is_the_services_only_with_its_fields_alone() {
+        assert_eq!(
+            exact_api_error(br#"{"error": "too long", "field": "method"}"#),
+            Some(ApiError::field("method", "too long"))
+        );
+        assert_eq!(exact_api_error(br#"{"error": "x"}"#), Some(ApiError::general("x")));
+        for other in [
+            &br#"{"error": "Internal Server Error", "status": 500}"#[..],
+            br#"{"error": "x", "field": 3}"#,
+            br#"{"field": "x"}"#,
+            br#"["error"]"#,
+            b"<html>",
+        ] {
+            assert_eq!(exact_api_error(other), None, "{}", String::from_utf8_lossy(other));
+        }
+    }
 
     /// Half the deadline, within what the service takes, for any deadline.
     #[test]
