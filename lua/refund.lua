@@ -9,9 +9,18 @@
 local decided = ARGV[1] + 0
 local reply = {}
 local arg = 2
-for _, key in ipairs(KEYS) do
+-- The call's mark, its last key, set for ARGV's last number of ms: a call run again (a
+-- client writes a command again when its connection dropped before the reply) finds it set
+-- and gives nothing back a second time; it still answers each band's figures.
+local bands = #KEYS - 1
+local fresh = redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', ARGV[#ARGV])
+for i = 1, bands do
+  local key = KEYS[i]
   local algorithm = ARGV[arg] + 0
   local permits = ARGV[arg + 1] + 0
+  if not fresh then
+    permits = 0 -- given back already
+  end
   local c, a, b = ARGV[arg + 2] + 0, ARGV[arg + 3] + 0, ARGV[arg + 4] + 0
   arg = arg + 5
   local rem, reset

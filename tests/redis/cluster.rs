@@ -290,6 +290,46 @@ rule_sets:
         }
     }
 
+    /// A refund call written twice (a client writes a command again on a new connection
+    /// when the connection dropped before the reply) gives back once: the second run finds
+    /// the call's mark set, and answers the band's figures without giving anything back.
+    #[test]
+    fn a_refund_written_twice_gives_back_once() {
+        let server = RedisServer::start();
+        let w: u64 = 60_000_000;
+        let now = server.time_us();
+        let end = now - now % w + w;
+        server.cli(&["SET", "fw", &format!("{end}:9"), "PX", "300000"]);
+        let decided = (end - 1).to_string();
+        // KEYS: the band's key, the call's mark; ARGV: decided, a fixed window (2) of 3
+        // permits, capacity 10, window, 0; the mark's ms.
+        let call = [
+            "EVAL",
+            fluxgate::redis::REFUND_LUA,
+            "2",
+            "fw",
+            "mark:once",
+            &decided,
+            "2",
+            "3",
+            "10",
+            &w.to_string(),
+            "0",
+            "10000",
+        ];
+        let first = server.cli(&call);
+        assert_eq!(server.cli(&["GET", "fw"]).trim(), format!("{end}:6"));
+        let again = server.cli(&call);
+        assert_eq!(
+            server.cli(&["GET", "fw"]).trim(),
+            format!("{end}:6"),
+            "given back twice"
+        );
+        assert_eq!(first.lines().next(), again.lines().next(), "the same remaining count");
+        let ttl: i64 = server.cli(&["PTTL", "mark:once"]).trim().parse().unwrap();
+        assert!(ttl > 5_000 && ttl <= 10_000, "the mark lasts its ms: {ttl}");
+    }
+
     /// The refund of a sliding window counter finds the decision's window as the previous
     /// one when the window rolled over in between (another request committed in the next
     /// window): the permits come off the previous count. Driven with the refund script's
@@ -300,15 +340,19 @@ rule_sets:
         let w: u64 = 60_000_000; // a minute, in µs
         let now = server.time_us();
         let end = now - now % w + w; // the current window's end
+        let calls = std::sync::atomic::AtomicU64::new(0);
         let refund = |key: &str, decided: u64, algorithm: u64| {
+            // Each call its own mark (the last key), set for 10 s (the last argument).
+            let mark = format!("mark:{}", calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
             let mut args = vec![
                 "EVAL".to_owned(),
                 fluxgate::redis::REFUND_LUA.to_owned(),
-                "1".to_owned(),
+                "2".to_owned(),
                 key.to_owned(),
+                mark,
             ];
-            // decided, then algorithm, permits, capacity, window µs, 0.
-            args.extend([decided, algorithm, 3, 10, w, 0].map(|n| n.to_string()));
+            // decided, then algorithm, permits, capacity, window µs, 0; the mark's ms.
+            args.extend([decided, algorithm, 3, 10, w, 0, 10_000].map(|n| n.to_string()));
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             server.cli(&args)
         };

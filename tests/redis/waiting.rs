@@ -227,13 +227,16 @@ async fn engine(redis: &Redis, prefix: &str, yaml: &str, batching: Option<Batchi
 /// refund's `expect` (`''`, a state, or `~` and a state); Redis's answer.
 fn refund_one_permit(redis: &Redis, key: &str, decided_us: u64, expect: &str) -> String {
     let decided = decided_us.to_string();
-    // KEYS: the rule's key; ARGV: decided_us, then the band: token bucket (0), 1 permit,
-    // capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1, expect.
+    let mark = refund_mark();
+    // KEYS: the rule's key, the call's mark; ARGV: decided_us, then the band: token bucket
+    // (0), 1 permit, capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1,
+    // expect; the mark's ms.
     let args = [
         "EVAL",
         fluxgate::redis::REFUND_LUA,
-        "1",
+        "2",
         key,
+        &mark,
         &decided,
         "0",
         "1",
@@ -244,8 +247,15 @@ fn refund_one_permit(redis: &Redis, key: &str, decided_us: u64, expect: &str) ->
         "1",
         "1",
         expect,
+        "10000",
     ];
     redis.server().cli(&args)
+}
+
+/// A refund call's mark (the refund script's last key), another for each call.
+fn refund_mark() -> String {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!("mark:{}", CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
 }
 
 /// The instant, in µs, at which the global rule's bucket of `key` is full again.
@@ -447,12 +457,13 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     // `stored_us`.
     let refund = |stored_us: i64, end_us: i64, decided_us: i64| {
         redis.server().cli(&["SET", key, &stored_us.to_string()]);
-        let (decided, expect) = (decided_us.to_string(), format!("~{end_us}:0"));
+        let (decided, expect, mark) = (decided_us.to_string(), format!("~{end_us}:0"), refund_mark());
         let args = [
             "EVAL",
             fluxgate::redis::REFUND_LUA,
-            "1",
+            "2",
             key,
+            &mark,
             &decided,
             "1",
             "5",
@@ -460,6 +471,7 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
             "1",
             "100000",
             &expect,
+            "10000",
         ];
         redis.server().cli(&args);
         redis

@@ -6,10 +6,9 @@ use std::future::Future;
 use std::time::{Duration, Instant};
 
 use fred::error::ErrorKind;
-use fred::interfaces::{ClientLike, LuaInterface};
-use fred::types::config::Options;
+use fred::interfaces::LuaInterface;
 use fred::types::scripts::Script;
-use fred::types::{ClusterHash, CustomCommand, Key, Value};
+use fred::types::{Key, Value};
 
 use crate::connection::Connection;
 use crate::error::RedisError;
@@ -259,65 +258,58 @@ impl Scripts {
 
     /// One refund call: `keys`, one per band to refund, and their arguments.
     ///
+    /// Each call is given once, however often it is written: fred writes a command again on
+    /// a new connection when the connection it was written on drops before the reply (and
+    /// follows a cluster's `MOVED` and `ASK` the same way), and a refund run twice would
+    /// give the same permits back twice, freeing what others took since. The call carries
+    /// a key of its own, in its keys' hash slot, that the script sets (`SET NX`) before it
+    /// gives anything back, and a second run finds set
+    /// ([`REFUND_MARK_TTL`] long at least).
+    ///
     /// # Errors
     ///
-    /// As [`Scripts::run_refund`], and [`RedisError::Reply`] for a reply of the wrong shape.
-    pub(crate) async fn refund(&self, keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
+    /// [`RedisError::Command`] when Redis fails the call, [`RedisError::Timeout`] when it
+    /// does not answer in time, and [`RedisError::Reply`] for a reply of the wrong shape.
+    pub(crate) async fn refund(&self, mut keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
         let bands = keys.len();
-        let reply = self.run_refund(&self.refund, keys, args.into_argv()).await?;
+        let Some(first) = keys.first() else {
+            return RefundReply::decode(Vec::new(), 0);
+        };
+        keys.push(refund_mark(first));
+        let ttl = self.connection.timeout().saturating_mul(2).max(REFUND_MARK_TTL);
+        let mut argv = args.into_argv();
+        argv.push(Value::Integer(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)));
+        // fred's future is large: boxed once here, the futures around it (the deadline, the
+        // decision, the limiter's) stay small, and moving them copies a pointer instead of
+        // kilobytes.
+        let call = Box::pin(self.refund.evalsha_with_reload(self.connection.next(), keys, argv));
+        let reply = self.connection.within_deadline(call).await?;
         RefundReply::decode(reply, bands)
     }
+}
 
-    /// Runs `script` with `EVALSHA` within the deadline; after `NOSCRIPT` (a restart, a
-    /// failover, `SCRIPT FLUSH`) loads it and tries again, within the same deadline.
-    ///
-    /// Off a cluster the call is written at most once: the scripts run this way (refunds)
-    /// must not run twice. fred writes a command again on a new connection when the one it
-    /// was written on drops before the reply, unless the command's attempts are used up; a
-    /// refund run again would give the same permits back a second time, freeing what
-    /// others have taken since. A refund whose connection drops fails instead, which
-    /// leaves its permits taken. On a cluster fred's attempts also follow `MOVED` and
-    /// `ASK` (a slot migrated or being migrated, Redis having run nothing), so the call
-    /// keeps them there: a refund that a slot migration redirects is made, and one whose
-    /// connection drops after Redis ran it may run again (docs/redis.md).
-    ///
-    /// # Errors
-    ///
-    /// [`RedisError::Command`] when Redis fails the call (the connection dropped after the
-    /// call was written among them), [`RedisError::Timeout`] when it does not answer in
-    /// time.
-    async fn run_refund(&self, script: &Script, keys: Vec<String>, args: Vec<Value>) -> Result<Vec<i64>, RedisError> {
-        let client = self.connection.next();
-        if self.connection.is_cluster() {
-            // fred's script interface: its attempts follow redirections. Boxed once here:
-            // fred's future is large, and the futures around it stay small.
-            let call = Box::pin(script.evalsha_with_reload(client, keys, args));
-            return self.connection.within_deadline(call).await;
-        }
-        let once = client.with_options(&Options {
-            max_attempts: Some(1),
-            ..Options::default()
-        });
-        // `EVALSHA` as a command of its own, which takes the options (fred's scripting
-        // interface does not); off a cluster, no slot to hash.
-        let evalsha = CustomCommand::new_static("EVALSHA", ClusterHash::Random, false);
-        let mut argv = Vec::with_capacity(2 + keys.len() + args.len());
-        argv.push(Value::from(script.sha1().clone()));
-        argv.push(Value::Integer(i64::try_from(keys.len()).unwrap_or(i64::MAX)));
-        argv.extend(keys.into_iter().map(Value::from));
-        argv.extend(args);
-        let call = Box::pin(async move {
-            match once.custom::<Vec<i64>, Value>(evalsha.clone(), argv.clone()).await {
-                // Redis ran nothing: the script is loaded and the call made again.
-                Err(e) if e.details().starts_with("NOSCRIPT") => {
-                    script.load(client).await?;
-                    once.custom(evalsha, argv).await
-                }
-                result => result,
-            }
-        });
-        self.connection.within_deadline(call).await
-    }
+/// How long a refund's mark lasts at least: a refund written again after that (by a client
+/// that holds a command for longer across a reconnection) would give back a second time.
+pub(crate) const REFUND_MARK_TTL: Duration = Duration::from_secs(10);
+
+/// The key marking one refund call as made (see [`Scripts::refund`]): in the hash slot of
+/// `key`, one of the call's keys (its hash tag, `{…}`, and what precedes it), then
+/// `:refund:` and an id unique to this process and call. No bucket key ends so: a band's
+/// part is `:<name>:<capacity>/<window>`.
+fn refund_mark(key: &str) -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static SEQUENCE: AtomicU64 = AtomicU64::new(0);
+    static SALT: OnceLock<u64> = OnceLock::new();
+    let salt = *SALT.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    let tagged = key.find('}').map_or(key, |close| &key[..=close]);
+    let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
+    format!("{tagged}:refund:{salt:016x}{sequence:x}")
 }
 
 /// The keys of a call as fred sends them: one vector, made here rather than from another.
@@ -348,6 +340,20 @@ fn numbers(reply: Value) -> Result<Numbers, RedisError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refund's mark is in its keys' hash slot, and each is another key.
+    #[test]
+    fn a_refund_mark_shares_the_slot_of_its_keys() {
+        for key in ["fluxgate:{default:per-ip:ip=10.0.0.1}", "p:{s:r:user=a}:b0:10/1s:fw"] {
+            let (one, two) = (refund_mark(key), refund_mark(key));
+            assert_ne!(one, two);
+            assert_eq!(
+                fred::util::redis_keyslot(one.as_bytes()),
+                fred::util::redis_keyslot(key.as_bytes())
+            );
+            assert!(one.contains("}:refund:"), "{one}");
+        }
+    }
 
     /// A reply is read as its numbers; anything else is an error that shows it.
     #[test]
