@@ -9,11 +9,15 @@
 local decided = ARGV[1] + 0
 local reply = {}
 local arg = 2
--- The call's mark, its last key, set for ARGV's last number of ms: a call run again (a
--- client writes a command again when its connection dropped before the reply) finds it set
--- and gives nothing back a second time; it still answers each band's figures.
-local bands = #KEYS - 1
-local fresh = redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', ARGV[#ARGV])
+-- The call's mark, its last key, set for ARGV's last number of ms (0: the call has no
+-- mark): a call run again (a client writes a command again when its connection dropped
+-- before the reply) finds it set and gives nothing back a second time; it still answers
+-- each band's figures.
+local bands, fresh = #KEYS, true
+if ARGV[#ARGV] ~= '0' then
+  bands = #KEYS - 1
+  fresh = redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', ARGV[#ARGV])
+end
 for i = 1, bands do
   local key = KEYS[i]
   local algorithm = ARGV[arg] + 0

@@ -669,4 +669,69 @@ rule_sets:
             "the probe met the failed slot: the circuit did not close"
         );
     }
+
+    /// A refund to a slot being migrated, its key still at the source, is made: the call's
+    /// mark exists on neither side, so Redis answers `TRYAGAIN` to the marked call, which is
+    /// then made without its mark.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refund_reaches_a_slot_being_migrated() {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("migrating")
+            .timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .unwrap();
+        let engine = Engine::builder(rules(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 2, window: 1h }]
+      - id: per-user
+        scope: user
+        bands: [{ capacity: 100, window: 1h }]
+"#,
+        ))
+        .limiter(limiter)
+        .build()
+        .unwrap();
+        let at = |ip: &str| {
+            RequestContext::builder()
+                .client_ip(ip.parse().unwrap())
+                .user_id("alice")
+                .build()
+        };
+        let slot = fred::util::redis_keyslot(b"migrating:{default:per-user:user=alice}");
+        assert_ne!(
+            slot,
+            fred::util::redis_keyslot(b"migrating:{default:per-ip:ip=192.0.2.44}"),
+            "the two rules in two slots"
+        );
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        // The per-user slot starts moving to another node; its key stays at the source.
+        let source = cluster.node_of_slot(slot);
+        let target = cluster.nodes.iter().find(|n| n.port() != source.port()).unwrap();
+        let (source_id, target_id) = (
+            source.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
+            target.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
+        );
+        let s = slot.to_string();
+        assert_eq!(
+            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
+            "OK"
+        );
+        assert_eq!(
+            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
+            "OK"
+        );
+        let user = |d: &fluxgate::core::Decision| d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining;
+        let d = check(&engine, &at("192.0.2.44")).await;
+        assert!(!d.allowed());
+        assert_eq!(user(&d), 98, "the per-user slot was refunded");
+        assert_eq!(user(&check(&engine, &at("192.0.2.45")).await), 97);
+    }
 }

@@ -262,41 +262,97 @@ impl Scripts {
     /// a new connection when the connection it was written on drops before the reply (and
     /// follows a cluster's `MOVED` and `ASK` the same way), and a refund run twice would
     /// give the same permits back twice, freeing what others took since. The call carries
-    /// a key of its own, in its keys' hash slot, that the script sets (`SET NX`) before it
-    /// gives anything back, and a second run finds set
-    /// ([`REFUND_MARK_TTL`] long at least).
+    /// a key of its own, its mark, in its keys' hash slot, that the script sets (`SET NX`)
+    /// before it gives anything back, and that a second run finds set. The mark lives as
+    /// long as fred may write the call again ([`Scripts::refund_mark_ttl`]).
+    ///
+    /// Without a mark: a key whose hash tag is empty (a prefix holding `{}`) on a cluster,
+    /// where no other key shares its slot; and a call that Redis answers `TRYAGAIN` (its
+    /// slot migrating, with the mark, which exists nowhere, on neither side), made again
+    /// without its mark within the deadline, as it was before marks.
     ///
     /// # Errors
     ///
     /// [`RedisError::Command`] when Redis fails the call, [`RedisError::Timeout`] when it
     /// does not answer in time, and [`RedisError::Reply`] for a reply of the wrong shape.
-    pub(crate) async fn refund(&self, mut keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
+    pub(crate) async fn refund(&self, keys: Vec<String>, args: RefundArgs) -> Result<RefundReply, RedisError> {
         let bands = keys.len();
         let Some(first) = keys.first() else {
             return RefundReply::decode(Vec::new(), 0);
         };
-        keys.push(refund_mark(first));
-        let ttl = self.connection.timeout().saturating_mul(2).max(REFUND_MARK_TTL);
-        let mut argv = args.into_argv();
-        argv.push(Value::Integer(i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)));
+        let mark = refund_mark(first, self.connection.is_cluster());
+        let start = Instant::now();
+        let argv = args.into_argv();
+        let reply = match mark {
+            Some(mark) => {
+                let mut marked = keys.clone();
+                marked.push(mark);
+                let ttl = i64::try_from(self.refund_mark_ttl().as_millis()).unwrap_or(i64::MAX);
+                match self
+                    .run_refund(marked, argv.iter().cloned().chain([Value::Integer(ttl)]))
+                    .await
+                {
+                    Err(RedisError::Command(e)) if e.details().starts_with("TRYAGAIN") => {
+                        let remaining = self.connection.timeout().saturating_sub(start.elapsed());
+                        let unmarked = argv.into_iter().chain([Value::Integer(0)]);
+                        let call = Box::pin(self.refund.evalsha_with_reload(
+                            self.connection.next(),
+                            keys,
+                            unmarked.collect::<Vec<_>>(),
+                        ));
+                        match tokio::time::timeout(remaining, call).await {
+                            Ok(Ok(reply)) => reply,
+                            Ok(Err(e)) => return Err(RedisError::Command(e)),
+                            Err(_) => return Err(RedisError::Timeout(self.connection.timeout())),
+                        }
+                    }
+                    result => result?,
+                }
+            }
+            None => {
+                self.run_refund(keys, argv.into_iter().chain([Value::Integer(0)]))
+                    .await?
+            }
+        };
+        RefundReply::decode(reply, bands)
+    }
+
+    /// A refund call within the deadline.
+    async fn run_refund(&self, keys: Vec<String>, argv: impl Iterator<Item = Value>) -> Result<Vec<i64>, RedisError> {
         // fred's future is large: boxed once here, the futures around it (the deadline, the
         // decision, the limiter's) stay small, and moving them copies a pointer instead of
         // kilobytes.
+        let argv: Vec<Value> = argv.collect();
         let call = Box::pin(self.refund.evalsha_with_reload(self.connection.next(), keys, argv));
-        let reply = self.connection.within_deadline(call).await?;
-        RefundReply::decode(reply, bands)
+        self.connection.within_deadline(call).await
+    }
+
+    /// How long a refund's mark lives: as long as fred may write the call again. On the
+    /// connections the crate built, fred drops a command at the deadline (its command
+    /// timeout) and never writes it again after: twice the deadline, a second at least. On
+    /// an application's client, which may hold a command across a long reconnection, ten
+    /// seconds at least. At most a day.
+    pub(crate) fn refund_mark_ttl(&self) -> Duration {
+        let least = if self.connection.fred_keeps_the_deadline() {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(10)
+        };
+        self.connection
+            .timeout()
+            .saturating_mul(2)
+            .max(least)
+            .min(Duration::from_secs(86_400))
     }
 }
 
-/// How long a refund's mark lasts at least: a refund written again after that (by a client
-/// that holds a command for longer across a reconnection) would give back a second time.
-pub(crate) const REFUND_MARK_TTL: Duration = Duration::from_secs(10);
-
 /// The key marking one refund call as made (see [`Scripts::refund`]): in the hash slot of
-/// `key`, one of the call's keys (its hash tag, `{…}`, and what precedes it), then
-/// `:refund:` and an id unique to this process and call. No bucket key ends so: a band's
-/// part is `:<name>:<capacity>/<window>`.
-fn refund_mark(key: &str) -> String {
+/// `key`, one of the call's keys, as Redis finds it: the key's text up to the end of its
+/// hash tag (the first `{` and the first `}` after it), then `:refund:` and an id unique to
+/// this process and call. No bucket key ends so: a band's part is
+/// `:<name>:<capacity>/<window>`. `None` on a cluster when the key has no hash tag (an
+/// empty one, `{}`): Redis then hashes the whole key, which no other key shares.
+fn refund_mark(key: &str, cluster: bool) -> Option<String> {
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::sync::OnceLock;
     static SEQUENCE: AtomicU64 = AtomicU64::new(0);
@@ -307,9 +363,19 @@ fn refund_mark(key: &str) -> String {
         h.write_u32(std::process::id());
         h.finish()
     });
-    let tagged = key.find('}').map_or(key, |close| &key[..=close]);
+    let tag_end = key.find('{').and_then(|open| {
+        key[open + 1..]
+            .find('}')
+            .filter(|&len| len > 0)
+            .map(|len| open + 1 + len)
+    });
+    let tagged = match tag_end {
+        Some(close) => &key[..=close],
+        None if cluster => return None,
+        None => key,
+    };
     let sequence = SEQUENCE.fetch_add(1, Ordering::Relaxed);
-    format!("{tagged}:refund:{salt:016x}{sequence:x}")
+    Some(format!("{tagged}:refund:{salt:016x}{sequence:x}"))
 }
 
 /// The keys of a call as fred sends them: one vector, made here rather than from another.
@@ -341,18 +407,26 @@ fn numbers(reply: Value) -> Result<Numbers, RedisError> {
 mod tests {
     use super::*;
 
-    /// A refund's mark is in its keys' hash slot, and each is another key.
+    /// A refund's mark is in its keys' hash slot, found as Redis finds a hash tag, and each
+    /// is another key; a key hashed whole has none on a cluster.
     #[test]
     fn a_refund_mark_shares_the_slot_of_its_keys() {
-        for key in ["fluxgate:{default:per-ip:ip=10.0.0.1}", "p:{s:r:user=a}:b0:10/1s:fw"] {
-            let (one, two) = (refund_mark(key), refund_mark(key));
+        let slot = |key: &str| fred::util::redis_keyslot(key.as_bytes());
+        for key in [
+            "fluxgate:{default:per-ip:ip=10.0.0.1}",
+            "p:{s:r:user=a}:b0:10/1s:fw",
+            "a}b:{s:r:ip=1}",
+            "x}{t}:{s:r:ip=1}",
+            "{fluxgate}:{s:r:ip=1}",
+            "a{b:{s:r:ip=1}",
+        ] {
+            let (one, two) = (refund_mark(key, true).unwrap(), refund_mark(key, true).unwrap());
             assert_ne!(one, two);
-            assert_eq!(
-                fred::util::redis_keyslot(one.as_bytes()),
-                fred::util::redis_keyslot(key.as_bytes())
-            );
-            assert!(one.contains("}:refund:"), "{one}");
+            assert_eq!(slot(&one), slot(key), "{key} → {one}");
+            assert!(one.contains(":refund:"), "{one}");
         }
+        assert_eq!(refund_mark("app{}:{s:r:ip=1}", true), None);
+        assert!(refund_mark("app{}:{s:r:ip=1}", false).is_some());
     }
 
     /// A reply is read as its numbers; anything else is an error that shows it.
