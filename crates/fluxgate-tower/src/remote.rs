@@ -25,8 +25,8 @@ const MAX_ANSWER: usize = 1024 * 1024;
 /// The service answers with the decision and every band, so the layer writes the same
 /// headers as with a local engine. The service's own errors are no failure of it: its `400`
 /// (a value beyond its bounds) is [`Error::Refused`] and its `500` (a rule it cannot
-/// decide, marked with its [`ERROR_HEADER`]) [`Error::Rule`], both refused whatever the
-/// failure policy. Any failure (the
+/// decide, marked with its [`ERROR_HEADER`]: upgrade services before their gateways)
+/// [`Error::Rule`], both refused whatever the failure policy. Any failure (the
 /// deadline, a refused connection, another answer than 200, an answer that is not a
 /// decision, a 400 or 500 without the service's error) is [`Error::Backend`]: wrap the handler in a
 /// [`CircuitBreaker`](fluxgate_core::CircuitBreaker) to stop waiting for a service that is
@@ -179,15 +179,17 @@ impl RemoteHandler {
             .map_err(|e| RemoteError::Http(e.to_string()))?
             .to_bytes();
         // The service's error names what it refused (400), or the rule it cannot decide
-        // (500): marked as the service's own, or, from a service of an earlier release, with
-        // exactly the service's fields. A 400 or 500 of anything else on the way (a proxy,
-        // another framework's JSON error, a wrong base path) is a failure of the service,
-        // for `on_error`.
+        // (500), marked as the service's own; a 400 from a service of an earlier release,
+        // unmarked, has exactly the service's fields. A 400 or 500 of anything else on the
+        // way (a proxy, another framework's JSON error, a wrong base path) is a failure of
+        // the service, for `on_error`.
         if status == StatusCode::BAD_REQUEST || status == StatusCode::INTERNAL_SERVER_ERROR {
             let error = if marked {
                 serde_json::from_slice::<ApiError>(&body).ok()
-            } else {
+            } else if status == StatusCode::BAD_REQUEST {
                 exact_api_error(&body)
+            } else {
+                None
             };
             if let Some(error) = error {
                 return Err(if status == StatusCode::BAD_REQUEST {
@@ -281,7 +283,7 @@ impl RateLimitHandler for RemoteHandler {
 }
 
 /// The service's error, its fields and no other (`error`, and `field` when it names one):
-/// how an answer of a service that does not mark its errors ([`ERROR_HEADER`]) is told from
+/// how a 400 of a service that does not mark its errors ([`ERROR_HEADER`]) is told from
 /// another server's JSON error.
 fn exact_api_error(body: &[u8]) -> Option<ApiError> {
     let serde_json::Value::Object(fields) = serde_json::from_slice(body).ok()? else {
