@@ -327,21 +327,15 @@ impl Scripts {
         self.connection.within_deadline(call).await
     }
 
-    /// How long a refund's mark lives: as long as fred may write the call again. On the
-    /// connections the crate built, fred drops a command at the deadline (its command
-    /// timeout) and never writes it again after: twice the deadline, a second at least. On
-    /// an application's client, which may hold a command across a long reconnection, ten
-    /// seconds at least. At most a day.
+    /// How long a refund's mark lives: as long as fred may write the call again. fred drops
+    /// a command at its own command timeout only while its future is polled; a call the
+    /// deadline abandons first stays in fred's buffer and may be written again after a
+    /// reconnection. Twice the deadline, ten seconds at least, a day at most.
     pub(crate) fn refund_mark_ttl(&self) -> Duration {
-        let least = if self.connection.fred_keeps_the_deadline() {
-            Duration::from_secs(1)
-        } else {
-            Duration::from_secs(10)
-        };
         self.connection
             .timeout()
             .saturating_mul(2)
-            .max(least)
+            .max(Duration::from_secs(10))
             .min(Duration::from_secs(86_400))
     }
 }
