@@ -281,50 +281,41 @@ impl Scripts {
             return RefundReply::decode(Vec::new(), 0);
         };
         let mark = refund_mark(first, self.connection.is_cluster());
-        let start = Instant::now();
+        let (start, deadline) = (Instant::now(), self.connection.timeout());
         let argv = args.into_argv();
+        // The mark's life in ms, the last argument; 0 for a call without a mark.
+        let unmarked = |argv: Vec<Value>| argv.into_iter().chain([Value::Integer(0)]).collect();
         let reply = match mark {
             Some(mark) => {
-                let mut marked = keys.clone();
-                marked.push(mark);
                 let ttl = i64::try_from(self.refund_mark_ttl().as_millis()).unwrap_or(i64::MAX);
-                match self
-                    .run_refund(marked, argv.iter().cloned().chain([Value::Integer(ttl)]))
-                    .await
-                {
+                let marked_keys = keys.iter().cloned().chain([mark]).collect();
+                let marked_argv = argv.iter().cloned().chain([Value::Integer(ttl)]).collect();
+                match self.run_refund(marked_keys, marked_argv, deadline).await {
+                    // The slot is migrating and the mark, which exists nowhere, is on
+                    // neither side: Redis ran nothing.
                     Err(RedisError::Command(e)) if e.details().starts_with("TRYAGAIN") => {
-                        let remaining = self.connection.timeout().saturating_sub(start.elapsed());
-                        let unmarked = argv.into_iter().chain([Value::Integer(0)]);
-                        let call = Box::pin(self.refund.evalsha_with_reload(
-                            self.connection.next(),
-                            keys,
-                            unmarked.collect::<Vec<_>>(),
-                        ));
-                        match tokio::time::timeout(remaining, call).await {
-                            Ok(Ok(reply)) => reply,
-                            Ok(Err(e)) => return Err(RedisError::Command(e)),
-                            Err(_) => return Err(RedisError::Timeout(self.connection.timeout())),
-                        }
+                        let rest = deadline.saturating_sub(start.elapsed());
+                        self.run_refund(keys, unmarked(argv), rest).await?
                     }
                     result => result?,
                 }
             }
-            None => {
-                self.run_refund(keys, argv.into_iter().chain([Value::Integer(0)]))
-                    .await?
-            }
+            None => self.run_refund(keys, unmarked(argv), deadline).await?,
         };
         RefundReply::decode(reply, bands)
     }
 
-    /// A refund call within the deadline.
-    async fn run_refund(&self, keys: Vec<String>, argv: impl Iterator<Item = Value>) -> Result<Vec<i64>, RedisError> {
+    /// A refund call within `within`, what is left of the deadline.
+    async fn run_refund(&self, keys: Vec<String>, argv: Vec<Value>, within: Duration) -> Result<Vec<i64>, RedisError> {
         // fred's future is large: boxed once here, the futures around it (the deadline, the
         // decision, the limiter's) stay small, and moving them copies a pointer instead of
         // kilobytes.
-        let argv: Vec<Value> = argv.collect();
         let call = Box::pin(self.refund.evalsha_with_reload(self.connection.next(), keys, argv));
-        self.connection.within_deadline(call).await
+        match tokio::time::timeout(within, call).await {
+            Ok(Ok(reply)) => Ok(reply),
+            Ok(Err(e)) => Err(RedisError::Command(e)),
+            Err(_) => Err(RedisError::Timeout(self.connection.timeout())),
+        }
     }
 
     /// How long a refund's mark lives: as long as fred may write the call again. fred drops
