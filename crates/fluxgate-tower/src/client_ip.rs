@@ -176,31 +176,35 @@ impl ClientIpResolver {
         if self.trusted.is_empty() || !self.is_trusted(peer) {
             return Some(canonical(peer));
         }
-        let mut hops: Vec<Option<IpAddr>> = Vec::new();
+        // Right to left, lazily: the walk reads the hops the trusted proxies wrote and the
+        // first one they did not, and no further; what a client wrote to the left of that,
+        // however long, costs nothing.
         let rfc7239 = self.header == FORWARDED;
-        for value in headers.get_all(&self.header) {
-            let text = String::from_utf8_lossy(value.as_bytes());
-            for element in text.split(',') {
-                if rfc7239 {
-                    // `for=` of each element. An element without one (a proxy that writes
-                    // only `proto=` or `by=`) names no address: a hop that cannot be read,
-                    // so that nothing to its left (which the client may have written) is
-                    // believed. An empty element is no hop at all.
-                    if element.trim().is_empty() {
-                        continue;
-                    }
-                    let for_value = element.split(';').find_map(|pair| {
-                        let (k, v) = pair.split_once('=')?;
-                        k.trim().eq_ignore_ascii_case("for").then_some(v)
-                    });
-                    hops.push(for_value.and_then(|v| parse_hop(v.trim().trim_matches('"'))));
-                } else {
-                    hops.push(parse_hop(element.trim()));
-                }
-            }
-        }
+        let elements = headers
+            .get_all(&self.header)
+            .iter()
+            .rev()
+            .flat_map(|value| value.as_bytes().rsplit(|&b| b == b','));
         let mut client = canonical(peer);
-        for hop in hops.into_iter().rev() {
+        for element in elements {
+            // Bytes that are not UTF-8 are no address: a hop that cannot be read.
+            let element = std::str::from_utf8(element).unwrap_or("\u{fffd}");
+            let hop = if rfc7239 {
+                // `for=` of each element. An element without one (a proxy that writes only
+                // `proto=` or `by=`) names no address: a hop that cannot be read, so that
+                // nothing to its left (which the client may have written) is believed. An
+                // empty element is no hop at all.
+                if element.trim().is_empty() {
+                    continue;
+                }
+                let for_value = element.split(';').find_map(|pair| {
+                    let (k, v) = pair.split_once('=')?;
+                    k.trim().eq_ignore_ascii_case("for").then_some(v)
+                });
+                for_value.and_then(|v| parse_hop(v.trim().trim_matches('"')))
+            } else {
+                parse_hop(element.trim())
+            };
             match hop {
                 // A hop that cannot be read ends the chain: trust no further.
                 None => break,
@@ -255,6 +259,35 @@ mod tests {
             h.append(*k, v.parse().unwrap());
         }
         h
+    }
+
+    /// The walk reads from the right and stops at the first hop the trusted proxies did not
+    /// write: whatever a client put to its left, however long, and across instances of the
+    /// header, is never reached.
+    #[test]
+    fn the_walk_stops_at_the_first_untrusted_hop_from_the_right() {
+        let r = resolver(&["10.0.0.0/8"]);
+        let peer = Some("10.0.0.1".parse().unwrap());
+        let junk = format!("{}[::1]:x,{}", ",".repeat(200_000), "not-an-address,".repeat(10_000));
+        let client = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append("x-forwarded-for", v.parse().unwrap());
+            }
+            r.resolve_from(peer, &h).map(|ip| ip.to_string())
+        };
+        let long = format!("{junk}198.51.100.7, 10.0.0.9");
+        assert_eq!(client(&[&long]).as_deref(), Some("198.51.100.7"));
+        // The last instance is the nearest proxy's: read first.
+        assert_eq!(
+            client(&[&junk, "198.51.100.8", "10.0.0.3"]).as_deref(),
+            Some("198.51.100.8")
+        );
+        // An unreadable hop written by a trusted proxy ends the walk there.
+        assert_eq!(
+            client(&["198.51.100.9, garbage, 10.0.0.4"]).as_deref(),
+            Some("10.0.0.4")
+        );
     }
 
     #[test]
