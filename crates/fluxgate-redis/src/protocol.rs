@@ -493,7 +493,7 @@ impl TokenBand {
     /// How far the request's cost takes the band past its capacity, its debt (the units its
     /// instant lies ahead of now) being `debt`: the band admits when it is at most 0.
     fn excess(self, debt: i64) -> i64 {
-        debt.saturating_add(self.cost) - self.cap
+        debt.max(0).saturating_add(self.cost).saturating_sub(self.cap)
     }
 
     /// The band's state after the request committed at `now_us`, its debt before being
@@ -517,6 +517,9 @@ impl TokenBand {
     /// scale`), so that it does not jump ahead, and `debt + cost - off × scale <= cap`. At
     /// `off = 0`, whether it admits now.
     fn admits_at(self, debt: i64, off: i64) -> bool {
+        // The scripts never answer a negative debt; a state Redis read wrong (a key written
+        // by hand) is a full band, as in `reply`.
+        let debt = debt.max(0);
         let ahead = off.saturating_mul(self.scale);
         debt - debt % self.scale >= ahead && self.excess(debt) <= ahead
     }
@@ -1041,6 +1044,16 @@ mod tests {
             assert_eq!(bands[0].allowed, wait == Wait::None);
             assert_eq!(bands[0].remaining, remaining, "{debt}");
             assert_eq!(bands[0].wait, wait, "{debt}");
+        }
+        // A debt out of range (a state written by hand): a full band, never a panic, and
+        // the verdict and the band's report agree.
+        for debt in [-1, i64::MIN, i64::MAX] {
+            let mut args = DecideArgs::new();
+            args.rule(rule(tb(1, false, 1), &[band]));
+            let reply = args.token_reply(&[42, debt]).unwrap();
+            let bands: Vec<_> = reply.bands().collect();
+            assert_eq!(reply.allowed, debt < 0, "{debt}");
+            assert_eq!(bands[0].allowed, reply.allowed, "{debt}");
         }
         // Two rules: the second rejects, so the first commits nothing.
         let mut args = DecideArgs::new();
