@@ -240,6 +240,47 @@ pub enum ConfigError {
     Inconsistent(String),
 }
 
+/// The most a config file may hold.
+const MAX_CONFIG_FILE: u64 = 1024 * 1024;
+
+/// A config file's text: a regular file (a pipe or a device is refused before it is
+/// opened) of at most [`MAX_CONFIG_FILE`] bytes.
+fn read_config_file(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind, Read};
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(Error::new(ErrorKind::InvalidInput, "not a regular file"));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_FILE + 1)
+        .read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_CONFIG_FILE {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("larger than {MAX_CONFIG_FILE} bytes, the most a config file may hold"),
+        ));
+    }
+    Ok(text)
+}
+
+/// `[log] level`: a `tracing` filter whose bare words are levels. A bare word that is not a
+/// level is a valid filter (every event of the target of that name) but not what anyone
+/// means: a typo of a level (`inof`) would turn every log line off, the errors that stop
+/// the service included.
+fn check_log_level(level: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let wrong = |why: String| format!("`[log] level` = `{level}`: {why}");
+    tracing_subscriber::EnvFilter::try_new(level).map_err(|e| wrong(e.to_string()))?;
+    for directive in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        if !directive.contains('=') && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(directive)) {
+            return Err(wrong(format!(
+                "`{directive}` is not a level (trace, debug, info, warn, error, off) nor `target=level`"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl From<UnknownRuleSetConfig> for UnknownRuleSet {
     fn from(value: UnknownRuleSetConfig) -> Self {
         match value {
@@ -266,7 +307,7 @@ impl Config {
     ///
     /// [`ConfigError::Io`], or [`ConfigError::Invalid`] naming the field and the line.
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        let text = read_config_file(path).map_err(|source| ConfigError::Io {
             path: path.to_owned(),
             source,
         })?;
@@ -333,10 +374,13 @@ impl Config {
         } else {
             None
         };
-        match problem {
-            Some(problem) => Err(ConfigError::Inconsistent(problem.to_owned())),
-            None => Ok(()),
+        if let Some(problem) = problem {
+            return Err(ConfigError::Inconsistent(problem.to_owned()));
         }
+        if let Some(level) = &self.log.level {
+            check_log_level(level).map_err(ConfigError::Inconsistent)?;
+        }
+        Ok(())
     }
 
     /// The address to listen on.
@@ -358,5 +402,40 @@ impl Config {
     /// The limiter's deadline.
     pub fn limiter_timeout(&self) -> Option<Duration> {
         self.limiter.timeout_ms.map(Duration::from_millis)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A level, a list of levels and `target=level` directives pass; a bare word that is no
+    /// level (a typo, which would turn every log line off) and a malformed filter are
+    /// refused, naming the option and the word.
+    #[test]
+    fn log_levels_are_levels() {
+        for good in ["info", "WARN", "info,fluxgate_core=debug", "off", "fluxgate=trace"] {
+            assert_eq!(check_log_level(good), Ok(()), "{good}");
+        }
+        let error = check_log_level("inof").unwrap_err();
+        assert!(
+            error.contains("`[log] level`") && error.contains("`inof` is not a level"),
+            "{error}"
+        );
+        assert!(check_log_level("info,warn;").is_err());
+        assert!(check_log_level("fluxgate=loud").is_err());
+    }
+
+    /// A config file that is no regular file, or too large, is refused before it is read
+    /// whole.
+    #[test]
+    fn a_config_file_is_a_bounded_regular_file() {
+        let error = Config::from_file(Path::new("/dev/zero")).unwrap_err();
+        assert!(error.to_string().contains("not a regular file"), "{error}");
+        let large = std::env::temp_dir().join(format!("fluxgate-config-{}-large.toml", std::process::id()));
+        std::fs::write(&large, "#".repeat(2 * 1024 * 1024)).unwrap();
+        let error = Config::from_file(&large).unwrap_err();
+        assert!(error.to_string().contains("larger than"), "{error}");
+        std::fs::remove_file(&large).unwrap();
     }
 }

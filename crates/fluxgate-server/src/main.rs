@@ -13,8 +13,16 @@ const USAGE: &str =
   --admin-token TOKEN  turn on the rule administration endpoints, with this bearer token";
 
 fn init_logs(config: &Config) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(config.log.level.as_deref().unwrap_or("info")));
+    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
+        Ok(filter) => filter,
+        Err(error) => {
+            if std::env::var_os("RUST_LOG").is_some() {
+                eprintln!("warning: RUST_LOG ignored ({error}): the configured level applies");
+            }
+            // Checked with the configuration (`Config::check`).
+            tracing_subscriber::EnvFilter::new(config.log.level.as_deref().unwrap_or("info"))
+        }
+    };
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
