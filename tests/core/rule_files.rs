@@ -160,6 +160,27 @@ fn duplicate_ids_and_syntax_errors() {
     assert!(msg.contains("expected a list of rule sets"), "{msg}");
     let msg = RuleSets::from_yaml_str("rules: []").unwrap_err().to_string();
     assert!(msg.contains("field `rules`"), "{msg}");
+    // A key given twice in one map: refused in every format, naming the key and where,
+    // never taken from its last occurrence (here a loose limit after a tight one).
+    let twice = r#"{"rule_sets": [{"id": "api", "rules": [{"id": "r", "bands": [{"capacity": 10, "window": "1s"}], "bands": [{"capacity": 1000000, "window": "1s"}]}]}]}"#;
+    let msg = RuleSets::from_json_str(twice).unwrap_err().to_string();
+    assert!(
+        msg.starts_with("JSON syntax error") && msg.contains("`bands` is given twice") && msg.contains("line 1"),
+        "{msg}"
+    );
+    let twice = "rule_sets:\n  - id: api\n    rules:\n      - id: r\n        bands: [{capacity: 10, window: 1s}]\n        bands: [{capacity: 1000000, window: 1s}]\n";
+    let msg = RuleSets::from_yaml_str(twice).unwrap_err().to_string();
+    assert!(
+        msg.starts_with("YAML syntax error") && msg.contains("`bands` is given twice") && msg.contains("line"),
+        "{msg}"
+    );
+    let twice = "[[rule_sets]]\nid = \"api\"\nid = \"web\"\nrules = []\n";
+    assert!(RuleSets::from_toml_str(twice).is_err());
+    let top = r#"{"rule_sets": [], "rule_sets": []}"#;
+    assert!(RuleSets::from_json_str(top)
+        .unwrap_err()
+        .to_string()
+        .contains("`rule_sets` is given twice"));
 }
 
 /// Found by fuzzing: an empty id or key used to be echoed as the name of the place

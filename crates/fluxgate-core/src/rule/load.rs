@@ -49,10 +49,21 @@ impl RuleSets {
     /// [`RuleError::Invalid`] naming the rule set, the rule and the field otherwise.
     pub fn parse(text: &str, format: Format) -> Result<Self, RuleError> {
         let syntax = |message: String| RuleError::Syntax { format, message };
+        // TOML refuses a key given twice itself; YAML and JSON are read refusing it too, so
+        // that a field given twice (`bands` with a tight limit, then with a loose one) is
+        // not taken silently from its last occurrence.
         let value: serde_json::Value = match format {
-            Format::Yaml => yaml_serde::from_str(text).map_err(|e| syntax(yaml_error(&e)))?,
+            Format::Yaml => {
+                yaml_serde::from_str::<Unique>(text)
+                    .map_err(|e| syntax(yaml_error(&e)))?
+                    .0
+            }
             Format::Toml => toml::from_str(text).map_err(|e| syntax(e.to_string()))?,
-            Format::Json => serde_json::from_str(text).map_err(|e| syntax(e.to_string()))?,
+            Format::Json => {
+                serde_json::from_str::<Unique>(text)
+                    .map_err(|e| syntax(e.to_string()))?
+                    .0
+            }
         };
         Self::from_specs(specs_from_value(value)?)
     }
@@ -210,4 +221,83 @@ fn deserialize_at<T: serde::de::DeserializeOwned>(value: serde_json::Value) -> R
         };
         (field, message)
     })
+}
+
+/// A document read as a [`serde_json::Value`], refusing a map that gives a key twice (the
+/// format's error then names the key and where it is).
+struct Unique(serde_json::Value);
+
+impl<'de> serde::Deserialize<'de> for Unique {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(UniqueVisitor).map(Unique)
+    }
+}
+
+struct UniqueVisitor;
+
+impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
+    type Value = serde_json::Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a value")
+    }
+
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, serde_json::Value::Number))
+    }
+
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_any(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Unique(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(serde_json::Value::Array(items))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut fields = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if fields.contains_key(&key) {
+                let shown: String = key.chars().take(64).collect();
+                return Err(serde::de::Error::custom(format_args!(
+                    "the key `{shown}` is given twice in one map"
+                )));
+            }
+            let Unique(value) = map.next_value()?;
+            fields.insert(key, value);
+        }
+        Ok(serde_json::Value::Object(fields))
+    }
 }
