@@ -176,6 +176,24 @@ fn duplicate_ids_and_syntax_errors() {
     );
     let twice = "[[rule_sets]]\nid = \"api\"\nid = \"web\"\nrules = []\n";
     assert!(RuleSets::from_toml_str(twice).is_err());
+    // Flow collections nested past the reader's limit are refused before it reads them
+    // (it would take time in the square of the nesting), naming where; brackets in quoted
+    // scalars and comments do not count, and nesting within the limit reads as before.
+    for deep in ["[".repeat(50_000), format!("rule_sets: {}", "{a: ".repeat(50_000))] {
+        let msg = RuleSets::from_yaml_str(&deep).unwrap_err().to_string();
+        assert!(
+            msg.starts_with("YAML syntax error: collections nest deeper than 128 at line 1"),
+            "{}",
+            &msg[..msg.len().min(200)]
+        );
+    }
+    let quoted = format!(
+        "# {}\nrule_sets:\n  - id: api\n    rules:\n      - id: \"{}\"\n        bands: [{{capacity: 1, window: 1s}}]\n",
+        "[".repeat(500),
+        "{".repeat(200)
+    );
+    let msg = RuleSets::from_yaml_str(&quoted).unwrap_err().to_string();
+    assert!(!msg.contains("nest deeper"), "{msg}");
     let top = r#"{"rule_sets": [], "rule_sets": []}"#;
     assert!(RuleSets::from_json_str(top)
         .unwrap_err()
