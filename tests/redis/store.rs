@@ -124,6 +124,29 @@ async fn a_reload_from_the_store_is_enforced_and_a_bad_document_keeps_the_rules(
     assert!(!error.contains(&"y".repeat(100)), "the id is cut: {error}");
     let set = provider.rule_sets().get("default").cloned().expect("still in force");
     assert_eq!(set.rules()[0].bands()[0].capacity(), 2);
+
+    // Bytes that are not UTF-8: in a document, named as such (not as a missing document);
+    // in the index, an id that is not valid, named like any other.
+    server.cli(&["SREM", &store.index_key(), &hostile]);
+    let with_byte = |key: &str, before: &str, after: &str| {
+        let script = "redis.call(ARGV[3], KEYS[1], ARGV[1] .. string.char(255) .. ARGV[2])";
+        let set = if key == store.index_key() { "SADD" } else { "SET" };
+        server.cli(&["EVAL", script, "1", key, before, after, set]);
+    };
+    with_byte(&key, r#"{"id": "default", "rules": [], "x": ""#, r#""}"#);
+    let error = provider.reload_from(&*store).await.unwrap_err().to_string();
+    assert!(
+        error.contains(&key) && error.contains("not UTF-8 text (byte 37"),
+        "{error}"
+    );
+    store.put(&spec("default", 2)).await.expect("repair");
+    with_byte(&store.index_key(), "ab", "c");
+    let error = provider.reload_from(&*store).await.unwrap_err().to_string();
+    assert!(error.contains("not a valid rule set id"), "{error}");
+    assert_eq!(
+        provider.rule_sets().get("default").expect("still in force").rules()[0].bands()[0].capacity(),
+        2
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -280,7 +280,15 @@ impl RedisRuleSetStore {
     /// first stored rule set (in id order) that cannot be read.
     pub async fn list(&self) -> Result<Vec<RuleSetSpec>, StoreError> {
         for _ in 0..LOAD_ATTEMPTS {
-            let mut ids: Vec<String> = self.call(&self.index, vec![self.index_key()], vec![]).await?;
+            // Read as bytes: a member that is not UTF-8 is named as the invalid id it is.
+            let members: Vec<Value> = self.call(&self.index, vec![self.index_key()], vec![]).await?;
+            let mut ids: Vec<String> = members
+                .into_iter()
+                .map(|member| match member {
+                    Value::Bytes(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                    other => other.into_string().unwrap_or_default(),
+                })
+                .collect();
             ids.sort();
             if let Some(bad) = ids.iter().find(|id| check_id(id).is_err()) {
                 let shown: String = bad.chars().take(64).collect();
@@ -296,8 +304,12 @@ impl RedisRuleSetStore {
             let reply: Value = self.call(&self.load, keys, ids.clone()).await?;
             if let Value::Array(documents) = reply {
                 let documents = documents.into_iter().map(|document| match document {
-                    Value::Null => None,
-                    other => other.into_string(),
+                    Value::Null => Ok(None),
+                    // Not UTF-8: the position of the first byte that is not.
+                    Value::Bytes(bytes) => std::str::from_utf8(&bytes)
+                        .map(|text| Some(text.to_owned()))
+                        .map_err(|e| e.valid_up_to()),
+                    other => Ok(other.into_string()),
                 });
                 return ids
                     .into_iter()
@@ -314,10 +326,18 @@ impl RedisRuleSetStore {
         })
     }
 
-    fn read_document(&self, id: String, document: Option<String>) -> Result<RuleSetSpec, StoreError> {
+    fn read_document(&self, id: String, document: Result<Option<String>, usize>) -> Result<RuleSetSpec, StoreError> {
         let key = self.document_key(&id);
-        let Some(document) = document else {
-            return Err(StoreError::Missing { id, key });
+        let document = match document {
+            Ok(Some(document)) => document,
+            Ok(None) => return Err(StoreError::Missing { id, key }),
+            Err(at) => {
+                return Err(StoreError::Document {
+                    id,
+                    key,
+                    reason: format!("not UTF-8 text (byte {at} is not)"),
+                })
+            }
         };
         if document.len() > MAX_DOCUMENT {
             return Err(StoreError::Document {
