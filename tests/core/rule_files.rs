@@ -194,6 +194,17 @@ fn duplicate_ids_and_syntax_errors() {
     );
     let msg = RuleSets::from_yaml_str(&quoted).unwrap_err().to_string();
     assert!(!msg.contains("nest deeper"), "{msg}");
+    // A long id is cut in the error, wherever it is named.
+    let long = "a".repeat(100_000);
+    let msg = RuleSets::from_json_str(&format!(r#"{{"rule_sets": [{{"id": "{long}", "rules": []}}]}}"#))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.len() < 400 && msg.contains('…'),
+        "{} bytes: {}",
+        msg.len(),
+        &msg[..msg.len().min(300)]
+    );
     let top = r#"{"rule_sets": [], "rule_sets": []}"#;
     assert!(RuleSets::from_json_str(top)
         .unwrap_err()

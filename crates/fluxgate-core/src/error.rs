@@ -69,6 +69,19 @@ pub enum RuleError {
 /// How an empty name (an `id: ""`, a key `""`) is shown where an error names its place.
 const EMPTY: &str = "\"\"";
 
+/// The most characters of a name or value an error shows: an error about a 10 MB id is not
+/// 10 MB long.
+const SHOWN: usize = 64;
+
+/// `text` as an error shows it: its first [`SHOWN`] characters, then `…` when there are
+/// more.
+pub(crate) fn shown(text: &str) -> String {
+    match text.char_indices().nth(SHOWN) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_owned(),
+    }
+}
+
 impl RuleError {
     /// A [`RuleError::Invalid`] at the field the problem is about.
     pub(crate) fn at(rule_set: &str, rule: &str, problem: impl Into<Problem>) -> Self {
@@ -78,7 +91,7 @@ impl RuleError {
 
     /// A [`RuleError::Invalid`] at a field named by the caller (the deserializer's path).
     pub(crate) fn invalid(rule_set: &str, rule: &str, field: &str, message: impl Into<Problem>) -> Self {
-        let name = |s: &str| if s.is_empty() { EMPTY.to_owned() } else { s.to_owned() };
+        let name = |s: &str| if s.is_empty() { EMPTY.to_owned() } else { shown(s) };
         Self::Invalid {
             rule_set: name(rule_set),
             rule: name(rule),

@@ -101,7 +101,7 @@ pub enum IdError {
     /// The identifier is longer than [`MAX_ID_LEN`].
     #[error("`{id}` is longer than {} characters", MAX_ID_LEN)]
     TooLong {
-        /// The identifier.
+        /// The identifier, its first 64 characters.
         id: String,
     },
     /// The identifier contains a character outside `A-Z a-z 0-9 _ - .`.

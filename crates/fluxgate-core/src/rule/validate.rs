@@ -179,14 +179,16 @@ pub fn check_id(id: &str) -> Result<(), IdError> {
         return Err(IdError::Empty);
     }
     if id.len() > MAX_ID_LEN {
-        return Err(IdError::TooLong { id: id.to_owned() });
+        return Err(IdError::TooLong {
+            id: crate::error::shown(id),
+        });
     }
     if let Some(character) = id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.')))
     {
         return Err(IdError::InvalidCharacter {
-            id: id.to_owned(),
+            id: crate::error::shown(id),
             character,
         });
     }
