@@ -187,8 +187,10 @@ impl ClientIpResolver {
             .flat_map(|value| value.as_bytes().rsplit(|&b| b == b','));
         let mut client = canonical(peer);
         for element in elements {
-            // Bytes that are not UTF-8 are no address: a hop that cannot be read.
-            let element = std::str::from_utf8(element).unwrap_or("\u{fffd}");
+            // Read as text; bytes that are not UTF-8 (in another parameter of a `Forwarded`
+            // element, `host=`) leave the rest of the element readable.
+            let element = String::from_utf8_lossy(element);
+            let element = &*element;
             let hop = if rfc7239 {
                 // `for=` of each element. An element without one (a proxy that writes only
                 // `proto=` or `by=`) names no address: a hop that cannot be read, so that
