@@ -266,12 +266,18 @@ fn read_config_file(path: &Path) -> std::io::Result<String> {
 /// `[log] level`: a `tracing` filter whose bare words are levels. A bare word that is not a
 /// level is a valid filter (every event of the target of that name) but not what anyone
 /// means: a typo of a level (`inof`) would turn every log line off, the errors that stop
-/// the service included.
+/// the service included. The filter is checked as [`Config::log_filter`] writes it.
 fn check_log_level(level: &str) -> Result<(), String> {
-    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    const LEVELS: [&str; 12] = [
+        "trace", "debug", "info", "warn", "error", "off", "0", "1", "2", "3", "4", "5",
+    ];
     let wrong = |why: String| format!("`[log] level` = `{level}`: {why}");
-    tracing_subscriber::EnvFilter::try_new(level).map_err(|e| wrong(e.to_string()))?;
-    for directive in level.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+    let filter = normalized_filter(level);
+    if filter.is_empty() {
+        return Err(wrong("no level".to_owned()));
+    }
+    tracing_subscriber::EnvFilter::try_new(&filter).map_err(|e| wrong(e.to_string()))?;
+    for directive in filter.split(',') {
         if !directive.contains('=') && !LEVELS.iter().any(|l| l.eq_ignore_ascii_case(directive)) {
             return Err(wrong(format!(
                 "`{directive}` is not a level (trace, debug, info, warn, error, off) nor `target=level`"
@@ -279,6 +285,28 @@ fn check_log_level(level: &str) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// A filter's directives, each trimmed, the empty ones left out: `tracing` reads a directive
+/// with spaces around it (` info`, `info, hyper=warn`) as the name of a target.
+fn normalized_filter(level: &str) -> String {
+    level
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl Config {
+    /// The log filter of `[log] level` (default `info`), its directives trimmed: what the
+    /// service's logs use unless `RUST_LOG` is set.
+    pub fn log_filter(&self) -> String {
+        self.log
+            .level
+            .as_deref()
+            .map_or_else(|| "info".to_owned(), normalized_filter)
+    }
 }
 
 impl From<UnknownRuleSetConfig> for UnknownRuleSet {
@@ -414,9 +442,30 @@ mod tests {
     /// refused, naming the option and the word.
     #[test]
     fn log_levels_are_levels() {
-        for good in ["info", "WARN", "info,fluxgate_core=debug", "off", "fluxgate=trace"] {
+        for good in [
+            "info",
+            "WARN",
+            "info,fluxgate_core=debug",
+            "off",
+            "fluxgate=trace",
+            " info",
+            "info, hyper=warn",
+            "3",
+        ] {
             assert_eq!(check_log_level(good), Ok(()), "{good}");
         }
+        for empty in ["", " , "] {
+            assert!(check_log_level(empty).unwrap_err().contains("no level"), "{empty:?}");
+        }
+        // As the logs use it: directives trimmed, so that ` info` is the level, not a target.
+        let config = Config {
+            log: LogConfig {
+                level: Some(" info, hyper=warn ".to_owned()),
+                ..LogConfig::default()
+            },
+            ..Config::default()
+        };
+        assert_eq!(config.log_filter(), "info,hyper=warn");
         let error = check_log_level("inof").unwrap_err();
         assert!(
             error.contains("`[log] level`") && error.contains("`inof` is not a level"),

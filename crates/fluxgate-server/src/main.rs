@@ -20,7 +20,7 @@ fn init_logs(config: &Config) {
                 eprintln!("warning: RUST_LOG ignored ({error}): the configured level applies");
             }
             // Checked with the configuration (`Config::check`).
-            tracing_subscriber::EnvFilter::new(config.log.level.as_deref().unwrap_or("info"))
+            tracing_subscriber::EnvFilter::new(config.log_filter())
         }
     };
     let logs = tracing_subscriber::fmt()
