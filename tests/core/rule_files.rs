@@ -194,6 +194,38 @@ fn duplicate_ids_and_syntax_errors() {
     );
     let msg = RuleSets::from_yaml_str(&quoted).unwrap_err().to_string();
     assert!(!msg.contains("nest deeper"), "{msg}");
+    // A quote inside a plain scalar or a block scalar opens nothing: the nesting after it
+    // still counts.
+    let deep = "[".repeat(40_000);
+    for prefix in [
+        "a: x 'y\nb: ",
+        "a: x \"y\nb: ",
+        "a: |\n  don 't\nb: ",
+        "a: plain\n  'continued\nb: ",
+    ] {
+        let msg = RuleSets::from_yaml_str(&format!("{prefix}{deep}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("nest deeper than 128"),
+            "{prefix:?}: {}",
+            &msg[..msg.len().min(200)]
+        );
+    }
+    // Brackets that are no indicators do not count: in plain scalars in block context, after
+    // a `#` that opens no comment, in block scalars.
+    let mut literal = String::from("a:\n");
+    for n in 0..130 {
+        literal.push_str(&format!("  p{n}: /api/{{id\n  q{n}: x#[[\n"));
+    }
+    literal.push_str(&format!("b: |\n  {}\n  '\nc: \"[[\\\"[\"\n", "[".repeat(200)));
+    let msg = RuleSets::from_yaml_str(&literal).unwrap_err().to_string();
+    assert!(!msg.contains("nest deeper"), "{}", &msg[..msg.len().min(200)]);
+    assert!(
+        msg.contains("unknown field `a`") || msg.contains("field"),
+        "read by the reader: {}",
+        &msg[..msg.len().min(200)]
+    );
     // A long id is cut in the error, wherever it is named.
     let long = "a".repeat(100_000);
     let msg = RuleSets::from_json_str(&format!(r#"{{"rule_sets": [{{"id": "{long}", "rules": []}}]}}"#))
