@@ -287,13 +287,19 @@ fn check_log_level(level: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A filter's directives, each trimmed, the empty ones left out: `tracing` reads a directive
-/// with spaces around it (` info`, `info, hyper=warn`) as the name of a target.
-fn normalized_filter(level: &str) -> String {
+/// A filter's directives, each trimmed (around its `=` too), the empty ones left out:
+/// `tracing` reads a directive with spaces around it (` info`, `info, hyper=warn`) as the
+/// name of a target.
+pub fn normalized_filter(level: &str) -> String {
     level
         .split(',')
         .map(str::trim)
         .filter(|d| !d.is_empty())
+        .map(|d| match d.split_once('=') {
+            // `fluxgate_core =debug` would name the target `fluxgate_core `.
+            Some((target, level)) => format!("{}={}", target.trim(), level.trim()),
+            None => d.to_owned(),
+        })
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -466,6 +472,7 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(config.log_filter(), "info,hyper=warn");
+        assert_eq!(normalized_filter(" fluxgate_core = debug ,"), "fluxgate_core=debug");
         let error = check_log_level("inof").unwrap_err();
         assert!(
             error.contains("`[log] level`") && error.contains("`inof` is not a level"),

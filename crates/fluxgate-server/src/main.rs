@@ -13,15 +13,19 @@ const USAGE: &str =
   --admin-token TOKEN  turn on the rule administration endpoints, with this bearer token";
 
 fn init_logs(config: &Config) {
-    let filter = match tracing_subscriber::EnvFilter::try_from_default_env() {
-        Ok(filter) => filter,
-        Err(error) => {
-            if std::env::var_os("RUST_LOG").is_some() {
-                eprintln!("warning: RUST_LOG ignored ({error}): the configured level applies");
-            }
-            // Checked with the configuration (`Config::check`).
-            tracing_subscriber::EnvFilter::new(config.log_filter())
-        }
+    // `RUST_LOG`, its directives trimmed as the configured level's are; else that level,
+    // checked with the configuration (`Config::check`).
+    let from_env = std::env::var("RUST_LOG")
+        .ok()
+        .map(|env| fluxgate_server::config::normalized_filter(&env))
+        .filter(|env| !env.is_empty())
+        .map(|env| {
+            tracing_subscriber::EnvFilter::try_new(env)
+                .inspect_err(|error| eprintln!("warning: RUST_LOG ignored ({error}): the configured level applies"))
+        });
+    let filter = match from_env {
+        Some(Ok(filter)) => filter,
+        _ => tracing_subscriber::EnvFilter::new(config.log_filter()),
     };
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
