@@ -486,14 +486,12 @@ rule_sets:
         );
     }
 
-    /// A refund to a slot that has moved to another node since the client last learnt the
-    /// slots (a resharding; the node answers `MOVED`, having run nothing) is made there:
-    /// the rejected request consumes nothing.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_refund_follows_a_slot_that_moved() {
-        let cluster = RedisCluster::start();
+    /// An engine on `cluster` with two rules in two slots: per IP, 2 per hour, decided
+    /// first; per user, 100 per hour. Answers it, the request of `ip` as user `alice`, and
+    /// the per-user rule's key and slot.
+    async fn two_slots(cluster: &RedisCluster, prefix: &str) -> (Engine, impl Fn(&str) -> RequestContext, String, u16) {
         let limiter = RedisLimiter::builder(cluster.url())
-            .prefix("moved")
+            .prefix(prefix)
             .timeout(Duration::from_millis(500))
             .connect()
             .await
@@ -520,17 +518,20 @@ rule_sets:
                 .user_id("alice")
                 .build()
         };
-        let user_key = "moved:{default:per-user:user=alice}";
+        let user_key = format!("{prefix}:{{default:per-user:user=alice}}");
         let slot = fred::util::redis_keyslot(user_key.as_bytes());
+        let ip_key = format!("{prefix}:{{default:per-ip:ip=192.0.2.44}}");
         assert_ne!(
             slot,
-            fred::util::redis_keyslot(b"moved:{default:per-ip:ip=192.0.2.44}"),
+            fred::util::redis_keyslot(ip_key.as_bytes()),
             "the two rules in two slots"
         );
-        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
-        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        (engine, at, user_key, slot)
+    }
 
-        // The per-user slot moves to another node, its key with it.
+    /// Starts moving `slot` from its node to another (`SETSLOT IMPORTING` and
+    /// `MIGRATING`): answers the two nodes and their ids.
+    fn start_migrating(cluster: &RedisCluster, slot: u16) -> (&RedisServer, &RedisServer, String) {
         let source = cluster.node_of_slot(slot);
         let target = cluster.nodes.iter().find(|n| n.port() != source.port()).unwrap();
         let (source_id, target_id) = (
@@ -546,19 +547,40 @@ rule_sets:
             source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
             "OK"
         );
+        (source, target, target_id)
+    }
+
+    /// The per-user band's remaining count in `d`.
+    fn per_user(d: &fluxgate::core::Decision) -> u64 {
+        d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining
+    }
+
+    /// A refund to a slot that has moved to another node since the client last learnt the
+    /// slots (a resharding; the node answers `MOVED`, having run nothing) is made there:
+    /// the rejected request consumes nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_refund_follows_a_slot_that_moved() {
+        let cluster = RedisCluster::start();
+        let (engine, at, user_key, slot) = two_slots(&cluster, "moved").await;
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        assert!(check(&engine, &at("192.0.2.44")).await.allowed());
+        // The per-user slot moves to another node, its key with it.
+        let (source, target, target_id) = start_migrating(&cluster, slot);
         let port = target.port().to_string();
-        let out = source.cli(&["MIGRATE", "127.0.0.1", &port, user_key, "0", "5000"]);
+        let out = source.cli(&["MIGRATE", "127.0.0.1", &port, &user_key, "0", "5000"]);
         assert_eq!(out.trim(), "OK", "{out}");
         for node in &cluster.nodes {
-            assert_eq!(node.cli(&["CLUSTER", "SETSLOT", &s, "NODE", &target_id]).trim(), "OK");
+            assert_eq!(
+                node.cli(&["CLUSTER", "SETSLOT", &slot.to_string(), "NODE", &target_id])
+                    .trim(),
+                "OK"
+            );
         }
-
         // Rejected by per-ip: per-user's permit goes back, wherever its slot now is.
         let d = check(&engine, &at("192.0.2.44")).await;
         assert!(!d.allowed());
-        let user = |d: &fluxgate::core::Decision| d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining;
-        assert_eq!(user(&d), 98, "the per-user slot was refunded");
-        assert_eq!(user(&check(&engine, &at("192.0.2.45")).await), 97);
+        assert_eq!(per_user(&d), 98, "the per-user slot was refunded");
+        assert_eq!(per_user(&check(&engine, &at("192.0.2.45")).await), 97);
     }
 
     /// A slot that fails does not overturn another slot's rejection: the request is
@@ -676,62 +698,14 @@ rule_sets:
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_refund_reaches_a_slot_being_migrated() {
         let cluster = RedisCluster::start();
-        let limiter = RedisLimiter::builder(cluster.url())
-            .prefix("migrating")
-            .timeout(Duration::from_millis(500))
-            .connect()
-            .await
-            .unwrap();
-        let engine = Engine::builder(rules(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        priority: 1
-        bands: [{ capacity: 2, window: 1h }]
-      - id: per-user
-        scope: user
-        bands: [{ capacity: 100, window: 1h }]
-"#,
-        ))
-        .limiter(limiter)
-        .build()
-        .unwrap();
-        let at = |ip: &str| {
-            RequestContext::builder()
-                .client_ip(ip.parse().unwrap())
-                .user_id("alice")
-                .build()
-        };
-        let slot = fred::util::redis_keyslot(b"migrating:{default:per-user:user=alice}");
-        assert_ne!(
-            slot,
-            fred::util::redis_keyslot(b"migrating:{default:per-ip:ip=192.0.2.44}"),
-            "the two rules in two slots"
-        );
+        let (engine, at, _, slot) = two_slots(&cluster, "migrating").await;
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         // The per-user slot starts moving to another node; its key stays at the source.
-        let source = cluster.node_of_slot(slot);
-        let target = cluster.nodes.iter().find(|n| n.port() != source.port()).unwrap();
-        let (source_id, target_id) = (
-            source.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
-            target.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
-        );
-        let s = slot.to_string();
-        assert_eq!(
-            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
-            "OK"
-        );
-        assert_eq!(
-            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
-            "OK"
-        );
-        let user = |d: &fluxgate::core::Decision| d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining;
+        start_migrating(&cluster, slot);
         let d = check(&engine, &at("192.0.2.44")).await;
         assert!(!d.allowed());
-        assert_eq!(user(&d), 98, "the per-user slot was refunded");
-        assert_eq!(user(&check(&engine, &at("192.0.2.45")).await), 97);
+        assert_eq!(per_user(&d), 98, "the per-user slot was refunded");
+        assert_eq!(per_user(&check(&engine, &at("192.0.2.45")).await), 97);
     }
 }
