@@ -495,7 +495,7 @@ rule_sets:
             .timeout(Duration::from_millis(500))
             .connect()
             .await
-            .unwrap();
+            .expect("the test cluster takes connections");
         let engine = Engine::builder(rules(
             r#"
 rule_sets:
@@ -511,10 +511,10 @@ rule_sets:
         ))
         .limiter(limiter)
         .build()
-        .unwrap();
+        .expect("Redis decides both rules");
         let at = |ip: &str| {
             RequestContext::builder()
-                .client_ip(ip.parse().unwrap())
+                .client_ip(ip.parse().expect("an address"))
                 .user_id("alice")
                 .build()
         };
@@ -533,7 +533,11 @@ rule_sets:
     /// `MIGRATING`): answers the two nodes and their ids.
     fn start_migrating(cluster: &RedisCluster, slot: u16) -> (&RedisServer, &RedisServer, String) {
         let source = cluster.node_of_slot(slot);
-        let target = cluster.nodes.iter().find(|n| n.port() != source.port()).unwrap();
+        let target = cluster
+            .nodes
+            .iter()
+            .find(|n| n.port() != source.port())
+            .expect("three nodes");
         let (source_id, target_id) = (
             source.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
             target.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
@@ -552,7 +556,11 @@ rule_sets:
 
     /// The per-user band's remaining count in `d`.
     fn per_user(d: &fluxgate::core::Decision) -> u64 {
-        d.bands.iter().find(|b| &*b.rule == "per-user").unwrap().remaining
+        d.bands
+            .iter()
+            .find(|b| &*b.rule == "per-user")
+            .expect("a per-user band")
+            .remaining
     }
 
     /// A refund to a slot that has moved to another node since the client last learnt the
