@@ -106,7 +106,17 @@ impl Connection {
         &self,
         command: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        match tokio::time::timeout(self.timeout, command).await {
+        self.within(self.timeout, command).await
+    }
+
+    /// Awaits `command` within `bound` (what is left of the deadline); a command that
+    /// outlasts it is a [`RedisError::Timeout`] of the deadline.
+    pub(crate) async fn within<T>(
+        &self,
+        bound: Duration,
+        command: impl Future<Output = Result<T, fred::error::Error>>,
+    ) -> Result<T, RedisError> {
+        match tokio::time::timeout(bound, command).await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(e)) => Err(RedisError::Command(e)),
             Err(_) => Err(RedisError::Timeout(self.timeout)),

@@ -142,11 +142,7 @@ impl Scripts {
                 .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
                 .await
         };
-        let reply = match tokio::time::timeout(remaining, Box::pin(again)).await {
-            Ok(Ok(reply)) => reply,
-            Ok(Err(e)) => return Err(RedisError::Command(e)),
-            Err(_) => return Err(RedisError::Timeout(self.connection.timeout())),
-        };
+        let reply = self.connection.within(remaining, Box::pin(again)).await?;
         Self::read(args, &numbers(reply)?)
     }
 
@@ -222,11 +218,7 @@ impl Scripts {
                 Err(e) => Err(RedisError::Command(e)),
             }
         } else {
-            match tokio::time::timeout(bound, call).await {
-                Ok(Ok(reply)) => Ok(reply),
-                Ok(Err(e)) => Err(RedisError::Command(e)),
-                Err(_) => Err(RedisError::Timeout(timeout)),
-            }
+            self.connection.within(bound, call).await
         }
     }
 
@@ -311,11 +303,7 @@ impl Scripts {
         // decision, the limiter's) stay small, and moving them copies a pointer instead of
         // kilobytes.
         let call = Box::pin(self.refund.evalsha_with_reload(self.connection.next(), keys, argv));
-        match tokio::time::timeout(within, call).await {
-            Ok(Ok(reply)) => Ok(reply),
-            Ok(Err(e)) => Err(RedisError::Command(e)),
-            Err(_) => Err(RedisError::Timeout(self.connection.timeout())),
-        }
+        self.connection.within(within, call).await
     }
 
     /// How long a refund's mark lives: as long as fred may write the call again. fred drops
