@@ -591,6 +591,36 @@ rule_sets:
         assert_eq!(per_user(&check(&engine, &at("192.0.2.45")).await), 97);
     }
 
+    /// Two rules in two slots: per IP, 1 per hour, decided first; a global one.
+    const PER_IP_AND_GLOBAL: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 1, window: 1h }]
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000000, window: 1h }]
+"#;
+
+    /// The node of the global rule's key under `prefix`, and `n` addresses whose per-IP
+    /// keys are on other nodes.
+    fn off_the_global_node<'a>(cluster: &'a RedisCluster, prefix: &str, n: usize) -> (&'a RedisServer, Vec<String>) {
+        let global = cluster.node_of_key(&format!("{prefix}:{{default:global:global}}"));
+        let ips = (1..=250)
+            .map(|i| format!("192.0.2.{i}"))
+            .filter(|ip| {
+                cluster
+                    .node_of_key(&format!("{prefix}:{{default:per-ip:ip={ip}}}"))
+                    .port()
+                    != global.port()
+            })
+            .take(n)
+            .collect();
+        (global, ips)
+    }
+
     /// A slot that fails does not overturn another slot's rejection: the request is
     /// rejected, and a `fail_open` policy does not admit it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -602,35 +632,14 @@ rule_sets:
             .connect()
             .await
             .unwrap();
-        let engine = Engine::builder(rules(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        priority: 1
-        bands: [{ capacity: 1, window: 1h }]
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000000, window: 1h }]
-"#,
-        ))
-        .limiter(limiter)
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .unwrap();
-        // An address whose per-IP key is on another node than the global rule's.
-        let global_node = cluster.node_of_key("partial:{default:global:global}");
-        let ip = (1..=250)
-            .map(|i| format!("192.0.2.{i}"))
-            .find(|ip| {
-                cluster
-                    .node_of_key(&format!("partial:{{default:per-ip:ip={ip}}}"))
-                    .port()
-                    != global_node.port()
-            })
+        let engine = Engine::builder(rules(PER_IP_AND_GLOBAL))
+            .limiter(limiter)
+            .on_backend_failure(FailurePolicy::FailOpen)
+            .build()
             .unwrap();
-        let ctx = RequestContext::builder().client_ip(ip.parse().unwrap()).build();
+        // An address whose per-IP key is on another node than the global rule's.
+        let (global_node, ips) = off_the_global_node(&cluster, "partial", 1);
+        let ctx = RequestContext::builder().client_ip(ips[0].parse().unwrap()).build();
         assert!(check(&engine, &ctx).await.allowed());
         assert!(!check(&engine, &ctx).await.allowed(), "per-ip's one permit is spent");
         // The global rule's node stops answering writes; the per-IP node still rejects.
@@ -659,29 +668,12 @@ rule_sets:
                 .failure_threshold(1)
                 .cool_down(Duration::from_millis(50)),
         );
-        let engine = Engine::builder(rules(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        priority: 1
-        bands: [{ capacity: 1, window: 1h }]
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000000, window: 1h }]
-"#,
-        ))
-        .limiter(breaker.clone())
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .unwrap();
-        let global_node = cluster.node_of_key("probe:{default:global:global}");
-        let ips: Vec<String> = (1..=250)
-            .map(|i| format!("192.0.2.{i}"))
-            .filter(|ip| cluster.node_of_key(&format!("probe:{{default:per-ip:ip={ip}}}")).port() != global_node.port())
-            .take(2)
-            .collect();
+        let engine = Engine::builder(rules(PER_IP_AND_GLOBAL))
+            .limiter(breaker.clone())
+            .on_backend_failure(FailurePolicy::FailOpen)
+            .build()
+            .unwrap();
+        let (global_node, ips) = off_the_global_node(&cluster, "probe", 2);
         let ctx = |ip: &str| RequestContext::builder().client_ip(ip.parse().unwrap()).build();
         assert!(check(&engine, &ctx(&ips[0])).await.allowed());
         assert!(!check(&engine, &ctx(&ips[0])).await.allowed());
