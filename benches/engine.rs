@@ -3,7 +3,8 @@
 //! Run with: `cargo bench --bench engine`
 //!
 //! Decisions: 1 rule × 1 band and 3 rules × 2 bands, over 10,000 client addresses, all
-//! admitted, in memory. Memory: before the timing runs, 1,000,000 distinct keys are
+//! admitted, in memory; and the floor of the first (`support/floor.rs`): the least such a
+//! decision can cost once everything a rule set settles when it loads is taken out. Memory: before the timing runs, 1,000,000 distinct keys are
 //! decided (each stays active: 100 per hour) and the growth of the process's resident set
 //! is divided by the key count.
 
@@ -14,6 +15,9 @@ mod rss;
 
 #[path = "support/apps.rs"]
 mod apps;
+
+#[path = "support/floor.rs"]
+mod floor;
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
@@ -67,6 +71,21 @@ fn decisions(c: &mut Criterion) {
             })
         });
     }
+    // The least a decision of the first rule set can cost (`support/floor.rs`), in the
+    // same run, over the same contexts.
+    let floor = floor::Floor::new(1_000_000_000, 3_600_000_000_000);
+    for ctx in &ctxs {
+        floor.decide(ctx);
+    }
+    let mut i = 0;
+    group.bench_function("floor_1_rule_x_1_band", |b| {
+        b.iter(|| {
+            i = (i + 1) % ctxs.len();
+            let figures = floor.decide(&ctxs[i]);
+            assert!(figures.allowed);
+            black_box(figures)
+        })
+    });
     group.finish();
 }
 

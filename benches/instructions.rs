@@ -6,6 +6,8 @@
 //! Usage: `instructions <variant> <requests>`, with the variants
 //! - `engine_1x1`, `engine_3x2`: `Engine::check` in memory, the rule sets of
 //!   `benches/engine.rs`, over 10,000 client addresses;
+//! - `floor_1x1`: the least a decision of `engine_1x1` can cost (`support/floor.rs`), over
+//!   the same addresses;
 //! - `layer_bare`, `layer_identity`, `layer_fluxgate`, `layer_fluxgate_legacy`,
 //!   `layer_governor`: one request through the axum apps of `benches/layer.rs` (bare; with
 //!   a layer that does nothing, which is what axum's wrapping of a layered route costs;
@@ -20,6 +22,9 @@
 #[path = "support/apps.rs"]
 mod apps;
 
+#[path = "support/floor.rs"]
+mod floor;
+
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -29,9 +34,10 @@ use fluxgate::{Engine, RequestContext};
 use http::Request;
 use tower::{Service, ServiceExt};
 
-const VARIANTS: [&str; 5] = [
+const VARIANTS: [&str; 6] = [
     "engine_1x1",
     "engine_3x2",
+    "floor_1x1",
     "layer_bare",
     "layer_fluxgate",
     "layer_governor",
@@ -78,6 +84,18 @@ fn run(variant: &str, n: usize) {
             let ctxs = apps::contexts(10_000);
             engine_loop(&engine, &ctxs, ctxs.len());
             engine_loop(&engine, &ctxs, n);
+        }
+        "floor_1x1" => {
+            let floor = floor::Floor::new(1_000_000_000, 3_600_000_000_000);
+            let ctxs = apps::contexts(10_000);
+            for ctx in &ctxs {
+                floor.decide(ctx);
+            }
+            for i in 0..n {
+                let figures = floor.decide(&ctxs[i % ctxs.len()]);
+                assert!(figures.allowed);
+                black_box(figures);
+            }
         }
         _ => {
             let rt = tokio::runtime::Builder::new_current_thread()
