@@ -8,6 +8,10 @@ instructions of the whole server (parsing, script, reply) by N. The counts are
 deterministic to within about 2% from one run to the next.
 
     scripts/redis-instructions.py [SCRIPT_DIR]
+    scripts/redis-instructions.py --commands
+
+`--commands` counts scripts that make nothing but one read and one kind of write (or
+nothing at all), over the same keys: what each command costs inside a script call.
 
 The batch script (`batch.lua`) is counted with 16 one-band requests per call, divided by
 the requests as well as by the calls.
@@ -119,7 +123,34 @@ def rule(r, bands):
     return [format(bands * 8, 'x'), layout, '3601001'] + ['d693a400', '168'] * bands
 
 
+# What each command a token-bucket script makes costs inside a script call: scripts that
+# make nothing but it, over the same keys (`--commands`).
+COMMANDS = [
+    ('nothing (the call alone)', 'return 1'),
+    ('GET', "redis.call('GET', KEYS[1]) return 1"),
+    ('GET, PTTL', "redis.call('GET', KEYS[1]) redis.call('PTTL', KEYS[1]) return 1"),
+    ('GET, PSETEX', "redis.call('GET', KEYS[1]) redis.call('PSETEX', KEYS[1], ARGV[1], ARGV[3]) return 1"),
+    ('GET, SET PX', "redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[1]) return 1"),
+    ('GET, SET PXAT', "redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], ARGV[3], 'PXAT', ARGV[2]) return 1"),
+    ('GET, SET KEEPTTL', "redis.call('GET', KEYS[1]) redis.call('SET', KEYS[1], ARGV[3], 'KEEPTTL') return 1"),
+]
+
+
+def commands():
+    key = 'fluxgate:{{default:rule0:ip=10.0.{i}.1}}'
+    at = str(int(time.time() * 1000) + 3601001)
+    print(f'{"script call":<44} {"instr/call":>10}')
+    with tempfile.TemporaryDirectory() as d:
+        for name, body in COMMANDS:
+            script = os.path.join(d, 'script.lua')
+            with open(script, 'w') as f:
+                f.write(body)
+            count(name, script, [key], ['3601001', at, 'b0:10000000/1h|18c3a4f2e1b4a'], 10000)
+
+
 def main():
+    if sys.argv[1:] == ['--commands']:
+        return commands()
     if len(sys.argv) > 1:
         scripts = sys.argv[1]
     else:
