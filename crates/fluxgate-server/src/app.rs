@@ -67,7 +67,7 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// An error answer: a status and `{"error", "field"}`.
-pub(crate) struct Failure(StatusCode, ApiError);
+pub(crate) struct Failure(pub(crate) StatusCode, pub(crate) ApiError);
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
@@ -146,6 +146,7 @@ async fn decide(engine: &Engine, request: &CheckRequest) -> Result<CheckResponse
     responses(
         (status = 200, description = "The decision (allowed or not)", body = CheckResponse),
         (status = 400, description = "A field is missing, of the wrong type or invalid", body = ApiError),
+        (status = 408, description = "The body did not arrive in time", body = ApiError),
         (status = 413, description = "The body is larger than the limit"),
         (status = 503, description = "The backend is unavailable and the failure policy answers no decision", body = ApiError),
     ),
@@ -164,6 +165,7 @@ pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     responses(
         (status = 200, description = "One result per request, in order: its decision, or the error that kept it from one (`error`)", body = BatchCheckResponse),
         (status = 400, description = "A request of the batch is invalid (the field names it), or the batch is too large", body = ApiError),
+        (status = 408, description = "The body did not arrive in time", body = ApiError),
         (status = 413, description = "The body is larger than the limit"),
     ),
     tag = "check"
@@ -338,6 +340,7 @@ pub(crate) struct RuleSetBody {
         (status = 401, description = "The bearer token is missing or wrong", body = ApiError),
         (status = 404, description = "The admin endpoints are off", body = ApiError),
         (status = 409, description = "Rules come from a file", body = ApiError),
+        (status = 408, description = "The body did not arrive in time", body = ApiError),
         (status = 413, description = "The body is larger than the limit"),
         (status = 503, description = "The rule store is unavailable", body = ApiError),
     ),

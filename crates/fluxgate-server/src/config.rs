@@ -165,6 +165,13 @@ pub struct HttpConfig {
     pub max_body_bytes: Option<usize>,
     /// The most requests in one batch. Default 1,000.
     pub max_batch: Option<usize>,
+    /// The longest a connection may take to send a request head, in milliseconds, from
+    /// when it opens or from the previous answer (an idle kept-alive connection is closed
+    /// then). Default 10,000.
+    pub header_timeout_ms: Option<u64>,
+    /// The longest a request's body may take to arrive after its head, in milliseconds;
+    /// later, the request is answered 408. Default 10,000.
+    pub body_timeout_ms: Option<u64>,
 }
 
 /// `[log]`: logs on standard error.
@@ -403,6 +410,8 @@ impl Config {
             Some("no rules: give `--rules FILE` (or `rules` in the file), or enable `[store]` with `redis`")
         } else if self.admin.token.as_deref().is_some_and(|t| t.len() < 16) {
             Some("`[admin] token` must be at least 16 characters")
+        } else if self.http.header_timeout_ms == Some(0) || self.http.body_timeout_ms == Some(0) {
+            Some("`[http] header_timeout_ms` and `body_timeout_ms` must be at least 1")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
         } else {
@@ -431,6 +440,16 @@ impl Config {
     /// The most requests in one batch.
     pub fn max_batch(&self) -> usize {
         self.http.max_batch.unwrap_or(1_000)
+    }
+
+    /// The longest a connection may take to send a request head.
+    pub fn header_timeout(&self) -> Duration {
+        Duration::from_millis(self.http.header_timeout_ms.unwrap_or(10_000))
+    }
+
+    /// The longest a request's body may take to arrive.
+    pub fn body_timeout(&self) -> Duration {
+        Duration::from_millis(self.http.body_timeout_ms.unwrap_or(10_000))
     }
 
     /// The limiter's deadline.

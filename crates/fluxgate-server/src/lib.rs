@@ -24,6 +24,7 @@
 mod app;
 pub mod config;
 pub mod openapi;
+mod serve;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -41,6 +42,7 @@ pub use config::{Config, ConfigError};
 #[derive(Debug)]
 pub struct Service {
     state: Arc<AppState>,
+    timeouts: serve::Timeouts,
     _watch: Option<Watch>,
     _listener: Option<RuleChangeListener>,
     _polling: Option<AbortOnDrop>,
@@ -173,6 +175,10 @@ impl Service {
         };
         Ok(Self {
             state: Arc::new(state),
+            timeouts: serve::Timeouts {
+                header: config.header_timeout(),
+                body: config.body_timeout(),
+            },
             _watch: watch,
             _listener: listener,
             _polling: polling,
@@ -196,6 +202,11 @@ impl Service {
     /// connections, waits for the requests in flight to finish, and gives back the permits
     /// the engine holds in local leases (rules with a `lease`).
     ///
+    /// A connection must send each request head within `[http] header_timeout_ms` (from
+    /// when it opens, or from the previous answer: an idle connection is closed then), and
+    /// each body within `[http] body_timeout_ms` of its head (else `408`), so that clients
+    /// that send nothing or part of a request cannot hold connections for good.
+    ///
     /// # Errors
     ///
     /// An I/O error of the listener.
@@ -205,7 +216,8 @@ impl Service {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let app = router(self.state.clone());
-        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown).await;
+        let max_body_bytes = self.state.max_body_bytes;
+        let served = serve::serve(listener, app, max_body_bytes, self.timeouts, shutdown).await;
         match self.state.engine.release_leases().await {
             Ok(0) => {}
             Ok(permits) => tracing::info!(permits, "leased permits given back"),

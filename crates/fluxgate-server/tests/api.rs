@@ -338,6 +338,54 @@ async fn bad_requests_get_their_documented_answer_and_change_nothing() {
     assert_eq!(answer.status, 405);
 }
 
+/// A client that opens connections and sends nothing, part of a request head or part of a
+/// body cannot hold them: each is answered or closed within the time limits, so that such
+/// clients cannot take every file descriptor of the service (then every gateway's new
+/// connection would wait, time out, and leave its requests to the failure policy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_send_no_whole_request_are_closed_in_time() {
+    let rules = rule_file("slow");
+    let mut config = config(&["--rules", rules.to_str().unwrap()]);
+    config.http.header_timeout_ms = Some(300);
+    config.http.body_timeout_ms = Some(300);
+    let (addr, _task) = serve(config).await;
+    // What the server sends on a connection after `sent`, until it closes it (or 10 s).
+    let after = |sent: &'static [u8]| {
+        blocking(move || {
+            let mut stream = TcpStream::connect(addr).unwrap();
+            stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            stream.write_all(sent).unwrap();
+            let start = Instant::now();
+            let mut raw = Vec::new();
+            let _ = stream.read_to_end(&mut raw);
+            (String::from_utf8_lossy(&raw).to_ascii_lowercase(), start.elapsed())
+        })
+    };
+    for sent in [&b""[..], b"POST /api/ratelimit/check HTTP/1.1\r\nhost: t\r\n"] {
+        let (answer, took) = after(sent).await;
+        assert!(took < Duration::from_secs(5), "closed after {took:?}: {answer:?}");
+        assert!(!answer.contains(" 200 "), "{answer}");
+    }
+    // A body that does not come: 408, the service's error.
+    let (answer, took) = after(b"POST /api/ratelimit/check HTTP/1.1\r\nhost: t\r\ncontent-length: 100\r\n\r\n{").await;
+    assert!(took < Duration::from_secs(5), "answered after {took:?}: {answer:?}");
+    assert!(answer.starts_with("http/1.1 408"), "{answer}");
+    assert!(answer.contains("x-fluxgate-error: 1"), "{answer}");
+    // A kept-alive connection is answered, then closed once idle for the head's time.
+    let body = r#"{"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/orders/1"}"#;
+    let request = format!(
+        "POST /api/ratelimit/check HTTP/1.1\r\nhost: t\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (answer, took) = after(Box::leak(request.into_bytes().into_boxed_slice())).await;
+    assert!(answer.starts_with("http/1.1 200"), "{answer}");
+    assert!(took < Duration::from_secs(5), "closed after {took:?}");
+    // Whole requests are answered as before.
+    let good = json!({"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/orders/1"});
+    let answer = blocking(move || post(addr, "/api/ratelimit/check", &good)).await;
+    assert_eq!((answer.status, answer.json()["remaining"].clone()), (200, json!(1)));
+}
+
 /// An admin call with the right token.
 async fn admin_call(addr: SocketAddr, method: &'static str, path: &'static str, body: String) -> Answer {
     blocking(move || {

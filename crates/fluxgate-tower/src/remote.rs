@@ -16,6 +16,11 @@ use hyper_util::rt::TokioExecutor;
 /// The deadline of one check unless another is given.
 pub const DEFAULT_REMOTE_TIMEOUT: Duration = Duration::from_millis(100);
 
+/// How long an idle connection stays in the pool unless another is given: less than the
+/// service keeps an idle connection open (`[http] header_timeout_ms`, 10 s by default), so
+/// that a check is never sent on a connection the service is closing.
+pub const DEFAULT_POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The largest answer read from the service.
 const MAX_ANSWER: usize = 1024 * 1024;
 
@@ -146,7 +151,7 @@ impl RemoteHandler {
         Ok(RemoteHandlerBuilder {
             check,
             timeout: DEFAULT_REMOTE_TIMEOUT,
-            pool_idle_timeout: Duration::from_secs(90),
+            pool_idle_timeout: DEFAULT_POOL_IDLE_TIMEOUT,
             pool_max_idle_per_host: 64,
         })
     }
@@ -215,7 +220,9 @@ impl RemoteHandlerBuilder {
         self
     }
 
-    /// How long an idle connection stays in the pool. Default 90 s.
+    /// How long an idle connection stays in the pool. Default 5 s
+    /// ([`DEFAULT_POOL_IDLE_TIMEOUT`]): keep it below the service's
+    /// `[http] header_timeout_ms`, after which the service closes an idle connection.
     pub fn pool_idle_timeout(mut self, idle: Duration) -> Self {
         self.pool_idle_timeout = idle;
         self
