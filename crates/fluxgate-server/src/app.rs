@@ -211,6 +211,15 @@ pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes)
     Ok(Json(BatchCheckResponse::new(results)).into_response())
 }
 
+/// The token of an `Authorization: Bearer <token>` value: the scheme in any case, as
+/// HTTP's authentication schemes are (RFC 9110, 11.1), then one or more spaces.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim_start_matches(' '))
+}
+
 /// Checks the bearer token; answers the admin when the endpoints are on.
 fn admin<'a>(state: &'a AppState, headers: &HeaderMap) -> Result<&'a RuleAdmin, Failure> {
     let Some(token) = &state.admin_token else {
@@ -219,7 +228,7 @@ fn admin<'a>(state: &'a AppState, headers: &HeaderMap) -> Result<&'a RuleAdmin, 
     let given = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(bearer_token)
         .unwrap_or("");
     if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
         return Err(Failure(

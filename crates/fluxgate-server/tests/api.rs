@@ -500,9 +500,17 @@ async fn admin_endpoints_are_off_without_a_token_and_refused_for_file_rules() {
     let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[], b"")).await;
     assert_eq!(answer.status, 404);
     let (addr, _b) = serve(config(&["--rules", rules.to_str().unwrap(), "--admin-token", TOKEN])).await;
-    let auth = format!("Bearer {TOKEN}");
-    let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[("authorization", &auth)], b"")).await;
-    assert_eq!(answer.status, 409, "{}", answer.body);
+    // The scheme in any case, as HTTP's authentication schemes are.
+    for scheme in ["Bearer", "bearer", "BEARER"] {
+        let auth = format!("{scheme}  {TOKEN}");
+        let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[("authorization", &auth)], b"")).await;
+        assert_eq!(answer.status, 409, "{scheme}: {}", answer.body);
+    }
+    // Another scheme, or the token without one: 401.
+    for auth in [format!("Basic {TOKEN}"), format!("Bearer{TOKEN}"), TOKEN.to_string()] {
+        let answer = blocking(move || call(addr, "GET", "/api/rulesets", &[("authorization", &auth)], b"")).await;
+        assert_eq!(answer.status, 401, "{}", answer.body);
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -166,13 +166,15 @@ impl Config {
                 tracing::error!(%error, "rate-limit rules cannot be decided; refusing the request");
                 Verdict::Reject(crate::response::misconfigured())
             }
+            // A client causes these at will (a method or a value the service bounds): logged
+            // at debug level, so that a client cannot flood the log with them.
             Err(Error::Refused(error)) if self.shadow => {
-                tracing::warn!(%error, "the rate-limit service refused the request; shadow mode: admitting it");
+                tracing::debug!(%error, "the rate-limit service refused the request; shadow mode: admitting it");
                 Verdict::Pass(None)
             }
             Err(Error::Refused(error)) => {
                 // The service cannot count this request: no failure policy admits it.
-                tracing::warn!(%error, "the rate-limit service refused the request; refusing it");
+                tracing::debug!(%error, "the rate-limit service refused the request; refusing it");
                 Verdict::Reject(crate::response::refused())
             }
             Err(error) => match self.on_error {

@@ -273,10 +273,9 @@ impl RateLimitHandler for RemoteHandler {
                 // The service is up and refuses this request as described: no failure of
                 // the service (no circuit opens), and the request is refused, never
                 // admitted uncounted by a failure policy.
-                RemoteError::Refused(message) => {
-                    tracing::warn!(answer = %message, "the rate-limit service refused to decide a request");
-                    Error::Refused(message)
-                }
+                // What the request holds decides it, so the client can cause it at will:
+                // the layer logs it at debug level.
+                RemoteError::Refused(message) => Error::Refused(message),
                 // A configuration error at the service: refused whatever the failure
                 // policy, as a rule this engine could not decide would be.
                 RemoteError::Misconfigured(message) => Error::Rule(RuleError::Service { message }),
