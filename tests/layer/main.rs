@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use axum::body::Body;
+use axum::response::IntoResponse;
 use bytes::Bytes;
 use fluxgate::core::{Decision, Engine, EngineBuilder, MemoryLimiter, RateLimitMetricsRecorder, TokioClock};
 use fluxgate::tower::{ApiKey, ClientIp, ConfigError, RateLimitLayer, UserId};
@@ -879,10 +880,9 @@ impl LayerService for RateLimitLayer {
     }
 }
 
-/// The user header is the client's to write: of several instances, the last (a proxy that
-/// appends writes it) is read; with the header turned off, as when an authentication layer
-/// provides the user, a client's own `X-User-Id` chooses no counter and the rule falls back
-/// to the address.
+/// The user header is the client's to write: with the header turned off, as when an
+/// authentication layer provides the user, a client's own `X-User-Id` chooses no counter
+/// and the rule falls back to the address.
 #[tokio::test]
 async fn a_forged_user_header_chooses_no_counter_when_the_header_is_off() {
     const PER_USER: &str = "rule_sets: [{id: default, rules: [{id: per-user, scope: user, \
@@ -891,15 +891,11 @@ async fn a_forged_user_header_chooses_no_counter_when_the_header_is_off() {
         let builder = layer(engine(PER_USER));
         app((if on { builder } else { builder.no_user_header() }).build().unwrap())
     };
-    // The last instance decides: the forged first one is ignored.
     let open = app_with(true);
-    let mut req = request("GET", "/api/users", "192.0.2.91", &[("x-user-id", "forged")]);
-    req.headers_mut().append("x-user-id", "alice".parse().unwrap());
-    assert_eq!(send(&open, req).await.num("x-ratelimit-remaining"), 1);
     let req = request("GET", "/api/users", "192.0.2.92", &[("x-user-id", "alice")]);
     assert_eq!(
         send(&open, req).await.num("x-ratelimit-remaining"),
-        0,
+        1,
         "alice's counter"
     );
     // Turned off: ten forged ids are one client, its address.
@@ -915,4 +911,83 @@ async fn a_forged_user_header_chooses_no_counter_when_the_header_is_off() {
         admitted += usize::from(r.status == StatusCode::OK);
     }
     assert_eq!(admitted, 2, "ten forged X-User-Id values counted as one address");
+}
+
+/// An identity header sent several times with different values names no counter of the
+/// client's choosing. An application reads the first instance (`HeaderMap::get`, as the
+/// API-key check below does) and a proxy that appends writes the last: whichever the layer
+/// read, the client would choose its counter with the other. Here a client with one valid
+/// API key sends a fresh second `X-API-Key` with every request; the application
+/// authenticates the first, and the per-key rule still admits only its capacity.
+#[tokio::test]
+async fn a_repeated_identity_header_chooses_no_counter() {
+    const PER_KEY: &str = "rule_sets: [{id: default, rules: [\
+        {id: per-key, match: {paths: [\"/api/**\"]}, scope: api_key, bands: [{capacity: 2, window: 1h}]}, \
+        {id: per-user, match: {paths: [\"/user\"]}, scope: user, bands: [{capacity: 2, window: 1h}]}]}]";
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = axum::Router::new()
+        .route(
+            "/api/data",
+            axum::routing::get(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { "data" }
+            }),
+        )
+        .route("/user", axum::routing::get(|| async { "user" }))
+        // The application's own API-key check: the first instance, as `HeaderMap::get` reads.
+        .layer(axum::middleware::from_fn(
+            |req: axum::extract::Request, next: axum::middleware::Next| async move {
+                match req.headers().get("x-api-key").map(|v| v.as_bytes()) {
+                    Some(b"valid-key") | None => next.run(req).await,
+                    Some(_) => StatusCode::UNAUTHORIZED.into_response(),
+                }
+            },
+        ))
+        .layer(layer(engine(PER_KEY)).build().unwrap());
+    let mut admitted = 0;
+    for i in 0..10 {
+        let mut req = request("GET", "/api/data", "192.0.2.95", &[("x-api-key", "valid-key")]);
+        req.headers_mut()
+            .append("x-api-key", format!("fresh-{i}").parse().unwrap());
+        admitted += usize::from(send(&app, req).await.status == StatusCode::OK);
+    }
+    assert_eq!(admitted, 2, "a second X-API-Key chose a new counter for each request");
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    // The key sent once has its own counter, untouched by the repeated ones.
+    let once = send(
+        &app,
+        request("GET", "/api/data", "192.0.2.96", &[("x-api-key", "valid-key")]),
+    )
+    .await;
+    assert_eq!(once.status, StatusCode::OK);
+    assert_eq!(once.num("x-ratelimit-remaining"), 1);
+    // The same value repeated is that value.
+    let mut twice = request("GET", "/api/data", "192.0.2.97", &[("x-api-key", "valid-key")]);
+    twice.headers_mut().append("x-api-key", "valid-key".parse().unwrap());
+    assert_eq!(send(&app, twice).await.num("x-ratelimit-remaining"), 0);
+    // The user header likewise: a forged first `X-User-Id` before alice's (a proxy that
+    // appends) neither spends alice's counter nor opens a new one.
+    let user = |values: &[&str]| {
+        let mut req = request("GET", "/user", "192.0.2.98", &[]);
+        for v in values {
+            req.headers_mut().append("x-user-id", v.parse().unwrap());
+        }
+        req
+    };
+    for i in 0..4 {
+        let forged = format!("forged-{i}");
+        let r = send(&app, user(&[&forged, "alice"])).await;
+        let expected = if i < 2 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(r.status, expected, "request {i} with a forged X-User-Id");
+    }
+    assert_eq!(
+        send(&app, user(&["alice"])).await.num("x-ratelimit-remaining"),
+        1,
+        "alice's counter"
+    );
 }

@@ -100,13 +100,7 @@ impl Config {
         headers: &HeaderMap,
         extensions: &Extensions,
     ) {
-        // The last instance of the header: a proxy that appends its own value to a
-        // client's puts it after the client's.
-        let header = |name: &Option<http::HeaderName>| {
-            name.as_ref()
-                .and_then(|n| headers.get_all(n).iter().next_back())
-                .map(header_text)
-        };
+        let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| identity_header(headers, n));
         let user = extensions
             .get::<UserId>()
             .map(|u| u.0.clone())
@@ -212,6 +206,31 @@ fn log_failure(error: &Error, action: &str) {
         tracing::warn!(%error, "rate-limit check failed; {action}");
     }
 }
+
+/// The value of an identity header (the user id, the API key): its value when every
+/// instance of it says the same, else [`AMBIGUOUS`].
+///
+/// Neither instance of a header sent several times with different values can be trusted:
+/// an application reads the first (`HeaderMap::get`, and the extractors built on it),
+/// a proxy that appends its own value writes the last. Whichever the layer read, a client
+/// could name its counter with the other, one new counter per request (an application
+/// that checks the first `X-API-Key` while the layer counted the last). All such requests
+/// share one counter per rule instead.
+fn identity_header(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
+    let mut values = headers.get_all(name).iter();
+    let first = values.next()?;
+    Some(if values.all(|value| value == first) {
+        header_text(first)
+    } else {
+        AMBIGUOUS.to_owned()
+    })
+}
+
+/// The user id or API key of a request that sent the header several times with different
+/// values: `\0` alone, which no header value gives ([`header_text`] writes `\0` only
+/// before the bytes of a value that is not UTF-8, and a header value cannot contain
+/// `\0`), so such requests never share a counter with a value a client sent once.
+pub(crate) const AMBIGUOUS: &str = "\0";
 
 /// A header value as text, injectively: valid UTF-8 as it is; anything else as `\0` (which
 /// no header value can contain) followed by its bytes read as Latin-1. Two different
