@@ -991,3 +991,47 @@ async fn a_repeated_identity_header_chooses_no_counter() {
         "alice's counter"
     );
 }
+
+/// A customizer that picks the rule set from the request lets the client name one that
+/// does not exist: with the engine's default (`UnknownRuleSet::Allow`) such a request is
+/// admitted by no rule at all, so a client escapes every limit by sending a new tenant id;
+/// `UnknownRuleSet::Deny` refuses it.
+#[tokio::test]
+async fn a_rule_set_chosen_from_the_request_must_exist() {
+    const TENANTS: &str = "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]";
+    let app_with = |unknown: fluxgate::UnknownRuleSet| {
+        let engine = builder(TENANTS).unknown_rule_set(unknown).build().unwrap();
+        app(layer(engine)
+            .customizer(|ctx, parts| {
+                if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                    ctx.set_rule_set_id(tenant);
+                }
+            })
+            .build()
+            .unwrap())
+    };
+    let tenant = |app: &axum::Router, name: &'static str| {
+        send_owned(
+            app.clone(),
+            request("GET", "/api/users", "192.0.2.99", &[("x-tenant", name)]),
+        )
+    };
+    let allow = app_with(fluxgate::UnknownRuleSet::Allow);
+    assert_eq!(tenant(&allow, "acme").await.status, StatusCode::OK);
+    assert_eq!(tenant(&allow, "acme").await.status, StatusCode::TOO_MANY_REQUESTS);
+    for _ in 0..5 {
+        let r = tenant(&allow, "no-such-tenant").await;
+        assert_eq!(r.status, StatusCode::OK, "admitted: no rule set, no rule");
+        assert_eq!(r.header("x-ratelimit-limit"), None);
+    }
+    let deny = app_with(fluxgate::UnknownRuleSet::Deny);
+    assert_eq!(tenant(&deny, "acme").await.status, StatusCode::OK);
+    assert_eq!(
+        tenant(&deny, "no-such-tenant").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+async fn send_owned(app: axum::Router, req: Request<Body>) -> Reply {
+    send(&app, req).await
+}

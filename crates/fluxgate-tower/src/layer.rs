@@ -275,6 +275,13 @@ impl RateLimitLayerBuilder {
 
     /// Adjusts every request's context: set the client IP from `CF-Connecting-IP`, a
     /// tenant header as an attribute, the rule set, a JWT claim…
+    ///
+    /// A rule set id taken from the request is the client's to choose. An id that names no
+    /// rule set is decided by the engine's
+    /// [`UnknownRuleSet`](fluxgate_core::UnknownRuleSet) policy, which admits it by
+    /// default: no rule counts it, so a client that sends a new tenant id with each request
+    /// is never limited. Pick the id from a fixed list (and check that the rule sets
+    /// exist), or build the engine with `unknown_rule_set(UnknownRuleSet::Deny)`.
     pub fn customizer(mut self, f: impl Fn(&mut RequestContextBuilder, &Parts) + Send + Sync + 'static) -> Self {
         self.customizer = Some(Arc::new(f));
         self
