@@ -11,6 +11,7 @@ mod support {
 }
 
 mod metrics;
+mod targets;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};

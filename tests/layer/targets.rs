@@ -1,0 +1,77 @@
+//! Request targets as a real hyper HTTP/1.1 server parses them (`axum::serve` on a loopback
+//! port, requests written as bytes): the absolute form (`GET http://host/path`) routes and
+//! is limited by its path; the asterisk and authority forms reach no route.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::app::layer;
+
+/// Serves `app` on a loopback port, with the peer address as `ConnectInfo`.
+#[allow(clippy::unwrap_used)]
+async fn serve(app: axum::Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, app).await.unwrap();
+    });
+    addr
+}
+
+/// Writes a request line (with `Host` and the end of the head added) on a new
+/// connection and returns the status code of the answer.
+#[allow(clippy::unwrap_used)]
+async fn status_of(addr: SocketAddr, request_line: &str) -> u16 {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!("{request_line}\r\nHost: example.com\r\nConnection: close\r\n\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    answer.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap()
+}
+
+#[tokio::test]
+async fn request_targets_in_absolute_form_are_limited_by_their_path() {
+    let rules = "rule_sets: [{id: default, rules: [{id: login, match: {paths: [\"/api/*/login\"], methods: [GET]}, \
+        bands: [{capacity: 1, window: 1h}]}]}]";
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = axum::Router::new()
+        .route(
+            "/api/{version}/login",
+            axum::routing::get(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { "login" }
+            }),
+        )
+        .layer(layer(super::engine(rules)).build().unwrap());
+    let addr = serve(app).await;
+    assert_eq!(
+        status_of(addr, "GET http://example.com/api/v1/login HTTP/1.1").await,
+        200
+    );
+    // Every form of the target is the same client's second request of the rule.
+    for line in [
+        "GET /api/v1/login HTTP/1.1",
+        "GET http://example.com/api/v1/login HTTP/1.1",
+        "GET https://other.example:8443/api/v2/login?x=1 HTTP/1.1",
+        "GET http://example.com/api/../login HTTP/1.1",
+        "GET http://example.com/api/%2e%2e/login HTTP/1.1",
+        "HEAD http://example.com/api/v1/login HTTP/1.1",
+    ] {
+        assert_eq!(status_of(addr, line).await, 429, "{line} escaped the rule");
+    }
+    // The asterisk and authority forms have the path `*` and the empty path: no route
+    // matches them, and the fallback (404 here) answers.
+    for line in ["OPTIONS * HTTP/1.1", "GET * HTTP/1.1", "GET example.com:80 HTTP/1.1"] {
+        assert_eq!(status_of(addr, line).await, 404, "{line}");
+    }
+    // Lower-case `get` is another method (tokens are case-sensitive): axum answers 405.
+    assert_eq!(status_of(addr, "get /api/v1/login HTTP/1.1").await, 405);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
