@@ -75,3 +75,39 @@ async fn request_targets_in_absolute_form_are_limited_by_their_path() {
     assert_eq!(status_of(addr, "get /api/v1/login HTTP/1.1").await, 405);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
+
+/// The asterisk and authority forms reach the fallback, as an unknown top-level path does:
+/// an exclusion of `/` (whose normalized form they share) does not let them through it.
+#[tokio::test]
+async fn an_excluded_root_lets_no_other_request_target_through() {
+    let rules = "rule_sets: [{id: default, rules: [{id: all, bands: [{capacity: 1, window: 1h}]}]}]";
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let app = axum::Router::new()
+        .route("/", axum::routing::get(|| async { "home" }))
+        .fallback(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { "fallback" }
+        })
+        .layer(layer(super::engine(rules)).exclude(["/"]).build().unwrap());
+    let addr = serve(app).await;
+    assert_eq!(status_of(addr, "GET /unknown HTTP/1.1").await, 200);
+    for line in [
+        "GET /unknown HTTP/1.1",
+        "GET example.com:80 HTTP/1.1",
+        "GET * HTTP/1.1",
+        "OPTIONS * HTTP/1.1",
+    ] {
+        assert_eq!(
+            status_of(addr, line).await,
+            429,
+            "{line} reached the fallback uncounted"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The excluded root itself stays unlimited.
+    for _ in 0..3 {
+        assert_eq!(status_of(addr, "GET / HTTP/1.1").await, 200);
+        assert_eq!(status_of(addr, "GET http://example.com HTTP/1.1").await, 200);
+    }
+}

@@ -89,7 +89,17 @@ impl Config {
             return true;
         }
         let routed = ctx.routed_path();
-        routed != normalized && view(&|p| p.matches_routed(routed))
+        if routed == normalized {
+            return false;
+        }
+        // A path without a leading `/` (`*` in the asterisk form, the empty path of the
+        // authority form, `GET host:80`) reaches no route: the router's fallback answers
+        // it, as it answers an unknown top-level path. It is matched as that one segment,
+        // so that an exclusion of `/` does not let it through to the fallback.
+        if !routed.starts_with('/') {
+            return view(&|p| p.matches_segments(&[routed]));
+        }
+        view(&|p| p.matches_routed(routed))
     }
 
     /// Fills a context from the request, before the customizer.
