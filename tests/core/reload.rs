@@ -308,3 +308,32 @@ async fn missing_and_empty_paths_are_errors() {
     assert!(error.to_string().contains("empty.yaml"), "{error}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[tokio::test]
+async fn rules_without_a_rule_set_keep_the_rules_in_force_unless_allowed() {
+    let (dir, source) = two_files("no-rule-set");
+    let provider = ReloadingRuleSetProvider::new(source.read().unwrap());
+    let before = snapshot(&provider);
+
+    // Every file emptied: the directory still holds rule files, and no rule set.
+    write(&dir, "api.yaml", "rule_sets: []\n");
+    write(&dir, "web.toml", "rule_sets = []\n");
+    let error = provider.reload_from(&source).await.unwrap_err();
+    assert!(error.to_string().contains("holds no rule set"), "{error}");
+    assert!(same_arcs(&before, &snapshot(&provider)), "nothing removed");
+    assert_eq!((provider.reloads(), provider.failures()), (0, 1));
+
+    // One file, alone.
+    let file = FileRuleSource::new(dir.join("api.yaml"));
+    let error = file.read().unwrap_err();
+    assert!(
+        matches!(error, FileSourceError::NoRuleSets { ref path } if path == &dir.join("api.yaml")),
+        "{error:?}"
+    );
+
+    // Unless no rules is what is meant.
+    let report = provider.reload_from(&source.clone().allow_empty(true)).await.unwrap();
+    assert_eq!(report.removed, ["api".into(), "web".into()]);
+    assert!(file.allow_empty(true).read().unwrap().is_empty());
+    std::fs::remove_dir_all(dir).unwrap();
+}

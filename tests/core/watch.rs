@@ -118,6 +118,30 @@ async fn a_broken_edit_keeps_the_rules_in_force() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_edit_leaving_no_rule_set_keeps_the_rules_in_force() {
+    let dir = scratch("no-rule-set");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, rules(5)).unwrap();
+    let (provider, engine, watch) = watched(&file);
+    assert_eq!(limit(&engine).await, Some(5));
+
+    // A template rendered without its data, a list emptied by a script: the file parses,
+    // and holds no rule set at all.
+    for (i, empty) in ["rule_sets: []\n", "rule_sets: [] # none yet\n"]
+        .into_iter()
+        .enumerate()
+    {
+        let edited = Instant::now();
+        std::fs::write(&file, empty).unwrap();
+        let delay = within("the emptied file", edited, || provider.failures() > i as u64).await;
+        assert_eq!(provider.reloads(), 0, "{delay:?}");
+        assert_eq!(limit(&engine).await, Some(5), "the rules in force are kept");
+    }
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_save_by_rename_is_picked_up() {
     let dir = scratch("rename");
     let file = dir.join("rules.yaml");

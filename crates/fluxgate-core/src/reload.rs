@@ -496,12 +496,15 @@ pub trait RuleSource: Send + Sync + fmt::Debug + 'static {
 /// and lock files), subdirectories and other files are skipped. Their rule sets are
 /// merged: a rule set id found in two files is an error naming both, and so is a
 /// directory without rule files (more likely a mount not ready than a wish to drop every
-/// rule).
+/// rule). Rules that hold no rule set at all (`rule_sets: []` in every file) are an error
+/// too unless [`allow_empty`](Self::allow_empty) is set: a reload would otherwise remove
+/// every rule set in force.
 ///
 /// Whether the path is a file or a directory is decided at each load.
 #[derive(Debug, Clone)]
 pub struct FileRuleSource {
     path: PathBuf,
+    allow_empty: bool,
 }
 
 /// Why a [`FileRuleSource`] could not load rules.
@@ -536,6 +539,13 @@ pub enum FileSourceError {
         /// The directory.
         path: PathBuf,
     },
+    /// The file, or every rule file of the directory, holds no rule set (`rule_sets: []`),
+    /// and [`FileRuleSource::allow_empty`] is not set.
+    #[error("rule path `{}` holds no rule set; the rules in force are kept (allow_empty allows this)", path.display())]
+    NoRuleSets {
+        /// The file or directory.
+        path: PathBuf,
+    },
     /// The blocking read was cancelled (the runtime is shutting down).
     #[error("rule files read cancelled: {0}")]
     Cancelled(String),
@@ -544,7 +554,21 @@ pub enum FileSourceError {
 impl FileRuleSource {
     /// A source reading this rule file or directory.
     pub fn new(path: impl Into<PathBuf>) -> Self {
-        Self { path: path.into() }
+        Self {
+            path: path.into(),
+            allow_empty: false,
+        }
+    }
+
+    /// Whether a load may find no rule set at all. Default `false`: a file with
+    /// `rule_sets: []` (a template rendered without its data, a list emptied by mistake),
+    /// or a directory whose rule files all hold none, fails the load with
+    /// [`FileSourceError::NoRuleSets`], so that a reload keeps the rules in force, as the
+    /// Redis and MongoDB sources do with an empty store.
+    #[must_use]
+    pub fn allow_empty(mut self, allow: bool) -> Self {
+        self.allow_empty = allow;
+        self
     }
 
     /// The file or directory.
@@ -558,6 +582,16 @@ impl FileRuleSource {
     ///
     /// See [`FileSourceError`]; each names the file or directory at fault.
     pub fn read(&self) -> Result<RuleSets, FileSourceError> {
+        let sets = self.read_all()?;
+        if sets.is_empty() && !self.allow_empty {
+            return Err(FileSourceError::NoRuleSets {
+                path: self.path.clone(),
+            });
+        }
+        Ok(sets)
+    }
+
+    fn read_all(&self) -> Result<RuleSets, FileSourceError> {
         let io = |source| FileSourceError::Io {
             path: self.path.clone(),
             source,
