@@ -409,3 +409,38 @@ fn a_rule_file_that_is_too_large_or_not_a_file_is_refused_without_reading_it() {
     assert!(error.contains("not a regular file"), "{error}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// YAML's `.nan` and `.inf` are floats no field holds: each is refused where it is, never
+/// read as an absent value (a rule set without rules, a rule without its failure policy).
+#[test]
+fn non_finite_numbers_are_refused_not_taken_as_absent() {
+    for (field, value) in [
+        ("rules", ".nan"),
+        ("rules", ".inf"),
+        ("on_backend_failure", ".nan"),
+        ("lease", "-.inf"),
+        ("on_limit", ".NaN"),
+        ("preset", ".Inf"),
+        ("attribute", ".nan"),
+    ] {
+        let text = if field == "rules" {
+            format!("rule_sets:\n  - id: api\n    rules: {value}\n")
+        } else {
+            format!("rule_sets:\n  - id: api\n    rules:\n      - id: r\n        {field}: {value}\n        bands: [{{capacity: 1, window: 1s}}]\n")
+        };
+        let msg = match RuleSets::from_yaml_str(&text) {
+            Ok(sets) => panic!("`{field}: {value}` accepted: {:?}", sets.get("api").unwrap()),
+            Err(e) => e.to_string(),
+        };
+        assert!(
+            msg.contains(field) && msg.contains("not a finite number"),
+            "{field}: {value}: {msg}"
+        );
+    }
+    let label = "rule_sets: [{id: api, rules: [{id: r, bands: [{capacity: 1, window: 1s, label: .nan}]}]}]";
+    let msg = RuleSets::from_yaml_str(label).unwrap_err().to_string();
+    assert!(
+        msg.contains("bands[0].label") && msg.contains("not a finite number"),
+        "{msg}"
+    );
+}

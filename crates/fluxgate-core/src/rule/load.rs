@@ -281,8 +281,12 @@ impl<'de> serde::de::Visitor<'de> for UniqueVisitor {
         Ok(v.into())
     }
 
-    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
-        Ok(serde_json::Number::from_f64(v).map_or(serde_json::Value::Null, serde_json::Value::Number))
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Self::Value, E> {
+        // YAML's `.nan` and `.inf`: no field holds one, and read as `null` they would pass
+        // as an absent value (`rules: .nan` as a rule set without rules).
+        serde_json::Number::from_f64(v)
+            .map(serde_json::Value::Number)
+            .ok_or_else(|| E::custom(format_args!("`{v}` is not a finite number")))
     }
 
     fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
