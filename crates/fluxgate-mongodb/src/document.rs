@@ -25,7 +25,10 @@
 //! `priority`, `paths` (or one `path`), `methods` (or one `method`), `compositeKeyFields`
 //! (with `scope: COMPOSITE`), `algorithm`, `permits`, `onMissingKey`, `mode`,
 //! `onBackendFailure`, `lease` (`{ "max": 100, "ttl": "1s" }`) and `onLimit`
-//! (`{ "wait": { "maxWait": "500ms", "maxWaiters": 100 } }`). Other fields (`_class`, timestamps, …) are ignored.
+//! (`{ "wait": { "maxWait": "500ms", "maxWaiters": 100 } }`). Other fields (`_class`, timestamps, …) are ignored,
+//! except those that name a field above in another case or in the rule files' snake_case
+//! (`Scope`, `on_missing_key`), and the rule files' `match`, `fields` and `attribute`: they
+//! are refused ([`DocumentProblem::Misspelled`]), since the rule would take the default.
 //!
 //! Numbers may be BSON int32, int64 or double; a double must be integral, except in
 //! `windowSeconds`, where it gives a fraction of a second in whole milliseconds (`0.5` is
@@ -167,6 +170,15 @@ pub enum DocumentProblem {
     /// A `window` string that is not a duration.
     #[error("{0}")]
     Duration(String),
+    /// A field the mapping would ignore, though it names one the mapping reads: another
+    /// case or the rule files' snake_case (`Scope`, `on_missing_key`), or a field of the rule
+    /// files that documents name otherwise (`match`, `fields`, `attribute`). Refused rather
+    /// than ignored: the rule would take the default instead.
+    #[error("is not read; the field is `{known}` (document fields are camelCase, case-sensitive)")]
+    Misspelled {
+        /// The field the mapping reads.
+        known: &'static str,
+    },
 }
 
 /// A rule document that cannot be read as a rule: the document, the field (in the
@@ -289,6 +301,7 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
         get(key).map(|v| as_str(v).map_err(|p| fail(key, p))).transpose()
     };
 
+    misspelled(document, READ_FIELDS, FILE_FIELDS).map_err(|(field, p)| fail(&field, p))?;
     let rule_set_id = string("ruleSetId")?.ok_or_else(|| fail("ruleSetId", DocumentProblem::Missing))?;
     let id = match string("id")? {
         Some(id) => id,
@@ -397,6 +410,7 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
     match get("lease") {
         None | Some(Bson::Null) => {}
         Some(Bson::Document(lease)) => {
+            misspelled(lease, &["max", "ttl"], &[]).map_err(|(field, p)| fail(&format!("lease.{field}"), p))?;
             let max = lease
                 .get("max")
                 .ok_or_else(|| fail("lease.max", DocumentProblem::Missing))?;
@@ -414,8 +428,13 @@ pub fn rule_from_document(document: &Document) -> Result<RuleDocument, DocumentE
     match get("onLimit") {
         None | Some(Bson::Null) => {}
         Some(Bson::Document(on_limit)) => {
+            misspelled(on_limit, &["wait"], &[]).map_err(|(field, p)| fail(&format!("onLimit.{field}"), p))?;
             let wait = match on_limit.get("wait") {
-                Some(Bson::Document(wait)) => wait,
+                Some(Bson::Document(wait)) => {
+                    misspelled(wait, &["maxWait", "maxWaiters"], &[])
+                        .map_err(|(field, p)| fail(&format!("onLimit.wait.{field}"), p))?;
+                    wait
+                }
                 Some(other) => return Err(fail("onLimit.wait", wrong("a document", other))),
                 None => return Err(fail("onLimit.wait", DocumentProblem::Missing)),
             };
@@ -782,6 +801,7 @@ fn band_from_document(band: &Document) -> Result<(&'static str, BandSpec), (Stri
         None | Some(Bson::Null) => None,
         Some(value) => Some(value),
     };
+    misspelled(band, &BAND_FIELDS, &[])?;
     let capacity = get("capacity").ok_or_else(|| ("capacity".to_owned(), DocumentProblem::Missing))?;
     let capacity = non_negative(capacity).map_err(|p| ("capacity".to_owned(), p))?;
 
@@ -816,6 +836,77 @@ fn band_from_document(band: &Document) -> Result<(&'static str, BandSpec), (Stri
 
 /// The fields a band's window may be read from, in the order they are named in errors.
 const WINDOW_FIELDS: [&str; 3] = ["windowSeconds", "windowMillis", "window"];
+
+/// The fields of a band the mapping reads.
+const BAND_FIELDS: [&str; 5] = ["capacity", "windowSeconds", "windowMillis", "window", "label"];
+
+/// The fields of a rule document the mapping reads (`id` before `_id`: a misspelled `ID`
+/// is taken for the rule's id), and the Java documents' `_class`.
+const READ_FIELDS: &[&str] = &[
+    "id",
+    "_id",
+    "_class",
+    "ruleSetId",
+    "name",
+    "enabled",
+    "scope",
+    "limitScope",
+    "keyStrategyId",
+    "compositeKeyFields",
+    "onLimitExceedPolicy",
+    "bands",
+    "attributes",
+    "priority",
+    "paths",
+    "path",
+    "methods",
+    "method",
+    "algorithm",
+    "permits",
+    "onMissingKey",
+    "mode",
+    "onBackendFailure",
+    "lease",
+    "onLimit",
+];
+
+/// Fields of the rule files that rule documents name otherwise.
+const FILE_FIELDS: &[(&str, &str)] = &[
+    ("match", "paths"),
+    ("fields", "compositeKeyFields"),
+    ("attribute", "keyStrategyId"),
+];
+
+/// Refuses a field of `document` that is not one of `known` but names one: the same
+/// letters in another case or with `_` and `-` (`Scope`, `on_missing_key`), or a field of
+/// the rule files (`renamed`). Other fields are ignored (metadata, timestamps).
+fn misspelled(
+    document: &Document,
+    known: &[&'static str],
+    renamed: &[(&str, &'static str)],
+) -> Result<(), (String, DocumentProblem)> {
+    let squash = |name: &str| -> String {
+        name.chars()
+            .filter(|c| !matches!(c, '_' | '-'))
+            .map(|c| c.to_ascii_lowercase())
+            .collect()
+    };
+    for key in document.keys() {
+        if known.contains(&key.as_str()) {
+            continue;
+        }
+        let squashed = squash(key);
+        let near = known
+            .iter()
+            .find(|name| squash(name) == squashed)
+            .copied()
+            .or_else(|| renamed.iter().find(|(name, _)| name == key).map(|(_, known)| *known));
+        if let Some(known) = near {
+            return Err((echo(key), DocumentProblem::Misspelled { known }));
+        }
+    }
+    Ok(())
+}
 
 /// `windowSeconds`: whole seconds as an integer, or seconds with a fraction as a double,
 /// rounded to the nanosecond.

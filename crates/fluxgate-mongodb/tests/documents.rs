@@ -297,6 +297,60 @@ fn unknown_fields_and_java_metadata_are_ignored() {
     assert_eq!(plain.get("api"), decorated.get("api"));
 }
 
+/// A field the mapping knows, written in another case or in the rule files' snake_case
+/// (`on_missing_key`), or a field of the rule files that documents name otherwise
+/// (`match`, `fields`, `attribute`): refused, naming the field the mapping reads, never
+/// ignored in favour of the default (a `GLOBAL` limit counted per IP, `permits` of 1, no
+/// `deny` for a missing key).
+#[test]
+fn a_known_field_misspelled_is_refused_not_ignored() {
+    let cases: [(Document, &str, &str); 11] = [
+        (doc! { "Scope": "GLOBAL" }, "Scope", "scope"),
+        (doc! { "SCOPE": "GLOBAL" }, "SCOPE", "scope"),
+        (doc! { "Permits": 5 }, "Permits", "permits"),
+        (doc! { "on_missing_key": "deny" }, "on_missing_key", "onMissingKey"),
+        (
+            doc! { "on_backend_failure": "fail_closed" },
+            "on_backend_failure",
+            "onBackendFailure",
+        ),
+        (doc! { "limit_scope": "GLOBAL" }, "limit_scope", "limitScope"),
+        (doc! { "Enabled": false }, "Enabled", "enabled"),
+        (doc! { "match": { "paths": ["/api/**"] } }, "match", "paths"),
+        (
+            doc! { "scope": "COMPOSITE", "compositeKeyFields": ["IP"], "fields": ["USER_ID"] },
+            "fields",
+            "compositeKeyFields",
+        ),
+        (
+            doc! { "lease": { "max": 2, "TTL": "1s", "ttl": "1s" } },
+            "lease.TTL",
+            "ttl",
+        ),
+        (
+            band(doc! { "windowSeconds": 1, "capacity": 10, "Capacity": 1 }),
+            "bands[0].Capacity",
+            "capacity",
+        ),
+    ];
+    for (fields, field, known) in cases {
+        let message = error_with(fields);
+        assert!(
+            message.contains(&format!("field `{field}`")) && message.contains(&format!("`{known}`")),
+            "{field}: {message}"
+        );
+    }
+    assert_eq!(
+        error_with(doc! { "on_missing_key": "deny" }),
+        "document {ruleSetId: \"api\", id: \"r\"}: field `on_missing_key`: is not read; the field is \
+         `onMissingKey` (document fields are camelCase, case-sensitive)"
+    );
+    // `_id` and `_class` are the Java documents' own; other names stay ignored.
+    load(&[with(
+        doc! { "_id": "r", "_class": "x", "createdBy": "ops", "scopeNote": "per tenant" },
+    )]);
+}
+
 #[test]
 fn a_document_that_cannot_be_read_names_itself_and_the_field() {
     let cases: Vec<(Document, &str)> = vec![
