@@ -175,9 +175,53 @@ async fn an_invalid_rule_set_is_never_stored_nor_published() {
     assert_eq!(a.capacity("api"), Some(10));
 
     assert!(admin.delete("missing").await.expect("delete").is_none());
+    store.put(&spec("web", 10)).await.expect("put web");
     let change = admin.delete("api").await.expect("delete").expect("an event");
     assert_eq!(change.rule_set.as_deref(), Some("api"));
     assert_eq!(change.source.as_deref(), Some("admin"));
+}
+
+/// A change after which the store no longer loads is stored and published, but no
+/// instance can apply it (each refuses the load and keeps the rules in force): the admin
+/// says so rather than answering as for a change in force.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_that_leaves_the_store_unloadable_is_reported() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 10)).await.expect("put");
+    let a = Instance::start(&url, &store, "unloadable").await;
+    let admin = RuleAdmin::new((*store).clone());
+
+    // The last rule set deleted: an empty store, which instances refuse.
+    let error = admin.delete("api").await.unwrap_err();
+    assert!(
+        matches!(error, AdminError::Unloadable { ref rule_set, .. } if rule_set == "api"),
+        "{error}"
+    );
+    assert!(error.to_string().contains("names no rule set"), "{error}");
+    until(PROPAGATION, "the instance tried the event", || {
+        a.provider.failures() >= 1
+    })
+    .await;
+    assert_eq!(a.capacity("api"), Some(10), "still in force on the instance");
+
+    // An index entry whose document is gone (a key deleted by hand): every later change
+    // is stored, and applied nowhere.
+    admin.put(&spec("api", 10)).await.expect("put api again");
+    server.cli(&["SADD", &store.index_key(), "ghost"]);
+    let error = admin.put(&spec("api", 2)).await.unwrap_err();
+    assert!(
+        matches!(error, AdminError::Unloadable { ref rule_set, .. } if rule_set == "api"),
+        "{error}"
+    );
+    assert!(error.to_string().contains("ghost"), "{error}");
+    server.cli(&["SREM", &store.index_key(), "ghost"]);
+    admin.put(&spec("api", 3)).await.expect("the store loads again");
+    until(PROPAGATION, "the repaired store is applied", || {
+        a.capacity("api") == Some(3)
+    })
+    .await;
 }
 
 /// `api` with a second rule that waits for the refill longer than the Redis limiter can

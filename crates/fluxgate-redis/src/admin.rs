@@ -55,6 +55,20 @@ pub enum AdminError {
     /// The store failed: nothing was published.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The change was stored and published, but the store as a whole does not load: an
+    /// index entry without its document, a document that is not a valid rule set, or no
+    /// rule set left (the last one deleted, and the store does not
+    /// [`allow_empty`](RedisRuleSetStore::allow_empty)). Every instance refuses such a
+    /// load and keeps the rules in force, this change's and every later one's left out,
+    /// until the store is repaired.
+    #[error("rule set `{rule_set}` changed and published, but the rule store does not load, so no instance applies the change: {source}")]
+    Unloadable {
+        /// The rule set.
+        rule_set: String,
+        /// Why the store does not load.
+        #[source]
+        source: StoreError,
+    },
     /// The change was stored but could not be published: listeners learn of it at their
     /// next reconnection or poll, or when [`RuleAdmin::publish`] is called again.
     #[error("rule set `{rule_set}` stored, but the change event could not be published: {source}")]
@@ -141,8 +155,9 @@ impl RuleAdmin {
     ///
     /// # Errors
     ///
-    /// [`AdminError::Rule`] (nothing stored), [`AdminError::Store`], or
-    /// [`AdminError::Publish`] (stored, not published).
+    /// [`AdminError::Rule`] (nothing stored), [`AdminError::Store`],
+    /// [`AdminError::Publish`] (stored, not published), or [`AdminError::Unloadable`]
+    /// (stored and published, but the store does not load: no instance applies it).
     pub async fn put(&self, spec: &RuleSetSpec) -> Result<RuleChange, AdminError> {
         let set = RuleSet::from_spec(spec.clone())?;
         for validator in &self.validators {
@@ -152,7 +167,9 @@ impl RuleAdmin {
             }
         }
         self.store.put(spec).await?;
-        self.announce(&spec.id).await
+        let change = self.announce(&spec.id).await?;
+        self.loads(&spec.id).await?;
+        Ok(change)
     }
 
     /// Deletes the rule set `id` and, when it was stored, publishes the change. Answers
@@ -160,12 +177,29 @@ impl RuleAdmin {
     ///
     /// # Errors
     ///
-    /// [`AdminError::Store`], or [`AdminError::Publish`] (deleted, not published).
+    /// [`AdminError::Store`], [`AdminError::Publish`] (deleted, not published), or
+    /// [`AdminError::Unloadable`] (deleted and published, but the store does not load: the
+    /// last rule set deleted from a store that does not allow an empty one, say).
     pub async fn delete(&self, id: &str) -> Result<Option<RuleChange>, AdminError> {
         if !self.store.delete(id).await? {
             return Ok(None);
         }
-        self.announce(id).await.map(Some)
+        let change = self.announce(id).await?;
+        self.loads(id).await?;
+        Ok(Some(change))
+    }
+
+    /// Whether the store, changed for `id`, loads as the listeners load it: a store that
+    /// does not keeps every instance on the rules in force, which the caller must learn.
+    /// A Redis failure of this read is not the change's: it passes.
+    async fn loads(&self, id: &str) -> Result<(), AdminError> {
+        match self.store.load_rule_sets().await {
+            Ok(_) | Err(StoreError::Redis(_)) => Ok(()),
+            Err(source) => Err(AdminError::Unloadable {
+                rule_set: id.to_owned(),
+                source,
+            }),
+        }
     }
 
     /// The stored rule sets, by id.

@@ -489,8 +489,18 @@ async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
     assert_eq!(answer.json()[0]["rules"][0]["bands"][0]["capacity"], 2);
     let answer = admin_call(two, "GET", "/api/rulesets/missing", String::new()).await;
     assert_eq!(answer.status, 404);
+    // The last rule set deleted: the store is empty, which the instances refuse to load
+    // (`allow_empty` is off), so they keep `api` in force. Deleted, and said so.
     let answer = admin_call(two, "DELETE", "/api/rulesets/api", String::new()).await;
-    assert_eq!(answer.status, 204);
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(
+        answer.json()["error"].as_str().unwrap().contains("names no rule set"),
+        "{}",
+        answer.body
+    );
+    assert_eq!(limit(one).await, 2, "still in force");
+    let answer = admin_call(two, "GET", "/api/rulesets/api", String::new()).await;
+    assert_eq!(answer.status, 404);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
