@@ -1,6 +1,7 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -73,6 +74,8 @@ struct Inner {
     waiters: Waiters,
     /// The wait for the refill of rules without their own (`wait_on_limit`).
     default_wait: Option<WaitPolicy>,
+    /// Whether a request admitted for an unknown rule set id was logged as a warning.
+    warned_unknown: AtomicBool,
     /// The limiter's validation, handed to the provider, which holds it weakly: it
     /// applies while the engine lives.
     _check: HeldCheck,
@@ -150,7 +153,10 @@ impl EngineBuilder {
         self
     }
 
-    /// What to do with unknown rule set ids. Default [`UnknownRuleSet::Allow`].
+    /// What to do with unknown rule set ids. Default [`UnknownRuleSet::Allow`]: such a
+    /// request is admitted and no rule counts it, so a rule set removed while a layer still
+    /// names it, or an id a customizer takes from the request, goes unlimited. The engine's
+    /// first such admission is logged as a warning (later ones at trace level).
     pub fn unknown_rule_set(mut self, policy: UnknownRuleSet) -> Self {
         self.unknown_rule_set = policy;
         self
@@ -206,6 +212,7 @@ impl EngineBuilder {
                 leases,
                 waiters: Waiters::new(self.wait),
                 default_wait: self.wait,
+                warned_unknown: AtomicBool::new(false),
                 limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
                 fallback: Fallback {
                     default: self.on_failure,
@@ -333,7 +340,17 @@ impl Engine {
                     UnknownRuleSet::Allow => Outcome::UnknownRuleSetAllowed,
                     UnknownRuleSet::Deny => Outcome::UnknownRuleSetDenied,
                 };
-                tracing::trace!(rule_set = ctx.rule_set_id(), ?outcome, "unknown rule set");
+                if outcome == Outcome::UnknownRuleSetAllowed && !self.inner.warned_unknown.swap(true, Ordering::Relaxed)
+                {
+                    // Once per engine: the id may come from the request, one per request.
+                    tracing::warn!(
+                        rule_set = %crate::error::shown(ctx.rule_set_id()),
+                        "a request names a rule set no rule set has: admitted, and no rule counts it \
+                         (UnknownRuleSet::Allow); logged once, later ones at trace level"
+                    );
+                } else {
+                    tracing::trace!(rule_set = ctx.rule_set_id(), ?outcome, "unknown rule set");
+                }
                 // Not interned: the id may come from the request (see `Name`).
                 let id = ctx.shared_rule_set_id().clone();
                 return MaybeReady::ready(Ok(Decision::without_bands(id, outcome)));
