@@ -191,11 +191,46 @@ impl Shard {
         if self.len() >= max {
             let target = (max - max / 8).min(max.saturating_sub(1));
             let excess = self.len().saturating_sub(target);
-            let from_gcra = (excess * self.gcra.len()).div_ceil(self.len().max(1));
-            evict_fewest_permits(&mut self.gcra, from_gcra, now);
-            evict_fewest_permits(&mut self.windows, excess - from_gcra, now);
+            self.evict_fewest_permits(excess, now);
         }
         self.next_sweep = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
+    }
+
+    /// Drops the `count` states that give back the fewest permits at `now`
+    /// ([`Stored::permits_ahead`]), ranked together whatever their table: a flood of window
+    /// states does not evict an exhausted token bucket in their place, nor the reverse.
+    /// Every state below the cut goes, then as many at the cut as make up the count.
+    fn evict_fewest_permits(&mut self, count: usize, now: u64) {
+        let total = self.len();
+        if count == 0 || total == 0 {
+            return;
+        }
+        let drop_count = count.min(total);
+        let mut ranks: Vec<u64> = self
+            .gcra
+            .values()
+            .map(|v| v.permits_ahead(now))
+            .chain(self.windows.values().map(|v| v.permits_ahead(now)))
+            .collect();
+        let (below, cut, _) = ranks.select_nth_unstable(drop_count - 1);
+        let cut = *cut;
+        let mut ties = drop_count - below.iter().filter(|&&rank| rank < cut).count();
+        let mut keep = |rank: u64| {
+            if rank < cut {
+                false
+            } else if rank == cut && ties > 0 {
+                ties -= 1;
+                false
+            } else {
+                true
+            }
+        };
+        self.gcra.retain(|_, v| keep(v.permits_ahead(now)));
+        self.windows.retain(|_, v| keep(v.permits_ahead(now)));
+        tracing::debug!(
+            dropped = total - self.len(),
+            "in-memory limiter at max_keys: evicted the buckets closest to full"
+        );
     }
 }
 
@@ -1038,31 +1073,6 @@ fn report<S>(bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>, committed:
     bucket.report(band, now, remaining, Duration::from_nanos(reset), e.wait)
 }
 
-/// Drops the `count` states that give back the fewest permits at `now`
-/// ([`Stored::permits_ahead`]).
-fn evict_fewest_permits<V: Stored>(map: &mut Map<V>, count: usize, now: u64) {
-    if count == 0 || map.is_empty() {
-        return;
-    }
-    let drop_count = count.min(map.len());
-    let mut ranks: Vec<u64> = map.values().map(|v| v.permits_ahead(now)).collect();
-    let (_, cut, _) = ranks.select_nth_unstable(drop_count - 1);
-    let cut = *cut;
-    let mut dropped = 0;
-    map.retain(|_, v| {
-        if dropped < drop_count && v.permits_ahead(now) <= cut {
-            dropped += 1;
-            false
-        } else {
-            true
-        }
-    });
-    tracing::debug!(
-        dropped,
-        "in-memory limiter at max_keys: evicted the buckets closest to full"
-    );
-}
-
 impl RateLimiter for MemoryLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         MaybeReady::ready(Ok(self.acquire_now(request)))
@@ -1215,6 +1225,76 @@ mod tests {
                 victim.bands()[0].window()
             );
         }
+    }
+
+    /// The token and leaky buckets and the window states live in two tables of a shard:
+    /// a flood of one kind does not evict an exhausted bucket of the other, which it
+    /// outranks no more than it would one of its own kind.
+    #[test]
+    fn a_flood_of_another_algorithm_does_not_evict_an_exhausted_bucket() {
+        use crate::rule::Algorithm::{FixedWindow, SlidingWindowLog, TokenBucket};
+        let of = |algorithm, cap: u64, secs: u64| {
+            let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
+            spec.algorithm = algorithm;
+            Rule::from_spec("s", spec).unwrap()
+        };
+        for (victim, flood) in [
+            (of(TokenBucket, 5, 60), of(FixedWindow, 1000, 86_400)),
+            (of(FixedWindow, 5, 60), of(TokenBucket, 1000, 86_400)),
+            (of(SlidingWindowLog, 5, 60), of(TokenBucket, 1000, 86_400)),
+        ] {
+            let clock = ManualClock::new(1_000_000_000);
+            let limiter = MemoryLimiter::builder()
+                .shards(1)
+                .max_keys(1_000)
+                .clock(clock.clone())
+                .build();
+            for _ in 0..5 {
+                assert!(limiter.acquire_now(&request(&victim, "victim")).allowed);
+            }
+            assert!(!limiter.acquire_now(&request(&victim, "victim")).allowed);
+            for i in 0..5_000 {
+                clock.advance(Duration::from_micros(1));
+                assert!(limiter.acquire_now(&request(&flood, &format!("k{i}"))).allowed);
+            }
+            assert!(limiter.len() <= 1_000, "{}", limiter.len());
+            assert!(
+                !limiter.acquire_now(&request(&victim, "victim")).allowed,
+                "{:?} flooded by {:?}: the exhausted bucket was evicted and came back full",
+                victim.algorithm(),
+                flood.algorithm()
+            );
+        }
+    }
+
+    /// Eviction drops every bucket that counts fewer permits than the cut before any at
+    /// the cut, whatever order the table holds them in: an exhausted bucket does not go in
+    /// the place of one that counts a single request.
+    #[test]
+    fn eviction_drops_the_lightest_buckets_before_the_ties() {
+        let clock = ManualClock::new(1_000_000_000);
+        let limiter = MemoryLimiter::builder()
+            .shards(1)
+            .max_keys(100)
+            .clock(clock.clone())
+            .build();
+        // 3 per minute: 90 exhausted buckets, then 10 that took one permit each.
+        let r = rule(3, 60);
+        for i in 0..90 {
+            for _ in 0..3 {
+                assert!(limiter.acquire_now(&request(&r, &format!("heavy{i}"))).allowed);
+            }
+        }
+        for i in 0..10 {
+            assert!(limiter.acquire_now(&request(&r, &format!("light{i}"))).allowed);
+        }
+        // One more bucket: 12 go, the 10 light ones and 2 exhausted ones.
+        assert!(limiter.acquire_now(&request(&r, "new")).allowed);
+        assert_eq!(limiter.len(), 89);
+        let exhausted = (0..90)
+            .filter(|i| !limiter.acquire_now(&request(&r, &format!("heavy{i}"))).allowed)
+            .count();
+        assert_eq!(exhausted, 88, "exhausted buckets evicted in place of lighter ones");
     }
 
     /// The one pass over token buckets writes each band as it goes: a request another band
