@@ -540,13 +540,12 @@ impl MemoryLimiter {
                 }
             }
         }
-        let now = self.inner.clock.now_nanos();
         if request.buckets().all(|b| b.rule.algorithm().keeps_an_instant()) {
-            if let Some(outcome) = self.acquire_instants(request, now) {
+            if let Some(outcome) = self.acquire_instants(request) {
                 return outcome;
             }
         }
-        self.acquire_items(request, now)
+        self.acquire_items(request)
     }
 
     /// Each bucket's key hash, and the shards of the keys locked in index order (no
@@ -577,8 +576,11 @@ impl MemoryLimiter {
     /// before the request is decided: the shards stay locked); the instants written are put
     /// back when the request is not committed. `None` when the request is refused and may
     /// wait: nothing has changed, and [`Self::acquire_items`] takes its places.
-    fn acquire_instants(&self, request: &AcquireRequest, now: u64) -> Option<AcquireOutcome> {
+    fn acquire_instants(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
         let (keys, mut guards) = self.lock_keys(request);
+        // Read under the locks: a request decided after another is decided at an instant
+        // no earlier than it (a window that has begun is not counted in the one before).
+        let now = self.inner.clock.now_nanos();
         let max = self.inner.max_per_shard;
         let mut bands = Bands::with_capacity(request.band_count());
         let mut written: SmallVec<[Written; 8]> = SmallVec::new();
@@ -643,9 +645,11 @@ impl MemoryLimiter {
 
     /// The general path: any mix of algorithms, every band evaluated, then committed or
     /// left as it was; a refused request that may wait takes its places here.
-    fn acquire_items(&self, request: &AcquireRequest, now: u64) -> AcquireOutcome {
+    fn acquire_items(&self, request: &AcquireRequest) -> AcquireOutcome {
         // Per band: its bucket's identity and its shard's guard, every band of a key in one.
         let (keys, mut guards) = self.lock_keys(request);
+        // Read under the locks, as in `acquire_instants`.
+        let now = self.inner.clock.now_nanos();
         let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::new();
         for (b, (hash, guard)) in request.buckets().zip(&keys) {
             for band in b.rule.bands().iter() {
@@ -1295,6 +1299,108 @@ mod tests {
             .filter(|i| !limiter.acquire_now(&request(&r, &format!("heavy{i}"))).allowed)
             .count();
         assert_eq!(exhausted, 88, "exhausted buckets evicted in place of lighter ones");
+    }
+
+    /// A clock that a thread named `stalled` reads, then stalls on (until released, or
+    /// for 300 ms when it holds a lock the others need): what a preempted thread, or one
+    /// waiting for a shard's lock, does between reading the clock and deciding.
+    #[derive(Debug, Clone)]
+    struct StallingClock {
+        now: ManualClock,
+        read: Arc<std::sync::Barrier>,
+        released: Arc<(Mutex<bool>, std::sync::Condvar)>,
+    }
+
+    impl Clock for StallingClock {
+        fn now_nanos(&self) -> u64 {
+            let now = self.now.now_nanos();
+            if std::thread::current().name() == Some("stalled") {
+                self.read.wait();
+                let (released, signal) = &*self.released;
+                let guard = released.lock().unwrap();
+                let _ = signal
+                    .wait_timeout_while(guard, Duration::from_millis(300), |r| !*r)
+                    .unwrap();
+            }
+            now
+        }
+    }
+
+    /// A request that read the clock before another decided at a later instant is decided
+    /// after it, at that later instant: a fixed window or a sliding window counter does
+    /// not count it in the window that had ended, and does not lose the new window's
+    /// count to it. For every path: one band, one rule of two bands, two rules.
+    #[test]
+    fn a_request_that_read_the_clock_before_another_decided_counts_after_it() {
+        use crate::rule::Algorithm::{FixedWindow, SlidingWindowCounter};
+        use crate::rule::RuleSet;
+        for algorithm in [FixedWindow, SlidingWindowCounter] {
+            for shape in ["one band", "two bands", "two rules"] {
+                let of = |id: &str, bands: Vec<BandSpec>| {
+                    let mut spec = RuleSpec::new(id, bands);
+                    spec.algorithm = algorithm;
+                    Rule::from_spec("s", spec).unwrap()
+                };
+                let per_second = || BandSpec::new(2, Duration::from_secs(1));
+                let daily = || BandSpec::new(1000, Duration::from_secs(86_400));
+                let rules = match shape {
+                    "one band" => vec![of("r", vec![per_second()])],
+                    "two bands" => vec![of("r", vec![per_second(), daily()])],
+                    _ => vec![of("r", vec![per_second()]), of("daily", vec![daily()])],
+                };
+                let set = Arc::new(RuleSet::new("s", rules).unwrap());
+                let request = || {
+                    let mut request = AcquireRequest::new(set.clone());
+                    for i in 0..set.rules().len() {
+                        request.push(i, "k".into());
+                    }
+                    request
+                };
+                const SEC: u64 = 1_000_000_000;
+                let clock = ManualClock::new(1_000 * SEC);
+                let read = Arc::new(std::sync::Barrier::new(2));
+                let released = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
+                let limiter = MemoryLimiter::builder()
+                    .clock(StallingClock {
+                        now: clock.clone(),
+                        read: read.clone(),
+                        released: released.clone(),
+                    })
+                    .build();
+                // 2 per second: the window of second 1000 is spent by its first half.
+                clock.advance(Duration::from_millis(500));
+                let mut admitted = 0;
+                for _ in 0..3 {
+                    admitted += u32::from(limiter.acquire_now(&request()).allowed);
+                }
+                // One request reads the clock late in the second, and stalls.
+                clock.advance(Duration::from_millis(499));
+                let stalled = {
+                    let (limiter, request) = (limiter.clone(), request());
+                    std::thread::Builder::new()
+                        .name("stalled".into())
+                        .spawn(move || limiter.acquire_now(&request).allowed)
+                        .unwrap()
+                };
+                read.wait();
+                // Meanwhile the next second begins, and its requests are decided.
+                clock.advance(Duration::from_millis(1));
+                for _ in 0..3 {
+                    admitted += u32::from(limiter.acquire_now(&request()).allowed);
+                }
+                *released.0.lock().unwrap() = true;
+                released.1.notify_all();
+                admitted += u32::from(stalled.join().unwrap());
+                for _ in 0..3 {
+                    admitted += u32::from(limiter.acquire_now(&request()).allowed);
+                }
+                // Two in the window of second 1000; in second 1001, at its first
+                // millisecond, a sliding window counter still counts nearly all of the
+                // previous one's two, and admits nothing; a fixed window admits two.
+                let expected = if algorithm == FixedWindow { 4 } else { 2 };
+                assert_eq!(admitted, expected, "{algorithm:?}, {shape}");
+            }
+        }
     }
 
     /// The one pass over token buckets writes each band as it goes: a request another band
