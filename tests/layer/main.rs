@@ -10,6 +10,7 @@ mod support {
     pub(crate) mod telemetry;
 }
 
+mod composition;
 mod metrics;
 mod targets;
 

@@ -588,17 +588,22 @@ impl CheckResponse {
                 }
             })
             .collect();
-        decision.binding_index = self.binding_index();
+        decision.binding_index = self.binding_index(&decision.bands);
         decision.retry_after = self.retry_after_ms.map(Duration::from_millis);
         decision.degraded = self.degraded;
         decision.shadow_rejected_by = self.shadow_rejected_by.as_deref().map(name);
         decision
     }
 
-    /// The binding band's position: the one the answer's `rule`, `limit` and `remaining`
-    /// describe.
-    fn binding_index(&self) -> Option<usize> {
+    /// The binding band's position: the one the engine would choose of these `bands`
+    /// ([`Decision::binding`]) when it is of the answer's `rule`, else the one the answer's
+    /// `rule`, `limit` and `remaining` describe (a service that chose otherwise).
+    fn binding_index(&self, bands: &[BandReport]) -> Option<usize> {
         let rule = self.rule.as_deref()?;
+        let (chosen, _) = crate::decision::binding(bands, self.allowed);
+        if let Some(i) = chosen.filter(|&i| *bands[i].rule == *rule && Some(bands[i].limit) == self.limit) {
+            return Some(i);
+        }
         self.bands
             .iter()
             .position(|b| b.rule == rule && Some(b.limit) == self.limit && Some(b.remaining) == self.remaining)

@@ -118,6 +118,42 @@ fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
     UNIX_EPOCH + Duration::from_nanos(now_unix_nanos) + reset_after
 }
 
+/// The binding band of a decision's enforced `bands`, and the retry-after: on rejection
+/// the rejecting band with the longest wait (`Never` the longest of all; the first in
+/// priority order on ties) and its wait; otherwise the band with the least remaining, of
+/// those the one full again last (the first in priority order on ties), and no wait.
+///
+/// Of two bands with nothing left, the one full again later is the one a client must wait
+/// for: naming the other, the headers would send the client back when that one is full,
+/// to be refused by the later one.
+pub(crate) fn binding(bands: &[BandReport], allowed: bool) -> (Option<usize>, Option<Duration>) {
+    use std::cmp::Reverse;
+    if allowed {
+        let least = bands
+            .iter()
+            .enumerate()
+            .min_by_key(|(i, b)| (b.remaining, Reverse(b.reset_after), *i))
+            .map(|(i, _)| i);
+        return (least, None);
+    }
+    let rank = |w: &Wait| match w {
+        Wait::None => None,
+        Wait::After(d) => Some((0, *d)),
+        Wait::Never => Some((1, Duration::ZERO)),
+    };
+    let worst = bands
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| rank(&b.wait).map(|r| (r, Reverse(i))))
+        .max()
+        .map(|(_, Reverse(i))| i);
+    let retry = worst.and_then(|i| match bands[i].wait {
+        Wait::None | Wait::Never => None,
+        Wait::After(d) => Some(d),
+    });
+    (worst, retry)
+}
+
 /// The decision for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -181,32 +217,7 @@ impl Decision {
             Bands::new()
         };
         let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
-        // On rejection: the rejecting band with the longest wait (`Never` the longest of all).
-        let rank = |w: &Wait| match w {
-            Wait::None => None,
-            Wait::After(d) => Some((0, *d)),
-            Wait::Never => Some((1, Duration::ZERO)),
-        };
-        let (binding_index, retry_after) = if outcome.allowed {
-            let least = bands
-                .iter()
-                .enumerate()
-                .min_by_key(|(i, b)| (b.remaining, *i))
-                .map(|(i, _)| i);
-            (least, None)
-        } else {
-            let worst = bands
-                .iter()
-                .enumerate()
-                .filter_map(|(i, b)| rank(&b.wait).map(|r| (r, std::cmp::Reverse(i))))
-                .max()
-                .map(|(_, std::cmp::Reverse(i))| i);
-            let retry = worst.and_then(|i| match bands[i].wait {
-                Wait::After(d) => Some(d),
-                Wait::None | Wait::Never => None,
-            });
-            (worst, retry)
-        };
+        let (binding_index, retry_after) = binding(&bands, outcome.allowed);
         Decision {
             outcome: if outcome.allowed {
                 Outcome::Admitted
@@ -258,7 +269,8 @@ impl Decision {
     }
 
     /// The binding band of the enforced rules: on rejection, the rejecting band with the
-    /// longest wait; otherwise the band with the least remaining (the first on ties).
+    /// longest wait; otherwise the band with the least remaining (of those, the one full
+    /// again last; the first in priority order on ties).
     pub fn binding(&self) -> Option<&BandReport> {
         self.binding_index.and_then(|i| self.bands.get(i))
     }

@@ -1,0 +1,55 @@
+//! The layer among other middleware and with clients that follow its figures.
+
+use std::time::Duration;
+
+use http::StatusCode;
+
+use super::*;
+
+/// A client that waits for the reset the headers name when nothing is left, and then
+/// sends its next request, is admitted: with two bands empty at once, the reset is the
+/// later one's.
+#[tokio::test(start_paused = true)]
+async fn the_reset_of_an_empty_band_is_the_latest_of_the_empty_ones() {
+    for algorithm in [
+        "token_bucket",
+        "leaky_bucket",
+        "fixed_window",
+        "sliding_window_log",
+        "sliding_window_counter",
+    ] {
+        let rules = format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: burst
+        priority: 1
+        algorithm: {algorithm}
+        bands: [{{ capacity: 2, window: 1s }}]
+      - id: hourly
+        algorithm: {algorithm}
+        bands: [{{ capacity: 2, window: 1h }}]
+"#
+        );
+        let app = app(layer(engine(&rules)).build().unwrap());
+        let mut last = get_from(&app, "/api/users", "192.0.2.94").await;
+        let last = loop {
+            assert_eq!(last.status, StatusCode::OK, "{algorithm}");
+            if last.num("x-ratelimit-remaining") == 0 {
+                break last;
+            }
+            last = get_from(&app, "/api/users", "192.0.2.94").await;
+        };
+        let ietf = last.header("ratelimit").unwrap().to_owned();
+        let t: u64 = ietf.rsplit("t=").next().unwrap().parse().unwrap();
+        tokio::time::advance(Duration::from_secs(t)).await;
+        let r = get_from(&app, "/api/users", "192.0.2.94").await;
+        assert_eq!(
+            r.status,
+            StatusCode::OK,
+            "{algorithm}: refused after waiting the reset of {ietf} (X-RateLimit-Reset {})",
+            last.num("x-ratelimit-reset")
+        );
+    }
+}
