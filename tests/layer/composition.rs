@@ -2,9 +2,45 @@
 
 use std::time::Duration;
 
+use axum::routing::get;
+use axum::Router;
 use http::StatusCode;
+use tokio::time::Instant;
 
 use super::*;
+
+const EXPORT_WAITS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: exports
+        scope: ip
+        bands: [{ capacity: 1, window: 10s }]
+        on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }
+"#;
+
+/// The layer's shadow mode never changes what a request gets: a rule that waits for the
+/// refill does not delay it either.
+#[tokio::test(start_paused = true)]
+async fn a_shadow_layer_never_makes_a_request_wait() {
+    let app = Router::new().route("/export", get(|| async { "export" })).layer(
+        RateLimitLayer::builder(engine(EXPORT_WAITS))
+            .shadow(true)
+            .build()
+            .unwrap(),
+    );
+    for i in 0..3 {
+        let start = Instant::now();
+        let r = get_from(&app, "/export", "192.0.2.93").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "request {i} was delayed by a shadow layer"
+        );
+        assert!(r.header("retry-after").is_none());
+    }
+}
 
 /// A client that waits for the reset the headers name when nothing is left, and then
 /// sends its next request, is admitted: with two bands empty at once, the reset is the

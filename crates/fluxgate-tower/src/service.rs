@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::Bytes;
 use fluxgate_core::RequestContextBuilder;
@@ -87,6 +88,10 @@ where
                 customize(&mut builder, &parts);
                 req = Request::from_parts(parts, body);
             }
+        }
+        if config.shadow {
+            // A shadow layer changes nothing for the request: no rule makes it wait.
+            builder.set_max_wait(Some(Duration::ZERO));
         }
         // The path is set, so the context as built so far is complete: no need to move it.
         let ctx = builder.peek();
