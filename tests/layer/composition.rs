@@ -89,3 +89,40 @@ rule_sets:
         );
     }
 }
+
+/// Two layers, one on a route and one on the router: the route's refusal keeps its own
+/// figures, which the outer layer's (of a rule that admitted the request) would contradict.
+#[tokio::test]
+async fn an_inner_refusal_keeps_its_figures_through_an_outer_layer() {
+    let strict = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: login
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let global = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        bands: [{ capacity: 100, window: 1h }]
+"#;
+    let app = Router::new()
+        .route(
+            "/login",
+            get(|| async { "login" }).route_layer(RateLimitLayer::new(engine(strict))),
+        )
+        .layer(RateLimitLayer::new(engine(global)));
+    let r = get_from(&app, "/login", "192.0.2.95").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let r = get_from(&app, "/login", "192.0.2.95").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        (r.header("x-ratelimit-remaining"), r.header("ratelimit")),
+        (Some("0"), Some("\"login\";r=0;t=3600")),
+        "{:?}",
+        r.headers
+    );
+    assert_eq!(r.num("retry-after"), 3600);
+}

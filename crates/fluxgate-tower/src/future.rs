@@ -129,7 +129,11 @@ where
                 StateProj::Calling { future, figures } => {
                     let mut response = ready!(future.poll(cx))?;
                     if let Some(figures) = figures.take() {
-                        figures.apply(response.headers_mut(), false);
+                        // A refusal from further in (another rate limiter's `429`) keeps
+                        // the figures that explain it: ours, of rules that admitted the
+                        // request, would tell its client that it may go on.
+                        let refused = response.status() == http::StatusCode::TOO_MANY_REQUESTS;
+                        figures.apply(response.headers_mut(), refused);
                     }
                     return Poll::Ready(Ok(response));
                 }
