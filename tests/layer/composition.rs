@@ -1,13 +1,91 @@
 //! The layer among other middleware and with clients that follow its figures.
 
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
+use fluxgate::tower::RateLimit;
 use http::StatusCode;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 
 use super::*;
+
+/// A concurrency limit as `tower::limit::ConcurrencyLimit` makes it: `poll_ready` takes a
+/// permit, the response future holds it; a service polled ready and dropped gives it back.
+#[derive(Clone)]
+struct Limit(Arc<Semaphore>);
+
+impl<S> Layer<S> for Limit {
+    type Service = Limited<S>;
+    fn layer(&self, inner: S) -> Limited<S> {
+        Limited {
+            inner,
+            semaphore: self.0.clone(),
+            acquiring: None,
+            permit: None,
+        }
+    }
+}
+
+type Acquiring = Pin<Box<dyn Future<Output = OwnedSemaphorePermit> + Send + Sync>>;
+
+struct Limited<S> {
+    inner: S,
+    semaphore: Arc<Semaphore>,
+    acquiring: Option<Acquiring>,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl<S: Clone> Clone for Limited<S> {
+    fn clone(&self) -> Self {
+        // As tower's: a clone is not ready.
+        Self {
+            inner: self.inner.clone(),
+            semaphore: self.semaphore.clone(),
+            acquiring: None,
+            permit: None,
+        }
+    }
+}
+
+impl<S, R> Service<R> for Limited<S>
+where
+    S: Service<R>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        if self.permit.is_none() {
+            let semaphore = self.semaphore.clone();
+            let acquiring = self.acquiring.get_or_insert_with(|| {
+                Box::pin(async move { semaphore.acquire_owned().await.expect("open semaphore") })
+            });
+            let permit = std::task::ready!(acquiring.as_mut().poll(cx));
+            self.acquiring = None;
+            self.permit = Some(permit);
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: R) -> Self::Future {
+        let permit = self.permit.take().expect("called before poll_ready");
+        let future = self.inner.call(req);
+        Box::pin(async move {
+            let response = future.await;
+            drop(permit);
+            response
+        })
+    }
+}
 
 const EXPORT_WAITS: &str = r#"
 rule_sets:
@@ -18,6 +96,85 @@ rule_sets:
         bands: [{ capacity: 1, window: 10s }]
         on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }
 "#;
+
+/// The limiter around a concurrency limit around the whole router, as a
+/// `ServiceBuilder` makes it (axum's `Router::layer` would give each route a limit of its
+/// own, and axum's routes are always ready: their readiness is polled in their call).
+type Stack = RateLimit<Limited<Router>>;
+
+fn stack(engine: Engine, semaphore: Arc<Semaphore>) -> Stack {
+    ServiceBuilder::new()
+        .layer(RateLimitLayer::new(engine))
+        .layer(Limit(semaphore))
+        .service(Router::new().route("/export", get(|| async { "export" })))
+}
+
+async fn get_through(app: &Stack, path: &str, peer: &str) -> Reply {
+    let resp = app
+        .clone()
+        .oneshot(request("GET", path, peer, &[]))
+        .await
+        .expect("infallible");
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("the body");
+    Reply {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&bytes).into_owned(),
+    }
+}
+
+/// A request waiting for the refill is not running the handler: it must not hold what
+/// the inner service gave when it was polled ready (a concurrency limit's permit), or a
+/// client's waiting requests keep every other client out of the handler for as long as
+/// they wait.
+#[tokio::test(start_paused = true)]
+async fn a_waiting_request_holds_no_permit_of_the_inner_service() {
+    let app = stack(engine(EXPORT_WAITS), Arc::new(Semaphore::new(1)));
+    let r = get_through(&app, "/export", "192.0.2.90").await;
+    assert_eq!(r.status, StatusCode::OK);
+    // The same client's second request waits 10 s for its band.
+    let waiting = tokio::spawn({
+        let app = app.clone();
+        async move { get_through(&app, "/export", "192.0.2.90").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiting.is_finished(), "the second request waits");
+    // Another client, whose band is full, is served at once.
+    let start = Instant::now();
+    let r = get_through(&app, "/export", "192.0.2.91").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "another client's request waited {:?} for the waiting one's permit",
+        start.elapsed()
+    );
+    let r = waiting.await.unwrap();
+    assert_eq!(r.status, StatusCode::OK);
+}
+
+/// The concurrency limit still holds for the requests the layer admits after a pending
+/// decision: the inner service is polled ready again before it is called.
+#[tokio::test(start_paused = true)]
+async fn the_inner_service_is_ready_when_a_waiting_request_proceeds() {
+    let semaphore = Arc::new(Semaphore::new(1));
+    let app = stack(engine(EXPORT_WAITS), semaphore.clone());
+    assert_eq!(get_through(&app, "/export", "192.0.2.92").await.status, StatusCode::OK);
+    let waiting = tokio::spawn({
+        let app = app.clone();
+        async move { get_through(&app, "/export", "192.0.2.92").await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Someone else holds the only permit when the wait ends: the request waits for it.
+    let held = semaphore.clone().acquire_owned().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(!waiting.is_finished(), "the handler ran without a permit");
+    drop(held);
+    assert_eq!(waiting.await.unwrap().status, StatusCode::OK);
+}
 
 /// The layer's shadow mode never changes what a request gets: a rule that waits for the
 /// refill does not delay it either.

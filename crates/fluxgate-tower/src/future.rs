@@ -48,9 +48,12 @@ pin_project! {
 }
 
 /// The state while an asynchronous handler decides (boxed: the synchronous path, the
-/// common one, keeps the future small).
+/// common one, keeps the future small), then while the inner service is polled ready.
 pub(crate) struct Checking<S, ReqBody> {
     check: MaybeReady<Result<Decision, Error>>,
+    /// The headers of an admitted request, once it is admitted.
+    admitted: Option<Option<Figures>>,
+    /// A clone of the inner service, not polled ready yet.
     inner: Option<S>,
     req: Option<Request<ReqBody>>,
     config: Arc<Config>,
@@ -88,6 +91,7 @@ where
             state: State::Checking {
                 checking: Box::new(Checking {
                     check,
+                    admitted: None,
                     inner: Some(inner),
                     req: Some(req),
                     config,
@@ -110,20 +114,29 @@ where
             let mut this = self.as_mut().project();
             let next = match this.state.as_mut().project() {
                 StateProj::Checking { checking } => {
-                    let result = ready!(Pin::new(&mut checking.check).poll(cx));
-                    match checking.config.verdict(result, checking.own_rule_set) {
-                        Verdict::Pass(figures) => {
-                            let (Some(mut inner), Some(req)) = (checking.inner.take(), checking.req.take()) else {
-                                unreachable!("ResponseFuture polled after completion")
-                            };
-                            State::Calling {
-                                future: inner.call(req),
-                                figures,
+                    if checking.admitted.is_none() {
+                        let result = ready!(Pin::new(&mut checking.check).poll(cx));
+                        match checking.config.verdict(result, checking.own_rule_set) {
+                            Verdict::Pass(figures) => checking.admitted = Some(figures),
+                            Verdict::Reject(response) => {
+                                this.state.set(State::Rejected {
+                                    response: Some(Box::new(response)),
+                                });
+                                continue;
                             }
                         }
-                        Verdict::Reject(response) => State::Rejected {
-                            response: Some(Box::new(response)),
-                        },
+                    }
+                    // Admitted: the service is called once it is ready.
+                    let inner = checking.inner.as_mut().expect("ResponseFuture polled after completion");
+                    ready!(inner.poll_ready(cx))?;
+                    let (Some(mut inner), Some(req), Some(figures)) =
+                        (checking.inner.take(), checking.req.take(), checking.admitted.take())
+                    else {
+                        unreachable!("ResponseFuture polled after completion")
+                    };
+                    State::Calling {
+                        future: inner.call(req),
+                        figures,
                     }
                 }
                 StateProj::Calling { future, figures } => {

@@ -17,6 +17,10 @@ use crate::layer::RateLimitLayer;
 ///
 /// Always ready when the inner service is; never calls the inner service for a rejected
 /// request and at most once for any request; the inner service's errors pass through.
+/// A request whose decision is not ready at once gives back what the inner service's
+/// readiness held, and polls a clone of it ready once admitted: a request waiting for
+/// its decision (or for the refill) holds no permit of a concurrency limit inside the
+/// layer.
 ///
 /// The inner service's response body type is kept: the `429` body is made with
 /// `ResBody::from(Bytes)`, which axum's `Body` and `http_body_util::Full<Bytes>` provide.
@@ -102,9 +106,13 @@ where
                 Verdict::Reject(response) => ResponseFuture::rejected(response),
             },
             Err(pending) => {
-                // Keep the service that was polled ready; leave a clone for the next call.
-                let clone = self.inner.clone();
-                let inner = std::mem::replace(&mut self.inner, clone);
+                // The request may wait for its decision (a backend's answer, the refill)
+                // for long. What the service polled ready holds for its call (a
+                // concurrency limit's permit, a buffer's slot) is given back now rather
+                // than held meanwhile: the ready service is dropped, and a clone is polled
+                // ready once the request is admitted.
+                let inner = self.inner.clone();
+                self.inner = inner.clone();
                 ResponseFuture::checking(pending, inner, req, self.config.clone(), own_rule_set)
             }
         }
