@@ -471,3 +471,140 @@ async fn an_expired_lease_never_frees_permits_taken_after_it() {
     let allowed = 2 + taken.elapsed().as_secs();
     assert!(admitted <= allowed, "{admitted} admitted, {allowed} allowed");
 }
+
+/// A bucket reset (the rule set's generation raised in the provider, its keys deleted in
+/// Redis, as the rule-change listener does) ends the leases of its rules: their permits
+/// were counted in the deleted keys, so they are neither spent nor given back. A window's
+/// lease given back into the fresh count would free permits taken after the reset, and the
+/// window would admit more than its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_ends_the_leases_without_giving_them_back() {
+    let redis = Redis::start(Servers::standalone()).await;
+    for algorithm in ["fixed_window", "sliding_window_counter"] {
+        let prefix = format!("reset-{algorithm}");
+        let rules = || {
+            rules(&format!(
+                r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: {algorithm}
+        bands: [{{ capacity: 10, window: 1h }}]
+        lease: {{ max: 5, ttl: 1h }}
+"#
+            ))
+        };
+        let provider = Arc::new(ReloadingRuleSetProvider::new(rules()));
+        let holder = instance(&redis, &prefix, provider.clone()).await;
+        let other = instance(&redis, &prefix, rules()).await;
+        assert!(check(&holder).await.allowed(), "the holder takes a lease of 5: 4 held");
+        // The reset, as the listener makes it: the provider's generation, then Redis's keys.
+        assert!(provider.reset_buckets("default"));
+        let limiter = RedisLimiter::builder(redis.url())
+            .prefix(prefix.as_str())
+            .connect()
+            .await
+            .expect("connect to the test Redis");
+        limiter
+            .reset_buckets(fluxgate::redis::ResetScope::RuleSet("default"))
+            .await
+            .expect("reset");
+        // A full bucket for everyone: 10 in all, whoever asks.
+        let mut admitted = drain(&other, 100).await;
+        admitted += drain(&holder, 100).await;
+        holder.release_leases().await.expect("answered");
+        // Whatever the stale lease's give-back ran into, it has run by now.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        admitted += drain(&other, 100).await;
+        other.release_leases().await.expect("given back");
+        admitted += drain(&holder, 100).await;
+        assert_eq!(admitted, 10, "{algorithm}: admitted after the reset, of a window of 10");
+    }
+}
+
+/// The Unix time in µs (Redis's clock: the test's `redis-server` runs on this machine).
+fn unix_us() -> u64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970");
+    u64::try_from(since.as_micros()).expect("in range")
+}
+
+/// Sleeps until `into` µs into a window of `window` µs aligned on the Unix epoch, the next
+/// one if `next`, else the one it is in (if it has not passed `into` yet).
+async fn sleep_into_window(window: u64, into: u64, next: bool) {
+    let now = unix_us();
+    let mut at = now - now % window + into;
+    if next || at <= now {
+        at += window;
+    }
+    tokio::time::sleep(Duration::from_micros(at - now)).await;
+}
+
+/// A sliding window counter counts each window apart: a lease that holds permits of two
+/// calls, decided in two windows, gives back at the last call's window no more than that
+/// call took there. Giving all of them back there (old behaviour) took a request admitted
+/// in that window off its count, and the window admitted more than its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_of_two_windows_gives_back_no_permit_admitted_in_the_last() {
+    let redis = Redis::start(Servers::standalone()).await;
+    // 20 per 4 s, 3 a request; leases of 5: each call takes 3 and 2 more.
+    let rules = |lease: &str| {
+        rules(&format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: sliding_window_counter
+        permits: 3
+        bands: [{{ capacity: 20, window: 4s }}]
+        {lease}
+"#
+        ))
+    };
+    let holder = instance(&redis, "two-windows", rules("lease: { max: 5, ttl: 1h }")).await;
+    let other = instance(&redis, "two-windows", rules("")).await;
+    let window = 4_000_000;
+    // Late in a window: the first call takes 5 (2 held).
+    sleep_into_window(window, 3_600_000, false).await;
+    let first = unix_us() / window;
+    assert!(check(&holder).await.allowed());
+    // Early in the next one: 2 held are fewer than a request's 3, so a second call takes 5
+    // more, and the lease holds 4: 2 of each window.
+    sleep_into_window(window, 100_000, false).await;
+    let second = unix_us() / window;
+    assert!(check(&holder).await.allowed());
+    assert_eq!(
+        holder.release_leases().await.expect("given back"),
+        2,
+        "the second call's 2"
+    );
+    let key = "two-windows:{default:global:global}:b0:20/4s:swc";
+    let stored = redis.server().cli(&["GET", key]);
+    let current: u64 = stored
+        .trim()
+        .rsplit(':')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert_eq!(
+        current, 3,
+        "{stored}: the request admitted in this window is still counted in it"
+    );
+    // Late in the window, where the previous window weighs little: 3 + (2 of the first
+    // window's lease) count, so another instance admits 5 requests of 3.
+    sleep_into_window(window, 3_400_000, false).await;
+    let admitted = drain(&other, 100).await;
+    if second != first + 1 || unix_us() / window != second {
+        eprintln!("the steps did not fall in the windows planned: not checked");
+        return;
+    }
+    assert_eq!(
+        admitted, 5,
+        "requests of 3 admitted in a window of 20 holding 3 and part of 5 before"
+    );
+}

@@ -119,6 +119,13 @@ impl Held {
             && Some(self.lease) == rule.lease()
     }
 
+    /// Whether the lease was taken under `set`'s generation of its counters: a bucket
+    /// reset ([`ReloadingRuleSetProvider::reset_buckets`](crate::ReloadingRuleSetProvider::reset_buckets))
+    /// raises it.
+    fn is_of(&self, set: &RuleSet) -> bool {
+        self.set.generation() == set.generation()
+    }
+
     /// The bucket's least remaining permits at the call, the lease's not counted.
     fn shared_remaining(&self) -> u64 {
         self.reports.iter().map(|r| r.remaining).min().unwrap_or(0)
@@ -157,11 +164,15 @@ pub(crate) struct LeaseWatch(Weak<Shared>);
 
 impl LeaseWatch {
     /// Gives back the leases of rules of `set`'s id that `set` changes or removes: called
-    /// when a rule set is about to be swapped in.
+    /// when a rule set is about to be swapped in. The leases taken under another
+    /// generation of it (a bucket reset since, or before) end without going back: their
+    /// permits were counted in counters a reset deletes, and a window's given back into
+    /// the fresh count would free permits taken after the reset.
     pub(crate) fn rules_changed(&self, set: &RuleSet) {
         let Some(shared) = self.0.upgrade() else {
             return;
         };
+        drop(shared.take(|key, held| key.set == *set.id() && !held.is_of(set)));
         let stale = shared.take(|key, held| {
             key.set == *set.id()
                 && !set
@@ -194,7 +205,12 @@ impl GiveBack {
     /// at most `own`, and only while the bucket holds the state the call left (the backend
     /// compares the marks). Without marks (none, or none for a band), such a bucket's
     /// permits stay taken, and pass unused. A window's count is a count: its permits go back
-    /// whoever took permits since.
+    /// whoever took permits since, at the instant of the last call. A fixed window's lease
+    /// holds permits of one window only (it ends with the window it was taken in), so all
+    /// of them go back; a sliding window counter's or log's may hold permits of earlier
+    /// calls, counted in an earlier window or at an earlier instant, and only `own`, those
+    /// the last call took, go back there: taking the others off that window's count would
+    /// free permits admitted in it.
     #[allow(clippy::too_many_arguments)]
     fn of(
         set: Arc<RuleSet>,
@@ -205,15 +221,14 @@ impl GiveBack {
         decided_unix_nanos: u64,
         marks: Vec<u128>,
     ) -> Option<Self> {
-        let instant = set
-            .rules()
-            .get(rule)
-            .is_some_and(|rule| rule.algorithm().keeps_an_instant());
+        let algorithm = set.rules().get(rule).map(Rule::algorithm);
+        let instant = algorithm.is_some_and(Algorithm::keeps_an_instant);
         let marked = !marks.is_empty() && marks.iter().all(|&mark| mark != 0);
-        let left = match (instant, marked) {
-            (false, _) => left,
-            (true, false) => 0,
-            (true, true) => own,
+        let left = match (algorithm, instant, marked) {
+            (Some(Algorithm::FixedWindow), _, _) => left,
+            (_, false, _) => own,
+            (_, true, false) => 0,
+            (_, true, true) => own,
         };
         (left > 0).then_some(Self {
             set,
@@ -394,6 +409,12 @@ impl Shared {
             // A new lease, while the engine holds fewer than its most.
             None if room => most,
             None => 0,
+            Some(held) if !held.is_of(bucket.rule_set) => {
+                // Taken under another generation of the counters (a bucket reset between):
+                // ended, not given back (see `LeaseWatch::rules_changed`).
+                shard.held.remove(&key);
+                most
+            }
             Some(held) if held.is_for(bucket.rule) && now < held.expires => {
                 if held.left >= cost {
                     held.left -= cost;
@@ -646,6 +667,8 @@ impl Shared {
         };
         let old = shard.held.insert(key.clone(), held);
         drop(shard);
+        // A lease of another generation of the counters ends without going back.
+        let old = old.filter(|old| old.is_of(request.rule_set()));
         self.give_back_later(old.and_then(|old| old.into_give_back(key)).into_iter().collect());
         self.sweep_later();
         self.wake_sweep(expires);

@@ -71,6 +71,15 @@ impl Checks {
         checks.iter().filter_map(Weak::upgrade).try_for_each(|check| check(set))
     }
 
+    /// Runs every live check on `set`, each whatever the others answer (a rule set that
+    /// only changes generation, which every check has accepted already).
+    pub(crate) fn run_each(&self, set: &RuleSet) {
+        let checks = self.0.read().unwrap_or_else(PoisonError::into_inner);
+        for check in checks.iter().filter_map(Weak::upgrade) {
+            let _ = check(set);
+        }
+    }
+
     /// The live checks.
     pub(crate) fn len(&self) -> usize {
         let checks = self.0.read().unwrap_or_else(PoisonError::into_inner);

@@ -322,8 +322,12 @@ impl ReloadingRuleSetProvider {
             if wanted(set) {
                 let generation = set.generation().wrapping_add(1);
                 update.generations.insert(set.id().clone().into(), generation);
-                next.insert_shared(Arc::new(set.with_generation(generation)));
+                let set = Arc::new(set.with_generation(generation));
+                // The engines' leases of the rule set end with its counters (see
+                // `LeaseWatch::rules_changed`).
+                self.checks.run_each(&set);
                 reset.push(set.id().clone().into());
+                next.insert_shared(set);
             } else {
                 next.insert_shared(set.clone());
             }
