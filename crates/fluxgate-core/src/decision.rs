@@ -128,6 +128,15 @@ fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
 /// to be refused by the later one.
 pub(crate) fn binding(bands: &[BandReport], allowed: bool) -> (Option<usize>, Option<Duration>) {
     use std::cmp::Reverse;
+    // One band, the common case: it binds when it admits, and when it refuses.
+    if let [only] = bands {
+        return match only.wait {
+            _ if allowed => (Some(0), None),
+            Wait::None => (None, None),
+            Wait::After(wait) => (Some(0), Some(wait)),
+            Wait::Never => (Some(0), None),
+        };
+    }
     if allowed {
         let least = bands
             .iter()

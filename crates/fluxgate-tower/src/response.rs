@@ -88,12 +88,22 @@ impl Figures {
     /// Adds the headers. Existing headers of the same name are kept when `keep_existing`
     /// is set.
     pub(crate) fn apply(self, headers: &mut HeaderMap, keep_existing: bool) {
+        // One copy per case: the common one (an admitted response) inserts without a
+        // branch per header.
+        if keep_existing {
+            self.apply_with::<true>(headers);
+        } else {
+            self.apply_with::<false>(headers);
+        }
+    }
+
+    fn apply_with<const KEEP_EXISTING: bool>(self, headers: &mut HeaderMap) {
         let legacy = self.legacy;
         headers.reserve(
             3 * usize::from(legacy) + 2 * usize::from(self.ietf.is_some()) + usize::from(self.retry_after.is_some()),
         );
         let mut put = |name: HeaderName, value: HeaderValue| {
-            if keep_existing {
+            if KEEP_EXISTING {
                 headers.entry(name).or_insert(value);
             } else {
                 headers.insert(name, value);
