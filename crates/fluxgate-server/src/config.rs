@@ -15,13 +15,13 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8082";
 ///
 /// ```
 /// let config: fluxgate_server::Config = toml::from_str(r#"
-///     listen = "0.0.0.0:8082"
+///     listen = "10.0.0.4:8082" # private, gateways only: the check API has no authentication
 ///     rules = "/etc/fluxgate/rules.yaml"
 ///     redis = "redis://127.0.0.1:6379"
 ///     [engine]
 ///     unknown_rule_set = "deny"
 ///     [admin]
-///     token = "s3cret"
+///     token = "at least 16 random characters"
 /// "#)?;
 /// assert_eq!(config.listen().port(), 8082);
 /// # Ok::<(), toml::de::Error>(())
