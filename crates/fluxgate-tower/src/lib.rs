@@ -26,6 +26,10 @@
 //! let app: Router = Router::new()
 //!     .route("/api/hello", get(|| async { "hello" }))
 //!     .layer(RateLimitLayer::new(Engine::in_memory(rules)));
+//! // Serve it with the peer address: without `ConnectInfo`, no client address is known and
+//! // every request counts as the one client `ip=unknown`.
+//! // axum::serve(listener, app.into_make_service_with_connect_info::<std::net::SocketAddr>())
+//! let _service = app.into_make_service_with_connect_info::<std::net::SocketAddr>();
 //! ```
 //!
 //! # Where the client address comes from
