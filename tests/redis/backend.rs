@@ -750,10 +750,12 @@ rule_sets:
         assert!(back.allowed());
     }
 
-    /// `from_client` over a cluster client keeps the deny cache off, as the builder does:
+    /// On a cluster the deny cache is off, whether the limiter is built from a URL (even
+    /// with `deny_cache(true)`) or over the application's client with `from_client`:
     /// refunds give tokens back, so a remembered rejection could outlive the real one.
+    /// On a standalone server both keep it on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn from_client_keeps_the_deny_cache_off_on_a_cluster() {
+    async fn the_deny_cache_is_off_on_a_cluster_from_a_url_or_a_client() {
         use fred::interfaces::ClientLike;
         let cluster = RedisCluster::start();
         let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
@@ -766,13 +768,24 @@ rule_sets:
         client.init().await.unwrap();
         assert!(client.is_clustered());
         let limiter = fluxgate::redis::RedisLimiter::from_client(client, "from-client");
-        assert!(!limiter.has_deny_cache());
+        assert!(!limiter.has_deny_cache(), "from_client over a cluster client");
+        let limiter = fluxgate::redis::RedisLimiter::builder(cluster.url())
+            .deny_cache(true)
+            .connect()
+            .await
+            .unwrap();
+        assert!(!limiter.has_deny_cache(), "built from a cluster's URL");
 
         let redis = Redis::start(Servers::standalone()).await;
         let config = fred::types::config::Config::from_url(&redis.url()).expect("the test server's URL");
         let client = fred::types::Builder::from_config(config).build().expect("a client");
         client.init().await.expect("the client connects");
         assert!(fluxgate::redis::RedisLimiter::from_client(client, "from-client").has_deny_cache());
+        let limiter = fluxgate::redis::RedisLimiter::builder(redis.url())
+            .connect()
+            .await
+            .unwrap();
+        assert!(limiter.has_deny_cache(), "built from a standalone server's URL");
     }
 
     /// Redis's clock may go back (a step of the server's clock, a failover to a replica
