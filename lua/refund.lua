@@ -8,7 +8,7 @@
 -- tonumber makes two.
 local decided = ARGV[1] + 0
 local reply = {}
-local arg = 2
+local arg = 3
 -- The call's mark, its last key, set for ARGV's last number of ms (0: the call has no
 -- mark): a call run again (a client writes a command again when its connection dropped
 -- before the reply) finds it set and gives nothing back a second time; it still answers
@@ -17,6 +17,19 @@ local bands, fresh = #KEYS, true
 if ARGV[#ARGV] ~= '0' then
   bands = #KEYS - 1
   fresh = redis.call('SET', KEYS[#KEYS], '1', 'NX', 'PX', ARGV[#ARGV])
+end
+-- ARGV[2]: when the permits were taken (the decision's now_us; at or before `decided`, a
+-- waiting request's later instant). Taken before this server started (a restart that lost
+-- its data, a failover to a server that never held them), they were counted in counters
+-- this server does not hold: given back, they would free permits that requests counted
+-- here took. Nothing goes back then. INFO gives the second the server started in (its
+-- clock's second less its uptime, both of one reading; TIME's where INFO has no clock): a
+-- decision made in that second may have come before the start, and counts as before it.
+local info = redis.call('INFO', 'server')
+local uptime = string.match(info, 'uptime_in_seconds:(%d+)')
+local clock = string.match(info, 'server_time_usec:(%d+)') or now
+if not uptime or ARGV[2] + 0 < (floor(clock / 1000000) - uptime + 1) * 1000000 then
+  fresh = false
 end
 for i = 1, bands do
   local key = KEYS[i]

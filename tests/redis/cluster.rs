@@ -300,9 +300,9 @@ rule_sets:
         let now = server.time_us();
         let end = now - now % w + w;
         server.cli(&["SET", "fw", &format!("{end}:9"), "PX", "300000"]);
-        let decided = (end - 1).to_string();
-        // KEYS: the band's key, the call's mark; ARGV: decided, a fixed window (2) of 3
-        // permits, capacity 10, window, 0; the mark's ms.
+        let (decided, made) = ((end - 1).to_string(), now.to_string());
+        // KEYS: the band's key, the call's mark; ARGV: decided, made (the server running), a
+        // fixed window (2) of 3 permits, capacity 10, window, 0; the mark's ms.
         let call = [
             "EVAL",
             fluxgate::redis::REFUND_LUA,
@@ -310,6 +310,7 @@ rule_sets:
             "fw",
             "mark:once",
             &decided,
+            &made,
             "2",
             "3",
             "10",
@@ -351,8 +352,9 @@ rule_sets:
                 key.to_owned(),
                 mark,
             ];
-            // decided, then algorithm, permits, capacity, window µs, 0; the mark's ms.
-            args.extend([decided, algorithm, 3, 10, w, 0, 10_000].map(|n| n.to_string()));
+            // decided, made (the server running), then algorithm, permits, capacity, window
+            // µs, 0; the mark's ms.
+            args.extend([decided, now, algorithm, 3, 10, w, 0, 10_000].map(|n| n.to_string()));
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             server.cli(&args)
         };

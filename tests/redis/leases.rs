@@ -608,3 +608,45 @@ rule_sets:
         "requests of 3 admitted in a window of 20 holding 3 and part of 5 before"
     );
 }
+
+/// Redis restarted with an empty dataset (a crash without persistence, a failover to a
+/// server that never held the keys): a lease taken before has its permits counted in the
+/// counters that were lost, so giving it back would take them off the fresh count, which
+/// never held them, and a window would admit more than its capacity of requests counted
+/// after the restart alone (old behaviour: 14 of a window of 10).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_before_redis_restarted_gives_nothing_back_into_the_fresh_count() {
+    let mut redis = Redis::start(Servers::standalone()).await;
+    for algorithm in ["fixed_window", "sliding_window_counter"] {
+        let prefix = format!("restart-{algorithm}");
+        let rules = || {
+            rules(&format!(
+                r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: {algorithm}
+        bands: [{{ capacity: 10, window: 1h }}]
+        lease: {{ max: 5, ttl: 1h }}
+"#
+            ))
+        };
+        let holder = instance(&redis, &prefix, rules()).await;
+        let other = instance(&redis, &prefix, rules()).await;
+        assert!(check(&holder).await.allowed(), "the holder takes a lease of 5: 4 held");
+        // Its data gone, the server starts again on the same port; the limiters reconnect.
+        redis.server_mut().restart();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The restarted server counts afresh: 10, whoever asks.
+        let mut admitted = drain(&other, 100).await;
+        assert_eq!(admitted, 10, "{algorithm}: a fresh window of 10");
+        holder.release_leases().await.expect("answered");
+        admitted += drain(&other, 100).await;
+        assert_eq!(
+            admitted, 10,
+            "{algorithm}: requests counted by the restarted Redis, of a window of 10"
+        );
+    }
+}

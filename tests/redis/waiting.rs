@@ -227,10 +227,11 @@ async fn engine(redis: &Redis, prefix: &str, yaml: &str, batching: Option<Batchi
 /// refund's `expect` (`''`, a state, or `~` and a state); Redis's answer.
 fn refund_one_permit(redis: &Redis, key: &str, decided_us: u64, expect: &str) -> String {
     let decided = decided_us.to_string();
+    let made = redis.server().time_us().to_string();
     let mark = refund_mark();
-    // KEYS: the rule's key, the call's mark; ARGV: decided_us, then the band: token bucket
-    // (0), 1 permit, capacity 1, scale 1, interval 10,000,000, its layout, position 1 of 1,
-    // expect; the mark's ms.
+    // KEYS: the rule's key, the call's mark; ARGV: decided_us, made_us (the server running),
+    // then the band: token bucket (0), 1 permit, capacity 1, scale 1, interval 10,000,000,
+    // its layout, position 1 of 1, expect; the mark's ms.
     let args = [
         "EVAL",
         fluxgate::redis::REFUND_LUA,
@@ -238,6 +239,7 @@ fn refund_one_permit(redis: &Redis, key: &str, decided_us: u64, expect: &str) ->
         key,
         &mark,
         &decided,
+        &made,
         "0",
         "1",
         "1",
@@ -458,6 +460,7 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
     let refund = |stored_us: i64, end_us: i64, decided_us: i64| {
         redis.server().cli(&["SET", key, &stored_us.to_string()]);
         let (decided, expect, mark) = (decided_us.to_string(), format!("~{end_us}:0"), refund_mark());
+        let made = redis.server().time_us().to_string();
         let args = [
             "EVAL",
             fluxgate::redis::REFUND_LUA,
@@ -465,6 +468,7 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
             key,
             &mark,
             &decided,
+            &made,
             "1",
             "5",
             "10",
@@ -964,4 +968,57 @@ fn show(outcome: &AcquireOutcome) -> String {
         ));
     }
     text
+}
+
+/// Redis restarted with an empty dataset while a request waited for the next window: its
+/// place was counted in the counters that were lost, so when the waiter is dropped,
+/// nothing of the fresh count goes back (old behaviour: the next window, whose places
+/// were all taken after the restart, took one more than its capacity).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_place_taken_before_redis_restarted_gives_nothing_back_into_the_fresh_count() {
+    let mut redis = Redis::start(Servers::standalone()).await;
+    for batching in [None, Some(Batching::new())] {
+        let algorithm = "fixed_window";
+        let prefix = format!("restart-{}", batching.is_some());
+        let limiter = limiter(&redis, &prefix, batching).await;
+        // 2 an hour, each request may wait for the next hour.
+        let set = rule_set(&global_of(algorithm, 2, "1h", false));
+        let wait = request(&set, &[0], Duration::from_secs(7_200));
+        let hour = 3_600_000_000;
+        let window = redis.server().time_us() / hour;
+        let admitted = |o: &AcquireOutcome| o.allowed && o.admitted_after.is_zero();
+        let later = |o: &AcquireOutcome| o.allowed && !o.admitted_after.is_zero();
+        for _ in 0..2 {
+            assert!(admitted(&acquire(&limiter, &wait).await), "{algorithm}: the window's 2");
+        }
+        let waiter = acquire(&limiter, &wait).await;
+        assert!(later(&waiter), "{algorithm}: a place in the next window");
+        // Its data gone, the server starts again on the same port; the limiter reconnects.
+        redis.server_mut().restart();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The restarted server counts afresh: 2 now, then both places of the next window.
+        let mut fresh = Vec::new();
+        for _ in 0..5 {
+            fresh.push(acquire(&limiter, &wait).await);
+        }
+        assert_eq!(fresh.iter().filter(|o| admitted(o)).count(), 2, "{algorithm}");
+        assert_eq!(fresh.iter().filter(|o| later(o)).count(), 2, "{algorithm}");
+        // The first waiter is dropped: its place, taken before the restart, is not in the
+        // next window's count.
+        let at = waiter.now_unix_nanos + u64::try_from(waiter.admitted_after.as_nanos()).expect("short");
+        limiter
+            .give_back_place(&wait, at, &waiter.marks)
+            .await
+            .expect("answered");
+        let another = acquire(&limiter, &wait).await;
+        if redis.server().time_us() / hour != window {
+            eprintln!("{algorithm}: the hour ended during the test: not checked");
+            continue;
+        }
+        assert!(
+            !another.allowed,
+            "{algorithm}: a third place in the next window of 2, all taken after the restart: {}",
+            show(&another)
+        );
+    }
 }

@@ -79,6 +79,7 @@ impl RedisServer {
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
                 if ping(port) {
+                    server.wait_out_first_second();
                     return server;
                 }
                 if let Ok(Some(_)) = server.child.try_wait() {
@@ -89,6 +90,24 @@ impl RedisServer {
             server.stop();
         }
         panic!("redis-server did not start");
+    }
+
+    /// Waits until the server's clock has left the second it started in: the refund
+    /// script gives nothing back of a decision made in that second, which may have come
+    /// before the start (`lua/refund.lua`), and the tests that give back expect it back.
+    fn wait_out_first_second(&self) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let info = self.cli(&["INFO", "server"]);
+            let uptime = info
+                .lines()
+                .find_map(|l| l.strip_prefix("uptime_in_seconds:"))
+                .and_then(|v| v.trim().parse::<u64>().ok());
+            if uptime.is_some_and(|u| u >= 1) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// The port.

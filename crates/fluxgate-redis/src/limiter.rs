@@ -17,7 +17,7 @@ use crate::error::RedisError;
 use crate::health::{self, Health};
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
-use crate::request::{encode, encode_refund, outcome, Call};
+use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
 use crate::script::{missing_script, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -207,7 +207,8 @@ impl RateLimiter for RedisLimiter {
                         }
                         result => result?,
                     };
-                    let marks = std::mem::take(&mut reply.marks);
+                    let mut marks = std::mem::take(&mut reply.marks);
+                    mark_instants(&bands, &mut marks, reply.now_us);
                     let outcome = outcome(
                         &request,
                         (reply.allowed, reply.shadow_allowed),

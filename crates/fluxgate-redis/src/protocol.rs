@@ -596,6 +596,14 @@ pub(crate) struct RefundBand {
     pub(crate) expect: Option<String>,
 }
 
+impl RefundBand {
+    /// Whether the band keeps no state a refund compares (a window or a log, given back by
+    /// its instant): its mark is then the decision's instant ([`crate::request::mark_instants`]).
+    pub(crate) fn keeps_no_state(&self) -> bool {
+        self.place.is_none() && self.algorithm != ScriptAlgorithm::LeakyBucket
+    }
+}
+
 /// Where a token-bucket band lies in its rule's key: the rule's layout, the band's position
 /// among its bands (from 1) and their count.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -613,10 +621,12 @@ pub(crate) struct RefundArgs {
 
 impl RefundArgs {
     /// The arguments of a refund of what was decided at `decided_us` (the decision's
-    /// `now_us`: it tells the windows and log entries to take back).
-    pub(crate) fn new(decided_us: i64) -> Self {
+    /// `now_us`, or a waiting request's later instant: it tells the windows and log entries
+    /// to take back), taken by a call at `made_us` (the decision's `now_us`: nothing goes
+    /// back of permits taken before the server started, see `lua/refund.lua`).
+    pub(crate) fn new(decided_us: i64, made_us: i64) -> Self {
         Self {
-            argv: vec![Value::Integer(decided_us)],
+            argv: vec![Value::Integer(decided_us), Value::Integer(made_us)],
         }
     }
 
@@ -667,7 +677,8 @@ pub(crate) struct Reply {
     /// For a request admitted later, or a call that asked for them
     /// ([`DecideArgs::mark_places`]): per band, the state the request left (its instant in
     /// µs in the high 64 bits, its remainder in the low ones; 0 for a band not committed,
-    /// and for the window algorithms, whose places go back by their instant), as
+    /// and for the window algorithms, whose places go back by their instant: the limiter
+    /// records the decision's instant there, see [`crate::request::mark_instants`]), as
     /// [`AcquireOutcome::marks`](fluxgate_core::limiter::AcquireOutcome::marks). Empty
     /// otherwise.
     pub(crate) marks: Vec<u128>,
@@ -810,7 +821,7 @@ pub(crate) struct RefundedBand {
 
 /// A count or a duration from the scripts, which are never negative but for `wait_us`'s
 /// `-1`.
-fn nonnegative(n: i64) -> u64 {
+pub(crate) fn nonnegative(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
 
@@ -1201,7 +1212,7 @@ mod tests {
 
     #[test]
     fn refund_args() {
-        let mut args = RefundArgs::new(1_700_000_000_000_000);
+        let mut args = RefundArgs::new(1_700_000_000_000_000, 1_699_999_999_000_000);
         args.band(&RefundBand {
             algorithm: ScriptAlgorithm::SlidingWindowCounter,
             permits: 3,
@@ -1232,6 +1243,7 @@ mod tests {
             text(&args.into_argv()),
             [
                 "1700000000000000",
+                "1699999999000000",
                 "4",
                 "3",
                 "10",

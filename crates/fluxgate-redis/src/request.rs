@@ -10,7 +10,7 @@ use smallvec::SmallVec;
 use crate::key;
 use crate::plan::{plan, RulePlan};
 use crate::protocol::{
-    expected_leaky_state, expected_state, BandReply, DecideArgs, RefundArgs, RefundBand, ScriptAlgorithm,
+    expected_leaky_state, expected_state, nonnegative, BandReply, DecideArgs, RefundArgs, RefundBand, ScriptAlgorithm,
 };
 
 /// The keys of a decision call: in place for a call of one key.
@@ -213,35 +213,65 @@ impl Call {
         marks: &[u128],
         ahead_only: bool,
     ) -> RefundCall {
-        let mut args = RefundArgs::new(decided_us);
+        let refunds: Vec<(&CallBand, RefundBand)> = bands
+            .into_iter()
+            .filter_map(|j| self.bands.get(j))
+            .filter_map(|band| Some((band, band.refund()?)))
+            .collect();
+        // When the permits were taken: the decision's instant, which a window or log band's
+        // mark records for a waiting request's place (`decided_us` is then its later
+        // instant). Permits taken before the server started go back nowhere.
+        let made_us = refunds
+            .iter()
+            .filter(|(_, refund)| refund.keeps_no_state())
+            .filter_map(|(band, _)| marks.get(band.position).copied())
+            .filter_map(|mark| i64::try_from(mark).ok())
+            .filter(|&mark| mark > 0)
+            .fold(decided_us, i64::min);
+        let mut args = RefundArgs::new(decided_us, made_us);
         let mut keys = Vec::new();
-        for band in bands.into_iter().filter_map(|j| self.bands.get(j)) {
-            if let Some(mut refund) = band.refund() {
-                // A token or leaky bucket keeps one instant: its state as the request left it,
-                // in the form the refund script compares (a leaky bucket's in whole leak
-                // intervals, see `lua/refund.lua`).
-                let mark = marks.get(band.position).copied().unwrap_or(0);
-                let expected = if refund.place.is_some() {
-                    Some(expected_state(mark))
-                } else if refund.algorithm == ScriptAlgorithm::LeakyBucket {
-                    Some(expected_leaky_state(mark))
-                } else {
-                    None
-                };
-                if let Some(expected) = expected.filter(|_| !marks.is_empty()) {
-                    refund.expect = Some(match (expected, ahead_only) {
-                        (Some(state), true) => format!("~{state}"),
-                        (Some(state), false) => state,
-                        // Without a mark (a band not committed): nothing (a state no band
-                        // holds).
-                        (None, _) => "-".to_owned(),
-                    });
-                }
-                args.band(&refund);
-                keys.push(self.keys[band.key].clone());
+        for (band, mut refund) in refunds {
+            // A token or leaky bucket keeps one instant: its state as the request left it,
+            // in the form the refund script compares (a leaky bucket's in whole leak
+            // intervals, see `lua/refund.lua`).
+            let mark = marks.get(band.position).copied().unwrap_or(0);
+            let expected = if refund.place.is_some() {
+                Some(expected_state(mark))
+            } else if refund.algorithm == ScriptAlgorithm::LeakyBucket {
+                Some(expected_leaky_state(mark))
+            } else {
+                None
+            };
+            if let Some(expected) = expected.filter(|_| !marks.is_empty()) {
+                refund.expect = Some(match (expected, ahead_only) {
+                    (Some(state), true) => format!("~{state}"),
+                    (Some(state), false) => state,
+                    // Without a mark (a band not committed): nothing (a state no band
+                    // holds).
+                    (None, _) => "-".to_owned(),
+                });
             }
+            args.band(&refund);
+            keys.push(self.keys[band.key].clone());
         }
         (keys, args)
+    }
+}
+
+/// Records in `marks` (per band of the request, as the decision's reply gives them; empty
+/// when the call asked for none) the decision's instant, `now_us`, for each window or log
+/// band of `bands`, whose state the scripts do not record (0): what a refund of its place
+/// or lease compares with the server's start (see [`Call::refund`]).
+pub(crate) fn mark_instants(bands: &[CallBand], marks: &mut [u128], now_us: i64) {
+    if marks.is_empty() {
+        return;
+    }
+    for band in bands {
+        if band.refund().is_some_and(|refund| refund.keeps_no_state()) {
+            if let Some(mark) = marks.get_mut(band.position) {
+                *mark = u128::from(nonnegative(now_us));
+            }
+        }
     }
 }
 
