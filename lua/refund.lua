@@ -25,11 +25,16 @@ end
 -- here took. Nothing goes back then. INFO gives the second the server started in (its
 -- clock's second less its uptime, both of one reading; TIME's where INFO has no clock): a
 -- decision made in that second may have come before the start, and counts as before it.
-local info = redis.call('INFO', 'server')
-local uptime = string.match(info, 'uptime_in_seconds:(%d+)')
-local clock = string.match(info, 'server_time_usec:(%d+)') or now
-if not uptime or ARGV[2] + 0 < (floor(clock / 1000000) - uptime + 1) * 1000000 then
-  fresh = false
+-- Where the start cannot be read (a user without INFO, which ACLs class as @dangerous; a
+-- server whose INFO has no uptime), the refund goes back as it would without the check:
+-- failing it, or giving nothing back, would lose every refund in normal operation.
+local info = redis.pcall('INFO', 'server')
+if type(info) == 'string' then
+  local uptime = string.match(info, 'uptime_in_seconds:(%d+)')
+  local clock = string.match(info, 'server_time_usec:(%d+)') or now
+  if uptime and ARGV[2] + 0 < (floor(clock / 1000000) - uptime + 1) * 1000000 then
+    fresh = false
+  end
 end
 for i = 1, bands do
   local key = KEYS[i]

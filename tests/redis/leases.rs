@@ -650,3 +650,44 @@ rule_sets:
         );
     }
 }
+
+/// A deployment whose Redis user may not run the `@dangerous` commands (`+@all
+/// -@dangerous`, a common hardening), of which `INFO` is one: the refund script cannot
+/// read when the server started, and gives back as it always did, rather than failing every
+/// refund (old behaviour: each lease's unspent permits stayed taken, and release failed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_user_without_info_still_gets_its_leases_back() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let server = redis.server();
+    let created = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "limited",
+        "on",
+        ">limited-password",
+        "~*",
+        "&*",
+        "+@all",
+        "-@dangerous",
+    ]);
+    assert_eq!(created.trim(), "OK");
+    let url = format!("redis://limited:limited-password@127.0.0.1:{}", server.port());
+    let instance = |rules| async {
+        let limiter = RedisLimiter::builder(url.clone())
+            .prefix("acl")
+            .deny_cache(false)
+            .timeout(Duration::from_secs(20))
+            .connect()
+            .await
+            .expect("the limited user connects");
+        Engine::builder(rules)
+            .limiter(limiter)
+            .build()
+            .expect("decides every rule")
+    };
+    let holder = instance(leased(10, 5, "1h")).await;
+    let other = instance(leased(10, 5, "1h")).await;
+    assert!(check(&holder).await.allowed(), "the holder takes a lease of 5: 4 held");
+    assert_eq!(holder.release_leases().await.expect("given back"), 4);
+    assert_eq!(drain(&other, 100).await, 9, "the 4 held came back to the bucket");
+}
