@@ -547,6 +547,7 @@ fn copy(error: &RedisError) -> RedisError {
             url: url.clone(),
             reason: reason.clone(),
         },
+        RedisError::Option { option, reason } => RedisError::Option { option, reason },
         RedisError::Interrupted => RedisError::Interrupted,
     }
 }

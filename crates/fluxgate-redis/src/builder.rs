@@ -46,6 +46,9 @@ impl RedisLimiterBuilder {
     }
 
     /// The deadline of one script call (including a reload after `NOSCRIPT`). Default 50 ms.
+    /// Zero is refused by [`connect`](Self::connect): no call would ever be answered in
+    /// time, and every decision would be left to the failure policy (which admits by
+    /// default).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -86,9 +89,17 @@ impl RedisLimiterBuilder {
     ///
     /// # Errors
     ///
-    /// [`RedisError::Url`] for a URL that cannot be used, [`RedisError::Connect`] when
-    /// Redis cannot be reached or the script not loaded.
+    /// [`RedisError::Option`] for a zero [`timeout`](Self::timeout), [`RedisError::Url`]
+    /// for a URL that cannot be used, [`RedisError::Connect`] when Redis cannot be reached
+    /// or the script not loaded.
     pub async fn connect(self) -> Result<RedisLimiter, RedisError> {
+        if self.timeout.is_zero() {
+            return Err(RedisError::Option {
+                option: "timeout",
+                reason: "the deadline is zero, so every decision would time out and be left to the \
+                         failure policy (no deadline is not an option: give one of at least 1ms)",
+            });
+        }
         let (mut builder, cluster) = connection::builder(&self.url, self.reconnect_delay)?;
         builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
         builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
@@ -97,5 +108,27 @@ impl RedisLimiterBuilder {
         let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster));
         scripts.load().await?;
         Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A zero deadline times every decision out, and the default failure policy admits
+    /// them all: the builder refuses it, naming the option, before it reaches for Redis
+    /// (nothing listens on the port).
+    #[tokio::test]
+    async fn a_zero_deadline_is_refused() {
+        let error = RedisLimiter::builder("redis://127.0.0.1:1")
+            .timeout(Duration::ZERO)
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(matches!(error, RedisError::Option { option: "timeout", .. }), "{error}");
+        assert!(
+            error.to_string().starts_with("redis limiter option `timeout`"),
+            "{error}"
+        );
     }
 }

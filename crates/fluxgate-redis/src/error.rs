@@ -14,6 +14,14 @@ pub enum RedisError {
         /// What is wrong.
         reason: String,
     },
+    /// An option of the builder cannot be used.
+    #[error("redis limiter option `{option}`: {reason}")]
+    Option {
+        /// The option.
+        option: &'static str,
+        /// What is wrong with its value.
+        reason: &'static str,
+    },
     /// Connecting or loading the script failed.
     #[error("cannot connect to redis: {0}")]
     Connect(#[source] fred::error::Error),

@@ -65,7 +65,7 @@ pub struct Config {
 pub struct LimiterConfig {
     /// The key prefix. Default `fluxgate`.
     pub prefix: Option<String>,
-    /// The deadline of one decision in Redis, in milliseconds. Default 50.
+    /// The deadline of one decision in Redis, in milliseconds, at least 1. Default 50.
     pub timeout_ms: Option<u64>,
     /// The number of connections. Default 4.
     pub pool_size: Option<usize>,
@@ -412,6 +412,8 @@ impl Config {
             Some("`[admin] token` must be at least 16 characters")
         } else if self.http.header_timeout_ms == Some(0) || self.http.body_timeout_ms == Some(0) {
             Some("`[http] header_timeout_ms` and `body_timeout_ms` must be at least 1")
+        } else if self.limiter.timeout_ms == Some(0) {
+            Some("`[limiter] timeout_ms` must be at least 1: with no time to answer, every decision would fail")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
         } else {
@@ -499,6 +501,17 @@ mod tests {
         );
         assert!(check_log_level("info,warn;").is_err());
         assert!(check_log_level("fluxgate=loud").is_err());
+    }
+
+    /// A zero Redis deadline would fail every decision (and each gateway's failure policy
+    /// would then decide, `fail_open` admitting everything): refused, naming the option.
+    #[test]
+    fn a_zero_redis_deadline_is_refused() {
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 0").unwrap();
+        let error = config.check().unwrap_err().to_string();
+        assert!(error.contains("`[limiter] timeout_ms` must be at least 1"), "{error}");
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 1").unwrap();
+        assert!(config.check().is_ok());
     }
 
     /// A config file that is no regular file, or too large, is refused before it is read
