@@ -4,6 +4,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::fmt;
 use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -227,10 +228,23 @@ impl Shard {
         };
         self.gcra.retain(|_, v| keep(v.permits_ahead(now)));
         self.windows.retain(|_, v| keep(v.permits_ahead(now)));
-        tracing::debug!(
-            dropped = total - self.len(),
-            "in-memory limiter at max_keys: evicted the buckets closest to full"
-        );
+        // Idle states were swept first: every state evicted still counted requests, and
+        // its clients start over with a full bucket. Once per process a warning, since a
+        // `max_keys` too small for the clients loosens every limit without another sign.
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        if WARNED.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                dropped = total - self.len(),
+                "in-memory limiter at max_keys: evicted the buckets closest to full"
+            );
+        } else {
+            tracing::warn!(
+                dropped = total - self.len(),
+                "in-memory limiter at max_keys: evicted buckets that still counted requests, whose clients \
+                 start over with full buckets (looser limits); raise `max_keys` if this is not a flood of \
+                 made-up keys; logged once, later evictions at debug level"
+            );
+        }
     }
 }
 
@@ -356,11 +370,17 @@ impl Hasher for PreHashed {
 
 const MIN_SWEEP: usize = 1024;
 
+/// The fewest buckets per shard that the default shard count leaves
+/// ([`MemoryLimiterBuilder::shards`]).
+const MIN_DEFAULT_PER_SHARD: usize = 256;
+
 /// Builds a [`MemoryLimiter`].
 #[derive(Debug, Clone)]
 pub struct MemoryLimiterBuilder {
     max_keys: usize,
     shards: usize,
+    /// Whether `shards` was set, rather than the default.
+    shards_set: bool,
     clock: Option<Arc<dyn Clock>>,
 }
 
@@ -370,6 +390,7 @@ impl Default for MemoryLimiterBuilder {
         Self {
             max_keys: 1_000_000,
             shards: (cores * 16).next_power_of_two().clamp(16, 1024),
+            shards_set: false,
             clock: None,
         }
     }
@@ -382,9 +403,15 @@ impl MemoryLimiterBuilder {
         self
     }
 
-    /// The number of shards, rounded up to a power of two. Default: 16 per core.
+    /// The number of shards, rounded up to a power of two. Default: 16 per core (16 to
+    /// 1024), but no more than leaves each shard 256 buckets of `max_keys` (at least one
+    /// shard).
+    ///
+    /// Each shard keeps `max_keys / shards` buckets: a shard that holds a single one
+    /// evicts it for any other key that lands there, which then starts over full.
     pub fn shards(mut self, shards: usize) -> Self {
         self.shards = shards.clamp(1, 1 << 16).next_power_of_two();
+        self.shards_set = true;
         self
     }
 
@@ -396,7 +423,14 @@ impl MemoryLimiterBuilder {
     }
 
     /// Builds the limiter.
-    pub fn build(self) -> MemoryLimiter {
+    pub fn build(mut self) -> MemoryLimiter {
+        if !self.shards_set {
+            // A small `max_keys` over the default shards (1,024 on a 64-core machine) would
+            // leave a bucket or two per shard, evicted by every other key of the shard.
+            let most = (self.max_keys / MIN_DEFAULT_PER_SHARD).max(1);
+            let most = 1 << most.ilog2();
+            self.shards = self.shards.min(most);
+        }
         let max_per_shard = self.max_keys.div_ceil(self.shards).max(1);
         let shards = (0..self.shards)
             .map(|_| {
@@ -1183,6 +1217,28 @@ mod tests {
         clock.advance(Duration::from_secs(2));
         assert!(limiter.purge_idle() > 0);
         assert_eq!(limiter.len(), 0);
+    }
+
+    /// A small `max_keys` does not leave the default shards (16 per core, 1,024 on a big
+    /// machine) a bucket or two each: a shard that holds one evicts it for any other key
+    /// landing there, and that client starts over full. 16 clients of a rule of 1 per hour,
+    /// within a `max_keys` of 32, are each admitted once, however many cores.
+    #[test]
+    fn a_small_max_keys_is_not_spread_over_shards_of_one_bucket() {
+        let shards = |limiter: &MemoryLimiter| limiter.inner.shards.len();
+        assert_eq!(shards(&MemoryLimiter::builder().max_keys(32).build()), 1);
+        assert_eq!(shards(&MemoryLimiter::builder().max_keys(1_000).build()), 2);
+        assert!(shards(&MemoryLimiter::builder().max_keys(100_000).build()) <= 256);
+        // A count that is set is kept.
+        assert_eq!(shards(&MemoryLimiter::builder().max_keys(32).shards(8).build()), 8);
+        let clock = ManualClock::new(1_000_000_000);
+        let limiter = MemoryLimiter::builder().max_keys(32).clock(clock).build();
+        let r = rule(1, 3_600);
+        let admitted = (0..10)
+            .flat_map(|_| 0..16)
+            .filter(|i| limiter.acquire_now(&request(&r, &format!("client{i}"))).allowed)
+            .count();
+        assert_eq!(admitted, 16, "buckets evicted and started over");
     }
 
     /// At `max_keys`, a flood of made-up keys does not evict an exhausted bucket, which
