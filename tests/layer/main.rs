@@ -580,6 +580,54 @@ async fn bad_layer_options_are_named() {
     assert!(err.to_string().contains("user_header"), "{err}");
 }
 
+/// Options that can only turn the limiter off are refused, naming the option and the value:
+/// an exclusion of every path (the layer would limit nothing), and a trusted proxy that is
+/// every address (every client would name its own address in `X-Forwarded-For`, a fresh
+/// per-IP counter with each request).
+#[tokio::test]
+async fn options_that_turn_the_limiter_off_are_refused() {
+    let engine = engine("rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]");
+    for every in ["/**", "/**/**", "//**/"] {
+        let err = RateLimitLayer::builder(engine.clone())
+            .exclude(["/health", every])
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Pattern { option: "exclude", .. })
+                && err.to_string().contains(&format!("`{every}` matches every path")),
+            "{err}"
+        );
+    }
+    for everything in ["0.0.0.0/0", "::/0", " 0.0.0.0 / 0 "] {
+        let err = RateLimitLayer::builder(engine.clone())
+            .trusted_proxies(["10.0.0.0/8", everything])
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::TrustedProxy { value, .. } if value == everything)
+                && err.to_string().contains("trusts every address"),
+            "{err}"
+        );
+    }
+    // What was refused would have let every request through: with `0.0.0.0/0` trusted, a
+    // client behind any peer picks its address, and its counter, with each request. A
+    // real network of proxies still keeps the client's own address.
+    let app = app(layer(engine).trusted_proxies(["10.0.0.0/8"]).build().unwrap());
+    let forged = |xff: &'static str| request("GET", "/api/users", "203.0.113.50", &[("x-forwarded-for", xff)]);
+    assert_eq!(send(&app, forged("198.51.100.1")).await.status, StatusCode::OK);
+    assert_eq!(
+        send(&app, forged("198.51.100.2")).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Patterns that match much but not everything stay allowed.
+    for pattern in ["/*", "/", "/api/**", "/**/*.css"] {
+        assert!(
+            layer(self::engine("rule_sets: []")).exclude([pattern]).build().is_ok(),
+            "{pattern}"
+        );
+    }
+}
+
 /// A plain tower service (no axum): counts its calls and fails on `/boom`.
 #[derive(Clone)]
 struct Plain {
@@ -1032,6 +1080,55 @@ async fn a_rule_set_chosen_from_the_request_must_exist() {
         tenant(&deny, "no-such-tenant").await.status,
         StatusCode::TOO_MANY_REQUESTS
     );
+}
+
+/// A layer whose rule set its engine does not have (a misspelt `rule_set`) admits every
+/// request: each layer warns once, on its first such request, even when the engine, shared
+/// with another layer, warned already; later requests add no warning.
+#[tokio::test]
+async fn a_layer_whose_rule_set_is_unknown_warns_once() {
+    use support::telemetry::trace_async;
+    use tracing::Level;
+    let engine = engine("rule_sets: [{id: api, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]");
+    let typo = app(layer(engine.clone()).rule_set("apii").build().unwrap());
+    let other = app(layer(engine.clone()).rule_set("admn").build().unwrap());
+    let warnings = |app: axum::Router| async move {
+        let (reply, trace) = trace_async(send_owned(app, request("GET", "/api/users", "192.0.2.7", &[]))).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        trace
+            .events_at_least(Level::WARN)
+            .iter()
+            .map(|e| e.message.clone())
+            .collect::<Vec<_>>()
+    };
+    let first = warnings(typo.clone()).await;
+    assert_eq!(first.len(), 2, "the engine's and the layer's: {first:?}");
+    assert!(
+        first
+            .iter()
+            .any(|m| m.contains("the layer's rule set is not one of the handler's")),
+        "{first:?}"
+    );
+    assert_eq!(warnings(typo.clone()).await, Vec::<String>::new());
+    // Admitted, and no rule counts it.
+    for _ in 0..3 {
+        let reply = send(&typo, request("GET", "/api/users", "192.0.2.7", &[])).await;
+        assert_eq!(
+            (reply.status, reply.header("x-ratelimit-limit")),
+            (StatusCode::OK, None)
+        );
+    }
+    // The engine warned once already; the second layer still says so, once.
+    let second = warnings(other.clone()).await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert!(
+        second[0].contains("the layer's rule set is not one of the handler's"),
+        "{second:?}"
+    );
+    assert_eq!(warnings(other).await, Vec::<String>::new());
+    // A layer whose rule set exists never says it.
+    let right = app(layer(engine).rule_set("api").build().unwrap());
+    assert_eq!(warnings(right).await, Vec::<String>::new());
 }
 
 async fn send_owned(app: axum::Router, req: Request<Body>) -> Reply {

@@ -377,6 +377,19 @@ impl FromStr for PathPattern {
 }
 
 impl PathPattern {
+    /// Whether the pattern matches every path, normalized or as routed: `/**` (and
+    /// `/**/**`, the same pattern).
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// assert!("/**".parse::<PathPattern>().unwrap().matches_every_path());
+    /// assert!(!"/*".parse::<PathPattern>().unwrap().matches_every_path());
+    /// assert!(!"/".parse::<PathPattern>().unwrap().matches_every_path());
+    /// ```
+    pub fn matches_every_path(&self) -> bool {
+        self.segments == [Segment::AnyDepth]
+    }
+
     /// The pattern as written.
     pub fn as_str(&self) -> &str {
         &self.source

@@ -49,6 +49,11 @@ impl IpNet {
     pub fn contains(&self, ip: IpAddr) -> bool {
         self.0.contains(&canonical(ip))
     }
+
+    /// Whether this is every address of its family (`0.0.0.0/0`, `::/0`).
+    pub(crate) fn is_everything(&self) -> bool {
+        self.0.prefix_len() == 0
+    }
 }
 
 impl fmt::Display for IpNet {

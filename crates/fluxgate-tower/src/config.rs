@@ -2,6 +2,7 @@
 //! sees it, its context, and what to do with the decision.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -40,6 +41,9 @@ pub(crate) struct Config {
     pub(crate) unavailable_status: http::StatusCode,
     pub(crate) customizer: Option<Arc<Customizer>>,
     pub(crate) rejection: Option<Arc<RejectionResponder>>,
+    /// Whether a request of the layer's own rule set admitted because the handler has no
+    /// such rule set was logged as a warning.
+    pub(crate) warned_unknown: AtomicBool,
 }
 
 impl fmt::Debug for Config {
@@ -137,10 +141,20 @@ impl Config {
     /// `own_rule_set` says whether the request's rule set is the layer's own
     /// ([`own_rule_set`](Self::own_rule_set)).
     pub(crate) fn verdict(&self, result: Result<Decision, Error>, own_rule_set: bool) -> Verdict {
-        #[cfg(not(feature = "metrics"))]
-        let _ = own_rule_set;
         match result {
             Ok(decision) if decision.allowed() => {
+                if own_rule_set
+                    && decision.outcome == Outcome::UnknownRuleSetAllowed
+                    && !self.warned_unknown.swap(true, Ordering::Relaxed)
+                {
+                    // Once per layer: the engine warns once for all its layers, and a
+                    // remote handler's service in its own log, not the gateway's.
+                    tracing::warn!(
+                        rule_set = %self.rule_set,
+                        "the layer's rule set is not one of the handler's: its requests are admitted \
+                         and no rule counts them (a misspelt `rule_set`, or UnknownRuleSet::Allow); logged once"
+                    );
+                }
                 if let Some(rule) = &decision.shadow_rejected_by {
                     tracing::debug!(rule_set = %decision.rule_set, rule = %rule, "shadow rule would reject");
                 }

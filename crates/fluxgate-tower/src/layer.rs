@@ -1,6 +1,7 @@
 //! [`RateLimitLayer`] and its configuration.
 
 use std::fmt;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -149,6 +150,9 @@ impl RateLimitLayer {
 
 impl RateLimitLayerBuilder {
     /// The rule set of every request, unless the customizer picks another. Default `default`.
+    /// An id the handler has no rule set for is admitted unlimited under the engine's
+    /// default [`UnknownRuleSet::Allow`](fluxgate_core::UnknownRuleSet::Allow); the layer
+    /// logs a warning at its first such request.
     pub fn rule_set(mut self, id: impl Into<Arc<str>>) -> Self {
         self.rule_set = Name::new(&id.into());
         self
@@ -156,7 +160,8 @@ impl RateLimitLayerBuilder {
 
     /// Proxies (addresses or CIDRs) whose forwarding header
     /// ([`forwarded_for_header`](Self::forwarded_for_header)) is believed. Default: none,
-    /// so no forwarding header is ever read.
+    /// so no forwarding header is ever read. Every address (`0.0.0.0/0`, `::/0`) is refused
+    /// by [`build`](Self::build): behind it every client would name its own address.
     pub fn trusted_proxies<I, S>(mut self, proxies: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -226,7 +231,8 @@ impl RateLimitLayerBuilder {
     }
 
     /// Never limits paths matching one of these Ant patterns (e.g. `/health`,
-    /// `/metrics/**`): they bypass the limiter entirely.
+    /// `/metrics/**`): they bypass the limiter entirely. A pattern of every path (`/**`) is
+    /// refused by [`build`](Self::build): the layer would limit nothing.
     pub fn exclude<I, S>(mut self, patterns: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -310,6 +316,16 @@ impl RateLimitLayerBuilder {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Behind a trusted peer the client is the nearest untrusted hop of the forwarding
+        // header; when every address is trusted there is none, and the client is whatever
+        // it wrote at the left end: a fresh per-IP counter with every request.
+        if let Some(everything) = self.trusted.iter().zip(&trusted).find(|(_, net)| net.is_everything()) {
+            return Err(ConfigError::TrustedProxy {
+                value: everything.0.clone(),
+                reason: "trusts every address, so that every client names its own address in the \
+                         forwarding header and per-IP rules count nothing; list the proxies' own addresses",
+            });
+        }
         let header = |option: &'static str, name: &str| {
             HeaderName::from_bytes(name.as_bytes()).map_err(|_| ConfigError::HeaderName {
                 option,
@@ -326,6 +342,16 @@ impl RateLimitLayerBuilder {
                 })
                 .collect::<Result<Vec<_>, _>>()
         };
+        let exclude = patterns("exclude", &self.exclude)?;
+        if let Some(every) = exclude.iter().find(|p| p.matches_every_path()) {
+            return Err(ConfigError::Pattern {
+                option: "exclude",
+                message: format!(
+                    "`{}` matches every path: the layer would limit no request (leave the layer out, or use `shadow(true)` to decide without refusing)",
+                    every.as_str()
+                ),
+            });
+        }
         if self.on_error == FailurePolicy::FallbackLocal {
             return Err(ConfigError::FailurePolicy {
                 policy: self.on_error,
@@ -353,7 +379,7 @@ impl RateLimitLayerBuilder {
                     .map(|n| header("api_key_header", n))
                     .transpose()?,
                 include: patterns("include", &self.include)?,
-                exclude: patterns("exclude", &self.exclude)?,
+                exclude,
                 legacy_headers: self.legacy_headers,
                 ietf_headers: self.ietf_headers,
                 shadow: self.shadow,
@@ -361,6 +387,7 @@ impl RateLimitLayerBuilder {
                 unavailable_status: self.unavailable_status,
                 customizer: self.customizer,
                 rejection: self.rejection,
+                warned_unknown: AtomicBool::new(false),
             }),
         })
     }
