@@ -43,6 +43,15 @@ pub const MAX_VALUE: usize = 1024;
 /// The most attributes accepted in one request.
 pub const MAX_ATTRIBUTES: usize = 64;
 
+/// The largest JSON body of one check the service accepts ([`CheckRequest::to_context`]):
+/// every field at its bound, every character of it escaped, is less. A service bounding
+/// its bodies lower (`[http] max_body_bytes`) would answer some checks a gateway sends with
+/// `413`, a failure of the service that a failure policy decides: it refuses such a bound.
+pub const MAX_CHECK_BYTES: usize = 1024 * 1024;
+
+/// What starts a digest sent for a value ([`CheckRequest::from_context`]).
+const DIGEST_PREFIX: &str = "~sha256:";
+
 /// The longest `maxWaitMs` accepted: a day.
 pub const MAX_WAIT_MS: u64 = 86_400_000;
 
@@ -373,8 +382,9 @@ impl CheckRequest {
     /// A user id, API key or attribute value longer than [`MAX_VALUE`] characters (a
     /// client's header can be much longer) is sent as `~sha256:` and the 64 hexadecimal
     /// digits of its SHA-256: the service counts it under that digest, one counter per
-    /// value as for any other, where it would refuse the value itself. Only someone who
-    /// knows the value can name its digest, and they could send the value.
+    /// value as for any other, where it would refuse the value itself. So is a value that
+    /// starts with `~sha256:` itself, however short: a client writing the digest of another
+    /// client's long value is counted apart from it, as by a local engine.
     pub fn from_context(ctx: &RequestContext) -> Self {
         Self {
             rule_set_id: Some(ctx.rule_set_id().to_owned()),
@@ -472,14 +482,14 @@ impl CheckRequest {
     }
 }
 
-/// `value`, or its digest when it is longer than the service accepts (see
-/// [`CheckRequest::from_context`]).
+/// `value`, or its digest when it is longer than the service accepts or could be taken for
+/// a digest (see [`CheckRequest::from_context`]): two values never give the same text.
 fn bounded(value: &str) -> String {
-    if value.chars().count() <= MAX_VALUE {
+    if !value.starts_with(DIGEST_PREFIX) && value.chars().count() <= MAX_VALUE {
         return value.to_owned();
     }
-    let mut out = String::with_capacity(8 + 64);
-    out.push_str("~sha256:");
+    let mut out = String::with_capacity(DIGEST_PREFIX.len() + 64);
+    out.push_str(DIGEST_PREFIX);
     crate::key::push_digest(&mut out, value, 32);
     out
 }
@@ -674,6 +684,34 @@ mod tests {
         assert_eq!(digest(&a).unwrap(), da, "the same value, the same digest");
         let within = "a".repeat(MAX_VALUE);
         assert_eq!(digest(&within).unwrap(), within);
+        // A value written as a digest is digested in turn: it never meets the long value's.
+        assert_ne!(digest(&da).unwrap(), da);
+        assert!(digest(&da).unwrap().starts_with("~sha256:"));
+        assert_eq!(digest("~sha256").unwrap(), "~sha256", "only the whole prefix");
+    }
+
+    /// A request with every field at its bound and every character escaped in JSON is
+    /// within [`MAX_CHECK_BYTES`], and is accepted.
+    #[test]
+    fn the_largest_check_is_within_the_body_bound() {
+        let value = "\u{1}".repeat(MAX_VALUE);
+        let mut request = CheckRequest {
+            rule_set_id: Some("r".repeat(64)),
+            client_ip: Some("ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255".to_owned()),
+            user_id: Some(value.clone()),
+            api_key: Some(value.clone()),
+            path: Some(format!("/{}", "\u{1}".repeat(MAX_PATH - 1))),
+            method: Some("M".repeat(32)),
+            permits: Some(1),
+            max_wait_ms: Some(MAX_WAIT_MS),
+            ..CheckRequest::default()
+        };
+        for i in 0..MAX_ATTRIBUTES {
+            request.attributes.insert(format!("{i:0>64}"), value.clone());
+        }
+        assert!(request.to_context().is_ok());
+        let body = serde_json::to_vec(&request).unwrap();
+        assert!(body.len() <= MAX_CHECK_BYTES, "{}", body.len());
     }
 
     #[test]

@@ -28,7 +28,9 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// The most requests in one batch.
     pub max_batch: usize,
-    /// The largest request body, in bytes.
+    /// The largest request body, in bytes; at least
+    /// [`MAX_CHECK_BYTES`](fluxgate_core::api::MAX_CHECK_BYTES) is taken, so that every
+    /// check a gateway sends is read.
     pub max_body_bytes: usize,
     /// Renders `/metrics`; `None` answers 404.
     pub metrics: Option<Arc<dyn Fn() -> String + Send + Sync>>,
@@ -49,7 +51,9 @@ impl std::fmt::Debug for AppState {
 
 /// The service's routes over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
-    let limit = state.max_body_bytes;
+    // Never below the largest check: a gateway's check answered 413 would be a failure of
+    // the service, which its failure policy decides (`fail_open` admits it uncounted).
+    let limit = state.max_body_bytes.max(fluxgate_core::api::MAX_CHECK_BYTES);
     Router::new()
         .route("/api/ratelimit/check", post(check))
         .route("/api/ratelimit/check/batch", post(check_batch))

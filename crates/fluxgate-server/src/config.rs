@@ -161,7 +161,8 @@ pub struct AdminConfig {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct HttpConfig {
-    /// The largest request body, in bytes; larger ones get 413. Default 1 MiB.
+    /// The largest request body, in bytes; larger ones get 413. Default and least 1 MiB
+    /// ([`MAX_CHECK_BYTES`](fluxgate_core::api::MAX_CHECK_BYTES)), the largest check.
     pub max_body_bytes: Option<usize>,
     /// The most requests in one batch. Default 1,000.
     pub max_batch: Option<usize>,
@@ -416,6 +417,14 @@ impl Config {
             Some("`[limiter] timeout_ms` must be at least 1: with no time to answer, every decision would fail")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
+        } else if self
+            .http
+            .max_body_bytes
+            .is_some_and(|bytes| bytes < fluxgate_core::api::MAX_CHECK_BYTES)
+        {
+            // A gateway's check of a long path would get 413: a failure of the service,
+            // which `fail_open` admits uncounted and which opens the gateway's circuit.
+            Some("`[http] max_body_bytes` must be at least 1048576 (1 MiB), the largest check a gateway sends")
         } else {
             None
         };

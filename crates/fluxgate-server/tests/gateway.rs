@@ -26,16 +26,29 @@ fn service() -> (SocketAddr, std::sync::mpsc::Sender<()>) {
 
 /// [`service`] deciding by `yaml`, its file named after `name`.
 fn service_with(name: &str, yaml: &str) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
+    service_configured(name, yaml, "")
+}
+
+/// [`service_with`], its config file holding `toml`.
+fn service_configured(name: &str, yaml: &str, toml: &str) -> (SocketAddr, std::sync::mpsc::Sender<()>) {
     let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let rules = dir.join("rules.yaml");
     std::fs::write(&rules, yaml).unwrap();
+    let config = dir.join("config.toml");
+    std::fs::write(&config, toml).unwrap();
     let (ready, address) = std::sync::mpsc::channel();
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Runtime::new().unwrap();
         runtime.block_on(async {
-            let config = Config::from_args(["--rules".to_owned(), rules.to_str().unwrap().to_owned()]).unwrap();
+            let config = Config::from_args([
+                "--config".to_owned(),
+                config.to_str().unwrap().to_owned(),
+                "--rules".to_owned(),
+                rules.to_str().unwrap().to_owned(),
+            ])
+            .unwrap();
             let service = Service::start(&config).await.unwrap();
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             ready.send(listener.local_addr().unwrap()).unwrap();
@@ -57,6 +70,21 @@ async fn gateway(service: SocketAddr, on_error: FailurePolicy) -> SocketAddr {
         .on_error(on_error)
         .build()
         .unwrap();
+    app(layer).await
+}
+
+/// The same app as [`gateway`]'s, its limits decided by a local engine on `yaml`.
+async fn local(yaml: &str, on_error: FailurePolicy) -> SocketAddr {
+    let engine = fluxgate_core::Engine::in_memory(fluxgate_core::RuleSets::from_yaml_str(yaml).unwrap());
+    let layer = RateLimitLayer::builder(CircuitBreaker::new(engine))
+        .on_error(on_error)
+        .build()
+        .unwrap();
+    app(layer).await
+}
+
+/// The app behind `layer`, served on loopback.
+async fn app(layer: RateLimitLayer) -> SocketAddr {
     let app = Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
         .layer(layer);
@@ -313,4 +341,93 @@ async fn a_json_error_from_something_else_than_the_service_follows_the_policy() 
         let head = get_head(closed, "/api/hello").await;
         assert!(head.starts_with("http/1.1 503"), "{status} {body}, fail closed: {head}");
     }
+}
+
+/// The status of each request, in order, each on a new connection.
+async fn statuses(addr: SocketAddr, requests: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for request in requests {
+        let head = exchange(addr, request.clone()).await;
+        out.push(head.get(9..12).unwrap_or(&head).to_owned());
+    }
+    out
+}
+
+const PER_USER: &str = "rule_sets: [{id: default, rules: [{id: per-user, match: {paths: [\"/api/**\"]}, \
+     scope: user, on_missing_key: skip, bands: [{capacity: 2, window: 1h}]}]}]";
+
+/// A user id longer than the service takes goes as its digest, `~sha256:…`; a client that
+/// sends that text itself is another user, as with a local engine: it neither spends the
+/// long id's permits nor shares its counter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_written_as_a_digest_shares_no_counter_with_the_long_value() {
+    let long = "u".repeat(5_000);
+    let digest = fluxgate_core::api::CheckRequest::from_context(
+        &fluxgate_core::RequestContext::builder().user_id(long.clone()).build(),
+    )
+    .user_id
+    .unwrap();
+    assert!(digest.starts_with("~sha256:"), "{digest}");
+    let as_user =
+        |user: &str| format!("GET /api/hello HTTP/1.1\r\nhost: t\r\nx-user-id: {user}\r\nconnection: close\r\n\r\n");
+    // The digest's writer twice, then the long id's owner twice: two users, two counters.
+    let requests = [as_user(&digest), as_user(&digest), as_user(&long), as_user(&long)];
+    let (service_addr, _stop_service) = service_with("digest", PER_USER);
+    let through_gateway = statuses(gateway(service_addr, FailurePolicy::FailOpen).await, &requests).await;
+    let locally = statuses(local(PER_USER, FailurePolicy::FailOpen).await, &requests).await;
+    assert_eq!(locally, ["200", "200", "200", "200"]);
+    assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
+}
+
+/// A service whose bodies are bounded lower than a check can be (`[http] max_body_bytes`)
+/// would answer a long path's check with 413: a failure of the service, which `fail_open`
+/// admits uncounted and which opens the circuit for every client. Such a bound is refused.
+#[test]
+fn a_body_bound_below_the_largest_check_is_refused() {
+    let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}-small-body", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let rules = dir.join("rules.yaml");
+    std::fs::write(&rules, PER_USER).unwrap();
+    let config = dir.join("config.toml");
+    let with = |bytes: usize| {
+        std::fs::write(&config, format!("[http]\nmax_body_bytes = {bytes}\n")).unwrap();
+        Config::from_args([
+            "--config".to_owned(),
+            config.to_str().unwrap().to_owned(),
+            "--rules".to_owned(),
+            rules.to_str().unwrap().to_owned(),
+        ])
+    };
+    let error = with(64 * 1024).unwrap_err().to_string();
+    assert!(error.contains("max_body_bytes"), "{error}");
+    assert!(with(fluxgate_core::api::MAX_CHECK_BYTES).is_ok());
+}
+
+/// The longest path a request can have, counted at the service as with a local engine:
+/// the check describing it is within any body bound the service accepts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_longest_paths_are_counted_as_by_a_local_engine() {
+    const PER_IP: &str = "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, \
+         bands: [{capacity: 2, window: 1h}]}]}]";
+    // `\` and `"` take two bytes each in JSON: the longest body a path makes.
+    let long = format!("/api/{}", "\\\"".repeat(32_700));
+    let request = format!("GET {long} HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n");
+    let hello = "GET /api/hello HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n".to_owned();
+    let requests = [
+        request.clone(),
+        request.clone(),
+        request.clone(),
+        request.clone(),
+        request,
+        hello,
+    ];
+    let (service_addr, _stop_service) = service_configured(
+        "long-path",
+        PER_IP,
+        &format!("[http]\nmax_body_bytes = {}\n", fluxgate_core::api::MAX_CHECK_BYTES),
+    );
+    let through_gateway = statuses(gateway(service_addr, FailurePolicy::FailOpen).await, &requests).await;
+    let locally = statuses(local(PER_IP, FailurePolicy::FailOpen).await, &requests).await;
+    assert_eq!(locally, ["404", "404", "429", "429", "429", "429"]);
+    assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
 }

@@ -5,7 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, ERROR_HEADER, MAX_WAIT_MS};
+use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, ERROR_HEADER, MAX_CHECK_BYTES, MAX_WAIT_MS};
 use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext, RuleError};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
@@ -263,6 +263,16 @@ impl RateLimitHandler for RemoteHandler {
             Ok(body) => body,
             Err(e) => return MaybeReady::ready(Err(Error::Backend(Box::new(RemoteError::Http(e.to_string()))))),
         };
+        if body.len() > MAX_CHECK_BYTES {
+            // Only a request the service would refuse is this large (a rule set id a
+            // customizer took from a header): refused here as there, rather than sent to
+            // be answered 413, a failure that a failure policy would admit.
+            let error = request.to_context().err().map_or_else(
+                || format!("the check is larger than {MAX_CHECK_BYTES} bytes"),
+                |e| e.to_string(),
+            );
+            return MaybeReady::ready(Err(Error::Refused(error)));
+        }
         let (client, check, timeout) = (self.client.clone(), self.check.clone(), self.timeout);
         MaybeReady::boxed(async move {
             let answer = match tokio::time::timeout(timeout, Self::ask(client, check, body)).await {
