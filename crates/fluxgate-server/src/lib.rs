@@ -216,7 +216,8 @@ impl Service {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> std::io::Result<()> {
         let app = router(self.state.clone());
-        let max_body_bytes = self.state.max_body_bytes;
+        // As `router` takes it: never below the largest check a gateway sends.
+        let max_body_bytes = self.state.max_body_bytes.max(fluxgate_core::api::MAX_CHECK_BYTES);
         let served = serve::serve(listener, app, max_body_bytes, self.timeouts, shutdown).await;
         match self.state.engine.release_leases().await {
             Ok(0) => {}
