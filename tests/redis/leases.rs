@@ -6,7 +6,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fluxgate::core::{Decision, Engine, ReloadingRuleSetProvider, RequestContext, RuleSets};
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
+use fluxgate::core::{
+    BoxError, Decision, Engine, MaybeReady, RateLimiter, ReloadingRuleSetProvider, RequestContext, RuleSets,
+};
 use fluxgate::redis::RedisLimiter;
 
 use crate::support::app::{app, get_from, layer, rules};
@@ -690,4 +693,139 @@ async fn a_redis_user_without_info_still_gets_its_leases_back() {
     assert!(check(&holder).await.allowed(), "the holder takes a lease of 5: 4 held");
     assert_eq!(holder.release_leases().await.expect("given back"), 4);
     assert_eq!(drain(&other, 100).await, 9, "the 4 held came back to the bucket");
+}
+
+/// The gate of a [`HeldBack`] limiter.
+#[derive(Debug, Default)]
+struct Gate {
+    /// Whether the next call is held back.
+    armed: std::sync::atomic::AtomicBool,
+    /// Told when the held call has been decided in Redis.
+    decided: tokio::sync::Notify,
+    /// Lets the held call answer.
+    go: tokio::sync::Notify,
+}
+
+/// A limiter that decides in Redis, but holds back the answer of the next call once its
+/// gate is armed, until the gate lets it go: the call is out, its permits counted in
+/// Redis, while the test does something else (a bucket reset).
+#[derive(Debug)]
+struct HeldBack {
+    redis: RedisLimiter,
+    gate: Arc<Gate>,
+}
+
+impl RateLimiter for HeldBack {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        let decided = self.redis.acquire(request);
+        if !self.gate.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            return decided;
+        }
+        let gate = self.gate.clone();
+        MaybeReady::boxed(async move {
+            let outcome = decided.await;
+            gate.decided.notify_one();
+            gate.go.notified().await;
+            outcome
+        })
+    }
+
+    fn validate(&self, set: &fluxgate::core::RuleSet) -> Result<(), fluxgate::core::RuleError> {
+        self.redis.validate(set)
+    }
+
+    fn gives_back(&self) -> bool {
+        true
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.redis.give_back(request, decided_unix_nanos)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.redis.give_back_place(request, at_unix_nanos, marks)
+    }
+}
+
+/// A lease call out while its rule set's buckets are reset (decided in Redis before the
+/// keys were deleted, answered after the provider's generation was raised) takes its
+/// permits from the deleted count: its lease is of the old generation and ends without
+/// going back, whether the engine releases its leases or the lease expires. Given back
+/// into the fresh count (old behaviour), it freed permits taken after the reset, and the
+/// window admitted more than its capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_by_a_call_out_at_a_reset_never_goes_back_into_the_fresh_count() {
+    let redis = Redis::start(Servers::standalone()).await;
+    for (ending, ttl) in [("released", "1h"), ("expired", "1s")] {
+        let prefix = format!("reset-in-flight-{ending}");
+        let rules = || {
+            rules(&format!(
+                r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: fixed_window
+        bands: [{{ capacity: 10, window: 1h }}]
+        lease: {{ max: 5, ttl: {ttl} }}
+"#
+            ))
+        };
+        let connect = || async {
+            RedisLimiter::builder(redis.url())
+                .prefix(prefix.as_str())
+                .deny_cache(false)
+                .timeout(Duration::from_secs(20))
+                .connect()
+                .await
+                .expect("connect to the test Redis")
+        };
+        let provider = Arc::new(ReloadingRuleSetProvider::new(rules()));
+        let gate = Arc::new(Gate::default());
+        let limiter = HeldBack {
+            redis: connect().await,
+            gate: gate.clone(),
+        };
+        let holder = Engine::builder(provider.clone())
+            .limiter(limiter)
+            .build()
+            .expect("the backend decides every rule");
+        let other = instance(&redis, &prefix, rules()).await;
+        // The holder's call takes 5 (1 and a lease of 4), and is held back after Redis
+        // counted them.
+        gate.armed.store(true, std::sync::atomic::Ordering::SeqCst);
+        let decided = gate.decided.notified();
+        let out = tokio::spawn({
+            let holder = holder.clone();
+            async move { check(&holder).await.allowed() }
+        });
+        decided.await;
+        // The reset, as the listener makes it: the provider's generation, then Redis's keys.
+        assert!(provider.reset_buckets("default"));
+        connect()
+            .await
+            .reset_buckets(fluxgate::redis::ResetScope::RuleSet("default"))
+            .await
+            .expect("reset");
+        gate.go.notify_one();
+        assert!(out.await.expect("the check ends"), "admitted before the reset");
+        // A full bucket after the reset: 10 in all.
+        let mut admitted = drain(&other, 100).await;
+        match ending {
+            "released" => {
+                holder.release_leases().await.expect("answered");
+            }
+            _ => tokio::time::sleep(Duration::from_millis(1_500)).await,
+        }
+        // Whatever the stale lease's give-back ran into, it has run by now.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        admitted += drain(&other, 100).await;
+        assert_eq!(admitted, 10, "{ending}: admitted after the reset, of a window of 10");
+    }
 }

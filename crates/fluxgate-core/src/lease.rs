@@ -58,6 +58,10 @@ struct Shared {
     wake: Arc<tokio::sync::Notify>,
     /// The number given to the next lease taken.
     next_id: AtomicU64,
+    /// The generation of each rule set's counters in force, or about to be
+    /// ([`LeaseWatch::rules_changed`]): a lease of another one is never kept, spent or given
+    /// back. A rule set not named here is taken as current.
+    generations: Mutex<HashMap<Name, u64>>,
 }
 
 #[derive(Default)]
@@ -172,6 +176,9 @@ impl LeaseWatch {
         let Some(shared) = self.0.upgrade() else {
             return;
         };
+        // First the generation, then the leases: a call out now stores no lease of the
+        // previous generation after this (`Shared::hold` reads it under its shard's lock).
+        lock(&shared.generations).insert(set.id().clone(), set.generation());
         drop(shared.take(|key, held| key.set == *set.id() && !held.is_of(set)));
         let stale = shared.take(|key, held| {
             key.set == *set.id()
@@ -317,6 +324,7 @@ impl Leases {
                 next_sweep: Mutex::new(None),
                 wake: Arc::default(),
                 next_id: AtomicU64::new(1),
+                generations: Mutex::default(),
             }),
         }
     }
@@ -353,6 +361,13 @@ impl Leases {
 impl Shared {
     fn shard(&self, key: &LeaseKey) -> &Mutex<Shard> {
         &self.shards[self.hasher.hash_one(key) as usize % SHARDS]
+    }
+
+    /// Whether `set` is of the generation of its counters in force (see `generations`).
+    fn is_current(&self, set: &RuleSet) -> bool {
+        lock(&self.generations)
+            .get(set.id())
+            .is_none_or(|&generation| generation == set.generation())
     }
 
     /// Plans every bucket of `request`; a request that must wait spends nothing. A request
@@ -410,6 +425,11 @@ impl Shared {
             None if room => most,
             None => 0,
             Some(held) if !held.is_of(bucket.rule_set) => {
+                if !self.is_current(bucket.rule_set) {
+                    // The request is of the generation before a reset (it took its rule set
+                    // before the swap): decided alone, the lease of the new one left alone.
+                    return Ok(Plan::Call { extra: 0 });
+                }
                 // Taken under another generation of the counters (a bucket reset between):
                 // ended, not given back (see `LeaseWatch::rules_changed`).
                 shard.held.remove(&key);
@@ -616,8 +636,14 @@ impl Shared {
         let key = LeaseKey::of(bucket);
         let expires = expiry(bucket.rule, lease, now, &reports);
         let mut shard = lock(self.shard(&key));
+        if !self.is_current(request.rule_set()) {
+            // A call out at a bucket reset: its permits were counted in the counters the
+            // reset deletes (or were counted afresh after it). Neither kept nor given back,
+            // they end with the old generation (see `LeaseWatch::rules_changed`).
+            return;
+        }
         if let Some(held) = shard.held.get_mut(&key) {
-            if held.is_for(bucket.rule) && Instant::now() < held.expires {
+            if held.is_for(bucket.rule) && held.is_of(request.rule_set()) && Instant::now() < held.expires {
                 // Added to the lease in force, which keeps its expiry: no permit is spent
                 // later than `ttl` after it was taken. A window that has ended has expired
                 // its lease, so a fixed window's permits never reach the next window. The
@@ -695,7 +721,8 @@ impl Shared {
         }
     }
 
-    /// Takes out the leases `which` names.
+    /// Takes out the leases `which` names; those of a generation no longer in force end
+    /// without going back (see [`LeaseWatch::rules_changed`]).
     fn take(&self, mut which: impl FnMut(&LeaseKey, &Held) -> bool) -> Vec<GiveBack> {
         let mut out = Vec::new();
         for shard in self.shards.iter() {
@@ -708,7 +735,9 @@ impl Shared {
                 .collect();
             for key in keys {
                 if let Some(held) = shard.held.remove(&key) {
-                    out.extend(held.into_give_back(key));
+                    if self.is_current(&held.set) {
+                        out.extend(held.into_give_back(key));
+                    }
                 }
             }
         }
