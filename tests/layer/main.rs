@@ -628,6 +628,54 @@ async fn options_that_turn_the_limiter_off_are_refused() {
     }
 }
 
+/// Trusted networks that together hold every address of a family trust every peer of
+/// it, as `0.0.0.0/0` alone does: refused, naming them. Networks that leave an address of
+/// each family out stay allowed.
+#[tokio::test]
+async fn trusted_networks_that_together_hold_every_address_are_refused() {
+    let engine = engine("rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]");
+    for (covering, named) in [
+        (
+            &["0.0.0.0/1", "10.0.0.0/8", "128.0.0.0/1"][..],
+            "0.0.0.0/1, 128.0.0.0/1",
+        ),
+        (
+            &["128.0.0.0/2", "0.0.0.0/1", "192.0.0.0/2"][..],
+            "128.0.0.0/2, 0.0.0.0/1, 192.0.0.0/2",
+        ),
+        // An address with host bits names its whole network.
+        (&["0.0.0.0/1", "128.0.0.1/1"][..], "0.0.0.0/1, 128.0.0.1/1"),
+        (&["::/1", "8000::/1"][..], "::/1, 8000::/1"),
+        (
+            &["::ffff:0.0.0.0/1", "128.0.0.0/1"][..],
+            "::ffff:0.0.0.0/1, 128.0.0.0/1",
+        ),
+    ] {
+        let err = RateLimitLayer::builder(engine.clone())
+            .trusted_proxies(covering.iter().copied())
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::TrustedProxy { value, .. } if value == named)
+                && err.to_string().contains("trust every address"),
+            "{covering:?}: {err}"
+        );
+    }
+    for partial in [
+        &["0.0.0.0/1", "128.0.0.0/2"][..],
+        &["0.0.0.0/1", "8000::/1"][..],
+        &["10.0.0.0/8", "192.168.0.0/16", "fd00::/8"][..],
+    ] {
+        assert!(
+            layer(engine.clone())
+                .trusted_proxies(partial.iter().copied())
+                .build()
+                .is_ok(),
+            "{partial:?}"
+        );
+    }
+}
+
 /// A plain tower service (no axum): counts its calls and fails on `/boom`.
 #[derive(Clone)]
 struct Plain {

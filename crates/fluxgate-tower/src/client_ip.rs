@@ -56,6 +56,46 @@ impl IpNet {
     }
 }
 
+/// The networks of `nets` that together hold every address of their family, IPv4 or IPv6
+/// (`0.0.0.0/1` and `128.0.0.0/1`, as `0.0.0.0/0` alone), by their positions in `nets`;
+/// `None` when each family has an address none of them holds.
+pub(crate) fn covering_every_address(nets: &[IpNet]) -> Option<Vec<usize>> {
+    // Each family's networks as ranges of 128-bit numbers (an IPv4 address in the low 32
+    // bits), merged in order of their first address.
+    let family = |v4: bool, last: u128| {
+        let mut ranges: Vec<(u128, u128, usize)> = nets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, net)| match net.0 {
+                ipnet::IpNet::V4(n) if v4 => Some((
+                    u128::from(u32::from(n.network())),
+                    u128::from(u32::from(n.broadcast())),
+                    i,
+                )),
+                ipnet::IpNet::V6(n) if !v4 => Some((u128::from(n.network()), u128::from(n.broadcast()), i)),
+                _ => None,
+            })
+            .collect();
+        ranges.sort_unstable();
+        let (mut next, mut used) = (0u128, Vec::new());
+        for (first, end, i) in ranges {
+            if first > next {
+                return None;
+            }
+            if end >= next {
+                used.push(i);
+                if end == last {
+                    used.sort_unstable();
+                    return Some(used);
+                }
+                next = end + 1;
+            }
+        }
+        None
+    };
+    family(true, u128::from(u32::MAX)).or_else(|| family(false, u128::MAX))
+}
+
 impl fmt::Display for IpNet {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.0, f)

@@ -160,8 +160,9 @@ impl RateLimitLayerBuilder {
 
     /// Proxies (addresses or CIDRs) whose forwarding header
     /// ([`forwarded_for_header`](Self::forwarded_for_header)) is believed. Default: none,
-    /// so no forwarding header is ever read. Every address (`0.0.0.0/0`, `::/0`) is refused
-    /// by [`build`](Self::build): behind it every client would name its own address.
+    /// so no forwarding header is ever read. Every address (`0.0.0.0/0`, `::/0`, or networks
+    /// that together hold every address of a family) is refused by [`build`](Self::build):
+    /// behind it every client would name its own address.
     pub fn trusted_proxies<I, S>(mut self, proxies: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -324,6 +325,19 @@ impl RateLimitLayerBuilder {
                 value: everything.0.clone(),
                 reason: "trusts every address, so that every client names its own address in the \
                          forwarding header and per-IP rules count nothing; list the proxies' own addresses",
+            });
+        }
+        // So do networks that together hold every address of a family.
+        if let Some(covering) = crate::client_ip::covering_every_address(&trusted) {
+            let value = covering
+                .iter()
+                .map(|&i| self.trusted[i].as_str())
+                .collect::<Vec<_>>()
+                .join(", ");
+            return Err(ConfigError::TrustedProxy {
+                value,
+                reason: "together trust every address of a family, so that every client names its own address in \
+                         the forwarding header and per-IP rules count nothing; list the proxies' own addresses",
             });
         }
         let header = |option: &'static str, name: &str| {
