@@ -628,6 +628,40 @@ async fn options_that_turn_the_limiter_off_are_refused() {
     }
 }
 
+/// Exclude patterns that between them match every path leave the layer limiting nothing,
+/// as `/**` alone does: refused, naming them. Patterns that leave paths out stay allowed.
+#[tokio::test]
+async fn exclude_patterns_that_together_match_every_path_are_refused() {
+    let engine = engine("rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]");
+    for every in [
+        &["/", "/*/**"][..],
+        &["/health", "/", "/**/*"][..],
+        &["/", "/*", "/?*/*/**"][..],
+    ] {
+        let err = RateLimitLayer::builder(engine.clone())
+            .exclude(every.iter().copied())
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(&err, ConfigError::Pattern { option: "exclude", .. })
+                && err.to_string().contains("together match every path"),
+            "{every:?}: {err}"
+        );
+    }
+    // What was refused lets every request through: `/` and `/*/**` leave no path limited.
+    for partial in [
+        &["/*/**"][..],
+        &["/", "/*"][..],
+        &["/", "/?/**"][..],
+        &["/", "/api/**", "/*/*/**"][..],
+    ] {
+        assert!(
+            layer(engine.clone()).exclude(partial.iter().copied()).build().is_ok(),
+            "{partial:?}"
+        );
+    }
+}
+
 /// Trusted networks that together hold every address of a family trust every peer of
 /// it, as `0.0.0.0/0` alone does: refused, naming them. Networks that leave an address of
 /// each family out stay allowed.

@@ -390,6 +390,53 @@ impl PathPattern {
         self.segments == [Segment::AnyDepth]
     }
 
+    /// Whether `patterns` together match every normalized path: one of them matches every
+    /// path ([`matches_every_path`](Self::matches_every_path)), or they match every number
+    /// of segments between them (`/` and `/*/**`, `/`, `/*` and `/**/*/*`). Only a pattern
+    /// of wildcards matches every path of a number of segments: a literal, or a glob that
+    /// a segment of one character of its own escapes, leaves paths out.
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// let all = |ps: &[&str]| PathPattern::together_match_every_path(&ps.iter().map(|p| p.parse().unwrap()).collect::<Vec<PathPattern>>());
+    /// assert!(all(&["/**"]));
+    /// assert!(all(&["/", "/*/**"]));
+    /// assert!(all(&["/", "/?*", "/**/*/*"]));
+    /// assert!(!all(&["/*/**"]));
+    /// assert!(!all(&["/", "/?/**"]));
+    /// ```
+    pub fn together_match_every_path(patterns: &[PathPattern]) -> bool {
+        // For each pattern of wildcards alone: the number of segments it takes, and
+        // whether it takes any number more (`**`).
+        let shapes: Vec<(usize, bool)> = patterns
+            .iter()
+            .filter_map(|pattern| {
+                let mut segments = 0;
+                let mut more = false;
+                for segment in &pattern.segments {
+                    match segment {
+                        Segment::AnyDepth => more = true,
+                        // Every segment of a normalized path (not empty): `*`s, and at most
+                        // one `?`.
+                        Segment::Glob(glob)
+                            if glob.contains(&'*')
+                                && glob.iter().all(|c| matches!(c, '*' | '?'))
+                                && glob.iter().filter(|&&c| c == '?').count() <= 1 =>
+                        {
+                            segments += 1;
+                        }
+                        _ => return None,
+                    }
+                }
+                Some((segments, more))
+            })
+            .collect();
+        let Some(from) = shapes.iter().filter(|(_, more)| *more).map(|(n, _)| *n).min() else {
+            return false;
+        };
+        (0..from).all(|n| shapes.contains(&(n, false)))
+    }
+
     /// The pattern as written.
     pub fn as_str(&self) -> &str {
         &self.source

@@ -232,8 +232,9 @@ impl RateLimitLayerBuilder {
     }
 
     /// Never limits paths matching one of these Ant patterns (e.g. `/health`,
-    /// `/metrics/**`): they bypass the limiter entirely. A pattern of every path (`/**`) is
-    /// refused by [`build`](Self::build): the layer would limit nothing.
+    /// `/metrics/**`): they bypass the limiter entirely. A pattern of every path (`/**`), or
+    /// patterns that together match every path (`/` and `/*/**`), are refused by
+    /// [`build`](Self::build): the layer would limit nothing.
     pub fn exclude<I, S>(mut self, patterns: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -363,6 +364,15 @@ impl RateLimitLayerBuilder {
                 message: format!(
                     "`{}` matches every path: the layer would limit no request (leave the layer out, or use `shadow(true)` to decide without refusing)",
                     every.as_str()
+                ),
+            });
+        }
+        if PathPattern::together_match_every_path(&exclude) {
+            return Err(ConfigError::Pattern {
+                option: "exclude",
+                message: format!(
+                    "`{}` together match every path: the layer would limit no request (leave the layer out, or use `shadow(true)` to decide without refusing)",
+                    self.exclude.join("`, `")
                 ),
             });
         }
