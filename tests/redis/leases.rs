@@ -829,3 +829,25 @@ rule_sets:
         assert_eq!(admitted, 10, "{ending}: admitted after the reset, of a window of 10");
     }
 }
+
+/// A reload after a bucket reset (a file poll, say) checks the new rule sets with the
+/// generation the provider gives them, the reset one: the engine's leases go on, each call
+/// taking a lease that its requests then spend. Checked as loaded (generation 0), the
+/// engine took the reset generation for an old one: every call took a whole lease and kept
+/// none of it, and a window of 10 with leases of 5 admitted 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_after_a_reset_keeps_the_leases_of_the_reset_generation() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let provider = Arc::new(ReloadingRuleSetProvider::new(leased(10, 5, "1h")));
+    let engine = instance(&redis, "reload-after-reset", provider.clone()).await;
+    assert!(provider.reset_buckets("default"));
+    // The same rules, read again: the provider keeps the reset generation.
+    provider.replace(leased(10, 5, "1h")).expect("the same rules");
+    assert_eq!(
+        provider.rule_sets().get("default").expect("loaded").generation(),
+        1
+    );
+    assert_eq!(drain(&engine, 100).await, 10, "every permit of the window spent");
+    // The leases held are the engine's own: released, they leave the bucket as it is.
+    assert_eq!(engine.release_leases().await.expect("answered"), 0);
+}

@@ -218,6 +218,17 @@ impl ReloadingRuleSetProvider {
             tracing::debug!("rule sets read before the ones in force: dropped");
             return Ok(ReloadReport::default());
         }
+        // The generation a reset gave each rule set first: the checks see the rule sets
+        // as they will be in force (an engine's leases keep to their generation, see
+        // `LeaseWatch::rules_changed`).
+        let mut loaded = RuleSets::default();
+        for set in new.iter() {
+            loaded.insert_shared(match update.generations.get(&**set.id()) {
+                Some(&generation) if generation != set.generation() => Arc::new(set.with_generation(generation)),
+                _ => set.clone(),
+            });
+        }
+        let new = loaded;
         if let Err(error) = self.check(&new) {
             return Err(self.failed(ReloadError::Refused(error)));
         }
@@ -225,11 +236,6 @@ impl ReloadingRuleSetProvider {
         let mut report = ReloadReport::default();
         let mut next = RuleSets::default();
         for set in new.iter() {
-            let set = match update.generations.get(&**set.id()) {
-                Some(&generation) if generation != set.generation() => Arc::new(set.with_generation(generation)),
-                _ => set.clone(),
-            };
-            let set = &set;
             match old.get(set.id()) {
                 Some(kept) if kept == set => next.insert_shared(kept.clone()),
                 Some(_) => {
