@@ -843,10 +843,7 @@ async fn a_reload_after_a_reset_keeps_the_leases_of_the_reset_generation() {
     assert!(provider.reset_buckets("default"));
     // The same rules, read again: the provider keeps the reset generation.
     provider.replace(leased(10, 5, "1h")).expect("the same rules");
-    assert_eq!(
-        provider.rule_sets().get("default").expect("loaded").generation(),
-        1
-    );
+    assert_eq!(provider.rule_sets().get("default").expect("loaded").generation(), 1);
     assert_eq!(drain(&engine, 100).await, 10, "every permit of the window spent");
     // The leases held are the engine's own: released, they leave the bucket as it is.
     assert_eq!(engine.release_leases().await.expect("answered"), 0);

@@ -46,7 +46,7 @@ pub const MAX_ATTRIBUTES: usize = 64;
 /// The largest JSON body of one check the service accepts ([`CheckRequest::to_context`]):
 /// every field at its bound, every character of it escaped, is less. A service bounding
 /// its bodies lower (`[http] max_body_bytes`) would answer some checks a gateway sends with
-/// `413`, a failure of the service that a failure policy decides: it refuses such a bound.
+/// `413`, a failure of the service that a failure policy decides: it raises such a bound.
 pub const MAX_CHECK_BYTES: usize = 1024 * 1024;
 
 /// What starts a digest sent for a value ([`CheckRequest::from_context`]).

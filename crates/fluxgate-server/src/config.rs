@@ -161,8 +161,9 @@ pub struct AdminConfig {
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct HttpConfig {
-    /// The largest request body, in bytes; larger ones get 413. Default and least 1 MiB
-    /// ([`MAX_CHECK_BYTES`](fluxgate_core::api::MAX_CHECK_BYTES)), the largest check.
+    /// The largest request body, in bytes; larger ones get 413. Default 1 MiB; a lower
+    /// value is raised to 1 MiB ([`MAX_CHECK_BYTES`](fluxgate_core::api::MAX_CHECK_BYTES)),
+    /// the largest check.
     pub max_body_bytes: Option<usize>,
     /// The most requests in one batch. Default 1,000.
     pub max_batch: Option<usize>,
@@ -417,14 +418,6 @@ impl Config {
             Some("`[limiter] timeout_ms` must be at least 1: with no time to answer, every decision would fail")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
-        } else if self
-            .http
-            .max_body_bytes
-            .is_some_and(|bytes| bytes < fluxgate_core::api::MAX_CHECK_BYTES)
-        {
-            // A gateway's check of a long path would get 413: a failure of the service,
-            // which `fail_open` admits uncounted and which opens the gateway's circuit.
-            Some("`[http] max_body_bytes` must be at least 1048576 (1 MiB), the largest check a gateway sends")
         } else {
             None
         };
@@ -443,9 +436,17 @@ impl Config {
             .unwrap_or_else(|| DEFAULT_LISTEN.parse().expect("a valid default address"))
     }
 
-    /// The largest request body.
+    /// The largest request body: `[http] max_body_bytes`, but never below
+    /// [`MAX_CHECK_BYTES`](fluxgate_core::api::MAX_CHECK_BYTES), the largest check a gateway
+    /// sends (a gateway's check of a long path answered 413 would be a failure of the
+    /// service, which `fail_open` admits uncounted and which opens the gateway's circuit).
+    /// A lower bound, which an earlier release took as it was, is raised (and
+    /// [`Service::start`](crate::Service::start) warns).
     pub fn max_body_bytes(&self) -> usize {
-        self.http.max_body_bytes.unwrap_or(1024 * 1024)
+        self.http
+            .max_body_bytes
+            .unwrap_or(1024 * 1024)
+            .max(fluxgate_core::api::MAX_CHECK_BYTES)
     }
 
     /// The most requests in one batch.

@@ -164,6 +164,17 @@ impl Service {
             }
             _ => (None, None, None),
         };
+        if let Some(bytes) = config
+            .http
+            .max_body_bytes
+            .filter(|&bytes| bytes < fluxgate_core::api::MAX_CHECK_BYTES)
+        {
+            tracing::warn!(
+                max_body_bytes = bytes,
+                taken = fluxgate_core::api::MAX_CHECK_BYTES,
+                "`[http] max_body_bytes` is below the largest check a gateway sends: raised to it"
+            );
+        }
         let state = AppState {
             engine,
             redis,

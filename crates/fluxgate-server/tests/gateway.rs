@@ -379,11 +379,13 @@ async fn a_value_written_as_a_digest_shares_no_counter_with_the_long_value() {
     assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
 }
 
-/// A service whose bodies are bounded lower than a check can be (`[http] max_body_bytes`)
-/// would answer a long path's check with 413: a failure of the service, which `fail_open`
-/// admits uncounted and which opens the circuit for every client. Such a bound is refused.
+/// A service whose bodies are bounded lower than a check can be (`[http] max_body_bytes`,
+/// a bound that a service of an earlier release started with) would answer a long path's
+/// check with 413: a failure of the service, which `fail_open` admits uncounted and which
+/// opens the circuit for every client. Such a bound still starts the service, raised to
+/// the largest check.
 #[test]
-fn a_body_bound_below_the_largest_check_is_refused() {
+fn a_body_bound_below_the_largest_check_is_raised() {
     let dir = std::env::temp_dir().join(format!("fluxgate-gateway-{}-small-body", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let rules = dir.join("rules.yaml");
@@ -398,13 +400,15 @@ fn a_body_bound_below_the_largest_check_is_refused() {
             rules.to_str().unwrap().to_owned(),
         ])
     };
-    let error = with(64 * 1024).unwrap_err().to_string();
-    assert!(error.contains("max_body_bytes"), "{error}");
-    assert!(with(fluxgate_core::api::MAX_CHECK_BYTES).is_ok());
+    let small = with(64 * 1024).expect("an earlier release's bound still starts the service");
+    assert_eq!(small.max_body_bytes(), fluxgate_core::api::MAX_CHECK_BYTES);
+    let large = with(4 * fluxgate_core::api::MAX_CHECK_BYTES).unwrap();
+    assert_eq!(large.max_body_bytes(), 4 * fluxgate_core::api::MAX_CHECK_BYTES);
 }
 
 /// The longest path a request can have, counted at the service as with a local engine:
-/// the check describing it is within any body bound the service accepts.
+/// the check describing it is within the body bound the service takes, even where
+/// `[http] max_body_bytes` is set lower (an earlier release's 64 KiB).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_longest_paths_are_counted_as_by_a_local_engine() {
     const PER_IP: &str = "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, \
@@ -424,7 +428,7 @@ async fn the_longest_paths_are_counted_as_by_a_local_engine() {
     let (service_addr, _stop_service) = service_configured(
         "long-path",
         PER_IP,
-        &format!("[http]\nmax_body_bytes = {}\n", fluxgate_core::api::MAX_CHECK_BYTES),
+        &format!("[http]\nmax_body_bytes = {}\n", 64 * 1024),
     );
     let through_gateway = statuses(gateway(service_addr, FailurePolicy::FailOpen).await, &requests).await;
     let locally = statuses(local(PER_IP, FailurePolicy::FailOpen).await, &requests).await;
