@@ -2,6 +2,19 @@
 //! whose rules hash to different slots (one concurrent script call per slot, refunds when
 //! a slot rejects).
 
+/// Per-IP 2 and per-user 100 per hour: two rules whose keys land in different slots.
+const IP_AND_USER: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        priority: 1
+        bands: [{ capacity: 2, window: 1h }]
+      - id: per-user
+        scope: user
+        bands: [{ capacity: 100, window: 1h }]
+"#;
+
 /// The scenarios on the cluster that these tests share, one test each, each with its own
 /// client and key prefixes.
 mod scenarios {
@@ -36,20 +49,7 @@ mod cross_slot {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_rejecting_slot_refunds_the_others() {
         let redis = Redis::start(Servers::cluster()).await;
-        let engine = engine(
-            &redis,
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        priority: 1
-        bands: [{ capacity: 2, window: 1h }]
-      - id: per-user
-        scope: user
-        bands: [{ capacity: 100, window: 1h }]
-"#,
-        );
+        let engine = engine(&redis, super::IP_AND_USER);
         let ctx = RequestContext::builder()
             .client_ip("192.0.2.44".parse().unwrap())
             .user_id("alice")
@@ -498,22 +498,10 @@ rule_sets:
             .connect()
             .await
             .expect("the test cluster takes connections");
-        let engine = Engine::builder(rules(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        priority: 1
-        bands: [{ capacity: 2, window: 1h }]
-      - id: per-user
-        scope: user
-        bands: [{ capacity: 100, window: 1h }]
-"#,
-        ))
-        .limiter(limiter)
-        .build()
-        .expect("Redis decides both rules");
+        let engine = Engine::builder(rules(super::IP_AND_USER))
+            .limiter(limiter)
+            .build()
+            .expect("Redis decides both rules");
         let at = |ip: &str| {
             RequestContext::builder()
                 .client_ip(ip.parse().expect("an address"))

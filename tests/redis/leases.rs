@@ -23,6 +23,11 @@ fn leased(capacity: u64, max: u64, ttl: &str) -> RuleSets {
 /// A global rule of `capacity` per `window` whose instances lease up to `max` permits for
 /// `ttl`.
 fn leased_per(capacity: u64, window: &str, max: u64, ttl: &str) -> RuleSets {
+    leased_as("token_bucket", capacity, window, max, ttl)
+}
+
+/// [`leased_per`] with another algorithm.
+fn leased_as(algorithm: &str, capacity: u64, window: &str, max: u64, ttl: &str) -> RuleSets {
     rules(&format!(
         r#"
 rule_sets:
@@ -30,6 +35,7 @@ rule_sets:
     rules:
       - id: global
         scope: global
+        algorithm: {algorithm}
         bands: [{{ capacity: {capacity}, window: {window} }}]
         lease: {{ max: {max}, ttl: {ttl} }}
 "#
@@ -485,20 +491,7 @@ async fn a_reset_ends_the_leases_without_giving_them_back() {
     let redis = Redis::start(Servers::standalone()).await;
     for algorithm in ["fixed_window", "sliding_window_counter"] {
         let prefix = format!("reset-{algorithm}");
-        let rules = || {
-            rules(&format!(
-                r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        algorithm: {algorithm}
-        bands: [{{ capacity: 10, window: 1h }}]
-        lease: {{ max: 5, ttl: 1h }}
-"#
-            ))
-        };
+        let rules = || leased_as(algorithm, 10, "1h", 5, "1h");
         let provider = Arc::new(ReloadingRuleSetProvider::new(rules()));
         let holder = instance(&redis, &prefix, provider.clone()).await;
         let other = instance(&redis, &prefix, rules()).await;
@@ -622,20 +615,7 @@ async fn a_lease_taken_before_redis_restarted_gives_nothing_back_into_the_fresh_
     let mut redis = Redis::start(Servers::standalone()).await;
     for algorithm in ["fixed_window", "sliding_window_counter"] {
         let prefix = format!("restart-{algorithm}");
-        let rules = || {
-            rules(&format!(
-                r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        algorithm: {algorithm}
-        bands: [{{ capacity: 10, window: 1h }}]
-        lease: {{ max: 5, ttl: 1h }}
-"#
-            ))
-        };
+        let rules = || leased_as(algorithm, 10, "1h", 5, "1h");
         let holder = instance(&redis, &prefix, rules()).await;
         let other = instance(&redis, &prefix, rules()).await;
         assert!(check(&holder).await.allowed(), "the holder takes a lease of 5: 4 held");
@@ -763,20 +743,7 @@ async fn a_lease_taken_by_a_call_out_at_a_reset_never_goes_back_into_the_fresh_c
     let redis = Redis::start(Servers::standalone()).await;
     for (ending, ttl) in [("released", "1h"), ("expired", "1s")] {
         let prefix = format!("reset-in-flight-{ending}");
-        let rules = || {
-            rules(&format!(
-                r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        algorithm: fixed_window
-        bands: [{{ capacity: 10, window: 1h }}]
-        lease: {{ max: 5, ttl: {ttl} }}
-"#
-            ))
-        };
+        let rules = || leased_as("fixed_window", 10, "1h", 5, ttl);
         let connect = || async {
             RedisLimiter::builder(redis.url())
                 .prefix(prefix.as_str())

@@ -1241,6 +1241,42 @@ mod tests {
         assert_eq!(admitted, 16, "buckets evicted and started over");
     }
 
+    /// A rule of one band of `cap` per `secs` seconds, by `algorithm`.
+    fn one_band(algorithm: crate::rule::Algorithm, cap: u64, secs: u64) -> Rule {
+        let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
+        spec.algorithm = algorithm;
+        Rule::from_spec("s", spec).unwrap()
+    }
+
+    /// Exhausts the `victim`'s bucket in a shard of at most 1,000 keys, floods the shard with
+    /// 5,000 keys of `flood` a microsecond apart (each ranks differently by time), and
+    /// asserts that the victim's bucket was not evicted: it still refuses.
+    fn assert_a_flood_keeps_the_exhausted_bucket(victim: &Rule, flood: &Rule) {
+        let clock = ManualClock::new(1_000_000_000);
+        let limiter = MemoryLimiter::builder()
+            .shards(1)
+            .max_keys(1_000)
+            .clock(clock.clone())
+            .build();
+        let capacity = victim.bands()[0].capacity();
+        for _ in 0..capacity {
+            assert!(limiter.acquire_now(&request(victim, "victim")).allowed);
+        }
+        assert!(!limiter.acquire_now(&request(victim, "victim")).allowed);
+        for i in 0..5_000 {
+            clock.advance(Duration::from_micros(1));
+            assert!(limiter.acquire_now(&request(flood, &format!("k{i}"))).allowed);
+        }
+        assert!(limiter.len() <= 1_000, "{}", limiter.len());
+        assert!(
+            !limiter.acquire_now(&request(victim, "victim")).allowed,
+            "{:?} {capacity} per {:?} flooded by {:?}: the exhausted bucket was evicted and came back full",
+            victim.algorithm(),
+            victim.bands()[0].window(),
+            flood.algorithm()
+        );
+    }
+
     /// At `max_keys`, a flood of made-up keys does not evict an exhausted bucket, which
     /// would come back full: eviction drops the buckets that still count the fewest
     /// permits, whatever their windows. A flood of buckets under a long window, each
@@ -1249,41 +1285,14 @@ mod tests {
     #[test]
     fn a_flood_of_made_up_keys_does_not_evict_an_exhausted_bucket() {
         use crate::rule::Algorithm::{FixedWindow, TokenBucket};
-        let of = |algorithm, cap: u64, secs: u64| {
-            let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
-            spec.algorithm = algorithm;
-            Rule::from_spec("s", spec).unwrap()
-        };
         // The victim's rule, then the flood's.
         for (victim, flood) in [
-            (of(TokenBucket, 5, 60), of(TokenBucket, 1000, 86_400)),
-            (of(TokenBucket, 20, 86_400), of(TokenBucket, 1, 60)),
-            (of(FixedWindow, 5, 60), of(FixedWindow, 1000, 86_400)),
-            (of(FixedWindow, 20, 86_400), of(FixedWindow, 1, 60)),
+            (one_band(TokenBucket, 5, 60), one_band(TokenBucket, 1000, 86_400)),
+            (one_band(TokenBucket, 20, 86_400), one_band(TokenBucket, 1, 60)),
+            (one_band(FixedWindow, 5, 60), one_band(FixedWindow, 1000, 86_400)),
+            (one_band(FixedWindow, 20, 86_400), one_band(FixedWindow, 1, 60)),
         ] {
-            let clock = ManualClock::new(1_000_000_000);
-            let limiter = MemoryLimiter::builder()
-                .shards(1)
-                .max_keys(1_000)
-                .clock(clock.clone())
-                .build();
-            let capacity = victim.bands()[0].capacity();
-            for _ in 0..capacity {
-                assert!(limiter.acquire_now(&request(&victim, "victim")).allowed);
-            }
-            assert!(!limiter.acquire_now(&request(&victim, "victim")).allowed);
-            // A microsecond apart, each key of the flood ranks differently by time.
-            for i in 0..5_000 {
-                clock.advance(Duration::from_micros(1));
-                assert!(limiter.acquire_now(&request(&flood, &format!("k{i}"))).allowed);
-            }
-            assert!(limiter.len() <= 1_000, "{}", limiter.len());
-            assert!(
-                !limiter.acquire_now(&request(&victim, "victim")).allowed,
-                "{:?} {capacity} per {:?}: the exhausted bucket was evicted and came back full",
-                victim.algorithm(),
-                victim.bands()[0].window()
-            );
+            assert_a_flood_keeps_the_exhausted_bucket(&victim, &flood);
         }
     }
 
@@ -1293,37 +1302,12 @@ mod tests {
     #[test]
     fn a_flood_of_another_algorithm_does_not_evict_an_exhausted_bucket() {
         use crate::rule::Algorithm::{FixedWindow, SlidingWindowLog, TokenBucket};
-        let of = |algorithm, cap: u64, secs: u64| {
-            let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
-            spec.algorithm = algorithm;
-            Rule::from_spec("s", spec).unwrap()
-        };
         for (victim, flood) in [
-            (of(TokenBucket, 5, 60), of(FixedWindow, 1000, 86_400)),
-            (of(FixedWindow, 5, 60), of(TokenBucket, 1000, 86_400)),
-            (of(SlidingWindowLog, 5, 60), of(TokenBucket, 1000, 86_400)),
+            (one_band(TokenBucket, 5, 60), one_band(FixedWindow, 1000, 86_400)),
+            (one_band(FixedWindow, 5, 60), one_band(TokenBucket, 1000, 86_400)),
+            (one_band(SlidingWindowLog, 5, 60), one_band(TokenBucket, 1000, 86_400)),
         ] {
-            let clock = ManualClock::new(1_000_000_000);
-            let limiter = MemoryLimiter::builder()
-                .shards(1)
-                .max_keys(1_000)
-                .clock(clock.clone())
-                .build();
-            for _ in 0..5 {
-                assert!(limiter.acquire_now(&request(&victim, "victim")).allowed);
-            }
-            assert!(!limiter.acquire_now(&request(&victim, "victim")).allowed);
-            for i in 0..5_000 {
-                clock.advance(Duration::from_micros(1));
-                assert!(limiter.acquire_now(&request(&flood, &format!("k{i}"))).allowed);
-            }
-            assert!(limiter.len() <= 1_000, "{}", limiter.len());
-            assert!(
-                !limiter.acquire_now(&request(&victim, "victim")).allowed,
-                "{:?} flooded by {:?}: the exhausted bucket was evicted and came back full",
-                victim.algorithm(),
-                flood.algorithm()
-            );
+            assert_a_flood_keeps_the_exhausted_bucket(&victim, &flood);
         }
     }
 
