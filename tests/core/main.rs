@@ -20,5 +20,6 @@ mod mongodb;
 mod reload;
 mod rule_files;
 mod spans;
+mod typed_keys;
 mod wait;
 mod watch;

@@ -65,6 +65,8 @@ struct Inner {
     limiter: Arc<dyn RateLimiter>,
     fallback: Fallback,
     resolver: KeyResolver,
+    /// Whether the keys are written as text: for a limiter that reads them, or leases.
+    key_text: bool,
     unknown_rule_set: UnknownRuleSet,
     recorder: Option<Arc<dyn RateLimitMetricsRecorder>>,
     /// The local leases of rules with a `lease`, with a limiter that gives back and is not
@@ -206,14 +208,16 @@ impl EngineBuilder {
     }
 
     fn assemble(self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
+        let limiter = self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default()));
         Engine {
             inner: Arc::new(Inner {
                 provider: self.provider,
+                key_text: limiter.reads_key_text() || leases.is_some(),
                 leases,
                 waiters: Waiters::new(self.wait),
                 default_wait: self.wait,
                 warned_unknown: AtomicBool::new(false),
-                limiter: self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default())),
+                limiter,
                 fallback: Fallback {
                     default: self.on_failure,
                     limiter: self.fallback.unwrap_or_default(),
@@ -381,8 +385,11 @@ impl Engine {
                 }
                 // The key value is written where the request keeps it.
                 let mut resolved = Resolved::Skip;
-                request.push_keyed(i, |rule, key| {
-                    resolved = self.inner.resolver.resolve_into(rule, ctx, key);
+                request.push_keyed(i, |rule, key, typed| {
+                    resolved = self
+                        .inner
+                        .resolver
+                        .resolve_into(rule, ctx, key, typed, self.inner.key_text);
                     resolved == Resolved::Key
                 });
                 if resolved == Resolved::Deny {

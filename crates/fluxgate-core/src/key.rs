@@ -42,6 +42,31 @@ pub(crate) enum Resolved {
     Deny,
 }
 
+/// A key value the in-memory limiter can tell apart without its text: the address and
+/// global keys the engine resolves. Keys with the same typed value have the same text
+/// (see [`KeyResolver`]), and the limiter hashes such a key from this value instead of
+/// its text, which the engine then does not write for it
+/// ([`RateLimiter::reads_key_text`](crate::limiter::RateLimiter::reads_key_text)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum TypedKey {
+    /// Known by its text only.
+    #[default]
+    Text,
+    /// `global`.
+    Global,
+    /// `ip=unknown`: a request without any known address.
+    NoIp,
+    /// `ip=<dotted decimal>`.
+    Ipv4(u32),
+    /// `ip=<address cut to the prefix>_<prefix>`: the address's bits after the cut are 0.
+    Ipv6 {
+        /// The address, cut to the prefix.
+        bits: u128,
+        /// The prefix length.
+        prefix: u8,
+    },
+}
+
 /// Resolves rule keys for requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyResolver {
@@ -86,7 +111,7 @@ impl KeyResolver {
     /// ```
     pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
         let mut out = Text::new();
-        match self.resolve_into(rule, ctx, &mut out) {
+        match self.resolve_into(rule, ctx, &mut out, &mut TypedKey::Text, true) {
             Resolved::Key => KeyResolution::Key(out),
             Resolved::Skip => KeyResolution::Skip,
             Resolved::Deny => KeyResolution::Deny,
@@ -94,16 +119,31 @@ impl KeyResolver {
     }
 
     /// [`resolve`](Self::resolve), writing the key value into `out` (empty), where the
-    /// request keeps it.
-    pub(crate) fn resolve_into(&self, rule: &Rule, ctx: &RequestContext, out: &mut Text) -> Resolved {
+    /// request keeps it, and its typed value into `typed` (left as [`TypedKey::Text`] for a
+    /// key known only by its text). With `text` false, a key with a typed value is not
+    /// written into `out`, which stays empty.
+    pub(crate) fn resolve_into(
+        &self,
+        rule: &Rule,
+        ctx: &RequestContext,
+        out: &mut Text,
+        typed: &mut TypedKey,
+        text: bool,
+    ) -> Resolved {
         let complete = match rule.scope() {
             Scope::Global => {
-                out.push_str("global");
+                *typed = TypedKey::Global;
+                if text {
+                    out.push_str("global");
+                }
                 true
             }
             Scope::Ip => {
                 // A request without any known address is counted as one unknown client.
-                self.push_ip(out, ctx.client_ip());
+                *typed = self.typed_ip(ctx.client_ip());
+                if text {
+                    self.push_ip(out, ctx.client_ip());
+                }
                 true
             }
             Scope::User => push_opt(out, "user", ctx.user_id()),
@@ -137,11 +177,26 @@ impl KeyResolver {
         match rule.on_missing_key() {
             OnMissingKey::FallbackIp => {
                 out.clear();
-                self.push_ip(out, ctx.client_ip());
+                *typed = self.typed_ip(ctx.client_ip());
+                if text {
+                    self.push_ip(out, ctx.client_ip());
+                }
                 Resolved::Key
             }
             OnMissingKey::Skip => Resolved::Skip,
             OnMissingKey::Deny => Resolved::Deny,
+        }
+    }
+
+    /// The typed value of the key `push_ip` writes.
+    fn typed_ip(&self, ip: Option<IpAddr>) -> TypedKey {
+        match ip.map(|ip| self.mask(ip)) {
+            Some(IpAddr::V4(v4)) => TypedKey::Ipv4(u32::from(v4)),
+            Some(IpAddr::V6(v6)) => TypedKey::Ipv6 {
+                bits: u128::from(v6),
+                prefix: self.ipv6_prefix,
+            },
+            None => TypedKey::NoIp,
         }
     }
 

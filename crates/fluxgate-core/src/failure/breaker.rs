@@ -210,6 +210,10 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
         self.inner.is_local()
     }
 
+    fn reads_key_text(&self) -> bool {
+        self.inner.reads_key_text()
+    }
+
     fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
         self.inner.check_wait(set, rule, max_wait)
     }

@@ -22,6 +22,7 @@ use smallvec::SmallVec;
 use crate::decision::{BandReport, Bands};
 use crate::error::{BoxError, RuleError};
 use crate::future::MaybeReady;
+use crate::key::TypedKey;
 use crate::rule::{Algorithm, Band, Rule, RuleSet};
 
 /// The in-memory limiter: the embedded default backend.
@@ -66,7 +67,77 @@ struct Inner {
     clock: Arc<dyn Clock>,
     /// The key of the keyed hash of key values, random per limiter.
     hash_key: (u64, u64),
+    /// The hashes of typed key values.
+    typed: TypedHashes,
 }
+
+/// The hashes of key values known by their typed value ([`TypedKey`]), under a key of their
+/// own, random per limiter: the text of such a key is never hashed, and no typed value
+/// shares a hash with a text but by the chance of two random 128-bit values meeting.
+struct TypedHashes {
+    key: (u64, u64),
+    global: KeyHash,
+    no_ip: KeyHash,
+}
+
+/// The first byte of the message hashed for each typed value, so that none meets another.
+const TYPED_GLOBAL: u8 = 1;
+const TYPED_NO_IP: u8 = 2;
+const TYPED_IPV6: u8 = 3;
+
+impl TypedHashes {
+    fn new(key: (u64, u64)) -> Self {
+        let hash = |message: &[u8]| {
+            let (low, high) = siphash128::<1, 3>(key, message);
+            KeyHash { low, high }
+        };
+        Self {
+            global: hash(&[TYPED_GLOBAL]),
+            no_ip: hash(&[TYPED_NO_IP]),
+            key,
+        }
+    }
+
+    fn of(&self, typed: TypedKey) -> Option<KeyHash> {
+        Some(match typed {
+            TypedKey::Text => return None,
+            TypedKey::Global => self.global,
+            TypedKey::NoIp => self.no_ip,
+            TypedKey::Ipv4(address) => self.ipv4(address),
+            TypedKey::Ipv6 { bits, prefix } => {
+                let mut message = [0u8; 18];
+                message[0] = TYPED_IPV6;
+                message[1] = prefix;
+                message[2..].copy_from_slice(&bits.to_be_bytes());
+                let (low, high) = siphash128::<1, 3>(self.key, &message);
+                KeyHash { low, high }
+            }
+        })
+    }
+
+    /// An IPv4 address's hash: its low 32 bits a keyed bijection of the address, so that
+    /// two addresses never share a bucket (a band's identity keeps the low 57 bits of the
+    /// low half, see [`KeyHash::band`]), and the other 96 spread by the keyed multiply-fold.
+    #[inline]
+    fn ipv4(&self, address: u32) -> KeyHash {
+        let (k0, k1) = self.key;
+        // Each step is invertible on 32 bits: an xor, a multiplication by an odd number,
+        // xor-shifts.
+        let mut x = address ^ (k0 as u32);
+        x = x.wrapping_mul((k1 as u32) | 1);
+        x ^= x >> 16;
+        x = x.wrapping_mul(0x7feb_352d);
+        x ^= x >> 15;
+        let a = u64::from(address);
+        KeyHash {
+            low: u64::from(x) | (fold(a ^ k1, MIX_P0) << 32),
+            high: fold(a ^ k0, MIX_P1) ^ TYPED_V4_HIGH,
+        }
+    }
+}
+
+/// Mixed into the high half of every IPv4 address's hash.
+const TYPED_V4_HIGH: u64 = 0x5bd1_e995_0000_0004;
 
 type Map<V> = HashMap<u128, V, BuildHasherDefault<PreHashed>>;
 
@@ -324,7 +395,8 @@ fn siphash128<const C: usize, const D: usize>((k0, k1): (u64, u64), bytes: &[u8]
 }
 
 /// The hash of one key value (see [`MemoryLimiter::key_hash`]): SipHash-1-3 with a 128-bit
-/// output, keyed at random per limiter.
+/// output, keyed at random per limiter, or the hash of a typed value ([`TypedHashes`]).
+#[derive(Clone, Copy)]
 struct KeyHash {
     low: u64,
     high: u64,
@@ -449,6 +521,7 @@ impl MemoryLimiterBuilder {
                 clock: self.clock.unwrap_or_else(|| Arc::new(SystemClock::new())),
                 // Two random words, from std's randomly keyed SipHash.
                 hash_key: (RandomState::new().hash_one(0xf1u8), RandomState::new().hash_one(0xf2u8)),
+                typed: TypedHashes::new((RandomState::new().hash_one(0xf3u8), RandomState::new().hash_one(0xf4u8))),
             }),
         }
     }
@@ -554,7 +627,11 @@ impl MemoryLimiter {
     /// The hash of a bucket's key value, from which each of its bands' identities comes
     /// ([`KeyHash::band`]): the key's bytes are hashed once however many bands the rule
     /// has.
+    #[inline]
     fn key_hash(&self, b: &Bucket<'_>) -> KeyHash {
+        if let Some(hash) = self.inner.typed.of(b.typed) {
+            return hash;
+        }
         let (low, high) = siphash128::<1, 3>(self.inner.hash_key, b.key.as_bytes());
         KeyHash { low, high }
     }
@@ -1139,6 +1216,10 @@ impl RateLimiter for MemoryLimiter {
         true
     }
 
+    fn reads_key_text(&self) -> bool {
+        false
+    }
+
     fn check_wait(&self, _: &RuleSet, _: &Rule, _: Duration) -> Result<(), RuleError> {
         Ok(())
     }
@@ -1153,6 +1234,39 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// An IPv4 address's hash keeps its low 32 bits a bijection of the address, and a
+    /// band's identity keeps them: no two addresses share a bucket of a band. Typed values
+    /// of other kinds, and IPv6 prefixes, hash apart.
+    #[test]
+    fn typed_addresses_never_share_a_bucket() {
+        let typed = TypedHashes::new((0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210));
+        let band = Band::new(3, Duration::from_secs(1)).unwrap();
+        let mut seen = std::collections::HashSet::new();
+        // Neighbouring addresses, and ones spread over the whole space.
+        let addresses: std::collections::HashSet<u32> = (0..1u32 << 18)
+            .chain((0..1u32 << 18).map(|i| i.wrapping_mul(0x9e37_79b9)))
+            .collect();
+        for &address in &addresses {
+            let hash = typed.ipv4(address);
+            let identity = hash.band(&band);
+            assert_eq!(identity as u64 & (!0 >> 7), hash.low & (!0 >> 7));
+            seen.insert(identity as u32);
+        }
+        assert_eq!(seen.len(), addresses.len());
+        let v6 = |bits, prefix| typed.of(TypedKey::Ipv6 { bits, prefix }).unwrap().band(&band);
+        let others = [
+            typed.of(TypedKey::Global).unwrap().band(&band),
+            typed.of(TypedKey::NoIp).unwrap().band(&band),
+            v6(0x2001_0db8_0001 << 80, 48),
+            v6(0x2001_0db8_0001 << 80, 64),
+            v6(0x2001_0db8_0002 << 80, 64),
+            typed.ipv4(0).band(&band),
+        ];
+        let distinct: std::collections::HashSet<_> = others.iter().collect();
+        assert_eq!(distinct.len(), others.len());
+        assert!(typed.of(TypedKey::Text).is_none());
+    }
 
     /// SipHash-2-4-128 against the reference test vectors (key `00..0f`, message `00..`,
     /// from the SipHash reference implementation's `vectors.h`): the same code with one

@@ -204,6 +204,15 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
         false
     }
 
+    /// Whether this backend reads each bucket's key value as text ([`Bucket::key`]). The
+    /// default is `true`. The in-memory limiter answers `false`: it tells the engine's
+    /// address and global keys apart by their typed value, and the engine then leaves
+    /// their text empty. A wrapper that hands the requests to another backend answers as
+    /// that backend does.
+    fn reads_key_text(&self) -> bool {
+        true
+    }
+
     /// Checks that this backend lets the requests of `rule` (of `set`) wait for the refill
     /// up to `max_wait` ([`Bucket::max_wait`]): it then takes a request's place at the
     /// instant it will be admitted, in the same step as the decision, and says so in
@@ -300,6 +309,10 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn is_local(&self) -> bool {
         (**self).is_local()
+    }
+
+    fn reads_key_text(&self) -> bool {
+        (**self).reads_key_text()
     }
 
     fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {

@@ -8,6 +8,7 @@ use smallvec::SmallVec;
 
 use super::Wait;
 use crate::decision::BandReport;
+use crate::key::TypedKey;
 use crate::rule::{Band, Mode, Rule, RuleSet};
 use crate::text::Text;
 
@@ -55,6 +56,8 @@ pub struct AcquireRequest {
 struct Entry {
     rule: usize,
     key: Text,
+    /// The key's typed value, for the in-memory limiter (see [`TypedKey`]).
+    typed: TypedKey,
     /// What the bucket consumes: the rule's cost unless set otherwise.
     permits: u64,
     /// How long the request may wait for the bucket to admit it, in nanoseconds.
@@ -70,8 +73,12 @@ pub struct Bucket<'a> {
     pub rule_set: &'a RuleSet,
     /// The rule.
     pub rule: &'a Rule,
-    /// The encoded key value (see [`crate::key`]).
+    /// The encoded key value (see [`crate::key`]). Empty for the engine's address and
+    /// global keys when its limiter does not
+    /// [read key texts](super::RateLimiter::reads_key_text).
     pub key: &'a Text,
+    /// The key's typed value, which the in-memory limiter hashes instead of the text.
+    pub(crate) typed: TypedKey,
     /// What the request consumes from each band of the bucket: the rule's
     /// [`permits`](Rule::permits), unless the request was built with another count
     /// ([`AcquireRequest::push_permits`]; local leases take several requests' permits in
@@ -150,6 +157,7 @@ impl AcquireRequest {
         self.buckets.push(Entry {
             rule,
             key,
+            typed: TypedKey::Text,
             permits,
             max_wait_nanos: 0,
         });
@@ -170,12 +178,13 @@ impl AcquireRequest {
     }
 
     /// Adds the bucket of the rule at `rule`, its key value written in place by `key`
-    /// (given the rule and an empty text), unless `key` answers `false`.
+    /// (given the rule, an empty text and the typed value [`TypedKey::Text`]), unless `key`
+    /// answers `false`.
     ///
     /// # Panics
     ///
     /// When the rule set has no rule at `rule`.
-    pub(crate) fn push_keyed(&mut self, rule: usize, key: impl FnOnce(&Rule, &mut Text) -> bool) {
+    pub(crate) fn push_keyed(&mut self, rule: usize, key: impl FnOnce(&Rule, &mut Text, &mut TypedKey) -> bool) {
         let Some(found) = self.set.rules().get(rule) else {
             panic!(
                 "rule index {rule} out of range: rule set `{}` has {} rules",
@@ -186,11 +195,12 @@ impl AcquireRequest {
         self.buckets.push(Entry {
             rule,
             key: Text::new(),
+            typed: TypedKey::Text,
             permits: found.permits(),
             max_wait_nanos: 0,
         });
         let written = match self.buckets.last_mut() {
-            Some(entry) => key(found, &mut entry.key),
+            Some(entry) => key(found, &mut entry.key, &mut entry.typed),
             None => false,
         };
         if !written {
@@ -243,6 +253,7 @@ impl AcquireRequest {
                 rule_set: set,
                 rule: &set.rules()[e.rule],
                 key: &e.key,
+                typed: e.typed,
                 permits: e.permits,
                 max_wait_nanos: e.max_wait_nanos,
             })
@@ -255,6 +266,7 @@ impl AcquireRequest {
             // `push` checked the index.
             rule: &self.set.rules()[e.rule],
             key: &e.key,
+            typed: e.typed,
             permits: e.permits,
             max_wait_nanos: e.max_wait_nanos,
         }

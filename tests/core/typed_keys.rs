@@ -1,0 +1,122 @@
+//! The in-memory limiter keys the engine's address and global keys by their typed value,
+//! without their text: it must count every request under the same bucket as the key's text
+//! would.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
+use fluxgate_core::{BoxError, Engine, MaybeReady, MemoryLimiter, RequestContext, RuleSets, Text};
+
+/// A limiter that hands the in-memory limiter each request rebuilt from its buckets' key
+/// texts alone, so that it keys them by their text.
+#[derive(Debug, Default)]
+struct ByText(MemoryLimiter);
+
+impl RateLimiter for ByText {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        let set = request.rule_set().clone();
+        let mut by_text = AcquireRequest::new(set.clone());
+        for bucket in request.buckets() {
+            let rule = set
+                .rules()
+                .iter()
+                .position(|r| std::ptr::eq(r, bucket.rule))
+                .expect("the rule of one of its buckets");
+            assert!(!bucket.key.is_empty(), "a limiter that reads key texts gets them");
+            by_text.push_permits(rule, Text::from(bucket.key.as_str()), bucket.permits);
+        }
+        self.0.acquire(&by_text)
+    }
+}
+
+const RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 3, window: 1h }]
+      - id: per-user-else-ip
+        scope: user
+        on_missing_key: fallback_ip
+        bands: [{ capacity: 5, window: 1h }, { capacity: 4, window: 2h }]
+      - id: global
+        scope: global
+        bands: [{ capacity: 400, window: 1h }]
+"#;
+
+/// The clients: IPv4 addresses that differ in one octet, IPv6 addresses of one /64 and of
+/// neighbouring ones, an IPv4-mapped IPv6 address (the IPv4 client itself), and none.
+fn clients() -> Vec<Option<IpAddr>> {
+    let mut clients: Vec<Option<IpAddr>> = Vec::new();
+    for i in 0..24u8 {
+        clients.push(Some(IpAddr::from([10, 0, i % 4, i])));
+        clients.push(Some(
+            format!("2001:db8:0:{}::{}", i % 3, i).parse().expect("an address"),
+        ));
+    }
+    clients.push(Some("::ffff:10.0.1.5".parse().expect("an address")));
+    clients.push(None);
+    clients
+}
+
+#[test]
+fn typed_keys_count_every_request_under_its_texts_bucket() {
+    let rules = || RuleSets::from_yaml_str(RULES).unwrap();
+    let typed = Engine::in_memory(rules());
+    let by_text = Engine::builder(rules()).limiter(ByText::default()).build().unwrap();
+    let clients = clients();
+    let (mut admitted, mut refused) = (0, 0);
+    // Each client in turn, with and without a user, until every bucket is empty.
+    for round in 0..8 {
+        for (i, ip) in clients.iter().enumerate() {
+            let mut ctx = RequestContext::builder();
+            if let Some(ip) = ip {
+                ctx = ctx.client_ip(*ip);
+            }
+            if (i + round) % 3 == 0 {
+                ctx = ctx.user_id(format!("user-{}", i % 5));
+            }
+            let ctx = ctx.build();
+            let a = typed.check(&ctx).into_ready().unwrap().unwrap();
+            let b = by_text.check(&ctx).into_ready().unwrap().unwrap();
+            let figures = |d: &fluxgate_core::Decision| {
+                (
+                    d.allowed(),
+                    d.bands.iter().map(|b| (b.remaining, b.allowed)).collect::<Vec<_>>(),
+                )
+            };
+            assert_eq!(figures(&a), figures(&b), "round {round}, client {ip:?}");
+            if a.allowed() {
+                admitted += 1;
+            } else {
+                refused += 1;
+            }
+        }
+    }
+    // Both kinds of decision were compared.
+    assert!(admitted > 50 && refused > 50, "{admitted} admitted, {refused} refused");
+}
+
+#[test]
+fn typed_keys_of_two_engines_sharing_a_limiter_are_apart_by_their_ipv6_prefix() {
+    let limiter = Arc::new(MemoryLimiter::default());
+    let rules = || RuleSets::from_yaml_str(RULES).unwrap();
+    let engine = |bits| {
+        Engine::builder(rules())
+            .shared_limiter(limiter.clone())
+            .ipv6_prefix(bits)
+            .build()
+            .unwrap()
+    };
+    let (by_48, by_64) = (engine(48), engine(64));
+    // An address whose bits past the 48th are zero: cut to either prefix it reads alike,
+    // but the keys' texts differ (`_48`, `_64`), and so do the buckets.
+    let ctx = RequestContext::builder()
+        .client_ip("2001:db8:1::".parse().unwrap())
+        .build();
+    let per_ip = |e: &Engine| e.check(&ctx).into_ready().unwrap().unwrap().bands[0].remaining;
+    assert_eq!(per_ip(&by_48), 2);
+    assert_eq!(per_ip(&by_64), 2);
+    assert_eq!(per_ip(&by_48), 1);
+}
