@@ -194,11 +194,23 @@ pub fn paths(data: &[u8]) {
     let normalized = normalize_path(raw);
     let normal_segments: Vec<&str> = normalized.split('/').filter(|s| !s.is_empty()).collect();
     let by_route = reference_matches(&pat, &routed);
+    // A pattern ignores its trailing `/`, so the routed view is also matched without the
+    // request's: `/items/*/` applies to `/items//`, which reaches an `/items/{id}/` route.
+    let by_route = by_route
+        || match routed.split_last() {
+            Some((&"", rest)) => reference_matches(&pat, rest),
+            _ => false,
+        };
     let by_path = reference_matches(&pat, &normal_segments);
     assert_eq!(
         parsed.matches_routed(raw),
-        by_route,
+        reference_matches(&pat, &routed),
         "`{pattern}`.matches_routed({raw:?}), segments {routed:?}"
+    );
+    assert_eq!(
+        parsed.matches_routed_or_without_trailing_slash(raw),
+        by_route,
+        "`{pattern}`.matches_routed_or_without_trailing_slash({raw:?}), segments {routed:?}"
     );
     assert_eq!(
         parsed.matches(&normalized),
@@ -206,8 +218,9 @@ pub fn paths(data: &[u8]) {
         "`{pattern}`.matches({normalized:?}) (from {raw:?})"
     );
 
-    // A rule with the pattern applies exactly when the routed or the normalized path
-    // matches, for GET and HEAD alike, and never for another method.
+    // A rule with the pattern applies exactly when the routed (with or without its trailing
+    // `/`) or the normalized path matches, for GET and HEAD alike, and never for another
+    // method.
     let mut spec = RuleSpec::new("r", vec![BandSpec::new(MAX_CAPACITY, Duration::from_secs(1))]);
     spec.matcher.paths = vec![pattern.to_string()];
     spec.matcher.methods = vec!["GET".to_owned()];

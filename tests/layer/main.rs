@@ -182,6 +182,56 @@ async fn dot_segments_cannot_walk_around_a_rule_on_a_parameter_route() {
     }
 }
 
+/// A route that ends in `/` after a parameter (`/items/{id}/`) runs for `/items//`,
+/// `/items/./` and `/items/../` (`id` empty, `.` and `..`), whose normalized paths (`/items`,
+/// `/`) its rule does not match. Found by the differential test (`routes.rs`): the routed view
+/// counts them, the request's trailing `/` ignored as the pattern's own is (`/items/*/` and
+/// `/items/*` are one pattern).
+#[tokio::test]
+async fn a_parameter_before_a_trailing_slash_cannot_walk_around_its_rule() {
+    for pattern in ["/items/*/", "/items/*"] {
+        let rules = format!(
+            "rule_sets: [{{id: default, rules: [{{id: item, match: {{paths: [\"{pattern}\"], methods: [GET]}}, \
+             bands: [{{capacity: 1, window: 1h}}]}}]}}]"
+        );
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let app = axum::Router::new()
+            .route(
+                "/items/{id}/",
+                axum::routing::get(move || {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    async { "item" }
+                }),
+            )
+            .layer(RateLimitLayer::new(engine(&rules)));
+        assert_eq!(get_from(&app, "/items/5/", "192.0.2.80").await.status, StatusCode::OK);
+        let variants = [
+            "/items//",
+            "/items/./",
+            "/items/../",
+            "/items/%2e%2e/",
+            "/items/.%2E/?x=1",
+        ];
+        for (i, path) in variants.iter().enumerate() {
+            let r = get_from(&app, path, "192.0.2.80").await;
+            assert_eq!(
+                r.status,
+                StatusCode::TOO_MANY_REQUESTS,
+                "{path} reached /items/{{id}}/ past the rule `{pattern}`"
+            );
+            // A client that starts with it is counted by the rule from its first request.
+            let peer = format!("192.0.2.{}", 90 + i);
+            let r = get_from(&app, path, &peer).await;
+            assert_eq!(r.status, StatusCode::OK, "{path}: the handler is reached");
+            assert_eq!(r.header("x-ratelimit-limit"), Some("1"), "{path}: no rule applied");
+            let r = get_from(&app, "/items/5/", &peer).await;
+            assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{path}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 6, "{pattern}");
+    }
+}
+
 #[tokio::test]
 async fn forwarded_for_is_only_believed_from_trusted_proxies() {
     let rules = r#"

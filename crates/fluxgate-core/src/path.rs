@@ -1,9 +1,9 @@
 //! Path normalization and Ant-style path patterns.
 //!
 //! A rule's patterns are matched against two views of a request's path: the normalized
-//! path ([`normalize_path`]) and the path as a router sees it ([`routed_segments`]). A rule
-//! applies when either matches, so normalization can only add rules to a request, never
-//! take one away.
+//! path ([`normalize_path`]) and the path as a router sees it ([`routed_segments`], also
+//! tried [`without_trailing_slash`], as patterns ignore their own). A rule applies when
+//! either matches, so normalization can only add rules to a request, never take one away.
 
 use std::cell::OnceCell;
 use std::fmt;
@@ -232,6 +232,26 @@ fn with_split<'a, R>(parts: impl Iterator<Item = &'a str> + Clone, f: impl FnOnc
         n += 1;
     }
     f(&buf[..n])
+}
+
+/// The segments of a path as routed without the empty last segment that a trailing `/`
+/// leaves, when the path ends in one. Patterns ignore their own trailing `/` (`/items/*/` is
+/// `/items/*`), so rules also match the routed path without it: a route that ends in `/`
+/// after a parameter (axum's `/items/{id}/`) runs for `/items//`, `/items/./` and
+/// `/items/../` (`id` empty, `.` and `..`), whose normalized paths (`/items`, `/`) its
+/// pattern does not match, and whose routed segments end in an empty one that the pattern
+/// no longer has.
+///
+/// ```
+/// use fluxgate_core::path::{routed_segments, without_trailing_slash};
+/// assert_eq!(without_trailing_slash(&routed_segments("/items//")), Some(&["items", ""][..]));
+/// assert_eq!(without_trailing_slash(&routed_segments("/items/x")), None);
+/// ```
+pub fn without_trailing_slash<'s, 'a>(segments: &'s [&'a str]) -> Option<&'s [&'a str]> {
+    match segments.split_last() {
+        Some((&"", rest)) => Some(rest),
+        _ => None,
+    }
 }
 
 /// The segments of a path as a router sees it, which is what decides the handler that
@@ -475,6 +495,27 @@ impl PathPattern {
     /// ```
     pub fn matches_routed(&self, raw_path: &str) -> bool {
         with_routed_segments(raw_path, |segments| self.matches_segments(segments))
+    }
+
+    /// Whether a path matches as a router sees it ([`matches_routed`](Self::matches_routed)),
+    /// or would without its trailing `/` ([`without_trailing_slash`]): the routed view of a
+    /// rule, and of the layer's `include`. The pattern ignores its own trailing `/`, so it
+    /// ignores the request's too.
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// let p: PathPattern = "/items/*/".parse().unwrap();
+    /// // axum routes both to `/items/{id}/`, with `id` empty and `..`.
+    /// assert!(p.matches_routed_or_without_trailing_slash("/items//"));
+    /// assert!(p.matches_routed_or_without_trailing_slash("/items/../"));
+    /// assert!(!p.matches_routed("/items//"));
+    /// assert!(!p.matches_routed_or_without_trailing_slash("/items/x/y/"));
+    /// ```
+    pub fn matches_routed_or_without_trailing_slash(&self, raw_path: &str) -> bool {
+        with_routed_segments(raw_path, |segments| {
+            self.matches_segments(segments)
+                || without_trailing_slash(segments).is_some_and(|s| self.matches_segments(s))
+        })
     }
 
     /// Whether a path already split into segments matches: the non-empty segments of a

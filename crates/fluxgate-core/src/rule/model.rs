@@ -11,7 +11,7 @@ use super::validate::validate_band;
 use super::{Algorithm, BandRangeError, Mode, OnMissingKey};
 use crate::failure::FailurePolicy;
 use crate::name::Name;
-use crate::path::{PathPattern, RequestPaths};
+use crate::path::{without_trailing_slash, PathPattern, RequestPaths};
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
 /// order of the file).
@@ -384,7 +384,8 @@ impl Rule {
     }
 
     /// Whether the rule applies to a request: enabled, its method matches, and its path,
-    /// normalized or as routed, matches (see [`crate::path`]).
+    /// normalized or as routed (with or without a trailing `/`), matches (see
+    /// [`crate::path`]).
     ///
     /// ```
     /// use fluxgate_core::{RequestContext, RuleSets};
@@ -404,6 +405,9 @@ impl Rule {
     /// // HEAD runs GET handlers; `/api/../login` reaches a `/api/{version}/login` route.
     /// assert!(rule.applies(&at("HEAD", "/api/../login")));
     /// assert!(!rule.applies(&at("POST", "/api/v1/login")));
+    /// // A pattern ignores its trailing `/`, and so does the routed view: `/api//login/`
+    /// // reaches a `/api/{version}/login/` route.
+    /// assert!(rule.applies(&at("GET", "/api//login/")));
     /// ```
     pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
         crate::path::with_paths(ctx, |paths| self.applies_to_paths(Some(paths), ctx.method()))
@@ -418,7 +422,9 @@ impl Rule {
             && (self.paths.is_empty()
                 || paths.is_some_and(|paths| {
                     self.paths.iter().any(|p| p.matches_normalized(paths))
-                        || paths.routed().is_some_and(|r| self.matches_path(r))
+                        || paths.routed().is_some_and(|r| {
+                            self.matches_path(r) || without_trailing_slash(r).is_some_and(|r| self.matches_path(r))
+                        })
                 }))
     }
 
