@@ -376,6 +376,45 @@ rule_sets:
     );
 }
 
+/// `include` matches the routed path without its trailing `/`, as rules do: an
+/// `/items/{id}/` route runs for `/items//` and `/items/../` (normalized to `/items` and `/`),
+/// which an inclusion of `/items/*/` must not leave alone. Found by the differential test
+/// (`routes.rs`). An exclusion does not widen so: `/items/x/` stays limited under an
+/// exclusion of `/items/*`, by its routed path.
+#[tokio::test]
+async fn an_included_route_ending_in_a_slash_is_limited_for_every_parameter() {
+    let rules = "rule_sets: [{id: default, rules: [{id: everything, bands: [{capacity: 1, window: 1h}]}]}]";
+    let items = || {
+        axum::Router::new()
+            .route("/items/{id}/", axum::routing::get(|| async { "item" }))
+            .route("/other", axum::routing::get(|| async { "other" }))
+    };
+    let app = items().layer(layer(engine(rules)).include(["/items/*/"]).build().unwrap());
+    for _ in 0..3 {
+        assert_eq!(get_from(&app, "/other", "192.0.2.100").await.status, StatusCode::OK);
+    }
+    let variants = ["/items/5/", "/items//", "/items/./", "/items/../", "/items/%2e%2e/"];
+    for (i, path) in variants.iter().enumerate() {
+        let peer = format!("192.0.2.{}", 101 + i);
+        let r = get_from(&app, path, &peer).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}: the handler is reached");
+        assert_eq!(r.header("x-ratelimit-limit"), Some("1"), "{path} was not included");
+        let r = get_from(&app, path, &peer).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{path}");
+    }
+
+    let app = items().layer(layer(engine(rules)).exclude(["/items/*"]).build().unwrap());
+    for _ in 0..3 {
+        let r = get_from(&app, "/items/5", "192.0.2.110").await;
+        assert!(r.header("x-ratelimit-limit").is_none(), "excluded");
+    }
+    assert_eq!(get_from(&app, "/items/5/", "192.0.2.111").await.status, StatusCode::OK);
+    assert_eq!(
+        get_from(&app, "/items/5/", "192.0.2.111").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
 #[derive(Debug, Default)]
 struct Counting {
     decisions: AtomicUsize,

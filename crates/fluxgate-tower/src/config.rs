@@ -80,16 +80,20 @@ impl Config {
     /// Whether the limiter sees the request: included and not excluded, by its normalized
     /// path or by its path as routed. A path is left alone only when both views say so,
     /// so that `/api/x/../../health` (routed to an `/api/{*rest}` handler) is not let
-    /// through by an exclusion of `/health`.
+    /// through by an exclusion of `/health`. In the routed view, `include` also matches the
+    /// path without its trailing `/`, as rules do (an `/items/{id}/` route runs for
+    /// `/items//`, which `/items/*/` includes); `exclude` does not, so that it never leaves
+    /// more alone.
     pub(crate) fn limits(&self, ctx: &RequestContext) -> bool {
         if self.include.is_empty() && self.exclude.is_empty() {
             return true;
         }
         let normalized = ctx.path();
-        let view = |matches: &dyn Fn(&PathPattern) -> bool| {
-            !self.exclude.iter().any(matches) && (self.include.is_empty() || self.include.iter().any(matches))
+        let view = |excluded: &dyn Fn(&PathPattern) -> bool, included: &dyn Fn(&PathPattern) -> bool| {
+            !self.exclude.iter().any(excluded) && (self.include.is_empty() || self.include.iter().any(included))
         };
-        if view(&|p| p.matches(normalized)) {
+        let by_normalized = |p: &PathPattern| p.matches(normalized);
+        if view(&by_normalized, &by_normalized) {
             return true;
         }
         let routed = ctx.routed_path();
@@ -101,9 +105,12 @@ impl Config {
         // it, as it answers an unknown top-level path. It is matched as that one segment,
         // so that an exclusion of `/` does not let it through to the fallback.
         if !routed.starts_with('/') {
-            return view(&|p| p.matches_segments(&[routed]));
+            let by_segment = |p: &PathPattern| p.matches_segments(&[routed]);
+            return view(&by_segment, &by_segment);
         }
-        view(&|p| p.matches_routed(routed))
+        view(&|p| p.matches_routed(routed), &|p| {
+            p.matches_routed_or_without_trailing_slash(routed)
+        })
     }
 
     /// Fills a context from the request, before the customizer.
