@@ -12,6 +12,7 @@ mod support {
 
 mod composition;
 mod metrics;
+mod routes;
 mod targets;
 
 use std::convert::Infallible;
