@@ -11,7 +11,10 @@
 //!
 //! Options: `--listen ADDR` (default 127.0.0.1:3001), `--service URL` (default
 //! http://127.0.0.1:8082), `--fail-closed` (answer 503 when the service is down; by
-//! default requests pass, fail open).
+//! default requests pass, fail open). A check that misses its deadline counts as the
+//! service being down, whatever made it late: a burst that overloads the gateway opens its
+//! circuit, and with fail open every request then passes uncounted for 250 ms. Use
+//! `--fail-closed` where the limits must hold under load (see `docs/security.md`, section 10).
 
 use std::net::SocketAddr;
 use std::time::Duration;
