@@ -17,6 +17,7 @@ mod fuzz_regressions;
 mod memory;
 mod metrics;
 mod mongodb;
+mod one_band;
 mod reload;
 mod rule_files;
 mod spans;

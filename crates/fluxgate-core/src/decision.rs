@@ -113,9 +113,12 @@ impl BandReport {
     }
 }
 
-/// When a band is full again: `reset_after` after `now_unix_nanos`.
+/// When a band is full again: `reset_after` after `now_unix_nanos` (at the latest the last
+/// instant of 64-bit nanoseconds since the epoch, in the year 2554).
+#[inline]
 fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
-    UNIX_EPOCH + Duration::from_nanos(now_unix_nanos) + reset_after
+    let after = u64::try_from(reset_after.as_nanos()).unwrap_or(u64::MAX);
+    UNIX_EPOCH + Duration::from_nanos(now_unix_nanos.saturating_add(after))
 }
 
 /// The binding band of a decision's enforced `bands`, and the retry-after: on rejection
@@ -241,6 +244,28 @@ impl Decision {
             bands,
             shadow_bands,
             shadow_rejected_by,
+        }
+    }
+
+    /// [`from_outcome`](Self::from_outcome) for an outcome of enforced bands only, which
+    /// has no shadow band to set apart.
+    #[inline]
+    pub(crate) fn from_enforced_outcome(rule_set: Name, outcome: AcquireOutcome) -> Self {
+        let (binding_index, retry_after) = binding(&outcome.bands, outcome.allowed);
+        Decision {
+            outcome: if outcome.allowed {
+                Outcome::Admitted
+            } else {
+                Outcome::RateLimited
+            },
+            rule_set,
+            binding_index,
+            degraded: false,
+            failed_open: false,
+            retry_after,
+            bands: outcome.bands,
+            shadow_bands: Bands::new(),
+            shadow_rejected_by: None,
         }
     }
 

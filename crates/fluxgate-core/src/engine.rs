@@ -13,12 +13,15 @@ use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::MaybeReady;
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
-use crate::key::{KeyResolver, Resolved};
+use crate::key::{KeyResolver, Resolved, TypedKey};
 use crate::lease::Leases;
-use crate::limiter::{is_rule_error, validate_rule_set, AcquireOutcome, AcquireRequest, MemoryLimiter, RateLimiter};
+use crate::limiter::{
+    is_rule_error, validate_rule_set, AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter, RateLimiter,
+};
 use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
+use crate::text::Text;
 use crate::wait::{may_wait, wait_for, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
@@ -63,6 +66,10 @@ pub struct Engine {
 struct Inner {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Arc<dyn RateLimiter>,
+    /// The limiter itself when it is the in-memory limiter and nothing is recorded nor
+    /// waits by default: a rule set of one enforced rule of one band is then decided by it
+    /// directly ([`Engine::decide_one`]).
+    direct: Option<MemoryLimiter>,
     fallback: Fallback,
     resolver: KeyResolver,
     /// Whether the keys are written as text: for a limiter that reads them, or leases.
@@ -101,6 +108,8 @@ impl fmt::Debug for HeldCheck {
 pub struct EngineBuilder {
     provider: Arc<dyn RuleSetProvider>,
     limiter: Option<Arc<dyn RateLimiter>>,
+    /// The limiter when it is the in-memory limiter.
+    memory: Option<MemoryLimiter>,
     fallback: Option<MemoryLimiter>,
     on_failure: Option<FailurePolicy>,
     resolver: KeyResolver,
@@ -112,12 +121,16 @@ pub struct EngineBuilder {
 impl EngineBuilder {
     /// The limiter backend. Default: a [`MemoryLimiter`] with its defaults.
     pub fn limiter(mut self, limiter: impl RateLimiter) -> Self {
+        self.memory = (&limiter as &dyn std::any::Any)
+            .downcast_ref::<MemoryLimiter>()
+            .cloned();
         self.limiter = Some(Arc::new(limiter));
         self
     }
 
     /// The limiter backend, shared.
     pub fn shared_limiter(mut self, limiter: Arc<dyn RateLimiter>) -> Self {
+        self.memory = None;
         self.limiter = Some(limiter);
         self
     }
@@ -188,10 +201,11 @@ impl EngineBuilder {
     /// A [`RuleError::Unsupported`] naming the rule set, the rule, the band and the limit
     /// of the backend that it exceeds.
     pub fn build(mut self) -> Result<Engine, RuleError> {
+        self.default_limiter();
         let limiter = self
             .limiter
-            .get_or_insert_with(|| Arc::new(MemoryLimiter::default()))
-            .clone();
+            .clone()
+            .unwrap_or_else(|| Arc::new(MemoryLimiter::default()));
         let leases = (limiter.gives_back() && !limiter.is_local()).then(|| Leases::new(limiter.clone()));
         let watch = leases.as_ref().map(Leases::watch);
         let default_wait = self.wait;
@@ -207,11 +221,25 @@ impl EngineBuilder {
         Ok(self.assemble(Some(check), leases))
     }
 
-    fn assemble(self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
+    /// The in-memory limiter with its defaults, unless a limiter was given.
+    fn default_limiter(&mut self) {
+        if self.limiter.is_none() {
+            let memory = MemoryLimiter::default();
+            self.limiter = Some(Arc::new(memory.clone()));
+            self.memory = Some(memory);
+        }
+    }
+
+    fn assemble(mut self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
+        self.default_limiter();
         let limiter = self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default()));
+        let direct = self
+            .memory
+            .filter(|_| self.recorder.is_none() && self.wait.is_none() && leases.is_none());
         Engine {
             inner: Arc::new(Inner {
                 provider: self.provider,
+                direct,
                 key_text: limiter.reads_key_text() || leases.is_some(),
                 leases,
                 waiters: Waiters::new(self.wait),
@@ -237,6 +265,7 @@ impl Engine {
         EngineBuilder {
             provider: Arc::new(provider),
             limiter: None,
+            memory: None,
             fallback: None,
             on_failure: None,
             resolver: KeyResolver::default(),
@@ -371,6 +400,11 @@ impl Engine {
             }
         };
 
+        if let Some(memory) = &self.inner.direct {
+            if let Some(rule) = one_band_rule(&set) {
+                return MaybeReady::ready(Ok(self.decide_one(memory, &set, rule, ctx)));
+            }
+        }
         // The request holds the one reference to the rule set taken by the lookup.
         let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
         let mut request = AcquireRequest::new(set);
@@ -468,6 +502,59 @@ impl Engine {
                 })
             }
         }
+    }
+}
+
+/// The rule of a rule set of one enforced rule of one band, that neither waits nor leases:
+/// such a rule set is decided by the in-memory limiter without an acquire request.
+#[inline]
+fn one_band_rule(set: &RuleSet) -> Option<&Rule> {
+    match set.rules() {
+        [rule]
+            if rule.bands().len() == 1 && rule.mode() == Mode::Enforce && !rule.waits() && rule.lease().is_none() =>
+        {
+            Some(rule)
+        }
+        _ => None,
+    }
+}
+
+impl Engine {
+    /// Decides a request of a rule set of one enforced rule of one band ([`one_band_rule`])
+    /// with the in-memory limiter: what the general path does for it, the rule matched, its
+    /// key resolved and the limiter asked for its one bucket, without building an
+    /// [`AcquireRequest`].
+    fn decide_one(&self, memory: &MemoryLimiter, set: &RuleSet, rule: &Rule, ctx: &RequestContext) -> Decision {
+        let method = ctx.method();
+        let applies = if rule.has_path_patterns() {
+            with_paths(ctx, |paths| rule.applies_to_paths(Some(paths), method))
+        } else {
+            rule.applies_to_paths(None, method)
+        };
+        if !applies {
+            return Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
+        }
+        /// The text of a key known by its typed value: none.
+        static NO_TEXT: Text = Text::new();
+        let resolver = &self.inner.resolver;
+        let outcome = match resolver.typed(rule, ctx).filter(|_| !self.inner.key_text) {
+            Some(typed) => memory.acquire_one(&Bucket::of(set, rule, &NO_TEXT, typed), &rule.bands()[0]),
+            None => {
+                let (mut key, mut typed) = (Text::new(), TypedKey::Text);
+                match resolver.resolve_into(rule, ctx, &mut key, &mut typed, self.inner.key_text) {
+                    Resolved::Key => {}
+                    Resolved::Skip => return Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule),
+                    Resolved::Deny => {
+                        let outcome = Outcome::MissingKey {
+                            rule: rule.id().clone(),
+                        };
+                        return Decision::without_bands(set.id().clone(), outcome);
+                    }
+                }
+                memory.acquire_one(&Bucket::of(set, rule, &key, typed), &rule.bands()[0])
+            }
+        };
+        Decision::from_enforced_outcome(set.id().clone(), outcome)
     }
 }
 

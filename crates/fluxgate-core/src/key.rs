@@ -188,6 +188,17 @@ impl KeyResolver {
         }
     }
 
+    /// The typed value of `rule`'s key for `ctx`, when the key has one and is always found:
+    /// the address and global scopes.
+    #[inline]
+    pub(crate) fn typed(&self, rule: &Rule, ctx: &RequestContext) -> Option<TypedKey> {
+        match rule.scope() {
+            Scope::Global => Some(TypedKey::Global),
+            Scope::Ip => Some(self.typed_ip(ctx.client_ip())),
+            _ => None,
+        }
+    }
+
     /// The typed value of the key `push_ip` writes.
     fn typed_ip(&self, ip: Option<IpAddr>) -> TypedKey {
         match ip.map(|ip| self.mask(ip)) {

@@ -814,7 +814,7 @@ impl MemoryLimiter {
     }
 
     /// One bucket with one band: one lock, no intermediate allocation.
-    fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band) -> AcquireOutcome {
+    pub(crate) fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band) -> AcquireOutcome {
         let hash = self.key_hash(bucket);
         let key = hash.band(band);
         let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);

@@ -116,6 +116,21 @@ impl Bucket<'_> {
     }
 }
 
+impl<'a> Bucket<'a> {
+    /// The bucket of `rule` of `set` for a key, consuming the rule's cost, refused at once:
+    /// a request of this one bucket, decided without an [`AcquireRequest`].
+    pub(crate) fn of(set: &'a RuleSet, rule: &'a Rule, key: &'a Text, typed: TypedKey) -> Self {
+        Self {
+            rule_set: set,
+            rule,
+            key,
+            typed,
+            permits: rule.permits(),
+            max_wait_nanos: 0,
+        }
+    }
+}
+
 impl AcquireRequest {
     /// A request that consumes nothing yet, from the rules of `set`.
     pub fn new(set: Arc<RuleSet>) -> Self {
