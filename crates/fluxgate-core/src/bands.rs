@@ -1,7 +1,7 @@
 //! [`Bands`]: the band reports of a decision, in a vector reused from one decision to the
 //! next.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 
@@ -13,6 +13,9 @@ const POOL: usize = 32;
 const MAX_KEPT_CAPACITY: usize = 64;
 
 thread_local! {
+    /// The vector dropped last: a thread that decides request after request takes back the
+    /// one its last decision gave, without borrowing the pool.
+    static LAST: Cell<Option<Vec<BandReport>>> = const { Cell::new(None) };
     static FREE: RefCell<Vec<Vec<BandReport>>> = const { RefCell::new(Vec::new()) };
 }
 
@@ -40,10 +43,11 @@ impl Bands {
     /// No reports, with room for `capacity`: a buffer from the thread's pool when there is
     /// one.
     pub fn with_capacity(capacity: usize) -> Self {
-        let reused = FREE
-            .try_with(|free| free.try_borrow_mut().ok().and_then(|mut free| free.pop()))
-            .ok()
-            .flatten();
+        let reused = LAST.try_with(Cell::take).ok().flatten().or_else(|| {
+            FREE.try_with(|free| free.try_borrow_mut().ok().and_then(|mut free| free.pop()))
+                .ok()
+                .flatten()
+        });
         let mut v = reused.unwrap_or_default();
         v.reserve(capacity);
         Self(v)
@@ -64,10 +68,13 @@ impl Drop for Bands {
         let mut v = std::mem::take(&mut self.0);
         v.clear();
         // At thread exit the pool may be gone: the vector is then simply freed.
+        let Ok(Some(older)) = LAST.try_with(|last| last.replace(Some(v))) else {
+            return;
+        };
         let _ = FREE.try_with(|free| {
             if let Ok(mut free) = free.try_borrow_mut() {
                 if free.len() < POOL {
-                    free.push(v);
+                    free.push(older);
                 }
             }
         });

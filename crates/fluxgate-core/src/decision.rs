@@ -129,8 +129,8 @@ fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
 /// Of two bands with nothing left, the one full again later is the one a client must wait
 /// for: naming the other, the headers would send the client back when that one is full,
 /// to be refused by the later one.
+#[inline]
 pub(crate) fn binding(bands: &[BandReport], allowed: bool) -> (Option<usize>, Option<Duration>) {
-    use std::cmp::Reverse;
     // One band, the common case: it binds when it admits, and when it refuses.
     if let [only] = bands {
         return match only.wait {
@@ -140,6 +140,12 @@ pub(crate) fn binding(bands: &[BandReport], allowed: bool) -> (Option<usize>, Op
             Wait::Never => (Some(0), None),
         };
     }
+    binding_of_several(bands, allowed)
+}
+
+/// [`binding`] of no band or of several.
+fn binding_of_several(bands: &[BandReport], allowed: bool) -> (Option<usize>, Option<Duration>) {
+    use std::cmp::Reverse;
     if allowed {
         let least = bands
             .iter()

@@ -127,6 +127,7 @@ pub struct AcquireOutcome {
 impl AcquireOutcome {
     /// An outcome decided by the backend's store at `now_unix_nanos`, with the report of
     /// every band of the request (see [`AcquireRequest::bands`]).
+    #[inline]
     pub fn new(allowed: bool, shadow_allowed: bool, now_unix_nanos: u64, bands: impl Into<Bands>) -> Self {
         Self {
             allowed,
