@@ -78,7 +78,7 @@ pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
 pub use decision::{BandReport, Bands, Decision, Outcome};
 pub use engine::{Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};
-pub use failure::{CircuitBreaker, FailurePolicy};
+pub use failure::{CircuitBreaker, FailurePolicy, FallbackHandler};
 pub use future::{BoxFuture, MaybeReady};
 pub use handler::{RateLimitHandler, RateLimitMetricsRecorder};
 pub use limiter::{MemoryLimiter, RateLimiter};

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use fluxgate_core::{CircuitBreaker, FailurePolicy};
+use fluxgate_core::{CircuitBreaker, FailurePolicy, FallbackHandler};
 use fluxgate_server::{Config, Service};
 use fluxgate_tower::remote::RemoteHandler;
 use fluxgate_tower::RateLimitLayer;
@@ -249,6 +249,43 @@ async fn the_services_no_is_a_429_with_the_headers_and_a_service_down_follows_th
     assert!(!head.contains("x-ratelimit-limit"), "no decision, no headers: {head}");
     let head = get_head(closed, "/api/hello").await;
     assert!(head.starts_with("http/1.1 503"), "fail closed: {head}");
+}
+
+/// With the service's rules in a local engine (`FallbackHandler`), a gateway whose service
+/// stops answering keeps limiting, per instance: not every request admitted (`fail_open`),
+/// nor every one refused (`fail_closed`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_with_the_rules_keeps_limiting_while_the_service_fails() {
+    let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, bands: [{capacity: 2, window: 1h}]}]}]";
+    let (service_addr, stop_service) = service_with("fallback", yaml);
+    let remote = RemoteHandler::builder(&format!("http://{service_addr}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build();
+    let local = fluxgate_core::Engine::in_memory(fluxgate_core::RuleSets::from_yaml_str(yaml).unwrap());
+    let handler = FallbackHandler::new(CircuitBreaker::new(remote), local);
+    let layer = RateLimitLayer::builder(handler)
+        .on_error(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+    let gateway = app(layer).await;
+    // The service decides while it answers.
+    for expected in ["200", "200", "429"] {
+        let head = get_head(gateway, "/api/hello").await;
+        assert!(head.starts_with(&format!("http/1.1 {expected}")), "{head}");
+    }
+    stop_service.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Then the local engine: its own count of 2, with the headers, and no more.
+    for remaining in ["1", "0"] {
+        let head = get_head(gateway, "/api/hello").await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains(&format!("x-ratelimit-remaining: {remaining}")), "{head}");
+    }
+    for _ in 0..5 {
+        let head = get_head(gateway, "/api/hello").await;
+        assert!(head.starts_with("http/1.1 429"), "the local limit holds: {head}");
+    }
 }
 
 /// A limiter that cannot decide any rule it is given, found when a request comes (as a

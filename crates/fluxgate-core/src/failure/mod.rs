@@ -9,8 +9,10 @@ use crate::error::{BoxError, Error};
 use crate::limiter::{AcquireRequest, Bucket, MemoryLimiter};
 
 mod breaker;
+mod local;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
+pub use local::FallbackHandler;
 
 /// What to do with a request when the limiter backend fails (an error, a deadline, an
 /// open [`CircuitBreaker`]).

@@ -1,0 +1,76 @@
+//! [`FallbackHandler`]: a handler that decides with a local engine whenever another fails.
+
+use crate::context::RequestContext;
+use crate::decision::Decision;
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::future::MaybeReady;
+use crate::handler::RateLimitHandler;
+
+/// Decides with a local [`Engine`] whenever the handler it wraps fails
+/// ([`Error::Backend`]: an error, a deadline, an open [`CircuitBreaker`](super::CircuitBreaker)):
+/// the `fallback_local` policy for a handler that is not an engine, such as a gateway's
+/// `RemoteHandler`. While the rate-limit service does not answer in time, for whatever
+/// reason (down, or a burst that overloads the gateway or the service), the gateway keeps
+/// its limits, per instance, instead of admitting every request (`fail_open`) or refusing
+/// them all (`fail_closed`). Give the local engine the rules the service has.
+///
+/// Decisions of the local engine are [`degraded`](Decision::degraded). Any other error
+/// of the wrapped handler (a configuration error, a refusal of the service) is passed on
+/// as it is: the service answered.
+///
+/// ```
+/// use fluxgate_core::{Engine, FallbackHandler, RuleSets};
+/// let rules = RuleSets::from_yaml_str(
+///     "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 10s}]}]}]",
+/// )?;
+/// // In a gateway, the first handler would be the `RemoteHandler` (in a `CircuitBreaker`).
+/// let handler = FallbackHandler::new(Engine::in_memory(rules.clone()), Engine::in_memory(rules));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct FallbackHandler<H> {
+    primary: H,
+    local: Engine,
+}
+
+impl<H> FallbackHandler<H> {
+    /// `primary`, decided by `local` whenever it fails.
+    pub fn new(primary: H, local: Engine) -> Self {
+        Self { primary, local }
+    }
+}
+
+impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
+    fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        match self.primary.check(ctx).into_ready() {
+            Ok(Err(Error::Backend(error))) => locally(&self.local, ctx, &error),
+            Ok(result) => MaybeReady::ready(result),
+            Err(pending) => {
+                let (local, ctx) = (self.local.clone(), ctx.clone());
+                MaybeReady::boxed(async move {
+                    match pending.await {
+                        Err(Error::Backend(error)) => locally(&local, &ctx, &error).await,
+                        result => result,
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// The local engine's decision of `ctx`, marked degraded, after the handler failed with
+/// `error`.
+fn locally(
+    local: &Engine,
+    ctx: &RequestContext,
+    error: &crate::error::BoxError,
+) -> MaybeReady<Result<Decision, Error>> {
+    tracing::debug!(%error, "the rate-limit handler failed: decided by the local engine");
+    local.check(ctx).map(|result| {
+        result.map(|mut decision| {
+            decision.degraded = true;
+            decision
+        })
+    })
+}
