@@ -156,7 +156,10 @@ impl AcquireRequest {
     }
 
     /// Adds the bucket of the rule at `rule` in the rule set, for the key value `key`.
-    /// Buckets are decided in the order they are added.
+    /// Buckets are decided in the order they are added. The in-memory limiter keys the
+    /// engine's address and global keys by their typed value, not their text: a bucket
+    /// pushed here as `ip=192.0.2.7` is another bucket than the one the engine counts that
+    /// client in.
     ///
     /// # Panics
     ///
