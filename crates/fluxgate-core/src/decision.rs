@@ -217,39 +217,25 @@ impl Decision {
 
     /// The decision from a limiter's outcome: the enforced and shadow bands apart, the
     /// binding band and the retry-after.
-    pub(crate) fn from_outcome(rule_set: Name, outcome: AcquireOutcome) -> Self {
-        let mut bands = outcome.bands;
-        let shadow_bands = if bands.iter().any(|b| b.shadow) {
-            let mut shadow = Bands::with_capacity(bands.len());
-            let mut enforced = Bands::with_capacity(bands.len());
-            for band in bands.drain(..) {
-                if band.shadow {
-                    shadow.push(band);
-                } else {
-                    enforced.push(band);
-                }
-            }
-            bands = enforced;
-            shadow
-        } else {
-            Bands::new()
-        };
-        let shadow_rejected_by = shadow_bands.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
-        let (binding_index, retry_after) = binding(&bands, outcome.allowed);
-        Decision {
-            outcome: if outcome.allowed {
-                Outcome::Admitted
+    pub(crate) fn from_outcome(rule_set: Name, mut outcome: AcquireOutcome) -> Self {
+        if !outcome.bands.iter().any(|b| b.shadow) {
+            return Self::from_enforced_outcome(rule_set, outcome);
+        }
+        let mut shadow = Bands::with_capacity(outcome.bands.len());
+        let mut enforced = Bands::with_capacity(outcome.bands.len());
+        for band in outcome.bands.drain(..) {
+            if band.shadow {
+                shadow.push(band);
             } else {
-                Outcome::RateLimited
-            },
-            rule_set,
-            binding_index,
-            degraded: false,
-            failed_open: false,
-            retry_after,
-            bands,
-            shadow_bands,
+                enforced.push(band);
+            }
+        }
+        outcome.bands = enforced;
+        let shadow_rejected_by = shadow.iter().find(|b| !b.allowed).map(|b| b.rule.clone());
+        Decision {
+            shadow_bands: shadow,
             shadow_rejected_by,
+            ..Self::from_enforced_outcome(rule_set, outcome)
         }
     }
 
