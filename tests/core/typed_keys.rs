@@ -4,9 +4,12 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
-use fluxgate_core::{BoxError, Engine, MaybeReady, MemoryLimiter, RequestContext, RuleSets, Text};
+use fluxgate_core::{
+    BoxError, Engine, MaybeReady, MemoryLimiter, RequestContext, Rule, RuleError, RuleSet, RuleSets, Text,
+};
 
 /// A limiter that hands the in-memory limiter each request rebuilt from its buckets' key
 /// texts alone, so that it keys them by their text.
@@ -119,4 +122,94 @@ fn typed_keys_of_two_engines_sharing_a_limiter_are_apart_by_their_ipv6_prefix() 
     assert_eq!(per_ip(&by_48), 2);
     assert_eq!(per_ip(&by_64), 2);
     assert_eq!(per_ip(&by_48), 1);
+}
+
+/// A limiter that decides in memory but is not local, as one in front of a remote store
+/// is: the engine takes local leases through it, and keys are written as text for it.
+#[derive(Debug, Default)]
+struct NotLocal(MemoryLimiter);
+
+impl RateLimiter for NotLocal {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        self.0.acquire(request)
+    }
+
+    fn gives_back(&self) -> bool {
+        true
+    }
+
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        self.0.check_wait(set, rule, max_wait)
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.0.give_back(request, decided_unix_nanos)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.0.give_back_place(request, at_unix_nanos, marks)
+    }
+}
+
+/// A per-IP rule with a lease, and a rule of `/slow` that waits for the refill: a request
+/// to `/slow` may wait, and is decided by the limiter without the leases.
+const LEASED_AND_WAITING: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: leased
+        algorithm: fixed_window
+        bands: [{ capacity: 10, window: 1h }]
+        lease: { max: 5, ttl: 1h }
+      - id: slow
+        match: { paths: ["/slow"] }
+        bands: [{ capacity: 1000, window: 1h }]
+        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }
+"#;
+
+fn at(path: &str) -> RequestContext {
+    RequestContext::builder()
+        .client_ip("192.0.2.7".parse().expect("an address"))
+        .path(path)
+        .build()
+}
+
+/// The calls taking a lease count in the bucket of the engine's requests of the same key,
+/// typed as they are: a client whose requests go by the lease and by the limiter alone
+/// is admitted the capacity once, not once by each way.
+#[tokio::test]
+async fn a_lease_call_counts_in_the_bucket_of_the_typed_key() {
+    let engine = Engine::builder(RuleSets::from_yaml_str(LEASED_AND_WAITING).unwrap())
+        .limiter(NotLocal::default())
+        .build()
+        .unwrap();
+    let mut admitted = 0;
+    for i in 0..40 {
+        let path = if i % 2 == 0 { "/fast" } else { "/slow" };
+        if engine.check(&at(path)).await.unwrap().allowed() {
+            admitted += 1;
+        }
+    }
+    assert!(admitted <= 10, "{admitted} admitted by a bucket of 10");
+}
+
+/// What a lease gives back goes to the bucket it was taken from, the one the engine's
+/// requests of the same key count in.
+#[tokio::test]
+async fn a_lease_gives_back_to_the_bucket_of_the_typed_key() {
+    let engine = Engine::builder(RuleSets::from_yaml_str(LEASED_AND_WAITING).unwrap())
+        .limiter(NotLocal::default())
+        .build()
+        .unwrap();
+    assert!(engine.check(&at("/fast")).await.unwrap().allowed());
+    assert!(engine.release_leases().await.unwrap() > 0);
+    // Decided by the limiter: the bucket counts the one request admitted by the lease.
+    let decision = engine.check(&at("/slow")).await.unwrap();
+    let leased = decision.bands.iter().find(|b| &*b.rule == "leased").unwrap();
+    assert_eq!(leased.remaining, 8);
 }

@@ -47,7 +47,7 @@ pub(crate) enum Resolved {
 /// (see [`KeyResolver`]), and the limiter hashes such a key from this value instead of
 /// its text, which the engine then does not write for it
 /// ([`RateLimiter::reads_key_text`](crate::limiter::RateLimiter::reads_key_text)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub(crate) enum TypedKey {
     /// Known by its text only.
     #[default]

@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use crate::decision::{BandReport, Bands};
 use crate::error::BoxError;
 use crate::future::MaybeReady;
+use crate::key::TypedKey;
 use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, RateLimiter, Wait};
 use crate::name::Name;
 use crate::rule::{Algorithm, Band, Lease, Rule, RuleSet};
@@ -77,6 +78,9 @@ struct LeaseKey {
     set: Name,
     rule: Name,
     key: Text,
+    /// The key's typed value, which the in-memory limiter keys the bucket by: the calls and
+    /// give-backs of the lease count in the bucket of the engine's requests.
+    typed: TypedKey,
 }
 
 impl LeaseKey {
@@ -85,6 +89,7 @@ impl LeaseKey {
             set: bucket.rule_set.id().clone(),
             rule: bucket.rule.id().clone(),
             key: bucket.key.clone(),
+            typed: bucket.typed,
         }
     }
 }
@@ -154,7 +159,7 @@ impl Held {
         GiveBack::of(
             self.set,
             self.rule,
-            key.key,
+            key,
             self.left.min(self.last_extra),
             self.left,
             self.decided_unix_nanos,
@@ -196,6 +201,7 @@ struct GiveBack {
     set: Arc<RuleSet>,
     rule: usize,
     key: Text,
+    typed: TypedKey,
     left: u64,
     decided_unix_nanos: u64,
     /// The state the bucket must still hold for them to go back (see
@@ -222,7 +228,7 @@ impl GiveBack {
     fn of(
         set: Arc<RuleSet>,
         rule: usize,
-        key: Text,
+        key: LeaseKey,
         own: u64,
         left: u64,
         decided_unix_nanos: u64,
@@ -240,7 +246,8 @@ impl GiveBack {
         (left > 0).then_some(Self {
             set,
             rule,
-            key,
+            key: key.key,
+            typed: key.typed,
             left,
             decided_unix_nanos,
             marks: if instant { marks } else { Vec::new() },
@@ -603,7 +610,12 @@ impl Shared {
         let mut call = AcquireRequest::new(request.rule_set().clone());
         for (index, (bucket, plan)) in request.buckets().zip(plans).enumerate() {
             if let (Plan::Call { extra }, Some(rule)) = (plan, request.rule_index(index)) {
-                call.push_permits(rule, bucket.key.clone(), bucket.permits.saturating_add(*extra));
+                call.push_typed(
+                    rule,
+                    bucket.key.clone(),
+                    bucket.typed,
+                    bucket.permits.saturating_add(*extra),
+                );
                 if *extra > 0 {
                     // What giving the lease back checks (see `Held::into_give_back`).
                     call.mark_places();
@@ -663,7 +675,7 @@ impl Shared {
                 let over = GiveBack::of(
                     request.rule_set().clone(),
                     rule,
-                    key.key.clone(),
+                    key.clone(),
                     over,
                     over,
                     decided_unix_nanos,
@@ -841,7 +853,7 @@ async fn give_back_all(limiter: &Arc<dyn RateLimiter>, leases: Vec<GiveBack>) ->
                 break;
             };
             let mut request = AcquireRequest::new(lease.set);
-            request.push_permits(lease.rule, lease.key, lease.left);
+            request.push_typed(lease.rule, lease.key, lease.typed, lease.left);
             let call = if lease.marks.is_empty() {
                 limiter.give_back(&request, lease.decided_unix_nanos)
             } else {

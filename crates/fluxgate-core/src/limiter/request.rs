@@ -195,6 +195,20 @@ impl AcquireRequest {
         }
     }
 
+    /// Adds the bucket of the rule at `rule` for the key value `key` of typed value `typed`
+    /// (a bucket of another request, or a lease's), consuming `permits`: the in-memory
+    /// limiter keys it as the engine's request that it comes from.
+    ///
+    /// # Panics
+    ///
+    /// As [`push_permits`](Self::push_permits).
+    pub(crate) fn push_typed(&mut self, rule: usize, key: Text, typed: TypedKey, permits: u64) {
+        self.push_permits(rule, key, permits);
+        if let Some(entry) = self.buckets.last_mut() {
+            entry.typed = typed;
+        }
+    }
+
     /// Adds the bucket of the rule at `rule`, its key value written in place by `key`
     /// (given the rule, an empty text and the typed value [`TypedKey::Text`]), unless `key`
     /// answers `false`.
