@@ -201,11 +201,7 @@ impl EngineBuilder {
     /// A [`RuleError::Unsupported`] naming the rule set, the rule, the band and the limit
     /// of the backend that it exceeds.
     pub fn build(mut self) -> Result<Engine, RuleError> {
-        self.default_limiter();
-        let limiter = self
-            .limiter
-            .clone()
-            .unwrap_or_else(|| Arc::new(MemoryLimiter::default()));
+        let limiter = self.limiter_or_default();
         let leases = (limiter.gives_back() && !limiter.is_local()).then(|| Leases::new(limiter.clone()));
         let watch = leases.as_ref().map(Leases::watch);
         let default_wait = self.wait;
@@ -221,18 +217,21 @@ impl EngineBuilder {
         Ok(self.assemble(Some(check), leases))
     }
 
-    /// The in-memory limiter with its defaults, unless a limiter was given.
-    fn default_limiter(&mut self) {
-        if self.limiter.is_none() {
-            let memory = MemoryLimiter::default();
-            self.limiter = Some(Arc::new(memory.clone()));
-            self.memory = Some(memory);
-        }
+    /// The limiter given, else the in-memory limiter with its defaults, which the engine
+    /// then knows as such (for the direct path).
+    fn limiter_or_default(&mut self) -> Arc<dyn RateLimiter> {
+        let memory = &mut self.memory;
+        self.limiter
+            .get_or_insert_with(|| {
+                let limiter = MemoryLimiter::default();
+                *memory = Some(limiter.clone());
+                Arc::new(limiter)
+            })
+            .clone()
     }
 
     fn assemble(mut self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
-        self.default_limiter();
-        let limiter = self.limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::default()));
+        let limiter = self.limiter_or_default();
         let direct = self
             .memory
             .filter(|_| self.recorder.is_none() && self.wait.is_none() && leases.is_none());
