@@ -224,46 +224,207 @@ impl ClientIpResolver {
         // Right to left, lazily: the walk reads the hops the trusted proxies wrote and the
         // first one they did not, and no further; what a client wrote to the left of that,
         // however long, costs nothing.
-        let rfc7239 = self.header == FORWARDED;
-        let elements = headers
-            .get_all(&self.header)
-            .iter()
-            .rev()
-            .flat_map(|value| value.as_bytes().rsplit(|&b| b == b','));
+        let lines = self.header_lines(headers);
         let mut client = canonical(peer);
-        for element in elements {
-            // Read as text; bytes that are not UTF-8 (in another parameter of a `Forwarded`
-            // element, `host=`) leave the rest of the element readable.
-            let element = String::from_utf8_lossy(element);
-            let element = &*element;
-            let hop = if rfc7239 {
-                // `for=` of each element. An element without one (a proxy that writes only
-                // `proto=` or `by=`) names no address: a hop that cannot be read, so that
-                // nothing to its left (which the client may have written) is believed. An
-                // empty element is no hop at all.
-                if element.trim().is_empty() {
-                    continue;
-                }
-                let for_value = element.split(';').find_map(|pair| {
-                    let (k, v) = pair.split_once('=')?;
-                    k.trim().eq_ignore_ascii_case("for").then_some(v)
-                });
-                for_value.and_then(|v| parse_hop(v.trim().trim_matches('"')))
-            } else {
-                parse_hop(element.trim())
-            };
-            match hop {
+        for hop in lines {
+            let ip = match hop {
+                // An empty `Forwarded` element is no hop at all.
+                Hop::Empty => continue,
+                Hop::Text(text) => parse_hop(String::from_utf8_lossy(text).trim()),
                 // A hop that cannot be read ends the chain: trust no further.
-                None => break,
-                Some(ip) => {
-                    client = canonical(ip);
-                    if !self.is_trusted(ip) {
-                        break;
-                    }
-                }
+                Hop::Unreadable => None,
+            };
+            let Some(ip) = ip else { break };
+            client = canonical(ip);
+            if !self.is_trusted(ip) {
+                break;
             }
         }
         Some(client)
+    }
+}
+
+impl ClientIpResolver {
+    /// The hops of the configured header, right to left: the last line first.
+    fn header_lines<'a>(&self, headers: &'a HeaderMap) -> impl Iterator<Item = Hop<'a>> + 'a {
+        let rfc7239 = self.header == FORWARDED;
+        headers
+            .get_all(&self.header)
+            .iter()
+            .rev()
+            .flat_map(move |value| -> Box<dyn Iterator<Item = Hop<'a>> + 'a> {
+                if rfc7239 {
+                    Box::new(ForwardedElements {
+                        line: value.as_bytes(),
+                        done: false,
+                    })
+                } else {
+                    Box::new(value.as_bytes().rsplit(|&b| b == b',').map(Hop::Text))
+                }
+            })
+    }
+}
+
+/// One hop of a forwarding header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hop<'a> {
+    /// The text of an address (an `X-Forwarded-For` element, or the `for=` value of a
+    /// `Forwarded` element, unquoted).
+    Text(&'a [u8]),
+    /// An empty `Forwarded` element: no hop.
+    Empty,
+    /// A `Forwarded` element without `for=`, or not well formed: nothing left of it can be
+    /// told apart from what the client wrote.
+    Unreadable,
+}
+
+/// The elements of one `Forwarded` line (RFC 7239), right to left, as their `for=` values.
+///
+/// Read from the right, so that what a client wrote on the left costs nothing and cannot
+/// change how the elements its proxies appended are read: a quoted-string (`host="…"`,
+/// which a proxy may copy from the request) is read as one value, commas and semicolons
+/// in it included, and a `"` in it is one escaped by `\`. Once an element is not well
+/// formed, nothing more is read.
+struct ForwardedElements<'a> {
+    line: &'a [u8],
+    done: bool,
+}
+
+fn is_ows(b: u8) -> bool {
+    b == b' ' || b == b'\t'
+}
+
+impl<'a> ForwardedElements<'a> {
+    /// Drops optional whitespace at the end of what is left.
+    fn trim_end(&mut self) {
+        while let [rest @ .., last] = self.line {
+            if !is_ows(*last) {
+                break;
+            }
+            self.line = rest;
+        }
+    }
+
+    /// The element that ends the line, and the line left of it; `None` when it is not well
+    /// formed.
+    fn element(&mut self) -> Option<Hop<'a>> {
+        let mut for_value = None;
+        let mut pairs = 0;
+        loop {
+            self.trim_end();
+            match self.line {
+                [] => break,
+                [rest @ .., b','] => {
+                    self.line = rest;
+                    return Some(Self::hop(for_value, pairs));
+                }
+                [rest @ .., b';'] => {
+                    // An empty pair.
+                    self.line = rest;
+                    continue;
+                }
+                _ => {}
+            }
+            let value = self.value()?;
+            // `name=`
+            let [rest @ .., b'='] = self.line else {
+                return None;
+            };
+            let start = rest.iter().rposition(|&b| b == b';' || b == b',').map_or(0, |i| i + 1);
+            let name = &rest[start..];
+            let name = trim(name);
+            if name.is_empty() || name.iter().any(|&b| b == b'"' || b == b'=') {
+                return None;
+            }
+            self.line = &rest[..start];
+            pairs += 1;
+            if name.eq_ignore_ascii_case(b"for") {
+                if for_value.is_some() {
+                    // Parameter names are unique within an element.
+                    return None;
+                }
+                for_value = Some(value);
+            }
+            self.trim_end();
+            match self.line {
+                [] => break,
+                [rest @ .., b';'] => self.line = rest,
+                [_, ..] if self.line.ends_with(b",") => {}
+                _ => return None,
+            }
+        }
+        self.done = true;
+        Some(Self::hop(for_value, pairs))
+    }
+
+    fn hop(for_value: Option<&'a [u8]>, pairs: usize) -> Hop<'a> {
+        match (for_value, pairs) {
+            (Some(v), _) => Hop::Text(v),
+            (None, 0) => Hop::Empty,
+            (None, _) => Hop::Unreadable,
+        }
+    }
+
+    /// The value that ends the line: a quoted-string (its content, escapes left as they
+    /// are: no address holds one) or a token.
+    fn value(&mut self) -> Option<&'a [u8]> {
+        let line = self.line;
+        if let [rest @ .., b'"'] = line {
+            // The opening quote: the nearest `"` not escaped by an odd run of `\`.
+            let mut end = rest.len();
+            loop {
+                let open = rest[..end].iter().rposition(|&b| b == b'"')?;
+                let escapes = rest[..open].iter().rev().take_while(|&&b| b == b'\\').count();
+                if escapes % 2 == 0 {
+                    self.line = &rest[..open];
+                    return Some(&rest[open + 1..]);
+                }
+                end = open;
+            }
+        }
+        let start = line
+            .iter()
+            .rposition(|&b| matches!(b, b'=' | b';' | b',' | b'"'))
+            .map_or(0, |i| i + 1);
+        let value = &line[start..];
+        if value.is_empty() || value.iter().any(|&b| is_ows(b)) {
+            return None;
+        }
+        self.line = &line[..start];
+        Some(value)
+    }
+}
+
+fn trim(mut s: &[u8]) -> &[u8] {
+    while let [first, rest @ ..] = s {
+        if !is_ows(*first) {
+            break;
+        }
+        s = rest;
+    }
+    while let [rest @ .., last] = s {
+        if !is_ows(*last) {
+            break;
+        }
+        s = rest;
+    }
+    s
+}
+
+impl<'a> Iterator for ForwardedElements<'a> {
+    type Item = Hop<'a>;
+
+    fn next(&mut self) -> Option<Hop<'a>> {
+        if self.done {
+            return None;
+        }
+        match self.element() {
+            Some(hop) => Some(hop),
+            None => {
+                self.done = true;
+                Some(Hop::Unreadable)
+            }
+        }
     }
 }
 
@@ -375,6 +536,31 @@ mod tests {
         // An empty element is no hop: the walk goes on past it.
         let h = headers(&[("forwarded", "for=198.51.100.77, , for=10.0.0.2")]);
         assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.77".parse().unwrap()));
+    }
+
+    /// A quoted-string in a `Forwarded` element is one value: a `host=` a proxy copies from
+    /// the request (HAProxy's `option forwarded`) cannot add a `for=` of the client's choice
+    /// with a comma or a semicolon in it.
+    #[test]
+    fn a_quoted_forwarded_value_names_no_hop() {
+        let r = with_header(&["10.0.0.0/8"], "forwarded");
+        for forwarded in [
+            r#"for=198.51.100.7;host="a,for=6.6.6.6""#,
+            r#"for=198.51.100.7;host="a;for=6.6.6.6""#,
+            r#"proto=http;host="a,for=6.6.6.6";by="10.0.0.1";for=198.51.100.7"#,
+            r#"proto=http;host="a;for=6.6.6.6";for="198.51.100.7:4711""#,
+            r#"for=6.6.6.6, proto=http;host="a\",for=6.6.6.6";for=198.51.100.7"#,
+        ] {
+            let h = headers(&[("forwarded", forwarded)]);
+            assert_eq!(
+                r.resolve(&ext("10.0.0.1"), &h),
+                Some("198.51.100.7".parse().unwrap()),
+                "Forwarded: {forwarded}"
+            );
+        }
+        // A client's unterminated quote on the left does not hide its proxy's element.
+        let h = headers(&[("forwarded", r#"for="6.6.6.6, for=198.51.100.7"#)]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.7".parse().unwrap()));
     }
 
     #[test]
