@@ -730,28 +730,104 @@ fn read_hop(hop: &str) -> Hop {
 }
 
 /// The hops of the configured header, left to right: each comma-separated element of every
-/// line (for `Forwarded`, the first `for=` of each element; an element without one is no
-/// hop).
+/// line (for `Forwarded`, see [`forwarded_hops`]).
 fn reference_hops(headers: &HeaderMap, header: &str) -> Vec<Hop> {
     let mut hops = Vec::new();
     for value in headers.get_all(header) {
         let text = String::from_utf8_lossy(value.as_bytes());
-        for element in text.split(',') {
-            if header == FORWARDED {
-                // An empty element is no hop; one without `for=` names no address, a hop
-                // that cannot be read.
-                if element.trim().is_empty() {
-                    continue;
-                }
-                let for_value = element.split(';').find_map(|pair| {
-                    let (k, v) = pair.split_once('=')?;
-                    k.trim().eq_ignore_ascii_case("for").then_some(v)
-                });
-                hops.push(for_value.map_or(Hop::Garbage, |v| read_hop(v.trim().trim_matches('"'))));
-            } else {
-                hops.push(read_hop(element.trim()));
-            }
+        if header == FORWARDED {
+            hops.extend(forwarded_hops(&text));
+        } else {
+            hops.extend(text.split(',').map(|element| read_hop(element.trim())));
         }
+    }
+    hops
+}
+
+/// `text` split at `sep` outside quoted-strings, read from the right as RFC 7239 writes
+/// them: a `"` closes a quoted-string, and the nearest `"` left of it not escaped by an
+/// odd run of `\` opens it. The parts left to right, and whether a quote was left open at
+/// the left end (the leftmost part is then not well formed).
+fn split_outside_quotes(text: &str, sep: u8) -> (Vec<&str>, bool) {
+    let bytes = text.as_bytes();
+    let mut parts = Vec::new();
+    let (mut end, mut i, mut open) = (bytes.len(), bytes.len(), false);
+    while i > 0 {
+        i -= 1;
+        let b = bytes[i];
+        if b == b'"' {
+            if open {
+                let escapes = bytes[..i].iter().rev().take_while(|&&c| c == b'\\').count();
+                if escapes % 2 == 0 {
+                    open = false;
+                }
+            } else {
+                open = true;
+            }
+        } else if b == sep && !open {
+            parts.push(&text[i + 1..end]);
+            end = i;
+        }
+    }
+    parts.push(&text[..end]);
+    parts.reverse();
+    (parts, open)
+}
+
+/// A quoted-string's content, or the value as it is.
+fn unquote(value: &str) -> &str {
+    value
+        .strip_prefix('"')
+        .and_then(|v| v.strip_suffix('"'))
+        .unwrap_or(value)
+}
+
+/// The hops of one `Forwarded` line, left to right (RFC 7239: elements split at commas and
+/// pairs at semicolons, outside quoted-strings).
+/// - An empty element is no hop.
+/// - An element read strictly (`name=value` pairs, no whitespace in it outside its
+///   quoted-strings, each value a quoted-string or a run without `= ; , "`) is its one
+///   `for=` value read by [`read_hop`], or `Garbage` without one, or with two.
+/// - Any other element is `Lenient` when a `for=` of it, read loosely, is an address (the
+///   library may read it either way, or end the walk there), else `Garbage`.
+/// - A quote left open at the left end makes the leftmost element `Garbage`.
+fn forwarded_hops(line: &str) -> Vec<Hop> {
+    let (elements, open) = split_outside_quotes(line, b',');
+    let mut hops = Vec::new();
+    for (i, element) in elements.iter().enumerate() {
+        let element = element.trim_matches(|c| c == ' ' || c == '\t');
+        if i == 0 && open {
+            hops.push(Hop::Garbage);
+            continue;
+        }
+        if element.is_empty() {
+            continue;
+        }
+        let (pairs, _) = split_outside_quotes(element, b';');
+        let strict = pairs.iter().all(|pair| match pair.split_once('=') {
+            Some((name, value)) => {
+                let plain = |s: &str| !s.is_empty() && !s.bytes().any(|b| b" \t=;,\"".contains(&b));
+                let quoted = value.len() >= 2 && value.starts_with('"') && value.ends_with('"');
+                plain(name) && (quoted || plain(value))
+            }
+            None => false,
+        });
+        let fors: Vec<&str> = pairs
+            .iter()
+            .filter_map(|pair| {
+                let (name, value) = pair.split_once('=')?;
+                name.trim().eq_ignore_ascii_case("for").then_some(value.trim())
+            })
+            .collect();
+        hops.push(match (strict, fors.as_slice()) {
+            (true, [value]) => read_hop(unquote(value)),
+            (true, _) => Hop::Garbage,
+            (false, [value, ..]) => match read_hop(unquote(value).trim()) {
+                Hop::Addr(ip) | Hop::Lenient(ip) => Hop::Lenient(ip),
+                Hop::Garbage => Hop::Garbage,
+            },
+            (false, []) => Hop::Garbage,
+        });
     }
     hops
 }
