@@ -11,6 +11,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
+use crate::support::rng::Rng;
+
 /// A property check: panics when a property fails.
 type Check = fn(&[u8]);
 
@@ -94,34 +96,6 @@ fn seeds_and_found_inputs_replay() {
 // ---------------------------------------------------------------------------------------
 // Pseudo-random inputs.
 // ---------------------------------------------------------------------------------------
-
-/// xorshift64*: small, fast, and the same sequence everywhere.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-
-    fn chance(&mut self, one_in: usize) -> bool {
-        self.below(one_in) == 0
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-
-    fn byte(&mut self) -> u8 {
-        self.next() as u8
-    }
-}
 
 const ROUNDS: usize = 4000;
 

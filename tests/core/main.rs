@@ -8,6 +8,7 @@ mod support {
     pub(crate) mod app;
     pub(crate) mod backend;
     pub(crate) mod conformance;
+    pub(crate) mod rng;
     pub(crate) mod scenarios;
     pub(crate) mod telemetry;
 }

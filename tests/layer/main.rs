@@ -7,6 +7,7 @@
 #[allow(clippy::unwrap_used)]
 mod support {
     pub(crate) mod app;
+    pub(crate) mod rng;
     pub(crate) mod telemetry;
 }
 

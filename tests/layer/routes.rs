@@ -33,6 +33,8 @@ use http::{Method, Request, Uri};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::{service_fn, ServiceExt};
 
+use crate::support::rng::Rng;
+
 /// The header each handler names itself in (the body is dropped for `HEAD`).
 const HANDLER: &str = "x-handler";
 
@@ -181,27 +183,6 @@ fn layered(exclude: &[&str], include: &[&str]) -> (Router, Arc<Counted>) {
     (routes().layer(layer.build().expect("valid layer options")), counted)
 }
 
-/// A small seeded generator (xorshift64*): the same targets on every run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    fn pick<'a, T: ?Sized>(&mut self, items: &[&'a T]) -> &'a T {
-        items[self.below(items.len())]
-    }
-}
-
 /// A request that reaches each handler.
 const PATHS: &[(&str, &str)] = &[
     ("GET", "/"),
@@ -303,7 +284,7 @@ const METHODS: &[&str] = &[
 
 /// `%XX` (upper or lower case hex) for a byte.
 fn escape(rng: &mut Rng, byte: u8) -> String {
-    if rng.chance(50) {
+    if rng.percent(50) {
         format!("%{byte:02X}")
     } else {
         format!("%{byte:02x}")
@@ -316,7 +297,7 @@ fn mutate_segment(rng: &mut Rng, segment: &str) -> String {
     match rng.below(8) {
         0 => segment
             .bytes()
-            .map(|b| match rng.chance(40) {
+            .map(|b| match rng.percent(40) {
                 true => escape(rng, b),
                 false => (b as char).to_string(),
             })
@@ -338,7 +319,7 @@ fn mutate_segment(rng: &mut Rng, segment: &str) -> String {
             escape(rng, byte)
         }
         4 => format!("{segment}{}", rng.pick(HOSTILE)),
-        5 => match rng.chance(50) {
+        5 => match rng.percent(50) {
             true => "a".repeat(1 + rng.below(400)),
             // Many segments at once: more than a router keeps on the stack.
             false => {
@@ -353,7 +334,7 @@ fn mutate_segment(rng: &mut Rng, segment: &str) -> String {
 /// A request target: a handler's path changed a few times, or segments at random; then
 /// perhaps a query, a fragment, or the absolute form.
 fn target(rng: &mut Rng) -> String {
-    let mut segments: Vec<String> = if rng.chance(75) {
+    let mut segments: Vec<String> = if rng.percent(75) {
         let path = PATHS[rng.below(PATHS.len())].1;
         path.strip_prefix('/')
             .unwrap_or(path)
@@ -386,13 +367,13 @@ fn target(rng: &mut Rng) -> String {
         _ => "/".to_owned(),
     };
     path.push_str(&segments.join("/"));
-    if rng.chance(10) {
+    if rng.percent(10) {
         path.push('/');
     }
-    if rng.chance(10) {
+    if rng.percent(10) {
         path.push_str(rng.pick(&["?", "?a=1", "?x=/../login", "?%2e%2e"]));
     }
-    if rng.chance(3) {
+    if rng.percent(3) {
         path.push_str("#/../login");
     }
     match rng.below(10) {
