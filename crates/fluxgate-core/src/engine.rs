@@ -524,13 +524,7 @@ impl Engine {
     /// key resolved and the limiter asked for its one bucket, without building an
     /// [`AcquireRequest`].
     fn decide_one(&self, memory: &MemoryLimiter, set: &RuleSet, rule: &Rule, ctx: &RequestContext) -> Decision {
-        let method = ctx.method();
-        let applies = if rule.has_path_patterns() {
-            with_paths(ctx, |paths| rule.applies_to_paths(Some(paths), method))
-        } else {
-            rule.applies_to_paths(None, method)
-        };
-        if !applies {
+        if !rule.applies(ctx) {
             return Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
         }
         /// The text of a key known by its typed value: none.

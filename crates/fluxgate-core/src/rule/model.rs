@@ -410,6 +410,10 @@ impl Rule {
     /// assert!(rule.applies(&at("GET", "/api//login/")));
     /// ```
     pub fn applies(&self, ctx: &crate::RequestContext) -> bool {
+        // The paths are looked at (and the routed one split) only by a rule with patterns.
+        if !self.has_path_patterns() {
+            return self.applies_to_paths(None, ctx.method());
+        }
         crate::path::with_paths(ctx, |paths| self.applies_to_paths(Some(paths), ctx.method()))
     }
 
