@@ -13,8 +13,8 @@
 //! Options: `--listen ADDR` (default 127.0.0.1:3001), `--service URL` (default
 //! http://127.0.0.1:8082), `--rules FILE` (the service's rules: while the service does not
 //! answer in time, the gateway decides by them in memory, per instance), `--fail-closed`
-//! (without `--rules`, answer 503 while the service does not answer; by default requests
-//! then pass, fail open). A check that misses its deadline counts as the service being down,
+//! (answer 503 while the service does not answer, for what `--rules` does not decide; by
+//! default requests then pass, fail open). A check that misses its deadline counts as the service being down,
 //! whatever made it late: a burst that overloads the gateway opens its circuit, and with
 //! fail open every request then passes uncounted for 250 ms. Give the gateway `--rules`, or
 //! `--fail-closed`, where the limits must hold under load (see `docs/security.md`,
@@ -37,13 +37,14 @@ fn app(service: &str, rules: Option<RuleSets>, on_error: FailurePolicy) -> Resul
         .build();
     // After 3 failures in a row, stop waiting for the service for 250 ms.
     let handler = CircuitBreaker::new(remote);
+    // With the rules, what the local engine cannot decide (a rule set it lacks) still
+    // follows `on_error`.
     let layer = match rules {
-        Some(rules) => {
-            let local = Engine::in_memory(rules);
-            RateLimitLayer::builder(FallbackHandler::new(handler, local)).build()?
-        }
-        None => RateLimitLayer::builder(handler).on_error(on_error).build()?,
-    };
+        Some(rules) => RateLimitLayer::builder(FallbackHandler::new(handler, Engine::in_memory(rules))),
+        None => RateLimitLayer::builder(handler),
+    }
+    .on_error(on_error)
+    .build()?;
     Ok(Router::new()
         .route("/api/hello", get(|| async { "hello\n" }))
         .route("/api/orders", get(|| async { "[]\n" }))

@@ -288,6 +288,37 @@ async fn a_gateway_with_the_rules_keeps_limiting_while_the_service_fails() {
     }
 }
 
+/// A local engine without the request's rule set decides nothing for it: while the service
+/// fails, the request follows the layer's `on_error` (here 503), not the local engine's
+/// `UnknownRuleSet::Allow`, which would admit it unlimited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_set_the_local_engine_lacks_follows_the_policy_while_the_service_fails() {
+    let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let (service_addr, stop_service) = service_with("fallback-other", yaml);
+    let remote = RemoteHandler::builder(&format!("http://{service_addr}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build();
+    let other = "rule_sets: [{id: other, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let local = fluxgate_core::Engine::in_memory(fluxgate_core::RuleSets::from_yaml_str(other).unwrap());
+    let layer = RateLimitLayer::builder(FallbackHandler::new(CircuitBreaker::new(remote), local))
+        .on_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let gateway = app(layer).await;
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(head.starts_with("http/1.1 200"), "the service decides: {head}");
+    stop_service.send(()).unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..3 {
+        let head = get_head(gateway, "/api/hello").await;
+        assert!(
+            head.starts_with("http/1.1 503"),
+            "fail closed, not admitted unlimited: {head}"
+        );
+    }
+}
+
 /// A limiter that cannot decide any rule it is given, found when a request comes (as a
 /// rule set an engine never validated is): a configuration error.
 #[derive(Debug)]

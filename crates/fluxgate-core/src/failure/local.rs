@@ -1,9 +1,9 @@
 //! [`FallbackHandler`]: a handler that decides with a local engine whenever another fails.
 
 use crate::context::RequestContext;
-use crate::decision::Decision;
+use crate::decision::{Decision, Outcome};
 use crate::engine::Engine;
-use crate::error::Error;
+use crate::error::{BoxError, Error};
 use crate::future::MaybeReady;
 use crate::handler::RateLimitHandler;
 
@@ -15,9 +15,10 @@ use crate::handler::RateLimitHandler;
 /// its limits, per instance, instead of admitting every request (`fail_open`) or refusing
 /// them all (`fail_closed`). Give the local engine the rules the service has.
 ///
-/// Decisions of the local engine are [`degraded`](Decision::degraded). Any other error
-/// of the wrapped handler (a configuration error, a refusal of the service) is passed on
-/// as it is: the service answered.
+/// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
+/// set the local engine does not have is left to the layer's `on_error`, with the
+/// handler's failure. Any other error of the wrapped handler (a configuration error, a
+/// refusal of the service) is passed on as it is: the service answered.
 ///
 /// ```
 /// use fluxgate_core::{Engine, FallbackHandler, RuleSets};
@@ -44,13 +45,13 @@ impl<H> FallbackHandler<H> {
 impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         match self.primary.check(ctx).into_ready() {
-            Ok(Err(Error::Backend(error))) => locally(&self.local, ctx, &error),
+            Ok(Err(Error::Backend(error))) => locally(&self.local, ctx, error),
             Ok(result) => MaybeReady::ready(result),
             Err(pending) => {
                 let (local, ctx) = (self.local.clone(), ctx.clone());
                 MaybeReady::boxed(async move {
                     match pending.await {
-                        Err(Error::Backend(error)) => locally(&local, &ctx, &error).await,
+                        Err(Error::Backend(error)) => locally(&local, &ctx, error).await,
                         result => result,
                     }
                 })
@@ -60,17 +61,18 @@ impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
 }
 
 /// The local engine's decision of `ctx`, marked degraded, after the handler failed with
-/// `error`.
-fn locally(
-    local: &Engine,
-    ctx: &RequestContext,
-    error: &crate::error::BoxError,
-) -> MaybeReady<Result<Decision, Error>> {
+/// `error`. A rule set the local engine does not have is no decision of it: the failure is
+/// passed on, for the layer's `on_error` (a local engine given other rules than the
+/// service's must not admit the requests of a rule set it lacks unlimited, as its
+/// `UnknownRuleSet::Allow` would).
+fn locally(local: &Engine, ctx: &RequestContext, error: BoxError) -> MaybeReady<Result<Decision, Error>> {
     tracing::debug!(%error, "the rate-limit handler failed: decided by the local engine");
-    local.check(ctx).map(|result| {
-        result.map(|mut decision| {
+    local.check(ctx).map(move |result| match result {
+        Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
+        Ok(mut decision) => {
             decision.degraded = true;
-            decision
-        })
+            Ok(decision)
+        }
+        Err(e) => Err(e),
     })
 }
