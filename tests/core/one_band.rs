@@ -12,13 +12,7 @@ use http::Method;
 /// methods, a cost of 2 and a disabled rule.
 fn rule_sets() -> Vec<String> {
     let mut sets = Vec::new();
-    for algorithm in [
-        "token_bucket",
-        "leaky_bucket",
-        "fixed_window",
-        "sliding_window_log",
-        "sliding_window_counter",
-    ] {
+    for algorithm in fluxgate_core::Algorithm::ALL.map(fluxgate_core::Algorithm::as_str) {
         for rule in [
             "scope: ip",
             "scope: global",

@@ -204,13 +204,7 @@ async fn a_shadow_layer_never_makes_a_request_wait() {
 /// later one's.
 #[tokio::test(start_paused = true)]
 async fn the_reset_of_an_empty_band_is_the_latest_of_the_empty_ones() {
-    for algorithm in [
-        "token_bucket",
-        "leaky_bucket",
-        "fixed_window",
-        "sliding_window_log",
-        "sliding_window_counter",
-    ] {
+    for algorithm in fluxgate::core::Algorithm::ALL.map(fluxgate::core::Algorithm::as_str) {
         let rules = format!(
             r#"
 rule_sets:
