@@ -547,8 +547,8 @@ fn percent_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Reads an address: a kind byte (v4, v6, IPv4-mapped v6, or the previous address with one
-/// bit flipped) and its bytes.
+/// Reads an address: a kind byte (v4, v6, IPv4-mapped v6 or v6 under the NAT64 well-known
+/// prefix, or the previous address with one bit flipped) and its bytes.
 fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     let mut take = |n: usize| -> Vec<u8> {
         let (head, tail) = bytes.split_at(n.min(bytes.len()));
@@ -560,7 +560,17 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     let kind = take(1)[0];
     match (kind % 4, previous) {
         (0, _) => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"))),
-        (2, _) => IpAddr::V6(Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes")).to_ipv6_mapped()),
+        (2, _) => {
+            let v4 = Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"));
+            if kind & 4 == 0 {
+                IpAddr::V6(v4.to_ipv6_mapped())
+            } else {
+                // Under the NAT64 well-known prefix, `64:ff9b::/96`.
+                IpAddr::V6(Ipv6Addr::from(
+                    (0x64_u128 << 112) | (0xff9b_u128 << 96) | u128::from(u32::from(v4)),
+                ))
+            }
+        }
         (3, Some(IpAddr::V6(p))) => {
             let bit = take(1)[0] % 128;
             IpAddr::V6(Ipv6Addr::from(u128::from(p) ^ (1u128 << bit)))
@@ -574,8 +584,18 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
 }
 
 fn reference_mask(ip: IpAddr, prefix: u8) -> IpAddr {
+    // IPv4-mapped, or under the NAT64 well-known prefix `64:ff9b::/96`.
+    let embedded = |v6: Ipv6Addr| {
+        v6.to_ipv4_mapped().or_else(|| {
+            let s = v6.segments();
+            (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]).then(|| {
+                let o = v6.octets();
+                Ipv4Addr::new(o[12], o[13], o[14], o[15])
+            })
+        })
+    };
     match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match embedded(v6) {
             Some(v4) => IpAddr::V4(v4),
             None => {
                 let keep = if prefix >= 128 {

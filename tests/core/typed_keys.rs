@@ -49,7 +49,8 @@ rule_sets:
 "#;
 
 /// The clients: IPv4 addresses that differ in one octet, IPv6 addresses of one /64 and of
-/// neighbouring ones, an IPv4-mapped IPv6 address (the IPv4 client itself), and none.
+/// neighbouring ones, an IPv4-mapped IPv6 address and one under the NAT64 well-known prefix
+/// (each the IPv4 client itself), and none.
 fn clients() -> Vec<Option<IpAddr>> {
     let mut clients: Vec<Option<IpAddr>> = Vec::new();
     for i in 0..24u8 {
@@ -59,6 +60,7 @@ fn clients() -> Vec<Option<IpAddr>> {
         ));
     }
     clients.push(Some("::ffff:10.0.1.5".parse().expect("an address")));
+    clients.push(Some("64:ff9b::10.0.1.5".parse().expect("an address")));
     clients.push(None);
     clients
 }

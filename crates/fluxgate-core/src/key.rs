@@ -231,12 +231,24 @@ impl KeyResolver {
         }
     }
 
-    /// The address as keyed: IPv4-mapped IPv6 as IPv4, other IPv6 cut to the prefix.
+    /// The address as keyed: an IPv4 client seen as IPv6 (IPv4-mapped, `::ffff:a.b.c.d`,
+    /// or translated under the NAT64 well-known prefix, `64:ff9b::a.b.c.d`) as IPv4, other
+    /// IPv6 cut to the prefix.
+    ///
+    /// A server behind a stateless translator (SIIT, RFC 7755) sees every IPv4 client under
+    /// `64:ff9b::/96`, one /64: cut to the prefix, all of them would share one counter.
+    ///
+    /// ```
+    /// use fluxgate_core::key::KeyResolver;
+    /// let r = KeyResolver::default();
+    /// assert_eq!(r.mask("64:ff9b::192.0.2.1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
+    /// assert_eq!(r.mask("::ffff:192.0.2.1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
+    /// ```
     pub fn mask(&self, ip: IpAddr) -> IpAddr {
         match ip {
             IpAddr::V4(v4) => IpAddr::V4(v4),
             IpAddr::V6(v6) => {
-                if let Some(v4) = v6.to_ipv4_mapped() {
+                if let Some(v4) = embedded_ipv4(v6) {
                     return IpAddr::V4(v4);
                 }
                 let bits = u128::from(v6);
@@ -249,6 +261,21 @@ impl KeyResolver {
             }
         }
     }
+}
+
+/// The NAT64 well-known prefix, `64:ff9b::/96` (RFC 6052): its addresses are IPv4
+/// addresses translated into IPv6, the IPv4 address in the last 32 bits.
+const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b_0000_0000_0000_0000_0000_0000;
+
+/// The IPv4 client an IPv6 address stands for: an IPv4-mapped address, or one under the
+/// NAT64 well-known prefix.
+fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    let bits = u128::from(v6);
+    // `bits as u32` keeps the low 32 bits: the embedded address.
+    (bits >> 32 == NAT64_WELL_KNOWN >> 32).then(|| std::net::Ipv4Addr::from(bits as u32))
 }
 
 /// The decimal digits of every octet, and their count in the last byte.
@@ -466,6 +493,16 @@ mod tests {
         assert_ne!(a, c);
         assert_eq!(a, "ip=2001%3Adb8%3A1%3A2%3A%3A_64");
         assert_eq!(key(&r, &at("::ffff:10.0.0.1")), "ip=10.0.0.1");
+        // IPv4 clients translated by NAT64 / SIIT (RFC 6052 well-known prefix) are the
+        // IPv4 clients, not one /64 shared by all of them.
+        assert_eq!(key(&r, &at("64:ff9b::192.0.2.1")), "ip=192.0.2.1");
+        assert_ne!(
+            key(&r, &at("64:ff9b::192.0.2.1")),
+            key(&r, &at("64:ff9b::198.51.100.9"))
+        );
+        // Neighbours of the prefix are IPv6 networks as any other.
+        assert_eq!(key(&r, &at("64:ff9b:0:0:1::1")), "ip=64%3Aff9b%3A%3A_64");
+        assert_eq!(key(&r, &at("64:ff9b:1::192.0.2.1")), "ip=64%3Aff9b%3A1%3A%3A_64");
         for ip in ["0.0.0.0", "255.255.255.255", "10.100.9.199", "1.20.30.4"] {
             assert_eq!(key(&r, &at(ip)), format!("ip={ip}"));
         }
