@@ -196,20 +196,24 @@ fn permits_ahead(until: u64, now: u64, class: u8) -> u64 {
     until.saturating_sub(now) >> class
 }
 
+/// A window-based band's state, with its rule's [weight](Band::weight_shift) (held beside
+/// the variant's tag, at no cost in memory), by which eviction ranks it in requests.
 enum State {
-    Fixed(Window),
-    Counter(Counter),
-    Log(Box<Log>),
+    Fixed(Window, u8),
+    Counter(Counter, u8),
+    Log(Box<Log>, u8),
 }
 
 /// A stored state that becomes the same as no state once time has passed.
 trait Stored {
-    /// What evicting the state at `now` gives back: the permits it still counts. Ranked by
-    /// time alone, an exhausted bucket of a minute (a minute from full) would go before a
-    /// daily one that counted one request (86 s from full); by the share of its window, a
-    /// daily quota counting a thousand requests before a flood of minute buckets counting
-    /// one each. Each key an attacker makes costs it as many requests as the permits that
-    /// make it outrank another.
+    /// What evicting the state at `now` gives back: the requests it still counts (its
+    /// permits in units of its rule's cost, within a factor of two). Ranked by time alone,
+    /// an exhausted bucket of a minute (a minute from full) would go before a daily one
+    /// that counted one request (86 s from full); by the share of its window, a daily quota
+    /// counting a thousand requests before a flood of minute buckets counting one each; by
+    /// permits, an exhausted login bucket of 5 before a flood of keys of a rule that costs
+    /// 10 per request, each counting one. Each key an attacker makes costs it as many
+    /// requests as make it outrank another.
     fn permits_ahead(&self, now: u64) -> u64;
     /// Whether the state can be forgotten at `now`.
     fn idle_at(&self, now: u64) -> bool;
@@ -234,9 +238,9 @@ impl Stored for Slot {
         }
         // What the state holds, expired permits included: an upper bound.
         match &self.state {
-            State::Fixed(w) => w.count.saturating_add(w.next),
-            State::Counter(c) => c.previous.saturating_add(c.current).saturating_add(c.next),
-            State::Log(log) => log.held(),
+            State::Fixed(w, weight) => w.count.saturating_add(w.next) >> weight,
+            State::Counter(c, weight) => c.previous.saturating_add(c.current).saturating_add(c.next) >> weight,
+            State::Log(log, weight) => log.held() >> weight,
         }
     }
     fn idle_at(&self, now: u64) -> bool {
@@ -975,9 +979,9 @@ impl MemoryLimiter {
                     }
                 } else if let Some(slot) = shard.windows.get_mut(&key) {
                     match &mut slot.state {
-                        State::Fixed(w) => *w = fixed_window::give_back(*w, at, window, permits),
-                        State::Counter(c) => *c = sliding_window_counter::give_back(*c, at, window, permits),
-                        State::Log(log) => log.give_back(at, permits),
+                        State::Fixed(w, _) => *w = fixed_window::give_back(*w, at, window, permits),
+                        State::Counter(c, _) => *c = sliding_window_counter::give_back(*c, at, window, permits),
+                        State::Log(log, _) => log.give_back(at, permits),
                     }
                 }
             }
@@ -1001,16 +1005,17 @@ impl MemoryLimiter {
         if !shard.windows.contains_key(&key) {
             shard.make_room(now, max);
         }
+        let weight = band.weight_shift();
         let slot = shard.windows.entry(key).or_insert_with(|| Slot {
             idle_after: 0,
-            state: State::Fixed(Window::default()),
+            state: State::Fixed(Window::default(), weight),
         });
         match next {
             Next::Fixed(w) => {
                 *slot = Slot {
                     // Reservations in the next window keep the state until it ends.
                     idle_after: w.end.saturating_add(if w.next > 0 { window } else { 0 }),
-                    state: State::Fixed(w),
+                    state: State::Fixed(w, weight),
                 }
             }
             Next::Counter(c) => {
@@ -1019,7 +1024,7 @@ impl MemoryLimiter {
                         .end
                         .saturating_add(window)
                         .saturating_add(if c.next > 0 { window } else { 0 }),
-                    state: State::Counter(c),
+                    state: State::Counter(c, weight),
                 }
             }
             Next::Log | Next::LogAt(_) => {
@@ -1027,10 +1032,10 @@ impl MemoryLimiter {
                     Next::LogAt(at) => at,
                     _ => now,
                 };
-                if !matches!(slot.state, State::Log(_)) {
-                    slot.state = State::Log(Box::default());
+                if !matches!(slot.state, State::Log(..)) {
+                    slot.state = State::Log(Box::default(), weight);
                 }
-                if let State::Log(log) = &mut slot.state {
+                if let State::Log(log, _) = &mut slot.state {
                     log.record(now, at, window, permits);
                 }
                 slot.idle_after = slot.idle_after.max(at.saturating_add(window));
@@ -1080,21 +1085,21 @@ fn reserve(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64,
         }
         Algorithm::FixedWindow => {
             let state = match state() {
-                Some(State::Fixed(w)) => Some(*w),
+                Some(State::Fixed(w, _)) => Some(*w),
                 _ => None,
             };
             fixed_window::reserve(state, now, at, capacity, window, permits).map(Next::Fixed)
         }
         Algorithm::SlidingWindowCounter => {
             let state = match state() {
-                Some(State::Counter(c)) => Some(*c),
+                Some(State::Counter(c, _)) => Some(*c),
                 _ => None,
             };
             sliding_window_counter::reserve(state, now, at, capacity, window, permits).map(Next::Counter)
         }
         Algorithm::SlidingWindowLog => {
             let admits = match state() {
-                Some(State::Log(log)) => log.admits_at(at, capacity, window, permits),
+                Some(State::Log(log, _)) => log.admits_at(at, capacity, window, permits),
                 _ => permits <= capacity,
             };
             admits.then_some(Next::LogAt(at))
@@ -1147,7 +1152,7 @@ fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64
         ),
         Algorithm::FixedWindow => {
             let state = match state() {
-                Some(State::Fixed(w)) => Some(*w),
+                Some(State::Fixed(w, _)) => Some(*w),
                 _ => None,
             };
             map(
@@ -1157,7 +1162,7 @@ fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64
         }
         Algorithm::SlidingWindowCounter => {
             let state = match state() {
-                Some(State::Counter(c)) => Some(*c),
+                Some(State::Counter(c, _)) => Some(*c),
                 _ => None,
             };
             map(
@@ -1168,7 +1173,7 @@ fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64
         Algorithm::SlidingWindowLog => {
             let empty = Log::new();
             let log = match state() {
-                Some(State::Log(log)) => log,
+                Some(State::Log(log, _)) => log,
                 _ => &empty,
             };
             map(
@@ -1357,8 +1362,14 @@ mod tests {
 
     /// A rule of one band of `cap` per `secs` seconds, by `algorithm`.
     fn one_band(algorithm: crate::rule::Algorithm, cap: u64, secs: u64) -> Rule {
+        one_band_costing(algorithm, cap, secs, 1)
+    }
+
+    /// The same, each request costing `permits`.
+    fn one_band_costing(algorithm: crate::rule::Algorithm, cap: u64, secs: u64, permits: u64) -> Rule {
         let mut spec = RuleSpec::new("r", vec![BandSpec::new(cap, Duration::from_secs(secs))]);
         spec.algorithm = algorithm;
+        spec.permits = permits;
         Rule::from_spec("s", spec).unwrap()
     }
 
@@ -1373,7 +1384,7 @@ mod tests {
             .clock(clock.clone())
             .build();
         let capacity = victim.bands()[0].capacity();
-        for _ in 0..capacity {
+        for _ in 0..capacity / victim.permits() {
             assert!(limiter.acquire_now(&request(victim, "victim")).allowed);
         }
         assert!(!limiter.acquire_now(&request(victim, "victim")).allowed);
@@ -1408,6 +1419,29 @@ mod tests {
         ] {
             assert_a_flood_keeps_the_exhausted_bucket(&victim, &flood);
         }
+    }
+
+    /// Buckets are ranked by the requests they still count, not their permits: a flood of
+    /// made-up keys of a rule whose requests cost 10 permits, each key counting one request
+    /// (10 permits), does not evict an exhausted bucket of 5 (5 permits, 5 requests), for
+    /// any algorithm. Before, it did, and the exhausted bucket came back full.
+    #[test]
+    fn a_flood_of_costly_requests_does_not_evict_an_exhausted_bucket() {
+        for algorithm in crate::rule::Algorithm::ALL {
+            let victim = one_band(algorithm, 5, 60);
+            let flood = one_band_costing(algorithm, 1000, 86_400, 10);
+            assert_a_flood_keeps_the_exhausted_bucket(&victim, &flood);
+            // And a victim whose own requests cost several permits.
+            let victim = one_band_costing(algorithm, 20, 60, 4);
+            assert_a_flood_keeps_the_exhausted_bucket(&victim, &flood);
+        }
+    }
+
+    /// A window's state holds its rule's weight beside the variant's tag: no larger than
+    /// without it.
+    #[test]
+    fn a_window_state_with_its_weight_is_no_larger() {
+        assert_eq!(std::mem::size_of::<Slot>(), 48);
     }
 
     /// The token and leaky buckets and the window states live in two tables of a shard:

@@ -151,17 +151,24 @@ pub struct Band {
     pub(super) label: Option<Arc<str>>,
     pub(super) name: Name,
     pub(super) ident: u64,
-    /// See [`Band::interval_class`]: worked out once, not for each request.
+    /// See [`Band::interval_class`] and [`Band::weight_shift`]: worked out once, not for
+    /// each request.
     pub(super) interval_class: u8,
+    pub(super) weight_shift: u8,
 }
 
-/// The time one permit of `capacity` per `window` takes to come back, in ns, rounded down
-/// to a power of two, as that power (0 to 63).
-pub(super) fn interval_class(capacity: u64, window: Duration) -> u8 {
-    let window = u64::try_from(window.as_nanos()).unwrap_or(u64::MAX);
-    let interval = (window / capacity.max(1)).max(1);
-    // At most 63: the nanoseconds fit in 64 bits.
-    (63 - interval.leading_zeros()) as u8
+/// The time the permits of one request (`permits` of `capacity` per `window`) take to come
+/// back, in ns, rounded down to a power of two, as that power (0 to 63).
+pub(super) fn interval_class(capacity: u64, window: Duration, permits: u64) -> u8 {
+    let interval = window.as_nanos().saturating_mul(u128::from(permits.max(1))) / u128::from(capacity.max(1));
+    // At most 63: clamped to what 64 bits hold.
+    let interval = interval.clamp(1, u128::from(u64::MAX));
+    (127 - interval.leading_zeros()) as u8
+}
+
+/// The cost of one request, `permits`, rounded down to a power of two, as that power.
+pub(super) fn weight_shift(permits: u64) -> u8 {
+    permits.max(1).ilog2() as u8
 }
 
 /// A digest of what identifies a band's counters: rule set, rule, band name, algorithm,
@@ -208,7 +215,8 @@ impl Band {
             label: None,
             name: Name::new(""),
             ident: band_ident("", "", "", Algorithm::TokenBucket, capacity, window),
-            interval_class: interval_class(capacity, window),
+            interval_class: interval_class(capacity, window, 1),
+            weight_shift: 0,
         })
     }
 
@@ -218,11 +226,18 @@ impl Band {
         self.ident
     }
 
-    /// The time one permit takes to come back (the window divided by the capacity) in ns,
-    /// rounded down to a power of two, as that power: what the in-memory limiter ranks
-    /// buckets by when it must evict some.
+    /// The time one request's permits take to come back (the window times its rule's
+    /// cost, divided by the capacity) in ns, rounded down to a power of two, as that
+    /// power: what the in-memory limiter ranks token and leaky buckets by when it must
+    /// evict some, so that a bucket is ranked by the requests it still counts.
     pub(crate) fn interval_class(&self) -> u8 {
         self.interval_class
+    }
+
+    /// Its rule's cost per request, rounded down to a power of two, as that power: what
+    /// the in-memory limiter divides a window's count by to rank it in requests.
+    pub(crate) fn weight_shift(&self) -> u8 {
+        self.weight_shift
     }
 
     /// The capacity: tokens, or requests per window.

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use http::Method;
 
-use super::model::{band_ident, interval_class};
+use super::model::{band_ident, interval_class, weight_shift};
 use super::{
     Algorithm, Band, BandError, BandRangeError, BandSpec, IdError, KeyField, Lease, LeaseError, LeaseSpec, MatchError,
     MatchSpec, Problem, Rule, RuleSet, RuleSetSpec, RuleSets, RuleSpec, Scope, ScopeError, ScopeKind, WaitError,
@@ -134,7 +134,7 @@ impl Rule {
         let scope = scope(spec)?;
         let (algorithm, band_specs) = preset(spec)?;
         let permits = permits(spec.permits)?;
-        let bands = bands(rule_set, &spec.id, algorithm, &band_specs)?;
+        let bands = bands(rule_set, &spec.id, algorithm, &band_specs, permits)?;
         let lease = spec.lease.map(|l| lease(l, permits, &bands)).transpose()?;
         let wait = spec.on_limit.map(|o| wait(o.wait, lease.is_some())).transpose()?;
         Ok(Self {
@@ -336,8 +336,14 @@ pub(super) fn wait(spec: WaitSpec, leased: bool) -> Result<WaitPolicy, WaitError
 }
 
 /// The bands, each with the identity of its counters: at least one, each in range, their
-/// names (labels, or `b<position>`) unique.
-fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -> Result<Vec<Band>, BandError> {
+/// names (labels, or `b<position>`) unique, for a rule whose requests cost `permits` each.
+fn bands(
+    rule_set: &str,
+    rule: &str,
+    algorithm: Algorithm,
+    specs: &[BandSpec],
+    permits: u64,
+) -> Result<Vec<Band>, BandError> {
     if specs.is_empty() {
         return Err(BandError::NoBand);
     }
@@ -363,7 +369,8 @@ fn bands(rule_set: &str, rule: &str, algorithm: Algorithm, specs: &[BandSpec]) -
             window: b.window,
             label: b.label.as_deref().map(Arc::from),
             ident: band_ident(rule_set, rule, &name, algorithm, b.capacity, b.window),
-            interval_class: interval_class(b.capacity, b.window),
+            interval_class: interval_class(b.capacity, b.window, permits),
+            weight_shift: weight_shift(permits),
             name,
         });
     }
