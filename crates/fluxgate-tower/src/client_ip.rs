@@ -271,10 +271,10 @@ enum Hop<'a> {
     /// The text of an address (an `X-Forwarded-For` element, or the `for=` value of a
     /// `Forwarded` element, unquoted).
     Text(&'a [u8]),
-    /// An empty `Forwarded` element: no hop.
+    /// An empty `Forwarded` element (nothing but whitespace between its commas): no hop.
     Empty,
-    /// A `Forwarded` element without `for=`, or not well formed: nothing left of it can be
-    /// told apart from what the client wrote.
+    /// A `Forwarded` element without `for=` (`;` alone among them), or not well formed:
+    /// nothing left of it can be told apart from what the client wrote.
     Unreadable,
 }
 
@@ -309,6 +309,7 @@ impl<'a> ForwardedElements<'a> {
     /// formed.
     fn element(&mut self) -> Option<Hop<'a>> {
         let mut for_value = None;
+        // Pairs, empty ones included: only an element of none at all is empty.
         let mut pairs = 0;
         loop {
             self.trim_end();
@@ -321,6 +322,7 @@ impl<'a> ForwardedElements<'a> {
                 [rest @ .., b';'] => {
                     // An empty pair.
                     self.line = rest;
+                    pairs += 1;
                     continue;
                 }
                 _ => {}
@@ -535,6 +537,22 @@ mod tests {
         assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("10.0.0.1".parse().unwrap()));
         // An empty element is no hop: the walk goes on past it.
         let h = headers(&[("forwarded", "for=198.51.100.77, , for=10.0.0.2")]);
+        assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.77".parse().unwrap()));
+        // An element of empty pairs alone (`;`) is an element without `for=`, not an
+        // empty one: it ends the walk, whether a line of its own or after a comma.
+        for forwarded in [
+            &[("forwarded", "for=198.51.100.77"), ("forwarded", ";")][..],
+            &[("forwarded", "for=198.51.100.77, ;;")],
+        ] {
+            let h = headers(forwarded);
+            assert_eq!(
+                r.resolve(&ext("10.0.0.1"), &h),
+                Some("10.0.0.1".parse().unwrap()),
+                "{forwarded:?}"
+            );
+        }
+        // A trailing empty pair after a `for=` is still that element's `for=`.
+        let h = headers(&[("forwarded", "for=198.51.100.77;")]);
         assert_eq!(r.resolve(&ext("10.0.0.1"), &h), Some("198.51.100.77".parse().unwrap()));
     }
 

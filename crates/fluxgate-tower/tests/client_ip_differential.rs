@@ -136,13 +136,16 @@ fn ows(s: &str) -> &str {
     s.trim_matches(|c| c == ' ' || c == '\t')
 }
 
-/// RFC 7239 elements of one header line, each as its `(name, value)` pairs, with
-/// quoted-strings read as such (commas and semicolons inside them are text, `\` escapes).
-/// `None` for an element that is not well formed (and the rest of the line after an
-/// unterminated quoted-string, which runs to its end).
-fn rfc7239_elements(line: &[u8]) -> Vec<Option<Vec<(String, String)>>> {
+/// RFC 7239 elements of one header line, each as its `(name, value)` pairs and whether it
+/// held an empty pair (a `;` with nothing before it), with quoted-strings read as such
+/// (commas and semicolons inside them are text, `\` escapes). `None` for an element that
+/// is not well formed (and the rest of the line after an unterminated quoted-string, which
+/// runs to its end).
+#[allow(clippy::type_complexity)]
+fn rfc7239_elements(line: &[u8]) -> Vec<Option<(Vec<(String, String)>, bool)>> {
     let mut elements = Vec::new();
     let mut pairs: Vec<(String, String)> = Vec::new();
+    let mut empty_pair = false;
     let mut ok = true;
     let mut cur = Vec::<u8>::new();
     let mut quoted_value: Option<Vec<u8>> = None;
@@ -210,19 +213,22 @@ fn rfc7239_elements(line: &[u8]) -> Vec<Option<Vec<(String, String)>>> {
                 }
                 continue;
             }
-            b';' => finish_pair(&mut cur, &mut quoted_value, &mut pairs, &mut ok),
+            b';' => {
+                empty_pair |= quoted_value.is_none() && ows(&String::from_utf8_lossy(&cur)).is_empty();
+                finish_pair(&mut cur, &mut quoted_value, &mut pairs, &mut ok);
+            }
             b',' => {
                 finish_pair(&mut cur, &mut quoted_value, &mut pairs, &mut ok);
-                elements.push(ok.then(|| std::mem::take(&mut pairs)));
+                elements.push(ok.then(|| (std::mem::take(&mut pairs), empty_pair)));
                 pairs.clear();
-                ok = true;
+                (ok, empty_pair) = (true, false);
             }
             c => cur.push(c),
         }
         i += 1;
     }
     finish_pair(&mut cur, &mut quoted_value, &mut pairs, &mut ok);
-    elements.push(ok.then_some(pairs));
+    elements.push(ok.then_some((pairs, empty_pair)));
     elements
 }
 
@@ -234,8 +240,16 @@ fn hops(lines: &[Vec<u8>], rfc7239: bool, lenient: bool) -> Vec<Hop> {
             for element in rfc7239_elements(line) {
                 out.push(match element {
                     None => Hop::Unreadable,
-                    Some(pairs) if pairs.is_empty() => Hop::Skip,
-                    Some(pairs) => {
+                    // Nothing between its commas: no hop. Empty pairs alone (`;`): an
+                    // element without `for=`.
+                    Some((pairs, empty_pair)) if pairs.is_empty() => {
+                        if empty_pair {
+                            Hop::Unreadable
+                        } else {
+                            Hop::Skip
+                        }
+                    }
+                    Some((pairs, _)) => {
                         // Parameter names are unique in an element: a repeated `for` is
                         // not well formed.
                         let fors: Vec<_> = pairs.iter().filter(|(k, _)| k == "for").collect();
