@@ -229,10 +229,15 @@ async fn a_waiting_request_keeps_its_deadline() {
     }
     // They did not wait for Redis: still paused.
     paused.check_still_paused();
-    // Once Redis runs again, only the first call, written before the deadline, ran.
+    // Once Redis runs again, at most the first call, written before the deadline, ran (its
+    // connection, unanswered for more than a second, may have been closed as unresponsive
+    // first, and the call with it).
     tokio::time::sleep_until((paused.at + pause + Duration::from_millis(500)).into()).await;
     let calls = redis.server().evalsha_calls() - before;
-    assert_eq!(calls, 1, "the two requests past their deadline were never sent");
+    assert!(
+        calls <= 1,
+        "the two requests past their deadline were never sent: {calls} calls"
+    );
 }
 
 /// A request whose key holds another type fails in Redis; its neighbours in the batch are

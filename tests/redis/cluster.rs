@@ -699,3 +699,76 @@ rule_sets:
         assert_eq!(per_user(&check(&engine, &at("192.0.2.45")).await), 97);
     }
 }
+
+mod failover {
+    use std::time::{Duration, Instant};
+
+    use fluxgate::core::{Engine, FailurePolicy, RequestContext};
+    use fluxgate::redis::RedisLimiter;
+
+    use crate::support::app::rules;
+    use crate::support::servers::RedisCluster;
+
+    /// A primary that stops answering without closing its connections (a frozen process; a
+    /// host gone or cut off) is failed over to its replica: the connections to it count as
+    /// dead after a second without an answer, and the client learns the slots again. They
+    /// used to stay open, every decision of its slots timing out until TCP gave up, minutes
+    /// later, with the failure policy answering all that time.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
+        let cluster = RedisCluster::start_with_replicas();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("frozen")
+            .timeout(Duration::from_millis(200))
+            .connect()
+            .await
+            .expect("the test cluster takes connections");
+        let engine = Engine::builder(rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
+        ))
+        .limiter(limiter)
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("Redis decides the rule");
+        let ip = "192.0.2.5";
+        let ctx = RequestContext::builder()
+            .client_ip(ip.parse().expect("an address"))
+            .build();
+        assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
+        let key = format!("frozen:{{default:per-ip:ip={ip}}}");
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let primary = cluster.node_of_key(&key);
+        let other = cluster
+            .nodes
+            .iter()
+            .find(|n| n.port() != primary.port())
+            .expect("six nodes");
+        primary.signal("-STOP");
+        let start = Instant::now();
+        let (mut promoted, mut resumed) = (None, None);
+        while start.elapsed() < Duration::from_secs(30) {
+            let d = engine.check(&ctx).await.expect("a decision");
+            if promoted.is_none()
+                && RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
+            {
+                promoted = Some(start.elapsed());
+            }
+            if promoted.is_some() && !d.failed_open {
+                assert!(d.allowed());
+                resumed = Some(start.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        primary.signal("-CONT");
+        let promoted = promoted.expect("the replica took over within 30 s");
+        let resumed = resumed.expect("decisions resumed on the promoted replica");
+        eprintln!(
+            "cluster: the replica took over {promoted:?} after its primary froze; decisions resumed {resumed:?} after"
+        );
+        assert!(
+            resumed <= promoted + Duration::from_secs(3),
+            "decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}"
+        );
+    }
+}

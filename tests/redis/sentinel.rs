@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisSentinels;
-use fluxgate::core::{Engine, RequestContext};
+use fluxgate::core::{Engine, FailurePolicy, RequestContext};
 use fluxgate::redis::RedisLimiter;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -49,4 +49,59 @@ async fn decisions_resume_after_a_failover() {
     let resumed = resumed.expect("decisions resumed on the promoted replica within 30 s");
     assert_eq!(sentinels.primary_port(), Some(sentinels.replica.port()));
     eprintln!("sentinel: decisions resumed {resumed:?} after the primary was killed");
+}
+
+/// A primary that stops answering without closing its connections (a frozen process; a host
+/// gone or cut off, which sends no reset either) is failed over by the sentinels too: the
+/// connections to it count as dead after a second without an answer, and the client asks
+/// the sentinels again. They used to stay open, every decision timing out on the old
+/// primary until TCP gave up, minutes later: the failure policy answered all that time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
+    let sentinels = RedisSentinels::start();
+    let limiter = RedisLimiter::builder(sentinels.url())
+        .timeout(Duration::from_millis(200))
+        .reconnect_delay(Duration::from_millis(100))
+        .connect()
+        .await
+        .expect("connect through the sentinels");
+    let rules = rules(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
+    );
+    let engine = Engine::builder(rules)
+        .limiter(limiter)
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("the backend decides every rule");
+    let ctx = RequestContext::builder()
+        .client_ip("192.0.2.5".parse().expect("an address"))
+        .build();
+    assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
+
+    let old = sentinels.primary.port();
+    sentinels.primary.signal("-STOP");
+    let start = Instant::now();
+    let (mut promoted, mut resumed) = (None, None);
+    while start.elapsed() < Duration::from_secs(30) {
+        let d = engine.check(&ctx).await.expect("a decision");
+        if promoted.is_none() && sentinels.primary_port().is_some_and(|p| p != old) {
+            promoted = Some(start.elapsed());
+        }
+        if promoted.is_some() && !d.failed_open {
+            assert!(d.allowed());
+            resumed = Some(start.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    sentinels.primary.signal("-CONT");
+    let promoted = promoted.expect("the sentinels promoted the replica within 30 s");
+    let resumed = resumed.expect("decisions resumed on the promoted replica");
+    eprintln!(
+        "sentinel: the replica was promoted {promoted:?} after the primary froze; decisions resumed {resumed:?} after"
+    );
+    assert!(
+        resumed <= promoted + Duration::from_secs(3),
+        "decisions resumed {resumed:?} after the freeze, the replica promoted after {promoted:?}"
+    );
 }

@@ -140,6 +140,16 @@ impl RedisServer {
         self.child.id()
     }
 
+    /// Sends the server a signal (`-STOP`, `-CONT`).
+    pub(crate) fn signal(&self, signal: &str) {
+        let ok = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("kill runs")
+            .success();
+        assert!(ok, "kill {signal}");
+    }
+
     /// Kills the server (its data is gone, as after a crash).
     pub(crate) fn kill(&mut self) {
         let _ = self.child.kill();
@@ -243,6 +253,73 @@ impl RedisCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
         cluster
+    }
+
+    /// Three primaries, each with a replica that takes over 1 s after its primary stops
+    /// answering (`cluster-node-timeout 1000`, whatever the replica's lag). Returns once
+    /// every replica is in sync.
+    pub(crate) fn start_with_replicas() -> Self {
+        let mut nodes = Vec::new();
+        for _ in 0..6 {
+            nodes.push(RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-node-timeout",
+                "1000",
+                "--repl-diskless-sync-delay",
+                "0",
+                "--cluster-replica-validity-factor",
+                "0",
+            ]));
+        }
+        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster create");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = Self { nodes };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let ok = cluster
+                .nodes
+                .iter()
+                .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let synced = cluster
+                .nodes
+                .iter()
+                .filter(|n| n.cli(&["INFO", "replication"]).contains("master_link_status:up"))
+                .count();
+            if ok && synced == 3 {
+                return cluster;
+            }
+            assert!(Instant::now() < deadline, "the cluster's replicas did not sync");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The port of the primary serving `slot` as `node` sees the cluster, if it has one that
+    /// is not failing.
+    pub(crate) fn primary_of_slot_seen_by(node: &RedisServer, slot: u16) -> Option<u16> {
+        node.cli(&["CLUSTER", "NODES"]).lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let flags = fields.get(2)?;
+            if !flags.contains("master") || flags.contains("fail") {
+                return None;
+            }
+            let serves = fields.iter().skip(8).any(|range| {
+                let (low, high) = range.split_once('-').unwrap_or((range, range));
+                matches!((low.parse::<u16>(), high.parse::<u16>()), (Ok(l), Ok(h)) if (l..=h).contains(&slot))
+            });
+            let port = fields.get(1)?.split('@').next()?.rsplit(':').next()?.parse().ok()?;
+            serves.then_some(port)
+        })
     }
 
     /// The seed's convention: comma-separated nodes.

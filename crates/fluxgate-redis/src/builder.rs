@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
+use fred::types::config::UnresponsiveConfig;
 
 use crate::batch::Batching;
 use crate::connection::{self, Connection, DEFAULT_TIMEOUT};
@@ -102,12 +103,35 @@ impl RedisLimiterBuilder {
         }
         let (mut builder, cluster) = connection::builder(&self.url, self.reconnect_delay)?;
         builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
-        builder.with_connection_config(|c| c.connection_timeout = self.timeout.max(Duration::from_secs(1)));
+        builder.with_connection_config(|c| {
+            c.connection_timeout = self.timeout.max(Duration::from_secs(1));
+            // The commands of a new connection (`HELLO`, `CLUSTER SLOTS`…), 10 s by default:
+            // a reconnection to a primary that still accepts connections without answering
+            // would hold the others back that long.
+            c.internal_command_timeout = c.connection_timeout;
+            c.unresponsive = unresponsive(self.timeout);
+        });
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
         pool.init().await.map_err(RedisError::Connect)?;
         let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster));
         scripts.load().await?;
         Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
+    }
+}
+
+/// When a connection counts as dead although it is still open: a command of it unanswered
+/// for the deadline and at least a second, checked four times as often. fred then closes it
+/// and connects again, asking the sentinels for the primary or the cluster for its slots
+/// again. Without it, a primary that stops answering without closing its connections (a
+/// frozen process, a host gone, a network partition) keeps every connection to it after a
+/// failover has promoted another one, and every decision times out until TCP gives up,
+/// minutes later. Every command of the limiter is timed out by fred at the deadline first,
+/// so none in flight is written again on the new connection.
+fn unresponsive(timeout: Duration) -> UnresponsiveConfig {
+    let max_timeout = timeout.max(Duration::from_secs(1));
+    UnresponsiveConfig {
+        max_timeout: Some(max_timeout),
+        interval: (max_timeout / 4).max(Duration::from_millis(10)),
     }
 }
 
