@@ -772,3 +772,66 @@ mod failover {
         );
     }
 }
+
+mod prefix {
+    use std::time::Duration;
+
+    use fluxgate::core::{Engine, FailurePolicy, RequestContext, RuleError};
+    use fluxgate::redis::RedisLimiter;
+
+    use crate::support::app::rules;
+    use crate::support::backend::check;
+    use crate::support::redis::{Redis, Servers};
+
+    /// A fixed window of two bands: two keys, which share the rule's hash tag.
+    const TWO_BANDS: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        algorithm: fixed_window
+        bands:
+          - { capacity: 2, window: 1h, label: hour }
+          - { capacity: 5, window: 1d, label: day }
+"#;
+
+    /// A key prefix holding an empty hash tag (`{}`) makes Redis hash every key whole: the
+    /// two band keys of a rule lie in two slots. Such a rule is refused when the rules load;
+    /// it used to fail every call (`CROSSSLOT`), and `fail_open` admitted every request.
+    /// Rules of one key still count.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_prefix_with_an_empty_hash_tag_refuses_a_rule_of_several_keys() {
+        let redis = Redis::start(Servers::shared_cluster()).await;
+        let limiter = RedisLimiter::builder(redis.url())
+            .prefix("empty{}tag")
+            .timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .expect("the test cluster takes connections");
+        let error = Engine::builder(rules(TWO_BANDS))
+            .limiter(limiter.clone())
+            .build()
+            .expect_err("two band keys in two slots");
+        assert!(matches!(error, RuleError::Unsupported { .. }), "{error}");
+        assert!(error.to_string().contains("empty{}tag"), "{error}");
+        let one_band = TWO_BANDS.replace("          - { capacity: 5, window: 1d, label: day }\n", "");
+        let engine = Engine::builder(rules(&one_band))
+            .limiter(limiter)
+            .on_backend_failure(FailurePolicy::FailOpen)
+            .build()
+            .expect("a rule of one key");
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.9".parse().expect("an address"))
+            .build();
+        let admitted: Vec<bool> = {
+            let mut out = Vec::new();
+            for _ in 0..4 {
+                let d = check(&engine, &ctx).await;
+                assert!(!d.failed_open, "{d:?}");
+                out.push(d.allowed());
+            }
+            out
+        };
+        assert_eq!(admitted, [true, true, false, false]);
+    }
+}

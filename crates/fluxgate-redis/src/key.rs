@@ -23,6 +23,14 @@ pub(crate) fn rule_key(prefix: &str, rule_set: &str, rule: &Rule, key: &str) -> 
     out
 }
 
+/// Whether Redis Cluster hashes the keys made with `prefix` whole: their first `{` (the
+/// prefix's) is followed at once by a `}`, an empty hash tag, so the keys of one rule do not
+/// share a slot. Any other prefix leaves every key of a rule one tag (the rule's, or one
+/// that begins in the prefix).
+pub(crate) fn hashes_whole(prefix: &str) -> bool {
+    prefix.find('{').is_some_and(|open| prefix[open + 1..].starts_with('}'))
+}
+
 /// What names a band among its rule's, `<band>:<capacity>/<window>`, into `out`: a band
 /// whose name, capacity or window changes is another band, which starts full. A
 /// token-bucket rule's key holds its layout, its bands' tags joined by commas, then `|`,
@@ -111,6 +119,20 @@ mod tests {
         let slot = fred::util::redis_keyslot;
         assert_eq!(slot(key.as_bytes()), slot(b"api:r:ip=1"));
         assert_eq!(slot(format!("{key}:fw").as_bytes()), slot(key.as_bytes()));
+    }
+
+    #[test]
+    fn only_an_empty_hash_tag_in_the_prefix_hashes_keys_whole() {
+        for prefix in ["app{}", "{}", "a{}b{c}", "x}{}"] {
+            assert!(hashes_whole(prefix), "{prefix}");
+        }
+        for prefix in ["fluxgate", "a{", "a{b}", "}{x}", "a}{", "a{b{}"] {
+            assert!(!hashes_whole(prefix), "{prefix}");
+        }
+        // As Redis finds the tag: `a{b{}` → `b{`, shared by the rule's keys.
+        let slot = |k: &str| fred::util::redis_keyslot(k.as_bytes());
+        assert_eq!(slot("a{b{}:{s:r:k}:x:fw"), slot("a{b{}:{s:r:k}:y:fw"));
+        assert_ne!(slot("app{}:{s:r:k}:x:1/1s:fw"), slot("app{}:{s:r:k}:y:1/1s:fw"));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
-use fluxgate_core::{BoxError, MaybeReady, Rule, RuleError, RuleSet};
+use fluxgate_core::{Algorithm, BoxError, MaybeReady, Rule, RuleError, RuleSet};
 use fred::clients::Client;
 
 use crate::band;
@@ -15,6 +15,7 @@ use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
+use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
 use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
@@ -236,10 +237,34 @@ impl RateLimiter for RedisLimiter {
         })
     }
 
+    /// Also refuses, on a cluster whose key prefix holds an empty hash tag (`{}`: Redis then
+    /// hashes every key whole), a rule of several keys (several bands of an algorithm other
+    /// than the token bucket): its keys would lie in several hash slots, and every call
+    /// deciding them would fail (`CROSSSLOT`), leaving every request to the failure policy.
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        let hashed_whole = self.connection().is_cluster() && key::hashes_whole(&self.inner.prefix);
         for rule in set.rules() {
             for band in rule.bands().iter() {
                 band::check(set.id(), rule, band)?;
+            }
+            let keys = if rule.algorithm() == Algorithm::TokenBucket {
+                1
+            } else {
+                rule.bands().len()
+            };
+            if let (true, Some(band)) = (hashed_whole && keys > 1, rule.bands().get(1)) {
+                return Err(RuleError::Unsupported {
+                    backend: "redis",
+                    rule_set: set.id().to_string(),
+                    rule: rule.id().to_string(),
+                    band: band.name().to_string(),
+                    message: format!(
+                        "the key prefix `{}` holds an empty hash tag (`{{}}`), so Redis Cluster hashes each key \
+                         whole and this rule's {keys} band keys would lie in different hash slots; use a prefix \
+                         without `{{}}`, or one band per rule",
+                        self.inner.prefix
+                    ),
+                });
             }
         }
         Ok(())
