@@ -168,8 +168,9 @@ impl Batcher {
     /// As [`Scripts::decide`]; [`RedisError::Interrupted`] when the call's task ended
     /// without an answer (its runtime shut down).
     pub(crate) async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
-        if keys.len() >= MAX_KEYS {
-            // More keys than a batch's header can count: a call of its own (a future of its
+        if keys.len() >= MAX_KEYS || self.shared.scripts.migrating(&keys) {
+            // More keys than a batch's header can count, or a cluster's slot found
+            // migrating (its calls go in a transaction): a call of its own (a future of its
             // own, rarely made, that this one does not hold).
             return Box::pin(self.shared.scripts.decide(keys, args)).await;
         }

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use fred::interfaces::ClientLike;
 use fred::types::config::UnresponsiveConfig;
+use futures_util::future::join_all;
 
 use crate::batch::Batching;
 use crate::connection::{self, Connection, DEFAULT_TIMEOUT};
@@ -112,8 +113,20 @@ impl RedisLimiterBuilder {
             c.unresponsive = unresponsive(self.timeout);
         });
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
-        pool.init().await.map_err(RedisError::Connect)?;
-        let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster));
+        // Each client's connection task is kept, to be started again if it ends
+        // ([`Connection::revive`]).
+        let tasks = join_all(pool.clients().iter().map(ClientLike::init)).await;
+        let tasks = match tasks.into_iter().collect::<Result<Vec<_>, _>>() {
+            Ok(tasks) => tasks,
+            Err(e) => {
+                // The clients connected are of no use without the others.
+                for client in pool.clients() {
+                    let _ = client.quit().await;
+                }
+                return Err(RedisError::Connect(e));
+            }
+        };
+        let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster).with_tasks(tasks));
         scripts.load().await?;
         Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
     }

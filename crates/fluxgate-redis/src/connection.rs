@@ -1,12 +1,13 @@
 //! The connections to Redis and the deadline of every command sent through them.
 
 use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
 use fred::types::config::{ReconnectPolicy, ServerConfig};
-use fred::types::Builder;
+use fred::types::{Builder, ConnectHandle};
 
 use crate::error::RedisError;
 use crate::url::{parse_url, redact};
@@ -40,6 +41,9 @@ pub(crate) struct Connection {
     /// The timeout fred applies to every command of these clients, when the crate set it.
     fred_timeout: Option<Duration>,
     cluster: bool,
+    /// The connection task of each client of a pool the crate connected, in the pool's
+    /// order (see [`Connection::revive`]).
+    tasks: Option<Arc<Mutex<Vec<ConnectHandle>>>>,
 }
 
 #[derive(Clone)]
@@ -57,6 +61,36 @@ impl Connection {
             timeout,
             fred_timeout: (!timeout.is_zero()).then_some(timeout),
             cluster,
+            tasks: None,
+        }
+    }
+
+    /// The same connections, whose clients' connection tasks (in the pool's order) the
+    /// crate started: [`Connection::revive`] starts one again when it ends.
+    pub(crate) fn with_tasks(mut self, tasks: Vec<ConnectHandle>) -> Self {
+        self.tasks = Some(Arc::new(Mutex::new(tasks)));
+        self
+    }
+
+    /// Starts again the connection task of any client of the pool whose task ended. fred
+    /// ends a client's task on some errors of its own (on a cluster, when it gives up
+    /// following `ASK`, see `docs/redis.md`), and does not start it again: every later
+    /// command of that client would wait in vain for its deadline, and the failure policy
+    /// would answer a share of the decisions for as long as the process runs. Called after
+    /// a failed call; a client the application connected is its own.
+    pub(crate) fn revive(&self) {
+        let (Some(tasks), Clients::Pool(pool)) = (&self.tasks, &self.clients) else {
+            return;
+        };
+        let mut tasks = tasks.lock().unwrap_or_else(PoisonError::into_inner);
+        for (task, client) in tasks.iter_mut().zip(pool.clients()) {
+            if task.is_finished() {
+                tracing::warn!(
+                    client = %client.id(),
+                    "a Redis client's connection task ended; connecting it again"
+                );
+                *task = client.connect();
+            }
         }
     }
 
@@ -68,6 +102,7 @@ impl Connection {
             timeout: DEFAULT_TIMEOUT,
             fred_timeout: None,
             cluster,
+            tasks: None,
         }
     }
 
@@ -116,11 +151,13 @@ impl Connection {
         bound: Duration,
         command: impl Future<Output = Result<T, fred::error::Error>>,
     ) -> Result<T, RedisError> {
-        match tokio::time::timeout(bound, command).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(RedisError::Command(e)),
-            Err(_) => Err(RedisError::Timeout(self.timeout)),
-        }
+        let result = match tokio::time::timeout(bound, command).await {
+            Ok(Ok(value)) => return Ok(value),
+            Ok(Err(e)) => RedisError::Command(e),
+            Err(_) => RedisError::Timeout(self.timeout),
+        };
+        self.revive();
+        Err(result)
     }
 }
 

@@ -19,7 +19,7 @@ use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
 use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
-use crate::script::{missing_script, Scripts};
+use crate::script::{decided_again, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
 #[derive(Clone)]
@@ -194,7 +194,7 @@ impl RateLimiter for RedisLimiter {
                         // the first time), then decided within the rest of the deadline. A
                         // future of its own, rarely made: this one, which every request
                         // allocates, does not hold it.
-                        Err(e) if missing_script(&e) => {
+                        Err(e) if decided_again(&e, cluster) => {
                             Box::pin(async {
                                 let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
                                 let mut calls = encode(&request, &inner.prefix, cluster)?;
@@ -202,7 +202,7 @@ impl RateLimiter for RedisLimiter {
                                     return Err(BoxError::from(e));
                                 };
                                 drop(calls);
-                                Ok(inner.scripts.decide_again(keys, &args, remaining).await?)
+                                Ok(inner.scripts.decide_again(keys, &args, remaining, &e).await?)
                             })
                             .await?
                         }

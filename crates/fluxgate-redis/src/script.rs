@@ -3,12 +3,15 @@
 //! rest of it.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use fred::clients::Client;
 use fred::error::ErrorKind;
-use fred::interfaces::LuaInterface;
+use fred::interfaces::{ClientLike, LuaInterface, TransactionInterface};
 use fred::types::scripts::Script;
-use fred::types::{Key, Value};
+use fred::types::{ClusterHash, CustomCommand, Key, Value};
 
 use crate::connection::Connection;
 use crate::error::RedisError;
@@ -45,6 +48,23 @@ pub(crate) fn missing_script(error: &RedisError) -> bool {
     matches!(error, RedisError::Command(e) if e.details().starts_with("NOSCRIPT"))
 }
 
+/// Whether fred could not take a call to its node: on a cluster, a slot being migrated
+/// answers `ASK` for a key it no longer holds, and fred 10 sends `ASKING` to the slot's new
+/// node but the call again to the old one, until it gives up. No node ran the call.
+fn lost_redirection(error: &RedisError) -> bool {
+    matches!(error, RedisError::Command(e) if *e.kind() == ErrorKind::Routing)
+}
+
+/// Whether a decision call that failed with `error` is made again on its own within the
+/// rest of the deadline ([`Scripts::decide_again`]): after `NOSCRIPT`; on a cluster, after
+/// a redirection fred did not follow, and after `TRYAGAIN` (a call of several keys of a
+/// migrating slot, some moved already: a batch's, or a rule's bands'), which no node ran
+/// either. Alone, a request of one key is run where its key is.
+pub(crate) fn decided_again(error: &RedisError, cluster: bool) -> bool {
+    let try_again = matches!(error, RedisError::Command(e) if e.details().starts_with("TRYAGAIN"));
+    missing_script(error) || (cluster && (lost_redirection(error) || try_again))
+}
+
 /// The scripts and the connections they run on.
 pub(crate) struct Scripts {
     connection: Connection,
@@ -53,6 +73,52 @@ pub(crate) struct Scripts {
     token_buckets: Script,
     refund: Script,
     batch: Script,
+    migrating: Migrating,
+}
+
+/// The hash slots of a cluster found migrating (a call of theirs failed with a redirection
+/// fred did not follow), each until an instant: their calls go in a transaction
+/// ([`asking`]) meanwhile, not as commands of their own, which fred would send to the
+/// slot's old node until it gave up and ended its client's connection task.
+#[derive(Default)]
+struct Migrating {
+    /// How many slots are listed: what a call of another slot reads, and no lock.
+    count: AtomicUsize,
+    slots: Mutex<Vec<(u16, Instant)>>,
+}
+
+impl Migrating {
+    /// How long a slot found migrating is taken as migrating: then one call of its own
+    /// finds out again.
+    const FOR: Duration = Duration::from_secs(5);
+
+    fn lock(&self) -> MutexGuard<'_, Vec<(u16, Instant)>> {
+        self.slots.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lists the slot of `key` from now.
+    fn found(&self, key: &str) {
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let now = Instant::now();
+        let mut slots = self.lock();
+        slots.retain(|&(s, end)| s != slot && end > now);
+        slots.push((slot, now + Self::FOR));
+        self.count.store(slots.len(), Ordering::Relaxed);
+    }
+
+    /// Whether the slot of `key` is listed.
+    fn holds(&self, key: Option<&String>) -> bool {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return false;
+        }
+        let Some(key) = key else { return false };
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let now = Instant::now();
+        let mut slots = self.lock();
+        slots.retain(|&(_, end)| end > now);
+        self.count.store(slots.len(), Ordering::Relaxed);
+        slots.iter().any(|&(s, _)| s == slot)
+    }
 }
 
 impl Scripts {
@@ -65,7 +131,14 @@ impl Scripts {
             token_buckets: Script::from_lua(TOKEN_BUCKETS_LUA),
             refund: Script::from_lua(REFUND_LUA),
             batch: Script::from_lua(BATCH_LUA),
+            migrating: Migrating::default(),
         }
+    }
+
+    /// Whether the hash slot of `keys` was found migrating lately: its calls then go in a
+    /// transaction of their own ([`Scripts::decide`]), not in a batch.
+    pub(crate) fn migrating(&self, keys: &Keys) -> bool {
+        self.migrating.holds(keys.first())
     }
 
     /// Loads the scripts (on every primary of a cluster).
@@ -110,6 +183,11 @@ impl Scripts {
     pub(crate) async fn decide(&self, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         let (script, argv) = self.decision(args);
         let timeout = self.connection.timeout();
+        if self.migrating(&keys) {
+            let call = Box::pin(asking_again(self.connection.next(), script, keys, argv));
+            let reply = self.connection.within(timeout, call).await?;
+            return Self::read(args, &numbers(reply)?);
+        }
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
         let call = Box::pin(self.connection.next().evalsha::<Value, _, _, _>(
@@ -121,9 +199,14 @@ impl Scripts {
         Self::read(args, &numbers(reply)?)
     }
 
-    /// A decision call after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`): loads the
-    /// script and sends the call again, both within `remaining`, what is left of the
-    /// deadline.
+    /// A decision call after `error` ([`decided_again`]), made again within `remaining`,
+    /// what is left of the deadline:
+    /// - after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`), the script loaded, then
+    ///   the call;
+    /// - on a cluster, after a redirection fred did not follow (its slot migrating, `ASK`)
+    ///   or `TRYAGAIN`, the call alone in a transaction ([`asking`]), which fred sends
+    ///   after `ASKING` to the slot's new node; the slot's calls go so for a while
+    ///   ([`Scripts::migrating`]).
     ///
     /// # Errors
     ///
@@ -133,16 +216,25 @@ impl Scripts {
         keys: Keys,
         args: &DecideArgs,
         remaining: Duration,
+        error: &RedisError,
     ) -> Result<Reply, RedisError> {
         let (script, argv) = self.decision(args);
         let client = self.connection.next();
-        let again = async {
-            script.load(client).await?;
-            client
-                .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
-                .await
+        let reply = if missing_script(error) {
+            let again = async {
+                script.load(client).await?;
+                client
+                    .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
+                    .await
+            };
+            self.connection.within(remaining, Box::pin(again)).await?
+        } else {
+            if let Some(key) = keys.first() {
+                self.migrating.found(key);
+            }
+            let again = asking_again(client, script, keys, argv);
+            self.connection.within(remaining, Box::pin(again)).await?
         };
-        let reply = self.connection.within(remaining, Box::pin(again)).await?;
         Self::read(args, &numbers(reply)?)
     }
 
@@ -155,9 +247,9 @@ impl Scripts {
     pub(crate) async fn decide_kept(&self, keys: &[String], args: &DecideArgs) -> Result<Reply, RedisError> {
         let start = Instant::now();
         match self.decide(Keys::from(keys), args).await {
-            Err(e) if missing_script(&e) => {
+            Err(e) if decided_again(&e, self.connection.is_cluster()) => {
                 let remaining = self.connection.timeout().saturating_sub(start.elapsed());
-                self.decide_again(Keys::from(keys), args, remaining).await
+                self.decide_again(Keys::from(keys), args, remaining, &e).await
             }
             result => result,
         }
@@ -212,11 +304,13 @@ impl Scripts {
     ) -> Result<T, RedisError> {
         let timeout = self.connection.timeout();
         if self.connection.fred_keeps_the_deadline() {
-            match call.await {
-                Ok(reply) => Ok(reply),
-                Err(e) if *e.kind() == ErrorKind::Timeout => Err(RedisError::Timeout(timeout)),
-                Err(e) => Err(RedisError::Command(e)),
-            }
+            let error = match call.await {
+                Ok(reply) => return Ok(reply),
+                Err(e) if *e.kind() == ErrorKind::Timeout => RedisError::Timeout(timeout),
+                Err(e) => RedisError::Command(e),
+            };
+            self.connection.revive();
+            Err(error)
         } else {
             self.connection.within(bound, call).await
         }
@@ -354,6 +448,47 @@ fn refund_mark(key: &str, cluster: bool) -> Option<String> {
 /// The keys of a call as fred sends them: one vector, made here rather than from another.
 fn fred_keys(keys: Keys) -> Vec<Key> {
     keys.into_iter().map(Key::from).collect()
+}
+
+/// [`asking`], and again after loading the script when the node lacked it (a node new to
+/// the cluster, which the scripts were not loaded on).
+async fn asking_again(
+    client: &Client,
+    script: &Script,
+    keys: Keys,
+    argv: Vec<Value>,
+) -> Result<Value, fred::error::Error> {
+    match asking(client, script, keys.clone(), argv.clone()).await {
+        Err(e) if e.details().starts_with("NOSCRIPT") => {
+            script.load(client).await?;
+            asking(client, script, keys, argv).await
+        }
+        result => result,
+    }
+}
+
+/// `EVALSHA` of `script` alone in a transaction, in the hash slot of its first key: fred
+/// follows a cluster's `ASK` for a transaction (it sends `ASKING`, then the transaction, to
+/// the slot's new node), where for a command of its own it sends the command to the old
+/// node again. The call's reply, from `EXEC`'s.
+async fn asking(client: &Client, script: &Script, keys: Keys, argv: Vec<Value>) -> Result<Value, fred::error::Error> {
+    let slot = keys.first().map_or(0, |key| fred::util::redis_keyslot(key.as_bytes()));
+    let mut args: Vec<Value> = Vec::with_capacity(2 + keys.len() + argv.len());
+    args.push(Value::from(script.sha1().clone()));
+    args.push(Value::Integer(i64::try_from(keys.len()).unwrap_or(i64::MAX)));
+    args.extend(keys.into_iter().map(Value::from));
+    args.extend(argv);
+    let transaction = client.multi();
+    transaction
+        .custom::<(), _>(CustomCommand::new("EVALSHA", ClusterHash::Custom(slot), false), args)
+        .await?;
+    match transaction.exec::<Value>(true).await? {
+        Value::Array(mut replies) if replies.len() == 1 => Ok(replies.swap_remove(0)),
+        other => Err(fred::error::Error::new(
+            ErrorKind::Protocol,
+            format!("a transaction of one call answered {other:?}"),
+        )),
+    }
 }
 
 /// The numbers of a decision script's reply (an array of integers), read in place: no
