@@ -221,62 +221,42 @@ pub(crate) struct RedisCluster {
 
 impl RedisCluster {
     pub(crate) fn start() -> Self {
-        let mut nodes = Vec::new();
-        for _ in 0..3 {
-            nodes.push(RedisServer::start_with(&[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-node-timeout",
-                "5000",
-            ]));
-        }
-        let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
-        let out = Command::new("redis-cli")
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .expect("redis-cli --cluster create");
-        assert!(
-            out.status.success(),
-            "cluster create failed: {}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        let cluster = Self { nodes };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !cluster
-            .nodes
-            .iter()
-            .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"))
-        {
-            assert!(Instant::now() < deadline, "the cluster did not reach cluster_state:ok");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        cluster
+        let nodes = (0..3)
+            .map(|_| RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]))
+            .collect();
+        Self::create(nodes, 0, Duration::from_secs(20))
     }
 
     /// Three primaries, each with a replica that takes over 1 s after its primary stops
     /// answering (`cluster-node-timeout 1000`, whatever the replica's lag). Returns once
     /// every replica is in sync.
     pub(crate) fn start_with_replicas() -> Self {
-        let mut nodes = Vec::new();
-        for _ in 0..6 {
-            nodes.push(RedisServer::start_with(&[
-                "--cluster-enabled",
-                "yes",
-                "--cluster-node-timeout",
-                "1000",
-                "--repl-diskless-sync-delay",
-                "0",
-                "--cluster-replica-validity-factor",
-                "0",
-            ]));
-        }
+        let nodes = (0..6)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "1000",
+                    "--repl-diskless-sync-delay",
+                    "0",
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ])
+            })
+            .collect();
+        Self::create(nodes, 1, Duration::from_secs(30))
+    }
+
+    /// Makes a cluster of `nodes` with `replicas` replicas per primary (`redis-cli --cluster
+    /// create`); returns once every node reports `cluster_state:ok` and every replica is in
+    /// sync, within `within`.
+    fn create(nodes: Vec<RedisServer>, replicas: usize, within: Duration) -> Self {
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let out = Command::new("redis-cli")
             .args(["--cluster", "create"])
             .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .expect("redis-cli --cluster create");
         assert!(
@@ -285,22 +265,28 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stdout)
         );
         let cluster = Self { nodes };
-        let deadline = Instant::now() + Duration::from_secs(30);
+        let replica_count = cluster.nodes.len() * replicas / (replicas + 1);
+        let deadline = Instant::now() + within;
         loop {
             let ok = cluster
                 .nodes
                 .iter()
                 .all(|n| n.cli(&["CLUSTER", "INFO"]).contains("cluster_state:ok"));
-            let synced = cluster
-                .nodes
-                .iter()
-                .filter(|n| n.cli(&["INFO", "replication"]).contains("master_link_status:up"))
-                .count();
-            if ok && synced == 3 {
+            let synced = replica_count == 0
+                || cluster
+                    .nodes
+                    .iter()
+                    .filter(|n| n.cli(&["INFO", "replication"]).contains("master_link_status:up"))
+                    .count()
+                    == replica_count;
+            if ok && synced {
                 return cluster;
             }
-            assert!(Instant::now() < deadline, "the cluster's replicas did not sync");
-            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not reach cluster_state:ok with its replicas in sync"
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 
