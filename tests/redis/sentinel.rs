@@ -2,12 +2,14 @@
 //! without restarting the application (the client follows the new primary and reloads the
 //! script on `NOSCRIPT`).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisSentinels;
-use fluxgate::core::{Engine, FailurePolicy, RequestContext};
-use fluxgate::redis::RedisLimiter;
+use fluxgate::core::reload::ReloadingRuleSetProvider;
+use fluxgate::core::{Engine, FailurePolicy, RequestContext, RuleSetSpec};
+use fluxgate::redis::{RedisLimiter, RedisRuleSetStore, RuleAdmin, RuleChangeListener};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_resume_after_a_failover() {
@@ -103,5 +105,83 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
     assert!(
         resumed <= promoted + Duration::from_secs(3),
         "decisions resumed {resumed:?} after the freeze, the replica promoted after {promoted:?}"
+    );
+}
+
+/// A rule change listener follows a failover from a primary that stops answering without
+/// closing its connections: a heartbeat left unanswered counts its subscription's
+/// connection as dead, the client asks the sentinels for the new primary, subscribes there
+/// and reloads everything, so that a change made on the new primary comes into force.
+/// Before, the subscription stayed on the frozen primary and no change reached the instance
+/// until TCP gave up, minutes later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_follows_a_failover_from_a_frozen_primary() {
+    let sentinels = RedisSentinels::start();
+    let url = sentinels.url();
+    let spec = |capacity: u64| -> RuleSetSpec {
+        serde_json::from_str(&format!(
+            r#"{{"id": "api", "rules": [{{"id": "per-ip", "bands": [{{"capacity": {capacity}, "window": "1h"}}]}}]}}"#
+        ))
+        .expect("a rule set spec")
+    };
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec(10)).await.expect("put");
+    let provider = Arc::new(ReloadingRuleSetProvider::new(
+        store.load_rule_sets().await.expect("first load"),
+    ));
+    let capacity = || {
+        provider
+            .rule_sets()
+            .get("api")
+            .map(|s| s.rules()[0].bands()[0].capacity())
+    };
+    let _listener = RuleChangeListener::builder(provider.clone(), store.clone())
+        .subscribe(&url)
+        .await
+        .expect("subscribe through the sentinels");
+
+    let old = sentinels.primary.port();
+    sentinels.primary.signal("-STOP");
+    let start = Instant::now();
+    while sentinels.primary_port().is_none_or(|p| p == old) {
+        if start.elapsed() > Duration::from_secs(30) {
+            sentinels.primary.signal("-CONT");
+            panic!("the sentinels promoted no replica within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let promoted = start.elapsed();
+    // A change made on the new primary, through a store connected after the promotion.
+    let changed = Instant::now();
+    let admin = loop {
+        match RedisRuleSetStore::connect(&url).await {
+            Ok(store) => break RuleAdmin::new(store),
+            Err(error) if changed.elapsed() < Duration::from_secs(10) => {
+                eprintln!("no store on the new primary yet: {error}");
+            }
+            Err(error) => {
+                sentinels.primary.signal("-CONT");
+                panic!("no store on the new primary within 10 s: {error}");
+            }
+        }
+    };
+    while let Err(error) = admin.put(&spec(3)).await {
+        if changed.elapsed() > Duration::from_secs(10) {
+            sentinels.primary.signal("-CONT");
+            panic!("the new primary took no change within 10 s: {error}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    while capacity() != Some(3) {
+        if changed.elapsed() > Duration::from_secs(30) {
+            sentinels.primary.signal("-CONT");
+            panic!("the change on the new primary did not reach the listener within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sentinels.primary.signal("-CONT");
+    eprintln!(
+        "sentinel: promoted {promoted:?} after the freeze; the change was in force {:?} after it was made",
+        changed.elapsed()
     );
 }

@@ -3,7 +3,6 @@
 use std::time::Duration;
 
 use fred::interfaces::ClientLike;
-use fred::types::config::UnresponsiveConfig;
 use futures_util::future::join_all;
 
 use crate::batch::Batching;
@@ -110,7 +109,10 @@ impl RedisLimiterBuilder {
             // a reconnection to a primary that still accepts connections without answering
             // would hold the others back that long.
             c.internal_command_timeout = c.connection_timeout;
-            c.unresponsive = unresponsive(self.timeout);
+            // A connection with a command unanswered for the deadline (a second at least)
+            // counts as dead. Every command of the limiter is timed out by fred at the
+            // deadline first, so none in flight is written again on the new connection.
+            c.unresponsive = connection::unresponsive(c.connection_timeout);
         });
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
         // Each client's connection task is kept, to be started again if it ends
@@ -129,22 +131,6 @@ impl RedisLimiterBuilder {
         let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster).with_tasks(tasks));
         scripts.load().await?;
         Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
-    }
-}
-
-/// When a connection counts as dead although it is still open: a command of it unanswered
-/// for the deadline and at least a second, checked four times as often. fred then closes it
-/// and connects again, asking the sentinels for the primary or the cluster for its slots
-/// again. Without it, a primary that stops answering without closing its connections (a
-/// frozen process, a host gone, a network partition) keeps every connection to it after a
-/// failover has promoted another one, and every decision times out until TCP gives up,
-/// minutes later. Every command of the limiter is timed out by fred at the deadline first,
-/// so none in flight is written again on the new connection.
-fn unresponsive(timeout: Duration) -> UnresponsiveConfig {
-    let max_timeout = timeout.max(Duration::from_secs(1));
-    UnresponsiveConfig {
-        max_timeout: Some(max_timeout),
-        interval: (max_timeout / 4).max(Duration::from_millis(10)),
     }
 }
 

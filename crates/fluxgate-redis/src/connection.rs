@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
-use fred::types::config::{ReconnectPolicy, ServerConfig};
+use fred::types::config::{ReconnectPolicy, ServerConfig, UnresponsiveConfig};
 use fred::types::{Builder, ConnectHandle};
 
 use crate::error::RedisError;
@@ -30,7 +30,30 @@ pub(crate) fn builder(url: &str, reconnect_delay: Duration) -> Result<(Builder, 
     let mut builder = Builder::from_config(config);
     let delay = u32::try_from(reconnect_delay.as_millis()).unwrap_or(u32::MAX).max(1);
     builder.set_policy(ReconnectPolicy::new_constant(0, delay));
+    builder.with_connection_config(|c| {
+        // A command of the rule store's or the rule change listener's unanswered this long
+        // counts its connection as dead (see [`unresponsive`]); the limiter sets its own.
+        c.internal_command_timeout = UNANSWERED;
+        c.unresponsive = unresponsive(UNANSWERED);
+    });
     Ok((builder, cluster))
+}
+
+/// How long a command of the rule store or the rule change listener may go unanswered
+/// before its connection counts as dead.
+pub(crate) const UNANSWERED: Duration = Duration::from_secs(2);
+
+/// When a connection counts as dead although it is still open: a command of it unanswered
+/// for `max_timeout`, checked four times as often. fred then closes it and connects again,
+/// asking the sentinels for the primary or the cluster for its slots again. Without it, a
+/// primary that stops answering without closing its connections (a frozen process, a host
+/// gone, a network partition) keeps every connection to it after a failover has promoted
+/// another one, until TCP gives up, minutes later.
+pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
+    UnresponsiveConfig {
+        max_timeout: Some(max_timeout),
+        interval: (max_timeout / 4).max(Duration::from_millis(10)),
+    }
 }
 
 /// The client or pool the limiter sends its commands through, and their deadline.

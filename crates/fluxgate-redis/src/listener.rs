@@ -23,6 +23,10 @@ use crate::reset::ResetScope;
 /// How often the listener's connection tries to reconnect.
 const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 
+/// How often the listener's connection is sent a `PING`, when the last one was answered
+/// (see `Listen::run`).
+const HEARTBEAT: Duration = Duration::from_secs(1);
+
 /// How long a reset claim lives: listeners that receive the same event later than this
 /// after the first one would reset again.
 const CLAIM_TTL: Duration = Duration::from_secs(10);
@@ -236,7 +240,10 @@ impl RuleChangeListenerBuilder {
     /// Subscribes with `client`, a connected client used for nothing else (a subscribed
     /// connection takes no other command), and starts listening on the caller's tokio
     /// runtime. Give the client a reconnect policy: the listener reloads everything and
-    /// subscribes again after each reconnection.
+    /// subscribes again after each reconnection. The listener keeps a `PING` in flight on
+    /// it; with fred's `ConnectionConfig::unresponsive` set, as [`subscribe`](Self::subscribe)
+    /// sets it, a primary that stops answering without closing the connection is then left
+    /// for the new one after a failover.
     ///
     /// # Errors
     ///
@@ -344,9 +351,28 @@ impl Listen {
         // twice as long each time up to RETRY_MOST, until it succeeds: the instance never
         // stays on the rules it had when a change reached it, nor deaf to the next ones.
         let mut retry = Retry::default();
+        // A subscribed connection receives without asking, so that nothing tells a primary
+        // that stopped answering without closing it (frozen, gone, cut off) from a quiet
+        // channel. A `PING` kept in flight on it, the next one only once it is answered,
+        // goes unanswered there: fred counts the connection dead and connects again (to the
+        // new primary after a failover), and the listener subscribes and reloads everything.
+        let mut heartbeat = tokio::time::interval(HEARTBEAT);
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ping: Option<tokio::task::JoinHandle<()>> = None;
         loop {
             let due = retry.at;
             let outcome = tokio::select! {
+                _ = heartbeat.tick() => {
+                    if ping.as_ref().is_none_or(tokio::task::JoinHandle::is_finished) {
+                        let client = self.client.clone();
+                        // Its reply does not matter. A task of its own, not to hold the
+                        // events back while it waits.
+                        ping = Some(tokio::spawn(async move {
+                            let _ = client.ping::<fred::types::Value>(None).await;
+                        }));
+                    }
+                    continue;
+                }
                 message = messages.recv() => match message {
                     Ok(message) if *message.channel == *self.channel => {
                         let bytes = message.value.as_bytes().map(<[u8]>::to_vec);
