@@ -1437,6 +1437,47 @@ mod tests {
         }
     }
 
+    /// A rule reloaded with a lower cost per request keeps its counters (the cost is not
+    /// part of their identity): a bucket its clients exhausted before, now counting 1024
+    /// requests of the new cost, still outranks a flood of made-up keys counting two each.
+    ///
+    /// Ignored: it fails for every algorithm. A token or leaky bucket keeps the interval
+    /// class, and a window state the weight, of the cost it was last written under (a log
+    /// the one it was created under), and a refused request writes nothing: ranked 1024
+    /// times too low, the exhausted bucket goes first and comes back full.
+    #[test]
+    #[ignore = "fails: a kept state is ranked by the rule's cost before the reload"]
+    fn a_bucket_kept_across_a_cost_change_is_ranked_by_the_new_cost() {
+        let mut evicted = Vec::new();
+        for algorithm in crate::rule::Algorithm::ALL {
+            let before = one_band_costing(algorithm, 1024, 60, 1024);
+            let after = one_band_costing(algorithm, 1024, 60, 1);
+            assert_eq!(before.bands()[0].ident(), after.bands()[0].ident());
+            let flood = one_band(algorithm, 1000, 86_400);
+            let clock = ManualClock::new(1_000_000_000);
+            let limiter = MemoryLimiter::builder()
+                .shards(1)
+                .max_keys(1_000)
+                .clock(clock.clone())
+                .build();
+            assert!(limiter.acquire_now(&request(&before, "victim")).allowed);
+            assert!(!limiter.acquire_now(&request(&after, "victim")).allowed);
+            for i in 0..5_000 {
+                clock.advance(Duration::from_micros(1));
+                for _ in 0..2 {
+                    assert!(limiter.acquire_now(&request(&flood, &format!("k{i}"))).allowed);
+                }
+            }
+            if limiter.acquire_now(&request(&after, "victim")).allowed {
+                evicted.push(algorithm);
+            }
+        }
+        assert!(
+            evicted.is_empty(),
+            "{evicted:?}: the bucket exhausted before the cost changed was evicted and came back full"
+        );
+    }
+
     /// A window's state holds its rule's weight beside the variant's tag: no larger than
     /// without it.
     #[test]
