@@ -101,19 +101,13 @@ impl RedisLimiterBuilder {
                          failure policy (no deadline is not an option: give one of at least 1ms)",
             });
         }
-        let (mut builder, cluster) = connection::builder(&self.url, self.reconnect_delay)?;
+        // A connection with a command unanswered for the deadline (a second at least)
+        // counts as dead. Every command of the limiter is timed out by fred at the deadline
+        // first, so none in flight is written again on the new connection.
+        let unanswered = self.timeout.max(Duration::from_secs(1));
+        let (mut builder, cluster) = connection::builder(&self.url, self.reconnect_delay, unanswered)?;
         builder.with_performance_config(|p| p.default_command_timeout = self.timeout);
-        builder.with_connection_config(|c| {
-            c.connection_timeout = self.timeout.max(Duration::from_secs(1));
-            // The commands of a new connection (`HELLO`, `CLUSTER SLOTS`…), 10 s by default:
-            // a reconnection to a primary that still accepts connections without answering
-            // would hold the others back that long.
-            c.internal_command_timeout = c.connection_timeout;
-            // A connection with a command unanswered for the deadline (a second at least)
-            // counts as dead. Every command of the limiter is timed out by fred at the
-            // deadline first, so none in flight is written again on the new connection.
-            c.unresponsive = connection::unresponsive(c.connection_timeout);
-        });
+        builder.with_connection_config(|c| c.connection_timeout = unanswered);
         let pool = builder.build_pool(self.pool_size).map_err(RedisError::Connect)?;
         // Each client's connection task is kept, to be started again if it ends
         // ([`Connection::revive`]).

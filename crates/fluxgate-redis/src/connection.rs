@@ -16,12 +16,17 @@ use crate::url::{parse_url, redact};
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(50);
 
 /// A client builder for `url` (standalone, Cluster or Sentinel) that reconnects every
-/// `reconnect_delay`, and whether `url` names a cluster.
+/// `reconnect_delay` and counts a connection dead once a command of it has gone
+/// `unanswered` that long (see [`unresponsive`]), and whether `url` names a cluster.
 ///
 /// # Errors
 ///
 /// [`RedisError::Url`] for a URL that cannot be used (shown without its password).
-pub(crate) fn builder(url: &str, reconnect_delay: Duration) -> Result<(Builder, bool), RedisError> {
+pub(crate) fn builder(
+    url: &str,
+    reconnect_delay: Duration,
+    unanswered: Duration,
+) -> Result<(Builder, bool), RedisError> {
     let config = parse_url(url).map_err(|reason| RedisError::Url {
         url: redact(url),
         reason,
@@ -31,17 +36,14 @@ pub(crate) fn builder(url: &str, reconnect_delay: Duration) -> Result<(Builder, 
     let delay = u32::try_from(reconnect_delay.as_millis()).unwrap_or(u32::MAX).max(1);
     builder.set_policy(ReconnectPolicy::new_constant(0, delay));
     builder.with_connection_config(|c| {
-        // A command of the rule store's or the rule change listener's unanswered this long
-        // counts its connection as dead (see [`unresponsive`]); the limiter sets its own.
-        c.internal_command_timeout = UNANSWERED;
-        c.unresponsive = unresponsive(UNANSWERED);
+        // 2 s at most for a new connection's own commands (`HELLO`, `CLUSTER SLOTS`…), not
+        // fred's 10 s: after a failover, a reconnection that reaches the old primary, which
+        // still accepts connections without answering, asks the sentinels again that soon.
+        c.internal_command_timeout = unanswered.min(Duration::from_secs(2));
+        c.unresponsive = unresponsive(unanswered);
     });
     Ok((builder, cluster))
 }
-
-/// How long a command of the rule store or the rule change listener may go unanswered
-/// before its connection counts as dead.
-pub(crate) const UNANSWERED: Duration = Duration::from_secs(2);
 
 /// When a connection counts as dead although it is still open: a command of it unanswered
 /// for `max_timeout`, checked four times as often. fred then closes it and connects again,

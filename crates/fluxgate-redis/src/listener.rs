@@ -23,6 +23,10 @@ use crate::reset::ResetScope;
 /// How often the listener's connection tries to reconnect.
 const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 
+/// How long the listener's `PING` may go unanswered before its connection counts as dead:
+/// its connection carries nothing else but the subscription.
+const UNANSWERED: Duration = Duration::from_secs(2);
+
 /// How often the listener's connection is sent a `PING`, when the last one was answered
 /// (see `Listen::run`).
 const HEARTBEAT: Duration = Duration::from_secs(1);
@@ -231,7 +235,7 @@ impl RuleChangeListenerBuilder {
     /// [`RedisError::Url`], [`RedisError::Connect`], or [`RedisError::Command`] when the
     /// subscription fails.
     pub async fn subscribe(self, url: &str) -> Result<RuleChangeListener, RedisError> {
-        let (builder, _) = connection::builder(url, RECONNECT_DELAY)?;
+        let (builder, _) = connection::builder(url, RECONNECT_DELAY, UNANSWERED)?;
         let client = builder.build().map_err(RedisError::Connect)?;
         client.init().await.map_err(RedisError::Connect)?;
         self.subscribe_with(client).await

@@ -18,6 +18,11 @@ use crate::error::RedisError;
 /// The deadline of each call of the store unless another is given.
 const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
 
+/// How long a call of a store connected from a URL may wait for a reply before its
+/// connection counts as dead and is made again (following a failover from a primary that
+/// stopped answering without closing it): a store deadline beyond it buys nothing.
+const UNANSWERED: Duration = Duration::from_secs(5);
+
 /// How often a store connected from a URL tries to reconnect.
 const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 
@@ -161,7 +166,7 @@ impl RedisRuleSetStore {
     /// [`RedisError::Url`] for a URL that cannot be used, [`RedisError::Connect`] when
     /// Redis cannot be reached.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
-        let (builder, _) = connection::builder(url, RECONNECT_DELAY)?;
+        let (builder, _) = connection::builder(url, RECONNECT_DELAY, UNANSWERED)?;
         let client = builder.build().map_err(RedisError::Connect)?;
         client.init().await.map_err(RedisError::Connect)?;
         Self::new(client)
@@ -215,7 +220,9 @@ impl RedisRuleSetStore {
         &self.connection
     }
 
-    /// The deadline of each call. Default 1 s.
+    /// The deadline of each call. Default 1 s. A store connected from a URL
+    /// ([`connect`](Self::connect)) counts its connection dead once a call has waited 5 s
+    /// for a reply: a longer deadline does not let a call wait longer.
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.connection = self.connection.with_timeout(timeout);
