@@ -959,3 +959,29 @@ rule_sets:
         );
     }
 }
+
+/// A limiter whose scripts Redis will not load (here `SCRIPT` is renamed away) fails to
+/// connect, and leaves no connection behind: its pool's clients are quit, where before
+/// they stayed connected, and reconnecting, for as long as the process ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limiter_whose_scripts_do_not_load_leaves_no_connection() {
+    use std::time::{Duration, Instant};
+
+    use crate::support::servers::RedisServer;
+    use fluxgate::redis::RedisLimiter;
+
+    let server = RedisServer::start_with(&["--rename-command", "SCRIPT", ""]);
+    let connected = RedisLimiter::builder(server.url()).pool_size(3).connect().await;
+    assert!(connected.is_err(), "the scripts cannot be loaded");
+    // `CLIENT LIST` lists the asking `redis-cli` alone once the pool's clients are gone.
+    let clients = || server.cli(&["CLIENT", "LIST"]).lines().count();
+    let start = Instant::now();
+    while clients() > 1 {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{} connections left behind",
+            clients() - 1
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -122,8 +122,14 @@ impl RedisLimiterBuilder {
                 return Err(RedisError::Connect(e));
             }
         };
-        let scripts = Scripts::new(Connection::pool(pool, self.timeout, cluster).with_tasks(tasks));
-        scripts.load().await?;
+        let scripts = Scripts::new(Connection::pool(pool.clone(), self.timeout, cluster).with_tasks(tasks));
+        if let Err(e) = scripts.load().await {
+            // No limiter: its clients would otherwise keep reconnecting for good.
+            for client in pool.clients() {
+                let _ = client.quit().await;
+            }
+            return Err(e);
+        }
         Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
     }
 }
