@@ -19,7 +19,8 @@ use crate::support::servers::RedisServer;
 /// How long a change may take to be enforced everywhere.
 const PROPAGATION: Duration = Duration::from_secs(1);
 
-fn spec(id: &str, capacity: u64) -> RuleSetSpec {
+/// A rule set `id` of one per-IP rule, `per-ip`, of `capacity` per hour.
+pub(crate) fn spec(id: &str, capacity: u64) -> RuleSetSpec {
     serde_json::from_str(&format!(
         r#"{{"id": "{id}", "rules": [{{"id": "per-ip", "bands": [{{"capacity": {capacity}, "window": "1h"}}]}}]}}"#
     ))

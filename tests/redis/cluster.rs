@@ -521,29 +521,6 @@ rule_sets:
 
     /// Starts moving `slot` from its node to another (`SETSLOT IMPORTING` and
     /// `MIGRATING`): answers the two nodes and their ids.
-    fn start_migrating(cluster: &RedisCluster, slot: u16) -> (&RedisServer, &RedisServer, String) {
-        let source = cluster.node_of_slot(slot);
-        let target = cluster
-            .nodes
-            .iter()
-            .find(|n| n.port() != source.port())
-            .expect("three nodes");
-        let (source_id, target_id) = (
-            source.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
-            target.cli(&["CLUSTER", "MYID"]).trim().to_owned(),
-        );
-        let s = slot.to_string();
-        assert_eq!(
-            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
-            "OK"
-        );
-        assert_eq!(
-            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
-            "OK"
-        );
-        (source, target, target_id)
-    }
-
     /// The per-user band's remaining count in `d`.
     fn per_user(d: &fluxgate::core::Decision) -> u64 {
         d.bands
@@ -563,7 +540,8 @@ rule_sets:
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         // The per-user slot moves to another node, its key with it.
-        let (source, target, target_id) = start_migrating(&cluster, slot);
+        let (source, target) = cluster.start_migrating(slot);
+        let target_id = target.cluster_id();
         let port = target.port().to_string();
         let out = source.cli(&["MIGRATE", "127.0.0.1", &port, &user_key, "0", "5000"]);
         assert_eq!(out.trim(), "OK", "{out}");
@@ -692,7 +670,7 @@ rule_sets:
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         assert!(check(&engine, &at("192.0.2.44")).await.allowed());
         // The per-user slot starts moving to another node; its key stays at the source.
-        start_migrating(&cluster, slot);
+        cluster.start_migrating(slot);
         let d = check(&engine, &at("192.0.2.44")).await;
         assert!(!d.allowed());
         assert_eq!(per_user(&d), 98, "the per-user slot was refunded");
@@ -703,10 +681,11 @@ rule_sets:
 mod failover {
     use std::time::{Duration, Instant};
 
-    use fluxgate::core::{Engine, FailurePolicy, RequestContext};
+    use fluxgate::core::FailurePolicy;
     use fluxgate::redis::RedisLimiter;
 
-    use crate::support::app::rules;
+    use crate::support::backend::ctx;
+    use crate::support::redis::per_ip_engine;
     use crate::support::servers::RedisCluster;
 
     /// A primary that stops answering without closing its connections (a frozen process; a
@@ -723,26 +702,14 @@ mod failover {
             .connect()
             .await
             .expect("the test cluster takes connections");
-        let engine = Engine::builder(rules(
-            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
-        ))
-        .limiter(limiter)
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .expect("Redis decides the rule");
+        let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
         let ip = "192.0.2.5";
-        let ctx = RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build();
+        let ctx = ctx(ip);
         assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
         let key = format!("frozen:{{default:per-ip:ip={ip}}}");
         let slot = fred::util::redis_keyslot(key.as_bytes());
         let primary = cluster.node_of_key(&key);
-        let other = cluster
-            .nodes
-            .iter()
-            .find(|n| n.port() != primary.port())
-            .expect("six nodes");
+        let other = cluster.another_node(primary);
         primary.signal("-STOP");
         let start = Instant::now();
         let (mut promoted, mut resumed) = (None, None);
@@ -850,32 +817,12 @@ mod migrating {
     use fluxgate::core::{Engine, FailurePolicy, RequestContext};
     use fluxgate::redis::{Batching, RedisLimiter};
 
-    use crate::support::app::rules;
-    use crate::support::backend::check;
-    use crate::support::servers::{RedisCluster, RedisServer};
+    use crate::support::backend::{check, ctx};
+    use crate::support::redis::per_ip_engine;
+    use crate::support::servers::RedisCluster;
 
-    fn start_migrating(cluster: &RedisCluster, slot: u16) -> (&RedisServer, &RedisServer) {
-        let source = cluster.node_of_slot(slot);
-        let target = cluster
-            .nodes
-            .iter()
-            .find(|n| n.port() != source.port())
-            .expect("three nodes");
-        let source_id = source.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-        let target_id = target.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-        let s = slot.to_string();
-        assert_eq!(
-            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
-            "OK"
-        );
-        assert_eq!(
-            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
-            "OK"
-        );
-        (source, target)
-    }
-
-    async fn engine(cluster: &RedisCluster, prefix: &str, yaml: &str, batching: Option<Batching>) -> Engine {
+    /// An engine of a per-IP rule of 2 per hour, failing open, keyed under `prefix`.
+    async fn engine(cluster: &RedisCluster, prefix: &str, batching: Option<Batching>) -> Engine {
         let limiter = RedisLimiter::builder(cluster.url())
             .prefix(prefix)
             .timeout(Duration::from_millis(200))
@@ -883,29 +830,19 @@ mod migrating {
             .connect()
             .await
             .expect("the test cluster takes connections");
-        Engine::builder(rules(yaml))
-            .limiter(limiter)
-            .on_backend_failure(FailurePolicy::FailOpen)
-            .build()
-            .expect("Redis decides the rule")
+        per_ip_engine(limiter, 2, FailurePolicy::FailOpen)
     }
-
-    const PER_IP: &str =
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n";
 
     /// A new client's requests in a slot being migrated are counted.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_new_key_in_a_migrating_slot_is_counted() {
         let cluster = RedisCluster::start();
-        let engine = engine(&cluster, "mig", PER_IP, None).await;
+        let engine = engine(&cluster, "mig", None).await;
         let ip = "192.0.2.9";
-        start_migrating(
-            &cluster,
-            fred::util::redis_keyslot(format!("mig:{{default:per-ip:ip={ip}}}").as_bytes()),
-        );
-        let ctx = RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build();
+        cluster.start_migrating(fred::util::redis_keyslot(
+            format!("mig:{{default:per-ip:ip={ip}}}").as_bytes(),
+        ));
+        let ctx = ctx(ip);
         let (admitted, failed_open) = settle(&engine, &ctx).await;
         assert!(admitted <= 2, "{admitted} admitted by Redis against a capacity of 2");
         assert!(
@@ -918,14 +855,12 @@ mod migrating {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_key_moved_while_its_slot_migrates_is_counted() {
         let cluster = RedisCluster::start();
-        let engine = engine(&cluster, "moving", PER_IP, Some(Batching::new())).await;
+        let engine = engine(&cluster, "moving", Some(Batching::new())).await;
         let ip = "192.0.2.10";
         let key = format!("moving:{{default:per-ip:ip={ip}}}");
-        let ctx = RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build();
+        let ctx = ctx(ip);
         assert!(check(&engine, &ctx).await.allowed());
-        let (source, target) = start_migrating(&cluster, fred::util::redis_keyslot(key.as_bytes()));
+        let (source, target) = cluster.start_migrating(fred::util::redis_keyslot(key.as_bytes()));
         let port = target.port().to_string();
         assert_eq!(
             source.cli(&["MIGRATE", "127.0.0.1", &port, &key, "0", "5000"]).trim(),
@@ -981,13 +916,13 @@ mod transaction_replay {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use fluxgate::core::{Engine, FailurePolicy, RequestContext};
+    use fluxgate::core::FailurePolicy;
     use fluxgate::redis::RedisLimiter;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
 
-    use crate::support::app::rules;
-    use crate::support::backend::check;
+    use crate::support::backend::{check, ctx};
+    use crate::support::redis::per_ip_engine;
     use crate::support::servers::RedisCluster;
 
     /// A TCP proxy to `port`; once `armed`, the first connection that sends `EXEC` has it
@@ -1051,12 +986,7 @@ mod transaction_replay {
         let ip = "192.0.2.11";
         let key = format!("replay:{{default:per-ip:ip={ip}}}");
         let slot = fred::util::redis_keyslot(key.as_bytes());
-        let source = cluster.node_of_slot(slot);
-        let target = cluster
-            .nodes
-            .iter()
-            .find(|n| n.port() != source.port())
-            .expect("three nodes");
+        let target = cluster.another_node(cluster.node_of_slot(slot));
         let armed = Arc::new(AtomicBool::new(false));
         let via = proxy(target.port(), armed.clone()).await;
         let p = via.to_string();
@@ -1076,28 +1006,10 @@ mod transaction_replay {
             .connect()
             .await
             .expect("the test cluster takes connections");
-        let engine = Engine::builder(rules(
-            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 3, window: 1h }]\n",
-        ))
-        .limiter(limiter)
-        .on_backend_failure(FailurePolicy::FailClosed)
-        .build()
-        .expect("Redis decides the rule");
-        let source_id = source.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-        let target_id = target.cli(&["CLUSTER", "MYID"]).trim().to_owned();
-        let s = slot.to_string();
-        assert_eq!(
-            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
-            "OK"
-        );
-        assert_eq!(
-            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
-            "OK"
-        );
+        let engine = per_ip_engine(limiter, 3, FailurePolicy::FailClosed);
+        cluster.start_migrating_to(slot, target);
         armed.store(true, Ordering::SeqCst);
-        let ctx = RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build();
+        let ctx = ctx(ip);
         let first = check(&engine, &ctx).await;
         assert!(!armed.load(Ordering::SeqCst), "no transaction was sent: {first:?}");
         tokio::time::sleep(Duration::from_secs(1)).await;

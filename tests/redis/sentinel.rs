@@ -5,10 +5,13 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::changes::spec;
 use crate::support::app::rules;
+use crate::support::backend::ctx;
+use crate::support::redis::per_ip_engine;
 use crate::support::servers::RedisSentinels;
 use fluxgate::core::reload::ReloadingRuleSetProvider;
-use fluxgate::core::{Engine, FailurePolicy, RequestContext, RuleSetSpec};
+use fluxgate::core::{Engine, FailurePolicy, RequestContext};
 use fluxgate::redis::{RedisLimiter, RedisRuleSetStore, RuleAdmin, RuleChangeListener};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,17 +70,8 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
         .connect()
         .await
         .expect("connect through the sentinels");
-    let rules = rules(
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000, window: 1h }]\n",
-    );
-    let engine = Engine::builder(rules)
-        .limiter(limiter)
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .expect("the backend decides every rule");
-    let ctx = RequestContext::builder()
-        .client_ip("192.0.2.5".parse().expect("an address"))
-        .build();
+    let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
+    let ctx = ctx("192.0.2.5");
     assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
 
     let old = sentinels.primary.port();
@@ -118,14 +112,8 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
 async fn a_listener_follows_a_failover_from_a_frozen_primary() {
     let sentinels = RedisSentinels::start();
     let url = sentinels.url();
-    let spec = |capacity: u64| -> RuleSetSpec {
-        serde_json::from_str(&format!(
-            r#"{{"id": "api", "rules": [{{"id": "per-ip", "bands": [{{"capacity": {capacity}, "window": "1h"}}]}}]}}"#
-        ))
-        .expect("a rule set spec")
-    };
     let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec(10)).await.expect("put");
+    store.put(&spec("api", 10)).await.expect("put");
     let provider = Arc::new(ReloadingRuleSetProvider::new(
         store.load_rule_sets().await.expect("first load"),
     ));
@@ -165,7 +153,7 @@ async fn a_listener_follows_a_failover_from_a_frozen_primary() {
             }
         }
     };
-    while let Err(error) = admin.put(&spec(3)).await {
+    while let Err(error) = admin.put(&spec("api", 3)).await {
         if changed.elapsed() > Duration::from_secs(10) {
             sentinels.primary.signal("-CONT");
             panic!("the new primary took no change within 10 s: {error}");

@@ -4,11 +4,24 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use fluxgate::core::RateLimiter;
+use fluxgate::core::{Engine, FailurePolicy, RateLimiter};
 use fluxgate::redis::{Batching, RedisLimiter, RedisLimiterBuilder};
 
 use super::backend::{Backend, Waiting};
 use super::servers::{RedisCluster, RedisServer};
+
+/// An engine of one per-IP token-bucket rule, `per-ip`, of `capacity` per hour in the rule
+/// set `default`, over `limiter`, whose failures `policy` answers.
+pub(crate) fn per_ip_engine(limiter: RedisLimiter, capacity: u64, policy: FailurePolicy) -> Engine {
+    let yaml = format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {capacity}, window: 1h }}]\n"
+    );
+    Engine::builder(super::app::rules(&yaml))
+        .limiter(limiter)
+        .on_backend_failure(policy)
+        .build()
+        .expect("Redis decides the rule")
+}
 
 /// Where a [`Redis`] backend runs.
 pub(crate) enum Servers {

@@ -182,6 +182,11 @@ impl RedisServer {
     }
 
     /// Runs `redis-cli` against this server and returns its output.
+    /// Its node id in its cluster (`CLUSTER MYID`).
+    pub(crate) fn cluster_id(&self) -> String {
+        self.cli(&["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
     pub(crate) fn cli(&self, args: &[&str]) -> String {
         let out = Command::new("redis-cli")
             .args(["-p", &self.port.to_string()])
@@ -350,6 +355,37 @@ impl RedisCluster {
     /// The node that serves a key's hash slot.
     pub(crate) fn node_of_key(&self, key: &str) -> &RedisServer {
         self.node_of_slot(fred::util::redis_keyslot(key.as_bytes()))
+    }
+
+    /// A node of the cluster other than `node`.
+    pub(crate) fn another_node(&self, node: &RedisServer) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| n.port() != node.port())
+            .expect("a cluster of several nodes")
+    }
+
+    /// Starts moving `slot` to another node (see [`RedisCluster::start_migrating_to`]);
+    /// returns its node and that one.
+    pub(crate) fn start_migrating(&self, slot: u16) -> (&RedisServer, &RedisServer) {
+        let target = self.another_node(self.node_of_slot(slot));
+        (self.start_migrating_to(slot, target), target)
+    }
+
+    /// Starts moving `slot` to `target` (`CLUSTER SETSLOT … IMPORTING` there, `MIGRATING`
+    /// at its node), as a resharding does, without moving any key; returns its node.
+    pub(crate) fn start_migrating_to(&self, slot: u16, target: &RedisServer) -> &RedisServer {
+        let source = self.node_of_slot(slot);
+        let (source_id, target_id, s) = (source.cluster_id(), target.cluster_id(), slot.to_string());
+        assert_eq!(
+            target.cli(&["CLUSTER", "SETSLOT", &s, "IMPORTING", &source_id]).trim(),
+            "OK"
+        );
+        assert_eq!(
+            source.cli(&["CLUSTER", "SETSLOT", &s, "MIGRATING", &target_id]).trim(),
+            "OK"
+        );
+        source
     }
 }
 

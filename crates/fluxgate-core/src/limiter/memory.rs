@@ -1405,16 +1405,22 @@ mod tests {
         Rule::from_spec("s", spec).unwrap()
     }
 
-    /// Exhausts the `victim`'s bucket in a shard of at most 1,000 keys, floods the shard with
-    /// 5,000 keys of `flood` a microsecond apart (each ranks differently by time), and
-    /// asserts that the victim's bucket was not evicted: it still refuses.
-    fn assert_a_flood_keeps_the_exhausted_bucket(victim: &Rule, flood: &Rule) {
+    /// A limiter of one shard of at most 1,000 keys, on a manual clock.
+    fn one_shard_of_1000() -> (ManualClock, MemoryLimiter) {
         let clock = ManualClock::new(1_000_000_000);
         let limiter = MemoryLimiter::builder()
             .shards(1)
             .max_keys(1_000)
             .clock(clock.clone())
             .build();
+        (clock, limiter)
+    }
+
+    /// Exhausts the `victim`'s bucket in a shard of at most 1,000 keys, floods the shard with
+    /// 5,000 keys of `flood` a microsecond apart (each ranks differently by time), and
+    /// asserts that the victim's bucket was not evicted: it still refuses.
+    fn assert_a_flood_keeps_the_exhausted_bucket(victim: &Rule, flood: &Rule) {
+        let (clock, limiter) = one_shard_of_1000();
         let capacity = victim.bands()[0].capacity();
         for _ in 0..capacity / victim.permits() {
             assert!(limiter.acquire_now(&request(victim, "victim")).allowed);
@@ -1485,12 +1491,7 @@ mod tests {
             let after = one_band_costing(algorithm, 1024, 60, 1);
             assert_eq!(before.bands()[0].ident(), after.bands()[0].ident());
             let flood = one_band(algorithm, 1000, 86_400);
-            let clock = ManualClock::new(1_000_000_000);
-            let limiter = MemoryLimiter::builder()
-                .shards(1)
-                .max_keys(1_000)
-                .clock(clock.clone())
-                .build();
+            let (clock, limiter) = one_shard_of_1000();
             assert!(limiter.acquire_now(&request(&before, "victim")).allowed);
             assert!(!limiter.acquire_now(&request(&after, "victim")).allowed);
             for i in 0..5_000 {
