@@ -679,13 +679,13 @@ rule_sets:
 }
 
 mod failover {
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use fluxgate::core::FailurePolicy;
     use fluxgate::redis::RedisLimiter;
 
     use crate::support::backend::ctx;
-    use crate::support::redis::per_ip_engine;
+    use crate::support::redis::{per_ip_engine, until_decided_after_promotion};
     use crate::support::servers::RedisCluster;
 
     /// A primary that stops answering without closing its connections (a frozen process; a
@@ -711,22 +711,10 @@ mod failover {
         let primary = cluster.node_of_key(&key);
         let other = cluster.another_node(primary);
         primary.signal("-STOP");
-        let start = Instant::now();
-        let (mut promoted, mut resumed) = (None, None);
-        while start.elapsed() < Duration::from_secs(30) {
-            let d = engine.check(&ctx).await.expect("a decision");
-            if promoted.is_none()
-                && RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
-            {
-                promoted = Some(start.elapsed());
-            }
-            if promoted.is_some() && !d.failed_open {
-                assert!(d.allowed());
-                resumed = Some(start.elapsed());
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        let (promoted, resumed) = until_decided_after_promotion(&engine, &ctx, || {
+            RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
+        })
+        .await;
         primary.signal("-CONT");
         let promoted = promoted.expect("the replica took over within 30 s");
         let resumed = resumed.expect("decisions resumed on the promoted replica");

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::changes::spec;
 use crate::support::app::rules;
 use crate::support::backend::ctx;
-use crate::support::redis::per_ip_engine;
+use crate::support::redis::{per_ip_engine, until_decided_after_promotion};
 use crate::support::servers::RedisSentinels;
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{Engine, FailurePolicy, RequestContext};
@@ -76,20 +76,8 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
 
     let old = sentinels.primary.port();
     sentinels.primary.signal("-STOP");
-    let start = Instant::now();
-    let (mut promoted, mut resumed) = (None, None);
-    while start.elapsed() < Duration::from_secs(30) {
-        let d = engine.check(&ctx).await.expect("a decision");
-        if promoted.is_none() && sentinels.primary_port().is_some_and(|p| p != old) {
-            promoted = Some(start.elapsed());
-        }
-        if promoted.is_some() && !d.failed_open {
-            assert!(d.allowed());
-            resumed = Some(start.elapsed());
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (promoted, resumed) =
+        until_decided_after_promotion(&engine, &ctx, || sentinels.primary_port().is_some_and(|p| p != old)).await;
     sentinels.primary.signal("-CONT");
     let promoted = promoted.expect("the sentinels promoted the replica within 30 s");
     let resumed = resumed.expect("decisions resumed on the promoted replica");

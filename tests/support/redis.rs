@@ -23,6 +23,31 @@ pub(crate) fn per_ip_engine(limiter: RedisLimiter, capacity: u64, policy: Failur
         .expect("Redis decides the rule")
 }
 
+/// Checks `ctx` every 100 ms, for 30 s at most, while a primary is frozen: how long after
+/// the call `promoted()` first held (its replica taken over), and how long until a
+/// decision after that came from Redis, not the failure policy (each admitted). `None` for
+/// what did not come.
+pub(crate) async fn until_decided_after_promotion(
+    engine: &Engine,
+    ctx: &fluxgate::core::RequestContext,
+    mut promoted_now: impl FnMut() -> bool,
+) -> (Option<Duration>, Option<Duration>) {
+    let start = std::time::Instant::now();
+    let mut promoted = None;
+    while start.elapsed() < Duration::from_secs(30) {
+        let d = engine.check(ctx).await.expect("a decision");
+        if promoted.is_none() && promoted_now() {
+            promoted = Some(start.elapsed());
+        }
+        if promoted.is_some() && !d.failed_open {
+            assert!(d.allowed());
+            return (promoted, Some(start.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    (promoted, None)
+}
+
 /// Where a [`Redis`] backend runs.
 pub(crate) enum Servers {
     /// A standalone server of its own.
