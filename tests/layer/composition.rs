@@ -277,3 +277,93 @@ rule_sets:
     );
     assert_eq!(r.num("retry-after"), 3600);
 }
+
+const LOGIN_GET_ONE_PER_HOUR: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: login
+        match: { paths: ["/api/*/login"], methods: [GET] }
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+
+/// A `GET /api/{version}/login` route counting its runs.
+fn login_router(runs: Arc<std::sync::atomic::AtomicUsize>) -> Router {
+    Router::new().route(
+        "/api/{version}/login",
+        get(move || {
+            runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { "login" }
+        }),
+    )
+}
+
+/// Spellings of `/api/{version}/login` that tower-http's `NormalizePathLayer` (trimming
+/// every leading and trailing `/` run) turns into a path the router sends to the handler.
+const TRIMMED_TO_LOGIN: &[&str] = &["//api/../login", "/api/../login//", "/api/./login//", "//api/v2/login/"];
+
+/// A middleware that rewrites the URI (tower-http's `NormalizePathLayer`) must run before
+/// the limiter, as `Router::layer` or the order below puts it: the limiter then sees the
+/// path the router routes, and every spelling is counted. With the limiter outside it, the
+/// limiter sees a path the router never routes: `//api/../login`, which no `/api/*/login`
+/// view matches, runs the handler as `/api/../login`.
+#[tokio::test]
+async fn a_path_rewriting_middleware_goes_outside_the_limiter() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tower_http::normalize_path::NormalizePathLayer;
+
+    async fn status<S>(app: &S, path: &str) -> StatusCode
+    where
+        S: Service<
+                http::Request<axum::body::Body>,
+                Response = axum::response::Response,
+                Error = std::convert::Infallible,
+            > + Clone,
+    {
+        app.clone()
+            .oneshot(request("GET", path, "192.0.2.80", &[]))
+            .await
+            .map_or_else(|never| match never {}, |resp| resp.status())
+    }
+
+    // The router's own layer, with the normalization around the router (as tower-http
+    // documents it), and the normalization before the limiter in one `ServiceBuilder`.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let around_the_router = NormalizePathLayer::trim_trailing_slash()
+        .layer(login_router(runs.clone()).layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR))));
+    assert_eq!(status(&around_the_router, "/api/v1/login").await, StatusCode::OK);
+    for path in TRIMMED_TO_LOGIN {
+        assert_eq!(
+            status(&around_the_router, path).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path} escaped the rule"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    let runs = Arc::new(AtomicUsize::new(0));
+    let before_the_limiter = ServiceBuilder::new()
+        .layer(NormalizePathLayer::trim_trailing_slash())
+        .layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR)))
+        .service(login_router(runs.clone()));
+    assert_eq!(status(&before_the_limiter, "/api/v1/login").await, StatusCode::OK);
+    for path in TRIMMED_TO_LOGIN {
+        assert_eq!(
+            status(&before_the_limiter, path).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path} escaped the rule"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // The other order, which docs/security.md warns against: the limiter sees the path
+    // before it is rewritten, and the handler runs uncounted.
+    let runs = Arc::new(AtomicUsize::new(0));
+    let after_the_limiter = ServiceBuilder::new()
+        .layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR)))
+        .layer(NormalizePathLayer::trim_trailing_slash())
+        .service(login_router(runs.clone()));
+    assert_eq!(status(&after_the_limiter, "/api/v1/login").await, StatusCode::OK);
+    assert_eq!(status(&after_the_limiter, "//api/../login").await, StatusCode::OK);
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
