@@ -67,8 +67,10 @@ const CLOUDFLARE: &[&str] = &[
 #[derive(Debug, Clone)]
 struct Tenant(String);
 
-/// A stand-in authentication layer: `Authorization: Bearer <name>` identifies the user, and
-/// the user's account names its tenant (a real one checks a token and reads its claims).
+/// A stand-in authentication layer: `Authorization: Bearer <name>` names one of its
+/// accounts, and the account names its tenant (a real one checks a token and reads its
+/// claims). A name that is no account authenticates nothing: were it a user, a client
+/// sending a new name with each request would get a fresh per-user counter each time.
 async fn auth(mut req: Request, next: Next) -> Response {
     let user = req
         .headers()
@@ -76,15 +78,13 @@ async fn auth(mut req: Request, next: Next) -> Response {
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .map(str::to_owned);
-    if let Some(user) = user {
-        let tenant = match user.as_str() {
-            "alice" | "bob" => Some("acme"),
-            "carol" => Some("globex"),
-            _ => None,
-        };
-        if let Some(tenant) = tenant {
-            req.extensions_mut().insert(Tenant(tenant.to_owned()));
-        }
+    let tenant = match user.as_deref() {
+        Some("alice" | "bob") => Some("acme"),
+        Some("carol") => Some("globex"),
+        _ => None,
+    };
+    if let (Some(user), Some(tenant)) = (user, tenant) {
+        req.extensions_mut().insert(Tenant(tenant.to_owned()));
         req.extensions_mut().insert(UserId(user));
     }
     next.run(req).await
@@ -204,6 +204,16 @@ async fn demo() {
             )
             .await
         );
+    }
+    // A bearer name that is no account authenticates nothing: these count against the address.
+    const UNKNOWN: [&[(&str, &str)]; 4] = [
+        &[("authorization", "Bearer mallory1")],
+        &[("authorization", "Bearer mallory2")],
+        &[("authorization", "Bearer mallory3")],
+        &[("authorization", "Bearer mallory4")],
+    ];
+    for (i, headers) in UNKNOWN.into_iter().enumerate() {
+        println!("unknown name #{}: {}", i + 1, send([192, 0, 2, 4], headers).await);
     }
     // CF-Connecting-IP from a peer that is not Cloudflare is the client's own: ignored.
     for i in 1..=4 {
