@@ -81,10 +81,13 @@ pub enum ConfigError {
 /// let layer = RateLimitLayer::builder(Engine::in_memory(RuleSets::default()))
 ///     .rule_set("api")
 ///     .trusted_proxies(["10.0.0.0/8", "::1"])
+///     // Set by the gateway in front on every request after authenticating it (and removed
+///     // from what clients send): read from a client, it would name its own counter.
 ///     .user_header("x-user-id")
 ///     .exclude(["/health", "/metrics/**"])
 ///     .ietf_headers(false)
 ///     .customizer(|ctx, parts| {
+///         // Set by the same gateway, from the authenticated identity.
 ///         if let Some(tenant) = parts.headers.get("x-tenant-id").and_then(|v| v.to_str().ok()) {
 ///             ctx.set_attribute("tenant", tenant);
 ///         }
@@ -283,6 +286,12 @@ impl RateLimitLayerBuilder {
 
     /// Adjusts every request's context: set the client IP from `CF-Connecting-IP`, a
     /// tenant header as an attribute, the rule set, a JWT claim…
+    ///
+    /// A header the customizer reads is the client's to write unless the proxy in front
+    /// sets it on every request: believe `CF-Connecting-IP` only from Cloudflare's
+    /// addresses, and take a tenant from what the authentication layer proved (a request
+    /// extension), or a client sending a new value with each request gets a fresh counter
+    /// each time.
     ///
     /// A rule set id taken from the request is the client's to choose. An id that names no
     /// rule set is decided by the engine's
