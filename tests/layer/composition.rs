@@ -302,17 +302,16 @@ fn login_router(runs: Arc<std::sync::atomic::AtomicUsize>) -> Router {
 /// every leading and trailing `/` run) turns into a path the router sends to the handler.
 const TRIMMED_TO_LOGIN: &[&str] = &["//api/../login", "/api/../login//", "/api/./login//", "//api/v2/login/"];
 
-/// A middleware that rewrites the URI (tower-http's `NormalizePathLayer`) must run before
-/// the limiter, as `Router::layer` or the order below puts it: the limiter then sees the
-/// path the router routes, and every spelling is counted. With the limiter outside it, the
-/// limiter sees a path the router never routes: `//api/../login`, which no `/api/*/login`
-/// view matches, runs the handler as `/api/../login`.
+/// A middleware that trims the runs of `/` at both ends of the path (tower-http's
+/// `NormalizePathLayer`) counts every spelling wherever it stands: around the router (as
+/// tower-http documents it), before the limiter, or between the limiter and the router,
+/// where the limiter sees `//api/../login` and the router routes `/api/../login`.
 #[tokio::test]
-async fn a_path_rewriting_middleware_goes_outside_the_limiter() {
+async fn a_path_trimming_middleware_lets_no_spelling_through_in_any_order() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tower_http::normalize_path::NormalizePathLayer;
 
-    async fn status<S>(app: &S, path: &str) -> StatusCode
+    async fn check<S>(app: S, runs: &AtomicUsize, order: &str)
     where
         S: Service<
                 http::Request<axum::body::Body>,
@@ -320,50 +319,81 @@ async fn a_path_rewriting_middleware_goes_outside_the_limiter() {
                 Error = std::convert::Infallible,
             > + Clone,
     {
-        app.clone()
-            .oneshot(request("GET", path, "192.0.2.80", &[]))
-            .await
-            .map_or_else(|never| match never {}, |resp| resp.status())
+        let status = |path: &'static str| {
+            let app = app.clone();
+            async move {
+                app.oneshot(request("GET", path, "192.0.2.80", &[]))
+                    .await
+                    .map_or_else(|never| match never {}, |resp| resp.status())
+            }
+        };
+        assert_eq!(status("/api/v1/login").await, StatusCode::OK, "{order}");
+        for path in TRIMMED_TO_LOGIN {
+            assert_eq!(
+                status(path).await,
+                StatusCode::TOO_MANY_REQUESTS,
+                "{order}: {path} escaped the rule"
+            );
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{order}");
     }
+    let limiter = || RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR));
 
-    // The router's own layer, with the normalization around the router (as tower-http
-    // documents it), and the normalization before the limiter in one `ServiceBuilder`.
     let runs = Arc::new(AtomicUsize::new(0));
-    let around_the_router = NormalizePathLayer::trim_trailing_slash()
-        .layer(login_router(runs.clone()).layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR))));
-    assert_eq!(status(&around_the_router, "/api/v1/login").await, StatusCode::OK);
-    for path in TRIMMED_TO_LOGIN {
-        assert_eq!(
-            status(&around_the_router, path).await,
-            StatusCode::TOO_MANY_REQUESTS,
-            "{path} escaped the rule"
-        );
-    }
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let around_the_router =
+        NormalizePathLayer::trim_trailing_slash().layer(login_router(runs.clone()).layer(limiter()));
+    check(around_the_router, &runs, "around the router").await;
 
     let runs = Arc::new(AtomicUsize::new(0));
     let before_the_limiter = ServiceBuilder::new()
         .layer(NormalizePathLayer::trim_trailing_slash())
-        .layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR)))
+        .layer(limiter())
         .service(login_router(runs.clone()));
-    assert_eq!(status(&before_the_limiter, "/api/v1/login").await, StatusCode::OK);
-    for path in TRIMMED_TO_LOGIN {
-        assert_eq!(
-            status(&before_the_limiter, path).await,
-            StatusCode::TOO_MANY_REQUESTS,
-            "{path} escaped the rule"
-        );
-    }
-    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    check(before_the_limiter, &runs, "before the limiter").await;
 
-    // The other order, which docs/security.md warns against: the limiter sees the path
-    // before it is rewritten, and the handler runs uncounted.
     let runs = Arc::new(AtomicUsize::new(0));
     let after_the_limiter = ServiceBuilder::new()
-        .layer(RateLimitLayer::new(super::engine(LOGIN_GET_ONE_PER_HOUR)))
+        .layer(limiter())
         .layer(NormalizePathLayer::trim_trailing_slash())
         .service(login_router(runs.clone()));
-    assert_eq!(status(&after_the_limiter, "/api/v1/login").await, StatusCode::OK);
-    assert_eq!(status(&after_the_limiter, "//api/../login").await, StatusCode::OK);
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
+    check(after_the_limiter, &runs, "between the limiter and the router").await;
+}
+
+/// The layer's `include` sees the path as a trimming middleware behind it hands it to the
+/// router: `//api/../x` is `/api/../x` to the router, which runs its `/api/{*rest}` route.
+#[tokio::test]
+async fn an_included_route_is_limited_behind_a_path_trimming_middleware() {
+    use tower_http::normalize_path::NormalizePathLayer;
+    let rules = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: api
+        bands: [{ capacity: 1, window: 1h }]
+"#;
+    let app = ServiceBuilder::new()
+        .layer(
+            RateLimitLayer::builder(super::engine(rules))
+                .include(["/api/**"])
+                .build()
+                .unwrap(),
+        )
+        .layer(NormalizePathLayer::trim_trailing_slash())
+        .service(Router::new().route("/api/{*rest}", get(|| async { "api" })));
+    let status = |path: &'static str| {
+        let app = app.clone();
+        async move {
+            app.oneshot(request("GET", path, "192.0.2.81", &[]))
+                .await
+                .map_or_else(|never| match never {}, |resp| resp.status())
+        }
+    };
+    assert_eq!(status("/api/users").await, StatusCode::OK);
+    for path in ["//api/../x", "/api/../x/", "//api/./users//"] {
+        assert_eq!(
+            status(path).await,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path} was not limited"
+        );
+    }
 }

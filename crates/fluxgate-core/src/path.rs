@@ -2,8 +2,9 @@
 //!
 //! A rule's patterns are matched against two views of a request's path: the normalized
 //! path ([`normalize_path`]) and the path as a router sees it ([`routed_segments`], also
-//! tried [`without_trailing_slash`], as patterns ignore their own). A rule applies when
-//! either matches, so normalization can only add rules to a request, never take one away.
+//! tried [`without_trailing_slash`], as patterns ignore their own, and [`trimmed`], as a
+//! path-trimming middleware rewrites it). A rule applies when either matches, so
+//! normalization can only add rules to a request, never take one away.
 
 use std::cell::OnceCell;
 use std::fmt;
@@ -252,6 +253,26 @@ pub fn without_trailing_slash<'s, 'a>(segments: &'s [&'a str]) -> Option<&'s [&'
         Some((&"", rest)) => Some(rest),
         _ => None,
     }
+}
+
+/// The segments of a path as routed without the empty segments that runs of `/` at its
+/// start and end leave, when it has any: the path a router sees behind a middleware that
+/// trims them (tower-http's `NormalizePathLayer` turns `//api/../login/` into
+/// `/api/../login`). Rules also match the routed path so, in case such a middleware stands
+/// between the layer and the router: the layer then sees the path before it is trimmed.
+///
+/// ```
+/// use fluxgate_core::path::{routed_segments, trimmed};
+/// assert_eq!(trimmed(&routed_segments("//api/../login//")), Some(&["api", "..", "login"][..]));
+/// assert_eq!(trimmed(&routed_segments("/api/../login")), None);
+/// ```
+pub fn trimmed<'s, 'a>(segments: &'s [&'a str]) -> Option<&'s [&'a str]> {
+    let start = segments.iter().position(|s| !s.is_empty()).unwrap_or(segments.len());
+    let end = segments
+        .iter()
+        .rposition(|s| !s.is_empty())
+        .map_or(start, |last| last + 1);
+    (start > 0 || end < segments.len()).then(|| &segments[start..end])
 }
 
 /// The segments of a path as a router sees it, which is what decides the handler that
@@ -515,6 +536,23 @@ impl PathPattern {
         with_routed_segments(raw_path, |segments| {
             self.matches_segments(segments)
                 || without_trailing_slash(segments).is_some_and(|s| self.matches_segments(s))
+        })
+    }
+
+    /// Whether a path matches as a router sees it behind a middleware that trims the runs
+    /// of `/` at its start and end ([`trimmed`]); `false` when it has none.
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// let p: PathPattern = "/api/*/login".parse().unwrap();
+    /// // Behind tower-http's `NormalizePathLayer`, axum routes it as `/api/../login`.
+    /// assert!(p.matches_routed_trimmed("//api/../login/"));
+    /// assert!(!p.matches_routed("//api/../login/"));
+    /// assert!(!p.matches_routed_trimmed("/api/../login"));
+    /// ```
+    pub fn matches_routed_trimmed(&self, raw_path: &str) -> bool {
+        with_routed_segments(raw_path, |segments| {
+            trimmed(segments).is_some_and(|s| self.matches_segments(s))
         })
     }
 

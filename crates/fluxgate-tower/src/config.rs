@@ -83,7 +83,8 @@ impl Config {
     /// through by an exclusion of `/health`. In the routed view, `include` also matches the
     /// path without its trailing `/`, as rules do (an `/items/{id}/` route runs for
     /// `/items//`, which `/items/*/` includes); `exclude` does not, so that it never leaves
-    /// more alone.
+    /// more alone. A path with runs of `/` at its start or end has a third view, without
+    /// them, as a trimming middleware between the layer and the router routes it.
     pub(crate) fn limits(&self, ctx: &RequestContext) -> bool {
         if self.include.is_empty() && self.exclude.is_empty() {
             return true;
@@ -110,7 +111,11 @@ impl Config {
         }
         view(&|p| p.matches_routed(routed), &|p| {
             p.matches_routed_or_without_trailing_slash(routed)
-        })
+        }) || ((routed.starts_with("//") || routed.ends_with('/'))
+            // Behind a middleware that trims the runs of `/` at both ends (tower-http's
+            // `NormalizePathLayer`), the router routes the path without them: a view of
+            // its own, which can only limit more.
+            && view(&|p| p.matches_routed_trimmed(routed), &|p| p.matches_routed_trimmed(routed)))
     }
 
     /// Fills a context from the request, before the customizer.

@@ -11,7 +11,7 @@ use super::validate::validate_band;
 use super::{Algorithm, BandRangeError, Mode, OnMissingKey};
 use crate::failure::FailurePolicy;
 use crate::name::Name;
-use crate::path::{without_trailing_slash, PathPattern, RequestPaths};
+use crate::path::{trimmed, without_trailing_slash, PathPattern, RequestPaths};
 
 /// A validated rule set. Its rules are ordered by priority, highest first (ties keep the
 /// order of the file).
@@ -442,7 +442,9 @@ impl Rule {
                 || paths.is_some_and(|paths| {
                     self.paths.iter().any(|p| p.matches_normalized(paths))
                         || paths.routed().is_some_and(|r| {
-                            self.matches_path(r) || without_trailing_slash(r).is_some_and(|r| self.matches_path(r))
+                            self.matches_path(r)
+                                || without_trailing_slash(r).is_some_and(|r| self.matches_path(r))
+                                || trimmed(r).is_some_and(|r| self.matches_path(r))
                         })
                 }))
     }
