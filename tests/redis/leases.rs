@@ -818,3 +818,85 @@ async fn a_reload_after_a_reset_keeps_the_leases_of_the_reset_generation() {
     // The leases held are the engine's own: released, they leave the bucket as it is.
     assert_eq!(engine.release_leases().await.expect("answered"), 0);
 }
+
+/// On a cluster, a request whose rules lie in two hash slots is decided at each slot's own
+/// instant. When a window ends between them, the leased rule's permits are counted in the
+/// window its own slot decided in, not the later slot's: giving them back into the later
+/// window (as the request's latest instant, old behaviour) took them off a count that
+/// never held them, and that window admitted 14 of 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_decided_across_a_window_end_gives_back_nothing_into_the_next_window() {
+    let redis = Redis::start(Servers::cluster()).await;
+    let cluster = redis.cluster();
+    let rules = |lease: &str| {
+        rules(&format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: fixed_window
+        bands: [{{ capacity: 10, window: 2s }}]
+{lease}
+      - id: per-ip
+        scope: ip
+        bands: [{{ capacity: 1000, window: 1h }}]
+"#
+        ))
+    };
+    let ip_key = |ip: &str| format!("{{default:per-ip:ip={ip}}}");
+    let global = cluster.node_of_key("{default:global:global}").port();
+    // The holder's address lies on a node of its own (paused below), the other's elsewhere.
+    let holder_ip = (1..=250)
+        .map(|i| format!("10.0.0.{i}"))
+        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != global)
+        .expect("an address on another node");
+    let paused = cluster.node_of_key(&ip_key(&holder_ip));
+    let other_ip = (1..=250)
+        .map(|i| format!("10.0.1.{i}"))
+        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != paused.port())
+        .expect("an address on another node");
+    let holder = instance(&redis, "across", rules("        lease: { max: 5, ttl: 1h }")).await;
+    let other = instance(&redis, "across", rules("")).await;
+    let ctx = |ip: &str| {
+        RequestContext::builder()
+            .client_ip(ip.parse().expect("an address"))
+            .build()
+    };
+
+    // 300 ms before a window ends, the holder's per-ip slot pauses for 800 ms: its global
+    // slot takes a lease of 5 in this window, its per-ip slot decides in the next one.
+    sleep_into_window(2_000_000, 1_700_000, false).await;
+    assert_eq!(paused.cli(&["CLIENT", "PAUSE", "800", "WRITE"]).trim(), "OK");
+    let started = unix_us();
+    let holder_ctx = ctx(&holder_ip);
+    let first = tokio::spawn(async move {
+        let decision = holder.check(&holder_ctx).await.expect("a decision");
+        (holder, decision)
+    });
+    // In the next window, before the holder's answer, the other instance fills it.
+    sleep_into_window(2_000_000, 100_000, false).await;
+    let other_ctx = ctx(&other_ip);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        if other.check(&other_ctx).await.expect("a decision").allowed() {
+            admitted += 1;
+        }
+    }
+    let (holder, decision) = first.await.expect("the holder's request");
+    assert!(decision.allowed(), "the holder's request is admitted");
+    holder.release_leases().await.expect("answered");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for _ in 0..20 {
+        if other.check(&other_ctx).await.expect("a decision").allowed() {
+            admitted += 1;
+        }
+    }
+    let elapsed = unix_us() - started;
+    if elapsed > 1_900_000 {
+        eprintln!("the steps took {elapsed} µs, past the next window: nothing to check");
+        return;
+    }
+    assert_eq!(admitted, 10, "admitted in the window after the lease, of 10");
+}

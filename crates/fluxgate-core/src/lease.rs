@@ -223,7 +223,10 @@ impl GiveBack {
     /// of them go back; a sliding window counter's or log's may hold permits of earlier
     /// calls, counted in an earlier window or at an earlier instant, and only `own`, those
     /// the last call took, go back there: taking the others off that window's count would
-    /// free permits admitted in it.
+    /// free permits admitted in it. A window's permits go back at the instant its marks
+    /// record for its call, where the backend records one (see [`AcquireOutcome::marks`]):
+    /// a request decided in parts at several instants (a Redis Cluster's hash slots) has
+    /// the latest as its own, which may lie in the next window.
     #[allow(clippy::too_many_arguments)]
     fn of(
         set: Arc<RuleSet>,
@@ -236,6 +239,17 @@ impl GiveBack {
     ) -> Option<Self> {
         let algorithm = set.rules().get(rule).map(Rule::algorithm);
         let instant = algorithm.is_some_and(Algorithm::keeps_an_instant);
+        let decided_unix_nanos = if instant {
+            decided_unix_nanos
+        } else {
+            let mut taken = marks.iter().copied().filter(|&mark| mark != 0);
+            match taken.next() {
+                None => decided_unix_nanos,
+                // In µs; instants that disagree name no window: nothing goes back.
+                Some(first) if taken.all(|mark| mark == first) => u64::try_from(first).ok()?.checked_mul(1_000)?,
+                Some(_) => return None,
+            }
+        };
         let marked = !marks.is_empty() && marks.iter().all(|&mark| mark != 0);
         let left = match (algorithm, instant, marked) {
             (Some(Algorithm::FixedWindow), _, _) => left,
@@ -616,8 +630,9 @@ impl Shared {
                     bucket.typed,
                     bucket.permits.saturating_add(*extra),
                 );
-                if *extra > 0 {
-                    // What giving the lease back checks (see `Held::into_give_back`).
+                if bucket.rule.lease().is_some() && !bucket.shadow() {
+                    // What giving the lease back checks (see `Held::into_give_back`), for a
+                    // call that takes a lease or adds to one.
                     call.mark_places();
                 }
             }
@@ -666,11 +681,13 @@ impl Shared {
                 held.decided_unix_nanos = decided_unix_nanos;
                 held.reports = reports;
                 held.expires = held.expires.min(expires);
-                // What is over goes back now, from the last permits taken; after it, the
-                // bucket no longer holds the state the call left, and the lease keeps no
-                // marks (its bucket's permits then stay taken, see `into_give_back`).
+                // What is over goes back now, from the last permits taken; after it, a
+                // token or leaky bucket no longer holds the state the call left, and the
+                // lease keeps no marks (its bucket's permits then stay taken, see
+                // `into_give_back`). A window's marks, its call's instant, stay.
                 let over = extra - kept;
-                held.marks = if over > 0 { Vec::new() } else { marks.clone() };
+                let instant = bucket.rule.algorithm().keeps_an_instant();
+                held.marks = if over > 0 && instant { Vec::new() } else { marks.clone() };
                 held.last_extra = kept;
                 let over = GiveBack::of(
                     request.rule_set().clone(),

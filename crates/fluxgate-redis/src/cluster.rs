@@ -8,7 +8,7 @@ use futures_util::future::join_all;
 
 use crate::error::RedisError;
 use crate::protocol::{BandReply, RefundedBand, Reply};
-use crate::request::{outcome, Call};
+use crate::request::{mark_instants, outcome, Call};
 use crate::script::Scripts;
 
 /// Decides a request across the hash slots of `calls`. Runs as a task of its own, so that
@@ -41,8 +41,8 @@ pub(crate) async fn decide_across_slots(
     let shadow_allowed = failure.is_none() && answered().all(|r| r.shadow_allowed);
     let now_us = answered().map(|r| r.now_us).max().unwrap_or(0);
     let mut per_band: Vec<Option<BandReply>> = vec![None; request.band_count()];
-    // Each band's mark, from the token-bucket calls (0 elsewhere): a refund gives a band
-    // back only while it holds that state.
+    // Each band's mark: a token or leaky bucket's state from its call (a refund gives such
+    // a band back only while it holds that state), a window's its call's instant.
     let mut marks = vec![0; request.band_count()];
     for (call, reply) in calls.iter().zip(&replies) {
         if let Some(reply) = reply {
@@ -52,6 +52,9 @@ pub(crate) async fn decide_across_slots(
             for (band, &mark) in call.bands.iter().zip(&reply.marks) {
                 marks[band.position] = mark;
             }
+            // Each window band's own slot's instant: a lease's permits go back into the
+            // window they were counted in, not the window of the latest slot's instant.
+            mark_instants(&call.bands, &mut marks, reply.now_us);
         }
     }
     match refund(&scripts, &calls, &replies, &marks, allowed, shadow_allowed).await {

@@ -119,8 +119,11 @@ pub struct AcquireOutcome {
     /// ([`AcquireRequest::mark_places`]), from a backend that records them: per band of the
     /// request, in order, the state the backend left in that band, as the backend records
     /// it (a token or leaky bucket's instant in the high 64 bits and its remainder in the
-    /// low ones; 0 for a band without one). [`RateLimiter::give_back_place`] reads them
-    /// back. Empty otherwise.
+    /// low ones; 0 for a band without one). A backend may record in a window band's mark
+    /// the instant of its decision in that band, in µs since the Unix epoch, where it may
+    /// differ from [`now_unix_nanos`](Self::now_unix_nanos) (a request decided in parts at
+    /// several instants): a local lease's permits of that band go back into the window of
+    /// that instant. [`RateLimiter::give_back_place`] reads them back. Empty otherwise.
     pub marks: Vec<u128>,
 }
 
