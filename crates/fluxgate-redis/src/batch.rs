@@ -34,10 +34,11 @@ use crate::script::{missing_script, Scripts};
 /// when it holds [`max_requests`](Self::max_requests), or when its first request has
 /// waited [`max_delay`](Self::max_delay), whichever comes first. Each request keeps the
 /// limiter's deadline from the moment it arrived, wherever it waits: past it, it fails with
-/// [`RedisError::Timeout`], and if it has not gone out yet it never does. On the pools
+/// [`RedisError::Timeout`] (and its failure policy answers it). A request still gathering
+/// then leaves its batch; one whose batch was already handed to the client may still be
+/// written and counted in Redis, which errs towards refusing, never admitting. On the pools
 /// [`RedisLimiterBuilder`](crate::RedisLimiterBuilder) makes, a batch's call is bounded by
-/// fred's command timeout, which also keeps a call that timed out before it was written from
-/// being written.
+/// fred's command timeout, counted from when the call is handed to the client.
 ///
 /// ```
 /// use std::time::Duration;
