@@ -16,7 +16,9 @@
 //! cargo test --test layer routes` searches further. This test found the routed view
 //! missing a trailing `/`: `/items//` and `/items/../` ran `/items/{id}/` uncounted
 //! (`a_parameter_before_a_trailing_slash_cannot_walk_around_its_rule`,
-//! `an_included_route_ending_in_a_slash_is_limited_for_every_parameter`).
+//! `an_included_route_ending_in_a_slash_is_limited_for_every_parameter`). The same targets
+//! also go through the layer placed outside tower-http's `NormalizePathLayer`, which trims
+//! the runs of `/` at both ends of the path before the router sees it.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -31,7 +33,9 @@ use fluxgate::core::{Decision, RateLimitMetricsRecorder};
 use fluxgate::tower::RateLimitLayer;
 use http::{Method, Request, Uri};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tower::{service_fn, ServiceExt};
+use tower::util::BoxCloneSyncService;
+use tower::{service_fn, ServiceBuilder, ServiceExt};
+use tower_http::normalize_path::NormalizePathLayer;
 
 use crate::support::rng::Rng;
 
@@ -165,9 +169,8 @@ impl Counted {
     }
 }
 
-/// The application in the layer (with `exclude` and `include` patterns), and what its
-/// rules count.
-fn layered(exclude: &[&str], include: &[&str]) -> (Router, Arc<Counted>) {
+/// The layer (with `exclude` and `include` patterns) and what its rules count.
+fn limiter(exclude: &[&str], include: &[&str]) -> (RateLimitLayer, Arc<Counted>) {
     let counted = Arc::new(Counted::default());
     let engine = super::builder(&rules_yaml())
         .recorder(counted.clone())
@@ -180,7 +183,25 @@ fn layered(exclude: &[&str], include: &[&str]) -> (Router, Arc<Counted>) {
     if !include.is_empty() {
         layer = layer.include(include.iter().copied());
     }
-    (routes().layer(layer.build().expect("valid layer options")), counted)
+    (layer.build().expect("valid layer options"), counted)
+}
+
+/// The application in the layer (with `exclude` and `include` patterns), and what its
+/// rules count.
+fn layered(exclude: &[&str], include: &[&str]) -> (Router, Arc<Counted>) {
+    let (layer, counted) = limiter(exclude, include);
+    (routes().layer(layer), counted)
+}
+
+/// The layer around tower-http's `NormalizePathLayer` around the application: the router
+/// routes a path the layer did not see (`//api/../login` as `/api/../login`).
+fn trimmed_behind() -> (BoxCloneSyncService<Request<Body>, Response, Infallible>, Arc<Counted>) {
+    let (layer, counted) = limiter(&[], &[]);
+    let app = ServiceBuilder::new()
+        .layer(layer)
+        .layer(NormalizePathLayer::trim_trailing_slash())
+        .service(routes());
+    (BoxCloneSyncService::new(app), counted)
 }
 
 /// A request that reaches each handler.
@@ -389,7 +410,10 @@ struct Met {
     counted: Vec<String>,
 }
 
-async fn send(app: &Router, counted: &Counted, method: &str, target: &str) -> Option<Met> {
+async fn send<S>(app: &S, counted: &Counted, method: &str, target: &str) -> Option<Met>
+where
+    S: tower::Service<Request<Body>, Response = Response, Error = Infallible> + Clone,
+{
     let uri: Uri = target.parse().ok()?;
     let method: Method = method.parse().ok()?;
     let req = Request::builder().method(method).uri(uri).body(Body::empty()).ok()?;
@@ -495,15 +519,17 @@ const INCLUDED: &[&str] = &[
 ];
 
 /// The differential test: seeded random and hostile targets, through the layered router;
-/// then through the same router with some paths excluded, and with some paths included.
+/// then through the same router with some paths excluded, with some paths included, and
+/// with the layer outside a middleware that trims the path's runs of `/`.
 #[tokio::test]
 async fn no_target_reaches_a_handler_its_rule_does_not_count() {
     let (app, counted) = layered(&[], &[]);
     let (excluding, counted_excluding) = layered(EXCLUDE, &[]);
     let (including, counted_including) = layered(&[], INCLUDE);
+    let (trimming, counted_trimming) = trimmed_behind();
     let (seed, cases) = seed_and_cases(0x5EED_F1A7_6A7E_0001);
     let mut rng = Rng(seed | 1);
-    let mut escapes = [Escapes::default(), Escapes::default(), Escapes::default()];
+    let mut escapes: [Escapes; 4] = Default::default();
     let mut reached: BTreeMap<String, usize> = BTreeMap::new();
     let mut sent = 0;
     for _ in 0..cases {
@@ -523,10 +549,14 @@ async fn no_target_reaches_a_handler_its_rule_does_not_count() {
         if let Some(met) = send(&including, &counted_including, method, &target).await {
             escapes[2].check(&met, method, &target, |h| INCLUDED.contains(&h));
         }
+        if let Some(met) = send(&trimming, &counted_trimming, method, &target).await {
+            escapes[3].check(&met, method, &target, |_| true);
+        }
     }
     escapes[0].assert_none(&format!("seed {seed}"));
     escapes[1].assert_none(&format!("seed {seed}, excluding {EXCLUDE:?}"));
     escapes[2].assert_none(&format!("seed {seed}, including {INCLUDE:?}"));
+    escapes[3].assert_none(&format!("seed {seed}, a trimming middleware behind the layer"));
     // The generator reaches every handler, and most targets are valid URIs.
     for (name, _, _) in RULES {
         assert!(reached.contains_key(*name), "no target reached {name}: {reached:?}");
