@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// It never goes backwards, so bucket arithmetic stays valid when the wall clock is
 /// adjusted; it starts at the wall clock so that reset times are Unix timestamps.
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
-    /// Nanoseconds since the Unix epoch, monotonic.
+    /// Nanoseconds since the Unix epoch, monotonic. (The in-memory limiter tolerates a
+    /// clock whose readings on two threads disagree: see [`SystemClock`].)
     fn now_nanos(&self) -> u64;
 }
 
@@ -23,6 +24,11 @@ fn unix_nanos() -> u64 {
 /// The default clock: the system clock at start, advanced by a monotonic clock read
 /// from the CPU's time-stamp counter where it is reliable ([quanta]), which costs a few
 /// nanoseconds instead of a `clock_gettime` call.
+///
+/// On some machines the counters of two cores disagree, which quanta does not detect: a
+/// reading on one core may then lie before an earlier reading on another. The in-memory
+/// limiter never decides a request in a shard at an instant before one it has decided
+/// there already, so such a clock cannot make a bucket count anew.
 #[derive(Debug, Clone)]
 pub struct SystemClock {
     clock: quanta::Clock,

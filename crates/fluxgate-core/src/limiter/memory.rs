@@ -152,6 +152,9 @@ struct Shard {
     /// Fixed windows, sliding window counters and logs.
     windows: Map<Slot>,
     next_sweep: usize,
+    /// The latest instant a decision in this shard was made at: no later decision in it is
+    /// made at an earlier one, whatever the clock reads (see [`Shard::not_before`]).
+    latest: u64,
 }
 
 /// A window-based band's state and the instant after which it counts nothing.
@@ -256,6 +259,18 @@ impl Stored for Slot {
 }
 
 impl Shard {
+    /// `now`, or the latest instant a decision in this shard was made at if that is later;
+    /// the instant of the decision about to be made. The clock may go back between two
+    /// readings on two cores (quanta reads each core's time-stamp counter, and on some
+    /// machines they disagree): a fixed window would then count anew from a window that has
+    /// ended, and a bucket's state read at an instant before the one it was written at is
+    /// not what the algorithms are defined on.
+    fn not_before(&mut self, now: u64) -> u64 {
+        let now = now.max(self.latest);
+        self.latest = now;
+        now
+    }
+
     /// Ranks the state at `key` by `band`'s cost per request (a token or leaky bucket's
     /// interval class, a window state's weight), its counts left as they are. Called where
     /// the band refuses a request, which writes nothing: a state kept across a reload that
@@ -535,6 +550,7 @@ impl MemoryLimiterBuilder {
                     gcra: HashMap::default(),
                     windows: HashMap::default(),
                     next_sweep: MIN_SWEEP.min(max_per_shard),
+                    latest: 0,
                 }))
             })
             .collect();
@@ -707,6 +723,18 @@ impl MemoryLimiter {
         (keys, guards)
     }
 
+    /// The instant of a decision in the locked `shards`: the clock, or the latest instant a
+    /// decision in one of them was made at if that is later (see [`Shard::not_before`]).
+    fn now_in(&self, shards: &mut Guards<'_>) -> u64 {
+        let now = shards
+            .iter()
+            .fold(self.inner.clock.now_nanos(), |now, shard| now.max(shard.latest));
+        for shard in shards.iter_mut() {
+            shard.latest = now;
+        }
+        now
+    }
+
     /// A request whose buckets are all token or leaky buckets, in one pass: each band's
     /// instant is looked up once, and written at once where the band admits (no one sees it
     /// before the request is decided: the shards stay locked); the instants written are put
@@ -716,7 +744,7 @@ impl MemoryLimiter {
         let (keys, mut guards) = self.lock_keys(request);
         // Read under the locks: a request decided after another is decided at an instant
         // no earlier than it (a window that has begun is not counted in the one before).
-        let now = self.inner.clock.now_nanos();
+        let now = self.now_in(&mut guards);
         let max = self.inner.max_per_shard;
         let mut bands = Bands::with_capacity(request.band_count());
         let mut written: SmallVec<[Written; 8]> = SmallVec::new();
@@ -789,7 +817,7 @@ impl MemoryLimiter {
         // Per band: its bucket's identity and its shard's guard, every band of a key in one.
         let (keys, mut guards) = self.lock_keys(request);
         // Read under the locks, as in `acquire_instants`.
-        let now = self.inner.clock.now_nanos();
+        let now = self.now_in(&mut guards);
         let mut items: SmallVec<[Item<'_>; 8]> = SmallVec::new();
         for (b, (hash, guard)) in request.buckets().zip(&keys) {
             for band in b.rule.bands().iter() {
@@ -858,8 +886,10 @@ impl MemoryLimiter {
             // One lookup of the instant, read and written in place. The clock is read and
             // the report's vector taken after the lookup, which they do not depend on: the
             // processor does both while the bucket's slot, rarely in its caches, loads.
-            let stored = shard.gcra.get_mut(&key);
-            let now = self.inner.clock.now_nanos();
+            let Shard { gcra, latest, .. } = &mut *shard;
+            let stored = gcra.get_mut(&key);
+            let now = self.inner.clock.now_nanos().max(*latest);
+            *latest = now;
             let bands = Bands::with_capacity(1);
             let e = evaluate_instant(stored.as_deref().copied().map(Kept::tat), bucket, band, now);
             if e.allowed {
@@ -881,7 +911,7 @@ impl MemoryLimiter {
             drop(shard);
             return outcome(bands, bucket, band, now, &e);
         }
-        let now = self.inner.clock.now_nanos();
+        let now = shard.not_before(self.inner.clock.now_nanos());
         let e = evaluate(&shard, key, bucket, band, now);
         if e.allowed {
             self.store(&mut shard, key, e.next, now, band, bucket.permits);
@@ -1660,6 +1690,72 @@ mod tests {
                 // previous one's two, and admits nothing; a fixed window admits two.
                 let expected = if algorithm == FixedWindow { 4 } else { 2 };
                 assert_eq!(admitted, expected, "{algorithm:?}, {shape}");
+            }
+        }
+    }
+
+    /// A clock read on two cores whose time-stamp counters disagree (as quanta reads them on
+    /// some machines): every other reading is a little ahead, across a window's end.
+    #[derive(Debug)]
+    struct TwoCoresClock {
+        behind: u64,
+        ahead: u64,
+        reads: std::sync::atomic::AtomicU64,
+    }
+
+    impl Clock for TwoCoresClock {
+        fn now_nanos(&self) -> u64 {
+            if self.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % 2 == 0 {
+                self.behind
+            } else {
+                self.ahead
+            }
+        }
+    }
+
+    /// A clock that goes back between two readings (two cores' counters apart) never makes
+    /// a bucket count anew: decisions in a shard are made at instants that never go back, so
+    /// at most the two windows the readings fall in are counted, for every algorithm and
+    /// every path (one band, one rule of two bands, two rules).
+    #[test]
+    fn a_clock_that_goes_back_between_readings_admits_no_more() {
+        use crate::rule::{Algorithm, RuleSet};
+        const SEC: u64 = 1_000_000_000;
+        for algorithm in Algorithm::ALL {
+            for shape in ["one band", "two bands", "two rules"] {
+                let of = |id: &str, bands: Vec<BandSpec>| {
+                    let mut spec = RuleSpec::new(id, bands);
+                    spec.algorithm = algorithm;
+                    Rule::from_spec("s", spec).unwrap()
+                };
+                let per_second = || BandSpec::new(5, Duration::from_secs(1));
+                let daily = || BandSpec::new(1000, Duration::from_secs(86_400));
+                let rules = match shape {
+                    "one band" => vec![of("r", vec![per_second()])],
+                    "two bands" => vec![of("r", vec![per_second(), daily()])],
+                    _ => vec![of("r", vec![per_second()]), of("daily", vec![daily()])],
+                };
+                let set = Arc::new(RuleSet::new("s", rules).unwrap());
+                let limiter = MemoryLimiter::builder()
+                    .clock(TwoCoresClock {
+                        behind: 1_000 * SEC - 1_000_000,
+                        ahead: 1_000 * SEC + 1_000_000,
+                        reads: 0.into(),
+                    })
+                    .build();
+                let admitted = (0..100)
+                    .filter(|_| {
+                        let mut request = AcquireRequest::new(set.clone());
+                        for i in 0..set.rules().len() {
+                            request.push(i, "k".into());
+                        }
+                        limiter.acquire_now(&request).allowed
+                    })
+                    .count();
+                assert!(
+                    admitted <= 10,
+                    "{algorithm:?}, {shape}: {admitted} admitted of 5 per second"
+                );
             }
         }
     }
