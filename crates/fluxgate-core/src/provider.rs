@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock, Weak};
 use std::time::Duration;
 
@@ -278,6 +279,61 @@ mod tests {
         assert_eq!(lookups(&cached), 7);
     }
 
+    /// A source whose lookups answer what it held when they were made, once released.
+    #[derive(Debug, Default)]
+    struct Gated {
+        sets: Mutex<RuleSets>,
+        gate: Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+    }
+
+    impl RuleSetProvider for Gated {
+        fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+            let found = self.sets.lock().unwrap().get(id).cloned();
+            let gate = self.gate.lock().unwrap().take();
+            MaybeReady::boxed(async move {
+                if let Some(gate) = gate {
+                    let _ = gate.await;
+                }
+                Ok(found)
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_lookup_made_before_an_invalidation_is_not_cached_after_it() {
+        let cached = CachingRuleSetProvider::builder(Gated::default()).build();
+        // A lookup made while the rule set does not exist yet, answered late.
+        let (release, gate) = tokio::sync::oneshot::channel();
+        *cached.get_ref().gate.lock().unwrap() = Some(gate);
+        let slow = cached.rule_set("api");
+        // Meanwhile the rule set is created, the cache invalidated, and a lookup finds it.
+        *cached.get_ref().sets.lock().unwrap() = RuleSets::from_yaml_str("rule_sets: [{id: api, rules: []}]").unwrap();
+        cached.invalidate("api");
+        assert!(cached.rule_set("api").await.unwrap().is_some());
+        // The late answer is handed to its own request, and does not replace the newer one.
+        release.send(()).unwrap();
+        assert!(slow.await.unwrap().is_none());
+        assert!(
+            cached.rule_set("api").into_ready().unwrap().unwrap().is_some(),
+            "the rule set stays known, not unknown (admitted) until the entry expires"
+        );
+
+        // The same after `invalidate_all`, with no newer lookup in between.
+        let (release, gate) = tokio::sync::oneshot::channel();
+        cached.invalidate_all();
+        *cached.get_ref().gate.lock().unwrap() = Some(gate);
+        let slow = cached.rule_set("web");
+        *cached.get_ref().sets.lock().unwrap() =
+            RuleSets::from_yaml_str("rule_sets: [{id: api, rules: []}, {id: web, rules: []}]").unwrap();
+        cached.invalidate_all();
+        release.send(()).unwrap();
+        assert!(slow.await.unwrap().is_none());
+        assert!(
+            cached.rule_set("web").await.unwrap().is_some(),
+            "read again from the source"
+        );
+    }
+
     #[test]
     fn lookups_by_id() {
         let yaml = (0..20)
@@ -317,7 +373,13 @@ mod tests {
 /// ```
 pub struct CachingRuleSetProvider<P> {
     inner: Arc<P>,
-    cache: moka::sync::Cache<Arc<str>, Option<Arc<RuleSet>>>,
+    /// Each lookup's answer, with the ticket of the lookup that made it.
+    cache: moka::sync::Cache<Arc<str>, (u64, Option<Arc<RuleSet>>)>,
+    /// Tickets handed to lookups of the inner provider as they start, and to invalidations.
+    tickets: Arc<AtomicU64>,
+    /// The ticket of the last invalidation: a lookup that started before it answers its
+    /// request, and caches nothing.
+    invalidated: Arc<AtomicU64>,
     /// The rule set each id was last found to be, served when a lookup fails; dropped when
     /// a lookup finds none.
     last: moka::sync::Cache<Arc<str>, Arc<RuleSet>>,
@@ -343,13 +405,18 @@ impl<P: RuleSetProvider> CachingRuleSetProvider<P> {
         }
     }
 
-    /// Forgets one rule set: the next lookup asks the inner provider.
+    /// Forgets one rule set: the next lookup asks the inner provider. A lookup of the
+    /// inner provider still running, made before the call, caches nothing.
     pub fn invalidate(&self, id: &str) {
+        self.invalidated
+            .fetch_max(self.tickets.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
         self.cache.invalidate(id);
     }
 
-    /// Forgets every rule set.
+    /// Forgets every rule set, as [`invalidate`](Self::invalidate) does one.
     pub fn invalidate_all(&self) {
+        self.invalidated
+            .fetch_max(self.tickets.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
         self.cache.invalidate_all();
     }
 
@@ -380,6 +447,8 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
                 .max_capacity(self.max_capacity)
                 .time_to_live(self.ttl)
                 .build(),
+            tickets: Arc::new(AtomicU64::new(0)),
+            invalidated: Arc::new(AtomicU64::new(0)),
             last: moka::sync::Cache::builder().max_capacity(self.max_capacity).build(),
             checks: Arc::new(Checks::default()),
         }
@@ -388,12 +457,32 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
 
 impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
-        if let Some(hit) = self.cache.get(id) {
+        if let Some((_, hit)) = self.cache.get(id) {
             return MaybeReady::ready(Ok(hit));
         }
         let key: Arc<str> = Arc::from(id);
         let (cache, last) = (self.cache.clone(), self.last.clone());
         let checks = self.checks.clone();
+        let invalidated = self.invalidated.clone();
+        let ticket = self.tickets.fetch_add(1, Ordering::SeqCst) + 1;
+        // Caches the answer of this lookup unless an invalidation, or a lookup that started
+        // later, came first: an answer read before a change (a rule set not created yet)
+        // must not be served after it until the entry expires. Answers whether it did.
+        let keep = move |cache: &moka::sync::Cache<Arc<str>, (u64, Option<Arc<RuleSet>>)>,
+                         key: Arc<str>,
+                         found: Option<Arc<RuleSet>>| {
+            let mut kept = false;
+            cache.entry(key).and_compute_with(|entry| {
+                let newer = entry.is_some_and(|entry| entry.value().0 > ticket);
+                if newer || invalidated.load(Ordering::SeqCst) > ticket {
+                    moka::ops::compute::Op::Nop
+                } else {
+                    kept = true;
+                    moka::ops::compute::Op::Put((ticket, found))
+                }
+            });
+            kept
+        };
         self.inner.rule_set(id).map(move |result| {
             let found = match result {
                 Ok(found) => found,
@@ -403,31 +492,32 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
                             tracing::warn!(rule_set = %key, %error, "rule source failed: the rule set found last stays in force");
                             // Served from the cache until it expires again: requests do not
                             // each wait for a source that is down.
-                            cache.insert(key, Some(set.clone()));
+                            keep(&cache, key, Some(set.clone()));
                             Ok(Some(set))
                         }
                         None => Err(error),
                     };
                 }
             };
-            match &found {
-                Some(set) => {
-                    if let Err(error) = checks.run(set) {
-                        tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
-                        return Err(error.into());
-                    }
-                    last.insert(key.clone(), set.clone());
+            if let Some(set) = &found {
+                if let Err(error) = checks.run(set) {
+                    tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
+                    return Err(error.into());
                 }
-                None => last.invalidate(&key),
             }
-            cache.insert(key, found.clone());
+            if keep(&cache, key.clone(), found.clone()) {
+                match &found {
+                    Some(set) => last.insert(key, set.clone()),
+                    None => last.invalidate(&key),
+                }
+            }
             Ok(found)
         })
     }
 
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
         self.inner.validate(check.clone())?;
-        for (_, set) in &self.cache {
+        for (_, (_, set)) in &self.cache {
             if let Some(set) = set {
                 check(&set)?;
             }
