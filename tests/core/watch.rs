@@ -232,3 +232,72 @@ async fn dropping_the_watch_stops_reloading() {
     assert_eq!(limit(&engine).await, Some(4));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Rule set `default` as [`rules`], then rule set `other` with two rules.
+fn two_rule_sets(capacity: u64) -> String {
+    format!(
+        "{}  - id: other\n    rules:\n      - {{id: first, scope: global, bands: [{{capacity: 7, window: 1d}}]}}\n      - {{id: second, scope: ip, bands: [{{capacity: 3, window: 1d}}]}}\n",
+        rules(capacity)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_written_in_place_in_pieces_is_not_loaded_cut() {
+    use std::io::Write as _;
+
+    let dir = scratch("in-place");
+    let file = dir.join("rules.yaml");
+    std::fs::write(&file, two_rule_sets(5)).unwrap();
+    let source = FileRuleSource::new(&file);
+    let provider = Arc::new(ReloadingRuleSetProvider::new(source.read().unwrap()));
+    let engine = Engine::builder(provider.clone()).build().unwrap();
+    // After each reload: how many rules rule set `other` has in force.
+    let others = Arc::new(Mutex::new(Vec::new()));
+    let seen = others.clone();
+    let watched = provider.clone();
+    let watch = Watch::builder(provider.clone(), source)
+        .on_reload(move |_| {
+            let rules = watched.rule_sets().get("other").map_or(0, |set| set.rules().len());
+            seen.lock().unwrap().push(rules);
+        })
+        .spawn()
+        .unwrap();
+
+    // As `render > rules.yaml` or a deploy that streams the file: truncated, then written
+    // in pieces; the first piece ends after a complete rule, and is valid rules.
+    let text = two_rule_sets(4);
+    let cut = text.find("      - {id: second").unwrap();
+    let mut writer = std::fs::File::create(&file).unwrap();
+    writer.write_all(&text.as_bytes()[..cut]).unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    writer.write_all(&text.as_bytes()[cut..]).unwrap();
+    drop(writer);
+    let edited = Instant::now();
+    let delay = within("the whole file", edited, || limit_now(&provider) == Some(4)).await;
+
+    // A file written slowly for longer than ten debounce periods, a line at a time.
+    let text = two_rule_sets(3);
+    let mut writer = std::fs::File::create(&file).unwrap();
+    for line in text.split_inclusive('\n') {
+        writer.write_all(line.as_bytes()).unwrap();
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    drop(writer);
+    let edited = Instant::now();
+    within("the slowly written file", edited, || limit_now(&provider) == Some(3)).await;
+    assert_eq!(limit(&engine).await, Some(3));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let others = others.lock().unwrap().clone();
+    assert!(
+        others.iter().all(|&rules| rules == 2),
+        "rules of `other` in force after each reload: {others:?} (the first edit seen {delay:?} after its end)"
+    );
+    drop(watch);
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// The capacity of rule set `default`'s rule in force now.
+fn limit_now(provider: &ReloadingRuleSetProvider) -> Option<u64> {
+    let sets = provider.rule_sets();
+    Some(sets.get("default")?.rules().first()?.bands().first()?.capacity())
+}

@@ -1,12 +1,13 @@
 //! File watch: reload a [`FileRuleSource`] when its files change (feature `watch`).
 
+use std::collections::HashSet;
 use std::ffi::OsString;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
-use notify::event::{AccessKind, AccessMode};
+use notify::event::{AccessKind, AccessMode, ModifyKind};
 use notify::{EventKind, RecursiveMode, Watcher as _};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -21,6 +22,14 @@ pub const DEFAULT_DEBOUNCE: Duration = Duration::from_millis(100);
 
 /// A burst of events holds a reload back at most this many debounce periods.
 const MAX_HOLD: u32 = 10;
+
+/// A rule file written in place and not closed yet holds a reload back at most this long
+/// (or ten debounce periods, if longer): its writer may pause between two writes.
+const OPEN_HOLD: Duration = Duration::from_secs(60);
+
+/// Whether the platform's watch reports that a file written to was closed (inotify's
+/// `IN_CLOSE_WRITE`): elsewhere, a file is taken as complete once the debounce is quiet.
+const SEES_CLOSE: bool = cfg!(any(target_os = "linux", target_os = "android"));
 
 type OnReload = Arc<dyn Fn(&Result<ReloadReport, ReloadError>) + Send + Sync>;
 
@@ -100,8 +109,11 @@ impl WatchBuilder {
     ///
     /// **Debounce.** The watch reloads once the file system has been quiet for the
     /// debounce period (100 ms by default) after an event, or ten periods after the first
-    /// event of a burst that never goes quiet. An event during a reload triggers another
-    /// one: the last edit is always loaded.
+    /// event of a burst that never goes quiet. On Linux, a rule file written to in place
+    /// also holds the reload until its writer closes it (at most a minute, or ten periods
+    /// if longer): a file truncated and written in pieces is not read cut, as valid rules
+    /// with some missing. An event during a reload triggers another one: the last edit is
+    /// always loaded.
     ///
     /// **Staleness bound.** A change is in force at most one debounce period plus the
     /// time of one load after the last write of the burst (on Linux, inotify delivers
@@ -139,16 +151,20 @@ impl WatchBuilder {
         };
         let trigger = Arc::new(Notify::new());
         let events = trigger.clone();
+        let writers = Arc::new(Writers::default());
+        let seen = writers.clone();
         let rewatch = matches!(target, Target::Directory(_)).then(|| dir.clone());
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| match event {
             Ok(event) => {
                 if target.wants(&event) {
+                    seen.see(&event);
                     events.notify_one();
                 }
             }
             Err(error) => {
                 // Events may have been lost: reload to be sure.
                 tracing::warn!(%error, "rule file watch error");
+                seen.clear();
                 events.notify_one();
             }
         })
@@ -174,6 +190,7 @@ impl WatchBuilder {
             Arc::downgrade(&self.provider),
             Arc::new(self.source),
             trigger,
+            writers,
             self.debounce,
             self.on_reload,
             rewatch.map(|dir| (dir, watcher.clone())),
@@ -298,19 +315,61 @@ impl Target {
     }
 }
 
+/// The rule files written to in place and not closed since: a reload would read them
+/// half-written. Kept where the platform reports the close ([`SEES_CLOSE`]).
+#[derive(Debug, Default)]
+struct Writers(Mutex<HashSet<PathBuf>>);
+
+impl Writers {
+    /// Follows an event on the rule files.
+    fn see(&self, event: &notify::Event) {
+        if !SEES_CLOSE {
+            return;
+        }
+        let mut open = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        if event.need_rescan() {
+            open.clear();
+            return;
+        }
+        match event.kind {
+            EventKind::Modify(ModifyKind::Data(_)) => open.extend(event.paths.iter().cloned()),
+            // Closed, removed, or renamed: no longer written to under this name.
+            EventKind::Access(AccessKind::Close(AccessMode::Write))
+            | EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(_)) => {
+                for path in &event.paths {
+                    open.remove(path);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Forgets every file (events may have been lost).
+    fn clear(&self) {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).clear();
+    }
+
+    /// Whether a rule file is being written to.
+    fn any(&self) -> bool {
+        !self.0.lock().unwrap_or_else(PoisonError::into_inner).is_empty()
+    }
+}
+
 /// The watch's task: waits for an event, lets the burst settle, watches a directory
 /// source again (it may have been replaced), reloads.
 async fn run(
     provider: Weak<ReloadingRuleSetProvider>,
     source: Arc<dyn RuleSource>,
     trigger: Arc<Notify>,
+    writers: Arc<Writers>,
     debounce: Duration,
     on_reload: Option<OnReload>,
     rewatch: Option<(PathBuf, Arc<Mutex<notify::RecommendedWatcher>>)>,
 ) {
     loop {
         trigger.notified().await;
-        settle(&trigger, debounce).await;
+        settle(&trigger, &writers, debounce).await;
         let Some(provider) = provider.upgrade() else {
             return;
         };
@@ -339,12 +398,25 @@ fn watch_again(dir: &Path, watcher: &Mutex<notify::RecommendedWatcher>) {
     }
 }
 
-/// Returns once `trigger` has been quiet for `quiet`, or `MAX_HOLD` periods after the call.
-async fn settle(trigger: &Notify, quiet: Duration) {
-    let deadline = Instant::now() + quiet * MAX_HOLD;
+/// Returns once `trigger` has been quiet for `quiet`, or `MAX_HOLD` periods after the call,
+/// and no rule file is being written to (or `OPEN_HOLD` passed): a writer that truncates a
+/// file and writes it in pieces leaves it cut in between, and a file cut after a complete
+/// rule set, or a complete rule, is valid rules with some missing.
+async fn settle(trigger: &Notify, writers: &Writers, quiet: Duration) {
+    let start = Instant::now();
+    let deadline = start + quiet * MAX_HOLD;
+    let open_deadline = start + OPEN_HOLD.max(quiet * MAX_HOLD);
     loop {
-        let until = (Instant::now() + quiet).min(deadline);
-        if tokio::time::timeout_at(until, trigger.notified()).await.is_err() || Instant::now() >= deadline {
+        let writing = writers.any();
+        let until = (Instant::now() + quiet).min(if writing { open_deadline } else { deadline });
+        let quiet_now = tokio::time::timeout_at(until, trigger.notified()).await.is_err();
+        let now = Instant::now();
+        if writers.any() {
+            if now >= open_deadline {
+                tracing::warn!("a rule file written to has not been closed for {OPEN_HOLD:?}: reloading it as it is");
+                return;
+            }
+        } else if quiet_now || now >= deadline {
             return;
         }
     }
@@ -364,6 +436,7 @@ mod tests {
             Arc::downgrade(provider),
             Arc::new(Counting(loads.clone())),
             trigger.clone(),
+            Arc::new(Writers::default()),
             Duration::from_millis(100),
             None,
             None,
