@@ -301,3 +301,42 @@ fn limit_now(provider: &ReloadingRuleSetProvider) -> Option<u64> {
     let sets = provider.rule_sets();
     Some(sets.get("default")?.rules().first()?.bands().first()?.capacity())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configmap_update_by_symlink_swap_is_picked_up() {
+    // A mounted ConfigMap: `rules.yaml -> ..data/rules.yaml`, `..data -> ..<timestamp>`.
+    // An update writes a new timestamped directory, points `..data_tmp` at it, renames
+    // `..data_tmp` over `..data`, then removes the old directory.
+    let dir = scratch("configmap");
+    std::fs::create_dir(dir.join("..2024_01")).unwrap();
+    std::fs::write(dir.join("..2024_01/rules.yaml"), rules(5)).unwrap();
+    std::os::unix::fs::symlink("..2024_01", dir.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/rules.yaml", dir.join("rules.yaml")).unwrap();
+    let (file_provider, file_engine, file_watch) = watched(&dir.join("rules.yaml"));
+    let (dir_provider, dir_engine, dir_watch) = watched(&dir);
+    assert_eq!(
+        (limit(&file_engine).await, limit(&dir_engine).await),
+        (Some(5), Some(5))
+    );
+
+    for (i, capacity) in [4u64, 3].into_iter().enumerate() {
+        let (old, new) = (format!("..2024_0{}", i + 1), format!("..2024_0{}", i + 2));
+        std::fs::create_dir(dir.join(&new)).unwrap();
+        std::fs::write(dir.join(&new).join("rules.yaml"), rules(capacity)).unwrap();
+        std::os::unix::fs::symlink(&new, dir.join("..data_tmp")).unwrap();
+        let edited = Instant::now();
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
+        std::fs::remove_dir_all(dir.join(&old)).unwrap();
+        let reloads = i as u64;
+        let delay = within("the swap, file source", edited, || file_provider.reloads() > reloads).await;
+        assert_eq!(limit(&file_engine).await, Some(capacity), "{delay:?}");
+        let delay = within("the swap, directory source", edited, || {
+            dir_provider.reloads() > reloads
+        })
+        .await;
+        assert_eq!(limit(&dir_engine).await, Some(capacity), "{delay:?}");
+    }
+    assert_eq!((file_provider.failures(), dir_provider.failures()), (0, 0));
+    drop((file_watch, dir_watch));
+    std::fs::remove_dir_all(dir).unwrap();
+}
