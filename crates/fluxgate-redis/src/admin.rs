@@ -23,7 +23,9 @@ use crate::store::{RedisRuleSetStore, StoreError};
 ///   published.
 /// - Changes reset the changed rule set's buckets by default, as the original did
 ///   ([`reset_on_change`](Self::reset_on_change)); the listeners run the reset once per
-///   change.
+///   change. A put of the rule set as it is stored already changes nothing and resets
+///   nothing: a tool that applies the same rules again (a deploy step, a sync) does not
+///   give every client a full quota each time.
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -166,8 +168,10 @@ impl RuleAdmin {
                 Validator::Engine(engine) => engine.validate(&set)?,
             }
         }
-        self.store.put(spec).await?;
-        let change = self.announce(&spec.id).await?;
+        let changed = self.store.put(spec).await?;
+        // Announced either way (a reload of what is stored is harmless); reset only when
+        // something changed.
+        let change = self.announce(&spec.id, changed).await?;
         self.loads(&spec.id).await?;
         Ok(change)
     }
@@ -184,7 +188,7 @@ impl RuleAdmin {
         if !self.store.delete(id).await? {
             return Ok(None);
         }
-        let change = self.announce(id).await?;
+        let change = self.announce(id, true).await?;
         self.loads(id).await?;
         Ok(Some(change))
     }
@@ -225,9 +229,11 @@ impl RuleAdmin {
         connection.within_deadline(publish).await
     }
 
-    async fn announce(&self, id: &str) -> Result<RuleChange, AdminError> {
+    /// Publishes a change of `id`, which resets its buckets when `changed` and
+    /// [`reset_on_change`](Self::reset_on_change) say so.
+    async fn announce(&self, id: &str, changed: bool) -> Result<RuleChange, AdminError> {
         let change = RuleChange::rule_set(id)
-            .with_reset(self.reset_on_change)
+            .with_reset(changed && self.reset_on_change)
             .with_source("admin")
             .with_new_event_id();
         match self.publish(&change).await {

@@ -29,8 +29,11 @@ const RECONNECT_DELAY: Duration = Duration::from_millis(100);
 /// The namespace of the store's keys unless another is given.
 pub const DEFAULT_RULES_NAMESPACE: &str = "fluxgate:rules";
 
-/// Writes a rule set's document and adds its id to the index, in one step.
-const PUT: &str = "redis.call('SET', KEYS[1], ARGV[2]); redis.call('SADD', KEYS[2], ARGV[1]); return 1";
+/// Writes a rule set's document and adds its id to the index, in one step; answers 0 when
+/// both already held it (the same document, the id indexed), 1 otherwise.
+const PUT: &str = "local old = redis.call('GET', KEYS[1]); redis.call('SET', KEYS[1], ARGV[2]);
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 and old == ARGV[2] then return 0 end
+return 1";
 
 /// Removes a rule set's document and its id from the index, in one step; answers whether
 /// there was one.
@@ -247,13 +250,14 @@ impl RedisRuleSetStore {
         format!("{}:index", self.tag)
     }
 
-    /// Validates `spec` and stores it, replacing the rule set with the same id.
+    /// Validates `spec` and stores it, replacing the rule set with the same id. Answers
+    /// whether the store changed: `false` when it held this rule set already, as stored.
     ///
     /// # Errors
     ///
     /// [`StoreError::Rule`] when the rule set is not valid (nothing is stored), or
     /// [`StoreError::Redis`].
-    pub async fn put(&self, spec: &RuleSetSpec) -> Result<(), StoreError> {
+    pub async fn put(&self, spec: &RuleSetSpec) -> Result<bool, StoreError> {
         let set = RuleSet::from_spec(spec.clone())?;
         let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
             id: set.id().to_string(),
@@ -262,8 +266,8 @@ impl RedisRuleSetStore {
         })?;
         let keys = vec![self.document_key(set.id()), self.index_key()];
         let args = vec![set.id().to_string(), json];
-        let _: i64 = self.call(&self.put, keys, args).await?;
-        Ok(())
+        let changed: i64 = self.call(&self.put, keys, args).await?;
+        Ok(changed != 0)
     }
 
     /// Removes the rule set `id`; answers whether it was stored.
