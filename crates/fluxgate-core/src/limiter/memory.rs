@@ -650,6 +650,9 @@ impl MemoryLimiter {
             .map(|s| {
                 let mut shard = lock(s);
                 let before = shard.len();
+                // At the shard's instant: a bucket dropped as refilled by a reading ahead
+                // of it would be full before the shard's next decisions find it so.
+                let now = shard.not_before(now);
                 shard.sweep(now);
                 before - shard.len()
             })
