@@ -1,5 +1,6 @@
 //! The layer among other middleware and with clients that follow its figures.
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -278,14 +279,16 @@ rule_sets:
     assert_eq!(r.num("retry-after"), 3600);
 }
 
-const LOGIN_GET_ONE_PER_HOUR: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: login
-        match: { paths: ["/api/*/login"], methods: [GET] }
-        bands: [{ capacity: 1, window: 1h }]
-"#;
+/// The status of a `GET` of `path` from one client through `app`, a stack of services.
+async fn status_through<S>(app: &S, path: &str) -> StatusCode
+where
+    S: Service<http::Request<axum::body::Body>, Response = axum::response::Response, Error = Infallible> + Clone,
+{
+    app.clone()
+        .oneshot(request("GET", path, "192.0.2.80", &[]))
+        .await
+        .map_or_else(|never| match never {}, |resp| resp.status())
+}
 
 /// A `GET /api/{version}/login` route counting its runs.
 fn login_router(runs: Arc<std::sync::atomic::AtomicUsize>) -> Router {
@@ -313,24 +316,12 @@ async fn a_path_trimming_middleware_lets_no_spelling_through_in_any_order() {
 
     async fn check<S>(app: S, runs: &AtomicUsize, order: &str)
     where
-        S: Service<
-                http::Request<axum::body::Body>,
-                Response = axum::response::Response,
-                Error = std::convert::Infallible,
-            > + Clone,
+        S: Service<http::Request<axum::body::Body>, Response = axum::response::Response, Error = Infallible> + Clone,
     {
-        let status = |path: &'static str| {
-            let app = app.clone();
-            async move {
-                app.oneshot(request("GET", path, "192.0.2.80", &[]))
-                    .await
-                    .map_or_else(|never| match never {}, |resp| resp.status())
-            }
-        };
-        assert_eq!(status("/api/v1/login").await, StatusCode::OK, "{order}");
+        assert_eq!(status_through(&app, "/api/v1/login").await, StatusCode::OK, "{order}");
         for path in TRIMMED_TO_LOGIN {
             assert_eq!(
-                status(path).await,
+                status_through(&app, path).await,
                 StatusCode::TOO_MANY_REQUESTS,
                 "{order}: {path} escaped the rule"
             );
@@ -380,18 +371,10 @@ rule_sets:
         )
         .layer(NormalizePathLayer::trim_trailing_slash())
         .service(Router::new().route("/api/{*rest}", get(|| async { "api" })));
-    let status = |path: &'static str| {
-        let app = app.clone();
-        async move {
-            app.oneshot(request("GET", path, "192.0.2.81", &[]))
-                .await
-                .map_or_else(|never| match never {}, |resp| resp.status())
-        }
-    };
-    assert_eq!(status("/api/users").await, StatusCode::OK);
+    assert_eq!(status_through(&app, "/api/users").await, StatusCode::OK);
     for path in ["//api/../x", "/api/../x/", "//api/./users//"] {
         assert_eq!(
-            status(path).await,
+            status_through(&app, path).await,
             StatusCode::TOO_MANY_REQUESTS,
             "{path} was not limited"
         );

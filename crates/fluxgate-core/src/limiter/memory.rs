@@ -1595,6 +1595,39 @@ mod tests {
         assert_eq!(exhausted, 88, "exhausted buckets evicted in place of lighter ones");
     }
 
+    /// The three paths a request of `algorithm` takes, as rule sets of a band of
+    /// `per_second` per second: one band alone, one rule of two bands, two rules.
+    fn three_paths(
+        algorithm: crate::rule::Algorithm,
+        per_second: u64,
+    ) -> [(&'static str, Arc<crate::rule::RuleSet>); 3] {
+        let of = |id: &str, bands: Vec<BandSpec>| {
+            let mut spec = RuleSpec::new(id, bands);
+            spec.algorithm = algorithm;
+            Rule::from_spec("s", spec).unwrap()
+        };
+        let second = || BandSpec::new(per_second, Duration::from_secs(1));
+        let daily = || BandSpec::new(1000, Duration::from_secs(86_400));
+        let set = |rules| Arc::new(crate::rule::RuleSet::new("s", rules).unwrap());
+        [
+            ("one band", set(vec![of("r", vec![second()])])),
+            ("two bands", set(vec![of("r", vec![second(), daily()])])),
+            (
+                "two rules",
+                set(vec![of("r", vec![second()]), of("daily", vec![daily()])]),
+            ),
+        ]
+    }
+
+    /// A request of key `k` to every rule of `set`.
+    fn every_rule(set: &Arc<crate::rule::RuleSet>) -> AcquireRequest {
+        let mut request = AcquireRequest::new(set.clone());
+        for i in 0..set.rules().len() {
+            request.push(i, "k".into());
+        }
+        request
+    }
+
     /// A clock that a thread named `stalled` reads, then stalls on (until released, or
     /// for 300 ms when it holds a lock the others need): what a preempted thread, or one
     /// waiting for a shard's lock, does between reading the clock and deciding.
@@ -1627,29 +1660,9 @@ mod tests {
     #[test]
     fn a_request_that_read_the_clock_before_another_decided_counts_after_it() {
         use crate::rule::Algorithm::{FixedWindow, SlidingWindowCounter};
-        use crate::rule::RuleSet;
         for algorithm in [FixedWindow, SlidingWindowCounter] {
-            for shape in ["one band", "two bands", "two rules"] {
-                let of = |id: &str, bands: Vec<BandSpec>| {
-                    let mut spec = RuleSpec::new(id, bands);
-                    spec.algorithm = algorithm;
-                    Rule::from_spec("s", spec).unwrap()
-                };
-                let per_second = || BandSpec::new(2, Duration::from_secs(1));
-                let daily = || BandSpec::new(1000, Duration::from_secs(86_400));
-                let rules = match shape {
-                    "one band" => vec![of("r", vec![per_second()])],
-                    "two bands" => vec![of("r", vec![per_second(), daily()])],
-                    _ => vec![of("r", vec![per_second()]), of("daily", vec![daily()])],
-                };
-                let set = Arc::new(RuleSet::new("s", rules).unwrap());
-                let request = || {
-                    let mut request = AcquireRequest::new(set.clone());
-                    for i in 0..set.rules().len() {
-                        request.push(i, "k".into());
-                    }
-                    request
-                };
+            for (shape, set) in three_paths(algorithm, 2) {
+                let request = || every_rule(&set);
                 const SEC: u64 = 1_000_000_000;
                 let clock = ManualClock::new(1_000 * SEC);
                 let read = Arc::new(std::sync::Barrier::new(2));
@@ -1722,23 +1735,9 @@ mod tests {
     /// every path (one band, one rule of two bands, two rules).
     #[test]
     fn a_clock_that_goes_back_between_readings_admits_no_more() {
-        use crate::rule::{Algorithm, RuleSet};
         const SEC: u64 = 1_000_000_000;
-        for algorithm in Algorithm::ALL {
-            for shape in ["one band", "two bands", "two rules"] {
-                let of = |id: &str, bands: Vec<BandSpec>| {
-                    let mut spec = RuleSpec::new(id, bands);
-                    spec.algorithm = algorithm;
-                    Rule::from_spec("s", spec).unwrap()
-                };
-                let per_second = || BandSpec::new(5, Duration::from_secs(1));
-                let daily = || BandSpec::new(1000, Duration::from_secs(86_400));
-                let rules = match shape {
-                    "one band" => vec![of("r", vec![per_second()])],
-                    "two bands" => vec![of("r", vec![per_second(), daily()])],
-                    _ => vec![of("r", vec![per_second()]), of("daily", vec![daily()])],
-                };
-                let set = Arc::new(RuleSet::new("s", rules).unwrap());
+        for algorithm in crate::rule::Algorithm::ALL {
+            for (shape, set) in three_paths(algorithm, 5) {
                 let limiter = MemoryLimiter::builder()
                     .clock(TwoCoresClock {
                         behind: 1_000 * SEC - 1_000_000,
@@ -1747,13 +1746,7 @@ mod tests {
                     })
                     .build();
                 let admitted = (0..100)
-                    .filter(|_| {
-                        let mut request = AcquireRequest::new(set.clone());
-                        for i in 0..set.rules().len() {
-                            request.push(i, "k".into());
-                        }
-                        limiter.acquire_now(&request).allowed
-                    })
+                    .filter(|_| limiter.acquire_now(&every_rule(&set)).allowed)
                     .count();
                 assert!(
                     admitted <= 10,
