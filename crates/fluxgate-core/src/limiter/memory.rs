@@ -650,8 +650,9 @@ impl MemoryLimiter {
             .map(|s| {
                 let mut shard = lock(s);
                 let before = shard.len();
-                // At the shard's instant: a bucket dropped as refilled by a reading ahead
-                // of it would be full before the shard's next decisions find it so.
+                // At the shard's instant, which the sweep then holds to: a bucket idle at a
+                // reading ahead (another core's counter) is not idle at an earlier instant
+                // the shard's next decision would otherwise be made at.
                 let now = shard.not_before(now);
                 shard.sweep(now);
                 before - shard.len()
@@ -1753,6 +1754,52 @@ mod tests {
                     "{algorithm:?}, {shape}: {admitted} admitted of 5 per second"
                 );
             }
+        }
+    }
+
+    /// A clock read on whichever core a caller runs on, as the test sets it.
+    #[derive(Debug, Default)]
+    struct SetClock(std::sync::atomic::AtomicU64);
+
+    impl SetClock {
+        fn set(&self, nanos: u64) {
+            self.0.store(nanos, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    impl Clock for Arc<SetClock> {
+        fn now_nanos(&self) -> u64 {
+            self.0.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    /// `purge_idle` read on a core whose counter is ahead sweeps a bucket as idle at that
+    /// instant: the shard's next decisions, read on a core behind it, are made at no
+    /// earlier an instant than the sweep's, or the swept bucket counts anew in the window
+    /// it was exhausted in (a fixed window of 5 per second admitted 5 more at each sweep).
+    #[test]
+    fn a_sweep_on_a_clock_ahead_makes_no_bucket_count_anew() {
+        use crate::rule::{Algorithm, RuleSet};
+        const SEC: u64 = 1_000_000_000;
+        for algorithm in Algorithm::ALL {
+            let mut spec = RuleSpec::new("r", vec![BandSpec::new(5, Duration::from_secs(1))]);
+            spec.algorithm = algorithm;
+            let set = Arc::new(RuleSet::new("s", [Rule::from_spec("s", spec).unwrap()]).unwrap());
+            let clock = Arc::new(SetClock::default());
+            let limiter = MemoryLimiter::builder().shards(1).clock(clock.clone()).build();
+            let (behind, ahead) = (1_000 * SEC - 1_000_000, 1_002 * SEC - 1_000_000);
+            let mut admitted = 0;
+            for _ in 0..10 {
+                clock.set(behind);
+                for _ in 0..10 {
+                    let mut request = AcquireRequest::new(set.clone());
+                    request.push(0, "k".into());
+                    admitted += usize::from(limiter.acquire_now(&request).allowed);
+                }
+                clock.set(ahead);
+                limiter.purge_idle();
+            }
+            assert!(admitted <= 10, "{algorithm:?}: {admitted} admitted of 5 per second");
         }
     }
 
