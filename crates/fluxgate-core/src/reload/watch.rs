@@ -414,6 +414,10 @@ async fn settle(trigger: &Notify, writers: &Writers, quiet: Duration) {
         if writers.any() {
             if now >= open_deadline {
                 tracing::warn!("a rule file written to has not been closed for {OPEN_HOLD:?}: reloading it as it is");
+                // Read as it is: a file its writer holds open for good holds back no later
+                // reload (of it or of another file). Its next write holds them again, and
+                // its close triggers a reload of its own.
+                writers.clear();
                 return;
             }
         } else if quiet_now || now >= deadline {
@@ -430,13 +434,17 @@ mod tests {
     use super::*;
 
     fn start(provider: &Arc<ReloadingRuleSetProvider>) -> (Arc<Notify>, Arc<AtomicUsize>) {
+        start_with(provider, Arc::new(Writers::default()))
+    }
+
+    fn start_with(provider: &Arc<ReloadingRuleSetProvider>, writers: Arc<Writers>) -> (Arc<Notify>, Arc<AtomicUsize>) {
         let trigger = Arc::new(Notify::new());
         let loads = Arc::new(AtomicUsize::new(0));
         tokio::spawn(run(
             Arc::downgrade(provider),
             Arc::new(Counting(loads.clone())),
             trigger.clone(),
-            Arc::new(Writers::default()),
+            writers,
             Duration::from_millis(100),
             None,
             None,
@@ -479,6 +487,39 @@ mod tests {
             loads.load(Ordering::SeqCst),
             during + 1,
             "and one for the end of the burst"
+        );
+    }
+
+    /// A rule file its writer holds open for good is read as it is once `OPEN_HOLD` has
+    /// passed, and holds back no later reload: a rule file renamed into place afterwards
+    /// is in force one debounce period later, not a minute.
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[tokio::test(start_paused = true)]
+    async fn a_file_held_open_for_good_holds_back_one_reload_only() {
+        use notify::event::{DataChange, ModifyKind, RenameMode};
+        let provider = Arc::new(ReloadingRuleSetProvider::default());
+        let writers = Arc::new(Writers::default());
+        let (trigger, loads) = start_with(&provider, writers.clone());
+        writers.see(&event(
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            "/etc/app/held.yaml",
+        ));
+        trigger.notify_one();
+        tokio::time::sleep(OPEN_HOLD - Duration::from_secs(1)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 0, "held while the file is open");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(loads.load(Ordering::SeqCst), 1, "read as it is after OPEN_HOLD");
+        // Another rule file renamed into place; the held one is still open.
+        writers.see(&event(
+            EventKind::Modify(ModifyKind::Name(RenameMode::Both)),
+            "/etc/app/other.yaml",
+        ));
+        trigger.notify_one();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            loads.load(Ordering::SeqCst),
+            2,
+            "the next change is not held for a minute"
         );
     }
 
