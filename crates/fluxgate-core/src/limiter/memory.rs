@@ -1779,12 +1779,9 @@ mod tests {
     /// it was exhausted in (a fixed window of 5 per second admitted 5 more at each sweep).
     #[test]
     fn a_sweep_on_a_clock_ahead_makes_no_bucket_count_anew() {
-        use crate::rule::{Algorithm, RuleSet};
         const SEC: u64 = 1_000_000_000;
-        for algorithm in Algorithm::ALL {
-            let mut spec = RuleSpec::new("r", vec![BandSpec::new(5, Duration::from_secs(1))]);
-            spec.algorithm = algorithm;
-            let set = Arc::new(RuleSet::new("s", [Rule::from_spec("s", spec).unwrap()]).unwrap());
+        for algorithm in crate::rule::Algorithm::ALL {
+            let [(_, set), ..] = three_paths(algorithm, 5);
             let clock = Arc::new(SetClock::default());
             let limiter = MemoryLimiter::builder().shards(1).clock(clock.clone()).build();
             let (behind, ahead) = (1_000 * SEC - 1_000_000, 1_002 * SEC - 1_000_000);
@@ -1792,9 +1789,7 @@ mod tests {
             for _ in 0..10 {
                 clock.set(behind);
                 for _ in 0..10 {
-                    let mut request = AcquireRequest::new(set.clone());
-                    request.push(0, "k".into());
-                    admitted += usize::from(limiter.acquire_now(&request).allowed);
+                    admitted += usize::from(limiter.acquire_now(&every_rule(&set)).allowed);
                 }
                 clock.set(ahead);
                 limiter.purge_idle();
