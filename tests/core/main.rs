@@ -19,6 +19,7 @@ mod memory;
 mod metrics;
 mod mongodb;
 mod one_band;
+mod paths;
 mod reload;
 mod rule_files;
 mod spans;

@@ -337,3 +337,73 @@ async fn rules_without_a_rule_set_keep_the_rules_in_force_unless_allowed() {
     assert!(file.allow_empty(true).read().unwrap().is_empty());
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+/// Each thread decides with its own copy of a rule set and its own snapshot of the rule
+/// sets in force: after a swap, a thread that decided with the old rules (and holds copies
+/// of them) decides its very next request with the new ones, whether the swap lowered a
+/// capacity, removed a rule or reset the counters, and whichever engine path the rule set
+/// takes (one rule of one band, or several rules).
+#[test]
+fn a_thread_decides_its_next_request_after_a_swap_with_the_new_rules() {
+    use std::sync::mpsc;
+    let file = |rules: &str| {
+        RuleSets::from_yaml_str(&format!("rule_sets:\n  - id: default\n    rules:\n{rules}")).expect("valid rules")
+    };
+    let roomy = "      - { id: all, scope: global, bands: [{ capacity: 1000, window: 1h }] }\n";
+    let tight = "      - { id: all, scope: global, bands: [{ capacity: 5, window: 1h }] }\n";
+    let blocking = "      - { id: none, scope: global, bands: [{ capacity: 1, window: 1h }] }\n";
+    let elsewhere = "      - { id: none, scope: global, match: { paths: [\"/elsewhere\"] }, bands: [{ capacity: 1, window: 1h }] }\n";
+    for extra in ["", "      - { id: per-ip, bands: [{ capacity: 1000, window: 1h }] }\n"] {
+        let provider = Arc::new(ReloadingRuleSetProvider::new(file(&format!("{roomy}{extra}"))));
+        let engine = Engine::builder(provider.clone()).build().expect("an engine");
+        let (ask, asked) = mpsc::channel::<()>();
+        let (answer, answers) = mpsc::channel::<Decision>();
+        let other = std::thread::spawn({
+            let engine = engine.clone();
+            move || {
+                let ctx = RequestContext::builder()
+                    .client_ip("192.0.2.1".parse().expect("an address"))
+                    .build();
+                for () in asked {
+                    let decision = engine.check(&ctx).into_ready().expect("in memory").expect("decided");
+                    if answer.send(decision).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let decide = || {
+            ask.send(()).expect("the other thread");
+            answers.recv().expect("its decision")
+        };
+        let limit = |d: &Decision| d.bands.iter().find(|b| &*b.rule == "all").map(|b| b.limit);
+        // The other thread decides with the roomy rule, and keeps its copies.
+        for _ in 0..3 {
+            assert_eq!(limit(&decide()), Some(1000), "{extra}");
+        }
+        // A lower capacity: the next request there is counted by it.
+        provider.replace(file(&format!("{tight}{extra}"))).expect("swapped");
+        let d = decide();
+        assert_eq!((limit(&d), d.remaining()), (Some(5), Some(4)), "{extra}");
+        // A rule that refuses everything, then removed: the next request passes.
+        provider
+            .replace(file(&format!("{tight}{blocking}{extra}")))
+            .expect("swapped");
+        assert!(decide().allowed(), "{extra}: the blocking rule's one permit");
+        assert!(!decide().allowed(), "{extra}: refused by the blocking rule");
+        provider
+            .replace(file(&format!("{tight}{elsewhere}{extra}")))
+            .expect("swapped");
+        let d = decide();
+        assert!(d.allowed(), "{extra}: the blocking rule is gone: {d:?}");
+        assert!(d.bands.iter().all(|b| &*b.rule != "none"), "{extra}");
+        // The tight rule's last permits; a reset gives them back at once.
+        assert_eq!(d.remaining(), Some(2), "{extra}");
+        assert!(decide().allowed() && decide().allowed(), "{extra}");
+        assert!(!decide().allowed(), "{extra}");
+        assert!(provider.reset_buckets("default"));
+        assert!(decide().allowed(), "{extra}: reset counters");
+        drop(ask);
+        other.join().expect("the other thread");
+    }
+}
