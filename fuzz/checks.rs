@@ -561,8 +561,8 @@ fn percent_decode(s: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Reads an address: a kind byte (v4, v6, IPv4-mapped v6 or v6 under the NAT64 well-known
-/// prefix, or the previous address with one bit flipped) and its bytes.
+/// Reads an address: a kind byte (v4, v6, IPv4-mapped v6, v6 under the NAT64 well-known
+/// prefix or in a 6to4 network, or the previous address with one bit flipped) and its bytes.
 fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     let mut take = |n: usize| -> Vec<u8> {
         let (head, tail) = bytes.split_at(n.min(bytes.len()));
@@ -576,7 +576,16 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
         (0, _) => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"))),
         (2, _) => {
             let v4 = Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"));
-            if kind & 4 == 0 {
+            if kind & 8 != 0 {
+                // A host of the 6to4 network `2002:WWXX:YYZZ::/48`, the rest of its bits
+                // from the input.
+                let rest = take(10);
+                let mut octets = [0u8; 16];
+                octets[..2].copy_from_slice(&[0x20, 0x02]);
+                octets[2..6].copy_from_slice(&v4.octets());
+                octets[6..6 + rest.len()].copy_from_slice(&rest);
+                IpAddr::V6(Ipv6Addr::from(octets))
+            } else if kind & 4 == 0 {
                 IpAddr::V6(v4.to_ipv6_mapped())
             } else {
                 // Under the NAT64 well-known prefix, `64:ff9b::/96`.
@@ -598,15 +607,13 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
 }
 
 fn reference_mask(ip: IpAddr, prefix: u8) -> IpAddr {
-    // IPv4-mapped, or under the NAT64 well-known prefix `64:ff9b::/96`.
+    // IPv4-mapped, under the NAT64 well-known prefix `64:ff9b::/96`, or in the 6to4
+    // network `2002:WWXX:YYZZ::/48` of the host `WW.XX.YY.ZZ`.
     let embedded = |v6: Ipv6Addr| {
-        v6.to_ipv4_mapped().or_else(|| {
-            let s = v6.segments();
-            (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]).then(|| {
-                let o = v6.octets();
-                Ipv4Addr::new(o[12], o[13], o[14], o[15])
-            })
-        })
+        let (s, o) = (v6.segments(), v6.octets());
+        v6.to_ipv4_mapped()
+            .or_else(|| (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]).then(|| Ipv4Addr::new(o[12], o[13], o[14], o[15])))
+            .or_else(|| (s[0] == 0x2002).then(|| Ipv4Addr::new(o[2], o[3], o[4], o[5])))
     };
     match ip {
         IpAddr::V6(v6) => match embedded(v6) {

@@ -49,8 +49,8 @@ rule_sets:
 "#;
 
 /// The clients: IPv4 addresses that differ in one octet, IPv6 addresses of one /64 and of
-/// neighbouring ones, an IPv4-mapped IPv6 address and one under the NAT64 well-known prefix
-/// (each the IPv4 client itself), and none.
+/// neighbouring ones, an IPv4-mapped IPv6 address, one under the NAT64 well-known prefix and
+/// two in the 6to4 network of an IPv4 client (each the IPv4 client itself), and none.
 fn clients() -> Vec<Option<IpAddr>> {
     let mut clients: Vec<Option<IpAddr>> = Vec::new();
     for i in 0..24u8 {
@@ -61,6 +61,9 @@ fn clients() -> Vec<Option<IpAddr>> {
     }
     clients.push(Some("::ffff:10.0.1.5".parse().expect("an address")));
     clients.push(Some("64:ff9b::10.0.1.5".parse().expect("an address")));
+    // Two hosts of the 6to4 network of 10.0.1.5, `2002:a00:105::/48`.
+    clients.push(Some("2002:a00:105:1::1".parse().expect("an address")));
+    clients.push(Some("2002:a00:105:2::1".parse().expect("an address")));
     clients.push(None);
     clients
 }

@@ -232,17 +232,20 @@ impl KeyResolver {
     }
 
     /// The address as keyed: an IPv4 client seen as IPv6 (IPv4-mapped, `::ffff:a.b.c.d`,
-    /// or translated under the NAT64 well-known prefix, `64:ff9b::a.b.c.d`) as IPv4, other
-    /// IPv6 cut to the prefix.
+    /// or translated under the NAT64 well-known prefix, `64:ff9b::a.b.c.d`, or a 6to4
+    /// address, `2002:WWXX:YYZZ::`) as IPv4, other IPv6 cut to the prefix.
     ///
     /// A server behind a stateless translator (SIIT, RFC 7755) sees every IPv4 client under
-    /// `64:ff9b::/96`, one /64: cut to the prefix, all of them would share one counter.
+    /// `64:ff9b::/96`, one /64: cut to the prefix, all of them would share one counter. A
+    /// 6to4 address (`2002::/16`) is keyed as the IPv4 host whose /48 it is in: cut to a /64,
+    /// that one host would have 65,536 counters.
     ///
     /// ```
     /// use fluxgate_core::key::KeyResolver;
     /// let r = KeyResolver::default();
     /// assert_eq!(r.mask("64:ff9b::192.0.2.1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
     /// assert_eq!(r.mask("::ffff:192.0.2.1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
+    /// assert_eq!(r.mask("2002:c000:201:ffff::1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
     /// ```
     pub fn mask(&self, ip: IpAddr) -> IpAddr {
         match ip {
@@ -267,13 +270,21 @@ impl KeyResolver {
 /// addresses translated into IPv6, the IPv4 address in the last 32 bits.
 const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b_0000_0000_0000_0000_0000_0000;
 
-/// The IPv4 client an IPv6 address stands for: an IPv4-mapped address, or one under the
-/// NAT64 well-known prefix.
+/// The 6to4 prefix, `2002::/16` (RFC 3056): `2002:WWXX:YYZZ::/48` is the network of the
+/// IPv4 host `WW.XX.YY.ZZ`.
+const SIX_TO_FOUR: u128 = 0x2002 << 112;
+
+/// The IPv4 client an IPv6 address stands for: an IPv4-mapped address, one under the
+/// NAT64 well-known prefix, or the host whose 6to4 network it is in.
 fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
     if let Some(v4) = v6.to_ipv4_mapped() {
         return Some(v4);
     }
     let bits = u128::from(v6);
+    if bits >> 112 == SIX_TO_FOUR >> 112 {
+        // Bits 16 to 47: the host's address (`as u32` keeps the low 32 bits).
+        return Some(std::net::Ipv4Addr::from((bits >> 80) as u32));
+    }
     // `bits as u32` keeps the low 32 bits: the embedded address.
     (bits >> 32 == NAT64_WELL_KNOWN >> 32).then(|| std::net::Ipv4Addr::from(bits as u32))
 }
@@ -503,6 +514,14 @@ mod tests {
         // Neighbours of the prefix are IPv6 networks as any other.
         assert_eq!(key(&r, &at("64:ff9b:0:0:1::1")), "ip=64%3Aff9b%3A%3A_64");
         assert_eq!(key(&r, &at("64:ff9b:1::192.0.2.1")), "ip=64%3Aff9b%3A1%3A%3A_64");
+        // Every host of a 6to4 network (2002:WWXX:YYZZ::/48) is its IPv4 host: cut to a
+        // /64, one IPv4 host would have 65,536 counters.
+        for ip in ["2002:c000:201::1", "2002:c000:201:1::1", "2002:c000:201:ffff:1:2:3:4"] {
+            assert_eq!(key(&r, &at(ip)), "ip=192.0.2.1", "{ip}");
+        }
+        assert_eq!(key(&r, &at("2002:c633:6409::1")), "ip=198.51.100.9");
+        // Neighbours of the prefix are IPv6 networks as any other.
+        assert_eq!(key(&r, &at("2003:c000:201::1")), "ip=2003%3Ac000%3A201%3A%3A_64");
         for ip in ["0.0.0.0", "255.255.255.255", "10.100.9.199", "1.20.30.4"] {
             assert_eq!(key(&r, &at(ip)), format!("ip={ip}"));
         }
