@@ -13,11 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
-use fluxgate_core::{
-    BoxError, Decision, Engine, ManualClock, MaybeReady, MemoryLimiter, Outcome, RequestContext, RuleSets, Text,
-    WaitPolicy,
-};
+use fluxgate_core::limiter::RateLimiter;
+use fluxgate_core::{Decision, Engine, ManualClock, MemoryLimiter, Outcome, RequestContext, RuleSets, WaitPolicy};
 use http::Method;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -213,32 +210,6 @@ fn yaml(rules: &[RuleGen], neutral: Option<&str>) -> String {
     out
 }
 
-/// A limiter that hands the in-memory limiter each request rebuilt from its buckets' key
-/// texts, so that it keys them by their text rather than their typed value.
-#[derive(Debug)]
-struct ByText(MemoryLimiter);
-
-impl RateLimiter for ByText {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let set = request.rule_set().clone();
-        let mut by_text = AcquireRequest::new(set.clone());
-        for bucket in request.buckets() {
-            let rule = set
-                .rules()
-                .iter()
-                .position(|r| std::ptr::eq(r, bucket.rule))
-                .expect("the rule of one of its buckets");
-            assert!(!bucket.key.is_empty(), "a limiter that reads key texts gets them");
-            by_text.push_permits(rule, Text::from(bucket.key.as_str()), bucket.permits);
-        }
-        self.0.acquire(&by_text)
-    }
-
-    fn is_local(&self) -> bool {
-        true
-    }
-}
-
 fn context(step: &Step) -> RequestContext {
     let mut ctx = RequestContext::builder()
         .path(PATHS[step.path])
@@ -309,7 +280,10 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         // such a neutral rule is neutral only without waits.
         engines.push(("one pass", engine(rules(Some("token_bucket")), None)));
         // Keys by their text: the general path, without typed keys.
-        engines.push(("by text", engine(rules(None), Some(Arc::new(ByText(memory()))))));
+        engines.push((
+            "by text",
+            engine(rules(None), Some(Arc::new(crate::typed_keys::ByText(memory())))),
+        ));
     }
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()

@@ -12,9 +12,10 @@ use fluxgate_core::{
 };
 
 /// A limiter that hands the in-memory limiter each request rebuilt from its buckets' key
-/// texts alone, so that it keys them by their text.
+/// texts alone, so that it keys them by their text rather than their typed value. Local,
+/// as the in-memory limiter is: the engine takes no lease through it.
 #[derive(Debug, Default)]
-struct ByText(MemoryLimiter);
+pub(crate) struct ByText(pub(crate) MemoryLimiter);
 
 impl RateLimiter for ByText {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
@@ -30,6 +31,10 @@ impl RateLimiter for ByText {
             by_text.push_permits(rule, Text::from(bucket.key.as_str()), bucket.permits);
         }
         self.0.acquire(&by_text)
+    }
+
+    fn is_local(&self) -> bool {
+        true
     }
 }
 
