@@ -153,7 +153,7 @@ struct Shard {
     windows: Map<Slot>,
     next_sweep: usize,
     /// The latest instant a decision in this shard was made at: no later decision in it is
-    /// made at an earlier one, whatever the clock reads (see [`Shard::not_before`]).
+    /// made at an earlier one, whatever the clock reads (see [`not_before`]).
     latest: u64,
 }
 
@@ -258,19 +258,19 @@ impl Stored for Slot {
     }
 }
 
-impl Shard {
-    /// `now`, or the latest instant a decision in this shard was made at if that is later;
-    /// the instant of the decision about to be made. The clock may go back between two
-    /// readings on two cores (quanta reads each core's time-stamp counter, and on some
-    /// machines they disagree): a fixed window would then count anew from a window that has
-    /// ended, and a bucket's state read at an instant before the one it was written at is
-    /// not what the algorithms are defined on.
-    fn not_before(&mut self, now: u64) -> u64 {
-        let now = now.max(self.latest);
-        self.latest = now;
-        now
-    }
+/// `now`, or a shard's `latest` decision instant if that is later, which becomes the latest:
+/// the instant of the decision about to be made. The clock may go back between two readings
+/// on two cores (quanta reads each core's time-stamp counter, and on some machines they
+/// disagree): a fixed window would then count anew from a window that has ended, and a
+/// bucket's state read at an instant before the one it was written at is not what the
+/// algorithms are defined on.
+fn not_before(latest: &mut u64, now: u64) -> u64 {
+    let now = now.max(*latest);
+    *latest = now;
+    now
+}
 
+impl Shard {
     /// Ranks the state at `key` by `band`'s cost per request (a token or leaky bucket's
     /// interval class, a window state's weight), its counts left as they are. Called where
     /// the band refuses a request, which writes nothing: a state kept across a reload that
@@ -653,7 +653,7 @@ impl MemoryLimiter {
                 // At the shard's instant, which the sweep then holds to: a bucket idle at a
                 // reading ahead (another core's counter) is not idle at an earlier instant
                 // the shard's next decision would otherwise be made at.
-                let now = shard.not_before(now);
+                let now = not_before(&mut shard.latest, now);
                 shard.sweep(now);
                 before - shard.len()
             })
@@ -728,7 +728,7 @@ impl MemoryLimiter {
     }
 
     /// The instant of a decision in the locked `shards`: the clock, or the latest instant a
-    /// decision in one of them was made at if that is later (see [`Shard::not_before`]).
+    /// decision in one of them was made at if that is later (see [`not_before`]).
     fn now_in(&self, shards: &mut Guards<'_>) -> u64 {
         let now = shards
             .iter()
@@ -892,8 +892,7 @@ impl MemoryLimiter {
             // processor does both while the bucket's slot, rarely in its caches, loads.
             let Shard { gcra, latest, .. } = &mut *shard;
             let stored = gcra.get_mut(&key);
-            let now = self.inner.clock.now_nanos().max(*latest);
-            *latest = now;
+            let now = not_before(latest, self.inner.clock.now_nanos());
             let bands = Bands::with_capacity(1);
             let e = evaluate_instant(stored.as_deref().copied().map(Kept::tat), bucket, band, now);
             if e.allowed {
@@ -915,7 +914,7 @@ impl MemoryLimiter {
             drop(shard);
             return outcome(bands, bucket, band, now, &e);
         }
-        let now = shard.not_before(self.inner.clock.now_nanos());
+        let now = not_before(&mut shard.latest, self.inner.clock.now_nanos());
         let e = evaluate(&shard, key, bucket, band, now);
         if e.allowed {
             self.store(&mut shard, key, e.next, now, band, bucket.permits);
