@@ -176,6 +176,72 @@ async fn the_store_works_on_a_cluster() {
     assert!(store.delete("a").await.expect("cleanup"));
 }
 
+/// `RuleAdmin` stores a change and publishes it in one script call, on the slot of the
+/// store's hash tag: on a cluster, a listener subscribed through any node hears the
+/// change, reloads it, and a delete of a rule set never stored publishes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_change_on_a_cluster_reaches_a_listener() {
+    use std::time::{Duration, Instant};
+
+    use fluxgate::redis::{RuleAdmin, RuleChangeListener};
+
+    let servers = Servers::shared_cluster();
+    let url = match &servers {
+        Servers::Cluster(cluster) => cluster.url(),
+        Servers::Standalone(server) => server.url(),
+    };
+    let client = RedisRuleSetStore::connect(&url)
+        .await
+        .expect("connect")
+        .client()
+        .clone();
+    let store = Arc::new(RedisRuleSetStore::with_namespace(client, "admin-cluster-test").expect("namespace"));
+    store.put(&spec("api", 10)).await.expect("put");
+    store.put(&spec("kept", 10)).await.expect("put");
+    let provider = Arc::new(ReloadingRuleSetProvider::new(
+        store.load_rule_sets().await.expect("load"),
+    ));
+    let channel = "admin-cluster-test:changes";
+    let listener = RuleChangeListener::builder(provider.clone(), store.clone())
+        .channel(channel)
+        .subscribe(&url)
+        .await
+        .expect("subscribe");
+    let admin = RuleAdmin::new((*store).clone()).channel(channel);
+    let change = admin.put(&spec("api", 3)).await.expect("admin put");
+    assert!(change.reset_buckets, "a change resets: {change:?}");
+    let capacity = || {
+        provider
+            .rule_sets()
+            .get("api")
+            .map(|s| s.rules()[0].bands()[0].capacity())
+    };
+    let start = Instant::now();
+    while capacity() != Some(3) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the change was not in force within 10 s: {:?}",
+            listener.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(admin.delete("never-stored").await.expect("delete"), None);
+    assert!(admin.delete("api").await.expect("delete").is_some());
+    let start = Instant::now();
+    while listener.stats().events < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the delete was not heard within 10 s: {:?}",
+            listener.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(listener.stats().events, 2, "a put and a delete: {:?}", listener.stats());
+    assert!(provider.rule_sets().get("api").is_none(), "the delete is in force");
+    assert!(store.delete("kept").await.expect("cleanup"));
+}
+
 #[test]
 fn a_namespace_cannot_change_the_hash_tag() {
     let client = fred::clients::Client::default();

@@ -11,9 +11,10 @@ use crate::changes::{RuleChange, DEFAULT_CHANGES_CHANNEL};
 use crate::error::RedisError;
 use crate::store::{RedisRuleSetStore, StoreError};
 
-/// Administers the rule sets of a [`RedisRuleSetStore`]: every change is validated, stored,
-/// then published as a [`RuleChange`] (JSON, with a new event id and source `admin`) on
-/// the change channel, where [`RuleChangeListener`](crate::RuleChangeListener)s reload.
+/// Administers the rule sets of a [`RedisRuleSetStore`]: every change is validated, then
+/// stored and published as a [`RuleChange`] (JSON, with a new event id and source `admin`)
+/// on the change channel in one script call, where
+/// [`RuleChangeListener`](crate::RuleChangeListener)s reload.
 ///
 /// - A rule set is validated as rules ([`RuleSet::from_spec`]) and by every limiter or
 ///   engine given to [`validate_with`](Self::validate_with) or
@@ -26,6 +27,11 @@ use crate::store::{RedisRuleSetStore, StoreError};
 ///   change. A put of the rule set as it is stored already changes nothing and resets
 ///   nothing: a tool that applies the same rules again (a deploy step, a sync) does not
 ///   give every client a full quota each time.
+/// - A change is not stored without being published: the script first checks that the
+///   store's user may publish on the channel (Redis 7 and later), so a put refused there
+///   stores nothing, and putting it again later stores, publishes and resets. (A retry
+///   after a change stored and published whose reply was lost finds it stored: it resets
+///   nothing more, the first publication did.)
 ///
 /// ```no_run
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -71,8 +77,11 @@ pub enum AdminError {
         #[source]
         source: StoreError,
     },
-    /// The change was stored but could not be published: listeners learn of it at their
-    /// next reconnection or poll, or when [`RuleAdmin::publish`] is called again.
+    /// The change was stored but Redis refused to publish it: only with a Redis older than
+    /// 7, which cannot check the permission before the write (Redis 7 and later refuse
+    /// such a change before storing it, [`AdminError::Store`]). Listeners learn of it at
+    /// their next reconnection or poll, or when [`RuleAdmin::publish`] is called with a
+    /// change that resets.
     #[error("rule set `{rule_set}` stored, but the change event could not be published: {source}")]
     Publish {
         /// The rule set.
@@ -152,13 +161,14 @@ impl RuleAdmin {
         &self.store
     }
 
-    /// Validates `spec` (rules, then every limiter), stores it, and publishes the change.
-    /// Answers the event published.
+    /// Validates `spec` (rules, then every limiter), then stores it and publishes the change
+    /// in one script call. Answers the event published.
     ///
     /// # Errors
     ///
-    /// [`AdminError::Rule`] (nothing stored), [`AdminError::Store`],
-    /// [`AdminError::Publish`] (stored, not published), or [`AdminError::Unloadable`]
+    /// [`AdminError::Rule`] (nothing stored), [`AdminError::Store`] (nothing stored or
+    /// published, unless the reply was lost: a timeout after the call ran),
+    /// [`AdminError::Publish`] (stored, not published: Redis 6), or [`AdminError::Unloadable`]
     /// (stored and published, but the store does not load: no instance applies it).
     pub async fn put(&self, spec: &RuleSetSpec) -> Result<RuleChange, AdminError> {
         let set = RuleSet::from_spec(spec.clone())?;
@@ -168,10 +178,21 @@ impl RuleAdmin {
                 Validator::Engine(engine) => engine.validate(&set)?,
             }
         }
-        let changed = self.store.put(spec).await?;
-        // Announced either way (a reload of what is stored is harmless); reset only when
-        // something changed.
-        let change = self.announce(&spec.id, changed).await?;
+        let change = RuleChange::rule_set(&spec.id).with_source("admin").with_new_event_id();
+        let reset = change.clone().with_reset(self.reset_on_change);
+        let keep = change.with_reset(false);
+        // Stored and announced in one step, either way (a reload of what is stored is
+        // harmless); a reset only when something changed. A change is never stored
+        // without its announcement, so a put retried after a failure finds either nothing
+        // stored (and resets) or the change announced already.
+        let announced = self
+            .store
+            .put_announced(spec, &self.channel, reset.to_json(), keep.to_json())
+            .await?;
+        let change = if announced.changed { reset } else { keep };
+        if let Err(message) = announced.published {
+            return Err(publish_refused(&spec.id, message));
+        }
         self.loads(&spec.id).await?;
         Ok(change)
     }
@@ -181,14 +202,21 @@ impl RuleAdmin {
     ///
     /// # Errors
     ///
-    /// [`AdminError::Store`], [`AdminError::Publish`] (deleted, not published), or
+    /// [`AdminError::Store`], [`AdminError::Publish`] (deleted, not published: Redis 6), or
     /// [`AdminError::Unloadable`] (deleted and published, but the store does not load: the
     /// last rule set deleted from a store that does not allow an empty one, say).
     pub async fn delete(&self, id: &str) -> Result<Option<RuleChange>, AdminError> {
-        if !self.store.delete(id).await? {
+        let change = RuleChange::rule_set(id)
+            .with_reset(self.reset_on_change)
+            .with_source("admin")
+            .with_new_event_id();
+        let announced = self.store.delete_announced(id, &self.channel, change.to_json()).await?;
+        if !announced.changed {
             return Ok(None);
         }
-        let change = self.announce(id, true).await?;
+        if let Err(message) = announced.published {
+            return Err(publish_refused(id, message));
+        }
         self.loads(id).await?;
         Ok(Some(change))
     }
@@ -228,20 +256,12 @@ impl RuleAdmin {
             .publish::<u64, _, _>(self.channel.as_str(), change.to_json());
         connection.within_deadline(publish).await
     }
+}
 
-    /// Publishes a change of `id`, which resets its buckets when `changed` and
-    /// [`reset_on_change`](Self::reset_on_change) say so.
-    async fn announce(&self, id: &str, changed: bool) -> Result<RuleChange, AdminError> {
-        let change = RuleChange::rule_set(id)
-            .with_reset(changed && self.reset_on_change)
-            .with_source("admin")
-            .with_new_event_id();
-        match self.publish(&change).await {
-            Ok(_) => Ok(change),
-            Err(source) => Err(AdminError::Publish {
-                rule_set: id.to_owned(),
-                source,
-            }),
-        }
+/// The error of a change stored whose `PUBLISH` Redis refused after the write.
+fn publish_refused(id: &str, message: String) -> AdminError {
+    AdminError::Publish {
+        rule_set: id.to_owned(),
+        source: RedisError::Command(fred::error::Error::new(fred::error::ErrorKind::Auth, message)),
     }
 }

@@ -39,6 +39,30 @@ return 1";
 /// there was one.
 const DELETE: &str = "local n = redis.call('DEL', KEYS[1]); redis.call('SREM', KEYS[2], ARGV[1]); return n";
 
+/// Whether the caller may publish `ARGV[4]` on the channel `ARGV[3]`, checked before
+/// anything is written (Redis 7 and later; an earlier Redis has no such check, and a
+/// refused `PUBLISH` there comes after the write); then [`PUT`] or [`DELETE`], and the
+/// change published in the same step: `ARGV[4]` when the store changed, `ARGV[5]` when it
+/// did not (a put of the rule set as stored). Answers whether the store changed and the
+/// subscribers reached, or `-1` and the error of a `PUBLISH` refused after the write.
+const ANNOUNCED: &str = "if redis.acl_check_cmd and not redis.acl_check_cmd('PUBLISH', ARGV[3], ARGV[4]) then
+  return redis.error_reply('NOPERM this user has no permission to publish on channel ' .. ARGV[3] .. ': nothing was stored')
+end
+local changed
+if ARGV[2] == '' then
+  changed = redis.call('DEL', KEYS[1]) == 1
+  redis.call('SREM', KEYS[2], ARGV[1])
+else
+  local old = redis.call('GET', KEYS[1])
+  redis.call('SET', KEYS[1], ARGV[2])
+  changed = redis.call('SADD', KEYS[2], ARGV[1]) == 1 or old ~= ARGV[2]
+end
+local message = ARGV[5]
+if changed then message = ARGV[4] elseif message == '' then return {0, 0} end
+local sent = redis.pcall('PUBLISH', ARGV[3], message)
+if type(sent) == 'table' then return {changed and 1 or 0, -1, sent.err} end
+return {changed and 1 or 0, sent}";
+
 /// The indexed ids.
 const INDEX: &str = "return redis.call('SMEMBERS', KEYS[1])";
 
@@ -148,6 +172,7 @@ pub struct RedisRuleSetStore {
     delete: Script,
     index: Script,
     load: Script,
+    announced: Script,
 }
 
 impl fmt::Debug for RedisRuleSetStore {
@@ -210,6 +235,7 @@ impl RedisRuleSetStore {
             delete: Script::from_lua(DELETE),
             index: Script::from_lua(INDEX),
             load: Script::from_lua(LOAD),
+            announced: Script::from_lua(ANNOUNCED),
         })
     }
 
@@ -268,6 +294,57 @@ impl RedisRuleSetStore {
         let args = vec![set.id().to_string(), json];
         let changed: i64 = self.call(&self.put, keys, args).await?;
         Ok(changed != 0)
+    }
+
+    /// Stores `spec` (validated) as [`put`](Self::put) does and publishes, in the same
+    /// step, `changed` on `channel` when the store changed, `unchanged` otherwise. Nothing is
+    /// stored when Redis (7 or later) says the store's user may not publish there.
+    pub(crate) async fn put_announced(
+        &self,
+        spec: &RuleSetSpec,
+        channel: &str,
+        changed: String,
+        unchanged: String,
+    ) -> Result<Announced, StoreError> {
+        let set = RuleSet::from_spec(spec.clone())?;
+        let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
+            id: set.id().to_string(),
+            key: self.document_key(set.id()),
+            reason: e.to_string(),
+        })?;
+        self.announced(set.id(), json, channel, changed, unchanged).await
+    }
+
+    /// Removes the rule set `id` as [`delete`](Self::delete) does and, when it was stored,
+    /// publishes `message` on `channel` in the same step.
+    pub(crate) async fn delete_announced(
+        &self,
+        id: &str,
+        channel: &str,
+        message: String,
+    ) -> Result<Announced, StoreError> {
+        self.announced(id, String::new(), channel, message, String::new()).await
+    }
+
+    /// One call of [`ANNOUNCED`]: the document `json` stored for `id` (removed when empty).
+    async fn announced(
+        &self,
+        id: &str,
+        json: String,
+        channel: &str,
+        changed: String,
+        unchanged: String,
+    ) -> Result<Announced, StoreError> {
+        let keys = vec![self.document_key(id), self.index_key()];
+        let args = vec![id.to_owned(), json, channel.to_owned(), changed, unchanged];
+        let reply: Vec<Value> = self.call(&self.announced, keys, args).await?;
+        let mut reply = reply.into_iter();
+        let changed = reply.next().and_then(|v| v.as_i64()) == Some(1);
+        let published = match reply.next().and_then(|v| v.as_i64()) {
+            Some(-1) => Err(reply.next().and_then(|v| v.into_string()).unwrap_or_default()),
+            sent => Ok(sent.unwrap_or(0).max(0) as u64),
+        };
+        Ok(Announced { changed, published })
     }
 
     /// Removes the rule set `id`; answers whether it was stored.
@@ -401,6 +478,16 @@ impl RedisRuleSetStore {
         let call = script.evalsha_with_reload(self.connection.next(), keys, args);
         Ok(self.connection.within_deadline(call).await?)
     }
+}
+
+/// What a change stored and announced in one step did.
+#[derive(Debug)]
+pub(crate) struct Announced {
+    /// Whether the store changed.
+    pub(crate) changed: bool,
+    /// The subscribers the change reached, or why `PUBLISH` was refused after the write
+    /// (only with a Redis older than 7, which cannot check the permission first).
+    pub(crate) published: Result<u64, String>,
 }
 
 impl RuleSource for RedisRuleSetStore {
