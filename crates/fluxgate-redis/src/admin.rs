@@ -185,10 +185,7 @@ impl RuleAdmin {
         // harmless); a reset only when something changed. A change is never stored
         // without its announcement, so a put retried after a failure finds either nothing
         // stored (and resets) or the change announced already.
-        let announced = self
-            .store
-            .put_announced(spec, &self.channel, reset.to_json(), keep.to_json())
-            .await?;
+        let announced = self.store.put_announced(spec, &self.channel, &reset, &keep).await?;
         let change = if announced.changed { reset } else { keep };
         if let Err(message) = announced.published {
             return Err(publish_refused(&spec.id, message));
@@ -210,7 +207,7 @@ impl RuleAdmin {
             .with_reset(self.reset_on_change)
             .with_source("admin")
             .with_new_event_id();
-        let announced = self.store.delete_announced(id, &self.channel, change.to_json()).await?;
+        let announced = self.store.delete_announced(id, &self.channel, &change).await?;
         if !announced.changed {
             return Ok(None);
         }
@@ -244,12 +241,19 @@ impl RuleAdmin {
     }
 
     /// Publishes `change` on the channel as JSON; answers how many subscribers received
-    /// it (on a cluster, those of the node that took the command).
+    /// it (on a cluster, those of the node that took the command). A change that resets
+    /// buckets and has an event id ([`RuleChange::with_new_event_id`]) is published with
+    /// its reset grant, in one script call: listeners that
+    /// [require grants](crate::RuleChangeListenerBuilder::require_reset_grants) reset for
+    /// it.
     ///
     /// # Errors
     ///
     /// [`RedisError::Command`] or [`RedisError::Timeout`].
     pub async fn publish(&self, change: &RuleChange) -> Result<u64, RedisError> {
+        if let (true, Some(event_id)) = (change.reset_buckets, &change.event_id) {
+            return self.store.publish_granted(&self.channel, change, event_id).await;
+        }
         let connection = self.store.connection();
         let publish = connection
             .next()

@@ -2,9 +2,10 @@
 //! channel, resets the changed rule set's buckets once per event, and reloads everything
 //! after a reconnection.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use fluxgate_core::reload::{ReloadingRuleSetProvider, RuleSource};
@@ -19,6 +20,7 @@ use crate::error::RedisError;
 use crate::key;
 use crate::limiter::RedisLimiter;
 use crate::reset::ResetScope;
+use crate::store::{RedisRuleSetStore, RESET_GRANT_TTL_MS};
 
 /// How often the listener's connection tries to reconnect.
 const RECONNECT_DELAY: Duration = Duration::from_millis(100);
@@ -59,6 +61,11 @@ const CLAIM_TIMEOUT: Duration = Duration::from_secs(1);
 ///      wins deletes the rule set's bucket keys ([`RedisLimiter::reset_buckets`]: `SCAN`
 ///      on every primary) and marks the claim done; the others wait for that mark (at
 ///      most 5 s) and forget their remembered denials again.
+///
+/// Change messages are not authenticated: whoever may publish on the channel can ask for
+/// resets. A listener that [requires reset grants](RuleChangeListenerBuilder::require_reset_grants)
+/// resets only for events a [`RuleAdmin`](crate::RuleAdmin) of its store published (each
+/// leaves a grant in the store), once each; other events reload and reset nothing.
 ///
 /// An invalid message is logged, counted ([`ListenerStats::invalid`]) and ignored. When
 /// the subscription's connection comes back after a failure, or when events were dropped
@@ -102,6 +109,7 @@ pub struct RuleChangeListenerBuilder {
     source: Arc<dyn RuleSource>,
     channel: String,
     redis: Option<RedisLimiter>,
+    grants: Option<RedisRuleSetStore>,
     on_event: Option<OnEvent>,
 }
 
@@ -122,6 +130,11 @@ pub struct ListenerStats {
     pub redis_resets: u64,
     /// Redis bucket resets that failed (the claim or the deletion).
     pub reset_failures: u64,
+    /// Events asking for a reset that reset nothing for want of a grant, when grants are
+    /// [required](RuleChangeListenerBuilder::require_reset_grants): no grant in the store
+    /// (a message another publisher sent), the event's grant used already, or the store
+    /// unreachable.
+    pub ungranted_resets: u64,
 }
 
 #[derive(Default)]
@@ -131,6 +144,7 @@ struct Stats {
     resyncs: AtomicU64,
     redis_resets: AtomicU64,
     reset_failures: AtomicU64,
+    ungranted_resets: AtomicU64,
 }
 
 impl RuleChangeListener {
@@ -141,6 +155,7 @@ impl RuleChangeListener {
             source,
             channel: DEFAULT_CHANGES_CHANNEL.to_owned(),
             redis: None,
+            grants: None,
             on_event: None,
         }
     }
@@ -154,6 +169,7 @@ impl RuleChangeListener {
             resyncs: get(&self.stats.resyncs),
             redis_resets: get(&self.stats.redis_resets),
             reset_failures: get(&self.stats.reset_failures),
+            ungranted_resets: get(&self.stats.ungranted_resets),
         }
     }
 
@@ -195,6 +211,7 @@ impl fmt::Debug for RuleChangeListenerBuilder {
             .field("source", &self.source)
             .field("channel", &self.channel)
             .field("reset", &self.redis)
+            .field("require_reset_grants", &self.grants)
             .field("on_event", &self.on_event.is_some())
             .finish_non_exhaustive()
     }
@@ -213,6 +230,20 @@ impl RuleChangeListenerBuilder {
     /// counters.
     pub fn reset(mut self, limiter: RedisLimiter) -> Self {
         self.redis = Some(limiter);
+        self
+    }
+
+    /// Resets buckets only for events whose reset grant is in `store`: those a
+    /// [`RuleAdmin`](crate::RuleAdmin) of the store published (with a change, a delete,
+    /// or [`RuleAdmin::publish`](crate::RuleAdmin::publish) of a change with a reset and
+    /// an event id), within a minute of their publication, and each once. Any other event
+    /// asking for a reset (a bare rule set id, JSON without a grant, from a user that may
+    /// publish on the channel but not write the store's keys; an event heard again) reloads
+    /// and resets nothing, logged and counted ([`ListenerStats::ungranted_resets`]). Off by
+    /// default, so that a plain `redis-cli PUBLISH` resets: turn it on wherever anyone but
+    /// the admins can publish on the channel.
+    pub fn require_reset_grants(mut self, store: RedisRuleSetStore) -> Self {
+        self.grants = Some(store);
         self
     }
 
@@ -266,6 +297,10 @@ impl RuleChangeListenerBuilder {
             source: self.source,
             channel: self.channel.clone(),
             redis: self.redis,
+            grants: self.grants.map(|store| Grants {
+                store,
+                used: Mutex::new(VecDeque::new()),
+            }),
             client: client.clone(),
             stats: stats.clone(),
             on_event: self.on_event,
@@ -286,9 +321,49 @@ struct Listen {
     source: Arc<dyn RuleSource>,
     channel: String,
     redis: Option<RedisLimiter>,
+    grants: Option<Grants>,
     client: Client,
     stats: Arc<Stats>,
     on_event: Option<OnEvent>,
+}
+
+/// The store whose reset grants a listener requires, and the events it reset for in the
+/// grants' lifetime (each grant is used once).
+struct Grants {
+    store: RedisRuleSetStore,
+    used: Mutex<VecDeque<(tokio::time::Instant, String)>>,
+}
+
+impl Grants {
+    /// Whether `change` may reset: its grant is in the store and was not used by this
+    /// listener. A grant found is marked used.
+    async fn allow(&self, change: &RuleChange) -> Result<(), &'static str> {
+        let Some(event_id) = &change.event_id else {
+            return Err("the event has no id, so no grant");
+        };
+        let lifetime = Duration::from_millis(RESET_GRANT_TTL_MS);
+        {
+            let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
+            while used.front().is_some_and(|(at, _)| at.elapsed() > lifetime) {
+                used.pop_front();
+            }
+            if used.iter().any(|(_, id)| id == event_id) {
+                return Err("the event's grant was used already");
+            }
+        }
+        // The listener handles one event at a time: nothing marks this grant used meanwhile.
+        match self.store.reset_granted(event_id).await {
+            Ok(true) => {
+                let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
+                used.push_back((tokio::time::Instant::now(), event_id.clone()));
+                Ok(())
+            }
+            Ok(false) => {
+                Err("no grant in the store (not published by an admin of the store, or more than a minute ago)")
+            }
+            Err(_) => Err("the store cannot be read"),
+        }
+    }
 }
 
 /// The first wait before a failed reload or subscription is tried again.
@@ -453,7 +528,14 @@ impl Listen {
         tracing::info!(%change, "rule change event");
         let reloaded = self.reload(&provider).await;
         if change.reset_buckets {
-            if reloaded {
+            let granted = match &self.grants {
+                Some(grants) if reloaded => grants.allow(&change).await,
+                _ => Ok(()),
+            };
+            if let Err(reason) = granted {
+                self.stats.ungranted_resets.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(%change, reason, "rule change event without a reset grant: its buckets are not reset");
+            } else if reloaded {
                 let message = bytes.map(String::from_utf8_lossy).unwrap_or_default();
                 self.reset(&provider, &change, &message).await;
             } else {

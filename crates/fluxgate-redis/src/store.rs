@@ -8,10 +8,11 @@ use fluxgate_core::reload::RuleSource;
 use fluxgate_core::rule::check_id;
 use fluxgate_core::{BoxError, BoxFuture, RuleError, RuleSet, RuleSetSpec, RuleSets};
 use fred::clients::Client;
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, KeysInterface};
 use fred::types::scripts::Script;
 use fred::types::Value;
 
+use crate::changes::RuleChange;
 use crate::connection::{self, Connection};
 use crate::error::RedisError;
 
@@ -41,10 +42,13 @@ const DELETE: &str = "local n = redis.call('DEL', KEYS[1]); redis.call('SREM', K
 
 /// Whether the caller may publish `ARGV[4]` on the channel `ARGV[3]`, checked before
 /// anything is written (Redis 7 and later; an earlier Redis has no such check, and a
-/// refused `PUBLISH` there comes after the write); then [`PUT`] or [`DELETE`], and the
-/// change published in the same step: `ARGV[4]` when the store changed, `ARGV[5]` when it
-/// did not (a put of the rule set as stored). Answers whether the store changed and the
-/// subscribers reached, or `-1` and the error of a `PUBLISH` refused after the write.
+/// refused `PUBLISH` there comes after the write); then [`PUT`] (`ARGV[2]` the document) or
+/// [`DELETE`] (`ARGV[2]` empty), and the change published in the same step: `ARGV[4]` when
+/// the store changed, `ARGV[5]` when it did not (a put of the rule set as stored; nothing
+/// when empty). When the store changed and `KEYS[3]` is given, the reset grant of the
+/// change's event is written there first, for `ARGV[6]` ms. Answers whether the store
+/// changed and the subscribers reached, or `-1` and the error of a `PUBLISH` refused after
+/// the write.
 const ANNOUNCED: &str = "if redis.acl_check_cmd and not redis.acl_check_cmd('PUBLISH', ARGV[3], ARGV[4]) then
   return redis.error_reply('NOPERM this user has no permission to publish on channel ' .. ARGV[3] .. ': nothing was stored')
 end
@@ -58,10 +62,19 @@ else
   changed = redis.call('SADD', KEYS[2], ARGV[1]) == 1 or old ~= ARGV[2]
 end
 local message = ARGV[5]
-if changed then message = ARGV[4] elseif message == '' then return {0, 0} end
+if changed then
+  message = ARGV[4]
+  if KEYS[3] then redis.call('SET', KEYS[3], '1', 'PX', ARGV[6]) end
+elseif message == '' then
+  return {0, 0}
+end
 local sent = redis.pcall('PUBLISH', ARGV[3], message)
 if type(sent) == 'table' then return {changed and 1 or 0, -1, sent.err} end
 return {changed and 1 or 0, sent}";
+
+/// The reset grant `KEYS[1]` written for `ARGV[3]` ms, then `ARGV[2]` published on the
+/// channel `ARGV[1]`, in one step.
+const GRANTED: &str = "redis.call('SET', KEYS[1], '1', 'PX', ARGV[3]); return redis.call('PUBLISH', ARGV[1], ARGV[2])";
 
 /// The indexed ids.
 const INDEX: &str = "return redis.call('SMEMBERS', KEYS[1])";
@@ -79,6 +92,10 @@ return out";
 
 /// How many times a load reads the index again when it changed in between.
 const LOAD_ATTEMPTS: usize = 5;
+
+/// How long a change's reset grant stays in the store: a listener that requires grants
+/// resets for an event heard within this time of its publication, and at most once.
+pub(crate) const RESET_GRANT_TTL_MS: u64 = 60_000;
 
 /// The largest rule set document read: 16 MiB, as a rule file.
 const MAX_DOCUMENT: usize = 16 * 1024 * 1024;
@@ -173,6 +190,7 @@ pub struct RedisRuleSetStore {
     index: Script,
     load: Script,
     announced: Script,
+    granted: Script,
 }
 
 impl fmt::Debug for RedisRuleSetStore {
@@ -236,6 +254,7 @@ impl RedisRuleSetStore {
             index: Script::from_lua(INDEX),
             load: Script::from_lua(LOAD),
             announced: Script::from_lua(ANNOUNCED),
+            granted: Script::from_lua(GRANTED),
         })
     }
 
@@ -296,15 +315,43 @@ impl RedisRuleSetStore {
         Ok(changed != 0)
     }
 
+    /// The key of the reset grant of the change event `event_id`: written by a
+    /// [`RuleAdmin`](crate::RuleAdmin) of this store with each change that resets, read by
+    /// the listeners that [require it](crate::RuleChangeListenerBuilder::require_reset_grants).
+    pub fn reset_grant_key(&self, event_id: &str) -> String {
+        format!("{}:reset-grant:{event_id}", self.tag)
+    }
+
+    /// Whether the reset grant of the change event `event_id` is in the store.
+    pub(crate) async fn reset_granted(&self, event_id: &str) -> Result<bool, StoreError> {
+        let exists = self.connection.next().exists::<i64, _>(self.reset_grant_key(event_id));
+        Ok(self.connection.within_deadline(exists).await? > 0)
+    }
+
+    /// Writes the reset grant of `change` (which has an event id) and publishes it on
+    /// `channel`, in one step; answers the subscribers reached.
+    pub(crate) async fn publish_granted(
+        &self,
+        channel: &str,
+        change: &RuleChange,
+        event_id: &str,
+    ) -> Result<u64, RedisError> {
+        let keys = vec![self.reset_grant_key(event_id)];
+        let args = vec![channel.to_owned(), change.to_json(), RESET_GRANT_TTL_MS.to_string()];
+        let call = self.granted.evalsha_with_reload(self.connection.next(), keys, args);
+        self.connection.within_deadline(call).await
+    }
+
     /// Stores `spec` (validated) as [`put`](Self::put) does and publishes, in the same
-    /// step, `changed` on `channel` when the store changed, `unchanged` otherwise. Nothing is
-    /// stored when Redis (7 or later) says the store's user may not publish there.
+    /// step, `changed` on `channel` when the store changed (with its reset grant when it
+    /// resets), `unchanged` otherwise. Nothing is stored when Redis (7 or later) says the
+    /// store's user may not publish there.
     pub(crate) async fn put_announced(
         &self,
         spec: &RuleSetSpec,
         channel: &str,
-        changed: String,
-        unchanged: String,
+        changed: &RuleChange,
+        unchanged: &RuleChange,
     ) -> Result<Announced, StoreError> {
         let set = RuleSet::from_spec(spec.clone())?;
         let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
@@ -312,18 +359,20 @@ impl RedisRuleSetStore {
             key: self.document_key(set.id()),
             reason: e.to_string(),
         })?;
-        self.announced(set.id(), json, channel, changed, unchanged).await
+        self.announced(set.id(), json, channel, changed, unchanged.to_json())
+            .await
     }
 
     /// Removes the rule set `id` as [`delete`](Self::delete) does and, when it was stored,
-    /// publishes `message` on `channel` in the same step.
+    /// publishes `change` on `channel` in the same step (with its reset grant when it
+    /// resets).
     pub(crate) async fn delete_announced(
         &self,
         id: &str,
         channel: &str,
-        message: String,
+        change: &RuleChange,
     ) -> Result<Announced, StoreError> {
-        self.announced(id, String::new(), channel, message, String::new()).await
+        self.announced(id, String::new(), channel, change, String::new()).await
     }
 
     /// One call of [`ANNOUNCED`]: the document `json` stored for `id` (removed when empty).
@@ -332,11 +381,21 @@ impl RedisRuleSetStore {
         id: &str,
         json: String,
         channel: &str,
-        changed: String,
+        changed: &RuleChange,
         unchanged: String,
     ) -> Result<Announced, StoreError> {
-        let keys = vec![self.document_key(id), self.index_key()];
-        let args = vec![id.to_owned(), json, channel.to_owned(), changed, unchanged];
+        let mut keys = vec![self.document_key(id), self.index_key()];
+        if let (true, Some(event_id)) = (changed.reset_buckets, &changed.event_id) {
+            keys.push(self.reset_grant_key(event_id));
+        }
+        let args = vec![
+            id.to_owned(),
+            json,
+            channel.to_owned(),
+            changed.to_json(),
+            unchanged,
+            RESET_GRANT_TTL_MS.to_string(),
+        ];
         let reply: Vec<Value> = self.call(&self.announced, keys, args).await?;
         let mut reply = reply.into_iter();
         let changed = reply.next().and_then(|v| v.as_i64()) == Some(1);

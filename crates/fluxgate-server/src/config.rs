@@ -145,6 +145,12 @@ pub struct StoreConfig {
     /// Whether an empty store is a valid state (no rules). Default `false`.
     #[serde(default)]
     pub allow_empty: bool,
+    /// Whether bucket resets need a grant an admin of the store wrote
+    /// (`RuleChangeListenerBuilder::require_reset_grants`): a message anyone else publishes
+    /// on the channel then resets nothing. Default `false`, so that a plain `PUBLISH` of a
+    /// rule set id resets.
+    #[serde(default)]
+    pub require_reset_grants: bool,
 }
 
 /// `[admin]`: rule administration over HTTP.
@@ -522,6 +528,21 @@ mod tests {
         assert!(error.contains("`[limiter] timeout_ms` must be at least 1"), "{error}");
         let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 1").unwrap();
         assert!(config.check().is_ok());
+    }
+
+    /// The configuration documented in `docs/service.md` is one this server reads, with
+    /// every option it shows.
+    #[test]
+    fn the_documented_configuration_parses() {
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/service.md")).unwrap();
+        let block = doc
+            .split("```toml\n")
+            .nth(1)
+            .and_then(|rest| rest.split("```").next())
+            .unwrap();
+        let config: Config = toml::from_str(block).unwrap();
+        assert!(!config.store.require_reset_grants && !config.store.allow_empty);
+        assert_eq!(config.store.poll_interval_ms, Some(60_000));
     }
 
     /// A config file that is no regular file, or too large, is refused before it is read

@@ -152,6 +152,9 @@ impl Service {
                 if let Some(limiter) = &redis {
                     listener = listener.reset(limiter.clone());
                 }
+                if config.store.require_reset_grants {
+                    listener = listener.require_reset_grants((*store).clone());
+                }
                 let listener = listener.subscribe(url).await?;
                 let polling = config.store.poll_interval_ms.map(|ms| {
                     AbortOnDrop(spawn_polling(
