@@ -14,6 +14,7 @@ mod support {
 }
 
 mod conformance;
+mod fairness;
 mod fuzz_regressions;
 mod memory;
 mod metrics;

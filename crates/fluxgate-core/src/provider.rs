@@ -359,7 +359,9 @@ mod tests {
 /// force: when the inner provider fails to look up a rule set it found before (the source
 /// is down after an entry expired), the rule set it found last is served, and the failure
 /// logged, until a lookup succeeds. A source outage therefore never leaves requests
-/// without their rules (to a failure policy that may admit them all).
+/// without their rules (to a failure policy that may admit them all). An id that no rule
+/// set can have (not 1 to 64 of `A-Z a-z 0-9 _ - .`, see [`check_id`](crate::rule::check_id))
+/// is found at once to name none, neither asked of the source nor kept.
 ///
 /// ```
 /// use std::time::Duration;
@@ -457,6 +459,14 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
 
 impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        if crate::rule::check_id(id).is_err() {
+            // No rule set has such an id (every rule set's id is checked when it is made):
+            // neither asked of the source nor cached. The id may come from the request (a
+            // customizer reading a header), and each made-up one would otherwise be a
+            // lookup of the source and an entry of its own, however long, up to
+            // `max_capacity` of them.
+            return MaybeReady::ready(Ok(None));
+        }
         if let Some((_, hit)) = self.cache.get(id) {
             return MaybeReady::ready(Ok(hit));
         }
