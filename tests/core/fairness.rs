@@ -3,8 +3,9 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
+use std::time::Duration;
 
-use fluxgate::core::{CachingRuleSetProvider, Engine, RequestContext, RuleSets, StaticRuleSetProvider};
+use fluxgate::core::{CachingRuleSetProvider, Engine, MemoryLimiter, RequestContext, RuleSets, StaticRuleSetProvider};
 
 fn ip(last: u8) -> IpAddr {
     IpAddr::V4(Ipv4Addr::new(10, 0, 0, last))
@@ -61,5 +62,71 @@ fn long_made_up_rule_set_ids_are_not_kept_by_the_caching_provider() {
     assert!(
         format!("{provider:?}").ends_with("entries: 0 }"),
         "made-up ids kept: {provider:?}"
+    );
+}
+
+/// What inserting `inserts` new keys, one every `every`, costs a shard of `max_keys`
+/// buckets: the sweeps made, and the entries they went over, per insertion.
+fn sweep_cost(max_keys: usize, every: Duration, inserts: usize) -> (usize, f64, Duration) {
+    use fluxgate::core::ManualClock;
+    let clock = ManualClock::new(1_700_000_000_000_000_000);
+    let limiter = MemoryLimiter::builder()
+        .shards(1)
+        .max_keys(max_keys)
+        .clock(clock.clone())
+        .build();
+    // One request a key, each full again after 1 s.
+    let rules = RuleSets::from_yaml_str(
+        "rule_sets: [{id: default, rules: [{id: per-user, scope: user, bands: [{capacity: 1, window: 1s}]}]}]",
+    )
+    .expect("valid rules");
+    let engine = Engine::builder(rules)
+        .limiter(limiter.clone())
+        .build()
+        .expect("an engine");
+    let (mut sweeps, mut visited) = (0usize, 0usize);
+    let started = std::time::Instant::now();
+    for n in 0..inserts {
+        let before = limiter.len();
+        let Ok(decision) = engine
+            .check(&RequestContext::builder().user_id(format!("u{n}")).build())
+            .into_ready()
+        else {
+            panic!("decided at once")
+        };
+        let decision = decision.expect("a decision");
+        assert!(decision.allowed());
+        if limiter.len() < before + 1 {
+            sweeps += 1;
+            visited += before;
+        }
+        clock.advance(every);
+    }
+    (sweeps, visited as f64 / inserts as f64, started.elapsed())
+}
+
+/// "Sweeping costs amortized constant time per insertion": a client that made new keys at a
+/// rate that kept a shard just below its `max_keys` (each key expiring as another came) made
+/// the shard sweep itself every 25 insertions, each sweep going over the whole shard (4,000
+/// sweeps, 800 entries per insertion, against 1.8 at half the limit and 6.4 over it). A
+/// sweep now leaves at most seven eighths of the limit.
+#[test]
+fn new_keys_just_below_max_keys_make_every_insertion_sweep_the_shard() {
+    const MAX: usize = 20_000;
+    const N: usize = 100_000;
+    // Keys live 1 s: one every 100 µs keeps 10,000 (half the shard), one every 50.05 µs
+    // keeps 19,980 (20 below its limit), one every 25 µs would keep 40,000 (it evicts).
+    let half = sweep_cost(MAX, Duration::from_micros(100), N);
+    let near = sweep_cost(MAX, Duration::from_nanos(1_000_000_000 / (MAX as u64 - 20)), N);
+    let over = sweep_cost(MAX, Duration::from_micros(25), N);
+    eprintln!("half: {half:?}\nnear: {near:?}\nover: {over:?}");
+    assert!(
+        near.1 < 16.0,
+        "entries swept per insertion just below max_keys: {:.1} ({} sweeps for {N} insertions; \
+         {:.1} at half the limit, {:.1} over it)",
+        near.1,
+        near.0,
+        half.1,
+        over.1
     );
 }

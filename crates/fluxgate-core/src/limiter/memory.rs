@@ -294,15 +294,21 @@ impl Shard {
         self.windows.retain(|_, s| !s.idle_at(now));
     }
 
-    /// Before an insertion: sweeps when the shard has doubled, and evicts when it is full.
+    /// Before an insertion: sweeps when the shard has doubled or is full, and evicts when
+    /// the sweep leaves it above seven eighths of its limit.
+    ///
+    /// The next sweep is an eighth of the limit away at least, so that sweeping costs
+    /// amortized constant time per insertion: were a shard left just below its limit (keys
+    /// expiring as fast as new ones come), each sweep would free a few buckets, and the next
+    /// insertions would each sweep the whole shard again.
     fn make_room(&mut self, now: u64, max: usize) {
         if self.len() < self.next_sweep {
             return;
         }
         self.sweep(now);
-        if self.len() >= max {
-            let target = (max - max / 8).min(max.saturating_sub(1));
-            let excess = self.len().saturating_sub(target);
+        let target = (max - max / 8).min(max.saturating_sub(1));
+        if self.len() > target {
+            let excess = self.len() - target;
             self.evict_fewest_permits(excess, now);
         }
         self.next_sweep = (self.len() * 2).clamp(MIN_SWEEP.min(max), max);
