@@ -24,6 +24,7 @@ mod changes;
 mod cluster;
 mod conformance;
 mod differential;
+mod fairness;
 mod leases;
 mod metrics;
 mod outage;
