@@ -294,20 +294,22 @@ impl Shard {
         self.windows.retain(|_, s| !s.idle_at(now));
     }
 
-    /// Before an insertion: sweeps when the shard has doubled or is full, and evicts when
-    /// the sweep leaves it above seven eighths of its limit.
+    /// Before an insertion: sweeps when the shard has doubled or is full, and, when it was
+    /// full, evicts if the sweep leaves it above seven eighths of its limit.
     ///
-    /// The next sweep is an eighth of the limit away at least, so that sweeping costs
-    /// amortized constant time per insertion: were a shard left just below its limit (keys
-    /// expiring as fast as new ones come), each sweep would free a few buckets, and the next
-    /// insertions would each sweep the whole shard again.
+    /// A full shard's next sweep is then an eighth of the limit away at least, so that
+    /// sweeping costs amortized constant time per insertion: were a full shard left just
+    /// below its limit (keys expiring as fast as new ones come), each sweep would free a
+    /// few buckets, and the next insertions would each sweep the whole shard again. A shard
+    /// below its limit evicts nothing: no bucket is dropped before `max_keys` is reached.
     fn make_room(&mut self, now: u64, max: usize) {
         if self.len() < self.next_sweep {
             return;
         }
+        let full = self.len() >= max;
         self.sweep(now);
         let target = (max - max / 8).min(max.saturating_sub(1));
-        if self.len() > target {
+        if full && self.len() > target {
             let excess = self.len() - target;
             self.evict_fewest_permits(excess, now);
         }
