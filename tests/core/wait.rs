@@ -2,10 +2,15 @@
 //! a paused tokio clock: a request that would be refused, and admitted within `max_wait`,
 //! takes its place at once and proceeds at exactly the instant the band admits it.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::{Clock, Decision, Engine, MemoryLimiter, RequestContext, RuleSets, TokioClock, WaitPolicy};
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
+use fluxgate::core::{
+    BoxError, Clock, Decision, Engine, MaybeReady, MemoryLimiter, RequestContext, Rule, RuleError, RuleSet, RuleSets,
+    TokioClock, WaitPolicy,
+};
 use tokio::time::Instant;
 
 use crate::support::backend::{at_once, shortest_wait};
@@ -445,4 +450,82 @@ async fn a_callers_max_wait_caps_the_rules() {
         .expect("a decision");
     assert!(decision.allowed());
     assert_eq!(start.elapsed(), Duration::from_secs(1), "waited as the rule lets it");
+}
+
+/// A backend that decides in memory as each call reaches it and answers the `n`th call
+/// `n × 10 ms` later, as over a network: requests decided together come back one by one.
+#[derive(Debug)]
+struct AnswersInTurn {
+    memory: MemoryLimiter,
+    calls: AtomicU32,
+}
+
+impl RateLimiter for AnswersInTurn {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        let outcome = self.memory.acquire_now(request);
+        let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+        MaybeReady::boxed(async move {
+            tokio::time::sleep(Duration::from_millis(10 * u64::from(n))).await;
+            Ok(outcome)
+        })
+    }
+
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        self.memory.check_wait(set, rule, max_wait)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.memory.give_back_place(request, at_unix_nanos, marks)
+    }
+}
+
+/// A waiter's place is taken when the answer makes a request wait, not while its call is
+/// out. Two requests sent together with one place free both get a place in the bucket
+/// from the backend; the first answer takes the waiter's place, and the second, finding
+/// none, gives its bucket's place back and is decided again: refused at once, and the
+/// bucket's next place (at 2 s) free for the next request.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_finds_no_waiters_place_when_answered_gives_its_place_back() {
+    let clock = TokioClock::new();
+    let rules = RuleSets::from_yaml_str(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1, window: 1s }]
+        on_limit: { wait: { max_wait: 5s, max_waiters: 1 } }
+"#,
+    )
+    .expect("valid rules");
+    let limiter = AnswersInTurn {
+        memory: MemoryLimiter::builder().clock(clock).build(),
+        calls: AtomicU32::new(0),
+    };
+    let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
+    let start = Instant::now();
+    assert!(check(&engine).await.allowed(), "the bucket's one permit");
+    let mut answers = at_once(&engine, 2, start).await;
+    // Whichever was answered first waited.
+    answers.sort_by_key(|a| !a.0);
+    let (waited, refused) = (answers[0], answers[1]);
+    assert!(
+        waited.0 && waited.1 >= Duration::from_secs(1),
+        "the first proceeds at the refill, 1 s: {answers:?}"
+    );
+    assert!(
+        !refused.0 && refused.1 < Duration::from_millis(100),
+        "the second is refused when answered: {answers:?}"
+    );
+    // At 2 s the bucket admits again: the second request's place was given back.
+    tokio::time::sleep_until(start + Duration::from_secs(2)).await;
+    let ctx = RequestContext::builder().max_wait(Duration::ZERO).build();
+    let next = engine.check(&ctx).await.expect("a decision");
+    assert!(next.allowed(), "the place at 2 s is free: {next:?}");
 }

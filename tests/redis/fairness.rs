@@ -49,12 +49,12 @@ async fn victims(engine: &Engine, first: u8, trials: u8) -> usize {
     admitted
 }
 
-/// A request holds a waiter's place of each of its rules while its Redis call is out,
-/// whether it will wait or not: a client keeping a few requests in flight (each from a
-/// fresh address, each admitted at once, none waiting) leaves no place to the requests of
-/// other clients that their own buckets would admit after a wait.
+/// A request held a waiter's place of each of its rules while its Redis call was out,
+/// whether it would wait or not: a client keeping a few requests in flight (each from a
+/// fresh address, each admitted at once, none waiting) left no place to the requests of
+/// other clients that their own buckets would admit after a wait. A place is now taken
+/// when the answer makes the request wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails: a request holds a waiter's place while its call is out, whether it waits or not"]
 async fn requests_in_flight_hold_the_waiters_places_of_other_clients() {
     let redis = Redis::start(Servers::standalone()).await;
     let engine = engine(&redis).await;

@@ -22,7 +22,7 @@ use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::text::Text;
-use crate::wait::{may_wait, wait_for, Waiters};
+use crate::wait::{give_back, may_wait, wait_for, Candidates, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -452,7 +452,7 @@ impl Engine {
             return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
         }
         // Rules that wait for the refill, while they have waiters' places free.
-        let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
+        let candidates = self.inner.waiters.admit(&mut request, ctx.max_wait());
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
         // Leases decide the requests of leased rules; one that may wait for the refill is
@@ -468,13 +468,8 @@ impl Engine {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
                 match &result {
-                    Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
-                        let this = self.inner.clone();
-                        let (limiter, waited) = (this.limiter.clone(), request.clone());
-                        let outcome = outcome.clone();
-                        wait_for(limiter, &waited, &outcome, places, move || {
-                            this.decided(&request, result)
-                        })
+                    Ok(outcome) if may_wait(&candidates) && outcome.admitted_after > Duration::ZERO => {
+                        Inner::wait(self.inner.clone(), request, result, candidates)
                     }
                     _ => MaybeReady::ready(self.inner.decided(&request, result)),
                 }
@@ -487,13 +482,8 @@ impl Engine {
                     // The wait, if any, is a future of its own: what it needs is not kept
                     // in this one, which every request that goes to the backend allocates.
                     let waiting = match &result {
-                        Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
-                            let limiter = this.limiter.clone();
-                            let outcome = outcome.clone();
-                            let waited = request.clone();
-                            wait_for(limiter, &waited, &outcome, places, move || {
-                                this.decided(&request, result)
-                            })
+                        Ok(outcome) if may_wait(&candidates) && outcome.admitted_after > Duration::ZERO => {
+                            Inner::wait(this, request, result, candidates)
                         }
                         _ => return this.decided(&request, result),
                     };
@@ -501,6 +491,43 @@ impl Engine {
                 })
             }
         }
+    }
+}
+
+impl Inner {
+    /// A request the backend admits after a wait, its place taken: it waits if each of
+    /// its rules' waiters still has a place free. Otherwise (requests took the last places
+    /// while its call was out) it gives its place back and is decided again, without
+    /// waiting.
+    fn wait(
+        this: Arc<Self>,
+        mut request: AcquireRequest,
+        result: Result<AcquireOutcome, BoxError>,
+        candidates: Option<Candidates>,
+    ) -> MaybeReady<Result<Decision, Error>> {
+        let Ok(outcome) = &result else {
+            return MaybeReady::ready(this.decided(&request, result));
+        };
+        let limiter = this.limiter.clone();
+        if let Some(places) = candidates.and_then(Candidates::take) {
+            let outcome = outcome.clone();
+            let waited = request.clone();
+            return wait_for(limiter, &waited, &outcome, places, move || {
+                this.decided(&request, result)
+            });
+        }
+        let outcome = outcome.clone();
+        MaybeReady::boxed(async move {
+            give_back(limiter, &request, &outcome).await;
+            let buckets = request.buckets().len();
+            for index in 0..buckets {
+                request.set_max_wait(index, Duration::ZERO);
+            }
+            let start = this.recorder.as_ref().map(|_| Instant::now());
+            let result = this.limiter.acquire(&request).await;
+            this.record_backend_call(start, &result);
+            this.decided(&request, result)
+        })
     }
 }
 
