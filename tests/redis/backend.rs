@@ -750,12 +750,15 @@ rule_sets:
         assert!(back.allowed());
     }
 
-    /// On a cluster the deny cache is off, whether the limiter is built from a URL (even
-    /// with `deny_cache(true)`) or over the application's client with `from_client`:
-    /// refunds give tokens back, so a remembered rejection could outlive the real one.
-    /// On a standalone server both keep it on.
+    /// On a cluster the deny cache answers only the requests of rule sets of one rule,
+    /// whether the limiter is built from a URL or over the application's client with
+    /// `from_client`: the keys of such a rule set lie in one hash slot, so only time frees
+    /// their capacity, as on a standalone server. A request of a rule set of several rules
+    /// may span slots, and the refunds after a slot's refusal give tokens back, so a
+    /// remembered rejection could outlive the real one: each of them is a call. On a
+    /// standalone server both keep the cache on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_deny_cache_is_off_on_a_cluster_from_a_url_or_a_client() {
+    async fn the_deny_cache_answers_only_rule_sets_of_one_rule_on_a_cluster() {
         use fred::interfaces::ClientLike;
         let cluster = RedisCluster::start();
         let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
@@ -767,14 +770,36 @@ rule_sets:
         let client = fred::types::Builder::from_config(config).build().unwrap();
         client.init().await.unwrap();
         assert!(client.is_clustered());
-        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "from-client");
-        assert!(!limiter.has_deny_cache(), "from_client over a cluster client");
-        let limiter = fluxgate::redis::RedisLimiter::builder(cluster.url())
+        let from_client = fluxgate::redis::RedisLimiter::from_client(client, "from-client");
+        let from_url = fluxgate::redis::RedisLimiter::builder(cluster.url())
             .deny_cache(true)
             .connect()
             .await
             .unwrap();
-        assert!(!limiter.has_deny_cache(), "built from a cluster's URL");
+        let yaml = "rule_sets:\n  - id: one\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1, window: 1h }]\n  - id: two\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1, window: 1h }]\n      - id: per-user\n        scope: user\n        bands: [{ capacity: 100, window: 1h }]\n";
+        for (name, limiter) in [("from_client", from_client), ("from a URL", from_url)] {
+            assert!(limiter.has_deny_cache(), "{name}");
+            let engine = Engine::builder(rules(yaml)).limiter(limiter).build().unwrap();
+            for set in ["one", "two"] {
+                let ctx = RequestContext::builder()
+                    .rule_set_id(set)
+                    .client_ip("192.0.2.44".parse().unwrap())
+                    .user_id("u")
+                    .build();
+                assert!(engine.check(&ctx).await.unwrap().allowed());
+                assert!(!engine.check(&ctx).await.unwrap().allowed());
+                let before = cluster.evalsha_calls();
+                for _ in 0..5 {
+                    assert!(!engine.check(&ctx).await.unwrap().allowed());
+                }
+                let calls = cluster.evalsha_calls() - before;
+                if set == "one" {
+                    assert_eq!(calls, 0, "{name}: rule set `{set}` answered by the cache");
+                } else {
+                    assert!(calls >= 5, "{name}: rule set `{set}` decided by Redis: {calls} calls");
+                }
+            }
+        }
 
         let redis = Redis::start(Servers::standalone()).await;
         let config = fred::types::config::Config::from_url(&redis.url()).expect("the test server's URL");

@@ -21,6 +21,7 @@ mod support {
 mod backend;
 mod batching;
 mod changes;
+mod client_failures;
 mod cluster;
 mod conformance;
 mod differential;

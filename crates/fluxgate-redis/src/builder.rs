@@ -65,7 +65,8 @@ impl RedisLimiterBuilder {
     /// retry-after of T, requests of the same cost that need that band are rejected
     /// locally, without a Redis call, until T has passed. Only time adds tokens, so this
     /// never rejects a request Redis would admit, and never admits one. On a cluster,
-    /// refunds give tokens back too, so the cache stays off there.
+    /// refunds across hash slots give tokens back too, so there the cache answers only the
+    /// requests of rule sets of one rule, whose keys lie in one slot.
     pub fn deny_cache(mut self, on: bool) -> Self {
         self.deny_cache = on;
         self

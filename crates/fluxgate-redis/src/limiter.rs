@@ -33,12 +33,32 @@ struct Inner {
     /// Shared by the handles made from one another ([`RedisLimiter::with_batching`],
     /// [`RedisLimiter::with_prefix`]): a reset through one forgets what any remembered.
     denied: Option<Arc<DenyCache>>,
+    /// Whether the connections are a cluster's: there the deny cache answers only the
+    /// requests of rule sets of one rule (see [`Inner::deny_cache`]).
+    cluster: bool,
     /// With batched decisions: the gathering of the requests (shared by the limiters of
     /// [`RedisLimiter::with_prefix`], whose requests carry their own keys).
     batcher: Option<Arc<Batcher>>,
 }
 
 impl Inner {
+    /// The deny cache, for `request`: none for a request that may wait (a refusal
+    /// remembered for another's retry-after would refuse one that can wait now), and on a
+    /// cluster none for a rule set of several rules. There a request of several rules may
+    /// span hash slots, and the refunds that follow a slot's refusal free capacity before
+    /// time does; the keys of a rule set of one rule all lie in one slot, so no request
+    /// spans slots and, as on a standalone server, only time frees their capacity. Without
+    /// the cache, every refused request of a burst from one address was a call: thousands
+    /// queued past the deadline, and `fail_open` admitted them uncounted
+    /// (`tests/redis/client_failures.rs`).
+    fn deny_cache(&self, request: &AcquireRequest) -> Option<&Arc<DenyCache>> {
+        let cache = self.denied.as_ref()?;
+        if request.may_wait() || (self.cluster && request.rule_set().rules().len() != 1) {
+            return None;
+        }
+        Some(cache)
+    }
+
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
     async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         match &self.batcher {
@@ -60,10 +80,11 @@ impl fmt::Debug for RedisLimiter {
 }
 
 impl RedisLimiter {
-    /// A limiter running `scripts`, with a deny cache if `deny_cache` and not on a cluster:
-    /// refunds give tokens back, so on a cluster a denial could end early.
+    /// A limiter running `scripts`, with a deny cache if `deny_cache` (on a cluster, for
+    /// the rule sets of one rule only: refunds across hash slots give tokens back, so
+    /// there a denial of a rule set of several rules could end early).
     pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool, batching: Option<Batching>) -> Self {
-        let deny_cache = deny_cache && !scripts.connection().is_cluster();
+        let cluster = scripts.connection().is_cluster();
         let scripts = Arc::new(scripts);
         Self {
             inner: Arc::new(Inner {
@@ -71,13 +92,14 @@ impl RedisLimiter {
                 scripts,
                 prefix,
                 denied: deny_cache.then(|| Arc::new(DenyCache::new())),
+                cluster,
             }),
         }
     }
 
     /// A limiter over a client the application already connected. The script is loaded
-    /// on the first call that finds it missing. The deny cache is on, except on a
-    /// cluster (see [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
+    /// on the first call that finds it missing. The deny cache is on (on a cluster,
+    /// for the rule sets of one rule; see [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
         Self::new(Scripts::new(Connection::client(client)), prefix.into(), true, None)
     }
@@ -94,6 +116,7 @@ impl RedisLimiter {
                 scripts,
                 prefix: self.inner.prefix.clone(),
                 denied: self.inner.denied.clone(),
+                cluster: self.inner.cluster,
             }),
         }
     }
@@ -103,7 +126,8 @@ impl RedisLimiter {
         self.inner.batcher.is_some()
     }
 
-    /// Whether rejections are remembered and repeated locally (the deny cache). With the
+    /// Whether rejections are remembered and repeated locally (the deny cache; on a
+    /// cluster, for the rule sets of one rule only). With the
     /// `metrics` feature, each request the cache rejects counts in
     /// `fluxgate_deny_cache_hits_total`.
     pub fn has_deny_cache(&self) -> bool {
@@ -118,6 +142,7 @@ impl RedisLimiter {
                 scripts: self.inner.scripts.clone(),
                 prefix: prefix.into(),
                 denied: self.inner.denied.clone(),
+                cluster: self.inner.cluster,
                 batcher: self.inner.batcher.clone(),
             }),
         }
@@ -167,10 +192,8 @@ impl RateLimiter for RedisLimiter {
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let start = Instant::now();
-        // A request that may wait for the refill is decided by Redis: a refusal remembered
-        // for another's retry-after would refuse one that can wait now.
-        let waits = request.may_wait();
-        let denied = inner.denied.as_ref().filter(|_| !waits);
+        let denied = inner.deny_cache(request);
+        let remembers = denied.is_some();
         if let Some(outcome) = denied.and_then(|c| c.check(request, &calls, start)) {
             #[cfg(feature = "metrics")]
             metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
@@ -217,7 +240,7 @@ impl RateLimiter for RedisLimiter {
                         marks,
                         reply.bands(),
                     );
-                    if let Some(cache) = inner.denied.as_ref().filter(|_| !waits) {
+                    if let Some(cache) = inner.denied.as_ref().filter(|_| remembers) {
                         cache.remember(&request, &inner.prefix, &bands, &outcome, start);
                     }
                     Ok(outcome)

@@ -1,0 +1,150 @@
+//! Failures a client can cause on its own, and what the failure policies then admit: a
+//! burst of one client's requests, sent at once, each of which may miss the deadline
+//! waiting for its call.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use fluxgate::core::{CircuitBreaker, Engine, FailurePolicy, RateLimiter, RequestContext};
+use fluxgate::redis::RedisLimiter;
+
+use crate::support::app::rules;
+use crate::support::servers::{RedisCluster, RedisServer};
+
+const PER_IP: &str =
+    "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 5, window: 1h }]\n";
+
+/// The attacker's address, and the address of a client that has spent its limit already.
+const ATTACKER: &str = "203.0.113.9";
+const VICTIM_OF_ITS_LIMIT: &str = "198.51.100.7";
+
+fn ctx(ip: &str) -> RequestContext {
+    RequestContext::builder()
+        .client_ip(ip.parse().expect("an address"))
+        .build()
+}
+
+/// The layer's default policy, `fail_open`, behind a circuit breaker of its defaults (3
+/// failures in a row, 250 ms).
+fn engine(limiter: RedisLimiter) -> Engine {
+    engine_over(CircuitBreaker::new(limiter))
+}
+
+fn engine_over(limiter: impl RateLimiter) -> Engine {
+    Engine::builder(rules(PER_IP))
+        .limiter(limiter)
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("Redis decides the rule")
+}
+
+/// What a burst was answered.
+#[derive(Debug, Default, Clone, Copy)]
+#[allow(dead_code)] // read through `Debug`
+struct Burst {
+    /// The attacker's requests admitted by Redis, those admitted by the failure policy
+    /// (uncounted), and those refused.
+    counted: usize,
+    uncounted: usize,
+    refused: usize,
+    /// The requests of a client that had spent its limit, one every 2 ms during the burst
+    /// and for 300 ms after, and how many of them were admitted.
+    other: usize,
+    other_admitted: usize,
+}
+
+/// `n` requests of one address sent at once, while a client that spent its limit goes on.
+async fn burst(engine: Engine, n: usize) -> Burst {
+    let engine = Arc::new(engine);
+    for _ in 0..5 {
+        assert!(engine
+            .check(&ctx(VICTIM_OF_ITS_LIMIT))
+            .await
+            .expect("a decision")
+            .allowed());
+    }
+    assert!(!engine
+        .check(&ctx(VICTIM_OF_ITS_LIMIT))
+        .await
+        .expect("a decision")
+        .allowed());
+    let done = Arc::new(AtomicBool::new(false));
+    let other = {
+        let (engine, done) = (engine.clone(), done.clone());
+        tokio::spawn(async move {
+            let (mut seen, mut admitted) = (0, 0);
+            let mut until: Option<Instant> = None;
+            while until.is_none_or(|until| Instant::now() < until) {
+                if until.is_none() && done.load(Ordering::SeqCst) {
+                    until = Some(Instant::now() + Duration::from_millis(300));
+                }
+                let d = engine.check(&ctx(VICTIM_OF_ITS_LIMIT)).await.expect("a decision");
+                seen += 1;
+                admitted += usize::from(d.allowed());
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            (seen, admitted)
+        })
+    };
+    let answers = [(); 3].map(|()| Arc::new(AtomicUsize::new(0)));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (engine, answers) = (engine.clone(), answers.clone());
+            tokio::spawn(async move {
+                let d = engine.check(&ctx(ATTACKER)).await.expect("a decision");
+                let which = if d.failed_open {
+                    1
+                } else if d.allowed() {
+                    0
+                } else {
+                    2
+                };
+                answers[which].fetch_add(1, Ordering::SeqCst);
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("the task");
+    }
+    done.store(true, Ordering::SeqCst);
+    let (other, other_admitted) = other.await.expect("the other client");
+    let [counted, uncounted, refused] = answers.map(|a| a.load(Ordering::SeqCst));
+    Burst {
+        counted,
+        uncounted,
+        refused,
+        other,
+        other_admitted,
+    }
+}
+
+/// On a standalone Redis the deny cache answers the attacker's refusals without a call:
+/// the burst stays within the deadline, nothing is admitted past the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_one_address_is_held_on_a_standalone_redis() {
+    let server = RedisServer::start();
+    // The builder's defaults: a 50 ms deadline, the deny cache on.
+    let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
+    let burst = burst(engine(limiter), 6_000).await;
+    eprintln!("standalone: {burst:?}");
+    assert_eq!(burst.counted, 5, "{burst:?}");
+    assert!(burst.uncounted < 100, "{burst:?}");
+}
+
+/// On a cluster the deny cache answers a rule set of one rule too. Before, it was off
+/// there: every refused request of the burst was a call, thousands queued for the pool's
+/// connections, the later ones missed the 50 ms deadline, `fail_open` admitted 3,348 to
+/// 4,160 of them uncounted, and while the circuit breaker was open, requests of a client
+/// that had spent its limit were admitted too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_one_address_is_held_on_a_cluster() {
+    let cluster = RedisCluster::start();
+    let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
+    let burst = burst(engine(limiter), 6_000).await;
+    eprintln!("cluster: {burst:?}");
+    // The first requests of the burst go out before the first refusal comes back: on a
+    // loaded machine a few of them may still miss the deadline.
+    assert_eq!(burst.counted, 5, "{burst:?}");
+    assert!(burst.uncounted < 100, "{burst:?}");
+}
