@@ -750,15 +750,12 @@ rule_sets:
         assert!(back.allowed());
     }
 
-    /// On a cluster the deny cache answers only the requests of rule sets of one rule,
-    /// whether the limiter is built from a URL or over the application's client with
-    /// `from_client`: the keys of such a rule set lie in one hash slot, so only time frees
-    /// their capacity, as on a standalone server. A request of a rule set of several rules
-    /// may span slots, and the refunds after a slot's refusal give tokens back, so a
-    /// remembered rejection could outlive the real one: each of them is a call. On a
-    /// standalone server both keep the cache on.
+    /// On a cluster the deny cache answers the refused requests of a rule set of one rule
+    /// (its keys in one hash slot) and of one of several rules (its request decided by a
+    /// call per slot), whether the limiter is built from a URL or over the application's
+    /// client with `from_client`. On a standalone server both keep the cache on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn the_deny_cache_answers_only_rule_sets_of_one_rule_on_a_cluster() {
+    async fn the_deny_cache_answers_refusals_on_a_cluster() {
         use fred::interfaces::ClientLike;
         let cluster = RedisCluster::start();
         let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port()).collect();
@@ -789,6 +786,7 @@ rule_sets:
                 assert!(engine.check(&ctx).await.unwrap().allowed());
                 assert!(!engine.check(&ctx).await.unwrap().allowed());
                 let before = cluster.evalsha_calls();
+                let start = std::time::Instant::now();
                 for _ in 0..5 {
                     assert!(!engine.check(&ctx).await.unwrap().allowed());
                 }
@@ -796,7 +794,14 @@ rule_sets:
                 if set == "one" {
                     assert_eq!(calls, 0, "{name}: rule set `{set}` answered by the cache");
                 } else {
-                    assert!(calls >= 5, "{name}: rule set `{set}` decided by Redis: {calls} calls");
+                    // A rule set of several rules lets one request through every 100 ms
+                    // (two calls and a refund at most): none in the usual few ms.
+                    let probes = start.elapsed().as_millis() / 100 + 1;
+                    assert!(
+                        u128::from(calls) <= 3 * probes,
+                        "{name}: rule set `{set}` answered by the cache but for its probes: {calls} calls in {:?}",
+                        start.elapsed()
+                    );
                 }
             }
         }

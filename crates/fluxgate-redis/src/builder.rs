@@ -63,10 +63,12 @@ impl RedisLimiterBuilder {
 
     /// The local deny cache (on by default): after a band rejects a request with a
     /// retry-after of T, requests of the same cost that need that band are rejected
-    /// locally, without a Redis call, until T has passed. Only time adds tokens, so this
-    /// never rejects a request Redis would admit, and never admits one. On a cluster,
-    /// refunds across hash slots give tokens back too, so there the cache answers only the
-    /// requests of rule sets of one rule, whose keys lie in one slot.
+    /// locally, without a Redis call, until T has passed. It never admits a request. On a
+    /// standalone server only time adds tokens, so it never rejects one Redis would admit
+    /// either (local leases and waiters aside, which give permits back); on a cluster, the
+    /// refunds that follow a refusal in one hash slot give permits back in the others,
+    /// and a denial remembered meanwhile of a band such a refund frees rejects what Redis
+    /// would admit, until it ends (see `docs/security.md`, "The deny cache").
     pub fn deny_cache(mut self, on: bool) -> Self {
         self.deny_cache = on;
         self

@@ -1,8 +1,10 @@
 //! The local deny cache: bands known to reject a request until an instant, answered
-//! without Redis. Only time adds capacity to a band (refunds aside, which is why a
-//! cluster has no deny cache), so a remembered denial never outlives the real one.
+//! without Redis. Only time adds capacity to a band, refunds aside (a cluster's refunds
+//! across hash slots, leases and waiters giving permits back), so a remembered denial
+//! outlives the real one only after such a refund, and never admits.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Wait};
@@ -22,9 +24,14 @@ pub(crate) struct DenyCache {
 /// A band that rejected: until `until` it rejects every request of the same cost, because
 /// only time adds tokens to a bucket. A local rejection repeats Redis's figures: the
 /// remaining permits and the instant the band is full again.
-#[derive(Debug, Clone, Copy)]
+///
+/// A denial that a refund may end early (see [`DenyCache::remember`]) lets one request
+/// through to Redis every so often (`probe`: when the next may go, in µs from the cache's
+/// epoch); a request that finds the band admitting makes the cache forget the denial.
+#[derive(Debug, Clone)]
 struct Denial {
     until: Instant,
+    probe: Option<(Arc<AtomicU64>, u64)>,
     remaining: u64,
     reset_at: SystemTime,
 }
@@ -60,7 +67,7 @@ impl DenyCache {
             call.bands.iter().find_map(|band| {
                 let key = band.deny_key(call.keys.get(band.key)?)?;
                 let denial = self.denials.get(&key)?;
-                (denial.until > now).then_some((band.position, denial))
+                (denial.until > now && !self.probes(&denial, now)).then_some((band.position, denial))
             })
         })?;
         let (bucket, band) = request.bands().nth(position)?;
@@ -80,6 +87,25 @@ impl DenyCache {
         Some(AcquireOutcome::new(false, true, now_ns, vec![report]).answered_locally())
     }
 
+    /// Whether the request that found `denial` live at `now` goes to Redis as its probe: the
+    /// first to find the probe due, which sets the next.
+    fn probes(&self, denial: &Denial, now: Instant) -> bool {
+        let Some((next, every_us)) = &denial.probe else {
+            return false;
+        };
+        let now_us = self.micros(now);
+        let due = next.load(Ordering::Acquire);
+        now_us >= due
+            && next
+                .compare_exchange(
+                    due,
+                    now_us.saturating_add(*every_us),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_ok()
+    }
+
     /// Forgets the denials of the bands whose keys begin with `start` (a bucket reset).
     pub(crate) fn forget(&self, start: &str) {
         let start = start.to_owned();
@@ -95,6 +121,10 @@ impl DenyCache {
     /// Remembers the bands of a call of `request` (its keys named with `prefix`) that
     /// rejected, counted from `start`, before the call, so that a denial never outlives the
     /// real wait.
+    ///
+    /// With `probe`, the bands' capacity may come back before time frees it (on a cluster,
+    /// refunds across hash slots): a denial then lets one request through to Redis every
+    /// `probe`, and a band of the call that admitted makes the cache forget its denial.
     pub(crate) fn remember(
         &self,
         request: &AcquireRequest,
@@ -102,20 +132,31 @@ impl DenyCache {
         bands: &[CallBand],
         outcome: &AcquireOutcome,
         start: Instant,
+        probe: Option<Duration>,
     ) {
         for band in bands {
             let report = &outcome.bands[band.position];
             let Wait::After(wait) = report.wait else {
+                if probe.is_some() && report.allowed && self.latest_us.load(Ordering::Relaxed) > self.micros(start) {
+                    if let Some(key) = band.deny_key_in(request, prefix) {
+                        self.denials.invalidate(&key);
+                    }
+                }
                 continue;
             };
             if let Some(key) = band.deny_key_in(request, prefix) {
+                let probe = probe.map(|every| {
+                    let every_us = u64::try_from(every.as_micros()).unwrap_or(u64::MAX);
+                    (Arc::new(AtomicU64::new(self.micros(start + every))), every_us)
+                });
                 let denial = Denial {
                     until: start + wait,
+                    probe,
                     remaining: report.remaining,
                     reset_at: report.reset_at,
                 };
-                self.denials.insert(key, denial);
                 self.latest_us.fetch_max(self.micros(denial.until), Ordering::Relaxed);
+                self.denials.insert(key, denial);
             }
         }
     }

@@ -18,7 +18,7 @@ use crate::health::{self, Health};
 use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
-use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
+use crate::request::{encode, encode_refund, mark_instants, outcome, Call, CallBand};
 use crate::script::{decided_again, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -33,30 +33,38 @@ struct Inner {
     /// Shared by the handles made from one another ([`RedisLimiter::with_batching`],
     /// [`RedisLimiter::with_prefix`]): a reset through one forgets what any remembered.
     denied: Option<Arc<DenyCache>>,
-    /// Whether the connections are a cluster's: there the deny cache answers only the
-    /// requests of rule sets of one rule (see [`Inner::deny_cache`]).
+    /// Whether the connections are a cluster's (see [`Inner::deny_cache`]).
     cluster: bool,
     /// With batched decisions: the gathering of the requests (shared by the limiters of
     /// [`RedisLimiter::with_prefix`], whose requests carry their own keys).
     batcher: Option<Arc<Batcher>>,
 }
 
+/// How often a denial of a band of a rule set of several rules lets a request through to
+/// Redis on a cluster, where refunds across hash slots may free the band before the
+/// denial's retry-after (see [`Inner::deny_cache`]): a burst's refusals cost one call per
+/// band in this time, and a band a refund freed is found admitting within this time.
+const CROSS_SLOT_PROBE: Duration = Duration::from_millis(100);
+
 impl Inner {
-    /// The deny cache, for `request`: none for a request that may wait (a refusal
-    /// remembered for another's retry-after would refuse one that can wait now), and on a
-    /// cluster none for a rule set of several rules. There a request of several rules may
-    /// span hash slots, and the refunds that follow a slot's refusal free capacity before
-    /// time does; the keys of a rule set of one rule all lie in one slot, so no request
-    /// spans slots and, as on a standalone server, only time frees their capacity. Without
-    /// the cache, every refused request of a burst from one address was a call: thousands
-    /// queued past the deadline, and `fail_open` admitted them uncounted
-    /// (`tests/redis/client_failures.rs`).
-    fn deny_cache(&self, request: &AcquireRequest) -> Option<&Arc<DenyCache>> {
-        let cache = self.denied.as_ref()?;
-        if request.may_wait() || (self.cluster && request.rule_set().rules().len() != 1) {
-            return None;
-        }
-        Some(cache)
+    /// The deny cache, for `request`, and how often a denial of its bands lets a request
+    /// through to Redis: no cache for a request that may wait (a refusal remembered for
+    /// another's retry-after would refuse one that can wait now).
+    ///
+    /// On a cluster too: without the cache, every refused request of a burst from one
+    /// address was a call, thousands queued past the deadline, and `fail_open` admitted
+    /// them uncounted (`tests/redis/client_failures.rs`). There the requests of a rule set
+    /// of several rules may span hash slots, and one that a slot refuses is refunded in
+    /// the slots that admitted it, which frees capacity before time does: a denial of such
+    /// a rule set's band, remembered while a request that is then refunded held it full,
+    /// would refuse what Redis admits for a whole retry-after. Such a denial lets one
+    /// request through every [`CROSS_SLOT_PROBE`], and is forgotten once a band admits. A
+    /// rule set of one rule never spans slots: as on a standalone server, only time frees
+    /// its capacity.
+    fn deny_cache(&self, request: &AcquireRequest) -> Option<(&Arc<DenyCache>, Option<Duration>)> {
+        let cache = self.denied.as_ref().filter(|_| !request.may_wait())?;
+        let spans = self.cluster && request.rule_set().rules().len() > 1;
+        Some((cache, spans.then_some(CROSS_SLOT_PROBE)))
     }
 
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
@@ -80,9 +88,7 @@ impl fmt::Debug for RedisLimiter {
 }
 
 impl RedisLimiter {
-    /// A limiter running `scripts`, with a deny cache if `deny_cache` (on a cluster, for
-    /// the rule sets of one rule only: refunds across hash slots give tokens back, so
-    /// there a denial of a rule set of several rules could end early).
+    /// A limiter running `scripts`, with a deny cache if `deny_cache`.
     pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool, batching: Option<Batching>) -> Self {
         let cluster = scripts.connection().is_cluster();
         let scripts = Arc::new(scripts);
@@ -98,8 +104,8 @@ impl RedisLimiter {
     }
 
     /// A limiter over a client the application already connected. The script is loaded
-    /// on the first call that finds it missing. The deny cache is on (on a cluster,
-    /// for the rule sets of one rule; see [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
+    /// on the first call that finds it missing. The deny cache is on (see
+    /// [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
         Self::new(Scripts::new(Connection::client(client)), prefix.into(), true, None)
     }
@@ -126,8 +132,7 @@ impl RedisLimiter {
         self.inner.batcher.is_some()
     }
 
-    /// Whether rejections are remembered and repeated locally (the deny cache; on a
-    /// cluster, for the rule sets of one rule only). With the
+    /// Whether rejections are remembered and repeated locally (the deny cache). With the
     /// `metrics` feature, each request the cache rejects counts in
     /// `fluxgate_deny_cache_hits_total`.
     pub fn has_deny_cache(&self) -> bool {
@@ -193,8 +198,8 @@ impl RateLimiter for RedisLimiter {
         };
         let start = Instant::now();
         let denied = inner.deny_cache(request);
-        let remembers = denied.is_some();
-        if let Some(outcome) = denied.and_then(|c| c.check(request, &calls, start)) {
+        let remembers = denied.map(|(_, longest)| longest);
+        if let Some(outcome) = denied.and_then(|(c, _)| c.check(request, &calls, start)) {
             #[cfg(feature = "metrics")]
             metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
             return MaybeReady::ready(Ok(outcome));
@@ -240,19 +245,30 @@ impl RateLimiter for RedisLimiter {
                         marks,
                         reply.bands(),
                     );
-                    if let Some(cache) = inner.denied.as_ref().filter(|_| remembers) {
-                        cache.remember(&request, &inner.prefix, &bands, &outcome, start);
+                    if let (Some(cache), Some(longest)) = (&inner.denied, remembers) {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, longest);
                     }
                     Ok(outcome)
                 });
             }
         }
         let calls = calls.into_vec();
+        // What the deny cache needs to remember the bands that refuse.
+        let remember = remembers.map(|longest| {
+            let bands: Vec<CallBand> = calls.iter().flat_map(|c| c.bands.iter().cloned()).collect();
+            (request.clone(), bands, longest)
+        });
         MaybeReady::boxed(async move {
             // Spawned at the first poll: once a call has gone out, the refunds it may need
             // happen whether or not this future is still awaited.
             let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, request));
             match task.await {
+                Ok(Ok(outcome)) => {
+                    if let (Some(cache), Some((request, bands, longest))) = (&inner.denied, remember) {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, longest);
+                    }
+                    Ok(outcome)
+                }
                 Ok(result) => Ok(result?),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(_) => Err(RedisError::Interrupted.into()),

@@ -69,7 +69,7 @@ pub struct LimiterConfig {
     pub timeout_ms: Option<u64>,
     /// The number of connections. Default 4.
     pub pool_size: Option<usize>,
-    /// The local deny cache. Default on (on a cluster, for rule sets of one rule only).
+    /// The local deny cache. Default on.
     pub deny_cache: Option<bool>,
     /// `[limiter.batching]`: batched decisions; the table turns them on. Default off.
     pub batching: Option<BatchingConfig>,
