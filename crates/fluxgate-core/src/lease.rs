@@ -107,6 +107,10 @@ struct Held {
     lease: Lease,
     /// Permits taken and not spent.
     left: u64,
+    /// Permits spent by requests whose call for their other rules is out: they come back
+    /// into the lease if that call refuses them, so a call adding to the lease counts them
+    /// against `max` (see [`Shared::hold`]).
+    out: u64,
     /// What the backend recorded of each band's state after the last call that added to
     /// the lease ([`AcquireOutcome::marks`]; empty when it recorded none), and the permits
     /// that call took beyond its request: see [`Held::into_give_back`].
@@ -400,8 +404,11 @@ impl Shared {
         let mut taking = SmallVec::new();
         let mut stale = Vec::new();
         let mut wait = None;
+        // A request with a rule that has no lease makes a call whatever its leases hold: its
+        // spends are out until that call ends (see `Held::out`).
+        let out = request.buckets().any(|b| b.rule.lease().is_none() || b.shadow());
         for bucket in request.buckets() {
-            match self.plan(&bucket, patient, &mut stale, &mut taking) {
+            match self.plan(&bucket, patient, out, &mut stale, &mut taking) {
                 Ok(plan) => plans.push(plan),
                 Err(receiver) => {
                     wait = Some(receiver);
@@ -411,12 +418,16 @@ impl Shared {
         }
         self.give_back_later(stale);
         if let Some(receiver) = wait {
-            self.unspend(request, &plans);
+            self.unspend(request, &plans, out);
             drop(taking);
             return Planned::Wait(receiver);
         }
         if plans.iter().all(|p| matches!(p, Plan::Spent(..))) {
             return Planned::Local(plans);
+        }
+        if !out {
+            // Leases spent before another lease's bucket turned out to need a call.
+            self.mark_out(request, &plans);
         }
         Planned::Call(plans, taking, now)
     }
@@ -427,6 +438,7 @@ impl Shared {
         self: &Arc<Self>,
         bucket: &Bucket<'_>,
         patient: bool,
+        out: bool,
         stale: &mut Vec<GiveBack>,
         taking: &mut SmallVec<[Taking; 1]>,
     ) -> Result<Plan, watch::Receiver<bool>> {
@@ -459,12 +471,17 @@ impl Shared {
             Some(held) if held.is_for(bucket.rule) && now < held.expires => {
                 if held.left >= cost {
                     held.left -= cost;
+                    if out {
+                        held.out += cost;
+                    }
                     let mut reports = Bands::with_capacity(held.reports.len());
                     reports.extend(held.reports_now(SystemTime::now()));
                     return Ok(Plan::Spent(held.id, reports));
                 }
-                // Too few permits left: a new lease, no larger than half the bucket as it was.
+                // Too few permits left: a new lease, no larger than half the bucket as it was,
+                // nor than what leaves room for the permits that may come back.
                 most.min(held.shared_remaining() / 2)
+                    .min(lease.max().saturating_sub(held.left + held.out))
             }
             Some(_) => {
                 // Expired, or taken for the rule as it was.
@@ -553,12 +570,14 @@ impl Shared {
         let outcome = match result {
             Ok(outcome) => outcome,
             Err(error) => {
-                self.unspend(&request, &plans);
+                self.unspend(&request, &plans, true);
                 return Err(error);
             }
         };
-        if !outcome.allowed {
-            self.unspend(&request, &plans);
+        if outcome.allowed {
+            self.spent(&request, &plans);
+        } else {
+            self.unspend(&request, &plans, true);
         }
         let mut called = outcome.bands.iter();
         // Where the bucket's bands begin among the call's, for their marks.
@@ -675,8 +694,8 @@ impl Shared {
                 // later than `ttl` after it was taken. A window that has ended has expired
                 // its lease, so a fixed window's permits never reach the next window. The
                 // lease holds at most `max` (refused requests may have put permits back
-                // meanwhile): what is over goes back.
-                let kept = extra.min(lease.max().saturating_sub(held.left));
+                // meanwhile, and those out may yet): what is over goes back.
+                let kept = extra.min(lease.max().saturating_sub(held.left + held.out));
                 held.left += kept;
                 held.decided_unix_nanos = decided_unix_nanos;
                 held.reports = reports;
@@ -714,6 +733,7 @@ impl Shared {
             permits: bucket.rule.permits(),
             lease,
             left: extra,
+            out: 0,
             marks,
             last_extra: extra,
             decided_unix_nanos,
@@ -738,13 +758,37 @@ impl Shared {
         }
     }
 
-    /// Makes back the spends of a request that was not admitted after all.
-    fn unspend(&self, request: &AcquireRequest, plans: &[Plan]) {
+    /// Makes back the spends of a request that was not admitted after all; `out`: they
+    /// were counted as out ([`Held::out`]).
+    fn unspend(&self, request: &AcquireRequest, plans: &[Plan], out: bool) {
+        self.each_spend(request, plans, |held, permits| {
+            held.left += permits;
+            if out {
+                held.out = held.out.saturating_sub(permits);
+            }
+        });
+    }
+
+    /// Counts the spends of a request that makes a call as out ([`Held::out`]).
+    fn mark_out(&self, request: &AcquireRequest, plans: &[Plan]) {
+        self.each_spend(request, plans, |held, permits| held.out += permits);
+    }
+
+    /// The spends of a request whose call admitted it: no longer out ([`Held::out`]).
+    fn spent(&self, request: &AcquireRequest, plans: &[Plan]) {
+        self.each_spend(request, plans, |held, permits| {
+            held.out = held.out.saturating_sub(permits);
+        });
+    }
+
+    /// Applies `change` to the lease each spend of `request` came from, with its permits,
+    /// if that lease is still held.
+    fn each_spend(&self, request: &AcquireRequest, plans: &[Plan], mut change: impl FnMut(&mut Held, u64)) {
         for (bucket, plan) in request.buckets().zip(plans) {
             if let Plan::Spent(id, _) = *plan {
                 let key = LeaseKey::of(&bucket);
                 if let Some(held) = lock(self.shard(&key)).held.get_mut(&key).filter(|h| h.id == id) {
-                    held.left += bucket.permits;
+                    change(held, bucket.permits);
                 }
             }
         }
