@@ -822,3 +822,137 @@ async fn a_changed_put_retried_after_its_publish_failed_resets_its_buckets() {
         "the change resets api's buckets once it is published"
     );
 }
+
+/// A reset grant was the event id's alone: it said nothing of what the event resets. A user
+/// allowed only to subscribe and publish on the change channel hears an admin's change of
+/// one rule set, and publishes its event id again with no rule set (every rule set): a
+/// listener that requires grants and did not hear the admin's event (an instance started
+/// within the grant's minute) found the grant and reset every rule set's buckets, in Redis
+/// too once the admin event's reset claim (10 s) had expired. The admin's event published
+/// again reset its own rule set's buckets in Redis a second time. A grant now names the
+/// rule set it resets, and a granted reset's claim is kept as long as the grant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 3)).await.expect("put api");
+    store.put(&spec("web", 3)).await.expect("put web");
+    let a = Instance::start_with(&url, &store, "grant-scope", true).await;
+    let acl = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "notifier",
+        "on",
+        ">secret",
+        "resetchannels",
+        "&fluxgate:rule-changes",
+        "+publish",
+        "+subscribe",
+    ]);
+    assert_eq!(acl.trim(), "OK");
+    // The notifier listens on the channel.
+    let port = server.port().to_string();
+    let mut listening = Command::new("redis-cli")
+        .args(["-p", &port, "--user", "notifier", "--pass", "secret"])
+        .args(["SUBSCRIBE", "fluxgate:rule-changes"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-cli");
+    let stdout = listening.stdout.take().expect("its output");
+    let heard = std::thread::spawn(move || {
+        BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .find(|line| line.starts_with('{'))
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // A client spends its `web` quota.
+    let mut admitted = 0;
+    for _ in 0..4 {
+        admitted += usize::from(check(&a.engine, &ctx("web", "192.0.2.9")).await.allowed());
+    }
+    assert_eq!(admitted, 3);
+    // The admin changes `api`: its event resets `api` alone, and the client spends its new
+    // `api` quota.
+    let change = RuleAdmin::new((*store).clone())
+        .put(&spec("api", 4))
+        .await
+        .expect("admin put");
+    until(PROPAGATION, "the admin's event handled", || {
+        a.listener.stats().events == 1
+    })
+    .await;
+    let mut admitted = 0;
+    for _ in 0..5 {
+        admitted += usize::from(check(&a.engine, &ctx("api", "192.0.2.9")).await.allowed());
+    }
+    assert_eq!(admitted, 4);
+    let message = heard
+        .join()
+        .expect("the reader")
+        .expect("the notifier heard the admin's event");
+    let _ = listening.kill();
+    let _ = listening.wait();
+    let event_id = RuleChange::parse(&message)
+        .expect("a change")
+        .event_id
+        .expect("an event id");
+    assert_eq!(Some(&event_id), change.event_id.as_ref());
+
+    // The admin event's reset claim expires; an instance starts, within the grant's minute.
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let b = Instance::start_with(&url, &store, "grant-scope", true).await;
+    let forged = format!(r#"{{"resetBuckets":true,"fullReload":true,"eventId":"{event_id}"}}"#);
+    let published = server.cli(&[
+        "--user",
+        "notifier",
+        "--pass",
+        "secret",
+        "PUBLISH",
+        "fluxgate:rule-changes",
+        &forged,
+    ]);
+    assert_eq!(published.trim(), "2", "{published}");
+    // And the admin's event as it was.
+    let published = server.cli(&[
+        "--user",
+        "notifier",
+        "--pass",
+        "secret",
+        "PUBLISH",
+        "fluxgate:rule-changes",
+        &message,
+    ]);
+    assert_eq!(published.trim(), "2", "{published}");
+    until(PROPAGATION, "both listeners handled the notifier's events", || {
+        a.listener.stats().events == 3 && b.listener.stats().events == 2
+    })
+    .await;
+    // Instance `a` remembers its denial locally; `b`, behind the same load balancer, asks
+    // Redis.
+    let mut web = 0;
+    let mut api = 0;
+    for _ in 0..3 {
+        web += usize::from(check(&b.engine, &ctx("web", "192.0.2.9")).await.allowed());
+        api += usize::from(check(&b.engine, &ctx("api", "192.0.2.9")).await.allowed());
+    }
+    let (sa, sb) = (a.listener.stats(), b.listener.stats());
+    eprintln!(
+        "after the notifier's events: admitted by instance b, `web` {web} of 3 and `api` {api} of 3 \
+         (both quotas spent); instance a {sa:?}; new instance b {sb:?}"
+    );
+    assert_eq!(
+        web, 0,
+        "an admin's grant for `api` reset every rule set's buckets: a {sa:?}, b {sb:?}"
+    );
+    assert_eq!(
+        api, 0,
+        "the admin's event heard again reset `api` in Redis again: a {sa:?}, b {sb:?}"
+    );
+}

@@ -20,7 +20,7 @@ use crate::error::RedisError;
 use crate::key;
 use crate::limiter::RedisLimiter;
 use crate::reset::ResetScope;
-use crate::store::{RedisRuleSetStore, RESET_GRANT_TTL_MS};
+use crate::store::{RedisRuleSetStore, GRANT_EVERYTHING, RESET_GRANT_TTL_MS};
 
 /// How often the listener's connection tries to reconnect.
 const RECONNECT_DELAY: Duration = Duration::from_millis(100);
@@ -132,8 +132,8 @@ pub struct ListenerStats {
     pub reset_failures: u64,
     /// Events asking for a reset that reset nothing for want of a grant, when grants are
     /// [required](RuleChangeListenerBuilder::require_reset_grants): no grant in the store
-    /// (a message another publisher sent), the event's grant used already, or the store
-    /// unreachable.
+    /// (a message another publisher sent), a grant for another scope, the event's grant
+    /// used already, or the store unreachable.
     pub ungranted_resets: u64,
 }
 
@@ -236,9 +236,10 @@ impl RuleChangeListenerBuilder {
     /// Resets buckets only for events whose reset grant is in `store`: those a
     /// [`RuleAdmin`](crate::RuleAdmin) of the store published (with a change, a delete,
     /// or [`RuleAdmin::publish`](crate::RuleAdmin::publish) of a change with a reset and
-    /// an event id), within a minute of their publication, and each once. Any other event
-    /// asking for a reset (a bare rule set id, JSON without a grant, from a user that may
-    /// publish on the channel but not write the store's keys; an event heard again) reloads
+    /// an event id), within a minute of their publication, for the scope they were
+    /// published with, and each once. Any other event asking for a reset (a bare rule set
+    /// id, JSON without a grant, from a user that may publish on the channel but not write
+    /// the store's keys; an event heard again, or its id with another scope) reloads
     /// and resets nothing, logged and counted ([`ListenerStats::ungranted_resets`]). Off by
     /// default, so that a plain `redis-cli PUBLISH` resets: turn it on wherever anyone but
     /// the admins can publish on the channel.
@@ -335,8 +336,8 @@ struct Grants {
 }
 
 impl Grants {
-    /// Whether `change` may reset: its grant is in the store and was not used by this
-    /// listener. A grant found is marked used.
+    /// Whether `change` may reset: its grant is in the store, for the scope of the change,
+    /// and was not used by this listener. A grant found is marked used.
     async fn allow(&self, change: &RuleChange) -> Result<(), &'static str> {
         let Some(event_id) = &change.event_id else {
             return Err("the event has no id, so no grant");
@@ -352,13 +353,17 @@ impl Grants {
             }
         }
         // The listener handles one event at a time: nothing marks this grant used meanwhile.
-        match self.store.reset_granted(event_id).await {
-            Ok(true) => {
+        // The grant names what the admin's event resets: an event heard with its id and
+        // another scope (a publisher that heard the admin's event) resets nothing.
+        let scope = change.rule_set.as_deref().unwrap_or(GRANT_EVERYTHING);
+        match self.store.reset_grant(event_id).await {
+            Ok(Some(granted)) if granted != scope => Err("the event's grant is for another rule set"),
+            Ok(Some(_)) => {
                 let mut used = self.used.lock().unwrap_or_else(PoisonError::into_inner);
                 used.push_back((tokio::time::Instant::now(), event_id.clone()));
                 Ok(())
             }
-            Ok(false) => {
+            Ok(None) => {
                 Err("no grant in the store (not published by an admin of the store, or more than a minute ago)")
             }
             Err(_) => Err("the store cannot be read"),
@@ -596,11 +601,19 @@ impl Listen {
 
     /// Claims the reset of an event: answers whether this listener runs it.
     async fn claim(&self, limiter: &RedisLimiter, claim: &str) -> Result<bool, RedisError> {
-        set_claim(limiter, claim, "running", SetOptions::NX).await
+        set_claim(limiter, claim, "running", SetOptions::NX, CLAIM_TTL).await
     }
 
+    /// Marks the claim done: for [`CLAIM_TTL`], or, when resets need grants, for as long
+    /// as the event's grant lives, so that the event heard again within that time by a
+    /// listener that did not hear it (an instance started since) resets its rule set's
+    /// buckets in Redis no second time.
     async fn mark_done(&self, limiter: &RedisLimiter, claim: &str) {
-        if let Err(error) = set_claim(limiter, claim, "done", SetOptions::XX).await {
+        let ttl = match &self.grants {
+            Some(_) => CLAIM_TTL.max(Duration::from_millis(RESET_GRANT_TTL_MS)),
+            None => CLAIM_TTL,
+        };
+        if let Err(error) = set_claim(limiter, claim, "done", SetOptions::XX, ttl).await {
             tracing::warn!(%error, "bucket reset done, but the claim cannot say so");
         }
     }
@@ -631,11 +644,16 @@ fn claim_connection(limiter: &RedisLimiter) -> Connection {
     limiter.connection().clone().with_timeout(CLAIM_TIMEOUT)
 }
 
-/// Sets the claim key to `state` if `option` allows, for [`CLAIM_TTL`]; answers whether
-/// it was set.
-async fn set_claim(limiter: &RedisLimiter, claim: &str, state: &str, option: SetOptions) -> Result<bool, RedisError> {
+/// Sets the claim key to `state` if `option` allows, for `ttl`; answers whether it was set.
+async fn set_claim(
+    limiter: &RedisLimiter,
+    claim: &str,
+    state: &str,
+    option: SetOptions,
+    ttl: Duration,
+) -> Result<bool, RedisError> {
     let connection = claim_connection(limiter);
-    let ttl = i64::try_from(CLAIM_TTL.as_millis()).unwrap_or(i64::MAX);
+    let ttl = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
     let set =
         connection
             .next()

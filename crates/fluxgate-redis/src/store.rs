@@ -46,7 +46,8 @@ const DELETE: &str = "local n = redis.call('DEL', KEYS[1]); redis.call('SREM', K
 /// [`DELETE`] (`ARGV[2]` empty), and the change published in the same step: `ARGV[4]` when
 /// the store changed, `ARGV[5]` when it did not (a put of the rule set as stored; nothing
 /// when empty). When the store changed and `KEYS[3]` is given, the reset grant of the
-/// change's event is written there first, for `ARGV[6]` ms. Answers whether the store
+/// change's event is written there first, for `ARGV[6]` ms: the rule set id `ARGV[1]`, the
+/// one scope the grant lets the event reset. Answers whether the store
 /// changed and the subscribers reached, or `-1` and the error of a `PUBLISH` refused after
 /// the write.
 const ANNOUNCED: &str = "if redis.acl_check_cmd and not redis.acl_check_cmd('PUBLISH', ARGV[3], ARGV[4]) then
@@ -64,7 +65,7 @@ end
 local message = ARGV[5]
 if changed then
   message = ARGV[4]
-  if KEYS[3] then redis.call('SET', KEYS[3], '1', 'PX', ARGV[6]) end
+  if KEYS[3] then redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[6]) end
 elseif message == '' then
   return {0, 0}
 end
@@ -72,9 +73,11 @@ local sent = redis.pcall('PUBLISH', ARGV[3], message)
 if type(sent) == 'table' then return {changed and 1 or 0, -1, sent.err} end
 return {changed and 1 or 0, sent}";
 
-/// The reset grant `KEYS[1]` written for `ARGV[3]` ms, then `ARGV[2]` published on the
-/// channel `ARGV[1]`, in one step.
-const GRANTED: &str = "redis.call('SET', KEYS[1], '1', 'PX', ARGV[3]); return redis.call('PUBLISH', ARGV[1], ARGV[2])";
+/// The reset grant `KEYS[1]` written for `ARGV[3]` ms (the scope it resets, `ARGV[4]`: a rule
+/// set id, or `*` for every rule set), then `ARGV[2]` published on the channel `ARGV[1]`, in
+/// one step.
+const GRANTED: &str =
+    "redis.call('SET', KEYS[1], ARGV[4], 'PX', ARGV[3]); return redis.call('PUBLISH', ARGV[1], ARGV[2])";
 
 /// The indexed ids.
 const INDEX: &str = "return redis.call('SMEMBERS', KEYS[1])";
@@ -96,6 +99,10 @@ const LOAD_ATTEMPTS: usize = 5;
 /// How long a change's reset grant stays in the store: a listener that requires grants
 /// resets for an event heard within this time of its publication, and at most once.
 pub(crate) const RESET_GRANT_TTL_MS: u64 = 60_000;
+
+/// The scope of a reset grant of an event that resets every rule set (no rule set id is
+/// `*`, see [`check_id`]).
+pub(crate) const GRANT_EVERYTHING: &str = "*";
 
 /// The largest rule set document read: 16 MiB, as a rule file.
 const MAX_DOCUMENT: usize = 16 * 1024 * 1024;
@@ -322,10 +329,14 @@ impl RedisRuleSetStore {
         format!("{}:reset-grant:{event_id}", self.tag)
     }
 
-    /// Whether the reset grant of the change event `event_id` is in the store.
-    pub(crate) async fn reset_granted(&self, event_id: &str) -> Result<bool, StoreError> {
-        let exists = self.connection.next().exists::<i64, _>(self.reset_grant_key(event_id));
-        Ok(self.connection.within_deadline(exists).await? > 0)
+    /// The scope the reset grant of the change event `event_id` lets it reset (a rule set
+    /// id, or [`GRANT_EVERYTHING`]), if the grant is in the store.
+    pub(crate) async fn reset_grant(&self, event_id: &str) -> Result<Option<String>, StoreError> {
+        let scope = self
+            .connection
+            .next()
+            .get::<Option<String>, _>(self.reset_grant_key(event_id));
+        Ok(self.connection.within_deadline(scope).await?)
     }
 
     /// Writes the reset grant of `change` (which has an event id) and publishes it on
@@ -337,7 +348,13 @@ impl RedisRuleSetStore {
         event_id: &str,
     ) -> Result<u64, RedisError> {
         let keys = vec![self.reset_grant_key(event_id)];
-        let args = vec![channel.to_owned(), change.to_json(), RESET_GRANT_TTL_MS.to_string()];
+        let scope = change.rule_set.as_deref().unwrap_or(GRANT_EVERYTHING).to_owned();
+        let args = vec![
+            channel.to_owned(),
+            change.to_json(),
+            RESET_GRANT_TTL_MS.to_string(),
+            scope,
+        ];
         let call = self.granted.evalsha_with_reload(self.connection.next(), keys, args);
         self.connection.within_deadline(call).await
     }
