@@ -485,12 +485,13 @@ impl RateLimiter for AnswersInTurn {
 }
 
 /// A waiter's place is taken when the answer makes a request wait, not while its call is
-/// out. Two requests sent together with one place free both get a place in the bucket
-/// from the backend; the first answer takes the waiter's place, and the second, finding
-/// none, gives its bucket's place back and is decided again: refused at once, and the
-/// bucket's next place (at 2 s) free for the next request.
+/// out. Two requests sent together with one place free each take their place in the bucket
+/// (at 1 s and 2 s) with their decision, and both wait for it: refused, the first answered
+/// could not give its place back (another was taken after it), and the bucket's permit at
+/// that instant would pass unused. A request sent while they wait (every place taken) is
+/// refused at once, and the bucket's next place, at 3 s, is the next request's.
 #[tokio::test(start_paused = true)]
-async fn a_request_that_finds_no_waiters_place_when_answered_gives_its_place_back() {
+async fn requests_sent_while_a_place_was_free_all_wait_for_the_places_they_took() {
     let clock = TokioClock::new();
     let rules = RuleSets::from_yaml_str(
         r#"
@@ -511,21 +512,33 @@ rule_sets:
     let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
     let start = Instant::now();
     assert!(check(&engine).await.allowed(), "the bucket's one permit");
-    let mut answers = at_once(&engine, 2, start).await;
-    // Whichever was answered first waited.
-    answers.sort_by_key(|a| !a.0);
-    let (waited, refused) = (answers[0], answers[1]);
+    let together = tokio::spawn({
+        let engine = engine.clone();
+        async move { at_once(&engine, 2, start).await }
+    });
+    // Once both wait: every place is taken, and a request that may wait is refused at once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sent = Instant::now();
+    let refused = check(&engine).await;
     assert!(
-        waited.0 && waited.1 >= Duration::from_secs(1),
-        "the first proceeds at the refill, 1 s: {answers:?}"
+        !refused.allowed() && sent.elapsed() < Duration::from_millis(100),
+        "refused at once while the places are taken: {refused:?}"
     );
+    let mut answers = together.await.expect("the two requests");
+    answers.sort_by_key(|a| a.1);
+    let secs = |s: f64| Duration::from_secs_f64(s);
+    assert!(answers.iter().all(|a| a.0), "both proceed: {answers:?}");
     assert!(
-        !refused.0 && refused.1 < Duration::from_millis(100),
-        "the second is refused when answered: {answers:?}"
+        answers[0].1 >= secs(1.0) && answers[0].1 < secs(1.1) && answers[1].1 >= secs(2.0) && answers[1].1 < secs(2.1),
+        "at the places they took, 1 s and 2 s: {answers:?}"
     );
-    // At 2 s the bucket admits again: the second request's place was given back.
-    tokio::time::sleep_until(start + Duration::from_secs(2)).await;
+    // The next place is at 3 s.
     let ctx = RequestContext::builder().max_wait(Duration::ZERO).build();
+    assert!(
+        !engine.check(&ctx).await.expect("a decision").allowed(),
+        "nothing free before 3 s"
+    );
+    tokio::time::sleep_until(start + Duration::from_secs(3)).await;
     let next = engine.check(&ctx).await.expect("a decision");
-    assert!(next.allowed(), "the place at 2 s is free: {next:?}");
+    assert!(next.allowed(), "the place at 3 s is free: {next:?}");
 }

@@ -99,3 +99,77 @@ async fn requests_in_flight_hold_the_waiters_places_of_other_clients() {
         "requests that waited for nothing took the waiters' places of other clients"
     );
 }
+
+/// Requests of one address in flight together, each of which may wait, each sent while
+/// the rule's one waiter's place was free: each takes its place in the bucket with its
+/// decision (those within `max_wait`), and each waits for it. Refused when answered, they
+/// could not give those places back (a token bucket gives back only the latest place
+/// taken): the bucket's next admission was pushed seconds past what anyone used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_place_a_burst_takes_in_the_bucket_is_used() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix("burst-places")
+        .timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    let rules = rules(
+        r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        scope: ip
+        bands: [{ capacity: 1, window: 1s }]
+        on_limit: { wait: { max_wait: 3s, max_waiters: 1 } }
+"#,
+    );
+    let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
+    let client = IpAddr::V4(Ipv4Addr::new(10, 7, 7, 8));
+    let ctx = RequestContext::builder().client_ip(client).build();
+    let start = std::time::Instant::now();
+    assert!(engine.check(&ctx).await.expect("a decision").allowed());
+    // 6 requests at once, their calls out together: Redis holds writes for 300 ms.
+    let paused = redis.server().cli(&["CLIENT", "PAUSE", "300", "WRITE"]);
+    assert_eq!(paused.trim(), "OK");
+    let burst: Vec<_> = (0..6)
+        .map(|_| {
+            let (engine, ctx) = (engine.clone(), ctx.clone());
+            tokio::spawn(async move {
+                let decision = engine.check(&ctx).await.expect("a decision");
+                (decision.allowed(), start.elapsed())
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for task in burst {
+        let (allowed, at) = task.await.expect("no panic");
+        if allowed {
+            admitted.push(at);
+        }
+    }
+    admitted.sort();
+    let no_wait = RequestContext::builder()
+        .client_ip(client)
+        .max_wait(Duration::ZERO)
+        .build();
+    let next = loop {
+        if engine.check(&no_wait).await.expect("a decision").allowed() {
+            break start.elapsed();
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "nothing admitted in 10 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!(
+        "1 per second, waits up to 3 s: the burst's admitted after {admitted:?}, the next request after {next:?}"
+    );
+    // The places within 3 s (1, 2 and 3 s) are each waited for; the next is the next
+    // request's, 1 s after the last.
+    assert_eq!(admitted.len(), 3, "{admitted:?}");
+    let last = admitted.last().copied().unwrap_or_default();
+    assert!(
+        next < last + Duration::from_millis(1500),
+        "a place between went unused: the burst's last admitted after {last:?}, the next request after {next:?}"
+    );
+}

@@ -22,7 +22,7 @@ use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::text::Text;
-use crate::wait::{give_back, may_wait, wait_for, Candidates, Waiters};
+use crate::wait::{may_wait, wait_for, Candidates, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -495,37 +495,19 @@ impl Engine {
 }
 
 impl Inner {
-    /// A request the backend admits after a wait, its place taken: it waits if each of
-    /// its rules' waiters still has a place free. Otherwise (requests took the last places
-    /// while its call was out) it gives its place back and is decided again, without
-    /// waiting.
+    /// A request the backend admits after a wait, its place in the bucket taken: it waits,
+    /// holding a place among each of its rules' waiters.
     fn wait(
         this: Arc<Self>,
-        mut request: AcquireRequest,
+        request: AcquireRequest,
         result: Result<AcquireOutcome, BoxError>,
         candidates: Option<Candidates>,
     ) -> MaybeReady<Result<Decision, Error>> {
-        let Ok(outcome) = &result else {
+        let (Ok(outcome), Some(candidates)) = (&result, candidates) else {
             return MaybeReady::ready(this.decided(&request, result));
         };
-        let limiter = this.limiter.clone();
-        if let Some(places) = candidates.and_then(Candidates::take) {
-            let outcome = outcome.clone();
-            let waited = request.clone();
-            return wait_for(limiter, &waited, &outcome, places, move || {
-                this.decided(&request, result)
-            });
-        }
-        let outcome = outcome.clone();
-        MaybeReady::boxed(async move {
-            give_back(limiter, &request, &outcome).await;
-            let buckets = request.buckets().len();
-            for index in 0..buckets {
-                request.set_max_wait(index, Duration::ZERO);
-            }
-            let start = this.recorder.as_ref().map(|_| Instant::now());
-            let result = this.limiter.acquire(&request).await;
-            this.record_backend_call(start, &result);
+        let (limiter, outcome, waited) = (this.limiter.clone(), outcome.clone(), request.clone());
+        wait_for(limiter, &waited, &outcome, candidates.take(), move || {
             this.decided(&request, result)
         })
     }

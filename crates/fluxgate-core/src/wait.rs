@@ -4,12 +4,14 @@
 //! within `max_wait`, may wait instead: the engine lets the backend take the request's
 //! place at the instant it will be admitted (in the same step as the decision, see
 //! [`Bucket::max_wait`](crate::limiter::Bucket::max_wait)), then sleeps until then. At most
-//! `max_waiters` requests of a rule wait at once on one engine: a request that finds them
-//! all taken may not wait, and is refused at once. A place is taken when the backend's
-//! answer makes the request wait, not while the request is being decided, so that requests
-//! in flight that end up admitted at once hold no place; one that finds the places taken
-//! meanwhile gives its reservation back and is decided again without waiting. A waiting
-//! request that is dropped (its client gone) gives its place back.
+//! `max_waiters` requests of a rule wait at once on one engine, give or take the requests
+//! in flight: a request sent when they are all taken may not wait, and is refused at once.
+//! A place is taken when the backend's answer makes the request wait, not while the
+//! request is being decided, so that requests in flight that end up admitted at once hold
+//! no place. Requests sent together while a place was free each took their place in the
+//! bucket with their decision, and all wait for it (refused, their places would pass
+//! unused: a bucket gives back only the latest place taken). A waiting request that is
+//! dropped (its client gone) gives its place back.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -35,24 +37,20 @@ pub(crate) struct Waiters {
 #[derive(Default)]
 pub(crate) struct Places(SmallVec<[Arc<AtomicU32>; 1]>);
 
-/// The waiters of the rules a request may wait for, each with its `max_waiters`: each had a
-/// place free when the request was sent; [`take`](Self::take) takes one in each when the
-/// answer makes it wait.
+/// The waiters of the rules a request may wait for: each had a place free when the request
+/// was sent; [`take`](Self::take) takes one in each when the answer makes it wait.
 #[derive(Default)]
-pub(crate) struct Candidates(SmallVec<[(Arc<AtomicU32>, u32); 1]>);
+pub(crate) struct Candidates(SmallVec<[Arc<AtomicU32>; 1]>);
 
 impl Candidates {
-    /// A place in each rule's waiters, if every one still has one free; none taken
-    /// otherwise.
-    pub(crate) fn take(self) -> Option<Places> {
-        let mut places = Places::default();
-        for (count, max) in self.0 {
-            count
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < max).then_some(n + 1))
-                .ok()?;
-            places.0.push(count);
+    /// A place in each rule's waiters, taken even past `max_waiters` when requests sent
+    /// together took the last ones first: the request's place in its bucket is taken, and
+    /// a bucket gives back only the latest place taken (see the module's documentation).
+    pub(crate) fn take(self) -> Places {
+        for count in &self.0 {
+            count.fetch_add(1, Ordering::AcqRel);
         }
-        Some(places)
+        Places(self.0)
     }
 }
 
@@ -112,7 +110,7 @@ impl Waiters {
                     .clone()
             };
             if count.load(Ordering::Acquire) < policy.max_waiters() {
-                candidates.0.push((count, policy.max_waiters()));
+                candidates.0.push(count);
                 allowed.push((index, policy.max_wait().min(cap)));
             }
         }
@@ -213,20 +211,6 @@ pub(crate) fn wait_for<T: Send + 'static>(
         drop(places);
         then()
     })
-}
-
-/// Gives back the place `outcome` took for `request`, which found no waiter's place left
-/// when its answer came: the request does not wait. Done before the request is decided
-/// again, so that its second decision does not count the place.
-pub(crate) async fn give_back(limiter: Arc<dyn RateLimiter>, request: &AcquireRequest, outcome: &AcquireOutcome) {
-    let mut reserved = Reserved::new(limiter, request, outcome);
-    reserved.over = true;
-    let given = reserved
-        .limiter
-        .give_back_place(&reserved.request, reserved.at_unix_nanos, &reserved.marks);
-    if let Err(error) = given.await {
-        tracing::warn!(%error, "giving back the place of a request that found no waiter's place failed");
-    }
 }
 
 /// Whether the request may wait: some rule had a waiter's place free when it was sent.
