@@ -484,14 +484,12 @@ impl RateLimiter for AnswersInTurn {
     }
 }
 
-/// A waiter's place is taken when the answer makes a request wait, not while its call is
-/// out. Two requests sent together with one place free each take their place in the bucket
-/// (at 1 s and 2 s) with their decision, and both wait for it: refused, the first answered
-/// could not give its place back (another was taken after it), and the bucket's permit at
-/// that instant would pass unused. A request sent while they wait (every place taken) is
-/// refused at once, and the bucket's next place, at 3 s, is the next request's.
+/// A waiter's place is taken before the request's call: of two requests sent together with
+/// one place free, the first takes it and waits (at 1 s); the second finds none, may not
+/// wait, and is refused at once without taking a place in the bucket, so the bucket's next
+/// place (2 s) is the next request's. `max_waiters` holds however the answers come back.
 #[tokio::test(start_paused = true)]
-async fn requests_sent_while_a_place_was_free_all_wait_for_the_places_they_took() {
+async fn of_requests_sent_together_no_more_than_max_waiters_wait_and_no_place_goes_unused() {
     let clock = TokioClock::new();
     let rules = RuleSets::from_yaml_str(
         r#"
@@ -512,33 +510,20 @@ rule_sets:
     let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
     let start = Instant::now();
     assert!(check(&engine).await.allowed(), "the bucket's one permit");
-    let together = tokio::spawn({
-        let engine = engine.clone();
-        async move { at_once(&engine, 2, start).await }
-    });
-    // Once both wait: every place is taken, and a request that may wait is refused at once.
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let sent = Instant::now();
-    let refused = check(&engine).await;
-    assert!(
-        !refused.allowed() && sent.elapsed() < Duration::from_millis(100),
-        "refused at once while the places are taken: {refused:?}"
-    );
-    let mut answers = together.await.expect("the two requests");
+    let mut answers = at_once(&engine, 2, start).await;
     answers.sort_by_key(|a| a.1);
-    let secs = |s: f64| Duration::from_secs_f64(s);
-    assert!(answers.iter().all(|a| a.0), "both proceed: {answers:?}");
+    let (refused, waited) = (answers[0], answers[1]);
     assert!(
-        answers[0].1 >= secs(1.0) && answers[0].1 < secs(1.1) && answers[1].1 >= secs(2.0) && answers[1].1 < secs(2.1),
-        "at the places they took, 1 s and 2 s: {answers:?}"
+        !refused.0 && refused.1 < Duration::from_millis(100),
+        "one is refused at once: {answers:?}"
     );
-    // The next place is at 3 s.
+    assert!(
+        waited.0 && waited.1 >= Duration::from_secs(1) && waited.1 < Duration::from_millis(1100),
+        "the other waits for the place at 1 s: {answers:?}"
+    );
+    // The next place is at 2 s: the refused request took none.
     let ctx = RequestContext::builder().max_wait(Duration::ZERO).build();
-    assert!(
-        !engine.check(&ctx).await.expect("a decision").allowed(),
-        "nothing free before 3 s"
-    );
-    tokio::time::sleep_until(start + Duration::from_secs(3)).await;
+    tokio::time::sleep_until(start + Duration::from_secs(2)).await;
     let next = engine.check(&ctx).await.expect("a decision");
-    assert!(next.allowed(), "the place at 3 s is free: {next:?}");
+    assert!(next.allowed(), "the place at 2 s is free: {next:?}");
 }

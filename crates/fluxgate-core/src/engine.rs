@@ -22,7 +22,7 @@ use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::text::Text;
-use crate::wait::{may_wait, wait_for, Candidates, Waiters};
+use crate::wait::{may_wait, wait_for, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -452,7 +452,7 @@ impl Engine {
             return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
         }
         // Rules that wait for the refill, while they have waiters' places free.
-        let candidates = self.inner.waiters.admit(&mut request, ctx.max_wait());
+        let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
         // Leases decide the requests of leased rules; one that may wait for the refill is
@@ -468,8 +468,13 @@ impl Engine {
             Ok(result) => {
                 self.inner.record_backend_call(start, &result);
                 match &result {
-                    Ok(outcome) if may_wait(&candidates) && outcome.admitted_after > Duration::ZERO => {
-                        Inner::wait(self.inner.clone(), request, result, candidates)
+                    Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
+                        let this = self.inner.clone();
+                        let (limiter, waited) = (this.limiter.clone(), request.clone());
+                        let outcome = outcome.clone();
+                        wait_for(limiter, &waited, &outcome, places, move || {
+                            this.decided(&request, result)
+                        })
                     }
                     _ => MaybeReady::ready(self.inner.decided(&request, result)),
                 }
@@ -482,8 +487,13 @@ impl Engine {
                     // The wait, if any, is a future of its own: what it needs is not kept
                     // in this one, which every request that goes to the backend allocates.
                     let waiting = match &result {
-                        Ok(outcome) if may_wait(&candidates) && outcome.admitted_after > Duration::ZERO => {
-                            Inner::wait(this, request, result, candidates)
+                        Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
+                            let limiter = this.limiter.clone();
+                            let outcome = outcome.clone();
+                            let waited = request.clone();
+                            wait_for(limiter, &waited, &outcome, places, move || {
+                                this.decided(&request, result)
+                            })
                         }
                         _ => return this.decided(&request, result),
                     };
@@ -491,25 +501,6 @@ impl Engine {
                 })
             }
         }
-    }
-}
-
-impl Inner {
-    /// A request the backend admits after a wait, its place in the bucket taken: it waits,
-    /// holding a place among each of its rules' waiters.
-    fn wait(
-        this: Arc<Self>,
-        request: AcquireRequest,
-        result: Result<AcquireOutcome, BoxError>,
-        candidates: Option<Candidates>,
-    ) -> MaybeReady<Result<Decision, Error>> {
-        let (Ok(outcome), Some(candidates)) = (&result, candidates) else {
-            return MaybeReady::ready(this.decided(&request, result));
-        };
-        let (limiter, outcome, waited) = (this.limiter.clone(), outcome.clone(), request.clone());
-        wait_for(limiter, &waited, &outcome, candidates.take(), move || {
-            this.decided(&request, result)
-        })
     }
 }
 

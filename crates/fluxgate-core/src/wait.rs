@@ -4,14 +4,9 @@
 //! within `max_wait`, may wait instead: the engine lets the backend take the request's
 //! place at the instant it will be admitted (in the same step as the decision, see
 //! [`Bucket::max_wait`](crate::limiter::Bucket::max_wait)), then sleeps until then. At most
-//! `max_waiters` requests of a rule wait at once on one engine, give or take the requests
-//! in flight: a request sent when they are all taken may not wait, and is refused at once.
-//! A place is taken when the backend's answer makes the request wait, not while the
-//! request is being decided, so that requests in flight that end up admitted at once hold
-//! no place. Requests sent together while a place was free each took their place in the
-//! bucket with their decision, and all wait for it (refused, their places would pass
-//! unused: a bucket gives back only the latest place taken). A waiting request that is
-//! dropped (its client gone) gives its place back.
+//! `max_waiters` requests of a rule wait at once on one engine: a request that finds them
+//! all taken may not wait, and is refused at once. A waiting request that is dropped
+//! (its client gone) gives its place back.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -37,28 +32,17 @@ pub(crate) struct Waiters {
 #[derive(Default)]
 pub(crate) struct Places(SmallVec<[Arc<AtomicU32>; 1]>);
 
-/// The waiters of the rules a request may wait for: each had a place free when the request
-/// was sent; [`take`](Self::take) takes one in each when the answer makes it wait.
-#[derive(Default)]
-pub(crate) struct Candidates(SmallVec<[Arc<AtomicU32>; 1]>);
-
-impl Candidates {
-    /// A place in each rule's waiters, taken even past `max_waiters` when requests sent
-    /// together took the last ones first: the request's place in its bucket is taken, and
-    /// a bucket gives back only the latest place taken (see the module's documentation).
-    pub(crate) fn take(self) -> Places {
-        for count in &self.0 {
-            count.fetch_add(1, Ordering::AcqRel);
-        }
-        Places(self.0)
-    }
-}
-
 impl Drop for Places {
     fn drop(&mut self) {
         for count in &self.0 {
             count.fetch_sub(1, Ordering::AcqRel);
         }
+    }
+}
+
+impl Places {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -78,25 +62,24 @@ impl Waiters {
 
     /// Lets `request` wait for each of its enforced buckets whose rule has a wait policy,
     /// as long as the rule has a waiter's place free, and at most `cap` (the caller's
-    /// [`max_wait`](crate::RequestContext::max_wait)); returns those rules' waiters, whose
-    /// places are taken only if the answer makes the request wait (`None` when no rule of
-    /// its rule set waits).
+    /// [`max_wait`](crate::RequestContext::max_wait)); returns the places taken (`None`
+    /// when no rule of its rule set waits).
     #[inline]
-    pub(crate) fn admit(&self, request: &mut AcquireRequest, cap: Option<Duration>) -> Option<Candidates> {
+    pub(crate) fn admit(&self, request: &mut AcquireRequest, cap: Option<Duration>) -> Option<Places> {
         // The common case, checked first and inline: nothing in the rule set waits.
         if self.default.is_none() && !request.rule_set().rules().iter().any(Rule::waits) {
             return None;
         }
-        Some(self.candidates(request, cap.unwrap_or(Duration::MAX)))
+        Some(self.places(request, cap.unwrap_or(Duration::MAX)))
     }
 
     #[inline(never)]
-    fn candidates(&self, request: &mut AcquireRequest, cap: Duration) -> Candidates {
+    fn places(&self, request: &mut AcquireRequest, cap: Duration) -> Places {
         if cap.is_zero() {
             // The caller cannot wait: no rule makes it.
-            return Candidates::default();
+            return Places::default();
         }
-        let mut candidates = Candidates::default();
+        let mut places = Places::default();
         let mut allowed: SmallVec<[(usize, Duration); 2]> = SmallVec::new();
         for (index, bucket) in request.buckets().enumerate() {
             let Some(policy) = self.policy(bucket.rule).filter(|_| !bucket.shadow()) else {
@@ -109,15 +92,17 @@ impl Waiters {
                     .or_default()
                     .clone()
             };
-            if count.load(Ordering::Acquire) < policy.max_waiters() {
-                candidates.0.push(count);
+            if count.fetch_add(1, Ordering::AcqRel) < policy.max_waiters() {
+                places.0.push(count);
                 allowed.push((index, policy.max_wait().min(cap)));
+            } else {
+                count.fetch_sub(1, Ordering::AcqRel);
             }
         }
         for (index, max_wait) in allowed {
             request.set_max_wait(index, max_wait);
         }
-        candidates
+        places
     }
 }
 
@@ -160,49 +145,42 @@ impl Drop for Reserved {
     }
 }
 
-impl Reserved {
-    /// The place `outcome` took for `request`, given back when dropped.
-    fn new(limiter: Arc<dyn RateLimiter>, request: &AcquireRequest, outcome: &AcquireOutcome) -> Self {
-        let mut taken = request.clone();
-        let shadow_allowed = outcome.shadow_allowed;
-        // The marks of the buckets kept, band by band.
-        let mut marks = Vec::with_capacity(outcome.marks.len());
-        let mut all = outcome.marks.iter();
-        for bucket in request.buckets() {
-            let keep = !bucket.shadow() || shadow_allowed;
-            for _ in 0..bucket.rule.bands().len() {
-                // Every band's mark is read, kept or not, so that the next bucket's line up.
-                let mark = all.next().copied().unwrap_or(0);
-                if keep {
-                    marks.push(mark);
-                }
-            }
-        }
-        taken.retain(|b| !b.shadow() || shadow_allowed);
-        let at_unix_nanos = outcome
-            .now_unix_nanos
-            .saturating_add(u64::try_from(outcome.admitted_after.as_nanos()).unwrap_or(u64::MAX));
-        Self {
-            limiter,
-            request: taken,
-            at_unix_nanos,
-            marks,
-            over: false,
-        }
-    }
-}
-
 /// Waits until the place `outcome` took for `request` comes, then answers with `then`;
 /// dropped before, gives the place back. `places` are held until then.
 pub(crate) fn wait_for<T: Send + 'static>(
     limiter: Arc<dyn RateLimiter>,
     request: &AcquireRequest,
     outcome: &AcquireOutcome,
-    places: Places,
+    places: Option<Places>,
     then: impl FnOnce() -> T + Send + 'static,
 ) -> MaybeReady<T> {
     let after = outcome.admitted_after;
-    let reserved = Reserved::new(limiter, request, outcome);
+    let mut taken = request.clone();
+    let shadow_allowed = outcome.shadow_allowed;
+    // The marks of the buckets kept, band by band.
+    let mut marks = Vec::with_capacity(outcome.marks.len());
+    let mut all = outcome.marks.iter();
+    for bucket in request.buckets() {
+        let keep = !bucket.shadow() || shadow_allowed;
+        for _ in 0..bucket.rule.bands().len() {
+            // Every band's mark is read, kept or not, so that the next bucket's line up.
+            let mark = all.next().copied().unwrap_or(0);
+            if keep {
+                marks.push(mark);
+            }
+        }
+    }
+    taken.retain(|b| !b.shadow() || shadow_allowed);
+    let at_unix_nanos = outcome
+        .now_unix_nanos
+        .saturating_add(u64::try_from(after.as_nanos()).unwrap_or(u64::MAX));
+    let reserved = Reserved {
+        limiter,
+        request: taken,
+        at_unix_nanos,
+        marks,
+        over: false,
+    };
     MaybeReady::boxed(async move {
         // The whole guard moves into the future, to be dropped with it.
         let mut reserved = reserved;
@@ -213,7 +191,7 @@ pub(crate) fn wait_for<T: Send + 'static>(
     })
 }
 
-/// Whether the request may wait: some rule had a waiter's place free when it was sent.
-pub(crate) fn may_wait(candidates: &Option<Candidates>) -> bool {
-    candidates.as_ref().is_some_and(|c| !c.0.is_empty())
+/// The places a request holds among the waiters, if any: only then can it wait.
+pub(crate) fn may_wait(places: &Option<Places>) -> bool {
+    places.as_ref().is_some_and(|p| !p.is_empty())
 }
