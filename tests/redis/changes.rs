@@ -82,6 +82,23 @@ impl Instance {
     }
 }
 
+/// Adds the Redis user `notifier` (password `secret`), who may publish on the change channel
+/// and run the commands `more` names, and touch no key.
+fn notifier(server: &RedisServer, more: &[&str]) {
+    let mut args = vec![
+        "ACL",
+        "SETUSER",
+        "notifier",
+        "on",
+        ">secret",
+        "resetchannels",
+        "&fluxgate:rule-changes",
+        "+publish",
+    ];
+    args.extend_from_slice(more);
+    assert_eq!(server.cli(&args).trim(), "OK");
+}
+
 /// Waits until `done` holds, at most `limit`; answers how long it took.
 async fn until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) -> Duration {
     let start = Instant::now();
@@ -698,17 +715,7 @@ async fn a_publisher_without_key_rights_cannot_reset_buckets() {
     store.put(&spec("api", 3)).await.expect("put api");
     let a = Instance::start_with(&url, &store, "publisher", true).await;
     // A user that may publish on the channel and touch no key.
-    let acl = server.cli(&[
-        "ACL",
-        "SETUSER",
-        "notifier",
-        "on",
-        ">secret",
-        "resetchannels",
-        "&fluxgate:rule-changes",
-        "+publish",
-    ]);
-    assert_eq!(acl.trim(), "OK");
+    notifier(&server, &[]);
     let publish = |message: &str| {
         let published = server.cli(&[
             "--user",
@@ -842,18 +849,7 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
     store.put(&spec("api", 3)).await.expect("put api");
     store.put(&spec("web", 3)).await.expect("put web");
     let a = Instance::start_with(&url, &store, "grant-scope", true).await;
-    let acl = server.cli(&[
-        "ACL",
-        "SETUSER",
-        "notifier",
-        "on",
-        ">secret",
-        "resetchannels",
-        "&fluxgate:rule-changes",
-        "+publish",
-        "+subscribe",
-    ]);
-    assert_eq!(acl.trim(), "OK");
+    notifier(&server, &["+subscribe"]);
     // The notifier listens on the channel.
     let port = server.port().to_string();
     let mut listening = Command::new("redis-cli")

@@ -14,23 +14,29 @@ use crate::support::redis::{Redis, Servers};
 
 /// A per-IP rule of 1 a second that lets requests wait up to 5 s, 4 at once.
 async fn engine(redis: &Redis) -> Engine {
+    per_ip_waiting(redis, "fairness", "5s", 4).await
+}
+
+/// A per-IP rule of 1 a second that lets requests wait up to `max_wait`, `max_waiters` at
+/// once, its keys under `prefix`.
+async fn per_ip_waiting(redis: &Redis, prefix: &str, max_wait: &str, max_waiters: u32) -> Engine {
     let limiter = RedisLimiter::builder(redis.url())
-        .prefix("fairness")
+        .prefix(prefix)
         .timeout(Duration::from_secs(5))
         .connect()
         .await
         .expect("connect to the test Redis");
-    let rules = rules(
+    let rules = rules(&format!(
         r#"
 rule_sets:
   - id: default
     rules:
       - id: per-ip
         scope: ip
-        bands: [{ capacity: 1, window: 1s }]
-        on_limit: { wait: { max_wait: 5s, max_waiters: 4 } }
-"#,
-    );
+        bands: [{{ capacity: 1, window: 1s }}]
+        on_limit: {{ wait: {{ max_wait: {max_wait}, max_waiters: {max_waiters} }} }}
+"#
+    ));
     Engine::builder(rules).limiter(limiter).build().expect("an engine")
 }
 
@@ -110,24 +116,7 @@ async fn requests_in_flight_hold_the_waiters_places_of_other_clients() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_place_a_burst_takes_in_the_bucket_is_used() {
     let redis = Redis::start(Servers::standalone()).await;
-    let limiter = RedisLimiter::builder(redis.url())
-        .prefix("burst-places")
-        .timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .expect("connect to the test Redis");
-    let rules = rules(
-        r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        scope: ip
-        bands: [{ capacity: 1, window: 1s }]
-        on_limit: { wait: { max_wait: 3s, max_waiters: 1 } }
-"#,
-    );
-    let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
+    let engine = per_ip_waiting(&redis, "burst-places", "3s", 1).await;
     let client = IpAddr::V4(Ipv4Addr::new(10, 7, 7, 8));
     let ctx = RequestContext::builder().client_ip(client).build();
     let start = std::time::Instant::now();
