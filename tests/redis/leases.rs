@@ -14,6 +14,7 @@ use fluxgate::redis::RedisLimiter;
 
 use crate::support::app::{app, get_from, layer, rules};
 use crate::support::redis::{Redis, Servers};
+use crate::support::servers::RedisCluster;
 
 /// A global rule of `capacity` per hour whose instances lease up to `max` permits for `ttl`.
 fn leased(capacity: u64, max: u64, ttl: &str) -> RuleSets {
@@ -524,6 +525,20 @@ async fn a_reset_ends_the_leases_without_giving_them_back() {
 }
 
 /// The Unix time in µs (Redis's clock: the test's `redis-server` runs on this machine).
+/// The hash-tagged per-IP key of `ip` in the rule set `default`.
+fn ip_key(ip: &str) -> String {
+    format!("{{default:per-ip:ip={ip}}}")
+}
+
+/// The first address `<network>.1` to `<network>.250` whose per-IP key lies on another node
+/// than the one on `port`.
+fn address_not_on(cluster: &RedisCluster, network: &str, port: u16) -> String {
+    (1..=250)
+        .map(|i| format!("{network}.{i}"))
+        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != port)
+        .expect("an address on another node")
+}
+
 fn unix_us() -> u64 {
     let since = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -845,18 +860,11 @@ rule_sets:
 "#
         ))
     };
-    let ip_key = |ip: &str| format!("{{default:per-ip:ip={ip}}}");
     let global = cluster.node_of_key("{default:global:global}").port();
     // The holder's address lies on a node of its own (paused below), the other's elsewhere.
-    let holder_ip = (1..=250)
-        .map(|i| format!("10.0.0.{i}"))
-        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != global)
-        .expect("an address on another node");
+    let holder_ip = address_not_on(cluster, "10.0.0", global);
     let paused = cluster.node_of_key(&ip_key(&holder_ip));
-    let other_ip = (1..=250)
-        .map(|i| format!("10.0.1.{i}"))
-        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != paused.port())
-        .expect("an address on another node");
+    let other_ip = address_not_on(cluster, "10.0.1", paused.port());
     let holder = instance(&redis, "across", rules("        lease: { max: 5, ttl: 1h }")).await;
     let other = instance(&redis, "across", rules("")).await;
     let ctx = |ip: &str| {
@@ -927,12 +935,8 @@ rule_sets:
         bands: [{{ capacity: 1, window: 1h }}]
 "#
     );
-    let ip_key = |ip: &str| format!("{{default:per-ip:ip={ip}}}");
     let global = cluster.node_of_key("{default:global:global}").port();
-    let client_ip = (1..=250)
-        .map(|i| format!("10.0.0.{i}"))
-        .find(|ip| cluster.node_of_key(&ip_key(ip)).port() != global)
-        .expect("an address on another node");
+    let client_ip = address_not_on(cluster, "10.0.0", global);
     let paused = cluster.node_of_key(&ip_key(&client_ip));
     // Addresses whose per-ip keys lie elsewhere than the paused node.
     let mut others = (0..=255)
