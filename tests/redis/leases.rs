@@ -1015,3 +1015,134 @@ rule_sets:
     // the lease make calls of their own, refused across hash slots and refunded there, which
     // errs towards refusing by a permit or so (docs/redis.md, Redis Cluster): not checked.
 }
+
+/// A request whose leased rule was admitted from its lease and whose other rule needs a
+/// call counts its permit as out (`Held::out`) as soon as it is planned, in
+/// `Engine::check`; the call that settles it runs when its future is first polled. A
+/// future dropped before that (a caller that gives up on an unpolled `check`) never
+/// settles it: the permit stays out for the rest of the lease's ttl, and every call adding
+/// to the lease is held to `max` less those permits. Here 9 dropped requests leave the
+/// lease of 10 taking 1 permit a call for the hour: 20 later requests cost 10 calls, not 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_dropped_before_their_call_leave_no_permit_out_of_the_lease() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000, window: 1h }]
+        lease: { max: 10, ttl: 1h }
+      - id: slow
+        scope: global
+        match: { paths: ["/slow"] }
+        bands: [{ capacity: 1000, window: 1h }]
+"#;
+    let engine = instance(&redis, "dropped-out", rules(yaml)).await;
+    let at = |path: &str| RequestContext::builder().path(path).build();
+    // The first request takes a lease of 10: 9 left.
+    assert!(engine.check(&at("/fast")).await.expect("a decision").allowed());
+    // Nine requests of the other rule, each spending a permit of the lease, dropped before
+    // their call starts.
+    for _ in 0..9 {
+        drop(engine.check(&at("/slow")));
+    }
+    let before = script_calls(&redis);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        if engine.check(&at("/fast")).await.expect("a decision").allowed() {
+            admitted += 1;
+        }
+    }
+    let calls = script_calls(&redis) - before;
+    eprintln!("20 requests of the leased rule after 9 dropped: {admitted} admitted, {calls} calls");
+    assert_eq!(admitted, 20);
+    assert!(calls <= 3, "{calls} calls for 20 requests of a lease of 10");
+}
+
+/// A limiter that decides in Redis, but panics on a call that decides the rule `slow`.
+#[derive(Debug)]
+struct PanicsOnSlow {
+    redis: RedisLimiter,
+}
+
+impl RateLimiter for PanicsOnSlow {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        assert!(
+            !request.buckets().any(|b| b.rule.id().as_ref() == "slow"),
+            "the limiter panics deciding `slow`"
+        );
+        self.redis.acquire(request)
+    }
+
+    fn validate(&self, set: &fluxgate::core::RuleSet) -> Result<(), fluxgate::core::RuleError> {
+        self.redis.validate(set)
+    }
+
+    fn gives_back(&self) -> bool {
+        true
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.redis.give_back(request, decided_unix_nanos)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.redis.give_back_place(request, at_unix_nanos, marks)
+    }
+}
+
+/// As [`requests_dropped_before_their_call_leave_no_permit_out_of_the_lease`], with calls
+/// that panic: their spends went neither back nor out of `Held::out`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_whose_call_panics_leave_no_permit_out_of_the_lease() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        bands: [{ capacity: 1000, window: 1h }]
+        lease: { max: 10, ttl: 1h }
+      - id: slow
+        scope: global
+        match: { paths: ["/slow"] }
+        bands: [{ capacity: 1000, window: 1h }]
+"#;
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix("panicked-out")
+        .deny_cache(false)
+        .timeout(Duration::from_secs(20))
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    let engine = Engine::builder(rules(yaml))
+        .limiter(PanicsOnSlow { redis: limiter })
+        .build()
+        .expect("the backend decides every rule");
+    let at = |path: &str| RequestContext::builder().path(path).build();
+    assert!(engine.check(&at("/fast")).await.expect("a decision").allowed());
+    for _ in 0..9 {
+        let (engine, ctx) = (engine.clone(), at("/slow"));
+        let panicked = tokio::spawn(async move { engine.check(&ctx).await.is_ok() }).await;
+        assert!(panicked.is_err_and(|e| e.is_panic()), "the call panics");
+    }
+    let before = script_calls(&redis);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        if engine.check(&at("/fast")).await.expect("a decision").allowed() {
+            admitted += 1;
+        }
+    }
+    let calls = script_calls(&redis) - before;
+    eprintln!("20 requests of the leased rule after 9 panicked calls: {admitted} admitted, {calls} calls");
+    assert_eq!(admitted, 20);
+    assert!(calls <= 3, "{calls} calls for 20 requests of a lease of 10");
+}

@@ -297,8 +297,13 @@ enum Planned {
     /// Admitted from its leases alone.
     Local(SmallVec<[Plan; 4]>),
     /// A backend call, started at the instant given, taking the leases it holds back the
-    /// other requests for.
-    Call(SmallVec<[Plan; 4]>, SmallVec<[Taking; 1]>, Instant),
+    /// other requests for; the request's spends are out until the call settles them.
+    Call(
+        SmallVec<[Plan; 4]>,
+        SmallVec<[Taking; 1]>,
+        Instant,
+        Option<Box<OutSpends>>,
+    ),
     /// Wait for another request's call taking a lease this request needs, then plan again.
     Wait(watch::Receiver<bool>),
 }
@@ -330,6 +335,53 @@ impl Drop for Taking {
         // Tells the waiting requests whether a lease came of the call.
         if let Some(ended) = ended {
             ended.send_replace(self.stored);
+        }
+    }
+}
+
+/// The spends of a request whose call is out ([`Held::out`]): made back into their leases
+/// if the call never settles them (the request's future dropped before its call started,
+/// or the call panicked), as a request that never reached the backend was not admitted.
+/// Without this, they stayed out until their lease expired, and every call adding to the
+/// lease meanwhile was held to `max` less them.
+struct OutSpends {
+    shared: Arc<Shared>,
+    /// Each spend's lease key, lease id and permits.
+    spends: SmallVec<[(LeaseKey, u64, u64); 1]>,
+}
+
+impl OutSpends {
+    /// The guard of `request`'s spends among `plans`; none when it spent nothing.
+    fn new(shared: &Arc<Shared>, request: &AcquireRequest, plans: &[Plan]) -> Option<Box<Self>> {
+        let spends: SmallVec<[(LeaseKey, u64, u64); 1]> = request
+            .buckets()
+            .zip(plans)
+            .filter_map(|(bucket, plan)| match *plan {
+                Plan::Spent(id, _) => Some((LeaseKey::of(&bucket), id, bucket.permits)),
+                Plan::Call { .. } => None,
+            })
+            .collect();
+        (!spends.is_empty()).then(|| {
+            Box::new(Self {
+                shared: shared.clone(),
+                spends,
+            })
+        })
+    }
+
+    /// The call settled the spends (`Shared::spent` or `Shared::unspend`).
+    fn settled(&mut self) {
+        self.spends.clear();
+    }
+}
+
+impl Drop for OutSpends {
+    fn drop(&mut self) {
+        for (key, id, permits) in self.spends.drain(..) {
+            if let Some(held) = lock(self.shared.shard(&key)).held.get_mut(&key).filter(|h| h.id == id) {
+                held.left += permits;
+                held.out = held.out.saturating_sub(permits);
+            }
         }
     }
 }
@@ -429,7 +481,8 @@ impl Shared {
             // Leases spent before another lease's bucket turned out to need a call.
             self.mark_out(request, &plans);
         }
-        Planned::Call(plans, taking, now)
+        let out = OutSpends::new(self, request, &plans);
+        Planned::Call(plans, taking, now, out)
     }
 
     /// What to do with `bucket`: spend from its lease, or ask the backend (for how many),
@@ -513,11 +566,11 @@ impl Shared {
         loop {
             match planned {
                 Planned::Local(plans) => return Ok(Shared::local_outcome(&request, plans)),
-                Planned::Call(plans, taking, now) => {
+                Planned::Call(plans, taking, now, out) => {
                     // On a task of its own: once the call has gone out, the lease it takes
                     // is kept (or the spends put back) whether or not this request is still
                     // awaited.
-                    let call = tokio::spawn(self.decide(request, plans, taking, now));
+                    let call = tokio::spawn(self.decide(request, plans, taking, now, out));
                     return match call.await {
                         Ok(result) => result,
                         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
@@ -554,6 +607,7 @@ impl Shared {
         plans: SmallVec<[Plan; 4]>,
         mut taking: SmallVec<[Taking; 1]>,
         now: Instant,
+        out: Option<Box<OutSpends>>,
     ) -> Result<AcquireOutcome, BoxError> {
         let mut asked = plans.clone();
         let mut result = self.limiter.acquire(&self.call(&request, &asked)).await;
@@ -571,6 +625,9 @@ impl Shared {
             Ok(outcome) => outcome,
             Err(error) => {
                 self.unspend(&request, &plans, true);
+                if let Some(mut out) = out {
+                    out.settled();
+                }
                 return Err(error);
             }
         };
@@ -578,6 +635,9 @@ impl Shared {
             self.spent(&request, &plans);
         } else {
             self.unspend(&request, &plans, true);
+        }
+        if let Some(mut out) = out {
+            out.settled();
         }
         let mut called = outcome.bands.iter();
         // Where the bucket's bands begin among the call's, for their marks.
