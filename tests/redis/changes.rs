@@ -952,3 +952,40 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
         "the admin's event heard again reset `api` in Redis again: a {sa:?}, b {sb:?}"
     );
 }
+
+/// With grants required, two admin changes of one rule set within a minute each reset its
+/// buckets in Redis once: the claim of the first event, kept as long as its grant, does not
+/// hold back the second (another event id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_grants_two_admin_changes_within_a_minute_each_reset_once() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
+    store.put(&spec("api", 3)).await.expect("put api");
+    let a = Instance::start_with(&url, &store, "two-changes", true).await;
+    let b = Instance::start_with(&url, &store, "two-changes", true).await;
+    let admin = RuleAdmin::new((*store).clone());
+    let resets = |a: &Instance, b: &Instance| a.listener.stats().redis_resets + b.listener.stats().redis_resets;
+    let mut after = Vec::new();
+    for (round, capacity) in [(1_u64, 4_u64), (2, 5)] {
+        // The client spends its quota on instance b.
+        while check(&b.engine, &ctx("api", "192.0.2.7")).await.allowed() {}
+        admin.put(&spec("api", capacity)).await.expect("admin put");
+        until(PROPAGATION, "both listeners handled the event", || {
+            a.listener.stats().events == round && b.listener.stats().events == round
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut admitted = 0;
+        for _ in 0..capacity + 1 {
+            admitted += u64::from(check(&a.engine, &ctx("api", "192.0.2.7")).await.allowed());
+        }
+        after.push((resets(&a, &b), admitted));
+    }
+    eprintln!("(redis resets so far, admitted of a fresh quota) after each change: {after:?}");
+    assert_eq!(after, vec![(1, 4), (2, 5)]);
+    assert_eq!(
+        a.listener.stats().ungranted_resets + b.listener.stats().ungranted_resets,
+        0
+    );
+}
