@@ -198,7 +198,7 @@ impl RateLimiter for RedisLimiter {
         };
         let start = Instant::now();
         let denied = inner.deny_cache(request);
-        let remembers = denied.map(|(_, longest)| longest);
+        let remembers = denied.map(|(_, probe)| probe);
         if let Some(outcome) = denied.and_then(|(c, _)| c.check(request, &calls, start)) {
             #[cfg(feature = "metrics")]
             metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
@@ -245,8 +245,8 @@ impl RateLimiter for RedisLimiter {
                         marks,
                         reply.bands(),
                     );
-                    if let (Some(cache), Some(longest)) = (&inner.denied, remembers) {
-                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, longest);
+                    if let (Some(cache), Some(probe)) = (&inner.denied, remembers) {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
                     }
                     Ok(outcome)
                 });
@@ -254,9 +254,9 @@ impl RateLimiter for RedisLimiter {
         }
         let calls = calls.into_vec();
         // What the deny cache needs to remember the bands that refuse.
-        let remember = remembers.map(|longest| {
+        let remember = remembers.map(|probe| {
             let bands: Vec<CallBand> = calls.iter().flat_map(|c| c.bands.iter().cloned()).collect();
-            (request.clone(), bands, longest)
+            (request.clone(), bands, probe)
         });
         MaybeReady::boxed(async move {
             // Spawned at the first poll: once a call has gone out, the refunds it may need
@@ -264,8 +264,8 @@ impl RateLimiter for RedisLimiter {
             let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, request));
             match task.await {
                 Ok(Ok(outcome)) => {
-                    if let (Some(cache), Some((request, bands, longest))) = (&inner.denied, remember) {
-                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, longest);
+                    if let (Some(cache), Some((request, bands, probe))) = (&inner.denied, remember) {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
                     }
                     Ok(outcome)
                 }
