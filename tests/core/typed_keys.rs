@@ -4,12 +4,11 @@
 
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
-use fluxgate_core::{
-    BoxError, Engine, MaybeReady, MemoryLimiter, RequestContext, Rule, RuleError, RuleSet, RuleSets, Text,
-};
+use fluxgate_core::{BoxError, Engine, MaybeReady, MemoryLimiter, RequestContext, RuleSets, Text};
+
+use crate::support::backend::Around;
 
 /// A limiter that hands the in-memory limiter each request rebuilt from its buckets' key
 /// texts alone, so that it keys them by their text rather than their typed value. Local,
@@ -136,34 +135,8 @@ fn typed_keys_of_two_engines_sharing_a_limiter_are_apart_by_their_ipv6_prefix() 
 
 /// A limiter that decides in memory but is not local, as one in front of a remote store
 /// is: the engine takes local leases through it, and keys are written as text for it.
-#[derive(Debug, Default)]
-struct NotLocal(MemoryLimiter);
-
-impl RateLimiter for NotLocal {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        self.0.acquire(request)
-    }
-
-    fn gives_back(&self) -> bool {
-        true
-    }
-
-    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
-        self.0.check_wait(set, rule, max_wait)
-    }
-
-    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
-        self.0.give_back(request, decided_unix_nanos)
-    }
-
-    fn give_back_place(
-        &self,
-        request: &AcquireRequest,
-        at_unix_nanos: u64,
-        marks: &[u128],
-    ) -> MaybeReady<Result<(), BoxError>> {
-        self.0.give_back_place(request, at_unix_nanos, marks)
-    }
+fn not_local() -> Around<MemoryLimiter> {
+    Around::new(MemoryLimiter::default(), |memory, request| memory.acquire(request))
 }
 
 /// A per-IP rule with a lease, and a rule of `/slow` that waits for the refill: a request
@@ -195,7 +168,7 @@ fn at(path: &str) -> RequestContext {
 #[tokio::test]
 async fn a_lease_call_counts_in_the_bucket_of_the_typed_key() {
     let engine = Engine::builder(RuleSets::from_yaml_str(LEASED_AND_WAITING).unwrap())
-        .limiter(NotLocal::default())
+        .limiter(not_local())
         .build()
         .unwrap();
     let mut admitted = 0;
@@ -213,7 +186,7 @@ async fn a_lease_call_counts_in_the_bucket_of_the_typed_key() {
 #[tokio::test]
 async fn a_lease_gives_back_to_the_bucket_of_the_typed_key() {
     let engine = Engine::builder(RuleSets::from_yaml_str(LEASED_AND_WAITING).unwrap())
-        .limiter(NotLocal::default())
+        .limiter(not_local())
         .build()
         .unwrap();
     assert!(engine.check(&at("/fast")).await.unwrap().allowed());

@@ -6,14 +6,12 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, RateLimiter};
 use fluxgate::core::{
-    BoxError, Clock, Decision, Engine, MaybeReady, MemoryLimiter, RequestContext, Rule, RuleError, RuleSet, RuleSets,
-    TokioClock, WaitPolicy,
+    Clock, Decision, Engine, MaybeReady, MemoryLimiter, RequestContext, RuleSets, TokioClock, WaitPolicy,
 };
 use tokio::time::Instant;
 
-use crate::support::backend::{at_once, shortest_wait};
+use crate::support::backend::{at_once, shortest_wait, Around};
 
 /// A rule set of one global rule of `algorithm`, `capacity` per `window`, that lets
 /// requests wait up to `max_wait`, `max_waiters` at once.
@@ -454,34 +452,16 @@ async fn a_callers_max_wait_caps_the_rules() {
 
 /// A backend that decides in memory as each call reaches it and answers the `n`th call
 /// `n × 10 ms` later, as over a network: requests decided together come back one by one.
-#[derive(Debug)]
-struct AnswersInTurn {
-    memory: MemoryLimiter,
-    calls: AtomicU32,
-}
-
-impl RateLimiter for AnswersInTurn {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let outcome = self.memory.acquire_now(request);
-        let n = self.calls.fetch_add(1, Ordering::Relaxed) + 1;
+fn answers_in_turn(memory: MemoryLimiter) -> Around<MemoryLimiter> {
+    let calls = AtomicU32::new(0);
+    Around::new(memory, move |memory, request| {
+        let outcome = memory.acquire_now(request);
+        let n = calls.fetch_add(1, Ordering::Relaxed) + 1;
         MaybeReady::boxed(async move {
             tokio::time::sleep(Duration::from_millis(10 * u64::from(n))).await;
             Ok(outcome)
         })
-    }
-
-    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
-        self.memory.check_wait(set, rule, max_wait)
-    }
-
-    fn give_back_place(
-        &self,
-        request: &AcquireRequest,
-        at_unix_nanos: u64,
-        marks: &[u128],
-    ) -> MaybeReady<Result<(), BoxError>> {
-        self.memory.give_back_place(request, at_unix_nanos, marks)
-    }
+    })
 }
 
 /// A waiter's place is taken before the request's call: of two requests sent together with
@@ -503,10 +483,7 @@ rule_sets:
 "#,
     )
     .expect("valid rules");
-    let limiter = AnswersInTurn {
-        memory: MemoryLimiter::builder().clock(clock).build(),
-        calls: AtomicU32::new(0),
-    };
+    let limiter = answers_in_turn(MemoryLimiter::builder().clock(clock).build());
     let engine = Engine::builder(rules).limiter(limiter).build().expect("an engine");
     let start = Instant::now();
     assert!(check(&engine).await.allowed(), "the bucket's one permit");

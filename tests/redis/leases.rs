@@ -6,13 +6,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate::core::{
-    BoxError, Decision, Engine, MaybeReady, RateLimiter, ReloadingRuleSetProvider, RequestContext, RuleSets,
-};
+use fluxgate::core::{Decision, Engine, MaybeReady, RateLimiter, ReloadingRuleSetProvider, RequestContext, RuleSets};
 use fluxgate::redis::RedisLimiter;
 
 use crate::support::app::{app, get_from, layer, rules};
+use crate::support::backend::Around;
 use crate::support::redis::{Redis, Servers};
 use crate::support::servers::RedisCluster;
 
@@ -693,7 +691,7 @@ async fn a_redis_user_without_info_still_gets_its_leases_back() {
     assert_eq!(drain(&other, 100).await, 9, "the 4 held came back to the bucket");
 }
 
-/// The gate of a [`HeldBack`] limiter.
+/// The gate of a [`held_back`] limiter.
 #[derive(Debug, Default)]
 struct Gate {
     /// Whether the next call is held back.
@@ -707,47 +705,20 @@ struct Gate {
 /// A limiter that decides in Redis, but holds back the answer of the next call once its
 /// gate is armed, until the gate lets it go: the call is out, its permits counted in
 /// Redis, while the test does something else (a bucket reset).
-#[derive(Debug)]
-struct HeldBack {
-    redis: RedisLimiter,
-    gate: Arc<Gate>,
-}
-
-impl RateLimiter for HeldBack {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let decided = self.redis.acquire(request);
-        if !self.gate.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
+fn held_back(redis: RedisLimiter, gate: Arc<Gate>) -> Around<RedisLimiter> {
+    Around::new(redis, move |redis, request| {
+        let decided = redis.acquire(request);
+        if !gate.armed.swap(false, std::sync::atomic::Ordering::SeqCst) {
             return decided;
         }
-        let gate = self.gate.clone();
+        let gate = gate.clone();
         MaybeReady::boxed(async move {
             let outcome = decided.await;
             gate.decided.notify_one();
             gate.go.notified().await;
             outcome
         })
-    }
-
-    fn validate(&self, set: &fluxgate::core::RuleSet) -> Result<(), fluxgate::core::RuleError> {
-        self.redis.validate(set)
-    }
-
-    fn gives_back(&self) -> bool {
-        true
-    }
-
-    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
-        self.redis.give_back(request, decided_unix_nanos)
-    }
-
-    fn give_back_place(
-        &self,
-        request: &AcquireRequest,
-        at_unix_nanos: u64,
-        marks: &[u128],
-    ) -> MaybeReady<Result<(), BoxError>> {
-        self.redis.give_back_place(request, at_unix_nanos, marks)
-    }
+    })
 }
 
 /// A lease call out while its rule set's buckets are reset (decided in Redis before the
@@ -773,10 +744,7 @@ async fn a_lease_taken_by_a_call_out_at_a_reset_never_goes_back_into_the_fresh_c
         };
         let provider = Arc::new(ReloadingRuleSetProvider::new(rules()));
         let gate = Arc::new(Gate::default());
-        let limiter = HeldBack {
-            redis: connect().await,
-            gate: gate.clone(),
-        };
+        let limiter = held_back(connect().await, gate.clone());
         let holder = Engine::builder(provider.clone())
             .limiter(limiter)
             .build()
@@ -1062,40 +1030,14 @@ rule_sets:
 }
 
 /// A limiter that decides in Redis, but panics on a call that decides the rule `slow`.
-#[derive(Debug)]
-struct PanicsOnSlow {
-    redis: RedisLimiter,
-}
-
-impl RateLimiter for PanicsOnSlow {
-    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+fn panics_on_slow(redis: RedisLimiter) -> Around<RedisLimiter> {
+    Around::new(redis, |redis, request| {
         assert!(
             !request.buckets().any(|b| b.rule.id().as_ref() == "slow"),
             "the limiter panics deciding `slow`"
         );
-        self.redis.acquire(request)
-    }
-
-    fn validate(&self, set: &fluxgate::core::RuleSet) -> Result<(), fluxgate::core::RuleError> {
-        self.redis.validate(set)
-    }
-
-    fn gives_back(&self) -> bool {
-        true
-    }
-
-    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
-        self.redis.give_back(request, decided_unix_nanos)
-    }
-
-    fn give_back_place(
-        &self,
-        request: &AcquireRequest,
-        at_unix_nanos: u64,
-        marks: &[u128],
-    ) -> MaybeReady<Result<(), BoxError>> {
-        self.redis.give_back_place(request, at_unix_nanos, marks)
-    }
+        redis.acquire(request)
+    })
 }
 
 /// As [`requests_dropped_before_their_call_leave_no_permit_out_of_the_lease`], with calls
@@ -1124,7 +1066,7 @@ rule_sets:
         .await
         .expect("connect to the test Redis");
     let engine = Engine::builder(rules(yaml))
-        .limiter(PanicsOnSlow { redis: limiter })
+        .limiter(panics_on_slow(limiter))
         .build()
         .expect("the backend decides every rule");
     let at = |path: &str| RequestContext::builder().path(path).build();

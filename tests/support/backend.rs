@@ -4,12 +4,17 @@
 //! in-memory limiter here, the reference model (`model.rs`), and Redis, standalone or a
 //! cluster (`redis.rs`).
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use fluxgate::core::{Clock, Decision, Engine, ManualClock, MemoryLimiter, RateLimiter, RequestContext, TokioClock};
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
+use fluxgate::core::{
+    BoxError, Clock, Decision, Engine, ManualClock, MaybeReady, MemoryLimiter, RateLimiter, RequestContext, Rule,
+    RuleError, RuleSet, TokioClock,
+};
 
 use super::app::rules;
 
@@ -157,4 +162,67 @@ pub(crate) async fn at_once(engine: &Engine, n: usize, start: tokio::time::Insta
     }
     answers.sort_by_key(|a| (a.1, a.0));
     answers
+}
+
+/// What [`Around`] does with a call of its limiter.
+type Acquire<L> = dyn Fn(&L, &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> + Send + Sync;
+
+/// A limiter that decides as `inner`, each `acquire` passed through `around` (a delay, a
+/// gate, a panic): it validates, lets requests wait and gives back as `inner` does, and is
+/// neither local nor keyed by typed values, as a limiter in front of a remote store is.
+pub(crate) struct Around<L> {
+    inner: L,
+    around: Box<Acquire<L>>,
+}
+
+impl<L> Around<L> {
+    /// `inner`, its calls passed through `around`.
+    pub(crate) fn new(
+        inner: L,
+        around: impl Fn(&L, &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            inner,
+            around: Box::new(around),
+        }
+    }
+}
+
+impl<L: fmt::Debug> fmt::Debug for Around<L> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Around")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<L: RateLimiter> RateLimiter for Around<L> {
+    fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        (self.around)(&self.inner, request)
+    }
+
+    fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
+        self.inner.validate(set)
+    }
+
+    fn gives_back(&self) -> bool {
+        self.inner.gives_back()
+    }
+
+    fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
+        self.inner.check_wait(set, rule, max_wait)
+    }
+
+    fn give_back(&self, request: &AcquireRequest, decided_unix_nanos: u64) -> MaybeReady<Result<(), BoxError>> {
+        self.inner.give_back(request, decided_unix_nanos)
+    }
+
+    fn give_back_place(
+        &self,
+        request: &AcquireRequest,
+        at_unix_nanos: u64,
+        marks: &[u128],
+    ) -> MaybeReady<Result<(), BoxError>> {
+        self.inner.give_back_place(request, at_unix_nanos, marks)
+    }
 }
