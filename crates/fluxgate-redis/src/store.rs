@@ -302,6 +302,17 @@ impl RedisRuleSetStore {
         format!("{}:index", self.tag)
     }
 
+    /// `spec` validated, and its document.
+    fn document(&self, spec: &RuleSetSpec) -> Result<(RuleSet, String), StoreError> {
+        let set = RuleSet::from_spec(spec.clone())?;
+        let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
+            id: set.id().to_string(),
+            key: self.document_key(set.id()),
+            reason: e.to_string(),
+        })?;
+        Ok((set, json))
+    }
+
     /// Validates `spec` and stores it, replacing the rule set with the same id. Answers
     /// whether the store changed: `false` when it held this rule set already, as stored.
     ///
@@ -310,12 +321,7 @@ impl RedisRuleSetStore {
     /// [`StoreError::Rule`] when the rule set is not valid (nothing is stored), or
     /// [`StoreError::Redis`].
     pub async fn put(&self, spec: &RuleSetSpec) -> Result<bool, StoreError> {
-        let set = RuleSet::from_spec(spec.clone())?;
-        let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
-            id: set.id().to_string(),
-            key: self.document_key(set.id()),
-            reason: e.to_string(),
-        })?;
+        let (set, json) = self.document(spec)?;
         let keys = vec![self.document_key(set.id()), self.index_key()];
         let args = vec![set.id().to_string(), json];
         let changed: i64 = self.call(&self.put, keys, args).await?;
@@ -370,12 +376,7 @@ impl RedisRuleSetStore {
         changed: &RuleChange,
         unchanged: &RuleChange,
     ) -> Result<Announced, StoreError> {
-        let set = RuleSet::from_spec(spec.clone())?;
-        let json = serde_json::to_string(spec).map_err(|e| StoreError::Document {
-            id: set.id().to_string(),
-            key: self.document_key(set.id()),
-            reason: e.to_string(),
-        })?;
+        let (set, json) = self.document(spec)?;
         self.announced(set.id(), json, channel, changed, unchanged.to_json())
             .await
     }
