@@ -80,6 +80,40 @@ impl Instance {
     async fn remaining(&self, rule_set: &str, ip: &str) -> Option<u64> {
         check(&self.engine, &ctx(rule_set, ip)).await.remaining()
     }
+
+    /// How many of `n` requests of `ip` to `rule_set` are admitted.
+    async fn admitted(&self, rule_set: &str, ip: &str, n: usize) -> usize {
+        let mut admitted = 0;
+        for _ in 0..n {
+            admitted += usize::from(check(&self.engine, &ctx(rule_set, ip)).await.allowed());
+        }
+        admitted
+    }
+}
+
+/// A store on `url` holding a rule set of one per-IP rule of `capacity` per hour for each
+/// `(id, capacity)`.
+async fn stored(url: &str, sets: &[(&str, u64)]) -> Arc<RedisRuleSetStore> {
+    let store = Arc::new(RedisRuleSetStore::connect(url).await.expect("store"));
+    for &(id, capacity) in sets {
+        store.put(&spec(id, capacity)).await.expect("put");
+    }
+    store
+}
+
+/// Publishes `message` on the change channel as the user `notifier` ([`notifier`]);
+/// answers how many subscribers received it.
+fn publish_as_notifier(server: &RedisServer, message: &str) -> String {
+    let args = [
+        "--user",
+        "notifier",
+        "--pass",
+        "secret",
+        "PUBLISH",
+        "fluxgate:rule-changes",
+        message,
+    ];
+    server.cli(&args).trim().to_owned()
 }
 
 /// Adds the Redis user `notifier` (password `secret`), who may publish on the change channel
@@ -121,9 +155,7 @@ async fn lateness() -> Duration {
 async fn an_admin_put_is_enforced_by_both_instances_and_resets_its_buckets_once() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put api");
-    store.put(&spec("web", 10)).await.expect("put web");
+    let store = stored(&url, &[("api", 10), ("web", 10)]).await;
     let a = Instance::start(&url, &store, "changes").await;
     let b = Instance::start(&url, &store, "changes").await;
     let admin = RuleAdmin::new((*store).clone());
@@ -184,8 +216,7 @@ async fn an_admin_put_is_enforced_by_both_instances_and_resets_its_buckets_once(
 async fn an_invalid_rule_set_is_never_stored_nor_published() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put");
+    let store = stored(&url, &[("api", 10)]).await;
     let limiter = RedisLimiter::builder(&url).connect().await.expect("limiter");
     let admin = RuleAdmin::new((*store).clone()).validate_with(limiter);
     let a = Instance::start(&url, &store, "invalid").await;
@@ -215,8 +246,7 @@ async fn an_invalid_rule_set_is_never_stored_nor_published() {
 async fn a_change_that_leaves_the_store_unloadable_is_reported() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put");
+    let store = stored(&url, &[("api", 10)]).await;
     let a = Instance::start(&url, &store, "unloadable").await;
     let admin = RuleAdmin::new((*store).clone());
 
@@ -271,8 +301,7 @@ fn unwaitable() -> RuleSetSpec {
 async fn a_change_the_engines_refuse_is_not_stored_and_resets_nothing() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 2)).await.expect("put");
+    let store = stored(&url, &[("api", 2)]).await;
     let a = Instance::start(&url, &store, "refused").await;
     let limiter = RedisLimiter::builder(&url).connect().await.expect("limiter");
     for admin in [
@@ -313,9 +342,7 @@ async fn a_change_the_engines_refuse_is_not_stored_and_resets_nothing() {
 async fn the_three_message_forms_and_an_invalid_message() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put api");
-    store.put(&spec("web", 10)).await.expect("put web");
+    let store = stored(&url, &[("api", 10), ("web", 10)]).await;
     let a = Instance::start(&url, &store, "forms").await;
     // An instance deciding in memory listens too: resets reach its own counters.
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -408,8 +435,7 @@ async fn the_three_message_forms_and_an_invalid_message() {
 async fn twenty_polls_of_unchanged_rules_reset_nothing() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put");
+    let store = stored(&url, &[("api", 10)]).await;
     let a = Instance::start(&url, &store, "polls").await;
     for _ in 0..3 {
         a.remaining("api", "192.0.2.2").await;
@@ -443,8 +469,7 @@ async fn twenty_polls_of_unchanged_rules_reset_nothing() {
 async fn a_lost_subscription_reloads_everything_when_it_comes_back() {
     let mut server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 10)).await.expect("put");
+    let store = stored(&url, &[("api", 10)]).await;
     let a = Instance::start(&url, &store, "lost").await;
 
     // A change stored while the event is lost: the subscription's connection is killed
@@ -633,8 +658,7 @@ impl fluxgate::core::reload::RuleSource for Flaky {
 async fn a_reload_that_fails_is_tried_again() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("retry", 100)).await.expect("put");
+    let store = stored(&url, &[("retry", 100)]).await;
     let provider = Arc::new(ReloadingRuleSetProvider::new(
         store.load_rule_sets().await.expect("load"),
     ));
@@ -678,8 +702,7 @@ async fn a_reload_that_fails_is_tried_again() {
 async fn an_admin_put_of_unchanged_rules_resets_nothing() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 3)).await.expect("put api");
+    let store = stored(&url, &[("api", 3)]).await;
     let a = Instance::start(&url, &store, "unchanged-put").await;
     let admin = RuleAdmin::new((*store).clone());
     let mut admitted = 0;
@@ -711,22 +734,13 @@ async fn an_admin_put_of_unchanged_rules_resets_nothing() {
 async fn a_publisher_without_key_rights_cannot_reset_buckets() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 3)).await.expect("put api");
+    let store = stored(&url, &[("api", 3)]).await;
     let a = Instance::start_with(&url, &store, "publisher", true).await;
     // A user that may publish on the channel and touch no key.
     notifier(&server, &[]);
     let publish = |message: &str| {
-        let published = server.cli(&[
-            "--user",
-            "notifier",
-            "--pass",
-            "secret",
-            "PUBLISH",
-            "fluxgate:rule-changes",
-            message,
-        ]);
-        assert_eq!(published.trim(), "1", "{published}");
+        let published = publish_as_notifier(&server, message);
+        assert_eq!(published, "1", "{published}");
     };
     let mut admitted = 0;
     for round in 1..=3u64 {
@@ -762,10 +776,7 @@ async fn a_publisher_without_key_rights_cannot_reset_buckets() {
         a.listener.stats().events == 5
     })
     .await;
-    let mut admitted = 0;
-    for _ in 0..6 {
-        admitted += usize::from(check(&a.engine, &ctx("api", "192.0.2.4")).await.allowed());
-    }
+    let admitted = a.admitted("api", "192.0.2.4", 6).await;
     let stats = a.listener.stats();
     assert_eq!(admitted, 4, "4 per hour after one reset: {stats:?}");
     assert_eq!((stats.redis_resets, stats.ungranted_resets), (1, 4), "{stats:?}");
@@ -780,8 +791,7 @@ async fn a_publisher_without_key_rights_cannot_reset_buckets() {
 async fn a_changed_put_retried_after_its_publish_failed_resets_its_buckets() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 3)).await.expect("put api");
+    let store = stored(&url, &[("api", 3)]).await;
     let a = Instance::start(&url, &store, "retried-put").await;
     for _ in 0..3 {
         a.remaining("api", "192.0.2.5").await;
@@ -845,9 +855,7 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
 
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 3)).await.expect("put api");
-    store.put(&spec("web", 3)).await.expect("put web");
+    let store = stored(&url, &[("api", 3), ("web", 3)]).await;
     let a = Instance::start_with(&url, &store, "grant-scope", true).await;
     notifier(&server, &["+subscribe"]);
     // The notifier listens on the channel.
@@ -869,10 +877,7 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // A client spends its `web` quota.
-    let mut admitted = 0;
-    for _ in 0..4 {
-        admitted += usize::from(check(&a.engine, &ctx("web", "192.0.2.9")).await.allowed());
-    }
+    let admitted = a.admitted("web", "192.0.2.9", 4).await;
     assert_eq!(admitted, 3);
     // The admin changes `api`: its event resets `api` alone, and the client spends its new
     // `api` quota.
@@ -884,10 +889,7 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
         a.listener.stats().events == 1
     })
     .await;
-    let mut admitted = 0;
-    for _ in 0..5 {
-        admitted += usize::from(check(&a.engine, &ctx("api", "192.0.2.9")).await.allowed());
-    }
+    let admitted = a.admitted("api", "192.0.2.9", 5).await;
     assert_eq!(admitted, 4);
     let message = heard
         .join()
@@ -905,27 +907,11 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
     tokio::time::sleep(Duration::from_secs(11)).await;
     let b = Instance::start_with(&url, &store, "grant-scope", true).await;
     let forged = format!(r#"{{"resetBuckets":true,"fullReload":true,"eventId":"{event_id}"}}"#);
-    let published = server.cli(&[
-        "--user",
-        "notifier",
-        "--pass",
-        "secret",
-        "PUBLISH",
-        "fluxgate:rule-changes",
-        &forged,
-    ]);
-    assert_eq!(published.trim(), "2", "{published}");
+    let published = publish_as_notifier(&server, &forged);
+    assert_eq!(published, "2", "{published}");
     // And the admin's event as it was.
-    let published = server.cli(&[
-        "--user",
-        "notifier",
-        "--pass",
-        "secret",
-        "PUBLISH",
-        "fluxgate:rule-changes",
-        &message,
-    ]);
-    assert_eq!(published.trim(), "2", "{published}");
+    let published = publish_as_notifier(&server, &message);
+    assert_eq!(published, "2", "{published}");
     until(PROPAGATION, "both listeners handled the notifier's events", || {
         a.listener.stats().events == 3 && b.listener.stats().events == 2
     })
@@ -960,8 +946,7 @@ async fn a_granted_event_id_replayed_with_another_scope_resets_nothing_else() {
 async fn with_grants_two_admin_changes_within_a_minute_each_reset_once() {
     let server = RedisServer::start();
     let url = server.url();
-    let store = Arc::new(RedisRuleSetStore::connect(&url).await.expect("store"));
-    store.put(&spec("api", 3)).await.expect("put api");
+    let store = stored(&url, &[("api", 3)]).await;
     let a = Instance::start_with(&url, &store, "two-changes", true).await;
     let b = Instance::start_with(&url, &store, "two-changes", true).await;
     let admin = RuleAdmin::new((*store).clone());
@@ -976,11 +961,8 @@ async fn with_grants_two_admin_changes_within_a_minute_each_reset_once() {
         })
         .await;
         tokio::time::sleep(Duration::from_millis(200)).await;
-        let mut admitted = 0;
-        for _ in 0..capacity + 1 {
-            admitted += u64::from(check(&a.engine, &ctx("api", "192.0.2.7")).await.allowed());
-        }
-        after.push((resets(&a, &b), admitted));
+        let admitted = a.admitted("api", "192.0.2.7", capacity as usize + 1).await;
+        after.push((resets(&a, &b), admitted as u64));
     }
     eprintln!("(redis resets so far, admitted of a fresh quota) after each change: {after:?}");
     assert_eq!(after, vec![(1, 4), (2, 5)]);
