@@ -984,17 +984,9 @@ rule_sets:
     // errs towards refusing by a permit or so (docs/redis.md, Redis Cluster): not checked.
 }
 
-/// A request whose leased rule was admitted from its lease and whose other rule needs a
-/// call counts its permit as out (`Held::out`) as soon as it is planned, in
-/// `Engine::check`; the call that settles it runs when its future is first polled. A
-/// future dropped before that (a caller that gives up on an unpolled `check`) never
-/// settles it: the permit stays out for the rest of the lease's ttl, and every call adding
-/// to the lease is held to `max` less those permits. Here 9 dropped requests leave the
-/// lease of 10 taking 1 permit a call for the hour: 20 later requests cost 10 calls, not 2.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_dropped_before_their_call_leave_no_permit_out_of_the_lease() {
-    let redis = Redis::start(Servers::standalone()).await;
-    let yaml = r#"
+/// A global rule leased 10 at a time, and a rule of `/slow` without a lease: a request to
+/// `/slow` spends from the lease and makes a call for its other rule.
+const LEASED_AND_SLOW: &str = r#"
 rule_sets:
   - id: default
     rules:
@@ -1007,7 +999,33 @@ rule_sets:
         match: { paths: ["/slow"] }
         bands: [{ capacity: 1000, window: 1h }]
 "#;
-    let engine = instance(&redis, "dropped-out", rules(yaml)).await;
+
+/// Sends 20 requests of the leased rule of [`LEASED_AND_SLOW`] (after `what`): all are
+/// admitted, with a call per lease of 10, not one per permit.
+async fn twenty_leased_requests(redis: &Redis, engine: &Engine, what: &str) {
+    let before = script_calls(redis);
+    let mut admitted = 0;
+    for _ in 0..20 {
+        let fast = RequestContext::builder().path("/fast").build();
+        admitted += usize::from(engine.check(&fast).await.expect("a decision").allowed());
+    }
+    let calls = script_calls(redis) - before;
+    eprintln!("20 requests of the leased rule after {what}: {admitted} admitted, {calls} calls");
+    assert_eq!(admitted, 20);
+    assert!(calls <= 3, "{calls} calls for 20 requests of a lease of 10");
+}
+
+/// A request whose leased rule was admitted from its lease and whose other rule needs a
+/// call counts its permit as out (`Held::out`) as soon as it is planned, in
+/// `Engine::check`; the call that settles it runs when its future is first polled. A
+/// future dropped before that (a caller that gives up on an unpolled `check`) never
+/// settles it: the permit stays out for the rest of the lease's ttl, and every call adding
+/// to the lease is held to `max` less those permits. Here 9 dropped requests leave the
+/// lease of 10 taking 1 permit a call for the hour: 20 later requests cost 10 calls, not 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_dropped_before_their_call_leave_no_permit_out_of_the_lease() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "dropped-out", rules(LEASED_AND_SLOW)).await;
     let at = |path: &str| RequestContext::builder().path(path).build();
     // The first request takes a lease of 10: 9 left.
     assert!(engine.check(&at("/fast")).await.expect("a decision").allowed());
@@ -1016,17 +1034,7 @@ rule_sets:
     for _ in 0..9 {
         drop(engine.check(&at("/slow")));
     }
-    let before = script_calls(&redis);
-    let mut admitted = 0;
-    for _ in 0..20 {
-        if engine.check(&at("/fast")).await.expect("a decision").allowed() {
-            admitted += 1;
-        }
-    }
-    let calls = script_calls(&redis) - before;
-    eprintln!("20 requests of the leased rule after 9 dropped: {admitted} admitted, {calls} calls");
-    assert_eq!(admitted, 20);
-    assert!(calls <= 3, "{calls} calls for 20 requests of a lease of 10");
+    twenty_leased_requests(&redis, &engine, "9 dropped").await;
 }
 
 /// A limiter that decides in Redis, but panics on a call that decides the rule `slow`.
@@ -1045,19 +1053,6 @@ fn panics_on_slow(redis: RedisLimiter) -> Around<RedisLimiter> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_whose_call_panics_leave_no_permit_out_of_the_lease() {
     let redis = Redis::start(Servers::standalone()).await;
-    let yaml = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: global
-        scope: global
-        bands: [{ capacity: 1000, window: 1h }]
-        lease: { max: 10, ttl: 1h }
-      - id: slow
-        scope: global
-        match: { paths: ["/slow"] }
-        bands: [{ capacity: 1000, window: 1h }]
-"#;
     let limiter = RedisLimiter::builder(redis.url())
         .prefix("panicked-out")
         .deny_cache(false)
@@ -1065,7 +1060,7 @@ rule_sets:
         .connect()
         .await
         .expect("connect to the test Redis");
-    let engine = Engine::builder(rules(yaml))
+    let engine = Engine::builder(rules(LEASED_AND_SLOW))
         .limiter(panics_on_slow(limiter))
         .build()
         .expect("the backend decides every rule");
@@ -1076,15 +1071,5 @@ rule_sets:
         let panicked = tokio::spawn(async move { engine.check(&ctx).await.is_ok() }).await;
         assert!(panicked.is_err_and(|e| e.is_panic()), "the call panics");
     }
-    let before = script_calls(&redis);
-    let mut admitted = 0;
-    for _ in 0..20 {
-        if engine.check(&at("/fast")).await.expect("a decision").allowed() {
-            admitted += 1;
-        }
-    }
-    let calls = script_calls(&redis) - before;
-    eprintln!("20 requests of the leased rule after 9 panicked calls: {admitted} admitted, {calls} calls");
-    assert_eq!(admitted, 20);
-    assert!(calls <= 3, "{calls} calls for 20 requests of a lease of 10");
+    twenty_leased_requests(&redis, &engine, "9 panicked calls").await;
 }
