@@ -23,6 +23,7 @@ pub(crate) async fn decide_across_slots(
     scripts: Arc<Scripts>,
     calls: Vec<Call>,
     request: AcquireRequest,
+    decided: impl FnOnce(&AcquireRequest, &[Call], &AcquireOutcome),
 ) -> Result<AcquireOutcome, RedisError> {
     let results = join_all(calls.iter().map(|c| scripts.decide_kept(&c.keys, &c.args))).await;
     let mut replies = Vec::with_capacity(results.len());
@@ -104,6 +105,7 @@ pub(crate) async fn decide_across_slots(
         marks,
         per_band.into_iter().flatten(),
     );
+    decided(&request, &calls, &outcome);
     // A slot failed: the answer is no evidence that the backend is healthy, so a circuit
     // breaker neither closes nor counts a success for it.
     Ok(if partial { outcome.answered_locally() } else { outcome })

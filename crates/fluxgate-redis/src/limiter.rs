@@ -18,7 +18,7 @@ use crate::health::{self, Health};
 use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
-use crate::request::{encode, encode_refund, mark_instants, outcome, Call, CallBand};
+use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
 use crate::script::{decided_again, Scripts};
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
@@ -253,22 +253,20 @@ impl RateLimiter for RedisLimiter {
             }
         }
         let calls = calls.into_vec();
-        // What the deny cache needs to remember the bands that refuse.
-        let remember = remembers.map(|probe| {
-            let bands: Vec<CallBand> = calls.iter().flat_map(|c| c.bands.iter().cloned()).collect();
-            (request.clone(), bands, probe)
-        });
         MaybeReady::boxed(async move {
+            let scripts = inner.scripts.clone();
+            // The deny cache remembers the bands that refused.
+            let decided = move |request: &AcquireRequest, calls: &[Call], outcome: &AcquireOutcome| {
+                if let (Some(denied), Some(probe)) = (&inner.denied, remembers) {
+                    for call in calls {
+                        denied.remember(request, &inner.prefix, &call.bands, outcome, start, probe);
+                    }
+                }
+            };
             // Spawned at the first poll: once a call has gone out, the refunds it may need
             // happen whether or not this future is still awaited.
-            let task = tokio::spawn(decide_across_slots(inner.scripts.clone(), calls, request));
+            let task = tokio::spawn(decide_across_slots(scripts, calls, request, decided));
             match task.await {
-                Ok(Ok(outcome)) => {
-                    if let (Some(cache), Some((request, bands, probe))) = (&inner.denied, remember) {
-                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
-                    }
-                    Ok(outcome)
-                }
                 Ok(result) => Ok(result?),
                 Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
                 Err(_) => Err(RedisError::Interrupted.into()),

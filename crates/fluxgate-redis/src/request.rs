@@ -28,7 +28,6 @@ pub(crate) struct Call {
 }
 
 /// What the limiter keeps of a band of a call, besides its key.
-#[derive(Clone)]
 pub(crate) struct CallBand {
     /// Its position among all bands of the request.
     pub(crate) position: usize,
