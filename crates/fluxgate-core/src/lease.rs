@@ -339,11 +339,12 @@ impl Drop for Taking {
     }
 }
 
-/// The spends of a request whose call is out ([`Held::out`]): made back into their leases
-/// if the call never settles them (the request's future dropped before its call started,
-/// or the call panicked), as a request that never reached the backend was not admitted.
-/// Without this, they stayed out until their lease expired, and every call adding to the
-/// lease meanwhile was held to `max` less them.
+/// The spends of a request whose call is out ([`Held::out`]), settled by the call's
+/// answer: admitted, they are no longer out ([`admitted`](Self::admitted)); refused or
+/// failed, or never settled (the request's future dropped before its call started, the
+/// call panicked), they are made back into their leases when the guard is dropped, as a
+/// request that was not admitted. Left out, they stayed out until their lease expired, and
+/// every call adding to the lease meanwhile was held to `max` less them.
 struct OutSpends {
     shared: Arc<Shared>,
     /// Each spend's lease key, lease id and permits.
@@ -369,20 +370,25 @@ impl OutSpends {
         })
     }
 
-    /// The call settled the spends (`Shared::spent` or `Shared::unspend`).
-    fn settled(&mut self) {
-        self.spends.clear();
+    /// The call admitted the request: its spends stand, and are no longer out.
+    fn admitted(&mut self) {
+        self.settle(|_, _| {});
+    }
+
+    /// Takes each spend out of [`Held::out`] (if its lease is still held), applying `more`.
+    fn settle(&mut self, mut more: impl FnMut(&mut Held, u64)) {
+        for (key, id, permits) in self.spends.drain(..) {
+            if let Some(held) = lock(self.shared.shard(&key)).held.get_mut(&key).filter(|h| h.id == id) {
+                held.out = held.out.saturating_sub(permits);
+                more(held, permits);
+            }
+        }
     }
 }
 
 impl Drop for OutSpends {
     fn drop(&mut self) {
-        for (key, id, permits) in self.spends.drain(..) {
-            if let Some(held) = lock(self.shared.shard(&key)).held.get_mut(&key).filter(|h| h.id == id) {
-                held.left += permits;
-                held.out = held.out.saturating_sub(permits);
-            }
-        }
+        self.settle(|held, permits| held.left += permits);
     }
 }
 
@@ -621,23 +627,12 @@ impl Shared {
                 result = self.limiter.acquire(&self.call(&request, &asked)).await;
             }
         }
-        let outcome = match result {
-            Ok(outcome) => outcome,
-            Err(error) => {
-                self.unspend(&request, &plans, true);
-                if let Some(mut out) = out {
-                    out.settled();
-                }
-                return Err(error);
-            }
-        };
-        if outcome.allowed {
-            self.spent(&request, &plans);
-        } else {
-            self.unspend(&request, &plans, true);
-        }
+        // Refused or failed, the request's spends go back into their leases (`out` dropped).
+        let outcome = result?;
         if let Some(mut out) = out {
-            out.settled();
+            if outcome.allowed {
+                out.admitted();
+            }
         }
         let mut called = outcome.bands.iter();
         // Where the bucket's bands begin among the call's, for their marks.
@@ -832,13 +827,6 @@ impl Shared {
     /// Counts the spends of a request that makes a call as out ([`Held::out`]).
     fn mark_out(&self, request: &AcquireRequest, plans: &[Plan]) {
         self.each_spend(request, plans, |held, permits| held.out += permits);
-    }
-
-    /// The spends of a request whose call admitted it: no longer out ([`Held::out`]).
-    fn spent(&self, request: &AcquireRequest, plans: &[Plan]) {
-        self.each_spend(request, plans, |held, permits| {
-            held.out = held.out.saturating_sub(permits);
-        });
     }
 
     /// Applies `change` to the lease each spend of `request` came from, with its permits,
