@@ -407,18 +407,23 @@ impl<P: RuleSetProvider> CachingRuleSetProvider<P> {
         }
     }
 
+    /// Takes a ticket for an invalidation: the lookups of the inner provider that started
+    /// before it cache nothing.
+    fn outdate_running_lookups(&self) {
+        self.invalidated
+            .fetch_max(self.tickets.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+    }
+
     /// Forgets one rule set: the next lookup asks the inner provider. A lookup of the
     /// inner provider still running, made before the call, caches nothing.
     pub fn invalidate(&self, id: &str) {
-        self.invalidated
-            .fetch_max(self.tickets.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        self.outdate_running_lookups();
         self.cache.invalidate(id);
     }
 
     /// Forgets every rule set, as [`invalidate`](Self::invalidate) does one.
     pub fn invalidate_all(&self) {
-        self.invalidated
-            .fetch_max(self.tickets.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+        self.outdate_running_lookups();
         self.cache.invalidate_all();
     }
 
