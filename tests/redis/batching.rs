@@ -22,11 +22,26 @@ rule_sets:
         bands: [{ capacity: 10, window: 1h }]
 "#;
 
+/// A rule of 1,000 per hour, of which a client spends 990 before its 21 requests: no more
+/// calls of one bucket go out at once than it admits from full (see `docs/redis.md`), so
+/// its last 10 permits are what more requests than fit in one batch can contend for.
+const PER_IP_THOUSAND: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 1000, window: 1h }]
+"#;
+
 async fn engine(redis: &Redis, batching: Batching) -> Engine {
     engine_within(redis, batching, Duration::from_secs(20)).await
 }
 
 async fn engine_within(redis: &Redis, batching: Batching, timeout: Duration) -> Engine {
+    engine_of(redis, batching, timeout, PER_IP_TEN).await
+}
+
+async fn engine_of(redis: &Redis, batching: Batching, timeout: Duration, yaml: &str) -> Engine {
     let limiter = RedisLimiter::builder(redis.url())
         .prefix("batch")
         .deny_cache(false)
@@ -36,7 +51,7 @@ async fn engine_within(redis: &Redis, batching: Batching, timeout: Duration) -> 
         .await
         .expect("connect to the test Redis");
     assert!(limiter.is_batching());
-    Engine::builder(rules(PER_IP_TEN))
+    Engine::builder(rules(yaml))
         .limiter(limiter)
         .build()
         .expect("the backend decides every rule")
@@ -116,7 +131,7 @@ async fn a_lone_request_goes_out_at_once() {
 
 /// While the one call allowed is in flight, the requests that arrive gather, and go out
 /// together when it ends, decided in the order they arrived: of 21 requests of one client
-/// against a capacity of 10, exactly the first 10 pass, in two calls.
+/// with 10 permits left, exactly the first 10 pass, in two calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gathered_requests_are_decided_in_arrival_order() {
     let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
@@ -141,11 +156,14 @@ async fn a_batch_closes_at_max_requests() {
     assert_eq!(calls, 4, "21 requests in batches of at most 8");
 }
 
-/// 21 requests of the client `ip` (capacity 10), started in turn while Redis is paused:
-/// whether each passed, and the script calls they took.
+/// 21 requests of the client `ip` (10 permits left), started in turn while Redis is
+/// paused: whether each passed, and the script calls they took.
 async fn one_client_while_paused(batching: Batching, ip: &str) -> (Vec<bool>, u64) {
     let redis = Redis::start(Servers::standalone()).await;
-    let engine = engine(&redis, batching).await;
+    let engine = engine_of(&redis, batching, Duration::from_secs(20), PER_IP_THOUSAND).await;
+    for _ in 0..990 {
+        assert!(engine.check(&ctx(ip)).await.expect("decision").allowed());
+    }
     let before = redis.server().evalsha_calls();
     let contexts: Vec<RequestContext> = (0..21).map(|_| ctx(ip)).collect();
     let paused = Paused::new(&redis, Duration::from_millis(1500));

@@ -79,6 +79,7 @@ mod connection;
 mod deny_cache;
 mod error;
 mod health;
+mod in_flight;
 mod key;
 mod limiter;
 mod listener;

@@ -15,11 +15,13 @@ use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
+use crate::in_flight::{Held, InFlight};
 use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
 use crate::request::{encode, encode_refund, mark_instants, outcome, Call};
 use crate::script::{decided_again, Scripts};
+use smallvec::SmallVec;
 
 /// The Redis limiter. Cheap to clone: clones share the connections.
 #[derive(Clone)]
@@ -33,6 +35,8 @@ struct Inner {
     /// Shared by the handles made from one another ([`RedisLimiter::with_batching`],
     /// [`RedisLimiter::with_prefix`]): a reset through one forgets what any remembered.
     denied: Option<Arc<DenyCache>>,
+    /// The calls in flight by bucket, shared like the deny cache (see [`InFlight`]).
+    in_flight: Arc<InFlight>,
     /// Whether the connections are a cluster's (see [`Inner::deny_cache`]).
     cluster: bool,
     /// With batched decisions: the gathering of the requests (shared by the limiters of
@@ -67,6 +71,15 @@ impl Inner {
         Some((cache, spans.then_some(CROSS_SLOT_PROBE)))
     }
 
+    /// The deny cache's rejection of `request`, whose calls are `calls`, when a band of it
+    /// is known to reject it at `now`.
+    fn denied(&self, request: &AcquireRequest, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
+        let outcome = self.deny_cache(request)?.0.check(request, calls, now)?;
+        #[cfg(feature = "metrics")]
+        metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
+        Some(outcome)
+    }
+
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
     async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         match &self.batcher {
@@ -98,6 +111,7 @@ impl RedisLimiter {
                 scripts,
                 prefix,
                 denied: deny_cache.then(|| Arc::new(DenyCache::new())),
+                in_flight: Arc::new(InFlight::new()),
                 cluster,
             }),
         }
@@ -122,6 +136,7 @@ impl RedisLimiter {
                 scripts,
                 prefix: self.inner.prefix.clone(),
                 denied: self.inner.denied.clone(),
+                in_flight: self.inner.in_flight.clone(),
                 cluster: self.inner.cluster,
             }),
         }
@@ -147,6 +162,7 @@ impl RedisLimiter {
                 scripts: self.inner.scripts.clone(),
                 prefix: prefix.into(),
                 denied: self.inner.denied.clone(),
+                in_flight: self.inner.in_flight.clone(),
                 cluster: self.inner.cluster,
                 batcher: self.inner.batcher.clone(),
             }),
@@ -191,87 +207,34 @@ impl RateLimiter for RedisLimiter {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
         let inner = &self.inner;
         let cluster = inner.scripts.connection().is_cluster();
-        let mut calls = match encode(request, &inner.prefix, cluster) {
+        let calls = match encode(request, &inner.prefix, cluster) {
             Ok(calls) => calls,
             // A configuration error, not a backend failure (see `RateLimiter::validate`).
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let start = Instant::now();
-        let denied = inner.deny_cache(request);
-        let remembers = denied.map(|(_, probe)| probe);
-        if let Some(outcome) = denied.and_then(|(c, _)| c.check(request, &calls, start)) {
-            #[cfg(feature = "metrics")]
-            metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
+        if let Some(outcome) = inner.denied(request, &calls, start) {
             return MaybeReady::ready(Ok(outcome));
         }
-        let inner = inner.clone();
-        // What reading the replies needs: an `Arc` of the rule set and the keys.
-        let request = request.clone();
-        // One call (always so on a standalone Redis): nothing to refund.
-        if calls.len() == 1 {
-            if let Some(Call {
-                slot,
-                keys,
-                args,
-                bands,
-            }) = calls.pop()
-            {
-                return MaybeReady::boxed(async move {
-                    let mut reply = match inner.decide(slot, keys, &args).await {
-                        // The keys went to Redis: made again from the request (one call, as
-                        // the first time), then decided within the rest of the deadline. A
-                        // future of its own, rarely made: this one, which every request
-                        // allocates, does not hold it.
-                        Err(e) if decided_again(&e, cluster) => {
-                            Box::pin(async {
-                                let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
-                                let mut calls = encode(&request, &inner.prefix, cluster)?;
-                                let Some(Call { keys, args, .. }) = calls.pop() else {
-                                    return Err(BoxError::from(e));
-                                };
-                                drop(calls);
-                                Ok(inner.scripts.decide_again(keys, &args, remaining, &e).await?)
-                            })
-                            .await?
-                        }
-                        result => result?,
-                    };
-                    let mut marks = std::mem::take(&mut reply.marks);
-                    mark_instants(&bands, &mut marks, reply.now_us);
-                    let outcome = outcome(
-                        &request,
-                        (reply.allowed, reply.shadow_allowed),
-                        (reply.now_us, reply.admitted_after_us),
-                        marks,
-                        reply.bands(),
-                    );
-                    if let (Some(cache), Some(probe)) = (&inner.denied, remembers) {
-                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
+        // No more calls for a bucket than it could admit at once (see `InFlight`).
+        let counted = inner.in_flight.counted(&inner.prefix, request);
+        match inner.in_flight.try_take(counted) {
+            Ok(held) => Self::call(inner, request.clone(), calls, start, held),
+            Err(counted) => {
+                let inner = inner.clone();
+                let request = request.clone();
+                MaybeReady::boxed(async move {
+                    let taken = inner
+                        .in_flight
+                        .wait(counted, || inner.denied(&request, &calls, Instant::now()))
+                        .await;
+                    match taken {
+                        Ok(held) => Self::call(&inner, request, calls, Instant::now(), held).await,
+                        Err(refused) => Ok(refused),
                     }
-                    Ok(outcome)
-                });
+                })
             }
         }
-        let calls = calls.into_vec();
-        MaybeReady::boxed(async move {
-            let scripts = inner.scripts.clone();
-            // The deny cache remembers the bands that refused.
-            let decided = move |request: &AcquireRequest, calls: &[Call], outcome: &AcquireOutcome| {
-                if let (Some(denied), Some(probe)) = (&inner.denied, remembers) {
-                    for call in calls {
-                        denied.remember(request, &inner.prefix, &call.bands, outcome, start, probe);
-                    }
-                }
-            };
-            // Spawned at the first poll: once a call has gone out, the refunds it may need
-            // happen whether or not this future is still awaited.
-            let task = tokio::spawn(decide_across_slots(scripts, calls, request, decided));
-            match task.await {
-                Ok(result) => Ok(result?),
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(_) => Err(RedisError::Interrupted.into()),
-            }
-        })
     }
 
     /// Also refuses, on a cluster whose key prefix holds an empty hash tag (`{}`: Redis then
@@ -337,6 +300,96 @@ impl RateLimiter for RedisLimiter {
         marks: &[u128],
     ) -> MaybeReady<Result<(), BoxError>> {
         self.refund(request, at_unix_nanos, marks)
+    }
+}
+
+impl RedisLimiter {
+    /// Decides `request` by its `calls`, made from `start`, holding their places among
+    /// their buckets' calls in flight.
+    fn call(
+        inner: &Arc<Inner>,
+        request: AcquireRequest,
+        mut calls: SmallVec<[Call; 1]>,
+        start: Instant,
+        mut held: Held,
+    ) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
+        let cluster = inner.scripts.connection().is_cluster();
+        let remembers = inner.deny_cache(&request).map(|(_, probe)| probe);
+        let inner = inner.clone();
+        held.sent(start + inner.scripts.connection().timeout());
+        // One call (always so on a standalone Redis): nothing to refund.
+        if calls.len() == 1 {
+            if let Some(Call {
+                slot,
+                keys,
+                args,
+                bands,
+            }) = calls.pop()
+            {
+                return MaybeReady::boxed(async move {
+                    let reply = match inner.decide(slot, keys, &args).await {
+                        // The keys went to Redis: made again from the request (one call, as
+                        // the first time), then decided within the rest of the deadline. A
+                        // future of its own, rarely made: this one, which every request
+                        // allocates, does not hold it.
+                        Err(e) if decided_again(&e, cluster) => {
+                            Box::pin(async {
+                                let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
+                                let mut calls = encode(&request, &inner.prefix, cluster)?;
+                                let Some(Call { keys, args, .. }) = calls.pop() else {
+                                    return Err(BoxError::from(e));
+                                };
+                                drop(calls);
+                                Ok(inner.scripts.decide_again(keys, &args, remaining, &e).await?)
+                            })
+                            .await
+                        }
+                        result => result.map_err(BoxError::from),
+                    };
+                    // Answered or failed, the call is no longer out (one that timed out
+                    // may still run, but its deadline has passed).
+                    held.returned();
+                    let mut reply = reply?;
+                    let mut marks = std::mem::take(&mut reply.marks);
+                    mark_instants(&bands, &mut marks, reply.now_us);
+                    let outcome = outcome(
+                        &request,
+                        (reply.allowed, reply.shadow_allowed),
+                        (reply.now_us, reply.admitted_after_us),
+                        marks,
+                        reply.bands(),
+                    );
+                    if let (Some(cache), Some(probe)) = (&inner.denied, remembers) {
+                        cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
+                    }
+                    Ok(outcome)
+                });
+            }
+        }
+        let calls = calls.into_vec();
+        MaybeReady::boxed(async move {
+            let scripts = inner.scripts.clone();
+            // The deny cache remembers the bands that refused.
+            let decided = move |request: &AcquireRequest, calls: &[Call], outcome: &AcquireOutcome| {
+                if let (Some(denied), Some(probe)) = (&inner.denied, remembers) {
+                    for call in calls {
+                        denied.remember(request, &inner.prefix, &call.bands, outcome, start, probe);
+                    }
+                }
+            };
+            // Spawned at the first poll: once a call has gone out, the refunds it may need
+            // happen whether or not this future is still awaited.
+            let task = tokio::spawn(async move {
+                let decided = decide_across_slots(scripts, calls, request, decided).await;
+                held.returned();
+                decided
+            });
+            match task.await {
+                Ok(result) => Ok(result?),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Err(RedisError::Interrupted.into()),
+            }
+        })
     }
 }
 
