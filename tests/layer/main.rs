@@ -13,6 +13,7 @@ mod support {
 
 mod composition;
 mod metrics;
+mod protocol;
 mod routes;
 mod targets;
 

@@ -244,7 +244,8 @@ fn log_failure(error: &Error, action: &str) {
 }
 
 /// The value of an identity header (the user id, the API key): its value when every
-/// instance of it says the same, else [`AMBIGUOUS`].
+/// instance of it says the same, else [`AMBIGUOUS`]. Spaces and tabs around a value are not
+/// part of it ([`field_value`]).
 ///
 /// Neither instance of a header sent several times with different values can be trusted:
 /// an application reads the first (`HeaderMap::get`, and the extractors built on it),
@@ -253,13 +254,27 @@ fn log_failure(error: &Error, action: &str) {
 /// that checks the first `X-API-Key` while the layer counted the last). All such requests
 /// share one counter per rule instead.
 fn identity_header(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
-    let mut values = headers.get_all(name).iter();
+    let mut values = headers.get_all(name).iter().map(field_value);
     let first = values.next()?;
     Some(if values.all(|value| value == first) {
         header_text(first)
     } else {
         AMBIGUOUS.to_owned()
     })
+}
+
+/// A header value without the spaces and tabs around it, which are not part of a field
+/// value (RFC 9110 section 5.5). An HTTP/1.1 parser (hyper's) drops them; HTTP/2 forbids
+/// them (RFC 9113 section 8.2.1), but hyper's HTTP/2 server hands them on. Kept, one API
+/// key sent over HTTP/2 as `k1`, `k1 `, ` k1`, `k1\t`… named a new counter with each
+/// spelling, all of them the one key to an application that trims it (or a SQL lookup
+/// under a `PAD SPACE` collation).
+fn field_value(value: &http::HeaderValue) -> &[u8] {
+    let bytes = value.as_bytes();
+    let ows = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = bytes.iter().position(|b| !ows(b)).unwrap_or(bytes.len());
+    let end = bytes.iter().rposition(|b| !ows(b)).map_or(start, |i| i + 1);
+    &bytes[start..end]
 }
 
 /// The user id or API key of a request that sent the header several times with different
@@ -271,11 +286,11 @@ pub(crate) const AMBIGUOUS: &str = "\0";
 /// A header value as text, injectively: valid UTF-8 as it is; anything else as `\0` (which
 /// no header value can contain) followed by its bytes read as Latin-1. Two different
 /// values never give the same text.
-fn header_text(value: &http::HeaderValue) -> String {
-    match std::str::from_utf8(value.as_bytes()) {
+fn header_text(value: &[u8]) -> String {
+    match std::str::from_utf8(value) {
         Ok(text) => text.to_owned(),
         Err(_) => std::iter::once('\0')
-            .chain(value.as_bytes().iter().map(|&b| char::from(b)))
+            .chain(value.iter().map(|&b| char::from(b)))
             .collect(),
     }
 }
