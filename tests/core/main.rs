@@ -16,6 +16,7 @@ mod support {
 mod conformance;
 mod fairness;
 mod fuzz_regressions;
+mod idle;
 mod memory;
 mod metrics;
 mod mongodb;

@@ -25,6 +25,7 @@ mod client_failures;
 mod cluster;
 mod conformance;
 mod differential;
+mod expiry;
 mod fairness;
 mod leases;
 mod metrics;

@@ -1,0 +1,334 @@
+//! Every key outlives its meaning: after any mix of decisions (every algorithm, bands of
+//! several windows, costs above 1, requests that wait, a rule whose window changed, refunds
+//! of leases and of dropped waiters' places), each key's expiry (Redis's `TIME` and the
+//! key's `PTTL`, read in one script) lies at or after the last instant its stored state
+//! still counts something, by the second every key keeps. A key that expired earlier would
+//! be read as a full bucket while its permits were still spent.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use fluxgate::core::limiter::AcquireRequest;
+use fluxgate::core::{RateLimiter, RuleSet, Text};
+use fluxgate::redis::{Batching, RedisLimiter};
+
+use crate::support::app::rules;
+use crate::support::redis::{Redis, Servers};
+
+/// The rules, in two versions: the second changes `tb1`'s first window (a token-bucket
+/// rule's layout then differs: its bands of the other version are kept beside) and `fw`'s
+/// capacity.
+fn versions() -> [Arc<RuleSet>; 2] {
+    let yaml = |tb1: &str, fw: u64| {
+        format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - {{ id: tb1, scope: global, bands: [{{ capacity: 3, window: {tb1} }}, {{ capacity: 5, window: 3s }}] }}
+      - {{ id: tb2, scope: global, bands: [{{ capacity: 2, window: 700ms }}] }}
+      - {{ id: lb, scope: global, algorithm: leaky_bucket, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 4, window: 2s }}] }}
+      - {{ id: fw, scope: global, algorithm: fixed_window, bands: [{{ capacity: {fw}, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+      - {{ id: swl, scope: global, algorithm: sliding_window_log, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+      - {{ id: swc, scope: global, algorithm: sliding_window_counter, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+"#
+        )
+    };
+    let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
+    [set(yaml("1s", 3)), set(yaml("2s", 4))]
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// A window as the keys write it (`700ms`, `1s`), in µs.
+fn window_us(text: &str) -> i64 {
+    if let Some(ms) = text.strip_suffix("ms") {
+        ms.parse::<i64>().expect("ms") * 1_000
+    } else if let Some(s) = text.strip_suffix('s') {
+        s.parse::<i64>().expect("s") * 1_000_000
+    } else {
+        panic!("a window in a key: {text}")
+    }
+}
+
+/// A token or leaky bucket's stored instant (`<t>` or `<t>:<f>`) in `radix`: the instant it
+/// is full (or its queue empty) again.
+fn instant(state: &str, radix: u32) -> Option<i64> {
+    if state.is_empty() {
+        return None;
+    }
+    let mut parts = state.split(':');
+    let t = i64::from_str_radix(parts.next()?, radix).expect("an instant");
+    let f = parts
+        .next()
+        .map_or(0, |f| i64::from_str_radix(f, radix).expect("a remainder"));
+    Some(t + i64::from(f > 0))
+}
+
+/// The last instant (µs) the state of `key` (its value, or a log's newest score) still
+/// counts something; `None` when it counts nothing.
+fn meaning_until(key: &str, value: &str) -> Option<i64> {
+    let tail = key.rsplit('}').next().unwrap_or("");
+    if tail.is_empty() {
+        // A token-bucket rule: its bands' instants, in hexadecimal, after the layout.
+        return value.split('|').skip(1).filter_map(|s| instant(s, 16)).max();
+    }
+    // `:<band>:<capacity>/<window>:<suffix>`
+    let parts: Vec<&str> = tail.split(':').collect();
+    let [_, _, figures, suffix] = parts[..] else {
+        return None; // a refund's mark
+    };
+    let w = window_us(figures.split('/').nth(1).expect("a window"));
+    let n: Vec<i64> = value.split(':').map(|x| x.parse().unwrap_or(0)).collect();
+    let at = |i: usize| n.get(i).copied().unwrap_or(0);
+    match suffix {
+        "lb" => instant(value, 10),
+        "fw" => [(at(1), at(0)), (at(2), at(0) + w)]
+            .into_iter()
+            .filter(|(count, _)| *count > 0)
+            .map(|(_, until)| until)
+            .max(),
+        "swc" => [(at(1), at(0)), (at(2), at(0) + w), (at(3), at(0) + 2 * w)]
+            .into_iter()
+            .filter(|(count, _)| *count > 0)
+            .map(|(_, until)| until)
+            .max(),
+        "swl" => value.parse::<i64>().ok().map(|newest| newest + w),
+        _ => None,
+    }
+}
+
+/// Every key under `prefix`: Redis's now (µs), and per key its name, value (a log's newest
+/// score) and `PTTL`, read in one script.
+const READ: &str = r"
+local t = redis.call('TIME')
+local out = {t[1], t[2]}
+local cursor = '0'
+repeat
+  local r = redis.call('SCAN', cursor, 'MATCH', ARGV[1], 'COUNT', 1000)
+  cursor = r[1]
+  for _, k in ipairs(r[2]) do
+    local kind = redis.call('TYPE', k).ok
+    local v = ''
+    if kind == 'string' then
+      v = redis.call('GET', k)
+    elseif kind == 'zset' then
+      v = redis.call('ZRANGE', k, -1, -1, 'WITHSCORES')[2] or ''
+    end
+    out[#out + 1] = k
+    out[#out + 1] = v
+    out[#out + 1] = redis.call('PTTL', k)
+  end
+until cursor == '0'
+return out
+";
+
+/// Checks every key under `prefix`; returns the least margin (µs) by which a key with state
+/// outlived its meaning, and the keys that expire before it.
+fn check(redis: &Redis, prefix: &str) -> (i64, Vec<String>) {
+    let out = redis.server().cli(&["EVAL", READ, "0", &format!("{prefix}:*")]);
+    let lines: Vec<&str> = out.lines().collect();
+    let now = lines[0].parse::<i64>().expect("secs") * 1_000_000 + lines[1].parse::<i64>().expect("us");
+    let mut least = i64::MAX;
+    let mut early = Vec::new();
+    for item in lines[2..].chunks(3) {
+        let [key, value, pttl] = item else { continue };
+        let pttl: i64 = pttl.trim().parse().expect("a PTTL");
+        let Some(until) = meaning_until(key, value) else {
+            continue;
+        };
+        if until <= now {
+            continue;
+        }
+        if pttl < 0 {
+            early.push(format!("{key} = {value}: PTTL {pttl}"));
+            continue;
+        }
+        let expires = now + pttl * 1_000;
+        least = least.min(expires - until);
+        if expires < until {
+            early.push(format!(
+                "{key} = {value}: expires {} ms before its state ends",
+                (until - expires) / 1_000
+            ));
+        }
+    }
+    (least, early)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_outlives_what_its_state_counts() {
+    let redis = Redis::start(Servers::standalone()).await;
+    outlive(&redis, "outlive", None, 0x9e37_79b9_7f4a_7c15).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_outlives_what_its_state_counts_in_batches() {
+    let redis = Redis::start(Servers::standalone()).await;
+    outlive(&redis, "outlive-batched", Some(Batching::new()), 0x0123_4567_89ab_cdef).await;
+}
+
+/// Random decisions and refunds on `redis`, under `prefix`, each followed by the check of
+/// every key.
+async fn outlive(redis: &Redis, prefix: &str, batching: Option<Batching>, seed: u64) {
+    let limiter = RedisLimiter::builder(redis.url())
+        .prefix(prefix)
+        .timeout(Duration::from_secs(5))
+        .deny_cache(false)
+        .batching(batching)
+        .connect()
+        .await
+        .expect("connect to the test Redis");
+    let sets = versions();
+    let mut rng = Rng(seed);
+    let (mut least, mut early, mut waited, mut refunds) = (i64::MAX, Vec::new(), 0, 0);
+    for step in 0..400 {
+        let set = &sets[usize::from(rng.below(5) == 0)];
+        let mut request = AcquireRequest::new(set.clone());
+        let count = 1 + rng.below(3);
+        let mut chosen = Vec::new();
+        while (chosen.len() as u64) < count {
+            let rule = rng.below(6) as usize;
+            if !chosen.contains(&rule) {
+                chosen.push(rule);
+            }
+        }
+        let max_wait = [0, 0, 500, 2_000, 4_000][rng.below(5) as usize];
+        for (index, &rule) in chosen.iter().enumerate() {
+            request.push_permits(rule, Text::from("global"), 1 + rng.below(3));
+            request.set_max_wait(index, Duration::from_millis(max_wait));
+        }
+        let outcome = limiter.acquire(&request).await.expect("Redis decides");
+        if outcome.allowed {
+            let later = !outcome.admitted_after.is_zero();
+            waited += u32::from(later);
+            // Now and then, a refund: a dropped waiter's place, or a lease's permits.
+            if rng.below(4) == 0 {
+                refunds += 1;
+                if later {
+                    let at = outcome.now_unix_nanos + u64::try_from(outcome.admitted_after.as_nanos()).unwrap_or(0);
+                    limiter
+                        .give_back_place(&request, at, &outcome.marks)
+                        .await
+                        .expect("the place goes back");
+                } else {
+                    limiter
+                        .give_back(&request, outcome.now_unix_nanos)
+                        .await
+                        .expect("the permits go back");
+                }
+            }
+        }
+        let (margin, mut keys) = check(redis, prefix);
+        least = least.min(margin);
+        for key in &mut keys {
+            key.insert_str(0, &format!("step {step}: "));
+        }
+        early.extend(keys);
+        tokio::time::sleep(Duration::from_millis(rng.below(120))).await;
+    }
+    eprintln!(
+        "{waited} requests waited, {refunds} refunds; least margin {} ms",
+        least / 1_000
+    );
+    assert!(waited > 10, "too few waiting requests to say anything: {waited}");
+    assert!(
+        early.is_empty(),
+        "keys expiring before their state ends:\n{}",
+        early.join("\n")
+    );
+    // Every key keeps a second past its state's end (1 ms of slack for PTTL's whole ms).
+    assert!(least >= 999_000, "a key outlived its state by only {} µs", least);
+}
+
+/// The microseconds since the Unix epoch on this host's clock (Redis runs on it too).
+fn unix_us() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after the epoch");
+    i64::try_from(since.as_micros()).expect("a recent instant")
+}
+
+/// A fixed window's lease ends with its window: three instances hammering one leased key
+/// of 10 per 500 ms (leases of 4, for an hour) never admit more than 10 in a window, counting
+/// each admitted request whose decision began and ended inside one window, across six
+/// windows and the leases expiring at each window's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fixed_windows_leases_never_carry_permits_into_the_next_window() {
+    use fluxgate::core::{Engine, RequestContext};
+    let redis = Redis::start(Servers::standalone()).await;
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: global
+        scope: global
+        algorithm: fixed_window
+        bands: [{ capacity: 10, window: 500ms }]
+        lease: { max: 4, ttl: 1h }
+"#;
+    let mut engines = Vec::new();
+    for _ in 0..3 {
+        let limiter = RedisLimiter::builder(redis.url())
+            .prefix("fw-lease")
+            .deny_cache(false)
+            .timeout(Duration::from_secs(5))
+            .connect()
+            .await
+            .expect("connect to the test Redis");
+        let engine = Engine::builder(rules(yaml))
+            .limiter(limiter)
+            .build()
+            .expect("the rules load");
+        engines.push(Arc::new(engine));
+    }
+    const W: i64 = 500_000;
+    let end = unix_us() + 6 * W;
+    let mut tasks = Vec::new();
+    for engine in &engines {
+        let engine = engine.clone();
+        tasks.push(tokio::spawn(async move {
+            let ctx = RequestContext::builder().build();
+            let mut admitted = Vec::new();
+            while unix_us() < end {
+                let before = unix_us();
+                let decision = engine.check(&ctx).await.expect("a decision");
+                let after = unix_us();
+                if decision.allowed() {
+                    admitted.push((before, after));
+                }
+                tokio::time::sleep(Duration::from_millis(3)).await;
+            }
+            admitted
+        }));
+    }
+    let mut per_window = std::collections::BTreeMap::<i64, u32>::new();
+    let mut total = 0;
+    for task in tasks {
+        for (before, after) in task.await.expect("the task ends") {
+            total += 1;
+            if before / W == after / W {
+                *per_window.entry(before / W).or_default() += 1;
+            }
+        }
+    }
+    eprintln!(
+        "{total} admitted; per window: {:?}",
+        per_window.values().collect::<Vec<_>>()
+    );
+    assert!(per_window.len() >= 5, "too few windows: {per_window:?}");
+    assert!(
+        per_window.values().all(|&n| n <= 10),
+        "a window admitted more than 10: {per_window:?}"
+    );
+}
