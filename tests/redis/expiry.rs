@@ -14,6 +14,7 @@ use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
 use crate::support::redis::{Redis, Servers};
+use crate::support::servers::RedisServer;
 
 /// The rules, in two versions: the second changes `tb1`'s first window (a token-bucket
 /// rule's layout then differs: its bands of the other version are kept beside) and `fw`'s
@@ -135,8 +136,19 @@ return out
 
 /// Checks every key under `prefix`; returns the least margin (µs) by which a key with state
 /// outlived its meaning, and the keys that expire before it.
-fn check(redis: &Redis, prefix: &str) -> (i64, Vec<String>) {
-    let out = redis.server().cli(&["EVAL", READ, "0", &format!("{prefix}:*")]);
+fn check(nodes: &[&RedisServer], prefix: &str) -> (i64, Vec<String>) {
+    let (mut least, mut early) = (i64::MAX, Vec::new());
+    for node in nodes {
+        let (margin, keys) = check_node(node, prefix);
+        least = least.min(margin);
+        early.extend(keys);
+    }
+    (least, early)
+}
+
+/// [`check`] on one node.
+fn check_node(node: &RedisServer, prefix: &str) -> (i64, Vec<String>) {
+    let out = node.cli(&["EVAL", READ, "0", &format!("{prefix}:*")]);
     let lines: Vec<&str> = out.lines().collect();
     let now = lines[0].parse::<i64>().expect("secs") * 1_000_000 + lines[1].parse::<i64>().expect("us");
     let mut least = i64::MAX;
@@ -169,18 +181,35 @@ fn check(redis: &Redis, prefix: &str) -> (i64, Vec<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_outlives_what_its_state_counts() {
     let redis = Redis::start(Servers::standalone()).await;
-    outlive(&redis, "outlive", None, 0x9e37_79b9_7f4a_7c15).await;
+    outlive(&redis, &[redis.server()], "outlive", None, 0x9e37_79b9_7f4a_7c15).await;
+}
+
+/// On a cluster, where each rule's keys sit in a hash slot of their own: a request of
+/// several rules is decided by one call per slot, and the slots that admitted it give back
+/// what they took when another refuses it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_outlives_what_its_state_counts_on_a_cluster() {
+    let redis = Redis::start(Servers::shared_cluster()).await;
+    let nodes: Vec<&RedisServer> = redis.cluster().nodes.iter().collect();
+    outlive(&redis, &nodes, "outlive-cluster", None, 0x5555_3333_1111_7777).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_outlives_what_its_state_counts_in_batches() {
     let redis = Redis::start(Servers::standalone()).await;
-    outlive(&redis, "outlive-batched", Some(Batching::new()), 0x0123_4567_89ab_cdef).await;
+    outlive(
+        &redis,
+        &[redis.server()],
+        "outlive-batched",
+        Some(Batching::new()),
+        0x0123_4567_89ab_cdef,
+    )
+    .await;
 }
 
 /// Random decisions and refunds on `redis`, under `prefix`, each followed by the check of
 /// every key.
-async fn outlive(redis: &Redis, prefix: &str, batching: Option<Batching>, seed: u64) {
+async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: Option<Batching>, seed: u64) {
     let limiter = RedisLimiter::builder(redis.url())
         .prefix(prefix)
         .timeout(Duration::from_secs(5))
@@ -229,7 +258,7 @@ async fn outlive(redis: &Redis, prefix: &str, batching: Option<Batching>, seed: 
                 }
             }
         }
-        let (margin, mut keys) = check(redis, prefix);
+        let (margin, mut keys) = check(nodes, prefix);
         least = least.min(margin);
         for key in &mut keys {
             key.insert_str(0, &format!("step {step}: "));
@@ -247,8 +276,10 @@ async fn outlive(redis: &Redis, prefix: &str, batching: Option<Batching>, seed: 
         "keys expiring before their state ends:\n{}",
         early.join("\n")
     );
-    // Every key keeps a second past its state's end (1 ms of slack for PTTL's whole ms).
-    assert!(least >= 999_000, "a key outlived its state by only {} µs", least);
+    // Every key keeps about a second past its state's end: `px()` and PTTL each drop part
+    // of a ms, and a loaded server may start a script's expiry clock a little before the
+    // script reads `TIME` (996.9 ms measured once on the cluster).
+    assert!(least >= 990_000, "a key outlived its state by only {least} µs");
 }
 
 /// The microseconds since the Unix epoch on this host's clock (Redis runs on it too).
