@@ -11,6 +11,7 @@ use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate::core::{ManualClock, MemoryLimiter, RuleSet, Text};
 
 use crate::support::app::rules;
+use crate::support::rng::Rng;
 
 fn versions() -> [Arc<RuleSet>; 2] {
     let yaml = |tb1: &str| {
@@ -30,17 +31,6 @@ rule_sets:
     };
     let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
     [set(yaml("1s")), set(yaml("2s"))]
-}
-
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
 }
 
 fn show(o: &AcquireOutcome) -> String {
@@ -64,21 +54,21 @@ fn purging_idle_buckets_changes_no_decision() {
         let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let (mut dropped, mut waited) = (0, 0);
         for step in 0..600 {
-            let set = &sets[usize::from(rng.below(5) == 0)];
+            let set = &sets[usize::from(rng.below_u64(5) == 0)];
             let mut request = AcquireRequest::new(set.clone());
-            let count = 1 + rng.below(3);
+            let count = 1 + rng.below_u64(3);
             let mut chosen = Vec::new();
             while (chosen.len() as u64) < count.min(3) {
                 // Not the leaky bucket: its leak grid starts over once it is forgotten, a
                 // documented difference that only ever refuses more (security.md, §9).
-                let rule = [0, 1, 3, 4, 5][rng.below(5) as usize];
+                let rule = [0, 1, 3, 4, 5][rng.below_u64(5) as usize];
                 if !chosen.contains(&rule) {
                     chosen.push(rule);
                 }
             }
-            let max_wait = [0, 0, 500, 2_000, 4_000][rng.below(5) as usize];
+            let max_wait = [0, 0, 500, 2_000, 4_000][rng.below_u64(5) as usize];
             for (index, &rule) in chosen.iter().enumerate() {
-                request.push_permits(rule, Text::from("global"), 1 + rng.below(3));
+                request.push_permits(rule, Text::from("global"), 1 + rng.below_u64(3));
                 request.set_max_wait(index, Duration::from_millis(max_wait));
             }
             dropped += purged.purge_idle();
@@ -87,7 +77,7 @@ fn purging_idle_buckets_changes_no_decision() {
             assert_eq!(show(&a), show(&b), "seed {seed}, step {step}");
             if a.allowed {
                 waited += u32::from(!a.admitted_after.is_zero());
-                if rng.below(4) == 0 {
+                if rng.below_u64(4) == 0 {
                     if a.admitted_after.is_zero() {
                         purged.give_back_now(&request, a.now_unix_nanos, None);
                         kept.give_back_now(&request, a.now_unix_nanos, None);
@@ -98,7 +88,7 @@ fn purging_idle_buckets_changes_no_decision() {
                     }
                 }
             }
-            clock.advance(Duration::from_millis(rng.below(300)));
+            clock.advance(Duration::from_millis(rng.below_u64(300)));
         }
         assert!(
             dropped > 50 && waited > 20,

@@ -18,6 +18,7 @@ mod routes;
 mod targets;
 
 use std::convert::Infallible;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -1307,4 +1308,18 @@ async fn a_layer_whose_rule_set_is_unknown_warns_once() {
 
 async fn send_owned(app: axum::Router, req: Request<Body>) -> Reply {
     send(&app, req).await
+}
+
+/// Serves `app` on a loopback port (HTTP/1.1, and HTTP/2 with prior knowledge), with the
+/// peer address as `ConnectInfo`.
+async fn serve(app: axum::Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let addr = listener.local_addr().expect("a bound address");
+    tokio::spawn(async move {
+        let app = app.into_make_service_with_connect_info::<SocketAddr>();
+        axum::serve(listener, app).await.expect("the server runs");
+    });
+    addr
 }

@@ -19,20 +19,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tower::ServiceBuilder;
 
+use crate::serve;
 use crate::support::app::{layer, request};
-
-/// Serves `app` on a loopback port (HTTP/1.1, and HTTP/2 with prior knowledge), with the
-/// peer address as `ConnectInfo`.
-#[allow(clippy::unwrap_used)]
-async fn serve(app: axum::Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let app = app.into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app).await.unwrap();
-    });
-    addr
-}
 
 /// A handler counting its runs.
 fn counting(runs: &Arc<AtomicUsize>) -> impl Fn() -> std::future::Ready<&'static str> + Clone + Send + Sync + 'static {

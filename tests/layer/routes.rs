@@ -37,6 +37,7 @@ use tower::util::BoxCloneSyncService;
 use tower::{service_fn, ServiceBuilder, ServiceExt};
 use tower_http::normalize_path::NormalizePathLayer;
 
+use crate::serve;
 use crate::support::rng::Rng;
 
 /// The header each handler names itself in (the body is dropped for `HEAD`).
@@ -562,18 +563,6 @@ async fn no_target_reaches_a_handler_its_rule_does_not_count() {
         assert!(reached.contains_key(*name), "no target reached {name}: {reached:?}");
     }
     assert!(sent > cases / 2, "only {sent} of {cases} targets were valid URIs");
-}
-
-/// Serves `app` on a loopback port.
-async fn serve(app: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("a loopback port");
-    let addr = listener.local_addr().expect("a bound address");
-    tokio::spawn(async move {
-        axum::serve(listener, app).await.expect("the server runs");
-    });
-    addr
 }
 
 /// Writes `method target` as an HTTP/1.1 request line, raw bytes as they are, and returns

@@ -8,19 +8,8 @@ use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::serve;
 use crate::support::app::layer;
-
-/// Serves `app` on a loopback port, with the peer address as `ConnectInfo`.
-#[allow(clippy::unwrap_used)]
-async fn serve(app: axum::Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let app = app.into_make_service_with_connect_info::<SocketAddr>();
-        axum::serve(listener, app).await.unwrap();
-    });
-    addr
-}
 
 /// Writes a request line (with `Host` and the end of the head added) on a new
 /// connection and returns the status code of the answer.

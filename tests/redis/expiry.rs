@@ -14,6 +14,7 @@ use fluxgate::redis::{Batching, RedisLimiter};
 
 use crate::support::app::rules;
 use crate::support::redis::{Redis, Servers};
+use crate::support::rng::Rng;
 use crate::support::servers::RedisServer;
 
 /// The rules, in two versions: the second changes `tb1`'s first window (a token-bucket
@@ -37,18 +38,6 @@ rule_sets:
     };
     let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
     [set(yaml("1s", 3)), set(yaml("2s", 4))]
-}
-
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
-    }
 }
 
 /// A window as the keys write it (`700ms`, `1s`), in µs.
@@ -222,19 +211,19 @@ async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: 
     let mut rng = Rng(seed);
     let (mut least, mut early, mut waited, mut refunds) = (i64::MAX, Vec::new(), 0, 0);
     for step in 0..400 {
-        let set = &sets[usize::from(rng.below(5) == 0)];
+        let set = &sets[usize::from(rng.below_u64(5) == 0)];
         let mut request = AcquireRequest::new(set.clone());
-        let count = 1 + rng.below(3);
+        let count = 1 + rng.below_u64(3);
         let mut chosen = Vec::new();
         while (chosen.len() as u64) < count {
-            let rule = rng.below(6) as usize;
+            let rule = rng.below_u64(6) as usize;
             if !chosen.contains(&rule) {
                 chosen.push(rule);
             }
         }
-        let max_wait = [0, 0, 500, 2_000, 4_000][rng.below(5) as usize];
+        let max_wait = [0, 0, 500, 2_000, 4_000][rng.below_u64(5) as usize];
         for (index, &rule) in chosen.iter().enumerate() {
-            request.push_permits(rule, Text::from("global"), 1 + rng.below(3));
+            request.push_permits(rule, Text::from("global"), 1 + rng.below_u64(3));
             request.set_max_wait(index, Duration::from_millis(max_wait));
         }
         let outcome = limiter.acquire(&request).await.expect("Redis decides");
@@ -242,7 +231,7 @@ async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: 
             let later = !outcome.admitted_after.is_zero();
             waited += u32::from(later);
             // Now and then, a refund: a dropped waiter's place, or a lease's permits.
-            if rng.below(4) == 0 {
+            if rng.below_u64(4) == 0 {
                 refunds += 1;
                 if later {
                     let at = outcome.now_unix_nanos + u64::try_from(outcome.admitted_after.as_nanos()).unwrap_or(0);
@@ -264,7 +253,7 @@ async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: 
             key.insert_str(0, &format!("step {step}: "));
         }
         early.extend(keys);
-        tokio::time::sleep(Duration::from_millis(rng.below(120))).await;
+        tokio::time::sleep(Duration::from_millis(rng.below_u64(120))).await;
     }
     eprintln!(
         "{waited} requests waited, {refunds} refunds; least margin {} ms",

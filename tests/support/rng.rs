@@ -22,6 +22,11 @@ impl Rng {
         (self.next() % n as u64) as usize
     }
 
+    /// A number below `n`, as a `u64`.
+    pub(crate) fn below_u64(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+
     /// True once in `one_in` draws.
     pub(crate) fn chance(&mut self, one_in: usize) -> bool {
         self.below(one_in) == 0
