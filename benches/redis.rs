@@ -35,8 +35,6 @@
 //! 100 and of 1,000 (`lease: { max: 100, ttl: 1s }`) next to the same rule without a lease
 //! and to the peer, twice in turn: with leases, most decisions make no call.
 //! `-- acquisition` runs both, and one call per request, side by side in one command.
-//! `-- in-flight` runs the engine 1x1 with a quota of 10,000,000 and of 65,535 in turn,
-//! three times: the second counts each bucket's calls in flight, the first is beyond it.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -70,17 +68,6 @@ rule_sets:
     rules:
       - id: per-ip
         bands: [{ capacity: 10000000, window: 1h }]
-"#;
-
-/// The same rule with a quota of 65,535 (the peer's largest): within what the limiter
-/// counts calls in flight of (`docs/redis.md`, "Calls in flight"), so each request takes and
-/// gives back its place; 10,000,000 is beyond it.
-const ONE_BY_ONE_COUNTED: &str = r#"
-rule_sets:
-  - id: default
-    rules:
-      - id: per-ip
-        bands: [{ capacity: 65535, window: 1h }]
 "#;
 
 const THREE_BY_TWO: &str = r#"
@@ -467,7 +454,6 @@ fn main() {
         "batched-3x2",
         "leased",
         "acquisition",
-        "in-flight",
     ];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
@@ -508,16 +494,6 @@ fn main() {
     if !only.is_empty() && run("3x2") {
         rt.block_on(fluxgate_engine("fluxgate engine 3x2", THREE_BY_TWO))
             .print();
-    }
-    if !only.is_empty() && run("in-flight") {
-        for _ in 0..3 {
-            rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
-            rt.block_on(fluxgate_engine(
-                "fluxgate engine 1x1, calls in flight counted",
-                ONE_BY_ONE_COUNTED,
-            ))
-            .print();
-        }
     }
     if !only.is_empty() && run("leased") {
         leased_against_the_peer(&rt);

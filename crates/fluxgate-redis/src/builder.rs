@@ -8,6 +8,7 @@ use futures_util::future::join_all;
 use crate::batch::Batching;
 use crate::connection::{self, Connection, DEFAULT_TIMEOUT};
 use crate::error::RedisError;
+use crate::in_flight::DEFAULT_CALLS_PER_KEY;
 use crate::limiter::RedisLimiter;
 use crate::script::Scripts;
 
@@ -19,6 +20,7 @@ pub struct RedisLimiterBuilder {
     timeout: Duration,
     pool_size: usize,
     deny_cache: bool,
+    calls_per_key: u64,
     reconnect_delay: Duration,
     batching: Option<Batching>,
 }
@@ -33,6 +35,7 @@ impl RedisLimiter {
             timeout: DEFAULT_TIMEOUT,
             pool_size: 4,
             deny_cache: true,
+            calls_per_key: DEFAULT_CALLS_PER_KEY,
             reconnect_delay: Duration::from_millis(100),
             batching: None,
         }
@@ -71,6 +74,24 @@ impl RedisLimiterBuilder {
     /// would admit, until it ends (see `docs/security.md`, "The deny cache").
     pub fn deny_cache(mut self, on: bool) -> Self {
         self.deny_cache = on;
+        self
+    }
+
+    /// The most calls for one key (one rule's bucket of one key value) in flight at once.
+    /// Default 64; at least 1.
+    ///
+    /// No more calls of a bucket go out at once than its rule admits (`capacity /
+    /// permits` of its smallest band), nor than this: a request beyond waits in the
+    /// process until a call returns, asks the deny cache again, and then makes its call
+    /// with a deadline of its own. Without the bound, a burst of one client sent at once
+    /// was a call per request, thousands queued for the connections past the deadline,
+    /// and the failure policy answered them (`fail_open` admitted them uncounted; see
+    /// `docs/security.md`, "The deny cache"). Raise it for a key busier than this many
+    /// calls per round trip to Redis (a global rule of more than 64,000 decisions a second
+    /// on one instance at 1 ms), knowing that a burst of that key can then hold more calls
+    /// out than the connections answer within the deadline.
+    pub fn calls_in_flight_per_key(mut self, most: u32) -> Self {
+        self.calls_per_key = u64::from(most.max(1));
         self
     }
 
@@ -133,7 +154,12 @@ impl RedisLimiterBuilder {
             }
             return Err(e);
         }
-        Ok(RedisLimiter::new(scripts, self.prefix, self.deny_cache, self.batching))
+        Ok(RedisLimiter::new(
+            scripts,
+            self.prefix,
+            (self.deny_cache, self.calls_per_key),
+            self.batching,
+        ))
     }
 }
 

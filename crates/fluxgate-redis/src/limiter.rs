@@ -15,7 +15,7 @@ use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
-use crate::in_flight::{Held, InFlight};
+use crate::in_flight::{Held, InFlight, DEFAULT_CALLS_PER_KEY};
 use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
@@ -101,8 +101,14 @@ impl fmt::Debug for RedisLimiter {
 }
 
 impl RedisLimiter {
-    /// A limiter running `scripts`, with a deny cache if `deny_cache`.
-    pub(crate) fn new(scripts: Scripts, prefix: String, deny_cache: bool, batching: Option<Batching>) -> Self {
+    /// A limiter running `scripts`, with a deny cache if `deny_cache`, no more than
+    /// `calls_per_key` calls of one bucket in flight at once.
+    pub(crate) fn new(
+        scripts: Scripts,
+        prefix: String,
+        (deny_cache, calls_per_key): (bool, u64),
+        batching: Option<Batching>,
+    ) -> Self {
         let cluster = scripts.connection().is_cluster();
         let scripts = Arc::new(scripts);
         Self {
@@ -111,7 +117,7 @@ impl RedisLimiter {
                 scripts,
                 prefix,
                 denied: deny_cache.then(|| Arc::new(DenyCache::new())),
-                in_flight: Arc::new(InFlight::new()),
+                in_flight: Arc::new(InFlight::new(calls_per_key)),
                 cluster,
             }),
         }
@@ -121,7 +127,12 @@ impl RedisLimiter {
     /// on the first call that finds it missing. The deny cache is on (see
     /// [`RedisLimiterBuilder::deny_cache`](crate::RedisLimiterBuilder::deny_cache)).
     pub fn from_client(client: Client, prefix: impl Into<String>) -> Self {
-        Self::new(Scripts::new(Connection::client(client)), prefix.into(), true, None)
+        Self::new(
+            Scripts::new(Connection::client(client)),
+            prefix.into(),
+            (true, DEFAULT_CALLS_PER_KEY),
+            None,
+        )
     }
 
     /// A limiter sharing this one's connections, prefix and deny cache, that decides in

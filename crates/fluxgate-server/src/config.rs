@@ -71,6 +71,9 @@ pub struct LimiterConfig {
     pub pool_size: Option<usize>,
     /// The local deny cache. Default on.
     pub deny_cache: Option<bool>,
+    /// The most calls for one key in flight at once, at least 1. Default 64
+    /// (`RedisLimiterBuilder::calls_in_flight_per_key`).
+    pub calls_in_flight_per_key: Option<u32>,
     /// `[limiter.batching]`: batched decisions; the table turns them on. Default off.
     pub batching: Option<BatchingConfig>,
     /// The delay between reconnection attempts, in milliseconds. Default 100.
@@ -422,6 +425,8 @@ impl Config {
             Some("`[http] header_timeout_ms` and `body_timeout_ms` must be at least 1")
         } else if self.limiter.timeout_ms == Some(0) {
             Some("`[limiter] timeout_ms` must be at least 1: with no time to answer, every decision would fail")
+        } else if self.limiter.calls_in_flight_per_key == Some(0) {
+            Some("`[limiter] calls_in_flight_per_key` must be at least 1: with none, no decision could be made")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
         } else {
@@ -520,12 +525,19 @@ mod tests {
     }
 
     /// A zero Redis deadline would fail every decision (and each gateway's failure policy
-    /// would then decide, `fail_open` admitting everything): refused, naming the option.
+    /// would then decide, `fail_open` admitting everything), and no call in flight per key
+    /// would let none out: both refused, naming the option.
     #[test]
     fn a_zero_redis_deadline_is_refused() {
         let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 0").unwrap();
         let error = config.check().unwrap_err().to_string();
         assert!(error.contains("`[limiter] timeout_ms` must be at least 1"), "{error}");
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ncalls_in_flight_per_key = 0").unwrap();
+        let error = config.check().unwrap_err().to_string();
+        assert!(
+            error.contains("`[limiter] calls_in_flight_per_key` must be at least 1"),
+            "{error}"
+        );
         let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 1").unwrap();
         assert!(config.check().is_ok());
     }

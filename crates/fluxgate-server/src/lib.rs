@@ -84,6 +84,9 @@ impl Service {
                 if let Some(on) = limiter.deny_cache {
                     builder = builder.deny_cache(on);
                 }
+                if let Some(most) = limiter.calls_in_flight_per_key {
+                    builder = builder.calls_in_flight_per_key(most);
+                }
                 if let Some(batching) = &limiter.batching {
                     builder = builder.batching(batching.batching());
                 }
