@@ -487,9 +487,31 @@ async fn a_leaky_refund_across_slots_gives_back_only_what_is_still_ahead() {
             .and_then(|t| t.parse::<i64>().ok())
             .expect("a stored instant")
     };
-    // Nothing came since: the whole cost goes back, five leak intervals.
-    let now = now_us();
-    assert_eq!(refund(now + 450_000, now + 450_000, now), now - 50_000);
+    // Nothing came since: the whole cost goes back, five leak intervals, when the refund
+    // runs within 50 ms of `now` (before the first of them leaks). Each step is a
+    // `redis-cli` process: on a busy machine the refund can run later, and then less goes
+    // back; such a run says so and is made again.
+    let mut timely = false;
+    for _ in 0..5 {
+        let now = now_us();
+        let after = refund(now + 450_000, now + 450_000, now);
+        let late = now_us() - now;
+        if late < 50_000 {
+            assert_eq!(after, now - 50_000, "the whole cost given back");
+            timely = true;
+            break;
+        }
+        eprintln!("the refund ran up to {late} µs after its decision (50,000 at most for this check): again");
+        assert!(
+            (now - 50_000..=now + 450_000).contains(&after),
+            "{} µs ahead",
+            after - now
+        );
+    }
+    assert!(
+        timely,
+        "no refund ran within 50 ms of its decision in 5 tries: the machine is too busy for this test"
+    );
     // Cases of a band whose state has changed since the request, in µs from now: the
     // stored instant, the request's end state, its decision, and the least the stored
     // instant may fall to (what may go back is no more than what is still to leak).
