@@ -27,8 +27,10 @@
 //! `onBackendFailure`, `lease` (`{ "max": 100, "ttl": "1s" }`) and `onLimit`
 //! (`{ "wait": { "maxWait": "500ms", "maxWaiters": 100 } }`). Other fields (`_class`, timestamps, …) are ignored,
 //! except those that name a field above in another case or in the rule files' snake_case
-//! (`Scope`, `on_missing_key`), and the rule files' `match`, `fields` and `attribute`: they
-//! are refused ([`DocumentProblem::Misspelled`]), since the rule would take the default.
+//! (`Scope`, `on_missing_key`), near misses of one (`permit`, `scopes`, `onMissingKeys`: one
+//! edit in a name of 5 to 7 letters, two in a longer one), and the rule files' `match`,
+//! `fields` and `attribute`: they are refused ([`DocumentProblem::Misspelled`]), since the
+//! rule would take the default.
 //!
 //! Numbers may be BSON int32, int64 or double; a double must be integral, except in
 //! `windowSeconds`, where it gives a fraction of a second in whole milliseconds (`0.5` is
@@ -171,9 +173,10 @@ pub enum DocumentProblem {
     #[error("{0}")]
     Duration(String),
     /// A field the mapping would ignore, though it names one the mapping reads: another
-    /// case or the rule files' snake_case (`Scope`, `on_missing_key`), or a field of the rule
-    /// files that documents name otherwise (`match`, `fields`, `attribute`). Refused rather
-    /// than ignored: the rule would take the default instead.
+    /// case or the rule files' snake_case (`Scope`, `on_missing_key`), a near miss
+    /// (`permit`, `scopes`, `onMissingKeys`), or a field of the rule files that documents
+    /// name otherwise (`match`, `fields`, `attribute`). Refused rather than ignored: the rule
+    /// would take the default instead.
     #[error("is not read; the field is `{known}` (document fields are camelCase, case-sensitive)")]
     Misspelled {
         /// The field the mapping reads.
@@ -878,19 +881,14 @@ const FILE_FIELDS: &[(&str, &str)] = &[
 ];
 
 /// Refuses a field of `document` that is not one of `known` but names one: the same
-/// letters in another case or with `_` and `-` (`Scope`, `on_missing_key`), or a field of
-/// the rule files (`renamed`). Other fields are ignored (metadata, timestamps).
+/// letters in another case or with `_` and `-` (`Scope`, `on_missing_key`), a near miss of
+/// one ([`near_miss`]: `permit`, `scopes`, `scpoe`, `onMissingKeys`), or a field of the rule
+/// files (`renamed`). Other fields are ignored (metadata, timestamps).
 fn misspelled(
     document: &Document,
     known: &[&'static str],
     renamed: &[(&str, &'static str)],
 ) -> Result<(), (String, DocumentProblem)> {
-    let squash = |name: &str| -> String {
-        name.chars()
-            .filter(|c| !matches!(c, '_' | '-'))
-            .map(|c| c.to_ascii_lowercase())
-            .collect()
-    };
     for key in document.keys() {
         if known.contains(&key.as_str()) {
             continue;
@@ -900,12 +898,77 @@ fn misspelled(
             .iter()
             .find(|name| squash(name) == squashed)
             .copied()
-            .or_else(|| renamed.iter().find(|(name, _)| name == key).map(|(_, known)| *known));
+            .or_else(|| renamed.iter().find(|(name, _)| name == key).map(|(_, known)| *known))
+            .or_else(|| near_miss(&squashed, known));
         if let Some(known) = near {
             return Err((echo(key), DocumentProblem::Misspelled { known }));
         }
     }
     Ok(())
+}
+
+/// A field name without `_` and `-`, in lower case: `on_missing_key` and `OnMissingKey` are
+/// both `onmissingkey`.
+fn squash(name: &str) -> String {
+    name.chars()
+        .filter(|c| !matches!(c, '_' | '-'))
+        .map(|c| c.to_ascii_lowercase())
+        .collect()
+}
+
+/// The known field that `squashed` (a [`squash`]ed name) misspells, if any: the nearest one
+/// within one edit (a letter added, left out, replaced, or two neighbours swapped) of a
+/// name of 5 to 7 letters, or two edits of a longer one. Names of 4 letters or fewer (`id`,
+/// `name`, `mode`, `path`, `max`, `ttl`) take no edit: too many short words of metadata
+/// (`code`, `note`, `node`) are that near to them.
+fn near_miss(squashed: &str, known: &[&'static str]) -> Option<&'static str> {
+    known
+        .iter()
+        .filter_map(|&name| {
+            let target = squash(name);
+            let allowed = match target.chars().count() {
+                0..=4 => 0,
+                5..=7 => 1,
+                _ => 2,
+            };
+            let distance = edit_distance(squashed, &target);
+            (distance > 0 && distance <= allowed).then_some((distance, name))
+        })
+        .min_by_key(|&(distance, _)| distance)
+        .map(|(_, name)| name)
+}
+
+/// The optimal string alignment distance between `a` and `b`: the fewest letters added,
+/// left out or replaced, and neighbours swapped, that make one the other. Field names are
+/// short; longer texts are not compared (`usize::MAX`).
+fn edit_distance(a: &str, b: &str) -> usize {
+    const LONGEST: usize = 64;
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    if a.len() > LONGEST || b.len() > LONGEST {
+        return usize::MAX;
+    }
+    // rows[i][j]: the distance between the first i letters of a and the first j of b.
+    let mut rows = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in rows.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in rows[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut d = (rows[i - 1][j] + 1)
+                .min(rows[i][j - 1] + 1)
+                .min(rows[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                d = d.min(rows[i - 2][j - 2] + 1);
+            }
+            rows[i][j] = d;
+        }
+    }
+    rows[a.len()][b.len()]
 }
 
 /// `windowSeconds`: whole seconds as an integer, or seconds with a fraction as a double,

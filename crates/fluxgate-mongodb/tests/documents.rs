@@ -351,6 +351,166 @@ fn a_known_field_misspelled_is_refused_not_ignored() {
     )]);
 }
 
+/// A near miss of a field the mapping reads (a letter added, left out, replaced or two
+/// swapped: one edit for names of 5 to 7 letters, two for longer ones) is refused, naming the
+/// field, rather than ignored for the default: ignored, `scopes: GLOBAL` counted per IP
+/// (50 of 100 requests from 5 addresses admitted under a global limit of 10), `permit: 5`
+/// cost 1 (50 admitted where 10 were meant), `onMissingKeys: deny` counted the requests
+/// without a user per IP (50 admitted where none were meant).
+#[test]
+fn a_near_miss_of_a_known_field_is_refused_not_ignored() {
+    let cases: [(Document, &str, &str); 13] = [
+        (doc! { "scopes": "GLOBAL" }, "scopes", "scope"),
+        (doc! { "scpoe": "GLOBAL" }, "scpoe", "scope"),
+        (doc! { "permit": 5 }, "permit", "permits"),
+        (doc! { "Permit": 5 }, "Permit", "permits"),
+        (
+            doc! { "scope": "PER_USER", "onMissingKeys": "deny" },
+            "onMissingKeys",
+            "onMissingKey",
+        ),
+        (doc! { "algoritm": "sliding_window_log" }, "algoritm", "algorithm"),
+        (
+            doc! { "onBackendFailures": "fail_closed" },
+            "onBackendFailures",
+            "onBackendFailure",
+        ),
+        (
+            doc! { "backendFailure": "fail_closed" },
+            "backendFailure",
+            "onBackendFailure",
+        ),
+        (doc! { "priorty": 5 }, "priorty", "priority"),
+        (doc! { "band": [] }, "band", "bands"),
+        (
+            doc! { "onLimit": { "wait": { "maxWait": "1s", "maxWaiters": 5, "maxWaiter": 1 } } },
+            "onLimit.wait.maxWaiter",
+            "maxWaiters",
+        ),
+        (
+            band(doc! { "windowSeconds": 1, "capacity": 10, "capcity": 1 }),
+            "bands[0].capcity",
+            "capacity",
+        ),
+        (
+            band(doc! { "windowSeconds": 1, "capacity": 10, "labels": "x" }),
+            "bands[0].labels",
+            "label",
+        ),
+    ];
+    for (fields, field, known) in cases {
+        let message = error_with(fields);
+        assert!(
+            message.contains(&format!("field `{field}`")) && message.contains(&format!("the field is `{known}`")),
+            "{field}: {message}"
+        );
+    }
+    assert_eq!(
+        error_with(doc! { "permit": 5 }),
+        "document {ruleSetId: \"api\", id: \"r\"}: field `permit`: is not read; the field is \
+         `permits` (document fields are camelCase, case-sensitive)"
+    );
+    // Spelled right, the limit is the one meant: 10 of 100 requests from 5 addresses.
+    let global = load(&[with(doc! { "scope": "GLOBAL" })]);
+    assert_eq!(admitted(global, 5, 20), 10);
+    let costly = load(&[with(doc! { "permits": 5 })]);
+    assert_eq!(admitted(costly, 5, 20), 10);
+}
+
+/// Metadata that people and tools write next to a rule stays ignored: no field the mapping
+/// reads is that near to these names.
+#[test]
+fn metadata_fields_are_not_taken_for_near_misses() {
+    let mut metadata = Document::new();
+    for name in [
+        "createdAt",
+        "updatedAt",
+        "createdBy",
+        "updatedBy",
+        "modifiedAt",
+        "lastModified",
+        "version",
+        "__v",
+        "_rev",
+        "description",
+        "desc",
+        "comment",
+        "comments",
+        "note",
+        "notes",
+        "tags",
+        "owner",
+        "team",
+        "tenant",
+        "service",
+        "env",
+        "environment",
+        "region",
+        "source",
+        "status",
+        "type",
+        "kind",
+        "category",
+        "group",
+        "labels",
+        "meta",
+        "metadata",
+        "expiresAt",
+        "code",
+        "node",
+        "model",
+        "deleted",
+        "active",
+        "disabled",
+        "schemaVersion",
+        "hash",
+        "revision",
+        "author",
+        "title",
+        "displayName",
+        "ruleName",
+        "ruleSetName",
+        "order",
+        "index",
+        "limit",
+        "release",
+        "enabledAt",
+        "scopeNote",
+        "ticket",
+        "reason",
+    ] {
+        metadata.insert(name, "x");
+    }
+    let plain = load(&[with(doc! {})]);
+    assert_eq!(plain.get("api"), load(&[with(metadata)]).get("api"));
+}
+
+/// Requests from `ips` addresses, `each` from every one, decided in memory with no time
+/// passing: how many are admitted.
+fn admitted(rules: RuleSets, ips: u8, each: usize) -> usize {
+    let limiter = fluxgate_core::MemoryLimiter::builder()
+        .clock(fluxgate_core::ManualClock::new(1_700_000_000_000_000_000))
+        .build();
+    let engine = fluxgate_core::Engine::builder(rules)
+        .limiter(limiter)
+        .build()
+        .expect("an engine");
+    let mut admitted = 0;
+    for ip in 0..ips {
+        let ctx = fluxgate_core::RequestContext::builder()
+            .rule_set_id("api")
+            .client_ip(std::net::IpAddr::from([192, 0, 2, ip]))
+            .build();
+        for _ in 0..each {
+            let Ok(decision) = engine.check(&ctx).into_ready() else {
+                panic!("decided at once")
+            };
+            admitted += usize::from(decision.expect("a decision").allowed());
+        }
+    }
+    admitted
+}
+
 #[test]
 fn a_document_that_cannot_be_read_names_itself_and_the_field() {
     let cases: Vec<(Document, &str)> = vec![
