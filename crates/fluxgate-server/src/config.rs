@@ -84,6 +84,32 @@ pub struct LimiterConfig {
     pub circuit_cool_down_ms: Option<u64>,
 }
 
+impl LimiterConfig {
+    /// Whether any option is given (the section is written).
+    fn is_set(&self) -> bool {
+        let Self {
+            prefix,
+            timeout_ms,
+            pool_size,
+            deny_cache,
+            calls_in_flight_per_key,
+            batching,
+            reconnect_delay_ms,
+            circuit_failures,
+            circuit_cool_down_ms,
+        } = self;
+        prefix.is_some()
+            || timeout_ms.is_some()
+            || pool_size.is_some()
+            || deny_cache.is_some()
+            || calls_in_flight_per_key.is_some()
+            || batching.is_some()
+            || reconnect_delay_ms.is_some()
+            || circuit_failures.is_some()
+            || circuit_cool_down_ms.is_some()
+    }
+}
+
 /// `[limiter.batching]`: batched decisions (`fluxgate_redis::Batching`): the requests the
 /// service decides while its Redis calls are in flight go to Redis together, one script call
 /// per batch. The table's presence turns them on; each option has `Batching`'s default.
@@ -415,6 +441,11 @@ impl Config {
     pub fn check(&self) -> Result<(), ConfigError> {
         let problem = if self.store.enabled && self.redis.is_none() {
             Some("`[store] enabled` needs `redis`")
+        } else if self.redis.is_none() && self.limiter.is_set() {
+            Some(
+                "`[limiter]` configures the Redis limiter and needs `redis`: without it, buckets are kept in \
+                 memory, each instance of the service counting on its own",
+            )
         } else if self.store.enabled && self.rules.is_some() {
             Some("rules come either from `rules` (a file) or from `[store]`, not both")
         } else if !self.store.enabled && self.rules.is_none() {
@@ -529,16 +560,71 @@ mod tests {
     /// would let none out: both refused, naming the option.
     #[test]
     fn a_zero_redis_deadline_is_refused() {
-        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 0").unwrap();
+        let redis = "rules = \"rules.yaml\"\nredis = \"redis://127.0.0.1\"\n";
+        let config: Config = toml::from_str(&format!("{redis}[limiter]\ntimeout_ms = 0")).unwrap();
         let error = config.check().unwrap_err().to_string();
         assert!(error.contains("`[limiter] timeout_ms` must be at least 1"), "{error}");
-        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ncalls_in_flight_per_key = 0").unwrap();
+        let config: Config = toml::from_str(&format!("{redis}[limiter]\ncalls_in_flight_per_key = 0")).unwrap();
         let error = config.check().unwrap_err().to_string();
         assert!(
             error.contains("`[limiter] calls_in_flight_per_key` must be at least 1"),
             "{error}"
         );
-        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 1").unwrap();
+        let config: Config = toml::from_str(&format!("{redis}[limiter]\ntimeout_ms = 1")).unwrap();
+        assert!(config.check().is_ok());
+    }
+
+    /// A misspelled option, or one at the wrong level, is refused naming it, never ignored
+    /// for a default that protects less (resets open to any publisher, admin endpoints off or
+    /// on with another token, fail-open decisions, no deadline), and so is a value of the
+    /// wrong type (a string for a boolean, a negative or fractional number of ms).
+    #[test]
+    fn misspelled_or_misplaced_options_are_refused() {
+        let base = "rules = \"rules.yaml\"\n";
+        for (text, named) in [
+            ("[store]\nrequire_reset_grant = true", "require_reset_grant"),
+            ("[store]\nrequire-reset-grants = true", "require-reset-grants"),
+            ("require_reset_grants = true", "require_reset_grants"),
+            ("[admin]\ntokn = \"0123456789abcdefgh\"", "tokn"),
+            ("admin_token = \"0123456789abcdefgh\"", "admin_token"),
+            ("[engine]\non_backend_failures = \"fail_closed\"", "on_backend_failures"),
+            ("[engine]\nunknown_rule_sets = \"deny\"", "unknown_rule_sets"),
+            ("[limiter]\ntimeout = 10", "timeout"),
+            ("[limiter]\non_backend_failure = \"fail_closed\"", "on_backend_failure"),
+            ("[http]\nheader_timeout = 1000", "header_timeout"),
+            ("[server]\nlisten = \"127.0.0.1:1\"", "server"),
+            ("[engine]\nunknown_rule_set = \"Deny\"", "Deny"),
+            ("[engine]\non_backend_failure = \"fail-closed\"", "fail-closed"),
+            ("[store]\nrequire_reset_grants = \"true\"", "require_reset_grants"),
+            ("[limiter]\ntimeout_ms = -1", "timeout_ms"),
+            ("[limiter]\ntimeout_ms = 1.5", "timeout_ms"),
+        ] {
+            let error = toml::from_str::<Config>(&format!("{base}{text}"))
+                .map(|_| ())
+                .expect_err(text)
+                .to_string();
+            assert!(error.contains(named), "{text}: {error}");
+        }
+    }
+
+    /// `[limiter]` without `redis` (a `--redis` flag left out of one deployment) would run
+    /// the service on in-memory buckets, each instance admitting the whole limit: refused,
+    /// naming the option. With `--redis`, or with no `[limiter]` option, it starts.
+    #[test]
+    fn limiter_options_without_redis_are_refused() {
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]\ntimeout_ms = 20").unwrap();
+        let error = config.check().unwrap_err().to_string();
+        assert!(
+            error.contains("`[limiter]` configures the Redis limiter and needs `redis`"),
+            "{error}"
+        );
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter.batching]").unwrap();
+        assert!(config.check().is_err());
+        let config: Config =
+            toml::from_str("rules = \"rules.yaml\"\nredis = \"redis://127.0.0.1\"\n[limiter]\ntimeout_ms = 20")
+                .unwrap();
+        assert!(config.check().is_ok());
+        let config: Config = toml::from_str("rules = \"rules.yaml\"\n[limiter]").unwrap();
         assert!(config.check().is_ok());
     }
 
