@@ -21,6 +21,7 @@ mod support {
 
 mod backend;
 mod batching;
+mod calls_in_flight;
 mod changes;
 mod client_failures;
 mod cluster;

@@ -58,6 +58,8 @@ struct Entry {
     waiting: u32,
     /// Wakes a waiting request when a call returns.
     returned: Option<Arc<Notify>>,
+    /// How many calls missed their deadline: the requests waiting then fail too.
+    timeouts: u64,
 }
 
 /// The buckets of a request that a call takes a place among the calls in flight of: the
@@ -78,6 +80,8 @@ pub(crate) struct Held {
     table: Option<Arc<InFlight>>,
     counted: Counted,
     out_until: Option<Instant>,
+    /// The call missed its deadline.
+    timed_out: bool,
 }
 
 impl Held {
@@ -87,6 +91,7 @@ impl Held {
             table: None,
             counted: Counted(SmallVec::new()),
             out_until: None,
+            timed_out: false,
         }
     }
 
@@ -95,9 +100,13 @@ impl Held {
         self.out_until = Some(deadline);
     }
 
-    /// The call returned: its places are given back when this is dropped.
-    pub(crate) fn returned(&mut self) {
+    /// The call returned, or missed its deadline (`timed_out`): its places are given back
+    /// when this is dropped, and after a missed deadline the requests waiting for them fail
+    /// at once (Redis hangs: each would wait for a call to miss its deadline, one after
+    /// another, then miss its own).
+    pub(crate) fn returned(&mut self, timed_out: bool) {
         self.out_until = None;
+        self.timed_out = timed_out;
     }
 }
 
@@ -115,6 +124,7 @@ impl Drop for Held {
                     table: Some(table),
                     counted,
                     out_until: None,
+                    timed_out: false,
                 };
                 runtime.spawn(async move {
                     tokio::time::sleep_until(until.into()).await;
@@ -123,7 +133,7 @@ impl Drop for Held {
                 return;
             }
         }
-        table.give_back(&counted);
+        table.give_back(&counted, self.timed_out);
     }
 }
 
@@ -157,7 +167,10 @@ impl InFlight {
             if bucket.rule.mode() == Mode::Shadow {
                 continue;
             }
-            let permits = bucket.permits.max(1);
+            // The rule's cost, not the call's: a lease's call takes more permits than its
+            // request, and every call of a bucket must count its places alike, or a place
+            // that one frees goes unseen by a request that waits with another count.
+            let permits = bucket.rule.permits().max(1);
             let at_once = bucket
                 .rule
                 .bands()
@@ -188,7 +201,7 @@ impl InFlight {
             let entry = shard.entry(hash).or_default();
             if entry.calls >= at_once {
                 drop(shard);
-                self.give_back(&Counted(counted.0[..taken].iter().copied().collect()));
+                self.give_back(&Counted(counted.0[..taken].iter().copied().collect()), false);
                 return Err((counted, (hash, at_once)));
             }
             entry.calls += 1;
@@ -197,16 +210,24 @@ impl InFlight {
             table: Some(self.clone()),
             counted,
             out_until: None,
+            timed_out: false,
         })
     }
 
     /// Gives back one place of each bucket of `counted`, waking a request that waits for
-    /// one.
-    fn give_back(&self, counted: &Counted) {
+    /// one; or, for a call that missed its deadline (`timed_out`), every request waiting,
+    /// to fail.
+    fn give_back(&self, counted: &Counted, timed_out: bool) {
         for &(hash, at_once) in &counted.0 {
             let mut shard = self.shard(hash);
             if let Some(entry) = shard.get_mut(&hash) {
                 entry.calls = entry.calls.saturating_sub(1);
+                if timed_out && entry.waiting > 0 {
+                    entry.timeouts = entry.timeouts.wrapping_add(1);
+                    if let Some(returned) = &entry.returned {
+                        returned.notify_waiters();
+                    }
+                }
                 if entry.waiting > 0 && entry.calls < at_once {
                     if let Some(returned) = &entry.returned {
                         returned.notify_one();
@@ -227,11 +248,13 @@ impl InFlight {
     /// Takes the places of `counted`, waiting for calls in flight to return while a
     /// bucket has as many as it lets out at once. After each wait, `answered` may answer
     /// the request without a call (the deny cache, which the call that returned may have
-    /// taught); that answer is returned instead.
+    /// taught); that answer is returned instead. When a call of the bucket waited for
+    /// missed its deadline meanwhile, the answer is `failed`'s.
     pub(crate) async fn wait<T>(
         self: &Arc<Self>,
         counted: Counted,
         mut answered: impl FnMut() -> Option<T>,
+        failed: impl FnOnce() -> T,
     ) -> Result<Held, T> {
         let (mut counted, mut full) = match self.take(counted) {
             Ok(held) => return Ok(held),
@@ -254,6 +277,9 @@ impl InFlight {
             if let Some(answer) = answered() {
                 return Err(answer);
             }
+            if waiting.saw_a_timeout() {
+                return Err(failed());
+            }
             match self.take(counted) {
                 Ok(held) => return Ok(held),
                 Err(again) => (counted, full) = again,
@@ -269,6 +295,8 @@ struct Waiting<'a> {
     hash: u64,
     at_once: u64,
     returned: Arc<Notify>,
+    /// The bucket's missed deadlines when the wait began.
+    timeouts: u64,
 }
 
 impl<'a> Waiting<'a> {
@@ -282,7 +310,16 @@ impl<'a> Waiting<'a> {
             hash,
             at_once,
             returned,
+            timeouts: entry.timeouts,
         }
+    }
+
+    /// Whether a call of the bucket missed its deadline since the wait began.
+    fn saw_a_timeout(&self) -> bool {
+        let shard = self.table.shard(self.hash);
+        shard
+            .get(&self.hash)
+            .is_some_and(|entry| entry.timeouts != self.timeouts)
     }
 }
 
@@ -429,7 +466,7 @@ rule_sets:
                 tokio::spawn(async move {
                     let counted = table.counted("p", &request("ip=a", &[0]));
                     table
-                        .wait(counted, || refused.load(Ordering::SeqCst).then_some(()))
+                        .wait(counted, || refused.load(Ordering::SeqCst).then_some(()), || ())
                         .await
                         .is_ok()
                 })
@@ -466,7 +503,7 @@ rule_sets:
             let (table, tx) = (table.clone(), tx.clone());
             tokio::spawn(async move {
                 let counted = table.counted("p", &request("ip=a", &[0]));
-                if let Ok(held) = table.wait(counted, || None::<()>).await {
+                if let Ok(held) = table.wait(counted, || None::<()>, || ()).await {
                     let _ = tx.send((n, held));
                 }
             });
@@ -508,6 +545,85 @@ rule_sets:
         drop(returned);
     }
 
+    /// A call that missed its deadline fails the requests waiting for its bucket at once:
+    /// while Redis hangs, each would otherwise wait for a call to miss its deadline, one
+    /// after another (400 requests of a bucket letting out 10 calls at once waited up to
+    /// 2 s for a deadline of 50 ms).
+    #[tokio::test(start_paused = true)]
+    async fn a_call_that_missed_its_deadline_fails_the_requests_waiting_for_it() {
+        let table = table();
+        let mut held: Vec<Held> = (0..2)
+            .map(|_| table.try_take(table.counted("p", &request("ip=a", &[0]))).ok())
+            .collect::<Option<_>>()
+            .expect("two places");
+        let waiters: Vec<_> = (0..5)
+            .map(|_| {
+                let table = table.clone();
+                tokio::spawn(async move {
+                    let counted = table.counted("p", &request("ip=a", &[0]));
+                    table.wait(counted, || None::<&str>, || "failed").await.err()
+                })
+            })
+            .collect();
+        tokio::task::yield_now().await;
+        let mut timed_out = held.pop().expect("a call");
+        timed_out.returned(true);
+        drop(timed_out);
+        let mut failed = 0;
+        for waiter in waiters {
+            let answer = tokio::time::timeout(Duration::from_millis(1), waiter)
+                .await
+                .expect("answered at once")
+                .expect("no panic");
+            failed += usize::from(answer == Some("failed"));
+        }
+        assert_eq!(failed, 5, "every request waiting failed with the call");
+        // Requests that come later wait for no call that has failed.
+        let later = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
+        assert!(later.is_some(), "the place of the call that failed is free");
+        drop((held, later));
+        assert_eq!(entries(&table), 0);
+    }
+
+    /// Calls of one bucket may take different permits (a lease's call takes its request's
+    /// and the lease's). Counted by its own permits, a call of 2 of a bucket of 2 let out 1
+    /// at once and a call of 1 let out 2: when the call of 2 returned, leaving one call
+    /// out, the request of 1 permit waiting was not woken (still waiting 10 s later) while
+    /// a newcomer took the free place. Every call of a bucket counts by its rule's cost.
+    #[tokio::test(start_paused = true)]
+    async fn a_place_freed_by_a_call_of_more_permits_wakes_a_waiting_request() {
+        let sets = RuleSets::from_yaml_str(
+            "rule_sets:\n  - id: api\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n",
+        )
+        .expect("valid rules");
+        let set = sets.get("api").expect("defined").clone();
+        let of = |permits: u64| {
+            let mut request = AcquireRequest::new(set.clone());
+            request.push_permits(0, Text::from("ip=a"), permits);
+            request
+        };
+        let table = table();
+        let lease = table.try_take(table.counted("p", &of(2))).ok().expect("a place");
+        let one = table.try_take(table.counted("p", &of(1))).ok().expect("a second place");
+        let waiter = {
+            let (table, request) = (table.clone(), of(1));
+            tokio::spawn(async move {
+                let counted = table.counted("p", &request);
+                table.wait(counted, || None::<()>, || ()).await.is_ok()
+            })
+        };
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "two calls out of two");
+        drop(lease);
+        // One call out of two: the waiting request may go.
+        let woken = tokio::time::timeout(Duration::from_secs(10), waiter).await;
+        assert!(
+            woken.is_ok_and(|took| took.is_ok_and(|took| took)),
+            "the waiting request took the place that was free"
+        );
+        drop(one);
+    }
+
     /// A waiting request that is dropped frees its wait: the bucket's entry goes once no
     /// call is in flight.
     #[tokio::test]
@@ -521,7 +637,7 @@ rule_sets:
             let table = table.clone();
             tokio::spawn(async move {
                 let counted = table.counted("p", &request("ip=a", &[0]));
-                table.wait(counted, || None::<()>).await.is_ok()
+                table.wait(counted, || None::<()>, || ()).await.is_ok()
             })
         };
         tokio::task::yield_now().await;

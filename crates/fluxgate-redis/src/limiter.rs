@@ -237,11 +237,17 @@ impl RateLimiter for RedisLimiter {
                 MaybeReady::boxed(async move {
                     let taken = inner
                         .in_flight
-                        .wait(counted, || inner.denied(&request, &calls, Instant::now()))
+                        .wait(
+                            counted,
+                            || inner.denied(&request, &calls, Instant::now()).map(Ok),
+                            // A call it waited for missed its deadline: Redis hangs, and
+                            // this request would only wait for its own call to miss it too.
+                            || Err(RedisError::Timeout(inner.scripts.connection().timeout()).into()),
+                        )
                         .await;
                     match taken {
                         Ok(held) => Self::call(&inner, request, calls, Instant::now(), held).await,
-                        Err(refused) => Ok(refused),
+                        Err(answer) => answer,
                     }
                 })
             }
@@ -314,6 +320,11 @@ impl RateLimiter for RedisLimiter {
     }
 }
 
+/// Whether `error` is a call's missed deadline.
+fn timed_out(error: &(dyn std::error::Error + 'static)) -> bool {
+    matches!(error.downcast_ref::<RedisError>(), Some(RedisError::Timeout(_)))
+}
+
 impl RedisLimiter {
     /// Decides `request` by its `calls`, made from `start`, holding their places among
     /// their buckets' calls in flight.
@@ -359,7 +370,7 @@ impl RedisLimiter {
                     };
                     // Answered or failed, the call is no longer out (one that timed out
                     // may still run, but its deadline has passed).
-                    held.returned();
+                    held.returned(reply.as_ref().err().is_some_and(|e| timed_out(&**e)));
                     let mut reply = reply?;
                     let mut marks = std::mem::take(&mut reply.marks);
                     mark_instants(&bands, &mut marks, reply.now_us);
@@ -392,7 +403,7 @@ impl RedisLimiter {
             // happen whether or not this future is still awaited.
             let task = tokio::spawn(async move {
                 let decided = decide_across_slots(scripts, calls, request, decided).await;
-                held.returned();
+                held.returned(matches!(decided, Err(RedisError::Timeout(_))));
                 decided
             });
             match task.await {
