@@ -94,14 +94,14 @@ async fn while_redis_hangs_no_request_waits_much_longer_than_its_deadline() {
 
 /// A client that abandons each request as soon as it is sent (an HTTP/2 client resetting
 /// its streams) while clients of other addresses send a request every 2 ms for 1 s, under a
-/// global rule whose bucket lets out 5 calls at once: how long the other clients' decisions
-/// take, with and without the abandoning client. An abandoned call keeps its places until
-/// its deadline (50 ms) though Redis answered it in a millisecond, and teaches the deny
-/// cache nothing: the abandoning client, refused everything, holds the global bucket's 5
-/// places, and the other clients' slowest decisions went from 3-4 ms to 32-41 ms.
+/// global rule whose bucket lets out 5 calls at once: the other clients' decisions take
+/// about as long as without it. An abandoned call runs to its end: its places are given
+/// back when Redis answers, and its refusal reaches the deny cache. Held until the 50 ms
+/// deadline instead, they let the abandoning client, refused everything, hold the global
+/// bucket's 5 places: the other clients' slowest decisions went from 3-4 ms to 32-45 ms,
+/// and they made 417 to 488 decisions in the second instead of about 1,000.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "an abandoned call keeps its places until its deadline"]
-async fn a_client_abandoning_its_calls_delays_the_other_clients_of_a_global_rule() {
+async fn a_client_abandoning_its_calls_does_not_delay_the_other_clients_of_a_global_rule() {
     let server = RedisServer::start();
     let quiet = others(&server, false).await;
     let attacked = others(&server, true).await;

@@ -15,7 +15,7 @@ use crate::connection::Connection;
 use crate::deny_cache::DenyCache;
 use crate::error::RedisError;
 use crate::health::{self, Health};
-use crate::in_flight::{Held, InFlight, DEFAULT_CALLS_PER_KEY};
+use crate::in_flight::{Held, InFlight, RunsOut, DEFAULT_CALLS_PER_KEY};
 use crate::key;
 use crate::protocol::{DecideArgs, Reply};
 use crate::request::Keys;
@@ -338,7 +338,7 @@ impl RedisLimiter {
         let cluster = inner.scripts.connection().is_cluster();
         let remembers = inner.deny_cache(&request).map(|(_, probe)| probe);
         let inner = inner.clone();
-        held.sent(start + inner.scripts.connection().timeout());
+        let deadline = start + inner.scripts.connection().timeout();
         // One call (always so on a standalone Redis): nothing to refund.
         if calls.len() == 1 {
             if let Some(Call {
@@ -348,7 +348,8 @@ impl RedisLimiter {
                 bands,
             }) = calls.pop()
             {
-                return MaybeReady::boxed(async move {
+                return MaybeReady::boxed(RunsOut::new(async move {
+                    held.sent(deadline);
                     let reply = match inner.decide(slot, keys, &args).await {
                         // The keys went to Redis: made again from the request (one call, as
                         // the first time), then decided within the rest of the deadline. A
@@ -385,7 +386,7 @@ impl RedisLimiter {
                         cache.remember(&request, &inner.prefix, &bands, &outcome, start, probe);
                     }
                     Ok(outcome)
-                });
+                }));
             }
         }
         let calls = calls.into_vec();
@@ -402,6 +403,7 @@ impl RedisLimiter {
             // Spawned at the first poll: once a call has gone out, the refunds it may need
             // happen whether or not this future is still awaited.
             let task = tokio::spawn(async move {
+                held.sent(deadline);
                 let decided = decide_across_slots(scripts, calls, request, decided).await;
                 held.returned(matches!(decided, Err(RedisError::Timeout(_))));
                 decided
