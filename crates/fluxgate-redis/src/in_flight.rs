@@ -63,9 +63,20 @@ struct Entry {
     waiting: u32,
     /// Wakes a waiting request when a call returns.
     returned: Option<Arc<Notify>>,
-    /// How many calls missed their deadline: the requests waiting then fail too.
-    timeouts: u64,
+    /// The calls that missed their deadline since a call of the bucket last returned.
+    timeouts_in_a_row: u32,
+    /// How many times the requests waiting were failed ([`TIMEOUTS_TO_FAIL`]).
+    failed: u64,
 }
+
+/// After this many calls of a bucket in a row missed their deadline, Redis is taken to
+/// hang and the requests waiting for the bucket fail at once (the failure policy answers
+/// them): each would otherwise wait for a call to miss its deadline, one after another (400
+/// requests of a bucket letting out 10 calls at once waited up to 2 s for a deadline of
+/// 50 ms). One missed deadline alone (a stall of the connection, an overload) does not:
+/// every request waiting behind a burst's calls then failed, and `fail_open` admitted the
+/// whole burst uncounted. As the circuit breaker's default threshold.
+const TIMEOUTS_TO_FAIL: u32 = 3;
 
 /// The buckets of a request that a call takes a place among the calls in flight of: the
 /// hash of each and how many calls it lets out at once.
@@ -107,9 +118,8 @@ impl Held {
     }
 
     /// The call returned, or missed its deadline (`timed_out`): its places are given back
-    /// when this is dropped, and after a missed deadline the requests waiting for them fail
-    /// at once (Redis hangs: each would wait for a call to miss its deadline, one after
-    /// another, then miss its own).
+    /// when this is dropped, and after [`TIMEOUTS_TO_FAIL`] missed deadlines in a row the
+    /// requests waiting for them fail at once.
     pub(crate) fn returned(&mut self, timed_out: bool) {
         self.out_until = None;
         self.timed_out = timed_out;
@@ -271,15 +281,20 @@ impl InFlight {
     }
 
     /// Gives back one place of each bucket of `counted`, waking a request that waits for
-    /// one; or, for a call that missed its deadline (`timed_out`), every request waiting,
-    /// to fail.
+    /// one; or, for the last of [`TIMEOUTS_TO_FAIL`] calls in a row that missed their
+    /// deadline (`timed_out`), every request waiting, to fail.
     fn give_back(&self, counted: &Counted, timed_out: bool) {
         for &(hash, at_once) in &counted.0 {
             let mut shard = self.shard(hash);
             if let Some(entry) = shard.get_mut(&hash) {
                 entry.calls = entry.calls.saturating_sub(1);
-                if timed_out && entry.waiting > 0 {
-                    entry.timeouts = entry.timeouts.wrapping_add(1);
+                entry.timeouts_in_a_row = if timed_out {
+                    entry.timeouts_in_a_row.saturating_add(1)
+                } else {
+                    0
+                };
+                if entry.timeouts_in_a_row >= TIMEOUTS_TO_FAIL && entry.waiting > 0 {
+                    entry.failed = entry.failed.wrapping_add(1);
                     if let Some(returned) = &entry.returned {
                         returned.notify_waiters();
                     }
@@ -304,8 +319,8 @@ impl InFlight {
     /// Takes the places of `counted`, waiting for calls in flight to return while a
     /// bucket has as many as it lets out at once. After each wait, `answered` may answer
     /// the request without a call (the deny cache, which the call that returned may have
-    /// taught); that answer is returned instead. When a call of the bucket waited for
-    /// missed its deadline meanwhile, the answer is `failed`'s.
+    /// taught); that answer is returned instead. When the bucket's calls missed
+    /// [`TIMEOUTS_TO_FAIL`] deadlines in a row meanwhile, the answer is `failed`'s.
     pub(crate) async fn wait<T>(
         self: &Arc<Self>,
         counted: Counted,
@@ -351,8 +366,8 @@ struct Waiting<'a> {
     hash: u64,
     at_once: u64,
     returned: Arc<Notify>,
-    /// The bucket's missed deadlines when the wait began.
-    timeouts: u64,
+    /// How many times the bucket's waiting requests were failed when the wait began.
+    failed: u64,
 }
 
 impl<'a> Waiting<'a> {
@@ -366,16 +381,15 @@ impl<'a> Waiting<'a> {
             hash,
             at_once,
             returned,
-            timeouts: entry.timeouts,
+            failed: entry.failed,
         }
     }
 
-    /// Whether a call of the bucket missed its deadline since the wait began.
+    /// Whether the bucket's calls missed [`TIMEOUTS_TO_FAIL`] deadlines in a row since the
+    /// wait began.
     fn saw_a_timeout(&self) -> bool {
         let shard = self.table.shard(self.hash);
-        shard
-            .get(&self.hash)
-            .is_some_and(|entry| entry.timeouts != self.timeouts)
+        shard.get(&self.hash).is_some_and(|entry| entry.failed != self.failed)
     }
 }
 
@@ -601,44 +615,54 @@ rule_sets:
         drop(returned);
     }
 
-    /// A call that missed its deadline fails the requests waiting for its bucket at once:
-    /// while Redis hangs, each would otherwise wait for a call to miss its deadline, one
-    /// after another (400 requests of a bucket letting out 10 calls at once waited up to
-    /// 2 s for a deadline of 50 ms).
+    /// Calls of a bucket that miss their deadline [`TIMEOUTS_TO_FAIL`] times in a row fail
+    /// the requests waiting for it at once: while Redis hangs, each would otherwise wait
+    /// for a call to miss its deadline, one after another (400 requests of a bucket letting
+    /// out 10 calls at once waited up to 2 s for a deadline of 50 ms). A missed deadline
+    /// fewer fails none of them: one stalled call failed every request waiting behind a
+    /// burst, all of which `fail_open` then admitted uncounted.
     #[tokio::test(start_paused = true)]
-    async fn a_call_that_missed_its_deadline_fails_the_requests_waiting_for_it() {
+    async fn calls_that_miss_their_deadline_in_a_row_fail_the_requests_waiting() {
         let table = table();
-        let mut held: Vec<Held> = (0..2)
-            .map(|_| table.try_take(table.counted("p", &request("ip=a", &[0]))).ok())
+        let counted = || table.counted("p", &request("ip=a", &[0]));
+        let mut out: Vec<Held> = (0..2)
+            .map(|_| table.try_take(counted()).ok())
             .collect::<Option<_>>()
             .expect("two places");
-        let waiters: Vec<_> = (0..5)
-            .map(|_| {
-                let table = table.clone();
-                tokio::spawn(async move {
-                    let counted = table.counted("p", &request("ip=a", &[0]));
-                    table.wait(counted, || None::<&str>, || "failed").await.err()
-                })
-            })
-            .collect();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..6 {
+            let (table, tx) = (table.clone(), tx.clone());
+            tokio::spawn(async move {
+                let counted = table.counted("p", &request("ip=a", &[0]));
+                let _ = tx.send(table.wait(counted, || None::<()>, || ()).await);
+            });
+        }
         tokio::task::yield_now().await;
-        let mut timed_out = held.pop().expect("a call");
-        timed_out.returned(true);
-        drop(timed_out);
-        let mut failed = 0;
-        for waiter in waiters {
-            let answer = tokio::time::timeout(Duration::from_millis(1), waiter)
+        let time_out = |mut held: Held| {
+            held.returned(true);
+            drop(held);
+        };
+        // Two calls miss their deadline: a waiting request takes each place, none fails.
+        for _ in 0..2 {
+            time_out(out.remove(0));
+            let took = tokio::time::timeout(Duration::from_secs(1), rx.recv()).await;
+            let held = took.expect("woken").expect("a request").expect("it took the place");
+            out.push(held);
+        }
+        // A third in a row: the four still waiting fail at once.
+        time_out(out.remove(0));
+        for _ in 0..4 {
+            let answer = tokio::time::timeout(Duration::from_millis(1), rx.recv())
                 .await
                 .expect("answered at once")
-                .expect("no panic");
-            failed += usize::from(answer == Some("failed"));
+                .expect("a request");
+            assert!(answer.is_err(), "failed with the calls");
         }
-        assert_eq!(failed, 5, "every request waiting failed with the call");
-        // Requests that come later wait for no call that has failed.
-        let later = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
-        assert!(later.is_some(), "the place of the call that failed is free");
-        drop((held, later));
-        assert_eq!(entries(&table), 0);
+        // A call that returns starts the count again.
+        let mut returned = out.remove(0);
+        returned.returned(false);
+        drop(returned);
+        assert_eq!(entries(&table), 0, "nothing in flight, nothing kept");
     }
 
     /// Calls of one bucket may take different permits (a lease's call takes its request's
