@@ -63,20 +63,42 @@ struct Entry {
     waiting: u32,
     /// Wakes a waiting request when a call returns.
     returned: Option<Arc<Notify>>,
-    /// The calls that missed their deadline since a call of the bucket last returned.
+    /// The missed deadlines since a call of the bucket last returned: of calls sent each
+    /// after the one before was seen to miss its deadline (calls out together through one
+    /// stall count once).
     timeouts_in_a_row: u32,
+    /// When the last missed deadline counted in `timeouts_in_a_row` was seen.
+    last_missed: Option<Instant>,
     /// How many times the requests waiting were failed ([`TIMEOUTS_TO_FAIL`]).
     failed: u64,
 }
 
-/// After this many calls of a bucket in a row missed their deadline, Redis is taken to
-/// hang and the requests waiting for the bucket fail at once (the failure policy answers
-/// them): each would otherwise wait for a call to miss its deadline, one after another (400
-/// requests of a bucket letting out 10 calls at once waited up to 2 s for a deadline of
-/// 50 ms). One missed deadline alone (a stall of the connection, an overload) does not:
-/// every request waiting behind a burst's calls then failed, and `fail_open` admitted the
-/// whole burst uncounted. As the circuit breaker's default threshold.
+/// After this many calls of a bucket in a row missed their deadline, each sent after the
+/// one before was seen to miss it, Redis is taken to hang and the requests waiting for the
+/// bucket fail at once (the failure policy answers them): each would otherwise wait for a
+/// call to miss its deadline, one after another (400 requests of a bucket letting out 10
+/// calls at once waited up to 2 s for a deadline of 50 ms). One missed deadline alone (a
+/// stall of the connection, an overload) does not: every request waiting behind a burst's
+/// calls then failed, and `fail_open` admitted the whole burst uncounted. Nor do the calls
+/// of a bucket out together through one stall, which miss their deadline together: counted
+/// one by one, the 5 calls of a per-IP rule of 5 through a stall of 80 ms failed the rest
+/// of a first burst (1,998 of 2,000 admitted uncounted). Only a call that Redis answered
+/// starts the count again, not a place given back by a call that never went out. As the
+/// circuit breaker's default threshold.
 const TIMEOUTS_TO_FAIL: u32 = 3;
+
+/// How a call that held places among its buckets' calls in flight ended, for the count of
+/// missed deadlines ([`TIMEOUTS_TO_FAIL`]).
+#[derive(Clone, Copy)]
+enum Ended {
+    /// Redis answered it, or failed it before its deadline: the count starts again.
+    Answered,
+    /// It missed its deadline; it was sent at this instant.
+    Missed(Instant),
+    /// It never went out (a place taken and given back at once), or how it ended is
+    /// unknown: the count is left as it is.
+    Unknown,
+}
 
 /// The buckets of a request that a call takes a place among the calls in flight of: the
 /// hash of each and how many calls it lets out at once.
@@ -97,8 +119,10 @@ pub(crate) struct Held {
     table: Option<Arc<InFlight>>,
     counted: Counted,
     out_until: Option<Instant>,
-    /// The call missed its deadline.
-    timed_out: bool,
+    /// When the call went out.
+    sent_at: Option<Instant>,
+    /// How the call ended.
+    ended: Ended,
 }
 
 impl Held {
@@ -108,13 +132,15 @@ impl Held {
             table: None,
             counted: Counted(SmallVec::new()),
             out_until: None,
-            timed_out: false,
+            sent_at: None,
+            ended: Ended::Unknown,
         }
     }
 
     /// The call went out and may run until `deadline`.
     pub(crate) fn sent(&mut self, deadline: Instant) {
         self.out_until = Some(deadline);
+        self.sent_at = Some(Instant::now());
     }
 
     /// The call returned, or missed its deadline (`timed_out`): its places are given back
@@ -122,7 +148,11 @@ impl Held {
     /// requests waiting for them fail at once.
     pub(crate) fn returned(&mut self, timed_out: bool) {
         self.out_until = None;
-        self.timed_out = timed_out;
+        self.ended = if timed_out {
+            Ended::Missed(self.sent_at.unwrap_or_else(Instant::now))
+        } else {
+            Ended::Answered
+        };
     }
 }
 
@@ -140,7 +170,8 @@ impl Drop for Held {
                     table: Some(table),
                     counted,
                     out_until: None,
-                    timed_out: false,
+                    sent_at: None,
+                    ended: Ended::Unknown,
                 };
                 runtime.spawn(async move {
                     tokio::time::sleep_until(until.into()).await;
@@ -149,7 +180,7 @@ impl Drop for Held {
                 return;
             }
         }
-        table.give_back(&counted, self.timed_out);
+        table.give_back(&counted, self.ended);
     }
 }
 
@@ -267,7 +298,7 @@ impl InFlight {
             let entry = shard.entry(hash).or_default();
             if entry.calls >= at_once {
                 drop(shard);
-                self.give_back(&Counted(counted.0[..taken].iter().copied().collect()), false);
+                self.give_back(&Counted(counted.0[..taken].iter().copied().collect()), Ended::Unknown);
                 return Err((counted, (hash, at_once)));
             }
             entry.calls += 1;
@@ -276,24 +307,36 @@ impl InFlight {
             table: Some(self.clone()),
             counted,
             out_until: None,
-            timed_out: false,
+            sent_at: None,
+            ended: Ended::Unknown,
         })
     }
 
     /// Gives back one place of each bucket of `counted`, waking a request that waits for
-    /// one; or, for the last of [`TIMEOUTS_TO_FAIL`] calls in a row that missed their
-    /// deadline (`timed_out`), every request waiting, to fail.
-    fn give_back(&self, counted: &Counted, timed_out: bool) {
+    /// one; or, for a call that missed its deadline ([`Ended::Missed`]) once
+    /// [`TIMEOUTS_TO_FAIL`] did in a row, every request waiting, to fail.
+    fn give_back(&self, counted: &Counted, ended: Ended) {
         for &(hash, at_once) in &counted.0 {
             let mut shard = self.shard(hash);
             if let Some(entry) = shard.get_mut(&hash) {
                 entry.calls = entry.calls.saturating_sub(1);
-                entry.timeouts_in_a_row = if timed_out {
-                    entry.timeouts_in_a_row.saturating_add(1)
-                } else {
-                    0
-                };
-                if entry.timeouts_in_a_row >= TIMEOUTS_TO_FAIL && entry.waiting > 0 {
+                match ended {
+                    Ended::Answered => {
+                        entry.timeouts_in_a_row = 0;
+                        entry.last_missed = None;
+                    }
+                    // A call sent before the last missed deadline was seen was out through
+                    // the same stall: it counts with that one.
+                    Ended::Missed(sent) => {
+                        if entry.last_missed.is_none_or(|seen| sent >= seen) {
+                            entry.timeouts_in_a_row = entry.timeouts_in_a_row.saturating_add(1);
+                            entry.last_missed = Some(Instant::now());
+                        }
+                    }
+                    Ended::Unknown => {}
+                }
+                let missed = matches!(ended, Ended::Missed(_));
+                if missed && entry.timeouts_in_a_row >= TIMEOUTS_TO_FAIL && entry.waiting > 0 {
                     entry.failed = entry.failed.wrapping_add(1);
                     if let Some(returned) = &entry.returned {
                         returned.notify_waiters();
@@ -663,6 +706,155 @@ rule_sets:
         returned.returned(false);
         drop(returned);
         assert_eq!(entries(&table), 0, "nothing in flight, nothing kept");
+    }
+
+    /// One stall of Redis of about one deadline, while a bucket that lets out 5 calls at
+    /// once has all 5 out, fails none of the requests waiting for it: its 5 calls miss their
+    /// deadline at once, which is one missed deadline in time, not three. Counted call by
+    /// call, the third of them failed all 100 requests waiting, and `fail_open` admitted
+    /// them uncounted. The calls of the requests that then take the places, sent
+    /// after the stall began, count as the next missed deadline if they miss theirs too.
+    #[tokio::test(start_paused = true)]
+    async fn calls_that_miss_their_deadline_in_one_stall_fail_no_waiting_request() {
+        let sets = RuleSets::from_yaml_str(
+            "rule_sets:\n  - id: api\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 5, window: 1h }]\n",
+        )
+        .expect("valid rules");
+        let set = sets.get("api").expect("defined").clone();
+        let of = move || {
+            let mut request = AcquireRequest::new(set.clone());
+            request.push(0, Text::from("ip=a"));
+            request
+        };
+        let table = table();
+        let deadline = || tokio::time::Instant::now().into_std() + Duration::from_millis(50);
+        let mut stalled: Vec<Held> = (0..5)
+            .map(|_| table.try_take(table.counted("p", &of())).ok())
+            .collect::<Option<_>>()
+            .expect("five places");
+        stalled.iter_mut().for_each(|held| held.sent(deadline()));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for _ in 0..100 {
+            let (table, tx, request) = (table.clone(), tx.clone(), of());
+            tokio::spawn(async move {
+                let counted = table.counted("p", &request);
+                let mut taken = table.wait(counted, || None::<()>, || ()).await;
+                if let Ok(held) = taken.as_mut() {
+                    held.sent(tokio::time::Instant::now().into_std() + Duration::from_millis(50));
+                }
+                let _ = tx.send(taken);
+            });
+            tokio::task::yield_now().await; // it waits
+        }
+        // The stall: the 5 calls miss their deadline together.
+        for mut held in stalled.drain(..) {
+            held.returned(true);
+            drop(held);
+        }
+        let (mut took, mut failed) = (Vec::new(), 0);
+        while let Ok(Some(answer)) = tokio::time::timeout(Duration::from_millis(1), rx.recv()).await {
+            match answer {
+                Ok(held) => took.push(held),
+                Err(()) => failed += 1,
+            }
+        }
+        assert_eq!(
+            (took.len(), failed),
+            (5, 0),
+            "the waiting requests took the places freed"
+        );
+        // Redis still hangs: the next two waves of calls miss their deadlines too; the
+        // third missed deadline in a row fails the requests still waiting at once.
+        for wave in 0..2 {
+            for mut held in took.drain(..) {
+                held.returned(true);
+                drop(held);
+            }
+            while let Ok(Some(answer)) = tokio::time::timeout(Duration::from_millis(1), rx.recv()).await {
+                match answer {
+                    Ok(held) => took.push(held),
+                    Err(()) => failed += 1,
+                }
+            }
+            if wave == 0 {
+                assert_eq!((took.len(), failed), (5, 0), "two missed deadlines in a row");
+            }
+        }
+        assert_eq!(failed, 90, "the third missed deadline in a row failed the rest at once");
+        for mut held in took.drain(..) {
+            held.returned(false);
+        }
+    }
+
+    /// While Redis hangs, a request that takes a place of a bucket and gives it back at
+    /// once, another of its buckets being full, is no call that returned: it leaves the
+    /// count of missed deadlines alone. A global bucket of 3 calls at once, whose calls miss
+    /// their deadline one after another, with a client whose own bucket is full asking
+    /// after each: the 8 requests still waiting fail at the third. Reset by each such
+    /// request, the count never reached 3, and they each waited for a call of their own to
+    /// miss its deadline, one after another.
+    #[tokio::test(start_paused = true)]
+    async fn a_place_taken_and_given_back_at_once_is_no_call_that_returned() {
+        let sets = RuleSets::from_yaml_str(
+            "rule_sets:\n  - id: api\n    rules:\n      - id: everyone\n        scope: global\n        bands: [{ capacity: 3, window: 1h }]\n      - id: per-ip\n        bands: [{ capacity: 1, window: 1h }]\n",
+        )
+        .expect("valid rules");
+        let set = sets.get("api").expect("defined").clone();
+        let of = move |client: &str, rules: &[usize]| {
+            let mut request = AcquireRequest::new(set.clone());
+            for &rule in rules {
+                request.push(rule, Text::from(if rule == 0 { "all" } else { client }));
+            }
+            request
+        };
+        let table = table();
+        let deadline = || tokio::time::Instant::now().into_std() + Duration::from_millis(50);
+        let mut out: Vec<Held> = ["a", "b", "c"]
+            .iter()
+            .map(|client| table.try_take(table.counted("p", &of(client, &[0, 1]))).ok())
+            .collect::<Option<_>>()
+            .expect("the global bucket's 3 places");
+        out.iter_mut().for_each(|held| held.sent(deadline()));
+        // Client x has a call out of its own bucket, of 1 at once.
+        let _x = table
+            .try_take(table.counted("p", &of("x", &[1])))
+            .ok()
+            .expect("x's place");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for n in 0..10 {
+            let (table, tx, request) = (table.clone(), tx.clone(), of(&format!("w{n}"), &[0, 1]));
+            tokio::spawn(async move {
+                let counted = table.counted("p", &request);
+                let mut taken = table.wait(counted, || None::<()>, || ()).await;
+                if let Ok(held) = taken.as_mut() {
+                    held.sent(tokio::time::Instant::now().into_std() + Duration::from_millis(50));
+                }
+                let _ = tx.send(taken);
+            });
+        }
+        tokio::task::yield_now().await;
+        let mut failed = 0;
+        for _ in 0..3 {
+            // The newest call out misses its deadline ...
+            let mut missed = out.pop().expect("a call out");
+            missed.returned(true);
+            drop(missed);
+            // ... and x asks: the global bucket has a place, x's own bucket none.
+            assert!(table.try_take(table.counted("p", &of("x", &[0, 1]))).is_err());
+            while let Ok(Some(answer)) = tokio::time::timeout(Duration::from_millis(1), rx.recv()).await {
+                match answer {
+                    Ok(held) => out.push(held),
+                    Err(()) => failed += 1,
+                }
+            }
+        }
+        assert_eq!(
+            failed, 8,
+            "the third missed deadline in a row failed the requests waiting"
+        );
+        for mut held in out {
+            held.returned(false);
+        }
     }
 
     /// Calls of one bucket may take different permits (a lease's call takes its request's
