@@ -86,8 +86,11 @@ async fn while_redis_hangs_no_request_waits_much_longer_than_its_deadline() {
     eprintln!(
         "hung Redis: {failed_open} of 400 failed open, {over} took over 200 ms, median {median:?}, slowest {slowest:?}, all answered after {all:?}"
     );
+    // About three deadlines (150 ms) now; 40 rounds of a deadline (2 s) when each request
+    // waited for a call to miss its deadline in turn. The bound leaves room for a busy
+    // machine's late timers.
     assert!(
-        slowest < Duration::from_millis(200),
+        slowest < Duration::from_millis(500),
         "a request waited {slowest:?} for a deadline of 50 ms ({over} of 400 over 200 ms)"
     );
 }
@@ -106,12 +109,16 @@ async fn a_client_abandoning_its_calls_does_not_delay_the_other_clients_of_a_glo
     let quiet = others(&server, false).await;
     let attacked = others(&server, true).await;
     eprintln!("other clients' decisions, alone: {quiet:?}; beside the abandoning client: {attacked:?}");
+    // Measured against the same clients alone in this run, so that a busy machine slows
+    // both: with the abandoned calls' places held for their deadline, the other clients
+    // made 0.4 to 0.5 of their decisions alone; now 0.85 to 1.
     assert!(
-        attacked.slowest < Duration::from_millis(25),
-        "the other clients waited up to {:?} ({} of {} decisions over 25 ms)",
+        attacked.decisions * 10 >= quiet.decisions * 7,
+        "the other clients made {} decisions beside the abandoning client, {} alone (slowest {:?}, {} over 25 ms)",
+        attacked.decisions,
+        quiet.decisions,
         attacked.slowest,
-        attacked.over_25ms,
-        attacked.decisions
+        attacked.over_25ms
     );
 }
 

@@ -292,38 +292,55 @@ async fn a_first_burst_through_one_stall_of_redis_is_held() {
     let server = RedisServer::start();
     let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
     let engine = Arc::new(engine(limiter));
-    server.signal("-STOP");
-    let resumed = {
-        let pid = server.pid();
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(80));
-            std::process::Command::new("kill")
-                .args(["-CONT", &pid.to_string()])
-                .status()
-                .is_ok_and(|status| status.success())
-        })
-    };
-    let tasks: Vec<_> = (0..2_000)
-        .map(|_| {
-            let engine = engine.clone();
-            tokio::spawn(async move { engine.check(&ctx(ATTACKER)).await.expect("a decision") })
-        })
-        .collect();
-    let (mut counted, mut uncounted, mut refused) = (0, 0, 0);
-    for task in tasks {
-        let d = task.await.expect("the task");
-        if d.failed_open {
-            uncounted += 1;
-        } else if d.allowed() {
-            counted += 1;
-        } else {
-            refused += 1;
+    // The stall must end within two deadlines (100 ms) for the calls made after it to be
+    // answered: on a busy machine the thread resuming Redis can wake late, and such a run
+    // says so and is made again, with another address.
+    for attempt in 0..3 {
+        let attacker = format!("203.0.113.{}", 20 + attempt);
+        let stopped = Instant::now();
+        server.signal("-STOP");
+        let resumed = {
+            let pid = server.pid();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(80));
+                let resumed = std::process::Command::new("kill")
+                    .args(["-CONT", &pid.to_string()])
+                    .status()
+                    .is_ok_and(|status| status.success());
+                (resumed, stopped.elapsed())
+            })
+        };
+        let tasks: Vec<_> = (0..2_000)
+            .map(|_| {
+                let (engine, attacker) = (engine.clone(), attacker.clone());
+                tokio::spawn(async move { engine.check(&ctx(&attacker)).await.expect("a decision") })
+            })
+            .collect();
+        let (mut counted, mut uncounted, mut refused) = (0, 0, 0);
+        for task in tasks {
+            let d = task.await.expect("the task");
+            if d.failed_open {
+                uncounted += 1;
+            } else if d.allowed() {
+                counted += 1;
+            } else {
+                refused += 1;
+            }
         }
+        let (resumed, stall) = resumed.join().expect("the resuming thread");
+        assert!(resumed, "Redis resumed");
+        eprintln!(
+            "first burst through a stall of {stall:?}: {counted} counted, {uncounted} uncounted, {refused} refused"
+        );
+        if stall >= Duration::from_millis(95) {
+            eprintln!("the stall lasted {stall:?}, more than the 80 ms asked: again");
+            continue;
+        }
+        assert!(
+            counted + uncounted <= 15,
+            "{uncounted} admitted uncounted, {counted} counted"
+        );
+        return;
     }
-    assert!(resumed.join().is_ok_and(|resumed| resumed), "Redis resumed");
-    eprintln!("first burst through one stall: {counted} counted, {uncounted} uncounted, {refused} refused");
-    assert!(
-        counted + uncounted <= 15,
-        "{uncounted} admitted uncounted, {counted} counted"
-    );
+    panic!("Redis was stalled longer than asked in 3 tries: the machine is too busy for this test");
 }
