@@ -510,6 +510,19 @@ rule_sets:
         Arc::new(InFlight::new(DEFAULT_CALLS_PER_KEY))
     }
 
+    /// The bucket of client `ip=a`'s per-IP rule (2 calls at once), under the prefix `p`.
+    fn ip_a(table: &InFlight) -> Counted {
+        table.counted("p", &request("ip=a", &[0]))
+    }
+
+    /// `n` places of [`ip_a`]'s bucket, all free.
+    fn places(table: &Arc<InFlight>, n: usize) -> Vec<Held> {
+        (0..n)
+            .map(|_| table.try_take(ip_a(table)).ok())
+            .collect::<Option<_>>()
+            .expect("free places")
+    }
+
     fn entries(table: &InFlight) -> usize {
         table.shards.iter().map(|s| s.lock().map_or(0, |s| s.len())).sum()
     }
@@ -522,15 +535,15 @@ rule_sets:
         let counted = table.counted("p", &request("ip=a", &[0, 1, 2]));
         let at_once: Vec<u64> = counted.0.iter().map(|(_, at_once)| *at_once).collect();
         assert_eq!(at_once, [2, DEFAULT_CALLS_PER_KEY], "the per-IP and the global bucket");
-        let first = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
-        let second = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
+        let first = table.try_take(ip_a(&table)).ok();
+        let second = table.try_take(ip_a(&table)).ok();
         assert!(first.is_some() && second.is_some());
-        assert!(table.try_take(table.counted("p", &request("ip=a", &[0]))).is_err());
+        assert!(table.try_take(ip_a(&table)).is_err());
         // Another key, another prefix: counts of their own.
         assert!(table.try_take(table.counted("p", &request("ip=b", &[0]))).is_ok());
         assert!(table.try_take(table.counted("q", &request("ip=a", &[0]))).is_ok());
         drop(first);
-        let third = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
+        let third = table.try_take(ip_a(&table)).ok();
         assert!(third.is_some(), "a call returned: its place is free");
         drop((second, third));
         assert_eq!(entries(&table), 0, "nothing in flight, nothing kept");
@@ -568,16 +581,13 @@ rule_sets:
     #[tokio::test]
     async fn waiting_requests_go_as_calls_return_or_are_answered() {
         let table = table();
-        let held: Vec<Held> = (0..2)
-            .map(|_| table.try_take(table.counted("p", &request("ip=a", &[0]))).ok())
-            .collect::<Option<_>>()
-            .expect("two places");
+        let held: Vec<Held> = places(&table, 2);
         let refused = Arc::new(AtomicBool::new(false));
         let waiters: Vec<_> = (0..5)
             .map(|_| {
                 let (table, refused) = (table.clone(), refused.clone());
                 tokio::spawn(async move {
-                    let counted = table.counted("p", &request("ip=a", &[0]));
+                    let counted = ip_a(&table);
                     table
                         .wait(counted, || refused.load(Ordering::SeqCst).then_some(()), || ())
                         .await
@@ -609,13 +619,13 @@ rule_sets:
     #[tokio::test]
     async fn waiting_requests_take_the_places_that_free() {
         let table = table();
-        let first = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
-        let second = table.try_take(table.counted("p", &request("ip=a", &[0]))).ok();
+        let first = table.try_take(ip_a(&table)).ok();
+        let second = table.try_take(ip_a(&table)).ok();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for n in 0..4 {
             let (table, tx) = (table.clone(), tx.clone());
             tokio::spawn(async move {
-                let counted = table.counted("p", &request("ip=a", &[0]));
+                let counted = ip_a(&table);
                 if let Ok(held) = table.wait(counted, || None::<()>, || ()).await {
                     let _ = tx.send((n, held));
                 }
@@ -641,18 +651,17 @@ rule_sets:
     #[tokio::test(start_paused = true)]
     async fn a_call_abandoned_keeps_its_place_until_its_deadline() {
         let table = table();
-        let counted = || table.counted("p", &request("ip=a", &[0]));
-        let mut abandoned = table.try_take(counted()).ok().expect("a place");
+        let mut abandoned = table.try_take(ip_a(&table)).ok().expect("a place");
         abandoned.sent(tokio::time::Instant::now().into_std() + Duration::from_millis(50));
-        let returned = table.try_take(counted()).ok();
+        let returned = table.try_take(ip_a(&table)).ok();
         drop(abandoned);
-        assert!(table.try_take(counted()).is_err(), "both places are out");
+        assert!(table.try_take(ip_a(&table)).is_err(), "both places are out");
         tokio::time::sleep(Duration::from_millis(49)).await;
-        assert!(table.try_take(counted()).is_err());
+        assert!(table.try_take(ip_a(&table)).is_err());
         tokio::time::sleep(Duration::from_millis(2)).await;
         tokio::task::yield_now().await;
         assert!(
-            table.try_take(counted()).is_ok(),
+            table.try_take(ip_a(&table)).is_ok(),
             "the abandoned call's deadline passed"
         );
         drop(returned);
@@ -667,16 +676,12 @@ rule_sets:
     #[tokio::test(start_paused = true)]
     async fn calls_that_miss_their_deadline_in_a_row_fail_the_requests_waiting() {
         let table = table();
-        let counted = || table.counted("p", &request("ip=a", &[0]));
-        let mut out: Vec<Held> = (0..2)
-            .map(|_| table.try_take(counted()).ok())
-            .collect::<Option<_>>()
-            .expect("two places");
+        let mut out: Vec<Held> = places(&table, 2);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for _ in 0..6 {
             let (table, tx) = (table.clone(), tx.clone());
             tokio::spawn(async move {
-                let counted = table.counted("p", &request("ip=a", &[0]));
+                let counted = ip_a(&table);
                 let _ = tx.send(table.wait(counted, || None::<()>, || ()).await);
             });
         }
@@ -901,7 +906,6 @@ rule_sets:
     #[tokio::test(start_paused = true)]
     async fn an_abandoned_decision_runs_to_its_end() {
         let table = table();
-        let counted = || table.counted("p", &request("ip=a", &[0]));
         let answered = Arc::new(AtomicBool::new(false));
         let decision = |held: Held| {
             let answered = answered.clone();
@@ -913,21 +917,21 @@ rule_sets:
                 answered.store(true, Ordering::SeqCst);
             })
         };
-        let mut out = Box::pin(decision(table.try_take(counted()).ok().expect("a place")));
+        let mut out = Box::pin(decision(table.try_take(ip_a(&table)).ok().expect("a place")));
         assert!(futures_util::poll!(out.as_mut()).is_pending(), "its call is out");
         drop(out);
-        let _second = table.try_take(counted()).ok().expect("the second place");
-        assert!(table.try_take(counted()).is_err(), "both places are out");
+        let _second = table.try_take(ip_a(&table)).ok().expect("the second place");
+        assert!(table.try_take(ip_a(&table)).is_err(), "both places are out");
         tokio::time::sleep(Duration::from_millis(2)).await;
         assert!(answered.load(Ordering::SeqCst), "the abandoned decision was answered");
-        let third = table.try_take(counted()).ok();
+        let third = table.try_take(ip_a(&table)).ok();
         assert!(
             third.is_some(),
             "its place came back with the answer, not at its deadline"
         );
         // Never polled: its call never went out, its place is free at once.
         drop(decision(third.expect("a place")));
-        assert!(table.try_take(counted()).is_ok());
+        assert!(table.try_take(ip_a(&table)).is_ok());
     }
 
     /// A waiting request that is dropped frees its wait: the bucket's entry goes once no
@@ -935,14 +939,11 @@ rule_sets:
     #[tokio::test]
     async fn a_dropped_waiting_request_leaves_nothing() {
         let table = table();
-        let held: Vec<Held> = (0..2)
-            .map(|_| table.try_take(table.counted("p", &request("ip=a", &[0]))).ok())
-            .collect::<Option<_>>()
-            .expect("two places");
+        let held: Vec<Held> = places(&table, 2);
         let waiter = {
             let table = table.clone();
             tokio::spawn(async move {
-                let counted = table.counted("p", &request("ip=a", &[0]));
+                let counted = ip_a(&table);
                 table.wait(counted, || None::<()>, || ()).await.is_ok()
             })
         };
