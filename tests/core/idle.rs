@@ -4,34 +4,13 @@
 //! (token and leaky buckets in debt, windows with places in the next window, log entries
 //! ahead of now), a rule whose window changed, and places and permits given back.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
-use fluxgate::core::{ManualClock, MemoryLimiter, RuleSet, Text};
+use fluxgate::core::{ManualClock, MemoryLimiter, Text};
 
-use crate::support::app::rules;
+use crate::support::app::five_algorithms_in_two_versions as versions;
 use crate::support::rng::Rng;
-
-fn versions() -> [Arc<RuleSet>; 2] {
-    let yaml = |tb1: &str| {
-        format!(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - {{ id: tb1, scope: global, bands: [{{ capacity: 3, window: {tb1} }}, {{ capacity: 5, window: 3s }}] }}
-      - {{ id: tb2, scope: global, bands: [{{ capacity: 2, window: 700ms }}] }}
-      - {{ id: lb, scope: global, algorithm: leaky_bucket, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 4, window: 2s }}] }}
-      - {{ id: fw, scope: global, algorithm: fixed_window, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-      - {{ id: swl, scope: global, algorithm: sliding_window_log, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-      - {{ id: swc, scope: global, algorithm: sliding_window_counter, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-"#
-        )
-    };
-    let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
-    [set(yaml("1s")), set(yaml("2s"))]
-}
 
 fn show(o: &AcquireOutcome) -> String {
     let mut text = format!("{} {:?} {:?}", o.allowed, o.admitted_after, o.marks);

@@ -9,36 +9,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate::core::limiter::AcquireRequest;
-use fluxgate::core::{RateLimiter, RuleSet, Text};
+use fluxgate::core::{RateLimiter, Text};
 use fluxgate::redis::{Batching, RedisLimiter};
 
-use crate::support::app::rules;
+use crate::support::app::{five_algorithms_in_two_versions as versions, rules};
 use crate::support::redis::{Redis, Servers};
 use crate::support::rng::Rng;
 use crate::support::servers::RedisServer;
-
-/// The rules, in two versions: the second changes `tb1`'s first window (a token-bucket
-/// rule's layout then differs: its bands of the other version are kept beside) and `fw`'s
-/// capacity.
-fn versions() -> [Arc<RuleSet>; 2] {
-    let yaml = |tb1: &str, fw: u64| {
-        format!(
-            r#"
-rule_sets:
-  - id: default
-    rules:
-      - {{ id: tb1, scope: global, bands: [{{ capacity: 3, window: {tb1} }}, {{ capacity: 5, window: 3s }}] }}
-      - {{ id: tb2, scope: global, bands: [{{ capacity: 2, window: 700ms }}] }}
-      - {{ id: lb, scope: global, algorithm: leaky_bucket, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 4, window: 2s }}] }}
-      - {{ id: fw, scope: global, algorithm: fixed_window, bands: [{{ capacity: {fw}, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-      - {{ id: swl, scope: global, algorithm: sliding_window_log, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-      - {{ id: swc, scope: global, algorithm: sliding_window_counter, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
-"#
-        )
-    };
-    let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
-    [set(yaml("1s", 3)), set(yaml("2s", 4))]
-}
 
 /// A window as the keys write it (`700ms`, `1s`), in µs.
 fn window_us(text: &str) -> i64 {

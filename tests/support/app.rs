@@ -77,3 +77,28 @@ pub(crate) async fn send(app: &Router, req: Request<Body>) -> Reply {
 pub(crate) async fn get_from(app: &Router, path: &str, peer: &str) -> Reply {
     send(app, request("GET", path, peer, &[])).await
 }
+
+/// A rule of each algorithm (two of the token bucket), global, of two bands of different
+/// windows but one, in two versions: the second changes `tb1`'s first window (a token-bucket
+/// rule's layout then differs: its bands of the other version are kept beside) and `fw`'s
+/// capacity.
+#[allow(dead_code)] // the core and Redis tests'
+pub(crate) fn five_algorithms_in_two_versions() -> [std::sync::Arc<fluxgate::core::RuleSet>; 2] {
+    let yaml = |tb1: &str, fw: u64| {
+        format!(
+            r#"
+rule_sets:
+  - id: default
+    rules:
+      - {{ id: tb1, scope: global, bands: [{{ capacity: 3, window: {tb1} }}, {{ capacity: 5, window: 3s }}] }}
+      - {{ id: tb2, scope: global, bands: [{{ capacity: 2, window: 700ms }}] }}
+      - {{ id: lb, scope: global, algorithm: leaky_bucket, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 4, window: 2s }}] }}
+      - {{ id: fw, scope: global, algorithm: fixed_window, bands: [{{ capacity: {fw}, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+      - {{ id: swl, scope: global, algorithm: sliding_window_log, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+      - {{ id: swc, scope: global, algorithm: sliding_window_counter, bands: [{{ capacity: 3, window: 1s }}, {{ capacity: 5, window: 2s }}] }}
+"#
+        )
+    };
+    let set = |text: String| rules(&text).get("default").expect("a rule set `default`").clone();
+    [set(yaml("1s", 3)), set(yaml("2s", 4))]
+}
