@@ -22,7 +22,7 @@ use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::text::Text;
-use crate::wait::{may_wait, wait_for, Waiters};
+use crate::wait::{may_wait, wait_for, Places, Waiters};
 
 /// What the engine does with a request whose rule set id is unknown.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -469,12 +469,7 @@ impl Engine {
                 self.inner.record_backend_call(start, &result);
                 match &result {
                     Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
-                        let this = self.inner.clone();
-                        let (limiter, waited) = (this.limiter.clone(), request.clone());
-                        let outcome = outcome.clone();
-                        wait_for(limiter, &waited, &outcome, places, move || {
-                            this.decided(&request, result)
-                        })
+                        Inner::wait(self.inner.clone(), request, result, places)
                     }
                     _ => MaybeReady::ready(self.inner.decided(&request, result)),
                 }
@@ -488,12 +483,7 @@ impl Engine {
                     // in this one, which every request that goes to the backend allocates.
                     let waiting = match &result {
                         Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
-                            let limiter = this.limiter.clone();
-                            let outcome = outcome.clone();
-                            let waited = request.clone();
-                            wait_for(limiter, &waited, &outcome, places, move || {
-                                this.decided(&request, result)
-                            })
+                            Inner::wait(this, request, result, places)
                         }
                         _ => return this.decided(&request, result),
                     };
@@ -501,6 +491,25 @@ impl Engine {
                 })
             }
         }
+    }
+}
+
+impl Inner {
+    /// A request the backend admits after a wait, its waiters' places taken before the
+    /// call: it waits until then, and is decided by `result`.
+    fn wait(
+        this: Arc<Self>,
+        request: AcquireRequest,
+        result: Result<AcquireOutcome, BoxError>,
+        places: Option<Places>,
+    ) -> MaybeReady<Result<Decision, Error>> {
+        let Ok(outcome) = &result else {
+            return MaybeReady::ready(this.decided(&request, result));
+        };
+        let (limiter, outcome, waited) = (this.limiter.clone(), outcome.clone(), request.clone());
+        wait_for(limiter, &waited, &outcome, places, move || {
+            this.decided(&request, result)
+        })
     }
 }
 
