@@ -209,14 +209,6 @@ impl<L: RateLimiter> RateLimiter for Around<L> {
         self.inner.gives_back()
     }
 
-    fn is_local(&self) -> bool {
-        self.inner.is_local()
-    }
-
-    fn reads_key_text(&self) -> bool {
-        self.inner.reads_key_text()
-    }
-
     fn check_wait(&self, set: &RuleSet, rule: &Rule, max_wait: Duration) -> Result<(), RuleError> {
         self.inner.check_wait(set, rule, max_wait)
     }
