@@ -88,6 +88,46 @@ rule_sets:
         }
     }
 
+    /// A rule of one token-bucket band is decided by a script of its own, its numbers
+    /// written in (`src/rule_script.rs`): loaded before its first call, so that no call
+    /// fails for want of it, and loaded again after `SCRIPT FLUSH`. The one-band script
+    /// with arguments is never needed, even after the flush.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_one_band_rule_is_decided_by_a_script_of_its_own() {
+        const ONE_BAND: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 40, window: 1h, label: hour }]
+"#;
+        let redis = Redis::start(Servers::standalone()).await;
+        let server = redis.server();
+        let engine = engine(&redis, ONE_BAND);
+        let shared = fred::types::scripts::Script::from_lua(fluxgate::redis::ONE_TOKEN_BUCKET_LUA);
+        let exists = |sha: &str| server.cli(&["SCRIPT", "EXISTS", sha]).trim().to_string();
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.3".parse().unwrap())
+            .build();
+        let (calls, failed) = (server.evalsha_calls(), server.evalsha_stat("failed_calls"));
+        for i in 0..30 {
+            if i % 10 == 5 {
+                assert_eq!(server.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+            }
+            let d = engine.check(&ctx).await.expect("no request fails after SCRIPT FLUSH");
+            assert!(d.allowed());
+            assert_eq!(d.remaining(), Some(39 - i));
+        }
+        assert_eq!(
+            exists(shared.sha1()),
+            "0",
+            "the shared one-band script was not loaded again"
+        );
+        // Three flushes, each found by one call that failed for want of the script.
+        assert_eq!(server.evalsha_calls() - calls, 33);
+        assert_eq!(server.evalsha_stat("failed_calls") - failed, 3.0);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_are_bounded_tagged_and_expire() {
         let redis = Redis::start(Servers::standalone()).await;

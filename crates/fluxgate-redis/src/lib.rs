@@ -87,6 +87,7 @@ mod plan;
 mod protocol;
 mod request;
 mod reset;
+mod rule_script;
 mod script;
 mod store;
 mod url;

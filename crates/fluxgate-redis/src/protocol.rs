@@ -13,6 +13,7 @@ use fred::types::Value;
 use smallvec::SmallVec;
 
 use crate::error::RedisError;
+use crate::rule_script::{self, Constants, RuleScript};
 
 /// The number of an algorithm in the scripts' arguments (`TOKEN_BUCKET`, … in
 /// `lua/protocol.lua`).
@@ -133,6 +134,9 @@ pub(crate) struct RuleArgs {
     token_buckets_argv: Vec<Value>,
     /// The whole `ARGV` of `one_token_bucket.lua`, for a token-bucket rule of one band.
     one_token_bucket_argv: Option<Vec<Value>>,
+    /// For a token-bucket rule of one band, its own script and that script's `ARGV` (the
+    /// cost alone); `None` past the process's [`rule_script::MOST`].
+    rule_script: Option<(Arc<RuleScript>, Vec<Value>)>,
 }
 
 impl RuleArgs {
@@ -143,11 +147,13 @@ impl RuleArgs {
             bands,
             token_buckets_argv: Vec::new(),
             one_token_bucket_argv: None,
+            rule_script: None,
         };
         if args.is_token_bucket() {
             args.token_buckets_argv = args.write_token_buckets_argv();
             if let [band] = args.bands.as_slice() {
                 args.one_token_bucket_argv = Some(args.write_one_token_bucket_argv(*band));
+                args.rule_script = args.write_rule_script(*band);
             }
         }
         args
@@ -218,6 +224,24 @@ impl RuleArgs {
             argv.push(hex(self.bucket.max_wait_us));
         }
         argv
+    }
+
+    /// The rule's own one-band script ([`rule_script`]) and its `ARGV`: the request's cost
+    /// in units (hexadecimal); the rest of [`write_one_token_bucket_argv`]'s arguments are
+    /// in the script.
+    ///
+    /// [`write_one_token_bucket_argv`]: Self::write_one_token_bucket_argv
+    fn write_rule_script(&self, band: BandArgs) -> Option<(Arc<RuleScript>, Vec<Value>)> {
+        let numbers = TokenBand::new(self.bucket.permits, band);
+        let layout = self.bucket.layout.as_deref().unwrap_or_default();
+        let script = rule_script::rule_script(Constants {
+            layout,
+            cap: numbers.cap,
+            expiry_ms: self.expiry_ms(numbers.cap / numbers.scale.max(1)),
+            scale: numbers.scale,
+            max_wait_us: self.bucket.max_wait_us,
+        })?;
+        Some((script, vec![hex(numbers.cost)]))
     }
 
     /// A token-bucket rule's key expiry in ms, its longest window being `window_us`: one
@@ -359,6 +383,18 @@ impl DecideArgs {
             argv.extend(rule.token_buckets_argv.iter().cloned());
         }
         argv
+    }
+
+    /// The rule's own one-band script and its `ARGV`, for [`Shape::OneTokenBucket`] (see
+    /// [`rule_script`]); `None` for another shape, or a rule without one.
+    pub(crate) fn rule_script(&self) -> Option<(&RuleScript, Vec<Value>)> {
+        match (self.shape(), self.rules.as_slice()) {
+            (Shape::OneTokenBucket, [rule]) => {
+                let (script, argv) = rule.rule_script.as_ref()?;
+                Some((script, argv.clone()))
+            }
+            _ => None,
+        }
     }
 
     /// The `ARGV` of `one_token_bucket.lua`, for [`Shape::OneTokenBucket`] (see

@@ -17,6 +17,7 @@ use crate::connection::Connection;
 use crate::error::RedisError;
 use crate::protocol::{DecideArgs, Numbers, RefundArgs, RefundReply, Reply, Shape};
 use crate::request::Keys;
+use crate::rule_script::Loaded;
 
 /// The general decision script (see `lua/README.md`): every band of every rule of a
 /// request, of any algorithm, all or nothing. The build script joins it from the files of
@@ -73,6 +74,8 @@ pub(crate) struct Scripts {
     token_buckets: Script,
     refund: Script,
     batch: Script,
+    /// The rules' own scripts loaded on `connection` (see [`crate::rule_script`]).
+    rule_scripts: Loaded,
     migrating: Migrating,
 }
 
@@ -131,6 +134,7 @@ impl Scripts {
             token_buckets: Script::from_lua(TOKEN_BUCKETS_LUA),
             refund: Script::from_lua(REFUND_LUA),
             batch: Script::from_lua(BATCH_LUA),
+            rule_scripts: Loaded::default(),
             migrating: Migrating::default(),
         }
     }
@@ -186,6 +190,20 @@ impl Scripts {
         if self.migrating(&keys) {
             let call = Box::pin(asking_again(self.connection.next(), script, keys, argv));
             let reply = self.connection.within(timeout, call).await?;
+            return Self::read(args, &numbers(reply)?);
+        }
+        if let Some((rule, _)) = args.rule_script().filter(|(rule, _)| !self.rule_scripts.holds(rule)) {
+            // A rule's own script, loaded first on this limiter's connections (on every
+            // primary of a cluster): then its first call does not fail for want of it.
+            let client = self.connection.next();
+            let call = async {
+                script.load(client).await?;
+                self.rule_scripts.add(rule);
+                client
+                    .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
+                    .await
+            };
+            let reply = self.connection.within(timeout, Box::pin(call)).await?;
             return Self::read(args, &numbers(reply)?);
         }
         // fred's future is large: boxed once here (as in `run`), so that the futures around
@@ -323,8 +341,11 @@ impl Scripts {
         let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
-    /// The script for `args` and its `ARGV`.
-    fn decision(&self, args: &DecideArgs) -> (&Script, Vec<Value>) {
+    /// The script for `args` and its `ARGV`: a rule's own script when it has one.
+    fn decision<'a>(&'a self, args: &'a DecideArgs) -> (&'a Script, Vec<Value>) {
+        if let Some((rule, argv)) = args.rule_script() {
+            return (&rule.script, argv);
+        }
         let (entry, argv) = Self::batch_entry(args);
         let script = match entry {
             1 => &self.one_token_bucket,

@@ -1,0 +1,226 @@
+//! A rule's own one-band script: `one_token_bucket.lua` with the rule's layout, capacity,
+//! key expiry, scale and longest wait written into it as constants, so that a call sends
+//! the request's cost alone. Redis converts every argument of every call into a Lua string
+//! in the script's `ARGV` table, and the script converts the numbers again: the constants
+//! save that work (about 5,300 of 59,800 instructions of `redis-server` per call, see
+//! `docs/benchmarks.md`, "A rule's own script"), and the client encodes three arguments
+//! fewer.
+//!
+//! The scripts are kept process-wide by their text, so that the plans of one rule on
+//! every thread, and rules of the same bands, share one: at most [`MOST`]. A rule past
+//! that is decided by `one_token_bucket.lua` with its arguments, as before, so that rules
+//! changed again and again (a reloaded rule set whose capacities move) do not fill Redis's
+//! script cache. Each [`Scripts`](crate::script::Scripts) loads a rule's script on its
+//! connections before its first call ([`Loaded`]); Redis keeps it until it restarts or
+//! `SCRIPT FLUSH` runs, after which the call that finds it missing loads it again.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+
+use fred::types::scripts::Script;
+
+use crate::script::ONE_TOKEN_BUCKET_LUA;
+
+/// The rule scripts a process makes at most.
+pub(crate) const MOST: usize = 256;
+
+/// The lines of `one_token_bucket.lua` that read the rule's arguments, which a rule's
+/// script replaces with its constants.
+const ARGUMENTS: &str = "local key, layout = KEYS[1], ARGV[1]
+local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5], ARGV[6]
+scale = scale and tonumber(scale, 16) or 1
+";
+
+/// A rule's one-band script.
+#[derive(Debug)]
+pub(crate) struct RuleScript {
+    /// Its place among the process's rule scripts, below [`MOST`].
+    id: usize,
+    pub(crate) script: Script,
+}
+
+/// What a rule's one-band script holds as constants.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Constants<'a> {
+    /// The rule's layout (`lua/token_bucket.lua`, "State").
+    pub(crate) layout: &'a str,
+    /// The band's capacity in units.
+    pub(crate) cap: i64,
+    /// The key's expiry in ms.
+    pub(crate) expiry_ms: i64,
+    /// The band's scale.
+    pub(crate) scale: i64,
+    /// The longest a request may wait for the band, in µs; 0: not at all.
+    pub(crate) max_wait_us: i64,
+}
+
+/// The rule script of `constants`, the process's kept one when it has it; `None` when
+/// the process has made [`MOST`] already.
+pub(crate) fn rule_script(constants: Constants<'_>) -> Option<Arc<RuleScript>> {
+    static KEPT: OnceLock<Mutex<HashMap<String, Arc<RuleScript>>>> = OnceLock::new();
+    let lua = lua(constants)?;
+    let mut kept = KEPT
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if let Some(script) = kept.get(&lua) {
+        return Some(script.clone());
+    }
+    let id = kept.len();
+    if id >= MOST {
+        return None;
+    }
+    let script = Arc::new(RuleScript {
+        id,
+        script: Script::from_lua(lua.clone()),
+    });
+    kept.insert(lua, script.clone());
+    Some(script)
+}
+
+/// The text of the rule script of `constants`: `one_token_bucket.lua` without its comments,
+/// the lines reading the rule's arguments replaced by the constants. `None` if the script
+/// has no such lines (a test keeps it so).
+fn lua(constants: Constants<'_>) -> Option<String> {
+    let (before, after) = ONE_TOKEN_BUCKET_LUA.split_once(ARGUMENTS)?;
+    let Constants {
+        layout,
+        cap,
+        expiry_ms,
+        scale,
+        max_wait_us,
+    } = constants;
+    let mut lua = String::with_capacity(ONE_TOKEN_BUCKET_LUA.len());
+    lua.push_str("-- FluxGate decision of one token-bucket rule of one band (one_token_bucket.lua), its\n");
+    lua.push_str("-- arguments written in. KEYS[1]: the rule's key. ARGV[1]: the request's cost in units.\n");
+    without_comments(before, &mut lua);
+    lua.push_str("local key, layout = KEYS[1], ");
+    quoted(layout, &mut lua);
+    // The numbers as the arguments would give them: integers in hexadecimal, which Lua
+    // reads with `strtoul`, as `tonumber(s, 16)`; the wait a string that the script reads
+    // so; the expiry a string, passed to `PSETEX` as it is.
+    let _ = write!(
+        lua,
+        "\nlocal cap, cost, ttl, scale, wait = 0x{cap:x}, tonumber(ARGV[1], 16), '{expiry_ms}', 0x{scale:x}, "
+    );
+    if max_wait_us > 0 {
+        let _ = writeln!(lua, "'{max_wait_us:x}'");
+    } else {
+        lua.push_str("nil\n");
+    }
+    without_comments(after, &mut lua);
+    Some(lua)
+}
+
+/// Appends the lines of `text` that are not comments alone.
+fn without_comments(text: &str, lua: &mut String) {
+    for line in text.lines() {
+        if !line.trim_start().starts_with("--") && !line.trim().is_empty() {
+            lua.push_str(line);
+            lua.push('\n');
+        }
+    }
+}
+
+/// Appends `text` as a Lua string: letters, digits and the layout's punctuation as they
+/// are, every other byte as a decimal escape of three digits (a band's name comes from a
+/// rule file and may hold quotes, backslashes or line ends).
+fn quoted(text: &str, lua: &mut String) {
+    lua.push('\'');
+    for byte in text.bytes() {
+        if byte.is_ascii_alphanumeric() || b":/|,._-=+*".contains(&byte) {
+            lua.push(char::from(byte));
+        } else {
+            let _ = write!(lua, "\\{byte:03}");
+        }
+    }
+    lua.push('\'');
+}
+
+/// The rule scripts a [`Scripts`](crate::script::Scripts) has loaded on its connections.
+#[derive(Debug, Default)]
+pub(crate) struct Loaded {
+    bits: [AtomicU64; MOST / 64],
+}
+
+impl Loaded {
+    /// Whether `script` was loaded.
+    pub(crate) fn holds(&self, script: &RuleScript) -> bool {
+        self.bits[script.id / 64].load(Ordering::Relaxed) & (1 << (script.id % 64)) != 0
+    }
+
+    /// Records that `script` was loaded.
+    pub(crate) fn add(&self, script: &RuleScript) {
+        self.bits[script.id / 64].fetch_or(1 << (script.id % 64), Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn constants(layout: &str) -> Constants<'_> {
+        Constants {
+            layout,
+            cap: 0xd693_a400,
+            expiry_ms: 3_601_001,
+            scale: 1,
+            max_wait_us: 0,
+        }
+    }
+
+    #[test]
+    fn the_one_band_script_reads_its_arguments_in_the_lines_a_rule_script_replaces() {
+        assert_eq!(ONE_TOKEN_BUCKET_LUA.matches(ARGUMENTS).count(), 1);
+        let lua = lua(constants("b0:10/1h|")).unwrap();
+        assert!(!lua.contains("ARGV[2]"), "{lua}");
+        assert!(lua.contains("local key, layout = KEYS[1], 'b0:10/1h|'\n"), "{lua}");
+        assert!(
+            lua.contains(
+                "local cap, cost, ttl, scale, wait = 0xd693a400, tonumber(ARGV[1], 16), '3601001', 0x1, nil\n"
+            ),
+            "{lua}"
+        );
+        assert!(lua.ends_with("return {now, debt}\n"), "{lua}");
+    }
+
+    #[test]
+    fn a_wait_is_written_as_the_argument_was() {
+        let lua = lua(Constants {
+            max_wait_us: 1_000,
+            scale: 3,
+            ..constants("b0:10/1h|")
+        })
+        .unwrap();
+        assert!(lua.contains(", 0x3, '3e8'\n"), "{lua}");
+    }
+
+    #[test]
+    fn a_layout_of_any_bytes_stays_one_string() {
+        let lua = lua(constants("a'b\"c\\d\ne]]f{g}|")).unwrap();
+        assert!(lua.contains(r"'a\039b\034c\092d\010e\093\093f\123g\125|'"), "{lua}");
+    }
+
+    #[test]
+    fn one_text_is_one_script_and_the_process_makes_a_bounded_number() {
+        let a = rule_script(constants("same:1/1s|")).unwrap();
+        let b = rule_script(constants("same:1/1s|")).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let loaded = Loaded::default();
+        assert!(!loaded.holds(&a));
+        loaded.add(&a);
+        assert!(loaded.holds(&b));
+        let mut made = 0;
+        for i in 0..=MOST {
+            if rule_script(constants(&format!("many{i}:1/1s|"))).is_some() {
+                made += 1;
+            }
+        }
+        assert!(made < MOST, "{made}");
+        assert!(rule_script(constants("past:1/1s|")).is_none());
+        // Those already made are still found.
+        assert!(rule_script(constants("same:1/1s|")).is_some());
+    }
+}
