@@ -24,6 +24,7 @@ mod batching;
 mod calls_in_flight;
 mod changes;
 mod client_failures;
+mod clock;
 mod cluster;
 mod conformance;
 mod differential;

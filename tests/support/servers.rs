@@ -5,9 +5,10 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// A running `redis-server`.
@@ -15,15 +16,95 @@ pub(crate) struct RedisServer {
     child: Child,
     port: u16,
     dir: PathBuf,
+    /// How far its wall clock lies ahead of the machine's, in ms (behind when negative).
+    clock_offset_ms: i64,
 }
 
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Starts `redis-server` on `port` with its files in `dir`.
-fn spawn(port: u16, dir: &std::path::Path, extra: &[&str]) -> Child {
-    Command::new("redis-server")
+/// A shared library that moves the wall clock (`clock_gettime(CLOCK_REALTIME)`,
+/// `gettimeofday`, `time`) of the process it is preloaded into by `FLUXGATE_CLOCK_OFFSET_MS`
+/// milliseconds, leaving the monotonic clocks alone: a `redis-server` whose `TIME`, and so
+/// every instant of the scripts and every key's expiry, lies ahead of the machine's clock
+/// or behind it, as a replica's may. It reads the clock with the system call itself, so
+/// that no allocator's call of the clock during start-up comes back into it. Compiled once
+/// per test process with `cc`, the C compiler Rust links with on Linux.
+fn clock_shim() -> &'static Path {
+    const SOURCE: &str = r#"
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+static long long offset_ns;
+
+__attribute__((constructor)) static void init(void) {
+    const char *s = getenv("FLUXGATE_CLOCK_OFFSET_MS");
+    offset_ns = s ? atoll(s) * 1000000LL : 0;
+}
+
+int clock_gettime(clockid_t id, struct timespec *ts) {
+    long r = syscall(SYS_clock_gettime, id, ts);
+    if (r == 0 && (id == CLOCK_REALTIME || id == CLOCK_REALTIME_COARSE)) {
+        long long ns = (long long)ts->tv_sec * 1000000000LL + ts->tv_nsec + offset_ns;
+        ts->tv_sec = ns / 1000000000LL;
+        ts->tv_nsec = ns % 1000000000LL;
+    }
+    return (int)r;
+}
+
+int gettimeofday(struct timeval *tv, void *tz) {
+    struct timespec ts;
+    (void)tz;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (tv) {
+        tv->tv_sec = ts.tv_sec;
+        tv->tv_usec = ts.tv_nsec / 1000;
+    }
+    return 0;
+}
+
+time_t time(time_t *t) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (t) {
+        *t = ts.tv_sec;
+    }
+    return ts.tv_sec;
+}
+"#;
+    static SHIM: OnceLock<PathBuf> = OnceLock::new();
+    SHIM.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("fluxgate-clock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (source, library) = (dir.join("clock.c"), dir.join("clock.so"));
+        std::fs::write(&source, SOURCE).unwrap();
+        let ok = Command::new("cc")
+            .args(["-shared", "-fPIC", "-O2", "-o"])
+            .arg(&library)
+            .arg(&source)
+            .status()
+            .expect("cc (the C compiler Rust links with) runs")
+            .success();
+        assert!(ok, "cc compiles the clock shim");
+        library
+    })
+}
+
+/// Starts `redis-server` on `port` with its files in `dir`, its wall clock `clock_offset_ms`
+/// ahead of the machine's (see [`clock_shim`]).
+fn spawn(port: u16, dir: &std::path::Path, extra: &[&str], clock_offset_ms: i64) -> Child {
+    let mut command = Command::new("redis-server");
+    if clock_offset_ms != 0 {
+        command
+            .env("LD_PRELOAD", clock_shim())
+            .env("FLUXGATE_CLOCK_OFFSET_MS", clock_offset_ms.to_string());
+    }
+    command
         .args([
             "--port",
             &port.to_string(),
@@ -65,6 +146,12 @@ impl RedisServer {
 
     /// Starts a server with extra configuration arguments.
     pub(crate) fn start_with(extra: &[&str]) -> Self {
+        Self::start_with_clock(extra, 0)
+    }
+
+    /// Starts a server with extra configuration arguments, its wall clock (its `TIME`, its
+    /// keys' expiry) `clock_offset_ms` ahead of the machine's, or behind it when negative.
+    pub(crate) fn start_with_clock(extra: &[&str], clock_offset_ms: i64) -> Self {
         static SEQ: AtomicUsize = AtomicUsize::new(0);
         for _ in 0..5 {
             let port = free_port();
@@ -74,8 +161,13 @@ impl RedisServer {
                 SEQ.fetch_add(1, Ordering::SeqCst)
             ));
             std::fs::create_dir_all(&dir).unwrap();
-            let child = spawn(port, &dir, extra);
-            let mut server = Self { child, port, dir };
+            let child = spawn(port, &dir, extra, clock_offset_ms);
+            let mut server = Self {
+                child,
+                port,
+                dir,
+                clock_offset_ms,
+            };
             let deadline = Instant::now() + Duration::from_secs(10);
             while Instant::now() < deadline {
                 if ping(port) {
@@ -161,7 +253,7 @@ impl RedisServer {
         self.kill();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            self.child = spawn(self.port, &self.dir, &[]);
+            self.child = spawn(self.port, &self.dir, &[], self.clock_offset_ms);
             let started = Instant::now();
             while started.elapsed() < Duration::from_secs(2) {
                 if ping(self.port) {

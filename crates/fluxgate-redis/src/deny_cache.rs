@@ -23,7 +23,9 @@ pub(crate) struct DenyCache {
 
 /// A band that rejected: until `until` it rejects every request of the same cost, because
 /// only time adds tokens to a bucket. A local rejection repeats Redis's figures: the
-/// remaining permits and the instant the band is full again.
+/// remaining permits and the instant the band is full again, on Redis's clock (`reset_at`),
+/// and counts down the time to it on the process's monotonic clock (`reset_by`, the same
+/// instant), never on the host's wall clock, which may lie far from Redis's.
 ///
 /// A denial that a refund may end early (see [`DenyCache::remember`]) lets one request
 /// through to Redis every so often (`probe`: when the next may go, in µs from the cache's
@@ -34,6 +36,7 @@ struct Denial {
     probe: Option<(Arc<AtomicU64>, u64)>,
     remaining: u64,
     reset_at: SystemTime,
+    reset_by: Instant,
 }
 
 impl DenyCache {
@@ -72,16 +75,19 @@ impl DenyCache {
         })?;
         let (bucket, band) = request.bands().nth(position)?;
         let wait = denial.until - now;
-        let now_unix = SystemTime::now();
-        let now_ns = now_unix
+        // Now on Redis's clock: its reset instant less the time left until it.
+        let reset_after = denial.reset_by.saturating_duration_since(now);
+        let reset_ns = denial
+            .reset_at
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        let now_ns = reset_ns.saturating_sub(u64::try_from(reset_after.as_nanos()).unwrap_or(u64::MAX));
         // Only the denying band is known; the others were not asked.
         let report = bucket.report(
             band,
             now_ns,
             denial.remaining,
-            denial.reset_at.duration_since(now_unix).unwrap_or_default(),
+            reset_after,
             Wait::After(wait.max(Duration::from_micros(1))),
         );
         Some(AcquireOutcome::new(false, true, now_ns, vec![report]).answered_locally())
@@ -154,6 +160,7 @@ impl DenyCache {
                     probe,
                     remaining: report.remaining,
                     reset_at: report.reset_at,
+                    reset_by: start + report.reset_after,
                 };
                 self.latest_us.fetch_max(self.micros(denial.until), Ordering::Relaxed);
                 self.denials.insert(key, denial);
