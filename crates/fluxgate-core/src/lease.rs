@@ -122,6 +122,10 @@ struct Held {
     /// Each band's report at the call, its remaining permits those the bucket kept
     /// (without the lease's).
     reports: SmallVec<[BandReport; 2]>,
+    /// When that call started, on the monotonic clock: the reports' times until each band
+    /// is full count down from it, whatever the host's wall clock says of the backend's
+    /// reset instants.
+    reported: Instant,
 }
 
 impl Held {
@@ -145,12 +149,14 @@ impl Held {
     }
 
     /// The reports of a request admitted from the lease, as of now: each band's remaining
-    /// permits are the bucket's at the call plus what the lease still holds.
-    fn reports_now(&self, now: SystemTime) -> impl Iterator<Item = BandReport> + '_ {
+    /// permits are the bucket's at the call plus what the lease still holds; its reset
+    /// instant the backend's, the time until it counted down since the call.
+    fn reports_now(&self, now: Instant) -> impl Iterator<Item = BandReport> + '_ {
+        let since = now.saturating_duration_since(self.reported);
         self.reports.iter().map(move |r| {
             let mut r = r.clone();
             r.remaining = r.remaining.saturating_add(self.left).min(r.limit);
-            r.reset_after = r.reset_at.duration_since(now).unwrap_or_default();
+            r.reset_after = r.reset_after.saturating_sub(since);
             r.allowed = true;
             r.wait = Wait::None;
             r
@@ -534,7 +540,7 @@ impl Shared {
                         held.out += cost;
                     }
                     let mut reports = Bands::with_capacity(held.reports.len());
-                    reports.extend(held.reports_now(SystemTime::now()));
+                    reports.extend(held.reports_now(now));
                     return Ok(Plan::Spent(held.id, reports));
                 }
                 // Too few permits left: a new lease, no larger than half the bucket as it was,
@@ -754,6 +760,7 @@ impl Shared {
                 held.left += kept;
                 held.decided_unix_nanos = decided_unix_nanos;
                 held.reports = reports;
+                held.reported = now;
                 held.expires = held.expires.min(expires);
                 // What is over goes back now, from the last permits taken; after it, a
                 // token or leaky bucket no longer holds the state the call left, and the
@@ -794,6 +801,7 @@ impl Shared {
             decided_unix_nanos,
             expires,
             reports,
+            reported: now,
         };
         let old = shard.held.insert(key.clone(), held);
         drop(shard);
