@@ -117,3 +117,82 @@ async fn a_lease_counts_the_reset_on_redis_clock_when_it_is_behind() {
 async fn a_lease_counts_the_reset_on_redis_clock_when_it_is_ahead() {
     admitted_by_redis_then_from_the_lease(HOUR_MS).await;
 }
+
+/// A client's bucket of 10 per minute of `algorithm`, spent on a primary whose clock is the
+/// machine's, then decided by its replica, promoted (as a Sentinel failover or a cluster's
+/// replica taking over does), whose clock lies `offset_ms` ahead: how many of 20 requests
+/// the replica admits at once, and the retry-after it then gives.
+async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration) {
+    let primary = RedisServer::start();
+    let port = primary.port().to_string();
+    let replica = RedisServer::start_with_clock(&["--replicaof", "127.0.0.1", &port], offset_ms);
+    let yaml = format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - {{ id: per-ip, algorithm: {algorithm}, bands: [{{ capacity: 10, window: 1m }}] }}\n"
+    );
+    let engine_on = |url: String| {
+        let yaml = yaml.clone();
+        async move {
+            let limiter = fluxgate::redis::RedisLimiter::builder(url)
+                .prefix("clock")
+                .deny_cache(false)
+                .connect()
+                .await
+                .expect("connect to the test Redis");
+            fluxgate::core::Engine::builder(crate::support::app::rules(&yaml))
+                .limiter(limiter)
+                .build()
+                .expect("Redis decides the rule")
+        }
+    };
+    let client = ctx("192.0.2.42");
+    let on_primary = engine_on(primary.url()).await;
+    for _ in 0..10 {
+        assert!(check(&on_primary, &client).await.allowed());
+    }
+    assert!(!check(&on_primary, &client).await.allowed());
+    assert_eq!(
+        primary.cli(&["WAIT", "1", "5000"]).trim(),
+        "1",
+        "the replica has the writes"
+    );
+    assert_eq!(replica.cli(&["REPLICAOF", "NO", "ONE"]).trim(), "OK");
+    let on_replica = engine_on(replica.url()).await;
+    let mut admitted = 0;
+    let mut retry_after = Duration::ZERO;
+    for _ in 0..20 {
+        let d = check(&on_replica, &client).await;
+        if d.allowed() {
+            admitted += 1;
+        } else {
+            retry_after = d.retry_after.expect("a refusal's retry-after");
+        }
+    }
+    (admitted, retry_after)
+}
+
+/// A failover to a replica whose clock is ahead gives every bucket what that much time
+/// refills: a whole capacity once the step reaches the window, never more; to a replica
+/// whose clock is behind, refuses a client who spent the capacity for the step and up to two
+/// windows (documented in docs/redis.md, "Redis's clock").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_to_a_replica_whose_clock_is_off_moves_time_for_every_bucket() {
+    for algorithm in [
+        "token_bucket",
+        "leaky_bucket",
+        "fixed_window",
+        "sliding_window_log",
+        "sliding_window_counter",
+    ] {
+        let (admitted, _) = after_a_failover(algorithm, HOUR_MS).await;
+        assert_eq!(
+            admitted, 10,
+            "{algorithm}, a replica an hour ahead: one capacity more, no more"
+        );
+        let (admitted, retry_after) = after_a_failover(algorithm, -HOUR_MS).await;
+        assert_eq!(admitted, 0, "{algorithm}, a replica an hour behind");
+        assert!(
+            retry_after > Duration::from_secs(3_600) && retry_after <= Duration::from_secs(3_720),
+            "{algorithm}, a replica an hour behind: retry after {retry_after:?}"
+        );
+    }
+}
