@@ -13,6 +13,10 @@ deterministic to within about 2% from one run to the next.
 `--commands` counts scripts that make nothing but one read and one kind of write (or
 nothing at all), over the same keys: what each command costs inside a script call.
 
+A rule's own one-band script (`src/rule_script.rs` in `fluxgate-redis`: the one-band
+script with the rule's numbers written in, the cost its only argument) is counted after
+the one-band script.
+
 The batch script (`batch.lua`) is counted with 16 one-band requests per call, divided by
 the requests as well as by the calls.
 
@@ -123,6 +127,24 @@ def rule(r, bands):
     return [format(bands * 8, 'x'), layout, '3601001'] + ['d693a400', '168'] * bands
 
 
+# The lines of one_token_bucket.lua that read a rule's arguments, which a rule's own script
+# replaces with its numbers (as `src/rule_script.rs` in fluxgate-redis does).
+ARGUMENTS = ("local key, layout = KEYS[1], ARGV[1]\n"
+             "local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), "
+             "ARGV[4], ARGV[5], ARGV[6]\n"
+             "scale = scale and tonumber(scale, 16) or 1\n")
+
+
+def rule_script(one, layout, cap, ttl):
+    """A rule's own one-band script: its layout, capacity (hex) and expiry written in, the
+    comment lines left out; the cost its only argument."""
+    before, after = one.split(ARGUMENTS)
+    own = (f"local key, layout = KEYS[1], '{layout}'\n"
+           f"local cap, cost, ttl, scale, wait = 0x{cap}, tonumber(ARGV[1], 16), '{ttl}', 0x1, nil\n")
+    lines = (before + own + after).splitlines()
+    return ''.join(l + '\n' for l in lines if l.strip() and not l.lstrip().startswith('--'))
+
+
 # What each command a token-bucket script makes costs inside a script call: scripts that
 # make nothing but it, over the same keys (`--commands`).
 COMMANDS = [
@@ -167,6 +189,11 @@ def main():
     print(f'{"call":<44} {"instr/call":>10}')
     count('one band (one_token_bucket.lua)', one, [key.format(r=0)],
           ['b0:10000000/1h|', 'd693a400', '168', '3601001'], 20000)
+    with tempfile.TemporaryDirectory() as d:
+        own = os.path.join(d, 'rule.lua')
+        with open(own, 'w') as f:
+            f.write(rule_script(open(one).read(), 'b0:10000000/1h|', 'd693a400', '3601001'))
+        count("one band (the rule's own script)", own, [key.format(r=0)], ['168'], 20000)
     for rules, bands, n in [(1, 2, 20000), (1, 4, 20000), (1, 8, 10000), (3, 2, 10000)]:
         args = [a for r in range(rules) for a in rule(r, bands)]
         count(f'{rules} rule(s) x {bands} bands (token_buckets.lua)', many,
