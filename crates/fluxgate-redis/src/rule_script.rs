@@ -6,7 +6,7 @@
 //! `docs/benchmarks.md`, "A rule's own script"), and the client encodes three arguments
 //! fewer.
 //!
-//! The scripts are kept process-wide by their text, so that the plans of one rule on
+//! The scripts are kept process-wide by their constants, so that the plans of one rule on
 //! every thread, and rules of the same bands, share one: at most [`MOST`]. A rule past
 //! that is decided by `one_token_bucket.lua` with its arguments, as before, so that rules
 //! changed again and again (a reloaded rule set whose capacities move) do not fill Redis's
@@ -59,13 +59,23 @@ pub(crate) struct Constants<'a> {
 /// The rule script of `constants`, the process's kept one when it has it; `None` when
 /// the process has made [`MOST`] already.
 pub(crate) fn rule_script(constants: Constants<'_>) -> Option<Arc<RuleScript>> {
-    static KEPT: OnceLock<Mutex<HashMap<String, Arc<RuleScript>>>> = OnceLock::new();
-    let lua = lua(constants)?;
+    /// The scripts by their constants, which make their text.
+    type Kept = HashMap<(String, [i64; 4]), Arc<RuleScript>>;
+    static KEPT: OnceLock<Mutex<Kept>> = OnceLock::new();
+    let Constants {
+        layout,
+        cap,
+        expiry_ms,
+        scale,
+        max_wait_us,
+    } = constants;
+    let numbers = [cap, expiry_ms, scale, max_wait_us];
     let mut kept = KEPT
         .get_or_init(Mutex::default)
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
-    if let Some(script) = kept.get(&lua) {
+    // Found without writing the text: a thread that forgot its plans makes them again.
+    if let Some(script) = kept.get(&(layout.to_owned(), numbers)) {
         return Some(script.clone());
     }
     let id = kept.len();
@@ -74,9 +84,9 @@ pub(crate) fn rule_script(constants: Constants<'_>) -> Option<Arc<RuleScript>> {
     }
     let script = Arc::new(RuleScript {
         id,
-        script: Script::from_lua(lua.clone()),
+        script: Script::from_lua(lua(constants)?),
     });
-    kept.insert(lua, script.clone());
+    kept.insert((layout.to_owned(), numbers), script.clone());
     Some(script)
 }
 
