@@ -128,6 +128,55 @@ rule_sets:
         assert_eq!(server.evalsha_stat("failed_calls") - failed, 3.0);
     }
 
+    /// A Redis user that may run scripts but not load them (`-script`: the operator loads
+    /// the crate's scripts), over the application's client: a rule of one token-bucket
+    /// band, whose own script Redis does not take, is decided by the shared one-band
+    /// script, which the operator loaded. Old behaviour: every decision failed (20 of 20),
+    /// its `SCRIPT LOAD` refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_user_who_may_not_load_scripts_is_decided_by_the_loaded_shared_script() {
+        use fred::interfaces::ClientLike;
+        let redis = Redis::start(Servers::standalone()).await;
+        let server = redis.server();
+        let loaded = server.cli(&["SCRIPT", "LOAD", fluxgate::redis::ONE_TOKEN_BUCKET_LUA]);
+        assert_eq!(loaded.trim().len(), 40, "{loaded}");
+        let created = server.cli(&[
+            "ACL",
+            "SETUSER",
+            "runner",
+            "on",
+            ">runner-password",
+            "~*",
+            "&*",
+            "+@all",
+            "-script",
+        ]);
+        assert_eq!(created.trim(), "OK");
+        let url = format!("redis://runner:runner-password@127.0.0.1:{}", server.port());
+        let config = fred::types::config::Config::from_url(&url).expect("the test server's URL");
+        let client = fred::types::Builder::from_config(config).build().expect("a client");
+        client.init().await.expect("the client connects");
+        let limiter = fluxgate::redis::RedisLimiter::from_client(client, "runner");
+        let engine = Engine::builder(rules(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 5, window: 1h }]\n",
+        ))
+        .limiter(limiter)
+        .build()
+        .expect("the backend decides every rule");
+        let ctx = RequestContext::builder()
+            .client_ip("192.0.2.71".parse().expect("an address"))
+            .build();
+        let (mut admitted, mut refused, mut failed) = (0, 0, 0);
+        for _ in 0..20 {
+            match engine.check(&ctx).await {
+                Ok(d) if d.allowed() => admitted += 1,
+                Ok(_) => refused += 1,
+                Err(_) => failed += 1,
+            }
+        }
+        assert_eq!((admitted, refused, failed), (5, 15, 0));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn keys_are_bounded_tagged_and_expire() {
         let redis = Redis::start(Servers::standalone()).await;

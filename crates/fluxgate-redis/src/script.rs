@@ -194,10 +194,17 @@ impl Scripts {
         }
         if let Some((rule, _)) = args.rule_script().filter(|(rule, _)| !self.rule_scripts.holds(rule)) {
             // A rule's own script, loaded first on this limiter's connections (on every
-            // primary of a cluster): then its first call does not fail for want of it.
+            // primary of a cluster): then its first call does not fail for want of it. When
+            // Redis does not take it (a user who may run scripts but not load them, a
+            // primary that does not answer), the call goes to the shared one-band script
+            // with its arguments, as a rule past the process's rule scripts does.
             let client = self.connection.next();
             let call = async {
-                script.load(client).await?;
+                if script.load(client).await.is_err() {
+                    let argv = args.one_token_bucket_argv().unwrap_or_default();
+                    let shared = self.one_token_bucket.sha1().clone();
+                    return client.evalsha::<Value, _, _, _>(shared, fred_keys(keys), argv).await;
+                }
                 self.rule_scripts.add(rule);
                 client
                     .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
