@@ -149,21 +149,48 @@ fn quoted(text: &str, lua: &mut String) {
     lua.push('\'');
 }
 
-/// The rule scripts a [`Scripts`](crate::script::Scripts) has loaded on its connections.
+/// The rule scripts a [`Scripts`](crate::script::Scripts) has loaded on its connections,
+/// and those Redis refused its user the right to load.
 #[derive(Debug, Default)]
 pub(crate) struct Loaded {
-    bits: [AtomicU64; MOST / 64],
+    loaded: Bits,
+    refused: Bits,
+}
+
+/// One bit per rule script.
+#[derive(Debug, Default)]
+struct Bits([AtomicU64; MOST / 64]);
+
+impl Bits {
+    fn get(&self, script: &RuleScript) -> bool {
+        self.0[script.id / 64].load(Ordering::Relaxed) & (1 << (script.id % 64)) != 0
+    }
+
+    fn set(&self, script: &RuleScript) {
+        self.0[script.id / 64].fetch_or(1 << (script.id % 64), Ordering::Relaxed);
+    }
 }
 
 impl Loaded {
     /// Whether `script` was loaded.
     pub(crate) fn holds(&self, script: &RuleScript) -> bool {
-        self.bits[script.id / 64].load(Ordering::Relaxed) & (1 << (script.id % 64)) != 0
+        self.loaded.get(script)
     }
 
     /// Records that `script` was loaded.
     pub(crate) fn add(&self, script: &RuleScript) {
-        self.bits[script.id / 64].fetch_or(1 << (script.id % 64), Ordering::Relaxed);
+        self.loaded.set(script);
+    }
+
+    /// Whether Redis refused the user the right to load `script` (`NOPERM`): its rule's
+    /// calls go to the shared one-band script.
+    pub(crate) fn refuses(&self, script: &RuleScript) -> bool {
+        self.refused.get(script)
+    }
+
+    /// Records that Redis refused the user the right to load `script`.
+    pub(crate) fn refuse(&self, script: &RuleScript) {
+        self.refused.set(script);
     }
 }
 

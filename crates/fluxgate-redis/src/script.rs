@@ -17,7 +17,7 @@ use crate::connection::Connection;
 use crate::error::RedisError;
 use crate::protocol::{DecideArgs, Numbers, RefundArgs, RefundReply, Reply, Shape};
 use crate::request::Keys;
-use crate::rule_script::Loaded;
+use crate::rule_script::{Loaded, RuleScript};
 
 /// The general decision script (see `lua/README.md`): every band of every rule of a
 /// request, of any algorithm, all or nothing. The build script joins it from the files of
@@ -192,15 +192,19 @@ impl Scripts {
             let reply = self.connection.within(timeout, call).await?;
             return Self::read(args, &numbers(reply)?);
         }
-        if let Some((rule, _)) = args.rule_script().filter(|(rule, _)| !self.rule_scripts.holds(rule)) {
+        if let Some((rule, _)) = self.own_script(args).filter(|(rule, _)| !self.rule_scripts.holds(rule)) {
             // A rule's own script, loaded first on this limiter's connections (on every
             // primary of a cluster): then its first call does not fail for want of it. When
             // Redis does not take it (a user who may run scripts but not load them, a
             // primary that does not answer), the call goes to the shared one-band script
-            // with its arguments, as a rule past the process's rule scripts does.
+            // with its arguments, as a rule past the process's rule scripts does; and so do
+            // the rule's later calls when Redis refused the user the load (`NOPERM`).
             let client = self.connection.next();
             let call = async {
-                if script.load(client).await.is_err() {
+                if let Err(e) = script.load(client).await {
+                    if e.details().starts_with("NOPERM") {
+                        self.rule_scripts.refuse(rule);
+                    }
                     let argv = args.one_token_bucket_argv().unwrap_or_default();
                     let shared = self.one_token_bucket.sha1().clone();
                     return client.evalsha::<Value, _, _, _>(shared, fred_keys(keys), argv).await;
@@ -348,9 +352,15 @@ impl Scripts {
         let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
+    /// The rule's own script for `args` and its `ARGV`, when it has one that Redis did not
+    /// refuse to load.
+    fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a RuleScript, Vec<Value>)> {
+        args.rule_script().filter(|(rule, _)| !self.rule_scripts.refuses(rule))
+    }
+
     /// The script for `args` and its `ARGV`: a rule's own script when it has one.
     fn decision<'a>(&'a self, args: &'a DecideArgs) -> (&'a Script, Vec<Value>) {
-        if let Some((rule, argv)) = args.rule_script() {
+        if let Some((rule, argv)) = self.own_script(args) {
             return (&rule.script, argv);
         }
         let (entry, argv) = Self::batch_entry(args);
