@@ -141,3 +141,98 @@ async fn frozen_redis_blocks_no_request_beyond_the_deadline() {
         "Redis decided again only after {recovered:?}"
     );
 }
+
+/// The admissions of `n` checks of `ctx`, and how many of them the fallback decided.
+async fn admissions(engine: &Engine, ctx: &RequestContext, n: usize) -> (usize, usize) {
+    let (mut admitted, mut degraded) = (0, 0);
+    for _ in 0..n {
+        let d = engine.check(ctx).await.expect("the fallback decides");
+        if d.allowed() {
+            admitted += 1;
+            if d.degraded {
+                degraded += 1;
+            }
+        }
+    }
+    (admitted, degraded)
+}
+
+/// Freezes Redis and has `bystander`'s request open the circuit (it misses the deadline);
+/// then `n` checks of `client` while the circuit is open: its admissions, and whether they
+/// all ran within the cool-down (a busy machine may let a check probe, which the deny cache
+/// answers).
+async fn during_an_outage(
+    server: &RedisServer,
+    engine: &Engine,
+    bystander: &RequestContext,
+    client: &RequestContext,
+    n: usize,
+    cool_down: Duration,
+) -> (usize, bool) {
+    server.signal("-STOP");
+    let start = Instant::now();
+    let opened = engine.check(bystander).await.expect("the fallback decides");
+    assert!(opened.degraded, "a frozen Redis leaves the decision to the fallback");
+    let (admitted, degraded) = admissions(engine, client, n).await;
+    let in_time = start.elapsed() < cool_down;
+    server.signal("-CONT");
+    assert_eq!(admitted, degraded, "only the fallback admits while the circuit is open");
+    (admitted, in_time)
+}
+
+/// `fallback_local` counts in memory only what it decides: the in-memory bucket knows
+/// nothing of what Redis admitted before the outage, and Redis nothing of what the memory
+/// admitted during it. A client that spent its limit in Redis gets the in-memory limit on
+/// top while the circuit is open: one instance admits up to twice the limit in a window
+/// spanning an outage (security.md, section 5). The in-memory bucket is the same one at
+/// every outage: the circuit opening again, after it closed, gives it no fresh capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_local_adds_the_local_limit_to_what_redis_admitted_but_no_fresh_one_per_outage() {
+    const LIMIT: usize = 5;
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let limiter = limiter(&server).await;
+    let rules = rules(&format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
+    ));
+    let engine = Engine::builder(rules)
+        .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN))
+        .fallback(MemoryLimiter::default())
+        .build()
+        .expect("the backend decides every rule");
+    let client = ctx();
+    let bystander = RequestContext::builder()
+        .client_ip("198.51.100.3".parse().expect("an address"))
+        .build();
+
+    let (by_redis, degraded) = admissions(&engine, &client, 2 * LIMIT).await;
+    assert_eq!((by_redis, degraded), (LIMIT, 0), "Redis admits the limit");
+
+    let (first, first_in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
+    // The circuit closes again: a bystander's decision comes from Redis.
+    let start = Instant::now();
+    while engine.check(&bystander).await.expect("decided").degraded {
+        assert!(start.elapsed() < Duration::from_secs(10), "the circuit never closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (again, _) = admissions(&engine, &client, 2 * LIMIT).await;
+    assert_eq!(again, 0, "Redis's bucket stays spent");
+    let (second, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
+
+    let total = by_redis + first + second;
+    eprintln!(
+        "limit {LIMIT} per hour: Redis admitted {by_redis}, the fallback {first} in the first outage \
+         (within the cool-down: {first_in_time}) and {second} in the second; {total} in all"
+    );
+    if first_in_time {
+        assert_eq!(
+            first, LIMIT,
+            "the fallback's bucket starts full, knowing nothing of Redis's count"
+        );
+    }
+    assert_eq!(second, 0, "a second outage gives the fallback no fresh capacity");
+    assert!(
+        total <= 2 * LIMIT,
+        "{total} admitted: more than Redis's limit and the local one"
+    );
+}
