@@ -62,14 +62,13 @@ pub(crate) fn rule_script(constants: Constants<'_>) -> Option<Arc<RuleScript>> {
     /// The scripts by their constants, which make their text.
     type Kept = HashMap<(String, [i64; 4]), Arc<RuleScript>>;
     static KEPT: OnceLock<Mutex<Kept>> = OnceLock::new();
-    let Constants {
-        layout,
-        cap,
-        expiry_ms,
-        scale,
-        max_wait_us,
-    } = constants;
-    let numbers = [cap, expiry_ms, scale, max_wait_us];
+    let layout = constants.layout;
+    let numbers = [
+        constants.cap,
+        constants.expiry_ms,
+        constants.scale,
+        constants.max_wait_us,
+    ];
     let mut kept = KEPT
         .get_or_init(Mutex::default)
         .lock()
