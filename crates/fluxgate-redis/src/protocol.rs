@@ -387,11 +387,11 @@ impl DecideArgs {
 
     /// The rule's own one-band script and its `ARGV`, for [`Shape::OneTokenBucket`] (see
     /// [`rule_script`]); `None` for another shape, or a rule without one.
-    pub(crate) fn rule_script(&self) -> Option<(&RuleScript, Vec<Value>)> {
+    pub(crate) fn rule_script(&self) -> Option<(&RuleScript, &[Value])> {
         match (self.shape(), self.rules.as_slice()) {
             (Shape::OneTokenBucket, [rule]) => {
                 let (script, argv) = rule.rule_script.as_ref()?;
-                Some((script, argv.clone()))
+                Some((script, argv))
             }
             _ => None,
         }

@@ -354,14 +354,14 @@ impl Scripts {
 
     /// The rule's own script for `args` and its `ARGV`, when it has one that Redis did not
     /// refuse to load.
-    fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a RuleScript, Vec<Value>)> {
+    fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a RuleScript, &'a [Value])> {
         args.rule_script().filter(|(rule, _)| !self.rule_scripts.refuses(rule))
     }
 
     /// The script for `args` and its `ARGV`: a rule's own script when it has one.
     fn decision<'a>(&'a self, args: &'a DecideArgs) -> (&'a Script, Vec<Value>) {
         if let Some((rule, argv)) = self.own_script(args) {
-            return (&rule.script, argv);
+            return (&rule.script, argv.to_vec());
         }
         let (entry, argv) = Self::batch_entry(args);
         let script = match entry {
