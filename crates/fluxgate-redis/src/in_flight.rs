@@ -478,7 +478,7 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::time::Duration;
 
-    use fluxgate_core::{RuleSets, Text};
+    use fluxgate_core::{RuleSet, RuleSets, Text};
 
     use super::*;
 
@@ -496,14 +496,25 @@ rule_sets:
         bands: [{ capacity: 1, window: 1s }]
 ";
 
-    /// A request of `client` under the rules above, of the buckets `rules` (by index).
-    fn request(client: &str, rules: &[usize]) -> AcquireRequest {
-        let sets = RuleSets::from_yaml_str(RULES).expect("valid rules");
-        let mut request = AcquireRequest::new(sets.get("api").expect("defined").clone());
-        for &rule in rules {
-            request.push(rule, Text::from(client));
+    /// The rule set `api` of `yaml`.
+    fn api(yaml: &str) -> Arc<RuleSet> {
+        let sets = RuleSets::from_yaml_str(yaml).expect("valid rules");
+        sets.get("api").expect("defined").clone()
+    }
+
+    /// A request of `set`, of its buckets `buckets` (each a rule's index and a key).
+    fn request_in(set: &Arc<RuleSet>, buckets: &[(usize, &str)]) -> AcquireRequest {
+        let mut request = AcquireRequest::new(set.clone());
+        for &(rule, key) in buckets {
+            request.push(rule, Text::from(key));
         }
         request
+    }
+
+    /// A request of `client` under the rules above, of the buckets `rules` (by index).
+    fn request(client: &str, rules: &[usize]) -> AcquireRequest {
+        let buckets: Vec<_> = rules.iter().map(|&rule| (rule, client)).collect();
+        request_in(&api(RULES), &buckets)
     }
 
     fn table() -> Arc<InFlight> {
@@ -553,22 +564,16 @@ rule_sets:
     /// of its buckets is full: all its places or none.
     #[test]
     fn a_request_takes_the_places_of_all_its_buckets_or_none() {
-        let sets = RuleSets::from_yaml_str(
+        let set = api(
             "rule_sets:\n  - id: api\n    rules:\n      - id: a\n        bands: [{ capacity: 1, window: 1s }]\n      - id: b\n        bands: [{ capacity: 1, window: 1s }]\n",
-        )
-        .expect("valid rules");
-        let set = sets.get("api").expect("defined").clone();
-        let mut both = AcquireRequest::new(set.clone());
-        both.push(0, Text::from("ip=a"));
-        both.push(1, Text::from("ip=a"));
-        let mut second_only = AcquireRequest::new(set);
-        second_only.push(1, Text::from("ip=a"));
+        );
+        let both = request_in(&set, &[(0, "ip=a"), (1, "ip=a")]);
+        let second_only = request_in(&set, &[(1, "ip=a")]);
         let table = table();
         let held = table.try_take(table.counted("p", &second_only)).ok();
         assert!(held.is_some());
         assert!(table.try_take(table.counted("p", &both)).is_err());
-        let mut first_only = AcquireRequest::new(both.rule_set().clone());
-        first_only.push(0, Text::from("ip=a"));
+        let first_only = request_in(&set, &[(0, "ip=a")]);
         assert!(
             table.try_take(table.counted("p", &first_only)).is_ok(),
             "the refused request gave back the place it had taken"
@@ -721,16 +726,10 @@ rule_sets:
     /// after the stall began, count as the next missed deadline if they miss theirs too.
     #[tokio::test(start_paused = true)]
     async fn calls_that_miss_their_deadline_in_one_stall_fail_no_waiting_request() {
-        let sets = RuleSets::from_yaml_str(
+        let set = api(
             "rule_sets:\n  - id: api\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 5, window: 1h }]\n",
-        )
-        .expect("valid rules");
-        let set = sets.get("api").expect("defined").clone();
-        let of = move || {
-            let mut request = AcquireRequest::new(set.clone());
-            request.push(0, Text::from("ip=a"));
-            request
-        };
+        );
+        let of = move || request_in(&set, &[(0, "ip=a")]);
         let table = table();
         let deadline = || tokio::time::Instant::now().into_std() + Duration::from_millis(50);
         let mut stalled: Vec<Held> = (0..5)
@@ -800,17 +799,15 @@ rule_sets:
     /// miss its deadline, one after another.
     #[tokio::test(start_paused = true)]
     async fn a_place_taken_and_given_back_at_once_is_no_call_that_returned() {
-        let sets = RuleSets::from_yaml_str(
+        let set = api(
             "rule_sets:\n  - id: api\n    rules:\n      - id: everyone\n        scope: global\n        bands: [{ capacity: 3, window: 1h }]\n      - id: per-ip\n        bands: [{ capacity: 1, window: 1h }]\n",
-        )
-        .expect("valid rules");
-        let set = sets.get("api").expect("defined").clone();
+        );
         let of = move |client: &str, rules: &[usize]| {
-            let mut request = AcquireRequest::new(set.clone());
-            for &rule in rules {
-                request.push(rule, Text::from(if rule == 0 { "all" } else { client }));
-            }
-            request
+            let buckets: Vec<_> = rules
+                .iter()
+                .map(|&rule| (rule, if rule == 0 { "all" } else { client }))
+                .collect();
+            request_in(&set, &buckets)
         };
         let table = table();
         let deadline = || tokio::time::Instant::now().into_std() + Duration::from_millis(50);
@@ -869,11 +866,9 @@ rule_sets:
     /// a newcomer took the free place. Every call of a bucket counts by its rule's cost.
     #[tokio::test(start_paused = true)]
     async fn a_place_freed_by_a_call_of_more_permits_wakes_a_waiting_request() {
-        let sets = RuleSets::from_yaml_str(
+        let set = api(
             "rule_sets:\n  - id: api\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n",
-        )
-        .expect("valid rules");
-        let set = sets.get("api").expect("defined").clone();
+        );
         let of = |permits: u64| {
             let mut request = AcquireRequest::new(set.clone());
             request.push_permits(0, Text::from("ip=a"), permits);
