@@ -2,7 +2,7 @@
 //! key expiry, scale and longest wait written into it as constants, so that a call sends
 //! the request's cost alone. Redis converts every argument of every call into a Lua string
 //! in the script's `ARGV` table, and the script converts the numbers again: the constants
-//! save that work (about 5,300 of 59,800 instructions of `redis-server` per call, see
+//! save that work (about 5,900 of 59,700 instructions of `redis-server` per call, see
 //! `docs/benchmarks.md`, "A rule's own script"), and the client encodes three arguments
 //! fewer.
 //!
