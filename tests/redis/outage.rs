@@ -180,15 +180,16 @@ async fn during_an_outage(
     (admitted, in_time)
 }
 
-/// `fallback_local` counts in memory only what it decides: the in-memory bucket knows
-/// nothing of what Redis admitted before the outage, and Redis nothing of what the memory
-/// admitted during it. A client that spent its limit in Redis gets the in-memory limit on
-/// top while the circuit is open: one instance admits up to twice the limit in a window
-/// spanning an outage (security.md, section 5). The in-memory bucket is the same one at
-/// every outage: the circuit opening again, after it closed, gives it no fresh capacity.
+/// `fallback_local` starts from what this process was admitted: every admission Redis
+/// makes for the rule is charged to its in-memory bucket too, so a client that spent part
+/// of its limit through this instance gets only the rest from memory when the circuit
+/// opens (security.md, section 5). Redis knows nothing of what memory admitted, so after
+/// the outage it admits its own rest; the in-memory bucket is the same one at every outage,
+/// and the circuit opening again gives it no fresh capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fallback_local_adds_the_local_limit_to_what_redis_admitted_but_no_fresh_one_per_outage() {
+async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() {
     const LIMIT: usize = 5;
+    const SPENT: usize = 3;
     const COOL_DOWN: Duration = Duration::from_millis(300);
     let server = RedisServer::start();
     let limiter = limiter(&server).await;
@@ -205,8 +206,8 @@ async fn fallback_local_adds_the_local_limit_to_what_redis_admitted_but_no_fresh
         .client_ip("198.51.100.3".parse().expect("an address"))
         .build();
 
-    let (by_redis, degraded) = admissions(&engine, &client, 2 * LIMIT).await;
-    assert_eq!((by_redis, degraded), (LIMIT, 0), "Redis admits the limit");
+    let (by_redis, degraded) = admissions(&engine, &client, SPENT).await;
+    assert_eq!((by_redis, degraded), (SPENT, 0), "Redis admits the first requests");
 
     let (first, first_in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
     // The circuit closes again: a bystander's decision comes from Redis.
@@ -216,23 +217,33 @@ async fn fallback_local_adds_the_local_limit_to_what_redis_admitted_but_no_fresh
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let (again, _) = admissions(&engine, &client, 2 * LIMIT).await;
-    assert_eq!(again, 0, "Redis's bucket stays spent");
     let (second, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
 
-    let total = by_redis + first + second;
+    let total = by_redis + first + again + second;
     eprintln!(
         "limit {LIMIT} per hour: Redis admitted {by_redis}, the fallback {first} in the first outage \
-         (within the cool-down: {first_in_time}) and {second} in the second; {total} in all"
+         (within the cool-down: {first_in_time}), Redis {again} after it and the fallback {second} in the \
+         second; {total} in all"
     );
     if first_in_time {
         assert_eq!(
-            first, LIMIT,
-            "the fallback's bucket starts full, knowing nothing of Redis's count"
+            first,
+            LIMIT - SPENT,
+            "the fallback's bucket starts from what Redis admitted through this instance"
         );
     }
+    assert!(
+        first <= LIMIT - SPENT,
+        "{first} admitted by the fallback, past the rest of the limit"
+    );
+    assert_eq!(
+        again,
+        LIMIT - SPENT,
+        "Redis admits its own rest, knowing nothing of memory's"
+    );
     assert_eq!(second, 0, "a second outage gives the fallback no fresh capacity");
     assert!(
-        total <= 2 * LIMIT,
-        "{total} admitted: more than Redis's limit and the local one"
+        total <= 2 * LIMIT - SPENT,
+        "{total} admitted: more than Redis's limit and the rest memory had"
     );
 }

@@ -18,6 +18,7 @@ use crate::lease::Leases;
 use crate::limiter::{
     is_rule_error, validate_rule_set, AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter, RateLimiter,
 };
+use crate::name::Name;
 use crate::path::{with_paths, RequestPaths};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
@@ -70,6 +71,8 @@ struct Inner {
     /// waits by default: a rule set of one enforced rule of one band is then decided by it
     /// directly ([`Engine::decide_one`]).
     direct: Option<MemoryLimiter>,
+    /// The limiter itself when it is the in-memory limiter ([`Engine::charge`]).
+    memory: Option<MemoryLimiter>,
     fallback: Fallback,
     resolver: KeyResolver,
     /// Whether the keys are written as text: for a limiter that reads them, or leases.
@@ -232,6 +235,8 @@ impl EngineBuilder {
 
     fn assemble(mut self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
         let limiter = self.limiter_or_default();
+        let charges = !limiter.is_local();
+        let memory = self.memory.clone();
         let direct = self
             .memory
             .filter(|_| self.recorder.is_none() && self.wait.is_none() && leases.is_none());
@@ -239,6 +244,7 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 direct,
+                memory,
                 key_text: limiter.reads_key_text() || leases.is_some(),
                 leases,
                 waiters: Waiters::new(self.wait),
@@ -248,6 +254,7 @@ impl EngineBuilder {
                 fallback: Fallback {
                     default: self.on_failure,
                     limiter: self.fallback.unwrap_or_default(),
+                    charges,
                 },
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
@@ -364,6 +371,79 @@ impl Engine {
         }
     }
 
+    /// The acquire request of `ctx` under `set`: every rule that applies, with its key;
+    /// or, when there is nothing to ask the limiter, the rule set's id and the outcome (no
+    /// rule applies, or a rule refuses a request without its key).
+    #[inline]
+    fn request_for(&self, set: Arc<RuleSet>, ctx: &RequestContext) -> Result<AcquireRequest, (Name, Outcome)> {
+        let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
+        let mut request = AcquireRequest::new(set);
+        let mut denied_by = None;
+        let method = ctx.method();
+        // `paths` is `None` when no rule has path patterns.
+        let mut select = |paths: Option<&RequestPaths<'_>>| {
+            for i in 0..request.rule_set().rules().len() {
+                let rule = &request.rule_set().rules()[i];
+                if !rule.applies_to_paths(paths, method) {
+                    continue;
+                }
+                // The key value is written where the request keeps it.
+                let mut resolved = Resolved::Skip;
+                request.push_keyed(i, |rule, key, typed| {
+                    resolved = self
+                        .inner
+                        .resolver
+                        .resolve_into(rule, ctx, key, typed, self.inner.key_text);
+                    resolved == Resolved::Key
+                });
+                if resolved == Resolved::Deny {
+                    let rule = &request.rule_set().rules()[i];
+                    if rule.mode() != Mode::Shadow {
+                        denied_by = Some(rule.id().clone());
+                        break;
+                    }
+                }
+            }
+        };
+        // A rule applies when its pattern matches the normalized path or the path as the
+        // router sees it: normalization adds rules, never removes one. The paths are split
+        // only when a rule has patterns.
+        if with_patterns {
+            with_paths(ctx, |paths| select(Some(paths)));
+        } else {
+            select(None);
+        }
+        if let Some(rule) = denied_by {
+            let outcome = Outcome::MissingKey { rule };
+            let id = request.rule_set().id().clone();
+            return Err((id, outcome));
+        }
+        if request.is_empty() {
+            let id = request.rule_set().id().clone();
+            return Err((id, Outcome::NoMatchingRule));
+        }
+        Ok(request)
+    }
+
+    /// Charges this engine's in-memory limiter with a request that another handler
+    /// admitted ([`MemoryLimiter::charge`]), for every enforced rule of `ctx` that applies:
+    /// what [`FallbackHandler`](crate::FallbackHandler) does with its local engine, so that
+    /// when the other handler fails the local engine starts from what it admitted. Nothing
+    /// when the engine's limiter is not in memory, or its rule set is not at hand.
+    pub(crate) fn charge(&self, ctx: &RequestContext) {
+        let Some(memory) = &self.inner.memory else {
+            return;
+        };
+        let Ok(Ok(Some(set))) = self.inner.provider.rule_set(ctx.rule_set_id()).into_ready() else {
+            return;
+        };
+        if let Ok(request) = self.request_for(set, ctx) {
+            for bucket in request.buckets().filter(|b| !b.shadow()) {
+                memory.charge(&bucket);
+            }
+        }
+    }
+
     fn decide(&self, lookup: RuleSetLookup, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         let set = match lookup {
             Ok(Some(set)) => set,
@@ -405,52 +485,10 @@ impl Engine {
             }
         }
         // The request holds the one reference to the rule set taken by the lookup.
-        let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
-        let mut request = AcquireRequest::new(set);
-        let mut denied_by = None;
-        let method = ctx.method();
-        // `paths` is `None` when no rule has path patterns.
-        let mut select = |paths: Option<&RequestPaths<'_>>| {
-            for i in 0..request.rule_set().rules().len() {
-                let rule = &request.rule_set().rules()[i];
-                if !rule.applies_to_paths(paths, method) {
-                    continue;
-                }
-                // The key value is written where the request keeps it.
-                let mut resolved = Resolved::Skip;
-                request.push_keyed(i, |rule, key, typed| {
-                    resolved = self
-                        .inner
-                        .resolver
-                        .resolve_into(rule, ctx, key, typed, self.inner.key_text);
-                    resolved == Resolved::Key
-                });
-                if resolved == Resolved::Deny {
-                    let rule = &request.rule_set().rules()[i];
-                    if rule.mode() != Mode::Shadow {
-                        denied_by = Some(rule.id().clone());
-                        break;
-                    }
-                }
-            }
+        let mut request = match self.request_for(set, ctx) {
+            Ok(request) => request,
+            Err((id, outcome)) => return MaybeReady::ready(Ok(Decision::without_bands(id, outcome))),
         };
-        // A rule applies when its pattern matches the normalized path or the path as the
-        // router sees it: normalization adds rules, never removes one. The paths are split
-        // only when a rule has patterns.
-        if with_patterns {
-            with_paths(ctx, |paths| select(Some(paths)));
-        } else {
-            select(None);
-        }
-        if let Some(rule) = denied_by {
-            let outcome = Outcome::MissingKey { rule };
-            let id = request.rule_set().id().clone();
-            return MaybeReady::ready(Ok(Decision::without_bands(id, outcome)));
-        }
-        if request.is_empty() {
-            let id = request.rule_set().id().clone();
-            return MaybeReady::ready(Ok(Decision::without_bands(id, Outcome::NoMatchingRule)));
-        }
         // Rules that wait for the refill, while they have waiters' places free.
         let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
         // The clock is read only for a recorder.
@@ -564,7 +602,10 @@ impl Inner {
     /// The decision from the limiter's answer, or from the failure policies when it failed.
     fn decided(&self, request: &AcquireRequest, result: Result<AcquireOutcome, BoxError>) -> Result<Decision, Error> {
         match result {
-            Ok(outcome) => Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome)),
+            Ok(outcome) => {
+                self.fallback.record(request, &outcome);
+                Ok(Decision::from_outcome(request.rule_set().id().clone(), outcome))
+            }
             Err(error) => self.fallback.decide(request, error),
         }
     }

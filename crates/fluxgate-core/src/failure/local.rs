@@ -15,6 +15,12 @@ use crate::handler::RateLimitHandler;
 /// its limits, per instance, instead of admitting every request (`fail_open`) or refusing
 /// them all (`fail_closed`). Give the local engine the rules the service has.
 ///
+/// Every request the wrapped handler admits is charged to the local engine's in-memory
+/// buckets as well (each band takes the request's permits, or empties without going into
+/// debt), so that when the handler fails, a client that spent its limit through this
+/// process is not admitted again from full buckets. What other processes admitted, the
+/// local engine does not know.
+///
 /// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
 /// set the local engine does not have is left to the layer's `on_error`, with the
 /// handler's failure. Any other error of the wrapped handler (a configuration error, a
@@ -46,18 +52,30 @@ impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         match self.primary.check(ctx).into_ready() {
             Ok(Err(Error::Backend(error))) => locally(&self.local, ctx, error),
-            Ok(result) => MaybeReady::ready(result),
+            Ok(result) => MaybeReady::ready(charged(&self.local, ctx, result)),
             Err(pending) => {
                 let (local, ctx) = (self.local.clone(), ctx.clone());
                 MaybeReady::boxed(async move {
                     match pending.await {
                         Err(Error::Backend(error)) => locally(&local, &ctx, error).await,
-                        result => result,
+                        result => charged(&local, &ctx, result),
                     }
                 })
             }
         }
     }
+}
+
+/// The handler's answer, after charging the local engine's in-memory buckets with a
+/// request it admitted ([`Engine::charge`]): when the handler fails, the local engine
+/// starts from what this process was admitted, not from full buckets.
+fn charged(local: &Engine, ctx: &RequestContext, result: Result<Decision, Error>) -> Result<Decision, Error> {
+    if let Ok(decision) = &result {
+        if decision.allowed() && !decision.degraded {
+            local.charge(ctx);
+        }
+    }
+    result
 }
 
 /// The local engine's decision of `ctx`, marked degraded, after the handler failed with

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::decision::{Decision, Outcome};
 use crate::error::{BoxError, Error};
-use crate::limiter::{AcquireRequest, Bucket, MemoryLimiter};
+use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter};
 
 mod breaker;
 mod local;
@@ -40,6 +40,9 @@ pub(crate) struct Fallback {
     /// The policy of rules that name none; `None` passes the failure on.
     pub(crate) default: Option<FailurePolicy>,
     pub(crate) limiter: MemoryLimiter,
+    /// Whether [`record`](Self::record) charges the in-memory limiter with what the
+    /// backend admits: when the backend is not itself in memory.
+    pub(crate) charges: bool,
 }
 
 impl Fallback {
@@ -47,6 +50,22 @@ impl Fallback {
     /// neither names one.
     fn policy(&self, bucket: &Bucket<'_>) -> Option<FailurePolicy> {
         bucket.rule.on_backend_failure().or(self.default)
+    }
+
+    /// Charges the in-memory limiter with what the backend admitted for the
+    /// `fallback_local` rules of `request` ([`MemoryLimiter::charge`]): when the backend
+    /// fails, their in-memory buckets hold what this process has been admitted already, so
+    /// a client that spent its limit before the failure does not get it again from memory.
+    /// Nothing is charged when the backend refused: it consumed nothing.
+    pub(crate) fn record(&self, request: &AcquireRequest, outcome: &AcquireOutcome) {
+        if !self.charges || !outcome.allowed {
+            return;
+        }
+        for b in request.buckets() {
+            if self.policy(&b) == Some(FailurePolicy::FallbackLocal) && (!b.shadow() || outcome.shadow_allowed) {
+                self.limiter.charge(&b);
+            }
+        }
     }
 
     /// The decision after the backend failed, by the rules' failure policies, or the

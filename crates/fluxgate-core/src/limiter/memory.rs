@@ -1031,6 +1031,29 @@ impl MemoryLimiter {
         )
     }
 
+    /// Counts in this limiter what another limiter admitted for `bucket`: each band
+    /// consumes the bucket's permits if it has them, else what it has left, so that it is
+    /// empty (never in debt). The in-memory fallback of a Redis limiter is charged so with
+    /// every admission Redis makes for a `fallback_local` rule, so that when Redis fails
+    /// it starts from what this process was admitted, not from a full bucket.
+    pub(crate) fn charge(&self, bucket: &Bucket<'_>) {
+        let hash = self.key_hash(bucket);
+        let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
+        let now = not_before(&mut shard.latest, self.inner.clock.now_nanos());
+        for band in bucket.rule.bands().iter() {
+            let key = hash.band(band);
+            let mut charged = *bucket;
+            let mut e = evaluate(&shard, key, &charged, band, now);
+            if !e.allowed && e.remaining_now > 0 {
+                charged.permits = e.remaining_now;
+                e = evaluate(&shard, key, &charged, band, now);
+            }
+            if e.allowed {
+                self.store(&mut shard, key, e.next, now, band, charged.permits);
+            }
+        }
+    }
+
     /// Gives back what `request` took at `at` (see [`RateLimiter::give_back`]); with
     /// `marks`, a token or leaky bucket only while its state is the one its mark records
     /// (see [`RateLimiter::give_back_place`]).
@@ -1444,6 +1467,42 @@ mod tests {
         spec.algorithm = algorithm;
         spec.permits = permits;
         Rule::from_spec("s", spec).unwrap()
+    }
+
+    /// What another limiter admitted, charged in memory (the `fallback_local` rules'
+    /// buckets): the permits come off the band, and a charge past what the band holds
+    /// empties it without putting it in debt, with every algorithm.
+    #[test]
+    fn a_charge_takes_its_permits_and_empties_a_band_without_debt() {
+        use crate::rule::Algorithm;
+        for algorithm in [
+            Algorithm::TokenBucket,
+            Algorithm::LeakyBucket,
+            Algorithm::FixedWindow,
+            Algorithm::SlidingWindowCounter,
+            Algorithm::SlidingWindowLog,
+        ] {
+            let (clock, limiter) = one_shard_of_1000();
+            let r = one_band(algorithm, 10, 100);
+            let charge = |key: &str, permits: u64| {
+                let request = request(&r, key);
+                let mut bucket = request.bucket(0).expect("one bucket");
+                bucket.permits = permits;
+                limiter.charge(&bucket);
+            };
+            let admitted = |key: &str| {
+                (0..20)
+                    .filter(|_| limiter.acquire_now(&request(&r, key)).allowed)
+                    .count()
+            };
+            charge("part", 4);
+            assert_eq!(admitted("part"), 6, "{algorithm:?}: 4 of 10 charged");
+            charge("over", 25);
+            assert_eq!(admitted("over"), 0, "{algorithm:?}: charged past its capacity");
+            charge("over", 5);
+            clock.advance(Duration::from_secs(200));
+            assert_eq!(admitted("over"), 10, "{algorithm:?}: an emptied band is in no debt");
+        }
     }
 
     /// A limiter of one shard of at most 1,000 keys, on a manual clock.
