@@ -374,7 +374,7 @@ impl Engine {
     /// The acquire request of `ctx` under `set`: every rule that applies, with its key;
     /// or, when there is nothing to ask the limiter, the rule set's id and the outcome (no
     /// rule applies, or a rule refuses a request without its key).
-    #[inline]
+    #[inline(always)]
     fn request_for(&self, set: Arc<RuleSet>, ctx: &RequestContext) -> Result<AcquireRequest, (Name, Outcome)> {
         let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
         let mut request = AcquireRequest::new(set);
