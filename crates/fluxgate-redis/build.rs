@@ -1,7 +1,7 @@
 //! Joins the Redis scripts from their files, one per algorithm, into the scripts the crate
 //! sends (`DECIDE_LUA`, `REFUND_LUA`, for token buckets alone `ONE_TOKEN_BUCKET_LUA` and
 //! `TOKEN_BUCKETS_LUA`, and the three in one call for batched decisions, `BATCH_LUA`),
-//! written to `OUT_DIR`.
+//! written to `OUT_DIR`; and the loop of a rule's own batch script (`rule_batch.lua`).
 //!
 //! The files have one home, `lua/` at the top of the repository. The crate reaches it
 //! through its `lua` link, which `cargo package` follows, so that a packaged crate carries
@@ -118,5 +118,8 @@ fn main() {
         &out.join("token_buckets.lua"),
     );
     join(&dir, &["protocol.lua"], &out.join("protocol.lua"));
+    // The loop of a rule's own batch script, which the crate writes after the rule's
+    // one-band function (`src/rule_script.rs`).
+    join(&dir, &["rule_batch.lua"], &out.join("rule_batch.lua"));
     batch(&dir, &out.join("batch.lua"));
 }

@@ -1,5 +1,7 @@
 //! Batched decisions: [`Batching`], and how the requests arriving together gather into one
-//! call of the batch script ([`BATCH_LUA`](crate::BATCH_LUA)).
+//! call of the batch script ([`BATCH_LUA`](crate::BATCH_LUA)); or, when they are all of one
+//! token-bucket rule of one band, of that rule's own batch script (see
+//! `src/rule_script.rs`).
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
@@ -15,6 +17,7 @@ use tokio::time::Instant;
 use crate::error::RedisError;
 use crate::protocol::{DecideArgs, Numbers, Reply};
 use crate::request::Keys;
+use crate::rule_script::RuleScript;
 use crate::script::{missing_script, Scripts};
 
 /// Batched decisions, for [`RedisLimiterBuilder::batching`](crate::RedisLimiterBuilder::batching):
@@ -388,8 +391,10 @@ fn take(waiting: &mut VecDeque<Job>, slot: Option<u16>, max: usize) -> Vec<Job> 
     batch
 }
 
-/// One call of the batch script for `batch`, each request answered with its own reply.
-/// A request whose deadline has passed is answered with a timeout and left out.
+/// One call of a batch script for `batch`, each request answered with its own reply: the
+/// rule's own batch script when every request is of one token-bucket rule of one band that
+/// has one, the shared one otherwise. A request whose deadline has passed is answered with
+/// a timeout and left out.
 async fn send(scripts: &Scripts, batch: Vec<Job>) {
     let timeout = scripts.connection().timeout();
     let now = Instant::now();
@@ -402,6 +407,20 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     let Some(oldest) = batch.iter().map(|job| job.arrived).min() else {
         return;
     };
+    // What is left of the deadline of the oldest request.
+    let remaining = || timeout.saturating_sub(oldest.elapsed());
+    if let Some((rule, argv)) = one_rule(&batch) {
+        if scripts.rule_batch_loaded(&rule, remaining()).await {
+            let mut keys = Vec::with_capacity(batch.len());
+            let mut replies = Vec::with_capacity(batch.len());
+            for job in batch {
+                keys.extend(job.keys.into_iter().map(Key::from));
+                replies.push(job.reply);
+            }
+            let result = scripts.decide_batch(Some(&rule), keys, argv, remaining()).await;
+            return answer_all(scripts, Some(&rule), result, replies, one_rule_reply).await;
+        }
+    }
     // Each distinct list of arguments once, by the first request that has it.
     let mut lists: Vec<usize> = Vec::new();
     let mut refs = Vec::with_capacity(batch.len());
@@ -432,18 +451,48 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
         keys.extend(job.keys.into_iter().map(Key::from));
         replies.push(job.reply);
     }
-    // What is left of the deadline of the oldest request.
-    let remaining = timeout.saturating_sub(oldest.elapsed());
-    match scripts.decide_batch(keys, argv, remaining).await {
-        Ok(values) => answer(values, replies),
+    let result = scripts.decide_batch(None, keys, argv, remaining()).await;
+    answer_all(scripts, None, result, replies, next_reply).await;
+}
+
+/// When every request of `batch` is of one token-bucket rule of one band that has its own
+/// script: that script, and its batch script's `ARGV`, each request's cost in units, or the
+/// one cost of them all when they are the same (a rule's requests of as many permits).
+fn one_rule(batch: &[Job]) -> Option<(Arc<RuleScript>, Vec<Value>)> {
+    let (rule, _) = batch.first()?.args.rule_script()?;
+    let mut costs = Vec::with_capacity(batch.len());
+    for job in batch {
+        match job.args.rule_script() {
+            Some((other, [cost])) if Arc::ptr_eq(other, rule) && job.keys.len() == 1 => costs.push(cost),
+            _ => return None,
+        }
+    }
+    let argv = match costs.split_first() {
+        Some((first, rest)) if rest.iter().all(|cost| cost == first) => vec![(*first).clone()],
+        _ => costs.into_iter().cloned().collect(),
+    };
+    Some((rule.clone(), argv))
+}
+
+/// Answers each request of a batch from its script's `result`, each reply read by `read`.
+/// A call that failed fails each request; after `NOSCRIPT` (answered first: each request
+/// retries on its own within its deadline) the batch's script is loaded again, so that the
+/// next batches find it.
+async fn answer_all(
+    scripts: &Scripts,
+    rule: Option<&RuleScript>,
+    result: Result<Vec<Value>, RedisError>,
+    replies: Vec<oneshot::Sender<Result<Numbers, RedisError>>>,
+    read: Read,
+) {
+    match result {
+        Ok(values) => answer(values, replies, read),
         Err(e) => {
             for reply in replies {
                 let _ = reply.send(Err(copy(&e)));
             }
-            // Answered first: each request retries on its own within its deadline, and the
-            // next batches find the script loaded.
             if missing_script(&e) {
-                scripts.reload_batch().await;
+                scripts.reload_batch(rule).await;
             }
         }
     }
@@ -480,9 +529,14 @@ fn hex(n: u64) -> Value {
     }
 }
 
-/// Answers each request of a batch from the batch script's reply (`lua/batch.lua`): the
-/// batch's `now_us`, then each request's reply.
-fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Numbers, RedisError>>>) {
+/// Reads the reply of request `i` of `total` from the rest of a batch's reply, decided at
+/// `now` (µs).
+type Read = fn(&mut std::vec::IntoIter<Value>, i64, usize, usize) -> Result<Numbers, RedisError>;
+
+/// Answers each request of a batch from the batch script's reply: the batch's `now_us`,
+/// then each request's reply, read by `read` ([`next_reply`] for `lua/batch.lua`'s,
+/// [`one_rule_reply`] for `lua/rule_batch.lua`'s).
+fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Numbers, RedisError>>>, read: Read) {
     let mut values = values.into_iter();
     let total = replies.len();
     let now = match values.next() {
@@ -493,20 +547,40 @@ fn answer(values: Vec<Value>, replies: Vec<oneshot::Sender<Result<Numbers, Redis
     };
     for (i, reply) in replies.into_iter().enumerate() {
         let _ = reply.send(match &now {
-            Ok(now) => next_reply(&mut values, *now, i, total),
+            Ok(now) => read(&mut values, *now, i, total),
             Err(e) => Err(copy(e)),
         });
     }
 }
 
-/// The reply of request `i` of `total` from the rest of the batch's reply, decided at
-/// `now` (µs).
-fn next_reply(
-    values: &mut impl Iterator<Item = Value>,
+/// The reply of request `i` of `total` from the rest of a rule's own batch script's reply
+/// (`lua/rule_batch.lua`), decided at `now` (µs): its band's debt, or the error its
+/// decision raised.
+fn one_rule_reply(
+    values: &mut std::vec::IntoIter<Value>,
     now: i64,
     i: usize,
     total: usize,
 ) -> Result<Numbers, RedisError> {
+    match values.next() {
+        Some(Value::Integer(debt)) => Ok(Numbers::from_slice(&[now, debt])),
+        Some(Value::String(s)) => Err(script_error(s.to_string())),
+        Some(Value::Bytes(b)) => Err(script_error(String::from_utf8_lossy(&b).into_owned())),
+        _ => Err(RedisError::Reply(format!(
+            "batch reply of request {} of {total}: no debt",
+            i + 1
+        ))),
+    }
+}
+
+/// The error a request's script raised in a batch.
+fn script_error(message: String) -> RedisError {
+    RedisError::Command(FredError::new(ErrorKind::Unknown, message))
+}
+
+/// The reply of request `i` of `total` from the rest of the batch's reply, decided at
+/// `now` (µs).
+fn next_reply(values: &mut std::vec::IntoIter<Value>, now: i64, i: usize, total: usize) -> Result<Numbers, RedisError> {
     let wrong = |what: &str| RedisError::Reply(format!("batch reply of request {} of {total}: {what}", i + 1));
     match values.next() {
         // The one-band call's reply, its debt alone: with the batch's instant, as its own
@@ -521,7 +595,7 @@ fn next_reply(
                 Some(Value::Bytes(b)) => String::from_utf8_lossy(&b).into_owned(),
                 _ => return Err(wrong("an error without its message")),
             };
-            Err(RedisError::Command(FredError::new(ErrorKind::Unknown, message)))
+            Err(script_error(message))
         }
         Some(Value::Integer(len)) => {
             let len = usize::try_from(len).map_err(|_| wrong("a negative length"))?;
@@ -557,6 +631,7 @@ fn copy(error: &RedisError) -> RedisError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::{BandArgs, BucketArgs, Flags, RuleArgs, ScriptAlgorithm};
 
     fn job(slot: u16) -> (Job, oneshot::Receiver<Result<Numbers, RedisError>>) {
         let (reply, answer) = oneshot::channel();
@@ -603,11 +678,85 @@ mod tests {
     #[tokio::test]
     async fn a_reply_without_its_instant_fails_every_request() {
         let (first, second) = (oneshot::channel(), oneshot::channel());
-        answer(Vec::new(), vec![first.0, second.0]);
+        answer(Vec::new(), vec![first.0, second.0], next_reply);
         for answer in [first.1, second.1] {
             let error = answer.await.unwrap().unwrap_err().to_string();
             assert!(error.contains("no instant first"), "{error}");
         }
+    }
+
+    /// A token-bucket rule of one band of `capacity` per second, for requests of `permits`.
+    fn one_band(capacity: i64, permits: i64) -> Arc<RuleArgs> {
+        let bucket = BucketArgs {
+            permits,
+            flags: Flags::new(1, ScriptAlgorithm::TokenBucket, false),
+            layout: Some(Str::from(format!("b0:{capacity}/1s|"))),
+            max_wait_us: 0,
+        };
+        // Scale 1, an interval of 1 s / capacity.
+        let band = BandArgs {
+            capacity,
+            a: 1,
+            b: 1_000_000 / capacity,
+        };
+        Arc::new(RuleArgs::new(bucket, [band].into_iter().collect()))
+    }
+
+    /// A request of `rules`.
+    fn of(rules: &[&Arc<RuleArgs>]) -> DecideArgs {
+        let mut args = DecideArgs::new();
+        for rule in rules {
+            args.rule(Arc::clone(rule));
+        }
+        args
+    }
+
+    fn job_of(args: DecideArgs) -> Job {
+        Job { args, ..job(1).0 }
+    }
+
+    /// A batch of one rule's requests goes to its own batch script with each request's
+    /// cost, or one cost when they are all the same; a batch holding besides a request of
+    /// another rule, or of two rules, to the shared one.
+    #[test]
+    fn a_batch_of_one_rule_goes_to_its_own_script() {
+        let (one, two, other) = (one_band(2_000, 1), one_band(2_000, 2), one_band(1_000, 1));
+        let batch = [of(&[&one]), of(&[&one]), of(&[&one])].map(job_of);
+        let (rule, argv) = one_rule(&batch).expect("one rule");
+        assert!(Arc::ptr_eq(&rule, of(&[&one]).rule_script().unwrap().0));
+        assert_eq!(argv, [Value::from("1f4")], "one cost for all: 500 µs");
+        let batch = [of(&[&one]), of(&[&two]), of(&[&one])].map(job_of);
+        let (same, argv) = one_rule(&batch).expect("one rule, its costs apart");
+        assert!(
+            Arc::ptr_eq(&rule, &same),
+            "one script for the rule's requests of any cost"
+        );
+        assert_eq!(argv, ["1f4", "3e8", "1f4"].map(Value::from));
+        // Another rule's request (another capacity); a request of two rules.
+        assert!(one_rule(&[of(&[&one]), of(&[&other])].map(job_of)).is_none());
+        assert!(one_rule(&[of(&[&one]), of(&[&one, &other])].map(job_of)).is_none());
+        assert!(one_rule(&[]).is_none());
+    }
+
+    /// A rule's batch script replies with each request's debt, or its error.
+    #[test]
+    fn a_rule_batch_reply_is_each_requests_debt_or_error() {
+        let now = 1_700_000_000_000_000;
+        let values = vec![
+            Value::Integer(now),
+            Value::Integer(7),
+            Value::String("WRONGTYPE oops".into()),
+            Value::Integer(0),
+        ];
+        let (senders, receivers): (Vec<_>, Vec<_>) = (0..4).map(|_| oneshot::channel()).unzip();
+        answer(values, senders, one_rule_reply);
+        let mut results = receivers.into_iter().map(|mut r| r.try_recv().expect("answered"));
+        assert_eq!(results.next().unwrap().unwrap().as_slice(), [now, 7]);
+        let error = results.next().unwrap().unwrap_err().to_string();
+        assert!(error.contains("WRONGTYPE oops"), "{error}");
+        assert_eq!(results.next().unwrap().unwrap().as_slice(), [now, 0]);
+        let cut = results.next().unwrap().unwrap_err().to_string();
+        assert!(cut.contains("request 4 of 4") && cut.contains("no debt"), "{cut}");
     }
 
     /// Each request gets its own reply; an error reaches only its request, and a reply cut

@@ -387,7 +387,7 @@ impl DecideArgs {
 
     /// The rule's own one-band script and its `ARGV`, for [`Shape::OneTokenBucket`] (see
     /// [`rule_script`]); `None` for another shape, or a rule without one.
-    pub(crate) fn rule_script(&self) -> Option<(&RuleScript, &[Value])> {
+    pub(crate) fn rule_script(&self) -> Option<(&Arc<RuleScript>, &[Value])> {
         match (self.shape(), self.rules.as_slice()) {
             (Shape::OneTokenBucket, [rule]) => {
                 let (script, argv) = rule.rule_script.as_ref()?;

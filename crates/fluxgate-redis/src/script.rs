@@ -296,8 +296,10 @@ impl Scripts {
         }
     }
 
-    /// One call of the batch script: `keys` and `argv` of every request of a batch, laid
-    /// out as `lua/batch.lua` reads them. On a pool the crate built, bounded by fred's own
+    /// One call of a batch script: of the shared one (`rule` `None`), `keys` and `argv` of
+    /// every request of a batch, laid out as `lua/batch.lua` reads them; of `rule`'s own
+    /// batch script, each request's key and its cost (or one cost for all), as
+    /// `lua/rule_batch.lua` reads them. On a pool the crate built, bounded by fred's own
     /// command timeout, as [`Scripts::decide`] (a call that timed out before it was written
     /// is never written); on the application's client, by `remaining`, what is left of the
     /// deadline of the batch's oldest request.
@@ -309,16 +311,46 @@ impl Scripts {
     /// [`Scripts::reload_batch`].
     pub(crate) async fn decide_batch(
         &self,
+        rule: Option<&RuleScript>,
         keys: Vec<Key>,
         argv: Vec<Value>,
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
-        let call = Box::pin(self.connection.next().evalsha::<Vec<Value>, _, _, _>(
-            self.batch.sha1().clone(),
-            keys,
-            argv,
-        ));
+        let script = rule.map_or(&self.batch, |rule| &rule.batch);
+        let call = Box::pin(
+            self.connection
+                .next()
+                .evalsha::<Vec<Value>, _, _, _>(script.sha1().clone(), keys, argv),
+        );
         self.bounded(call, remaining).await
+    }
+
+    /// Whether a batch of `rule`'s requests alone may go to its own batch script: Redis did
+    /// not refuse the user its load, and it is loaded on this limiter's connections (on
+    /// every primary of a cluster), loaded first within `within` when it was not, so that
+    /// the batch does not fail for want of it. When Redis does not take it (a user who may
+    /// run scripts but not load them, a primary that does not answer), the batch goes to
+    /// the shared batch script, as a rule past the process's rule scripts does; and after
+    /// `NOPERM` so do the rule's later batches and calls, without trying the load again.
+    pub(crate) async fn rule_batch_loaded(&self, rule: &RuleScript, within: Duration) -> bool {
+        if self.rule_scripts.refuses(rule) {
+            return false;
+        }
+        if self.rule_scripts.holds_batch(rule) {
+            return true;
+        }
+        let load = Box::pin(rule.batch.load(self.connection.next()));
+        match self.connection.within(within, load).await {
+            Ok(()) => {
+                self.rule_scripts.add_batch(rule);
+                true
+            }
+            Err(RedisError::Command(e)) if e.details().starts_with("NOPERM") => {
+                self.rule_scripts.refuse(rule);
+                false
+            }
+            Err(_) => false,
+        }
     }
 
     /// Awaits a decision call. On a pool the crate made, whose every command fred times out
@@ -345,17 +377,21 @@ impl Scripts {
         }
     }
 
-    /// Loads the batch script again (after `NOSCRIPT`), within the deadline. Best effort: a
-    /// failed load leaves the next batch to find it missing.
-    pub(crate) async fn reload_batch(&self) {
-        let load = self.batch.load(self.connection.next());
+    /// Loads the batch script again (after `NOSCRIPT`): the shared one (`rule` `None`), or
+    /// `rule`'s own; within the deadline. Best effort: a failed load leaves the next batch
+    /// to find it missing.
+    pub(crate) async fn reload_batch(&self, rule: Option<&RuleScript>) {
+        let script = rule.map_or(&self.batch, |rule| &rule.batch);
+        let load = script.load(self.connection.next());
         let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
     /// The rule's own script for `args` and its `ARGV`, when it has one that Redis did not
     /// refuse to load.
     fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a RuleScript, &'a [Value])> {
-        args.rule_script().filter(|(rule, _)| !self.rule_scripts.refuses(rule))
+        args.rule_script()
+            .map(|(rule, argv)| (&**rule, argv))
+            .filter(|(rule, _)| !self.rule_scripts.refuses(rule))
     }
 
     /// The script for `args` and its `ARGV`: a rule's own script when it has one.
