@@ -5,9 +5,9 @@
 use std::future::{poll_fn, Future};
 use std::pin::Pin;
 use std::task::Poll;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use fluxgate::core::limiter::AcquireRequest;
+use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest, Wait};
 use fluxgate::core::{Decision, Engine, Error, RateLimiter, RequestContext, Text};
 use fluxgate::redis::{Batching, RedisLimiter};
 
@@ -372,4 +372,216 @@ async fn script_flush_fails_no_batched_request() {
             .expect("no request fails after SCRIPT FLUSH");
         assert_eq!(d.remaining(), Some(9 - i));
     }
+}
+
+/// The rules of [`a_rule_batch_decides_as_the_shared_batch_script`]: one token-bucket band
+/// each, of scale 1, of scale 7 (14 per hour: each permit an instant and a remainder), in
+/// shadow mode, and one its requests wait for: four scripts (a rule's script is made of its
+/// band's numbers and its wait). Each admits at least 3 requests of 4 permits, the calls
+/// of one key the test has in flight at once (more would wait in the process,
+/// `calls_in_flight_per_key`).
+const ONE_BAND_RULES: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: plain
+        bands: [{ capacity: 12, window: 1h }]
+      - id: scaled
+        bands: [{ capacity: 14, window: 1h }]
+      - id: watched
+        mode: shadow
+        bands: [{ capacity: 13, window: 1h }]
+      - id: queue
+        bands: [{ capacity: 12, window: 1h }]
+"#;
+
+/// A batch whose requests are all of one token-bucket rule of one band goes to the rule's
+/// own batch script (`src/rule_script.rs`, `lua/rule_batch.lua`), and is decided exactly
+/// as the shared batch script decides it. Two limiters on one server run the same
+/// requests: one may load scripts; the other's user may not (`-script`, revoked after it
+/// connected), so that its batches go to the shared batch script, as after `NOPERM`. Each
+/// phase seeds four keys of a rule, then sends twelve requests of it, three per key, while
+/// Redis is paused (the first goes out alone, the other eleven in one batch behind it): of
+/// 1 to 4 permits, or all of 1 (one cost for the batch), or allowed to wait two hours.
+///
+/// The buckets refill one permit in minutes, and each key's instant lies ahead of now from
+/// its seed on, so every figure is the same whenever a script ran, relative to the key's
+/// seed: whether the request passed (enforced and shadow), the permits left, when the band
+/// is full again, when it would admit the request, and when a waiting request goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_batch_decides_as_the_shared_batch_script() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let server = redis.server();
+    let created = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "shared",
+        "on",
+        ">shared-password",
+        "~*",
+        "&*",
+        "+@all",
+    ]);
+    assert_eq!(created.trim(), "OK");
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
+    let connect = |url: String, prefix: &'static str| async move {
+        RedisLimiter::builder(url)
+            .prefix(prefix)
+            .deny_cache(false)
+            .timeout(Duration::from_secs(20))
+            .batching(batching)
+            .connect()
+            .await
+            .expect("connect to the test Redis")
+    };
+    let own = connect(redis.url(), "own").await;
+    let shared_url = format!("redis://shared:shared-password@127.0.0.1:{}", server.port());
+    let shared = connect(shared_url, "shared").await;
+    // The shared batch script is loaded (at connect); from now on its user may not load any.
+    assert_eq!(server.cli(&["ACL", "SETUSER", "shared", "-script"]).trim(), "OK");
+    let cached = || info_field(server, "memory", "number_of_cached_scripts");
+    let refused_loads = || {
+        let stats = server.cli(&["INFO", "commandstats"]);
+        let line = stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_script|load:"))
+            .unwrap_or("");
+        line.split("rejected_calls=")
+            .nth(1)
+            .and_then(|v| v.split(',').next())
+            .map_or(0, |v| v.parse::<u64>().expect("a number"))
+    };
+    let (cached_before, refused_before) = (cached(), refused_loads());
+
+    let set = rules(ONE_BAND_RULES).get("default").expect("a rule set").clone();
+    // Per phase: the rule, the seed's permits, each request's (key `i % 4`), its wait.
+    let varied = [4, 3, 2, 4, 4, 3, 3, 1, 4, 4, 2, 4];
+    let phases: [(usize, u64, [u64; 12], Option<Duration>); 5] = [
+        (0, 1, varied, None),
+        (0, 10, [1; 12], None),
+        (1, 3, varied, None),
+        (2, 2, varied, None),
+        (3, 1, varied, Some(Duration::from_secs(7200))),
+    ];
+    for (phase, (rule, seed, permits, wait)) in phases.into_iter().enumerate() {
+        let request = |key: usize, permits: u64| {
+            let mut request = AcquireRequest::new(set.clone());
+            request.push_permits(rule, Text::from(format!("p{phase}-k{key}")), permits);
+            if let Some(wait) = wait {
+                request.set_max_wait(0, wait);
+            }
+            request
+        };
+        let mut figures = Vec::new();
+        for limiter in [&own, &shared] {
+            let mut seeds = Vec::new();
+            for key in 0..4 {
+                let outcome = limiter.acquire(&request(key, seed)).await.expect("a decision");
+                assert!(outcome.allowed && outcome.bands[0].allowed);
+                seeds.push(outcome.bands[0].reset_at);
+            }
+            let requests: Vec<AcquireRequest> = permits
+                .iter()
+                .enumerate()
+                .map(|(i, &permits)| request(i % 4, permits))
+                .collect();
+            let outcomes = acquire_while_paused(&redis, limiter, &requests).await;
+            let seen: Vec<String> = outcomes
+                .iter()
+                .enumerate()
+                .map(|(i, outcome)| relative_figures(outcome, seeds[i % 4]))
+                .collect();
+            figures.push(seen);
+        }
+        assert_eq!(
+            figures[0], figures[1],
+            "phase {phase}: the rule's batch script, then the shared one"
+        );
+        // Some requests admitted at once, others refused (a waiting one: admitted later).
+        let at_once = figures[0]
+            .iter()
+            .filter(|f| f.contains("admitted now") && f.contains("band allowed true"))
+            .count();
+        assert!(
+            at_once > 0 && at_once < 12,
+            "phase {phase}: its band admits some requests at once, not all: {:#?}",
+            figures[0]
+        );
+    }
+    // A batch script per rule for the limiter that may load them; none for the other, whose
+    // load Redis refused once per rule.
+    assert_eq!(cached() - cached_before, 4, "the four rules' batch scripts");
+    assert_eq!(
+        refused_loads() - refused_before,
+        4,
+        "one refused load per rule, none again"
+    );
+}
+
+/// A field of a section of `INFO`, as a number.
+fn info_field(server: &crate::support::servers::RedisServer, section: &str, field: &str) -> u64 {
+    let info = server.cli(&["INFO", section]);
+    info.lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("no {field} in INFO {section}"))
+        .trim()
+        .parse()
+        .expect("a number")
+}
+
+/// `requests` started in turn while Redis is paused (the first goes out alone, the others
+/// gather in one batch behind it), then decided once it runs again.
+async fn acquire_while_paused(
+    redis: &Redis,
+    limiter: &RedisLimiter,
+    requests: &[AcquireRequest],
+) -> Vec<AcquireOutcome> {
+    let paused = Paused::new(redis, Duration::from_secs(5));
+    let mut pending: Vec<_> = requests.iter().map(|r| limiter.acquire(r)).collect();
+    poll_fn(|cx| {
+        for (i, outcome) in pending.iter_mut().enumerate() {
+            assert!(
+                Pin::new(outcome).poll(cx).is_pending(),
+                "request {i} decided while Redis is paused"
+            );
+        }
+        Poll::Ready(())
+    })
+    .await;
+    paused.check_still_paused();
+    assert_eq!(redis.server().cli(&["CLIENT", "UNPAUSE"]).trim(), "OK");
+    let mut outcomes = Vec::new();
+    for (i, outcome) in pending.into_iter().enumerate() {
+        outcomes.push(outcome.await.unwrap_or_else(|e| panic!("request {i}: {e}")));
+    }
+    outcomes
+}
+
+/// What `outcome` says of its one band, its instants in µs from `seed` (its key's first
+/// instant): the same whenever it was decided, while the key's instant lies ahead of now.
+fn relative_figures(outcome: &AcquireOutcome, seed: SystemTime) -> String {
+    let from_seed = |at: SystemTime| match at.duration_since(seed) {
+        Ok(after) => i128::try_from(after.as_micros()).expect("µs"),
+        Err(before) => -i128::try_from(before.duration().as_micros()).expect("µs"),
+    };
+    let now = UNIX_EPOCH + Duration::from_nanos(outcome.now_unix_nanos);
+    let band = &outcome.bands[0];
+    let wait = match band.wait {
+        Wait::None => "none".to_owned(),
+        Wait::After(after) => format!("at {}", from_seed(now + after)),
+        Wait::Never => "never".to_owned(),
+    };
+    let admitted = if outcome.admitted_after.is_zero() {
+        "now".to_owned()
+    } else {
+        format!("at {}", from_seed(now + outcome.admitted_after))
+    };
+    format!(
+        "allowed {} shadow {} admitted {admitted} remaining {} full at {} band allowed {} wait {wait}",
+        outcome.allowed,
+        outcome.shadow_allowed,
+        band.remaining,
+        from_seed(band.reset_at),
+        band.allowed,
+    )
 }
