@@ -18,10 +18,12 @@ script with the rule's numbers written in, the cost its only argument) is counte
 the one-band script.
 
 The batch script (`batch.lua`) is counted with 16 one-band requests per call, divided by
-the requests as well as by the calls.
+the requests as well as by the calls; then a rule's own batch script (`src/rule_script.rs`:
+the one-band script, its numbers written in, as a function of a key and a cost, then
+`rule_batch.lua`) with the same 16 requests, one cost for all.
 
 SCRIPT_DIR holds the joined scripts (`one_token_bucket.lua`, `token_buckets.lua`,
-`batch.lua`): the
+`batch.lua`, `rule_batch.lua`): the
 build script's `OUT_DIR` of `fluxgate-redis`, by default the newest under
 `$CARGO_TARGET_DIR` (or `target`). The peer's script (`tower-rate-limit-fred`) is counted
 too when it is in Cargo's registry. Needs `valgrind` (with `callgrind_control`) and
@@ -145,6 +147,26 @@ def rule_script(one, layout, cap, ttl):
     return ''.join(l + '\n' for l in lines if l.strip() and not l.lstrip().startswith('--'))
 
 
+# The lines of one_token_bucket.lua that read the clock, which a batch reads once, and its
+# reply, whose `now` a batch's reply holds once.
+TIME = "local time = redis.call('TIME')\nlocal now = time[1] * 1000000 + time[2]\n"
+REPLY = "return {now, debt}\n"
+
+
+def rule_batch_script(one, loop, layout, cap, ttl):
+    """A rule's own batch script, as `src/rule_script.rs` writes it: the clock read once,
+    the one-band script as a function of a key and a cost with the rule's numbers written
+    in, then `rule_batch.lua`; the comment lines left out."""
+    before, after = one.split(ARGUMENTS)
+    after = after.replace(TIME, 'local now = batch_now\n', 1).replace(REPLY, 'return debt\n', 1)
+    text = ("local batch_time = redis.call('TIME')\n"
+            "local batch_now = batch_time[1] * 1000000 + batch_time[2]\n"
+            "local decide = function(key, cost)\n" + before +
+            f"local layout = '{layout}'\n"
+            f"local cap, ttl, scale, wait = 0x{cap}, '{ttl}', 0x1, nil\n" + after + "end\n" + loop)
+    return ''.join(l + '\n' for l in text.splitlines() if l.strip() and not l.lstrip().startswith('--'))
+
+
 # What each command a token-bucket script makes costs inside a script call: scripts that
 # make nothing but it, over the same keys (`--commands`).
 COMMANDS = [
@@ -206,6 +228,16 @@ def main():
         keys = [key.format(r=0).replace('ip=', f'ip={j}.') for j in range(requests)]
         args = ['1', '4', 'b0:10000000/1h|', 'd693a400', '168', '3601001'] + ['5'] * requests
         count(f'batch of {requests} one-band requests (batch.lua)', batch, keys, args, 20000 // requests, requests)
+        loop = os.path.join(scripts, 'rule_batch.lua')
+        if os.path.exists(loop):
+            with tempfile.TemporaryDirectory() as d:
+                own = os.path.join(d, 'rule_batch.lua')
+                with open(own, 'w') as f:
+                    f.write(rule_batch_script(open(one).read(), open(loop).read(),
+                                              'b0:10000000/1h|', 'd693a400', '3601001'))
+                # The cost once, every request's.
+                count(f"batch of {requests} (the rule's own batch script)", own, keys, ['168'],
+                      20000 // requests, requests)
     home = os.environ.get('CARGO_HOME', os.path.expanduser('~/.cargo'))
     peer = sorted(glob.glob(os.path.join(home, 'registry/src/*/tower-rate-limit-fred-*/scripts/rate_limit.lua')))
     if peer:
