@@ -183,9 +183,9 @@ async fn during_an_outage(
 /// `fallback_local` starts from what this process was admitted: every admission Redis
 /// makes for the rule is charged to its in-memory bucket too, so a client that spent part
 /// of its limit through this instance gets only the rest from memory when the circuit
-/// opens (security.md, section 5). Redis knows nothing of what memory admitted, so after
-/// the outage it admits its own rest; the in-memory bucket is the same one at every outage,
-/// and the circuit opening again gives it no fresh capacity.
+/// opens; and what memory admitted, Redis's next call for the bucket takes, so after the
+/// outage Redis does not admit it again (security.md, section 5). The in-memory bucket is
+/// the same one at every outage: the circuit opening again gives it no fresh capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() {
     const LIMIT: usize = 5;
@@ -238,12 +238,56 @@ async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() 
     );
     assert_eq!(
         again,
-        LIMIT - SPENT,
-        "Redis admits its own rest, knowing nothing of memory's"
+        LIMIT - SPENT - first,
+        "Redis admits what neither it nor memory admitted"
     );
     assert_eq!(second, 0, "a second outage gives the fallback no fresh capacity");
-    assert!(
-        total <= 2 * LIMIT - SPENT,
-        "{total} admitted: more than Redis's limit and the rest memory had"
+    assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
+}
+
+/// What `fallback_local` admits while Redis fails, Redis counts once it answers again: the
+/// next call of each bucket takes it with the request's own permits, so a client admitted
+/// by memory during an outage gets from Redis only the rest of its limit afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_fallback_local_admits_redis_counts_after_the_outage() {
+    const LIMIT: usize = 5;
+    const DURING: usize = 2;
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let limiter = limiter(&server).await;
+    let rules = rules(&format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
+    ));
+    let engine = Engine::builder(rules)
+        .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN))
+        .fallback(MemoryLimiter::default())
+        .build()
+        .expect("the backend decides every rule");
+    let client = ctx();
+    let bystander = RequestContext::builder()
+        .client_ip("198.51.100.3".parse().expect("an address"))
+        .build();
+
+    let (during, _) = during_an_outage(&server, &engine, &bystander, &client, DURING, COOL_DOWN).await;
+    assert_eq!(during, DURING, "memory admits within the limit");
+    let start = Instant::now();
+    while engine.check(&bystander).await.expect("decided").degraded {
+        assert!(start.elapsed() < Duration::from_secs(10), "the circuit never closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let first = engine.check(&client).await.expect("decided");
+    assert!(first.allowed() && !first.degraded, "{first:?}");
+    assert_eq!(
+        first.remaining(),
+        Some((LIMIT - DURING - 1) as u64),
+        "Redis's first call takes what memory admitted"
     );
+    let (after, degraded) = admissions(&engine, &client, 2 * LIMIT).await;
+    assert_eq!(degraded, 0, "Redis decides after the outage");
+    let total = during + 1 + after;
+    eprintln!(
+        "limit {LIMIT} per hour: memory admitted {during} during the outage, Redis {} after it",
+        1 + after
+    );
+    assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
 }

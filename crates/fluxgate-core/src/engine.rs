@@ -255,6 +255,7 @@ impl EngineBuilder {
                     default: self.on_failure,
                     limiter: self.fallback.unwrap_or_default(),
                     charges,
+                    ..Fallback::default()
                 },
                 resolver: self.resolver,
                 unknown_rule_set: self.unknown_rule_set,
@@ -500,7 +501,12 @@ impl Engine {
             Some(leases) if request.buckets().any(|b| b.rule.lease().is_some()) && !request.may_wait() => {
                 leases.acquire(&request)
             }
-            _ => self.inner.limiter.acquire(&request),
+            _ => {
+                if !request.may_wait() {
+                    self.inner.fallback.owe_into(&mut request);
+                }
+                self.inner.limiter.acquire(&request)
+            }
         };
         match acquired.into_ready() {
             Ok(result) => {

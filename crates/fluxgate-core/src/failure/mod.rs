@@ -10,6 +10,7 @@ use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter};
 
 mod breaker;
 mod local;
+mod owed;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use local::FallbackHandler;
@@ -35,14 +36,17 @@ pub enum FailurePolicy {
 
 /// The engine's answer to a failed backend: each rule's policy, else the engine's
 /// default, and the in-memory limiter that decides the `fallback_local` rules.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Default)]
 pub(crate) struct Fallback {
     /// The policy of rules that name none; `None` passes the failure on.
     pub(crate) default: Option<FailurePolicy>,
     pub(crate) limiter: MemoryLimiter,
     /// Whether [`record`](Self::record) charges the in-memory limiter with what the
-    /// backend admits: when the backend is not itself in memory.
+    /// backend admits, and the backend is later charged with what memory admitted
+    /// ([`owe_into`](Self::owe_into)): when the backend is not itself in memory.
     pub(crate) charges: bool,
+    /// What memory admitted while the backend failed, for the backend to count.
+    pub(crate) owed: owed::Owed,
 }
 
 impl Fallback {
@@ -57,14 +61,35 @@ impl Fallback {
     /// fails, their in-memory buckets hold what this process has been admitted already, so
     /// a client that spent its limit before the failure does not get it again from memory.
     /// Nothing is charged when the backend refused: it consumed nothing.
+    ///
+    /// A refused request gives back what it was to take of memory's admissions
+    /// ([`owe_into`](Self::owe_into)).
     pub(crate) fn record(&self, request: &AcquireRequest, outcome: &AcquireOutcome) {
-        if !self.charges || !outcome.allowed {
+        if !self.charges {
             return;
         }
-        for b in request.buckets() {
+        if !outcome.allowed {
+            self.owed.put_back(request);
+            return;
+        }
+        for mut b in request.buckets() {
             if self.policy(&b) == Some(FailurePolicy::FallbackLocal) && (!b.shadow() || outcome.shadow_allowed) {
+                // The rule's cost: what the call took on top of it memory admitted itself.
+                b.permits = b.rule.permits();
                 self.limiter.charge(&b);
             }
+        }
+    }
+
+    /// Adds to the permits of `request`'s `fallback_local` buckets what memory admitted for
+    /// them while the backend failed, which the backend has not counted: after an outage,
+    /// the backend's next call for such a bucket takes it, so that what memory admitted is
+    /// not admitted again. A request the backend does not admit gives it back.
+    pub(crate) fn owe_into(&self, request: &mut AcquireRequest) {
+        if self.charges {
+            self.owed.take(request, |b| {
+                self.policy(b) == Some(FailurePolicy::FallbackLocal) && !b.shadow()
+            });
         }
     }
 
@@ -74,6 +99,8 @@ impl Fallback {
     /// `request` is copied only when some of its rules are decided in memory, so that the
     /// engine's request is never moved on the path where the backend answered.
     pub(crate) fn decide(&self, request: &AcquireRequest, error: BoxError) -> Result<Decision, Error> {
+        // What the call was to take of memory's admissions stays owed.
+        self.owed.put_back(request);
         let error = match Error::from_limiter(error) {
             Error::Rule(rule) => {
                 tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
@@ -104,14 +131,24 @@ impl Fallback {
         let before = request.len();
         let mut request = request.clone();
         request.retain(|b| self.policy(&b) == Some(FailurePolicy::FallbackLocal));
-        // Decided at once: a degraded decision never waits for the refill.
         for index in 0..request.len() {
+            // Decided at once: a degraded decision never waits for the refill.
             request.set_max_wait(index, std::time::Duration::ZERO);
+            // At the rule's cost, without what the call was to take of memory's admissions.
+            if let Some(cost) = request.bucket(index).map(|b| b.rule.permits()) {
+                request.set_permits(index, cost);
+            }
         }
         let mut decision = if request.is_empty() {
             Decision::without_bands(rule_set, Outcome::Admitted)
         } else {
-            Decision::from_outcome(rule_set, self.limiter.acquire_now(&request))
+            let outcome = self.limiter.acquire_now(&request);
+            if outcome.allowed && self.charges {
+                for b in request.buckets().filter(|b| !b.shadow()) {
+                    self.owed.add(&b);
+                }
+            }
+            Decision::from_outcome(rule_set, outcome)
         };
         decision.degraded = true;
         decision.failed_open = request.len() < before;

@@ -319,6 +319,13 @@ impl AcquireRequest {
         }
     }
 
+    /// Sets what the bucket at `index` consumes.
+    pub(crate) fn set_permits(&mut self, index: usize, permits: u64) {
+        if let Some(entry) = self.buckets.get_mut(index) {
+            entry.permits = permits;
+        }
+    }
+
     /// The index in the rule set of the rule of the bucket at `index`.
     pub(crate) fn rule_index(&self, index: usize) -> Option<usize> {
         self.buckets.get(index).map(|e| e.rule)
