@@ -180,6 +180,38 @@ async fn during_an_outage(
     (admitted, in_time)
 }
 
+/// An engine deciding a per-IP rule of `limit` per hour on `server`, behind a circuit
+/// breaker that opens at the first failure for `cool_down`, with the in-memory fallback;
+/// a client, and a bystander whose requests open and probe the circuit.
+async fn with_fallback(
+    server: &RedisServer,
+    limit: usize,
+    cool_down: Duration,
+) -> (Engine, RequestContext, RequestContext) {
+    let limiter = limiter(server).await;
+    let rules = rules(&format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {limit}, window: 1h }}]\n"
+    ));
+    let engine = Engine::builder(rules)
+        .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(cool_down))
+        .fallback(MemoryLimiter::default())
+        .build()
+        .expect("the backend decides every rule");
+    let bystander = RequestContext::builder()
+        .client_ip("198.51.100.3".parse().expect("an address"))
+        .build();
+    (engine, ctx(), bystander)
+}
+
+/// Waits until the circuit has closed again: a bystander's decision comes from Redis.
+async fn circuit_closed(engine: &Engine, bystander: &RequestContext) {
+    let start = Instant::now();
+    while engine.check(bystander).await.expect("decided").degraded {
+        assert!(start.elapsed() < Duration::from_secs(10), "the circuit never closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// `fallback_local` starts from what this process was admitted: every admission Redis
 /// makes for the rule is charged to its in-memory bucket too, so a client that spent part
 /// of its limit through this instance gets only the rest from memory when the circuit
@@ -192,30 +224,13 @@ async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() 
     const SPENT: usize = 3;
     const COOL_DOWN: Duration = Duration::from_millis(300);
     let server = RedisServer::start();
-    let limiter = limiter(&server).await;
-    let rules = rules(&format!(
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
-    ));
-    let engine = Engine::builder(rules)
-        .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN))
-        .fallback(MemoryLimiter::default())
-        .build()
-        .expect("the backend decides every rule");
-    let client = ctx();
-    let bystander = RequestContext::builder()
-        .client_ip("198.51.100.3".parse().expect("an address"))
-        .build();
+    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
 
     let (by_redis, degraded) = admissions(&engine, &client, SPENT).await;
     assert_eq!((by_redis, degraded), (SPENT, 0), "Redis admits the first requests");
 
     let (first, first_in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
-    // The circuit closes again: a bystander's decision comes from Redis.
-    let start = Instant::now();
-    while engine.check(&bystander).await.expect("decided").degraded {
-        assert!(start.elapsed() < Duration::from_secs(10), "the circuit never closed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    circuit_closed(&engine, &bystander).await;
     let (again, _) = admissions(&engine, &client, 2 * LIMIT).await;
     let (second, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
 
@@ -254,27 +269,11 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage() {
     const DURING: usize = 2;
     const COOL_DOWN: Duration = Duration::from_millis(300);
     let server = RedisServer::start();
-    let limiter = limiter(&server).await;
-    let rules = rules(&format!(
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
-    ));
-    let engine = Engine::builder(rules)
-        .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN))
-        .fallback(MemoryLimiter::default())
-        .build()
-        .expect("the backend decides every rule");
-    let client = ctx();
-    let bystander = RequestContext::builder()
-        .client_ip("198.51.100.3".parse().expect("an address"))
-        .build();
+    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
 
     let (during, _) = during_an_outage(&server, &engine, &bystander, &client, DURING, COOL_DOWN).await;
     assert_eq!(during, DURING, "memory admits within the limit");
-    let start = Instant::now();
-    while engine.check(&bystander).await.expect("decided").degraded {
-        assert!(start.elapsed() < Duration::from_secs(10), "the circuit never closed");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    circuit_closed(&engine, &bystander).await;
     let first = engine.check(&client).await.expect("decided");
     assert!(first.allowed() && !first.degraded, "{first:?}");
     assert_eq!(
