@@ -120,8 +120,10 @@ async fn a_lease_counts_the_reset_on_redis_clock_when_it_is_ahead() {
 /// A client's bucket of 10 per minute of `algorithm`, spent on a primary whose clock is the
 /// machine's, then decided by its replica, promoted (as a Sentinel failover or a cluster's
 /// replica taking over does), whose clock lies `offset_ms` ahead: how many of 20 requests
-/// the replica admits at once, and the retry-after it then gives.
-async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration) {
+/// the replica admits at once, the retry-after it then gives, and what the replica held
+/// after its promotion (its keys, their values and expiries, its clock), for the message of
+/// a failed assertion.
+async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration, String) {
     let primary = RedisServer::start();
     let port = primary.port().to_string();
     let replica = RedisServer::start_with_clock(&["--replicaof", "127.0.0.1", &port], offset_ms);
@@ -158,6 +160,20 @@ async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration) 
         "the replica has the writes"
     );
     assert_eq!(replica.cli(&["REPLICAOF", "NO", "ONE"]).trim(), "OK");
+    let mut held = format!(
+        "the replica's TIME {} against the machine's {:?}; ",
+        replica.cli(&["TIME"]).split_whitespace().next().unwrap_or(""),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default(),
+    );
+    for key in replica.cli(&["KEYS", "*"]).split_whitespace() {
+        held.push_str(&format!(
+            "{key} = {:?} (PTTL {}); ",
+            replica.cli(&["GET", key]).trim(),
+            replica.cli(&["PTTL", key]).trim()
+        ));
+    }
     let on_replica = engine_on(replica.url()).await;
     let mut admitted = 0;
     let mut retry_after = Duration::ZERO;
@@ -169,7 +185,7 @@ async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration) 
             retry_after = d.retry_after.expect("a refusal's retry-after");
         }
     }
-    (admitted, retry_after)
+    (admitted, retry_after, held)
 }
 
 /// A failover to a replica whose clock is ahead gives every bucket what that much time
@@ -185,13 +201,13 @@ async fn a_failover_to_a_replica_whose_clock_is_off_moves_time_for_every_bucket(
         "sliding_window_log",
         "sliding_window_counter",
     ] {
-        let (admitted, _) = after_a_failover(algorithm, HOUR_MS).await;
+        let (admitted, _, held) = after_a_failover(algorithm, HOUR_MS).await;
         assert_eq!(
             admitted, 10,
-            "{algorithm}, a replica an hour ahead: one capacity more, no more"
+            "{algorithm}, a replica an hour ahead: one capacity more, no more ({held})"
         );
-        let (admitted, retry_after) = after_a_failover(algorithm, -HOUR_MS).await;
-        assert_eq!(admitted, 0, "{algorithm}, a replica an hour behind");
+        let (admitted, retry_after, held) = after_a_failover(algorithm, -HOUR_MS).await;
+        assert_eq!(admitted, 0, "{algorithm}, a replica an hour behind ({held})");
         assert!(
             retry_after > Duration::from_secs(3_600) && retry_after <= Duration::from_secs(3_720),
             "{algorithm}, a replica an hour behind: retry after {retry_after:?}"
