@@ -1020,3 +1020,119 @@ mod transaction_replay {
         );
     }
 }
+
+/// A rule's own scripts are loaded on each primary in a task of their own: a primary that
+/// stops answering does not hold the calls of the other primaries' slots past their
+/// deadline. The rule's first calls used to load its script (fred's `SCRIPT LOAD` to every
+/// primary) before they went out, and waited for the frozen primary: with `fail_open`, 10
+/// of 10 requests of a client whose key is on a primary that answers were admitted against
+/// a limit of 3, batched or not.
+mod frozen_elsewhere {
+    use std::time::Duration;
+
+    use fluxgate::core::FailurePolicy;
+    use fluxgate::redis::{Batching, RedisLimiter};
+
+    use crate::support::backend::ctx;
+    use crate::support::redis::per_ip_engine;
+    use crate::support::servers::RedisCluster;
+
+    /// 10 checks of a client of a per-IP limit of 3 per hour, failing open, its key on a
+    /// primary that answers while another is frozen, after `warm` checks of another client
+    /// (which load the rule's scripts) before the freeze: the admissions, and how many of
+    /// them failed open.
+    async fn while_another_primary_is_frozen(batching: Option<Batching>, prefix: &str, warm: usize) -> (usize, usize) {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix(prefix)
+            .timeout(Duration::from_millis(200))
+            .batching(batching)
+            .connect()
+            .await
+            .expect("the test cluster takes connections");
+        let engine = per_ip_engine(limiter, 3, FailurePolicy::FailOpen);
+        for _ in 0..warm {
+            assert!(!engine.check(&ctx("192.0.2.200")).await.expect("a decision").failed_open);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let ip = "192.0.2.5";
+        let home = cluster.node_of_key(&format!("{prefix}:{{default:per-ip:ip={ip}}}"));
+        let frozen = cluster.another_node(home);
+        frozen.signal("-STOP");
+        let (mut admitted, mut failed_open) = (0, 0);
+        for _ in 0..10 {
+            let d = engine.check(&ctx(ip)).await.expect("a decision");
+            admitted += usize::from(d.allowed());
+            failed_open += usize::from(d.failed_open);
+        }
+        frozen.signal("-CONT");
+        eprintln!("{prefix}: {admitted} admitted of a limit of 3, {failed_open} failed open");
+        (admitted, failed_open)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frozen_primary_holds_no_batch_of_another_primarys_slots() {
+        let decided = while_another_primary_is_frozen(Some(Batching::new()), "frozen-batched", 0).await;
+        assert_eq!(decided, (3, 0), "admitted, failed open");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frozen_primary_holds_no_call_of_another_primarys_slots() {
+        let decided = while_another_primary_is_frozen(None, "frozen-calls", 0).await;
+        assert_eq!(decided, (3, 0), "admitted, failed open");
+    }
+
+    /// With the rule's scripts loaded before the freeze, as before.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frozen_primary_holds_no_call_of_a_rule_whose_scripts_are_loaded() {
+        for (batching, prefix) in [(Some(Batching::new()), "frozen-warm-b"), (None, "frozen-warm-c")] {
+            let decided = while_another_primary_is_frozen(batching, prefix, 1).await;
+            assert_eq!(decided, (3, 0), "{prefix}: admitted, failed open");
+        }
+    }
+
+    /// The scripts are loaded nevertheless, on every primary: a rule's one-band script, and
+    /// its batch script, one more script cached on each.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rules_scripts_are_loaded_on_every_primary() {
+        let cluster = RedisCluster::start();
+        let cached = || -> Vec<u64> {
+            cluster
+                .nodes
+                .iter()
+                .map(|node| {
+                    let info = node.cli(&["INFO", "memory"]);
+                    info.lines()
+                        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
+                        .expect("the cached scripts")
+                        .trim()
+                        .parse()
+                        .expect("a number")
+                })
+                .collect()
+        };
+        for (batching, prefix) in [(None, "loaded-calls"), (Some(Batching::new()), "loaded-batches")] {
+            let limiter = RedisLimiter::builder(cluster.url())
+                .prefix(prefix)
+                .timeout(Duration::from_millis(200))
+                .batching(batching)
+                .connect()
+                .await
+                .expect("the test cluster takes connections");
+            let engine = per_ip_engine(limiter, 3, FailurePolicy::FailOpen);
+            let before = cached();
+            for i in 0..20 {
+                let d = engine.check(&ctx(&format!("192.0.2.{i}"))).await.expect("a decision");
+                assert!(d.allowed() && !d.failed_open, "{d:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let after = cached();
+            let added: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+            assert_eq!(
+                added,
+                vec![1; before.len()],
+                "{prefix}: one script more on each primary"
+            );
+        }
+    }
+}

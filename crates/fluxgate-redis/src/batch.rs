@@ -410,7 +410,7 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     // What is left of the deadline of the oldest request.
     let remaining = || timeout.saturating_sub(oldest.elapsed());
     if let Some((rule, argv)) = one_rule(&batch) {
-        if scripts.rule_batch_loaded(&rule, remaining()).await {
+        if scripts.rule_batch_ready(&rule) {
             let mut keys = Vec::with_capacity(batch.len());
             let mut replies = Vec::with_capacity(batch.len());
             for job in batch {

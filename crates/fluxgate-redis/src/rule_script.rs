@@ -20,8 +20,9 @@
 //! the shared batch script), so that rules changed again and again (a reloaded rule set
 //! whose capacities move) do not fill Redis's script cache. Each
 //! [`Scripts`](crate::script::Scripts) loads a rule's script, and its batch script, on its
-//! connections before its first call ([`Loaded`]); Redis keeps them until it restarts or
-//! `SCRIPT FLUSH` runs, after which the call that finds one missing loads it again.
+//! connections at its first call, in a task of its own that no call waits for, the calls
+//! going to the shared scripts meanwhile ([`Loaded`]); Redis keeps them until it restarts
+//! or `SCRIPT FLUSH` runs, after which the call that finds one missing loads it again.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -206,12 +207,14 @@ fn quoted(text: &str, lua: &mut String) {
 }
 
 /// The rule scripts a [`Scripts`](crate::script::Scripts) has loaded on its connections
-/// (each one-band script and batch script apart), and those Redis refused its user the
-/// right to load.
+/// (each one-band script and batch script apart), those being loaded, and those Redis
+/// refused its user the right to load.
 #[derive(Debug, Default)]
 pub(crate) struct Loaded {
     loaded: Bits,
     batches_loaded: Bits,
+    loading: Bits,
+    batches_loading: Bits,
     refused: Bits,
 }
 
@@ -226,6 +229,16 @@ impl Bits {
 
     fn set(&self, script: &RuleScript) {
         self.0[script.id / 64].fetch_or(1 << (script.id % 64), Ordering::Relaxed);
+    }
+
+    /// Sets the bit of `script`: whether it was clear.
+    fn take(&self, script: &RuleScript) -> bool {
+        let bit = 1 << (script.id % 64);
+        self.0[script.id / 64].fetch_or(bit, Ordering::AcqRel) & bit == 0
+    }
+
+    fn clear(&self, script: &RuleScript) {
+        self.0[script.id / 64].fetch_and(!(1 << (script.id % 64)), Ordering::AcqRel);
     }
 }
 
@@ -260,6 +273,26 @@ impl Loaded {
     /// Records that Redis refused the user the right to load `script`.
     pub(crate) fn refuse(&self, script: &RuleScript) {
         self.refused.set(script);
+    }
+
+    /// Records that a load of `script` (`batch`: of its batch script) starts: whether none
+    /// was under way.
+    pub(crate) fn start_load(&self, script: &RuleScript, batch: bool) -> bool {
+        if batch {
+            self.batches_loading.take(script)
+        } else {
+            self.loading.take(script)
+        }
+    }
+
+    /// Records that the load of `script` (`batch`: of its batch script) ended, loaded or
+    /// not.
+    pub(crate) fn end_load(&self, script: &RuleScript, batch: bool) {
+        if batch {
+            self.batches_loading.clear(script);
+        } else {
+            self.loading.clear(script);
+        }
     }
 }
 
@@ -357,6 +390,12 @@ mod tests {
         assert!(!loaded.holds_batch(&a));
         loaded.add_batch(&a);
         assert!(loaded.holds_batch(&b));
+        // One load of each at a time.
+        assert!(loaded.start_load(&a, true));
+        assert!(!loaded.start_load(&b, true));
+        assert!(loaded.start_load(&a, false));
+        loaded.end_load(&a, true);
+        assert!(loaded.start_load(&b, true));
         let mut made = 0;
         for i in 0..=MOST {
             if rule_script(constants(&format!("many{i}:1/1s|"))).is_some() {

@@ -4,7 +4,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use fred::clients::Client;
@@ -43,6 +43,34 @@ pub const BATCH_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/batch.lua"))
 /// general script's parts, with `refund.lua` last.
 pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"));
 
+/// Loads `script` on `client`'s server; on a cluster, on each primary with a command of
+/// its own. Not with fred's command to every primary (`Script::load`): fred's client waits
+/// for its other commands' replies before it, then for each primary's answer to it, and
+/// sends nothing else meanwhile, so that a primary that does not answer holds the client's
+/// calls to every other primary as well, past their deadline.
+async fn load_on_each_primary(client: &Client, script: &Script) -> Result<(), fred::error::Error> {
+    use fred::interfaces::ClusterInterface;
+    let primaries = match client.cached_cluster_state() {
+        Some(state) if client.is_clustered() => state.unique_primary_nodes(),
+        _ => Vec::new(),
+    };
+    let Some(lua) = script.lua().filter(|_| !primaries.is_empty()) else {
+        return script.load(client).await;
+    };
+    let loads = primaries.into_iter().map(|server| {
+        let node = client.with_cluster_node(server);
+        let args = vec![Value::from_static_str("LOAD"), Value::String(lua.clone())];
+        async move {
+            node.custom::<Value, _>(CustomCommand::new_static("SCRIPT", ClusterHash::Random, false), args)
+                .await
+        }
+    });
+    for loaded in futures_util::future::join_all(loads).await {
+        loaded?;
+    }
+    Ok(())
+}
+
 /// Whether Redis failed a call for want of its script (`NOSCRIPT`: a restart, a failover,
 /// `SCRIPT FLUSH`).
 pub(crate) fn missing_script(error: &RedisError) -> bool {
@@ -75,7 +103,7 @@ pub(crate) struct Scripts {
     refund: Script,
     batch: Script,
     /// The rules' own scripts loaded on `connection` (see [`crate::rule_script`]).
-    rule_scripts: Loaded,
+    rule_scripts: Arc<Loaded>,
     migrating: Migrating,
 }
 
@@ -134,7 +162,7 @@ impl Scripts {
             token_buckets: Script::from_lua(TOKEN_BUCKETS_LUA),
             refund: Script::from_lua(REFUND_LUA),
             batch: Script::from_lua(BATCH_LUA),
-            rule_scripts: Loaded::default(),
+            rule_scripts: Arc::default(),
             migrating: Migrating::default(),
         }
     }
@@ -185,38 +213,26 @@ impl Scripts {
     /// [`RedisError::Timeout`] when it does not answer in time, and [`RedisError::Reply`]
     /// for a reply of the wrong shape.
     pub(crate) async fn decide(&self, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
-        let (script, argv) = self.decision(args);
         let timeout = self.connection.timeout();
         if self.migrating(&keys) {
+            let (script, argv) = self.decision(args);
             let call = Box::pin(asking_again(self.connection.next(), script, keys, argv));
             let reply = self.connection.within(timeout, call).await?;
             return Self::read(args, &numbers(reply)?);
         }
-        if let Some((rule, _)) = self.own_script(args).filter(|(rule, _)| !self.rule_scripts.holds(rule)) {
-            // A rule's own script, loaded first on this limiter's connections (on every
-            // primary of a cluster): then its first call does not fail for want of it. When
-            // Redis does not take it (a user who may run scripts but not load them, a
-            // primary that does not answer), the call goes to the shared one-band script
-            // with its arguments, as a rule past the process's rule scripts does; and so do
-            // the rule's later calls when Redis refused the user the load (`NOPERM`).
-            let client = self.connection.next();
-            let call = async {
-                if let Err(e) = script.load(client).await {
-                    if e.details().starts_with("NOPERM") {
-                        self.rule_scripts.refuse(rule);
-                    }
-                    let argv = args.one_token_bucket_argv().unwrap_or_default();
-                    let shared = self.one_token_bucket.sha1().clone();
-                    return client.evalsha::<Value, _, _, _>(shared, fred_keys(keys), argv).await;
-                }
-                self.rule_scripts.add(rule);
-                client
-                    .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
-                    .await
-            };
-            let reply = self.connection.within(timeout, Box::pin(call)).await?;
-            return Self::read(args, &numbers(reply)?);
-        }
+        let (script, argv) = match self.own_script(args) {
+            // A rule's own script not loaded on this limiter's connections yet: loaded in a
+            // task of its own ([`Scripts::load_later`]), and meanwhile the call goes to the
+            // shared one-band script with its arguments, as a rule past the process's rule
+            // scripts does; and so do the rule's later calls when Redis refused the user
+            // the load (`NOPERM`, see [`Scripts::own_script`]).
+            Some((rule, _)) if !self.rule_scripts.holds(rule) => {
+                self.load_later(rule, false);
+                let argv = args.one_token_bucket_argv().unwrap_or_default();
+                (&self.one_token_bucket, argv)
+            }
+            _ => self.decision(args),
+        };
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
         let call = Box::pin(self.connection.next().evalsha::<Value, _, _, _>(
@@ -327,30 +343,45 @@ impl Scripts {
 
     /// Whether a batch of `rule`'s requests alone may go to its own batch script: Redis did
     /// not refuse the user its load, and it is loaded on this limiter's connections (on
-    /// every primary of a cluster), loaded first within `within` when it was not, so that
-    /// the batch does not fail for want of it. When Redis does not take it (a user who may
-    /// run scripts but not load them, a primary that does not answer), the batch goes to
-    /// the shared batch script, as a rule past the process's rule scripts does; and after
-    /// `NOPERM` so do the rule's later batches and calls, without trying the load again.
-    pub(crate) async fn rule_batch_loaded(&self, rule: &RuleScript, within: Duration) -> bool {
+    /// every primary of a cluster). When it is not loaded yet, it is loaded in a task of its
+    /// own ([`Scripts::load_later`]) and the batch goes to the shared batch script, as a
+    /// rule past the process's rule scripts does; after `NOPERM` so do the rule's later
+    /// batches and calls, without trying the load again.
+    pub(crate) fn rule_batch_ready(&self, rule: &Arc<RuleScript>) -> bool {
         if self.rule_scripts.refuses(rule) {
             return false;
         }
         if self.rule_scripts.holds_batch(rule) {
             return true;
         }
-        let load = Box::pin(rule.batch.load(self.connection.next()));
-        match self.connection.within(within, load).await {
-            Ok(()) => {
-                self.rule_scripts.add_batch(rule);
-                true
-            }
-            Err(RedisError::Command(e)) if e.details().starts_with("NOPERM") => {
-                self.rule_scripts.refuse(rule);
-                false
-            }
-            Err(_) => false,
+        self.load_later(rule, true);
+        false
+    }
+
+    /// Loads `rule`'s own script (`batch`: its batch script) on this limiter's connections,
+    /// on every primary of a cluster, in a task of its own, unless a load of it is under
+    /// way. No call waits for the load: on a cluster it waits for every primary, and a
+    /// primary that does not answer would hold every call of the rule, on the other
+    /// primaries too, past its deadline (each then answered by the failure policy). After
+    /// `NOPERM` (a user who may run scripts but not load them) the rule's calls and batches
+    /// go to the shared scripts for good; after another failure a later call tries again.
+    fn load_later(&self, rule: &Arc<RuleScript>, batch: bool) {
+        if !self.rule_scripts.start_load(rule, batch) {
+            return;
         }
+        let (loaded, rule) = (self.rule_scripts.clone(), rule.clone());
+        let client = self.connection.next().clone();
+        let timeout = self.connection.timeout();
+        tokio::spawn(async move {
+            let script = if batch { &rule.batch } else { &rule.script };
+            match tokio::time::timeout(timeout, load_on_each_primary(&client, script)).await {
+                Ok(Ok(())) if batch => loaded.add_batch(&rule),
+                Ok(Ok(())) => loaded.add(&rule),
+                Ok(Err(e)) if e.details().starts_with("NOPERM") => loaded.refuse(&rule),
+                _ => {}
+            }
+            loaded.end_load(&rule, batch);
+        });
     }
 
     /// Awaits a decision call. On a pool the crate made, whose every command fred times out
@@ -388,10 +419,8 @@ impl Scripts {
 
     /// The rule's own script for `args` and its `ARGV`, when it has one that Redis did not
     /// refuse to load.
-    fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a RuleScript, &'a [Value])> {
-        args.rule_script()
-            .map(|(rule, argv)| (&**rule, argv))
-            .filter(|(rule, _)| !self.rule_scripts.refuses(rule))
+    fn own_script<'a>(&self, args: &'a DecideArgs) -> Option<(&'a Arc<RuleScript>, &'a [Value])> {
+        args.rule_script().filter(|(rule, _)| !self.rule_scripts.refuses(rule))
     }
 
     /// The script for `args` and its `ARGV`: a rule's own script when it has one.
