@@ -1042,6 +1042,13 @@ mod frozen_elsewhere {
     /// (which load the rule's scripts) before the freeze: the admissions, and how many of
     /// them failed open.
     async fn while_another_primary_is_frozen(batching: Option<Batching>, prefix: &str, warm: usize) -> (usize, usize) {
+        frozen_after(batching, prefix, warm, false).await
+    }
+
+    /// As [`while_another_primary_is_frozen`]; with `flush`, after `SCRIPT FLUSH` on the
+    /// client's primary (a restart, or a replica promoted without the scripts) before the
+    /// freeze.
+    async fn frozen_after(batching: Option<Batching>, prefix: &str, warm: usize, flush: bool) -> (usize, usize) {
         let cluster = RedisCluster::start();
         let limiter = RedisLimiter::builder(cluster.url())
             .prefix(prefix)
@@ -1058,6 +1065,9 @@ mod frozen_elsewhere {
         let ip = "192.0.2.5";
         let home = cluster.node_of_key(&format!("{prefix}:{{default:per-ip:ip={ip}}}"));
         let frozen = cluster.another_node(home);
+        if flush {
+            assert_eq!(home.cli(&["SCRIPT", "FLUSH"]).trim(), "OK");
+        }
         frozen.signal("-STOP");
         let (mut admitted, mut failed_open) = (0, 0);
         for _ in 0..10 {
@@ -1087,6 +1097,17 @@ mod frozen_elsewhere {
     async fn a_frozen_primary_holds_no_call_of_a_rule_whose_scripts_are_loaded() {
         for (batching, prefix) in [(Some(Batching::new()), "frozen-warm-b"), (None, "frozen-warm-c")] {
             let decided = while_another_primary_is_frozen(batching, prefix, 1).await;
+            assert_eq!(decided, (3, 0), "{prefix}: admitted, failed open");
+        }
+    }
+
+    /// Scripts loaded again after `SCRIPT FLUSH` on the client's primary, while another
+    /// primary is frozen: its calls are made again with the script loaded, on each primary
+    /// with a command of its own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_frozen_primary_holds_no_call_reloading_its_script_on_another_primary() {
+        for (batching, prefix) in [(Some(Batching::new()), "frozen-flush-b"), (None, "frozen-flush-c")] {
+            let decided = frozen_after(batching, prefix, 1, true).await;
             assert_eq!(decided, (3, 0), "{prefix}: admitted, failed open");
         }
     }

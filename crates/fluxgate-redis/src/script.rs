@@ -71,6 +71,26 @@ async fn load_on_each_primary(client: &Client, script: &Script) -> Result<(), fr
     Ok(())
 }
 
+/// Loads `script` where `key` lives: on a cluster, on the primary of its hash slot alone,
+/// with a command of its own (see [`load_on_each_primary`]), so that a call made again
+/// after `NOSCRIPT` waits for no other primary; elsewhere on the server.
+async fn load_where(client: &Client, script: &Script, key: Option<&str>) -> Result<(), fred::error::Error> {
+    use fred::interfaces::ClusterInterface;
+    let primary = key.filter(|_| client.is_clustered()).and_then(|key| {
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        client.cached_cluster_state()?.get_server(slot).cloned()
+    });
+    match (primary, script.lua()) {
+        (Some(primary), Some(lua)) => {
+            let args = vec![Value::from_static_str("LOAD"), Value::String(lua.clone())];
+            let load = CustomCommand::new_static("SCRIPT", ClusterHash::Random, false);
+            client.with_cluster_node(primary).custom::<Value, _>(load, args).await?;
+            Ok(())
+        }
+        _ => script.load(client).await,
+    }
+}
+
 /// Whether Redis failed a call for want of its script (`NOSCRIPT`: a restart, a failover,
 /// `SCRIPT FLUSH`).
 pub(crate) fn missing_script(error: &RedisError) -> bool {
@@ -246,8 +266,8 @@ impl Scripts {
 
     /// A decision call after `error` ([`decided_again`]), made again within `remaining`,
     /// what is left of the deadline:
-    /// - after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`), the script loaded, then
-    ///   the call;
+    /// - after `NOSCRIPT` (a restart, a failover, `SCRIPT FLUSH`), the script loaded (on a
+    ///   cluster, on the primary of the call's slot alone, [`load_where`]), then the call;
     /// - on a cluster, after a redirection fred did not follow (its slot migrating, `ASK`)
     ///   or `TRYAGAIN`, the call alone in a transaction ([`asking`]), which fred sends
     ///   after `ASKING` to the slot's new node; the slot's calls go so for a while
@@ -266,8 +286,9 @@ impl Scripts {
         let (script, argv) = self.decision(args);
         let client = self.connection.next();
         let reply = if missing_script(error) {
+            let first = keys.first().cloned();
             let again = async {
-                script.load(client).await?;
+                load_where(client, script, first.as_deref()).await?;
                 client
                     .evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv)
                     .await
@@ -413,7 +434,7 @@ impl Scripts {
     /// to find it missing.
     pub(crate) async fn reload_batch(&self, rule: Option<&RuleScript>) {
         let script = rule.map_or(&self.batch, |rule| &rule.batch);
-        let load = script.load(self.connection.next());
+        let load = load_on_each_primary(self.connection.next(), script);
         let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
