@@ -19,7 +19,12 @@ use crate::handler::RateLimitHandler;
 /// buckets as well (each band takes the request's permits, or empties without going into
 /// debt), so that when the handler fails, a client that spent its limit through this
 /// process is not admitted again from full buckets. What other processes admitted, the
-/// local engine does not know.
+/// local engine does not know. The charge needs the local engine's limiter to be known as
+/// the in-memory one: build it with [`Engine::in_memory`] or
+/// [`EngineBuilder::limiter`](crate::EngineBuilder::limiter) given a
+/// [`MemoryLimiter`](crate::MemoryLimiter) itself; given through
+/// [`shared_limiter`](crate::EngineBuilder::shared_limiter) or wrapped (in a
+/// `CircuitBreaker`), it is not charged, and its buckets start full when the handler fails.
 ///
 /// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
 /// set the local engine does not have is left to the layer's `on_error`, with the
