@@ -177,17 +177,7 @@ rule_sets:
         assert_eq!((admitted, refused, failed), (5, 15, 0));
         // Refused once, its load is not tried again: the later calls go to the shared script.
         // (Redis counts a command the user may not run in `rejected_calls`.)
-        let refused_loads = || {
-            let stats = server.cli(&["INFO", "commandstats"]);
-            let line = stats
-                .lines()
-                .find(|l| l.starts_with("cmdstat_script|load:"))
-                .unwrap_or("");
-            line.split("rejected_calls=")
-                .nth(1)
-                .and_then(|v| v.split(',').next())
-                .map_or(0, |v| v.parse::<u64>().expect("a number"))
-        };
+        let refused_loads = || server.rejected_script_loads();
         assert_eq!(refused_loads(), 1, "the load was tried once");
         let calls = server.evalsha_calls();
         let other = RequestContext::builder()

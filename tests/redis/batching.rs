@@ -439,18 +439,8 @@ async fn a_rule_batch_decides_as_the_shared_batch_script() {
     let shared = connect(shared_url, "shared").await;
     // The shared batch script is loaded (at connect); from now on its user may not load any.
     assert_eq!(server.cli(&["ACL", "SETUSER", "shared", "-script"]).trim(), "OK");
-    let cached = || info_field(server, "memory", "number_of_cached_scripts");
-    let refused_loads = || {
-        let stats = server.cli(&["INFO", "commandstats"]);
-        let line = stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_script|load:"))
-            .unwrap_or("");
-        line.split("rejected_calls=")
-            .nth(1)
-            .and_then(|v| v.split(',').next())
-            .map_or(0, |v| v.parse::<u64>().expect("a number"))
-    };
+    let cached = || server.info_number("memory", "number_of_cached_scripts");
+    let refused_loads = || server.rejected_script_loads();
     let (cached_before, refused_before) = (cached(), refused_loads());
 
     let set = rules(ONE_BAND_RULES).get("default").expect("a rule set").clone();
@@ -516,17 +506,6 @@ async fn a_rule_batch_decides_as_the_shared_batch_script() {
         4,
         "one refused load per rule, none again"
     );
-}
-
-/// A field of a section of `INFO`, as a number.
-fn info_field(server: &crate::support::servers::RedisServer, section: &str, field: &str) -> u64 {
-    let info = server.cli(&["INFO", section]);
-    info.lines()
-        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
-        .unwrap_or_else(|| panic!("no {field} in INFO {section}"))
-        .trim()
-        .parse()
-        .expect("a number")
 }
 
 /// `requests` started in turn while Redis is paused (the first goes out alone, the others

@@ -1045,11 +1045,13 @@ mod frozen_elsewhere {
         frozen_after(batching, prefix, warm, false).await
     }
 
-    /// As [`while_another_primary_is_frozen`]; with `flush`, after `SCRIPT FLUSH` on the
-    /// client's primary (a restart, or a replica promoted without the scripts) before the
-    /// freeze.
-    async fn frozen_after(batching: Option<Batching>, prefix: &str, warm: usize, flush: bool) -> (usize, usize) {
-        let cluster = RedisCluster::start();
+    /// An engine of a per-IP limit of 3 per hour, failing open, on `cluster` with calls of
+    /// 200 ms at most.
+    async fn per_ip_fail_open(
+        cluster: &RedisCluster,
+        prefix: &str,
+        batching: Option<Batching>,
+    ) -> fluxgate::core::Engine {
         let limiter = RedisLimiter::builder(cluster.url())
             .prefix(prefix)
             .timeout(Duration::from_millis(200))
@@ -1057,7 +1059,15 @@ mod frozen_elsewhere {
             .connect()
             .await
             .expect("the test cluster takes connections");
-        let engine = per_ip_engine(limiter, 3, FailurePolicy::FailOpen);
+        per_ip_engine(limiter, 3, FailurePolicy::FailOpen)
+    }
+
+    /// As [`while_another_primary_is_frozen`]; with `flush`, after `SCRIPT FLUSH` on the
+    /// client's primary (a restart, or a replica promoted without the scripts) before the
+    /// freeze.
+    async fn frozen_after(batching: Option<Batching>, prefix: &str, warm: usize, flush: bool) -> (usize, usize) {
+        let cluster = RedisCluster::start();
+        let engine = per_ip_fail_open(&cluster, prefix, batching).await;
         for _ in 0..warm {
             assert!(!engine.check(&ctx("192.0.2.200")).await.expect("a decision").failed_open);
         }
@@ -1121,26 +1131,11 @@ mod frozen_elsewhere {
             cluster
                 .nodes
                 .iter()
-                .map(|node| {
-                    let info = node.cli(&["INFO", "memory"]);
-                    info.lines()
-                        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
-                        .expect("the cached scripts")
-                        .trim()
-                        .parse()
-                        .expect("a number")
-                })
+                .map(|node| node.info_number("memory", "number_of_cached_scripts"))
                 .collect()
         };
         for (batching, prefix) in [(None, "loaded-calls"), (Some(Batching::new()), "loaded-batches")] {
-            let limiter = RedisLimiter::builder(cluster.url())
-                .prefix(prefix)
-                .timeout(Duration::from_millis(200))
-                .batching(batching)
-                .connect()
-                .await
-                .expect("the test cluster takes connections");
-            let engine = per_ip_engine(limiter, 3, FailurePolicy::FailOpen);
+            let engine = per_ip_fail_open(&cluster, prefix, batching).await;
             let before = cached();
             for i in 0..20 {
                 let d = engine.check(&ctx(&format!("192.0.2.{i}"))).await.expect("a decision");

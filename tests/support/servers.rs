@@ -222,6 +222,27 @@ impl RedisServer {
             .map_or(0.0, |v| v.parse().expect("a number"))
     }
 
+    /// The `SCRIPT LOAD` commands this server refused (its user may not load scripts).
+    pub(crate) fn rejected_script_loads(&self) -> u64 {
+        self.cli(&["INFO", "commandstats"])
+            .lines()
+            .find(|l| l.starts_with("cmdstat_script|load:"))
+            .and_then(|l| l.split("rejected_calls=").nth(1))
+            .and_then(|v| v.split(',').next())
+            .map_or(0, |v| v.parse().expect("a number"))
+    }
+
+    /// A number of `INFO section`: the value of `field`.
+    pub(crate) fn info_number(&self, section: &str, field: &str) -> u64 {
+        let info = self.cli(&["INFO", section]);
+        info.lines()
+            .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+            .unwrap_or_else(|| panic!("no {field} in INFO {section}"))
+            .trim()
+            .parse()
+            .expect("a number")
+    }
+
     /// The `EVALSHA` calls this server has run.
     pub(crate) fn evalsha_calls(&self) -> u64 {
         self.evalsha_stat("calls") as u64
