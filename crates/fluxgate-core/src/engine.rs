@@ -71,8 +71,6 @@ struct Inner {
     /// waits by default: a rule set of one enforced rule of one band is then decided by it
     /// directly ([`Engine::decide_one`]).
     direct: Option<MemoryLimiter>,
-    /// The limiter itself when it is the in-memory limiter ([`Engine::charge`]).
-    memory: Option<MemoryLimiter>,
     fallback: Fallback,
     resolver: KeyResolver,
     /// Whether the keys are written as text: for a limiter that reads them, or leases.
@@ -236,7 +234,6 @@ impl EngineBuilder {
     fn assemble(mut self, check: Option<RuleCheck>, leases: Option<Leases>) -> Engine {
         let limiter = self.limiter_or_default();
         let charges = !limiter.is_local();
-        let memory = self.memory.clone();
         let direct = self
             .memory
             .filter(|_| self.recorder.is_none() && self.wait.is_none() && leases.is_none());
@@ -244,7 +241,6 @@ impl EngineBuilder {
             inner: Arc::new(Inner {
                 provider: self.provider,
                 direct,
-                memory,
                 key_text: limiter.reads_key_text() || leases.is_some(),
                 leases,
                 waiters: Waiters::new(self.wait),
@@ -426,22 +422,21 @@ impl Engine {
         Ok(request)
     }
 
-    /// Charges this engine's in-memory limiter with a request that another handler
-    /// admitted ([`MemoryLimiter::charge`]), for every enforced rule of `ctx` that applies:
-    /// what [`FallbackHandler`](crate::FallbackHandler) does with its local engine, so that
+    /// Charges this engine's limiter with a request that another handler admitted
+    /// ([`RateLimiter::charge`]), for every rule of `ctx` that applies: what
+    /// [`FallbackHandler`](crate::FallbackHandler) does with its local engine, so that
     /// when the other handler fails the local engine starts from what it admitted. Nothing
-    /// when the engine's limiter is not in memory, or its rule set is not at hand.
+    /// when the engine's limiter is not local, or its rule set is not at hand.
     pub(crate) fn charge(&self, ctx: &RequestContext) {
-        let Some(memory) = &self.inner.memory else {
+        let limiter = &self.inner.limiter;
+        if !limiter.is_local() {
             return;
-        };
+        }
         let Ok(Ok(Some(set))) = self.inner.provider.rule_set(ctx.rule_set_id()).into_ready() else {
             return;
         };
         if let Ok(request) = self.request_for(set, ctx) {
-            for bucket in request.buckets().filter(|b| !b.shadow()) {
-                memory.charge(&bucket);
-            }
+            limiter.charge(&request);
         }
     }
 

@@ -232,6 +232,11 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     ) -> MaybeReady<Result<(), BoxError>> {
         self.inner.give_back_place(request, at_unix_nanos, marks)
     }
+
+    /// Passed on whether the breaker is open or not: it decides nothing.
+    fn charge(&self, request: &AcquireRequest) {
+        self.inner.charge(request)
+    }
 }
 
 /// Guards a remote [`RateLimitHandler`] (the rate-limit service) as it guards a limiter:

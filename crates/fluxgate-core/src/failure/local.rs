@@ -19,12 +19,10 @@ use crate::handler::RateLimitHandler;
 /// buckets as well (each band takes the request's permits, or empties without going into
 /// debt), so that when the handler fails, a client that spent its limit through this
 /// process is not admitted again from full buckets. What other processes admitted, the
-/// local engine does not know. The charge needs the local engine's limiter to be known as
-/// the in-memory one: build it with [`Engine::in_memory`] or
-/// [`EngineBuilder::limiter`](crate::EngineBuilder::limiter) given a
-/// [`MemoryLimiter`](crate::MemoryLimiter) itself; given through
-/// [`shared_limiter`](crate::EngineBuilder::shared_limiter) or wrapped (in a
-/// `CircuitBreaker`), it is not charged, and its buckets start full when the handler fails.
+/// local engine does not know. The charge goes through the local engine's limiter
+/// ([`RateLimiter::charge`](crate::RateLimiter::charge)): the in-memory limiter counts it,
+/// given as it is, shared, or wrapped in a `CircuitBreaker`; a limiter of your own that
+/// wraps it must pass `charge` on.
 ///
 /// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
 /// set the local engine does not have is left to the layer's `on_error`, with the
@@ -98,4 +96,83 @@ fn locally(local: &Engine, ctx: &RequestContext, error: BoxError) -> MaybeReady<
         }
         Err(e) => Err(e),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::{CircuitBreaker, MemoryLimiter, RuleSets};
+
+    /// A handler that decides with its engine until it is told to fail.
+    #[derive(Debug)]
+    struct Failing {
+        engine: Engine,
+        failing: Arc<AtomicBool>,
+    }
+
+    impl RateLimitHandler for Failing {
+        fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+            if self.failing.load(Ordering::Relaxed) {
+                return MaybeReady::ready(Err(Error::Backend("down".into())));
+            }
+            self.engine.check(ctx)
+        }
+    }
+
+    fn rules() -> RuleSets {
+        RuleSets::from_yaml_str("rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}]}]")
+            .unwrap()
+    }
+
+    /// The handler admits 3 of 5 and fails: the local engine admits the 2 left, however
+    /// its in-memory limiter was given to it.
+    #[test]
+    fn the_local_engine_is_charged_whether_its_limiter_is_given_as_it_is_shared_or_wrapped() {
+        let locals: [(&str, Engine); 4] = [
+            ("in_memory", Engine::in_memory(rules())),
+            (
+                "limiter",
+                Engine::builder(rules())
+                    .limiter(MemoryLimiter::default())
+                    .build()
+                    .unwrap(),
+            ),
+            (
+                "shared_limiter",
+                Engine::builder(rules())
+                    .shared_limiter(Arc::new(MemoryLimiter::default()))
+                    .build()
+                    .unwrap(),
+            ),
+            (
+                "in a CircuitBreaker",
+                Engine::builder(rules())
+                    .limiter(CircuitBreaker::new(MemoryLimiter::default()))
+                    .build()
+                    .unwrap(),
+            ),
+        ];
+        for (given, local) in locals {
+            let failing = Arc::new(AtomicBool::new(false));
+            let primary = Failing {
+                engine: Engine::in_memory(rules()),
+                failing: failing.clone(),
+            };
+            let handler = FallbackHandler::new(primary, local);
+            let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+            let check = || handler.check(&ctx).into_ready().unwrap().unwrap();
+            for _ in 0..3 {
+                assert!(check().allowed(), "{given}: the handler admits");
+            }
+            failing.store(true, Ordering::Relaxed);
+            let admitted = (0..5).filter(|_| check().allowed()).count();
+            assert_eq!(admitted, 2, "{given}: the local engine admits the rest of 5, not 5");
+            let decision = check();
+            assert!(decision.degraded, "{given}: decided by the local engine");
+            assert_eq!(decision.remaining(), Some(0), "{given}");
+        }
+    }
 }

@@ -76,7 +76,7 @@ impl Fallback {
             if self.policy(&b) == Some(FailurePolicy::FallbackLocal) && (!b.shadow() || outcome.shadow_allowed) {
                 // The rule's cost: what the call took on top of it memory admitted itself.
                 b.permits = b.rule.permits();
-                self.limiter.charge(&b);
+                self.limiter.charge_bucket(&b);
             }
         }
     }

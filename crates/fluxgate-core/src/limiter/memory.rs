@@ -1036,7 +1036,7 @@ impl MemoryLimiter {
     /// empty (never in debt). The in-memory fallback of a Redis limiter is charged so with
     /// every admission Redis makes for a `fallback_local` rule, so that when Redis fails
     /// it starts from what this process was admitted, not from a full bucket.
-    pub(crate) fn charge(&self, bucket: &Bucket<'_>) {
+    pub(crate) fn charge_bucket(&self, bucket: &Bucket<'_>) {
         let hash = self.key_hash(bucket);
         let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
         let now = not_before(&mut shard.latest, self.inner.clock.now_nanos());
@@ -1328,6 +1328,13 @@ impl RateLimiter for MemoryLimiter {
     fn backend_name(&self) -> &'static str {
         "memory"
     }
+
+    /// Shadow buckets are not charged: they refuse nothing.
+    fn charge(&self, request: &AcquireRequest) {
+        for bucket in request.buckets().filter(|b| !b.shadow()) {
+            self.charge_bucket(&bucket);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -1488,7 +1495,7 @@ mod tests {
                 let request = request(&r, key);
                 let mut bucket = request.bucket(0).expect("one bucket");
                 bucket.permits = permits;
-                limiter.charge(&bucket);
+                limiter.charge_bucket(&bucket);
             };
             let admitted = |key: &str| {
                 (0..20)

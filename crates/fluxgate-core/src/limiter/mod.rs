@@ -292,6 +292,21 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     fn backend_name(&self) -> &'static str {
         "custom"
     }
+
+    /// Counts in this backend a request that another handler admitted, without deciding
+    /// it: each band of each enforced bucket takes the bucket's
+    /// [`permits`](Bucket::permits), or what it has left, so that it is empty, never in
+    /// debt. [`FallbackHandler`](crate::FallbackHandler) charges its local engine's limiter
+    /// so with every request the handler it wraps admits: when that handler fails, the
+    /// local limits start from what this process was admitted, not from full buckets.
+    ///
+    /// The in-memory limiter counts; the default counts nothing. A wrapper passes it on to
+    /// the backend it wraps, whatever its own state (a [`CircuitBreaker`](crate::CircuitBreaker)
+    /// does, open or not): a wrapper that does not leaves its local engine's buckets full
+    /// for every client when the other handler fails.
+    fn charge(&self, request: &AcquireRequest) {
+        let _ = request;
+    }
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
@@ -334,6 +349,10 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
         marks: &[u128],
     ) -> MaybeReady<Result<(), BoxError>> {
         (**self).give_back_place(request, at_unix_nanos, marks)
+    }
+
+    fn charge(&self, request: &AcquireRequest) {
+        (**self).charge(request)
     }
 }
 
