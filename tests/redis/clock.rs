@@ -124,6 +124,32 @@ async fn a_lease_counts_the_reset_on_redis_clock_when_it_is_ahead() {
 /// after its promotion (its keys, their values and expiries, its clock), for the message of
 /// a failed assertion.
 async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration, String) {
+    for _ in 0..3 {
+        if let Some(run) = failover_in_one_window(algorithm, offset_ms).await {
+            return run;
+        }
+        println!("{algorithm}, offset {offset_ms} ms: the primary's minute ended during the run; again");
+    }
+    panic!("{algorithm}: three runs in a row crossed the end of the primary's minute")
+}
+
+/// The minute of `server`'s clock (`TIME`), counted from the Unix epoch.
+fn minute(server: &RedisServer) -> u64 {
+    let seconds: u64 = server
+        .cli(&["TIME"])
+        .split_whitespace()
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("TIME's seconds");
+    seconds / 60
+}
+
+/// One run of [`after_a_failover`], or `None` when the primary's minute ended before the
+/// replica was promoted. The windows of a minute are aligned on the epoch: a fixed window's
+/// key then expires on the primary a second after the minute ends, and the deletion reaches
+/// the replica, whose bucket is then new and rightly full, as it would be on a clock
+/// that is right.
+async fn failover_in_one_window(algorithm: &str, offset_ms: i64) -> Option<(usize, Duration, String)> {
     let primary = RedisServer::start();
     let port = primary.port().to_string();
     let replica = RedisServer::start_with_clock(&["--replicaof", "127.0.0.1", &port], offset_ms);
@@ -150,6 +176,7 @@ async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration, 
     };
     let client = ctx("192.0.2.42");
     let on_primary = engine_on(primary.url()).await;
+    let first_minute = minute(&primary);
     for _ in 0..10 {
         assert!(check(&on_primary, &client).await.allowed());
     }
@@ -160,6 +187,9 @@ async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration, 
         "the replica has the writes"
     );
     assert_eq!(replica.cli(&["REPLICAOF", "NO", "ONE"]).trim(), "OK");
+    if minute(&primary) != first_minute {
+        return None;
+    }
     let mut held = format!(
         "the replica's TIME {} against the machine's {:?}; ",
         replica.cli(&["TIME"]).split_whitespace().next().unwrap_or(""),
@@ -185,7 +215,7 @@ async fn after_a_failover(algorithm: &str, offset_ms: i64) -> (usize, Duration, 
             retry_after = d.retry_after.expect("a refusal's retry-after");
         }
     }
-    (admitted, retry_after, held)
+    Some((admitted, retry_after, held))
 }
 
 /// A failover to a replica whose clock is ahead gives every bucket what that much time
