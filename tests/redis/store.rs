@@ -228,17 +228,23 @@ async fn an_admin_change_on_a_cluster_reaches_a_listener() {
     assert_eq!(admin.delete("never-stored").await.expect("delete"), None);
     assert!(admin.delete("api").await.expect("delete").is_some());
     let start = Instant::now();
-    while listener.stats().events < 2 {
+    while provider.rule_sets().get("api").is_some() {
         assert!(
             start.elapsed() < Duration::from_secs(10),
-            "the delete was not heard within 10 s: {:?}",
+            "the delete was not in force within 10 s: {:?}",
             listener.stats()
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(listener.stats().events, 2, "a put and a delete: {:?}", listener.stats());
-    assert!(provider.rule_sets().get("api").is_none(), "the delete is in force");
+    let stats = listener.stats();
+    // An event published while the subscription's connection was being made again (a
+    // busy machine can leave a PING unanswered for the 2 s that takes) is not heard: the
+    // full reload after the reconnection applied it instead.
+    assert!(
+        stats.events == 2 || (stats.events < 2 && stats.resyncs > 0),
+        "a put and a delete, each heard or reloaded after a reconnection: {stats:?}"
+    );
     assert!(store.delete("kept").await.expect("cleanup"));
 }
 
