@@ -1,10 +1,12 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
 use std::fmt;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
 use tracing::Instrument;
 
 use crate::context::RequestContext;
@@ -438,6 +440,23 @@ impl Engine {
         if let Ok(request) = self.request_for(set, ctx) {
             limiter.charge(&request);
         }
+    }
+
+    /// An identity of each bucket `ctx` counts in, for every rule of it that applies,
+    /// hashed with `keys`: the rule set, the rule and the key. What
+    /// [`FallbackHandler`](crate::FallbackHandler) finds the requests it owes the handler it
+    /// wraps by. None when the rule set is not at hand.
+    pub(crate) fn bucket_ids(&self, ctx: &RequestContext, keys: &impl BuildHasher) -> SmallVec<[u64; 4]> {
+        let mut ids = SmallVec::new();
+        let Ok(Ok(Some(set))) = self.inner.provider.rule_set(ctx.rule_set_id()).into_ready() else {
+            return ids;
+        };
+        if let Ok(request) = self.request_for(set, ctx) {
+            for b in request.buckets() {
+                ids.push(keys.hash_one((b.rule_set.id(), b.rule.id(), b.key, b.typed)));
+            }
+        }
+        ids
     }
 
     fn decide(&self, lookup: RuleSetLookup, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {

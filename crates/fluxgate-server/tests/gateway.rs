@@ -109,13 +109,19 @@ async fn get_head(addr: SocketAddr, path: &'static str) -> String {
 
 /// `request` as it is on a new connection: the status line and headers, lowercased.
 async fn exchange(addr: SocketAddr, request: String) -> String {
+    let answer = answer(addr, request).await;
+    answer.split("\r\n\r\n").next().unwrap_or("").to_ascii_lowercase()
+}
+
+/// `request` as it is on a new connection: the whole answer.
+async fn answer(addr: SocketAddr, request: String) -> String {
     tokio::task::spawn_blocking(move || {
         let mut stream = TcpStream::connect(addr).unwrap();
         stream.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         stream.write_all(request.as_bytes()).unwrap();
         let mut answer = String::new();
         let _ = stream.read_to_string(&mut answer);
-        answer.split("\r\n\r\n").next().unwrap_or("").to_ascii_lowercase()
+        answer
     })
     .await
     .unwrap()
@@ -502,4 +508,100 @@ async fn the_longest_paths_are_counted_as_by_a_local_engine() {
     let locally = statuses(local(PER_IP, FailurePolicy::FailOpen).await, &requests).await;
     assert_eq!(locally, ["404", "404", "429", "429", "429", "429"]);
     assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
+}
+
+/// A TCP relay to `upstream` that can be cut: while `down` holds, every connection through
+/// it is closed, those open included. Answers its address and `down`.
+async fn relay(upstream: SocketAddr) -> (SocketAddr, tokio::sync::watch::Sender<bool>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (down, watch) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut client, _)) = listener.accept().await else {
+                return;
+            };
+            let mut watch = watch.clone();
+            tokio::spawn(async move {
+                if *watch.borrow_and_update() {
+                    return;
+                }
+                let Ok(mut server) = tokio::net::TcpStream::connect(upstream).await else {
+                    return;
+                };
+                tokio::select! {
+                    _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                    _ = watch.wait_for(|down| *down) => {}
+                }
+            });
+        }
+    });
+    (addr, down)
+}
+
+/// What a gateway's local engine admits while the service fails, the service counts when it
+/// answers again: the gateway replays those requests to it before the next one that counts
+/// in the same bucket, on any path. A client of 3 per hour: 1 admitted by the service, 2 by
+/// the local engine while the service cannot be reached, then none: not 2 more from the
+/// service.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_gateways_local_engine_admitted_the_service_counts_when_it_answers_again() {
+    let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, bands: [{capacity: 3, window: 1h}]}]}]";
+    let (service_addr, _stop_service) = service_with("replayed", yaml);
+    let (relayed, down) = relay(service_addr).await;
+    let remote = RemoteHandler::builder(&format!("http://{relayed}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build();
+    let local = fluxgate_core::Engine::in_memory(fluxgate_core::RuleSets::from_yaml_str(yaml).unwrap());
+    let breaker = CircuitBreaker::new(remote).cool_down(Duration::from_millis(100));
+    let layer = RateLimitLayer::builder(FallbackHandler::new(breaker, local))
+        .on_error(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+    let gateway = app(layer).await;
+    let head = get_head(gateway, "/api/hello").await;
+    assert!(head.contains("x-ratelimit-remaining: 2"), "the service: {head}");
+    down.send(true).unwrap();
+    let mut local = 0;
+    for _ in 0..5 {
+        if get_head(gateway, "/api/hello").await.starts_with("http/1.1 200") {
+            local += 1;
+        }
+    }
+    assert_eq!(local, 2, "the local engine admits the rest of 3");
+    down.send(false).unwrap();
+    // The service's own count, asked directly for the gateway's client (127.0.0.1): a
+    // refusal consumes nothing.
+    let service_says = || {
+        let body = r#"{"clientIp": "127.0.0.1", "path": "/api/hello"}"#;
+        answer(
+            service_addr,
+            format!(
+                "POST /api/ratelimit/check HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            ),
+        )
+    };
+    let start = std::time::Instant::now();
+    let mut admitted_after = 0;
+    loop {
+        // Past the circuit's cool-down: the gateway asks the service again, for another
+        // path of the same client (a 404 of the router when admitted).
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        if !get_head(gateway, "/api/other").await.starts_with("http/1.1 429") {
+            admitted_after += 1;
+        }
+        let full = service_says().await;
+        if full.contains("\"remaining\":0") || start.elapsed() > Duration::from_secs(10) {
+            println!(
+                "after {:?}: the service answers {full}, the gateway admitted {admitted_after} more",
+                start.elapsed()
+            );
+            assert!(full.contains("\"allowed\":false"), "the service counted 3: {full}");
+            break;
+        }
+    }
+    assert_eq!(admitted_after, 0, "3 in all, not 3 more");
 }

@@ -1,5 +1,14 @@
 //! [`FallbackHandler`]: a handler that decides with a local engine whenever another fails.
 
+use std::collections::hash_map::RandomState;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Instant;
+
+use smallvec::SmallVec;
+
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::engine::Engine;
@@ -24,6 +33,17 @@ use crate::handler::RateLimitHandler;
 /// given as it is, shared, or wrapped in a `CircuitBreaker`; a limiter of your own that
 /// wraps it must pass `charge` on.
 ///
+/// The other way round, what the local engine admits while the handler fails is kept (the
+/// request's context, and the buckets it counted in) and replayed to the handler once it
+/// answers again, before the next request that counts in one of those buckets, whatever
+/// its path: one check per request the local engine admitted, so that the handler counts
+/// them and does not admit them again. The replay stops at the first check the handler
+/// does not admit (or decides by a fallback of its own); what is left stays owed, and
+/// lapses after the longest window of the bands that admitted it. At most 100,000 request
+/// identities (the context but its `max_wait`), 64 MiB of their contexts and 10,000
+/// requests per identity are kept. The first such request after an outage waits for the
+/// replays.
+///
 /// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
 /// set the local engine does not have is left to the layer's `on_error`, with the
 /// handler's failure. Any other error of the wrapped handler (a configuration error, a
@@ -38,35 +58,119 @@ use crate::handler::RateLimitHandler;
 /// let handler = FallbackHandler::new(Engine::in_memory(rules.clone()), Engine::in_memory(rules));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct FallbackHandler<H> {
-    primary: H,
+    primary: Arc<H>,
     local: Engine,
+    owed: Arc<Owed>,
+}
+
+impl<H> Clone for FallbackHandler<H> {
+    fn clone(&self) -> Self {
+        Self {
+            primary: self.primary.clone(),
+            local: self.local.clone(),
+            owed: self.owed.clone(),
+        }
+    }
 }
 
 impl<H> FallbackHandler<H> {
     /// `primary`, decided by `local` whenever it fails.
     pub fn new(primary: H, local: Engine) -> Self {
-        Self { primary, local }
+        Self {
+            primary: Arc::new(primary),
+            local,
+            owed: Arc::default(),
+        }
     }
 }
 
 impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+        let Some(mut replays) = self.owed.take(&self.local, ctx) else {
+            return self.decide(ctx);
+        };
+        // Replayed in place while the handler answers at once.
+        while let Some(replayed_ctx) = replays.next() {
+            match self.primary.check(replayed_ctx).into_ready() {
+                Ok(answer) if replayed(&answer) => replays.paid(),
+                Ok(_) => break,
+                Err(pending) => {
+                    let (this, ctx) = (self.clone(), ctx.clone());
+                    return MaybeReady::boxed(async move {
+                        if replayed(&pending.await) {
+                            replays.paid();
+                            this.replay(replays).await;
+                        }
+                        this.decide(&ctx).await
+                    });
+                }
+            }
+        }
+        drop(replays);
+        self.decide(ctx)
+    }
+}
+
+impl<H: RateLimitHandler> FallbackHandler<H> {
+    /// The wrapped handler's decision of `ctx`, or the local engine's when it fails.
+    fn decide(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         match self.primary.check(ctx).into_ready() {
-            Ok(Err(Error::Backend(error))) => locally(&self.local, ctx, error),
+            Ok(Err(Error::Backend(error))) => self.locally(ctx, error),
             Ok(result) => MaybeReady::ready(charged(&self.local, ctx, result)),
             Err(pending) => {
-                let (local, ctx) = (self.local.clone(), ctx.clone());
+                let (this, ctx) = (self.clone(), ctx.clone());
                 MaybeReady::boxed(async move {
                     match pending.await {
-                        Err(Error::Backend(error)) => locally(&local, &ctx, error).await,
-                        result => charged(&local, &ctx, result),
+                        Err(Error::Backend(error)) => this.locally(&ctx, error).await,
+                        result => charged(&this.local, &ctx, result),
                     }
                 })
             }
         }
     }
+
+    /// Asks the wrapped handler again for the requests the local engine admitted while it
+    /// failed ([`Owed::take`]), one at a time, so that it counts them before it decides the
+    /// request that found them. The first it does not admit (refused, failed, or decided by
+    /// a fallback of its own) ends the replay: what is left stays owed, also when the
+    /// replay is dropped.
+    async fn replay(&self, mut replays: Replays) {
+        while let Some(ctx) = replays.next() {
+            if !replayed(&self.primary.check(ctx).await) {
+                return;
+            }
+            replays.paid();
+        }
+    }
+
+    /// The local engine's decision of `ctx`, marked degraded, after the handler failed with
+    /// `error`; a request it admits is kept, to be replayed. A rule set the local engine
+    /// does not have is no decision of it: the failure is passed on, for the layer's
+    /// `on_error` (a local engine given other rules than the service's must not admit the
+    /// requests of a rule set it lacks unlimited, as its `UnknownRuleSet::Allow` would).
+    fn locally(&self, ctx: &RequestContext, error: BoxError) -> MaybeReady<Result<Decision, Error>> {
+        tracing::debug!(%error, "the rate-limit handler failed: decided by the local engine");
+        let (this, ctx) = (self.clone(), ctx.clone());
+        self.local.check(&ctx).map(move |result| match result {
+            Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
+            Ok(mut decision) => {
+                if decision.allowed() && (!decision.bands.is_empty() || !decision.shadow_bands.is_empty()) {
+                    this.owed.add(&this.local, &ctx, &decision);
+                }
+                decision.degraded = true;
+                Ok(decision)
+            }
+            Err(e) => Err(e),
+        })
+    }
+}
+
+/// Whether the wrapped handler counted a replayed request: it admitted it, and did not
+/// decide it by a fallback of its own.
+fn replayed(answer: &Result<Decision, Error>) -> bool {
+    matches!(answer, Ok(decision) if decision.allowed() && !decision.degraded)
 }
 
 /// The handler's answer, after charging the local engine's in-memory buckets with a
@@ -81,21 +185,205 @@ fn charged(local: &Engine, ctx: &RequestContext, result: Result<Decision, Error>
     result
 }
 
-/// The local engine's decision of `ctx`, marked degraded, after the handler failed with
-/// `error`. A rule set the local engine does not have is no decision of it: the failure is
-/// passed on, for the layer's `on_error` (a local engine given other rules than the
-/// service's must not admit the requests of a rule set it lacks unlimited, as its
-/// `UnknownRuleSet::Allow` would).
-fn locally(local: &Engine, ctx: &RequestContext, error: BoxError) -> MaybeReady<Result<Decision, Error>> {
-    tracing::debug!(%error, "the rate-limit handler failed: decided by the local engine");
-    local.check(ctx).map(move |result| match result {
-        Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
-        Ok(mut decision) => {
-            decision.degraded = true;
-            Ok(decision)
+/// The most requests kept for the wrapped handler to count, per request identity: past
+/// it, what the local engine admits for that identity is not replayed.
+const MOST_REPLAYS: u64 = 10_000;
+
+/// The most request identities kept at once, and the most bytes of their contexts: past
+/// either, what the local engine admits for a new identity is not replayed.
+const MOST_IDENTITIES: usize = 100_000;
+const MOST_BYTES: usize = 64 << 20;
+
+/// The requests the local engine admitted while the wrapped handler failed, which the
+/// handler has not counted, kept to be replayed to it ([`FallbackHandler::replay`]) when it
+/// answers again: per request identity (everything of a [`RequestContext`] a rule matches
+/// or keys on; not its `max_wait`), with the context and the buckets it counted in. The
+/// next request that counts in any of those buckets has them replayed first, whatever its
+/// own path or attributes: the handler then counts what the local engine admitted, and
+/// does not admit it again. Identities and buckets are hashed with a key of this process,
+/// so that a client cannot make its own collide with another's. A debt lapses after the
+/// longest window of the bands that admitted it: by then the handler would have refilled
+/// it.
+#[derive(Debug, Default)]
+struct Owed {
+    /// The identities kept, read without the lock on every check.
+    len: AtomicUsize,
+    keys: RandomState,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    entries: HashMap<u64, Entry>,
+    /// The identities that counted in each bucket (some perhaps gone since).
+    by_bucket: HashMap<u64, SmallVec<[u64; 2]>>,
+    /// The bytes of the entries' contexts, about.
+    bytes: usize,
+}
+
+#[derive(Debug)]
+struct Entry {
+    ctx: RequestContext,
+    buckets: SmallVec<[u64; 4]>,
+    requests: u64,
+    until: Instant,
+}
+
+/// The bytes a context holds, about.
+fn size(ctx: &RequestContext) -> usize {
+    let attributes: usize = ctx.attributes().iter().map(|(k, v)| k.len() + v.len() + 64).sum();
+    256 + ctx.routed_path().len()
+        + ctx.path().len()
+        + ctx.user_id().map_or(0, str::len)
+        + ctx.api_key().map_or(0, str::len)
+        + attributes
+}
+
+/// Requests taken from [`Owed`] to replay: whatever is left of them when dropped goes
+/// back.
+struct Replays {
+    owed: Arc<Owed>,
+    entries: Vec<(u64, Entry)>,
+}
+
+impl Replays {
+    /// The context of the next request to replay.
+    fn next(&mut self) -> Option<&RequestContext> {
+        while self.entries.last().is_some_and(|(_, e)| e.requests == 0) {
+            self.entries.pop();
         }
-        Err(e) => Err(e),
-    })
+        self.entries.last().map(|(_, e)| &e.ctx)
+    }
+
+    /// The handler counted the request [`next`](Self::next) gave.
+    fn paid(&mut self) {
+        if let Some((_, entry)) = self.entries.last_mut() {
+            entry.requests -= 1;
+        }
+    }
+}
+
+impl Drop for Replays {
+    fn drop(&mut self) {
+        let left: Vec<_> = self.entries.drain(..).filter(|(_, e)| e.requests > 0).collect();
+        if !left.is_empty() {
+            let mut state = self.owed.lock();
+            for (id, entry) in left {
+                self.owed.put(&mut state, id, entry);
+            }
+        }
+    }
+}
+
+impl Owed {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The identity of `ctx`'s request.
+    fn id(&self, ctx: &RequestContext) -> u64 {
+        let mut hasher = self.keys.build_hasher();
+        ctx.rule_set_id().hash(&mut hasher);
+        ctx.client_ip().hash(&mut hasher);
+        ctx.user_id().hash(&mut hasher);
+        ctx.api_key().hash(&mut hasher);
+        ctx.method().hash(&mut hasher);
+        ctx.routed_path().hash(&mut hasher);
+        ctx.attributes().hash(&mut hasher);
+        hasher.finish()
+    }
+
+    /// Records that `local` admitted `ctx`'s request by `decision`.
+    fn add(&self, local: &Engine, ctx: &RequestContext, decision: &Decision) {
+        let longest = decision
+            .bands
+            .iter()
+            .chain(decision.shadow_bands.iter())
+            .map(|b| b.window)
+            .max()
+            .unwrap_or_default();
+        let now = Instant::now();
+        let mut kept = ctx.to_builder();
+        kept.set_max_wait(None);
+        let entry = Entry {
+            ctx: kept.build(),
+            buckets: local.bucket_ids(ctx, &self.keys),
+            requests: 1,
+            until: now.checked_add(longest).unwrap_or(now),
+        };
+        let id = self.id(ctx);
+        let mut state = self.lock();
+        self.put(&mut state, id, entry);
+    }
+
+    /// Adds `entry` to what identity `id` owes.
+    fn put(&self, state: &mut State, id: u64, entry: Entry) {
+        let now = Instant::now();
+        if let Some(kept) = state.entries.get_mut(&id).filter(|e| e.until > now) {
+            kept.requests = kept.requests.saturating_add(entry.requests).min(MOST_REPLAYS);
+            kept.until = kept.until.max(entry.until);
+            return;
+        }
+        let bytes = size(&entry.ctx);
+        if state.entries.len() >= MOST_IDENTITIES || state.bytes + bytes > MOST_BYTES {
+            state.entries.retain(|_, e| e.until > now);
+            state.bytes = state.entries.values().map(|e| size(&e.ctx)).sum();
+            let entries = &state.entries;
+            state.by_bucket.retain(|_, ids| {
+                ids.retain(|id| entries.contains_key(id));
+                !ids.is_empty()
+            });
+            if state.entries.len() >= MOST_IDENTITIES || state.bytes + bytes > MOST_BYTES {
+                return;
+            }
+        }
+        for bucket in &entry.buckets {
+            let ids = state.by_bucket.entry(*bucket).or_default();
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
+        state.bytes += bytes;
+        if let Some(old) = state.entries.insert(id, entry) {
+            state.bytes -= size(&old.ctx);
+        }
+        self.len.store(state.entries.len(), Ordering::Relaxed);
+    }
+
+    /// The requests owed by `ctx`'s identity or by any identity that counted in one of
+    /// `ctx`'s buckets, taken to be replayed: `None` (after one atomic load while nothing
+    /// is owed) when there are none.
+    fn take(self: &Arc<Self>, local: &Engine, ctx: &RequestContext) -> Option<Replays> {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let buckets = local.bucket_ids(ctx, &self.keys);
+        let own = self.id(ctx);
+        let now = Instant::now();
+        let mut state = self.lock();
+        let mut ids: SmallVec<[u64; 4]> = SmallVec::new();
+        ids.push(own);
+        for bucket in &buckets {
+            if let Some(owing) = state.by_bucket.remove(bucket) {
+                ids.extend(owing.into_iter().filter(|id| *id != own));
+            }
+        }
+        let mut entries = Vec::new();
+        for id in ids {
+            if let Some(entry) = state.entries.remove(&id) {
+                state.bytes -= size(&entry.ctx);
+                if entry.until > now && !entries.iter().any(|(taken, _)| *taken == id) {
+                    entries.push((id, entry));
+                }
+            }
+        }
+        self.len.store(state.entries.len(), Ordering::Relaxed);
+        drop(state);
+        (!entries.is_empty()).then(|| Replays {
+            owed: self.clone(),
+            entries,
+        })
+    }
 }
 
 #[cfg(test)]
@@ -174,5 +462,103 @@ mod tests {
             assert!(decision.degraded, "{given}: decided by the local engine");
             assert_eq!(decision.remaining(), Some(0), "{given}");
         }
+    }
+
+    /// The handler admits 1 of 5 and fails; the local engine admits the 4 left. When the
+    /// handler answers again, the next request first has those 4 replayed to it: it has
+    /// counted 5, and refuses. Without the replay it would admit 4 more, 9 in all.
+    #[test]
+    fn what_the_local_engine_admitted_is_counted_by_the_handler_when_it_answers_again() {
+        let failing = Arc::new(AtomicBool::new(false));
+        let primary = Engine::in_memory(rules());
+        let handler = FallbackHandler::new(
+            Failing {
+                engine: primary.clone(),
+                failing: failing.clone(),
+            },
+            Engine::in_memory(rules()),
+        );
+        let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+        let other = RequestContext::builder().client_ip("10.0.0.2".parse().unwrap()).build();
+        let check = |ctx: &RequestContext| handler.check(ctx).into_ready().unwrap().unwrap();
+        assert!(check(&ctx).allowed());
+        failing.store(true, Ordering::Relaxed);
+        let local = (0..10).filter(|_| check(&ctx).allowed()).count();
+        assert_eq!(local, 4, "the local engine admits the rest of 5");
+        assert!(check(&other).allowed(), "another client, admitted locally");
+        failing.store(false, Ordering::Relaxed);
+        let after = (0..10).filter(|_| check(&ctx).allowed()).count();
+        assert_eq!(after, 0, "the handler counted the 4 the local engine admitted");
+        // The handler's own count: the 5 of the client, all used.
+        let remaining = primary.check(&ctx).into_ready().unwrap().unwrap().remaining();
+        assert_eq!(remaining, Some(0));
+        // The other client's local admission was replayed too: 1 + 4 of 5 left after this one.
+        let decision = check(&other);
+        assert!(decision.allowed() && !decision.degraded);
+        assert_eq!(decision.remaining(), Some(3), "1 replayed, then this one: 3 left");
+    }
+
+    /// What the local engine admitted is found by the buckets it counted in, not by the
+    /// request's path or attributes: a client admitted locally on one path, whose limit is
+    /// per IP, has those requests replayed before its first request on another path.
+    #[test]
+    fn a_replay_is_found_by_the_bucket_whatever_the_path() {
+        let failing = Arc::new(AtomicBool::new(false));
+        let handler = FallbackHandler::new(
+            Failing {
+                engine: Engine::in_memory(rules()),
+                failing: failing.clone(),
+            },
+            Engine::in_memory(rules()),
+        );
+        let on = |path: &str| {
+            RequestContext::builder()
+                .client_ip("10.0.0.1".parse().unwrap())
+                .path(path)
+                .attribute("n", path)
+                .build()
+        };
+        let check = |ctx: &RequestContext| handler.check(ctx).into_ready().unwrap().unwrap();
+        assert!(check(&on("/a")).allowed());
+        failing.store(true, Ordering::Relaxed);
+        assert!(check(&on("/a")).allowed() && check(&on("/b")).allowed());
+        assert!(check(&on("/c")).allowed() && check(&on("/a")).allowed());
+        assert!(!check(&on("/d")).allowed(), "5 of 5, locally");
+        failing.store(false, Ordering::Relaxed);
+        let after = ["/e", "/f", "/a"].iter().filter(|p| check(&on(p)).allowed()).count();
+        assert_eq!(after, 0, "the 4 admitted locally were replayed on /e's request");
+    }
+
+    /// A replay the handler refuses (or fails) ends it, and what was not replayed stays
+    /// owed, also when the replay is dropped before it ends.
+    #[test]
+    fn what_is_not_replayed_stays_owed() {
+        let local = Engine::in_memory(rules());
+        let owed = Arc::new(Owed::default());
+        let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+        let decision = local.check(&ctx).into_ready().unwrap().unwrap();
+        for _ in 0..3 {
+            owed.add(&local, &ctx, &decision);
+        }
+        let mut replays = owed.take(&local, &ctx).expect("3 owed");
+        assert!(owed.take(&local, &ctx).is_none(), "taken");
+        assert_eq!(replays.next(), Some(&ctx));
+        replays.paid();
+        drop(replays);
+        let mut replays = owed.take(&local, &ctx).expect("2 owed");
+        let mut left = 0;
+        while replays.next().is_some() {
+            replays.paid();
+            left += 1;
+        }
+        assert_eq!(left, 2, "the 2 not replayed");
+        drop(replays);
+        assert!(owed.take(&local, &ctx).is_none(), "all replayed");
+        let elsewhere = RequestContext::builder().client_ip("10.0.0.2".parse().unwrap()).build();
+        owed.add(&local, &ctx, &decision);
+        assert!(
+            owed.take(&local, &elsewhere).is_none(),
+            "another client's buckets owe nothing"
+        );
     }
 }
