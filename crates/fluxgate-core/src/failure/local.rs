@@ -2,6 +2,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::future::Future;
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -36,9 +37,10 @@ use crate::handler::RateLimitHandler;
 /// The other way round, what the local engine admits while the handler fails is kept (the
 /// request's context, and the buckets it counted in) and replayed to the handler once it
 /// answers again, before the next request that counts in one of those buckets, whatever
-/// its path: one check per request the local engine admitted, so that the handler counts
-/// them and does not admit them again. The replay stops at the first check the handler
-/// does not admit (or decides by a fallback of its own); what is left stays owed, and
+/// its path: one check per request the local engine admitted (32 in flight at once with a
+/// handler that answers later, such as a `RemoteHandler`), so that the handler counts them
+/// and does not admit them again. The replay stops once a check is not admitted (refused,
+/// or decided by a fallback of the handler's own); what is left stays owed, and
 /// lapses after the longest window of the bands that admitted it. At most 100,000 request
 /// identities (the context but its `max_wait`), 64 MiB of their contexts and 10,000
 /// requests per identity are kept. The first such request after an outage waits for the
@@ -132,16 +134,29 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
     }
 
     /// Asks the wrapped handler again for the requests the local engine admitted while it
-    /// failed ([`Owed::take`]), one at a time, so that it counts them before it decides the
-    /// request that found them. The first it does not admit (refused, failed, or decided by
-    /// a fallback of its own) ends the replay: what is left stays owed, also when the
-    /// replay is dropped.
+    /// failed ([`Owed::take`]), [`WAVE`] at a time, so that it counts them before it decides
+    /// the request that found them. A wave in which one is not admitted (refused, failed,
+    /// or decided by a fallback of its own) ends the replay: what is left stays owed, also
+    /// when the replay is dropped (then the checks of its last wave stay owed too, even
+    /// those the handler counted: the error is towards refusing).
     async fn replay(&self, mut replays: Replays) {
-        while let Some(ctx) = replays.next() {
-            if !replayed(&self.primary.check(ctx).await) {
+        loop {
+            let wave = replays.wave(WAVE);
+            if wave.is_empty() {
                 return;
             }
-            replays.paid();
+            let answers = all(wave.iter().map(|(_, ctx)| self.primary.check(ctx)).collect()).await;
+            let mut refused = false;
+            for ((entry, _), answer) in wave.iter().zip(answers) {
+                if replayed(&answer) {
+                    replays.paid_for(*entry);
+                } else {
+                    refused = true;
+                }
+            }
+            if refused {
+                return;
+            }
         }
     }
 
@@ -183,6 +198,33 @@ fn charged(local: &Engine, ctx: &RequestContext, result: Result<Decision, Error>
         }
     }
     result
+}
+
+/// The replayed requests in flight at once, once the wrapped handler answers
+/// asynchronously (a remote service).
+const WAVE: usize = 32;
+
+/// Every future of `futures`, polled together, and their outputs in order.
+async fn all<T: Send + 'static>(mut futures: Vec<MaybeReady<T>>) -> Vec<T> {
+    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match std::pin::Pin::new(future).poll(cx) {
+                    std::task::Poll::Ready(value) => *output = Some(value),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 /// The most requests kept for the wrapped handler to count, per request identity: past
@@ -259,6 +301,27 @@ impl Replays {
     fn paid(&mut self) {
         if let Some((_, entry)) = self.entries.last_mut() {
             entry.requests -= 1;
+        }
+    }
+
+    /// Up to `most` requests to replay together: each with the index of its entry.
+    fn wave(&self, most: usize) -> Vec<(usize, RequestContext)> {
+        let mut wave = Vec::new();
+        for (index, (_, entry)) in self.entries.iter().enumerate().rev() {
+            let room = most - wave.len();
+            let count = usize::try_from(entry.requests).unwrap_or(usize::MAX).min(room);
+            wave.extend(std::iter::repeat_n((index, entry.ctx.clone()), count));
+            if wave.len() == most {
+                break;
+            }
+        }
+        wave
+    }
+
+    /// The handler counted one request of the entry at `index`.
+    fn paid_for(&mut self, index: usize) {
+        if let Some((_, entry)) = self.entries.get_mut(index) {
+            entry.requests = entry.requests.saturating_sub(1);
         }
     }
 }
@@ -560,5 +623,60 @@ mod tests {
             owed.take(&local, &elsewhere).is_none(),
             "another client's buckets owe nothing"
         );
+    }
+
+    /// A handler that answers later, as a remote service does.
+    #[derive(Debug)]
+    struct Later(Failing);
+
+    impl RateLimitHandler for Later {
+        fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+            let answer = self.0.check(ctx);
+            MaybeReady::boxed(async move {
+                tokio::task::yield_now().await;
+                answer.await
+            })
+        }
+    }
+
+    /// A global limit of 100: 10 clients admitted by a handler that answers later, 90 more
+    /// by the local engine while it fails. Once it answers again, the first request of yet
+    /// another client has the 90 replayed, in waves, and is refused.
+    #[tokio::test]
+    async fn a_handler_that_answers_later_counts_every_replay_of_a_shared_bucket() {
+        let global =
+            "rule_sets: [{id: default, rules: [{id: all, scope: global, bands: [{capacity: 100, window: 1h}]}]}]";
+        let rules = || RuleSets::from_yaml_str(global).unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let primary = Engine::in_memory(rules());
+        let handler = FallbackHandler::new(
+            Later(Failing {
+                engine: primary.clone(),
+                failing: failing.clone(),
+            }),
+            Engine::in_memory(rules()),
+        );
+        let client = |n: u32| {
+            RequestContext::builder()
+                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+                .build()
+        };
+        for n in 0..10 {
+            assert!(handler.check(&client(n)).await.unwrap().allowed());
+        }
+        failing.store(true, Ordering::Relaxed);
+        for n in 10..100 {
+            let decision = handler.check(&client(n)).await.unwrap();
+            assert!(decision.allowed() && decision.degraded, "client {n}, locally");
+        }
+        assert!(!handler.check(&client(100)).await.unwrap().allowed(), "100 of 100");
+        failing.store(false, Ordering::Relaxed);
+        let decision = handler.check(&client(101)).await.unwrap();
+        assert!(
+            !decision.allowed() && !decision.degraded,
+            "the handler counted 100: {decision:?}"
+        );
+        let remaining = primary.check(&client(102)).into_ready().unwrap().unwrap().remaining();
+        assert_eq!(remaining, Some(0));
     }
 }
