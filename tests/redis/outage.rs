@@ -290,3 +290,63 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage() {
     );
     assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
 }
+
+/// What memory admitted during an outage stays owed when the request that took it is
+/// abandoned, as a client gone, an HTTP/2 reset or an outer timeout drops it: before its
+/// call was made, or while the call is out. The call runs to its end, and Redis refusing it
+/// (the client spent its limit through Redis and memory) leaves the owed permits for the
+/// next call. Dropped with the request, they were forgotten, and Redis admitted them again:
+/// 3 by Redis, 2 by memory, then 2 more by Redis, 7 of a limit of 5, either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_request_leaves_what_memory_admitted_owed() {
+    const LIMIT: usize = 5;
+    const SPENT: usize = 3;
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    for call_out in [false, true] {
+        let mut attempts = 0;
+        let (by_redis, by_memory, again) = loop {
+            attempts += 1;
+            let server = RedisServer::start();
+            let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
+            let (by_redis, _) = admissions(&engine, &client, SPENT).await;
+            let (by_memory, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
+            circuit_closed(&engine, &bystander).await;
+            let calls = server.evalsha_calls();
+            if call_out {
+                // Made while Redis is frozen: out, and unanswered, when it is dropped.
+                let start = Instant::now();
+                server.signal("-STOP");
+                let dropped = tokio::time::timeout(Duration::from_millis(5), engine.check(&client)).await;
+                server.signal("-CONT");
+                assert!(dropped.is_err(), "dropped before Redis answered");
+                if start.elapsed() >= DEADLINE / 2 && attempts < 5 {
+                    // A busy machine: the call may have missed its deadline, and opened the
+                    // circuit. Made again.
+                    continue;
+                }
+            } else {
+                drop(engine.check(&client));
+            }
+            // Redis runs the abandoned call, and its answer settles what the call took.
+            let start = Instant::now();
+            while server.evalsha_calls() == calls && start.elapsed() < Duration::from_secs(5) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let (again, degraded) = admissions(&engine, &client, 2 * LIMIT).await;
+            assert_eq!(degraded, 0, "Redis decides after the outage");
+            break (by_redis, by_memory, again);
+        };
+        let total = by_redis + by_memory + again;
+        eprintln!(
+            "limit {LIMIT} per hour, a request dropped {}: Redis admitted {by_redis}, memory {by_memory}, \
+             then Redis {again}; {total} in all",
+            if call_out {
+                "with its call out"
+            } else {
+                "before its call"
+            }
+        );
+        assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
+    }
+}

@@ -1,9 +1,12 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
 use std::fmt;
+use std::future::Future;
 use std::hash::BuildHasher;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -511,13 +514,14 @@ impl Engine {
         // Leases decide the requests of leased rules; one that may wait for the refill is
         // decided by the backend as without leases (its place taken at one instant for all
         // its rules).
+        let mut owes = false;
         let acquired = match &self.inner.leases {
             Some(leases) if request.buckets().any(|b| b.rule.lease().is_some()) && !request.may_wait() => {
                 leases.acquire(&request)
             }
             _ => {
                 if !request.may_wait() {
-                    self.inner.fallback.owe_into(&mut request);
+                    owes = self.inner.fallback.owe_into(&mut request);
                 }
                 self.inner.limiter.acquire(&request)
             }
@@ -534,6 +538,11 @@ impl Engine {
             }
             Err(pending) => {
                 let this = self.inner.clone();
+                let pending = if owes {
+                    MaybeReady::boxed(OwedCall::new(pending, &this, &request))
+                } else {
+                    pending
+                };
                 MaybeReady::boxed(async move {
                     let result = pending.await;
                     this.record_backend_call(start, &result);
@@ -548,6 +557,62 @@ impl Engine {
                     waiting.await
                 })
             }
+        }
+    }
+}
+
+/// The backend's call of a request that took what memory admitted while the backend failed
+/// ([`Fallback::owe_into`]). Dropped before its answer (its client gone, an HTTP/2 reset,
+/// an outer timeout), the call runs to its end on the runtime, and its answer settles what
+/// it took ([`Fallback::settle_abandoned`]): counted by the backend if it admitted the
+/// request, owed again otherwise. Dropped with the request, it was forgotten: a client that
+/// abandoned one request which the backend refused, or never saw, was admitted again what
+/// memory had admitted during the outage.
+struct OwedCall {
+    /// The call and its request, until it answers.
+    pending: Option<(MaybeReady<Result<AcquireOutcome, BoxError>>, AcquireRequest)>,
+    engine: Arc<Inner>,
+}
+
+impl OwedCall {
+    fn new(call: MaybeReady<Result<AcquireOutcome, BoxError>>, engine: &Arc<Inner>, request: &AcquireRequest) -> Self {
+        Self {
+            pending: Some((call, request.clone())),
+            engine: engine.clone(),
+        }
+    }
+}
+
+impl Future for OwedCall {
+    type Output = Result<AcquireOutcome, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let Some((call, _)) = this.pending.as_mut() else {
+            return Poll::Pending; // polled again after its answer
+        };
+        let result = ready!(Pin::new(call).poll(cx));
+        // Answered: the engine's decision settles what it took.
+        this.pending = None;
+        Poll::Ready(result)
+    }
+}
+
+impl Drop for OwedCall {
+    fn drop(&mut self) {
+        let Some((call, request)) = self.pending.take() else {
+            return;
+        };
+        let engine = self.engine.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let result = call.await;
+                    engine.fallback.settle_abandoned(&request, &result);
+                });
+            }
+            // No runtime to run it on (it is shutting down): owed again, as if refused.
+            Err(_) => engine.fallback.settle_abandoned(&request, &Err("abandoned".into())),
         }
     }
 }

@@ -84,12 +84,23 @@ impl Fallback {
     /// Adds to the permits of `request`'s `fallback_local` buckets what memory admitted for
     /// them while the backend failed, which the backend has not counted: after an outage,
     /// the backend's next call for such a bucket takes it, so that what memory admitted is
-    /// not admitted again. A request the backend does not admit gives it back.
-    pub(crate) fn owe_into(&self, request: &mut AcquireRequest) {
-        if self.charges {
-            self.owed.take(request, |b| {
+    /// not admitted again. A request the backend does not admit gives it back. Returns
+    /// whether the request took any: its call must then settle them however it ends
+    /// ([`Self::settle_abandoned`]).
+    pub(crate) fn owe_into(&self, request: &mut AcquireRequest) -> bool {
+        self.charges
+            && self.owed.take(request, |b| {
                 self.policy(b) == Some(FailurePolicy::FallbackLocal) && !b.shadow()
-            });
+            })
+    }
+
+    /// Settles what memory admitted that `request` took ([`owe_into`](Self::owe_into)) when
+    /// its caller is gone: the backend counted it if it admitted the request (`result`);
+    /// otherwise it stays owed, for the next call. Nothing else of the decision is kept: the
+    /// request was not served.
+    pub(crate) fn settle_abandoned(&self, request: &AcquireRequest, result: &Result<AcquireOutcome, BoxError>) {
+        if !matches!(result, Ok(outcome) if outcome.allowed) {
+            self.owed.put_back(request);
         }
     }
 

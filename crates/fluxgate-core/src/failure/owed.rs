@@ -96,11 +96,12 @@ impl Owed {
 
     /// Adds what the buckets of `request` owe to their permits, for those `owes` picks,
     /// and forgets the debts: the backend's call now takes them. A request the backend
-    /// does not admit gives them back ([`Self::put_back`]).
-    pub(crate) fn take(&self, request: &mut AcquireRequest, owes: impl Fn(&Bucket<'_>) -> bool) {
+    /// does not admit gives them back ([`Self::put_back`]). Returns whether it added any.
+    pub(crate) fn take(&self, request: &mut AcquireRequest, owes: impl Fn(&Bucket<'_>) -> bool) -> bool {
         if self.len.load(Ordering::Relaxed) == 0 {
-            return;
+            return false;
         }
+        let mut took = false;
         let now = Instant::now();
         let mut debts = self.lock();
         for index in 0..request.len() {
@@ -113,9 +114,11 @@ impl Owed {
             if debt.until > now && debt.permits > 0 {
                 let permits = bucket.permits.saturating_add(debt.permits);
                 request.set_permits(index, permits);
+                took = true;
             }
         }
         self.len.store(debts.len(), Ordering::Relaxed);
+        took
     }
 
     /// Gives back the debts [`Self::take`] added to `request`'s permits (what a bucket
