@@ -21,6 +21,7 @@ mod memory;
 mod metrics;
 mod mongodb;
 mod one_band;
+mod outage;
 mod paths;
 mod reload;
 mod rule_files;

@@ -188,9 +188,19 @@ async fn with_fallback(
     limit: usize,
     cool_down: Duration,
 ) -> (Engine, RequestContext, RequestContext) {
+    with_fallback_and(server, limit, "", cool_down).await
+}
+
+/// [`with_fallback`], the rule's YAML ending with `more` (a `lease`, an `on_limit`).
+async fn with_fallback_and(
+    server: &RedisServer,
+    limit: usize,
+    more: &str,
+    cool_down: Duration,
+) -> (Engine, RequestContext, RequestContext) {
     let limiter = limiter(server).await;
     let rules = rules(&format!(
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {limit}, window: 1h }}]\n"
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {limit}, window: 1h }}]\n{more}"
     ));
     let engine = Engine::builder(rules)
         .limiter(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(cool_down))
@@ -349,4 +359,91 @@ async fn an_abandoned_request_leaves_what_memory_admitted_owed() {
         );
         assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
     }
+}
+
+/// Redis before, memory during and Redis after an outage, for a `fallback_local` rule of
+/// `limit` per hour ending with `more`: `before` checks of the client with Redis up, then
+/// `during` while the circuit is open, then `2 × limit` once it has closed again. The
+/// admissions of each stretch, and whether the outage's checks ran within the cool-down.
+async fn across_an_outage(limit: usize, more: &str, before: usize, during: usize) -> (usize, usize, usize, bool) {
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let (engine, client, bystander) = with_fallback_and(&server, limit, more, COOL_DOWN).await;
+    let (by_redis, degraded) = admissions(&engine, &client, before).await;
+    assert_eq!((by_redis, degraded), (before, 0), "Redis admits the first requests");
+    let (during, in_time) = during_an_outage(&server, &engine, &bystander, &client, during, COOL_DOWN).await;
+    circuit_closed(&engine, &bystander).await;
+    let (after, degraded) = admissions(&engine, &client, 2 * limit).await;
+    assert_eq!(degraded, 0, "Redis decides after the outage");
+    (by_redis, during, after, in_time)
+}
+
+/// A leased rule's lease: 3 permits at most, kept for an hour.
+const LEASE: &str = "        lease: { max: 3, ttl: 1h }\n";
+
+/// A leased `fallback_local` rule ([`LEASE`]): what memory admits during an outage, Redis
+/// counts afterwards, even though the rule's requests are decided by local leases. Redis
+/// admits 3 (one call taking a lease of 3), memory the 3 left, then Redis none: 6 of 6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_leased_rule() {
+    const LIMIT: usize = 6;
+    // The lease's size: spent whole before the outage, so that memory decides every check
+    // of the outage.
+    const SPENT: usize = 3;
+    let (by_redis, during, after, in_time) = across_an_outage(LIMIT, LEASE, SPENT, 2 * LIMIT).await;
+    let total = by_redis + during + after;
+    eprintln!(
+        "leased, limit {LIMIT} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
+         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
+    );
+    assert!(
+        during <= LIMIT - SPENT,
+        "{during} admitted by memory, past the rest of the limit"
+    );
+    if in_time {
+        assert_eq!(during, LIMIT - SPENT, "memory starts from what Redis admitted");
+    }
+    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+}
+
+/// A leased `fallback_local` rule ([`LEASE`]) whose debt is smaller than what Redis has
+/// left: the call that takes the next lease takes the debt too. Redis admits 3, memory 1
+/// during the outage, then Redis's next call takes 3 (the request's permit, the debt and a
+/// lease of 1): 2 more admitted, 6 of 6.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_call_taking_a_lease_after_an_outage_takes_what_fallback_local_admitted() {
+    const LIMIT: usize = 6;
+    const SPENT: usize = 3;
+    let (by_redis, during, after, in_time) = across_an_outage(LIMIT, LEASE, SPENT, 1).await;
+    let total = by_redis + during + after;
+    eprintln!(
+        "leased, limit {LIMIT} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
+         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
+    );
+    assert_eq!(during, 1, "memory admits the one check of the outage");
+    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+}
+
+/// A `fallback_local` rule whose requests may wait for the refill (`on_limit.wait`): what
+/// memory admits during an outage, Redis counts afterwards, with the next call even when it
+/// may wait. Redis admits 3, memory the 2 left, then Redis none: 5 of 5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_waiting_rule() {
+    const LIMIT: usize = 5;
+    const SPENT: usize = 3;
+    let wait = "        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }\n";
+    let (by_redis, during, after, in_time) = across_an_outage(LIMIT, wait, SPENT, 2 * LIMIT).await;
+    let total = by_redis + during + after;
+    eprintln!(
+        "waiting, limit {LIMIT} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
+         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
+    );
+    assert!(
+        during <= LIMIT - SPENT,
+        "{during} admitted by memory, past the rest of the limit"
+    );
+    if in_time {
+        assert_eq!(during, LIMIT - SPENT, "memory starts from what Redis admitted");
+    }
+    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
 }

@@ -511,20 +511,19 @@ impl Engine {
         let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
         // The clock is read only for a recorder.
         let start = self.inner.recorder.as_ref().map(|_| Instant::now());
+        // What memory admitted for the request's `fallback_local` buckets while the backend
+        // failed, the request takes with its own permits, however it is decided: by the
+        // backend, from a lease (or the call adding to it), or for later (a waiting
+        // request's place keeps it when given back, see `wait_for`).
+        let owes = self.inner.fallback.owe_into(&mut request);
         // Leases decide the requests of leased rules; one that may wait for the refill is
         // decided by the backend as without leases (its place taken at one instant for all
         // its rules).
-        let mut owes = false;
         let acquired = match &self.inner.leases {
             Some(leases) if request.buckets().any(|b| b.rule.lease().is_some()) && !request.may_wait() => {
                 leases.acquire(&request)
             }
-            _ => {
-                if !request.may_wait() {
-                    owes = self.inner.fallback.owe_into(&mut request);
-                }
-                self.inner.limiter.acquire(&request)
-            }
+            _ => self.inner.limiter.acquire(&request),
         };
         match acquired.into_ready() {
             Ok(result) => {

@@ -171,6 +171,13 @@ pub(crate) fn wait_for<T: Send + 'static>(
         }
     }
     taken.retain(|b| !b.shadow() || shadow_allowed);
+    // Given back, a place gives back its rules' cost: what a bucket took beyond it is what
+    // memory admitted while the backend failed (`Fallback::owe_into`), which stays counted.
+    for index in 0..taken.len() {
+        if let Some(cost) = taken.bucket(index).map(|b| b.rule.permits()) {
+            taken.set_permits(index, cost);
+        }
+    }
     let at_unix_nanos = outcome
         .now_unix_nanos
         .saturating_add(u64::try_from(after.as_nanos()).unwrap_or(u64::MAX));

@@ -84,9 +84,13 @@ impl Fallback {
     /// Adds to the permits of `request`'s `fallback_local` buckets what memory admitted for
     /// them while the backend failed, which the backend has not counted: after an outage,
     /// the backend's next call for such a bucket takes it, so that what memory admitted is
-    /// not admitted again. A request the backend does not admit gives it back. Returns
-    /// whether the request took any: its call must then settle them however it ends
-    /// ([`Self::settle_abandoned`]).
+    /// not admitted again. A request the backend does not admit gives it back. Whether it
+    /// added any: one atomic load when nothing is owed.
+    ///
+    /// However the request is decided, its buckets' permits beyond their rules' cost are
+    /// the debt: a leased rule's request pays it from its lease, or with the call adding to
+    /// the lease; a waiting request's place, given back, gives back only the rule's cost
+    /// (see `wait_for`).
     pub(crate) fn owe_into(&self, request: &mut AcquireRequest) -> bool {
         self.charges
             && self.owed.take(request, |b| {

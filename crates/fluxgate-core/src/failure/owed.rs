@@ -173,17 +173,17 @@ mod tests {
             owed.add(&request(&set, "b").bucket(0).expect("a bucket"));
         }
         let mut a = request(&set, "a");
-        owed.take(&mut a, |_| true);
+        assert!(owed.take(&mut a, |_| true), "a debt taken");
         assert_eq!(permits(&a), Some(3), "its own permit and the 2 memory admitted");
         let mut again = request(&set, "a");
-        owed.take(&mut again, |_| true);
+        assert!(!owed.take(&mut again, |_| true), "none left");
         assert_eq!(permits(&again), Some(1), "a debt is taken once");
         owed.put_back(&a);
         let mut after_refusal = request(&set, "a");
         owed.take(&mut after_refusal, |_| true);
         assert_eq!(permits(&after_refusal), Some(3), "a refused call gives its debt back");
         let mut b = request(&set, "b");
-        owed.take(&mut b, |_| false);
+        assert!(!owed.take(&mut b, |_| false), "nothing taken");
         assert_eq!(permits(&b), Some(1), "a bucket not picked takes nothing");
         owed.take(&mut b, |_| true);
         assert_eq!(permits(&b), Some(5), "at most the band's capacity in all");
