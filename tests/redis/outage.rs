@@ -447,3 +447,39 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_waiting_
     }
     assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
 }
+
+/// Requests made at once after an outage each carry what memory admitted during it, not
+/// only the first: Redis admits 3, memory the 2 left, then 6 requests at once and 10 more
+/// one after the other are all refused, 5 of 5. When only one request carried the debt,
+/// Redis refused it (3 + 2 + 1 > 5) and admitted the others as if nothing were owed: 7.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_made_at_once_after_an_outage_each_carry_what_memory_admitted() {
+    const LIMIT: usize = 5;
+    const SPENT: usize = 3;
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
+    let (by_redis, _) = admissions(&engine, &client, SPENT).await;
+    let (by_memory, in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
+    circuit_closed(&engine, &bystander).await;
+    let at_once: Vec<_> = (0..6)
+        .map(|_| {
+            let (engine, client) = (engine.clone(), client.clone());
+            tokio::spawn(async move { engine.check(&client).await })
+        })
+        .collect();
+    let mut together = 0;
+    for check in at_once {
+        let decision = check.await.expect("the check ran").expect("decided");
+        assert!(!decision.degraded, "Redis decides after the outage");
+        together += usize::from(decision.allowed());
+    }
+    let (after, _) = admissions(&engine, &client, 2 * LIMIT).await;
+    let total = by_redis + by_memory + together + after;
+    eprintln!(
+        "limit {LIMIT} per hour: Redis admitted {by_redis}, memory {by_memory} (within the cool-down: {in_time}), \
+         then Redis {together} of 6 requests made at once and {after} after them; {total} in all"
+    );
+    assert!(by_memory <= LIMIT - SPENT, "memory starts from what Redis admitted");
+    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+}

@@ -527,6 +527,9 @@ impl Engine {
         };
         match acquired.into_ready() {
             Ok(result) => {
+                if owes {
+                    self.inner.fallback.settle(&request, &result);
+                }
                 self.inner.record_backend_call(start, &result);
                 match &result {
                     Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
@@ -560,13 +563,11 @@ impl Engine {
     }
 }
 
-/// The backend's call of a request that took what memory admitted while the backend failed
-/// ([`Fallback::owe_into`]). Dropped before its answer (its client gone, an HTTP/2 reset,
-/// an outer timeout), the call runs to its end on the runtime, and its answer settles what
-/// it took ([`Fallback::settle_abandoned`]): counted by the backend if it admitted the
-/// request, owed again otherwise. Dropped with the request, it was forgotten: a client that
-/// abandoned one request which the backend refused, or never saw, was admitted again what
-/// memory had admitted during the outage.
+/// The backend's call of a request that carries what memory admitted while the backend
+/// failed ([`Fallback::owe_into`]): its answer settles the debt ([`Fallback::settle`]), as
+/// soon as it comes. Dropped before its answer (its client gone, an HTTP/2 reset, an outer
+/// timeout), the call runs to its end on the runtime all the same, so that a call the
+/// backend admitted pays the debt and one it refused leaves it owed.
 struct OwedCall {
     /// The call and its request, until it answers.
     pending: Option<(MaybeReady<Result<AcquireOutcome, BoxError>>, AcquireRequest)>,
@@ -591,8 +592,9 @@ impl Future for OwedCall {
             return Poll::Pending; // polled again after its answer
         };
         let result = ready!(Pin::new(call).poll(cx));
-        // Answered: the engine's decision settles what it took.
-        this.pending = None;
+        if let Some((_, request)) = this.pending.take() {
+            this.engine.fallback.settle(&request, &result);
+        }
         Poll::Ready(result)
     }
 }
@@ -602,16 +604,13 @@ impl Drop for OwedCall {
         let Some((call, request)) = self.pending.take() else {
             return;
         };
-        let engine = self.engine.clone();
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    let result = call.await;
-                    engine.fallback.settle_abandoned(&request, &result);
-                });
-            }
-            // No runtime to run it on (it is shutting down): owed again, as if refused.
-            Err(_) => engine.fallback.settle_abandoned(&request, &Err("abandoned".into())),
+        // No runtime to run it on (it is shutting down): the debt stays owed.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let engine = self.engine.clone();
+            runtime.spawn(async move {
+                let result = call.await;
+                engine.fallback.settle(&request, &result);
+            });
         }
     }
 }

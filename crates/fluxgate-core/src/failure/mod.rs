@@ -61,15 +61,8 @@ impl Fallback {
     /// fails, their in-memory buckets hold what this process has been admitted already, so
     /// a client that spent its limit before the failure does not get it again from memory.
     /// Nothing is charged when the backend refused: it consumed nothing.
-    ///
-    /// A refused request gives back what it was to take of memory's admissions
-    /// ([`owe_into`](Self::owe_into)).
     pub(crate) fn record(&self, request: &AcquireRequest, outcome: &AcquireOutcome) {
-        if !self.charges {
-            return;
-        }
-        if !outcome.allowed {
-            self.owed.put_back(request);
+        if !self.charges || !outcome.allowed {
             return;
         }
         for mut b in request.buckets() {
@@ -84,8 +77,8 @@ impl Fallback {
     /// Adds to the permits of `request`'s `fallback_local` buckets what memory admitted for
     /// them while the backend failed, which the backend has not counted: after an outage,
     /// the backend's next call for such a bucket takes it, so that what memory admitted is
-    /// not admitted again. A request the backend does not admit gives it back. Whether it
-    /// added any: one atomic load when nothing is owed.
+    /// not admitted again. Whether it added any: one atomic load when nothing is owed. The
+    /// debt stays owed until a request carrying it is admitted ([`settle`](Self::settle)).
     ///
     /// However the request is decided, its buckets' permits beyond their rules' cost are
     /// the debt: a leased rule's request pays it from its lease, or with the call adding to
@@ -98,13 +91,13 @@ impl Fallback {
             })
     }
 
-    /// Settles what memory admitted that `request` took ([`owe_into`](Self::owe_into)) when
-    /// its caller is gone: the backend counted it if it admitted the request (`result`);
-    /// otherwise it stays owed, for the next call. Nothing else of the decision is kept: the
-    /// request was not served.
-    pub(crate) fn settle_abandoned(&self, request: &AcquireRequest, result: &Result<AcquireOutcome, BoxError>) {
-        if !matches!(result, Ok(outcome) if outcome.allowed) {
-            self.owed.put_back(request);
+    /// Settles the debts `request` carried ([`owe_into`](Self::owe_into)) by the backend's
+    /// answer to it, as soon as it answers (before any wait for the refill), whether its
+    /// caller still waits for it or not: paid if the backend admitted the request, still
+    /// owed otherwise.
+    pub(crate) fn settle(&self, request: &AcquireRequest, result: &Result<AcquireOutcome, BoxError>) {
+        if matches!(result, Ok(outcome) if outcome.allowed) {
+            self.owed.settle(request);
         }
     }
 
@@ -114,8 +107,6 @@ impl Fallback {
     /// `request` is copied only when some of its rules are decided in memory, so that the
     /// engine's request is never moved on the path where the backend answered.
     pub(crate) fn decide(&self, request: &AcquireRequest, error: BoxError) -> Result<Decision, Error> {
-        // What the call was to take of memory's admissions stays owed.
-        self.owed.put_back(request);
         let error = match Error::from_limiter(error) {
             Error::Rule(rule) => {
                 tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");

@@ -94,9 +94,11 @@ impl Owed {
         self.len.store(debts.len(), Ordering::Relaxed);
     }
 
-    /// Adds what the buckets of `request` owe to their permits, for those `owes` picks,
-    /// and forgets the debts: the backend's call now takes them. A request the backend
-    /// does not admit gives them back ([`Self::put_back`]). Returns whether it added any.
+    /// Adds what the buckets of `request` owe to their permits, for those `owes` picks: the
+    /// backend's call takes them with the request. The debts stay until a request carrying
+    /// them is admitted ([`Self::settle`]), so that requests made at once each carry them,
+    /// and a refusal, a failure or a request dropped leaves them as they were. Whether it
+    /// added any: one atomic load when nothing is owed.
     pub(crate) fn take(&self, request: &mut AcquireRequest, owes: impl Fn(&Bucket<'_>) -> bool) -> bool {
         if self.len.load(Ordering::Relaxed) == 0 {
             return false;
@@ -108,12 +110,14 @@ impl Owed {
             let Some(bucket) = request.bucket(index).filter(|b| owes(b)) else {
                 continue;
             };
-            let Some(debt) = debts.remove(&id(&bucket)) else {
+            let id = id(&bucket);
+            let Some(debt) = debts.get(&id).copied() else {
                 continue;
             };
-            if debt.until > now && debt.permits > 0 {
-                let permits = bucket.permits.saturating_add(debt.permits);
-                request.set_permits(index, permits);
+            if debt.until <= now {
+                debts.remove(&id);
+            } else if debt.permits > 0 {
+                request.set_permits(index, bucket.permits.saturating_add(debt.permits));
                 took = true;
             }
         }
@@ -121,24 +125,27 @@ impl Owed {
         took
     }
 
-    /// Gives back the debts [`Self::take`] added to `request`'s permits (what a bucket
-    /// takes beyond its rule's cost), when the backend did not admit it.
-    pub(crate) fn put_back(&self, request: &AcquireRequest) {
-        let owed: Vec<_> = request
+    /// The backend admitted `request`, which carried debts ([`Self::take`]: what a bucket
+    /// takes beyond its rule's cost): they are paid. Requests made at once that carried the
+    /// same debt each pay it, and the backend counts it as many times: the error is towards
+    /// refusing.
+    pub(crate) fn settle(&self, request: &AcquireRequest) {
+        let paid: Vec<_> = request
             .buckets()
             .filter(|b| b.permits > b.rule.permits())
-            .map(|b| (id(&b), b.permits - b.rule.permits(), lasts(&b), room(&b)))
+            .map(|b| (id(&b), b.permits - b.rule.permits()))
             .collect();
-        if owed.is_empty() {
+        if paid.is_empty() {
             return;
         }
-        let now = Instant::now();
         let mut debts = self.lock();
-        for (id, permits, lasts, room) in owed {
-            let until = now.checked_add(lasts).unwrap_or(now);
-            let debt = debts.entry(id).or_insert(Debt { permits: 0, until });
-            debt.permits = debt.permits.saturating_add(permits).min(room);
-            debt.until = debt.until.max(until);
+        for (id, permits) in paid {
+            if let Some(debt) = debts.get_mut(&id) {
+                debt.permits = debt.permits.saturating_sub(permits);
+                if debt.permits == 0 {
+                    debts.remove(&id);
+                }
+            }
         }
         self.len.store(debts.len(), Ordering::Relaxed);
     }
@@ -157,10 +164,10 @@ mod tests {
         request
     }
 
-    /// Debts are kept per key, taken whole by the next call (at most what the smallest
-    /// band holds beside the request's own cost), and given back when it is not admitted.
+    /// Debts are kept per key, carried whole by every call (at most what the smallest band
+    /// holds beside the request's own cost) until one carrying them is admitted.
     #[test]
-    fn debts_are_taken_by_the_next_call_and_given_back_when_it_is_refused() {
+    fn debts_are_carried_by_every_call_until_one_is_admitted() {
         let spec = RuleSpec::new("r", vec![BandSpec::new(5, Duration::from_secs(60))]);
         let rule = Rule::from_spec("s", spec).expect("a valid rule");
         let set = Arc::new(RuleSet::new("s", [rule]).expect("a valid rule set"));
@@ -175,13 +182,21 @@ mod tests {
         let mut a = request(&set, "a");
         assert!(owed.take(&mut a, |_| true), "a debt taken");
         assert_eq!(permits(&a), Some(3), "its own permit and the 2 memory admitted");
-        let mut again = request(&set, "a");
-        assert!(!owed.take(&mut again, |_| true), "none left");
-        assert_eq!(permits(&again), Some(1), "a debt is taken once");
-        owed.put_back(&a);
-        let mut after_refusal = request(&set, "a");
-        owed.take(&mut after_refusal, |_| true);
-        assert_eq!(permits(&after_refusal), Some(3), "a refused call gives its debt back");
+        let mut at_once = request(&set, "a");
+        assert!(
+            owed.take(&mut at_once, |_| true),
+            "carried by a request made at once too"
+        );
+        assert_eq!(permits(&at_once), Some(3));
+        owed.settle(&a);
+        let mut after = request(&set, "a");
+        assert!(!owed.take(&mut after, |_| true), "paid by the admitted one");
+        assert_eq!(permits(&after), Some(1));
+        owed.settle(&at_once);
+        assert!(
+            !owed.take(&mut request(&set, "a"), |_| true),
+            "paid twice: nothing owed"
+        );
         let mut b = request(&set, "b");
         assert!(!owed.take(&mut b, |_| false), "nothing taken");
         assert_eq!(permits(&b), Some(1), "a bucket not picked takes nothing");
