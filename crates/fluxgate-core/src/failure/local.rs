@@ -44,7 +44,8 @@ use crate::handler::RateLimitHandler;
 /// lapses after the longest window of the bands that admitted it. At most 100,000 request
 /// identities (the context but its `max_wait`), 64 MiB of their contexts and 10,000
 /// requests per identity are kept. The first such request after an outage waits for the
-/// replays.
+/// replays, and so do the requests that count in the same buckets meanwhile, so that the
+/// handler does not admit them in the replays' stead.
 ///
 /// Decisions of the local engine are [`degraded`](Decision::degraded). A request of a rule
 /// set the local engine does not have is left to the layer's `on_error`, with the
@@ -90,8 +91,13 @@ impl<H> FallbackHandler<H> {
 
 impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let Some(mut replays) = self.owed.take(&self.local, ctx) else {
-            return self.decide(ctx);
+        let mut replays = match self.owed.take(&self.local, ctx) {
+            Taken::Nothing => return self.decide(ctx),
+            Taken::Replay(replays) => replays,
+            Taken::Busy => {
+                let (this, ctx) = (self.clone(), ctx.clone());
+                return MaybeReady::boxed(async move { this.after_replays(&ctx).await });
+            }
         };
         // Replayed in place while the handler answers at once.
         while let Some(replayed_ctx) = replays.next() {
@@ -104,6 +110,8 @@ impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
                         if replayed(&pending.await) {
                             replays.paid();
                             this.replay(replays).await;
+                        } else {
+                            drop(replays);
                         }
                         this.decide(&ctx).await
                     });
@@ -131,6 +139,26 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
                 })
             }
         }
+    }
+
+    /// The decision of `ctx` once no replay holds its buckets ([`Taken::Busy`]): the
+    /// replays of requests another request found are counted first, so that `ctx` is not
+    /// admitted in their stead.
+    async fn after_replays(&self, ctx: &RequestContext) -> Result<Decision, Error> {
+        loop {
+            let done = std::pin::pin!(self.owed.done.notified());
+            let mut done = done;
+            done.as_mut().enable();
+            match self.owed.take(&self.local, ctx) {
+                Taken::Nothing => break,
+                Taken::Replay(replays) => {
+                    self.replay(replays).await;
+                    break;
+                }
+                Taken::Busy => done.await,
+            }
+        }
+        self.decide(ctx).await
     }
 
     /// Asks the wrapped handler again for the requests the local engine admitted while it
@@ -248,10 +276,12 @@ const MOST_BYTES: usize = 64 << 20;
 /// it.
 #[derive(Debug, Default)]
 struct Owed {
-    /// The identities kept, read without the lock on every check.
+    /// The identities kept and the buckets in flight, read without the lock on every check.
     len: AtomicUsize,
     keys: RandomState,
     state: Mutex<State>,
+    /// Woken when a replay ends.
+    done: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -261,6 +291,19 @@ struct State {
     by_bucket: HashMap<u64, SmallVec<[u64; 2]>>,
     /// The bytes of the entries' contexts, about.
     bytes: usize,
+    /// The buckets of the requests being replayed, each with the replays holding it.
+    in_flight: HashMap<u64, usize>,
+}
+
+/// What [`Owed::take`] found for a request.
+enum Taken {
+    /// Nothing owed in its buckets.
+    Nothing,
+    /// Requests to replay before it.
+    Replay(Replays),
+    /// Nothing left to take, but another request is replaying requests of its buckets: it
+    /// waits for them ([`Owed::done`]).
+    Busy,
 }
 
 #[derive(Debug)]
@@ -286,6 +329,8 @@ fn size(ctx: &RequestContext) -> usize {
 struct Replays {
     owed: Arc<Owed>,
     entries: Vec<(u64, Entry)>,
+    /// The buckets it holds in flight ([`State::in_flight`]).
+    buckets: SmallVec<[u64; 8]>,
 }
 
 impl Replays {
@@ -329,12 +374,22 @@ impl Replays {
 impl Drop for Replays {
     fn drop(&mut self) {
         let left: Vec<_> = self.entries.drain(..).filter(|(_, e)| e.requests > 0).collect();
-        if !left.is_empty() {
-            let mut state = self.owed.lock();
-            for (id, entry) in left {
-                self.owed.put(&mut state, id, entry);
+        let mut state = self.owed.lock();
+        for (id, entry) in left {
+            self.owed.put(&mut state, id, entry);
+        }
+        for bucket in &self.buckets {
+            if let Some(holders) = state.in_flight.get_mut(bucket) {
+                *holders -= 1;
+                if *holders == 0 {
+                    state.in_flight.remove(bucket);
+                }
             }
         }
+        let len = state.entries.len() + state.in_flight.len();
+        self.owed.len.store(len, Ordering::Relaxed);
+        drop(state);
+        self.owed.done.notify_waiters();
     }
 }
 
@@ -410,15 +465,17 @@ impl Owed {
         if let Some(old) = state.entries.insert(id, entry) {
             state.bytes -= size(&old.ctx);
         }
-        self.len.store(state.entries.len(), Ordering::Relaxed);
+        self.len
+            .store(state.entries.len() + state.in_flight.len(), Ordering::Relaxed);
     }
 
     /// The requests owed by `ctx`'s identity or by any identity that counted in one of
-    /// `ctx`'s buckets, taken to be replayed: `None` (after one atomic load while nothing
-    /// is owed) when there are none.
-    fn take(self: &Arc<Self>, local: &Engine, ctx: &RequestContext) -> Option<Replays> {
+    /// `ctx`'s buckets, taken to be replayed, their buckets held in flight until the
+    /// replay ends; else whether a replay holds one of `ctx`'s buckets. One atomic load
+    /// while nothing is owed nor replayed.
+    fn take(self: &Arc<Self>, local: &Engine, ctx: &RequestContext) -> Taken {
         if self.len.load(Ordering::Relaxed) == 0 {
-            return None;
+            return Taken::Nothing;
         }
         let buckets = local.bucket_ids(ctx, &self.keys);
         let own = self.id(ctx);
@@ -440,12 +497,29 @@ impl Owed {
                 }
             }
         }
-        self.len.store(state.entries.len(), Ordering::Relaxed);
-        drop(state);
-        (!entries.is_empty()).then(|| Replays {
-            owed: self.clone(),
-            entries,
-        })
+        let taken = if entries.is_empty() {
+            if buckets.iter().any(|b| state.in_flight.contains_key(b)) {
+                Taken::Busy
+            } else {
+                Taken::Nothing
+            }
+        } else {
+            let mut held: SmallVec<[u64; 8]> = SmallVec::new();
+            for bucket in entries.iter().flat_map(|(_, e)| e.buckets.iter()) {
+                if !held.contains(bucket) {
+                    held.push(*bucket);
+                    *state.in_flight.entry(*bucket).or_default() += 1;
+                }
+            }
+            Taken::Replay(Replays {
+                owed: self.clone(),
+                entries,
+                buckets: held,
+            })
+        };
+        self.len
+            .store(state.entries.len() + state.in_flight.len(), Ordering::Relaxed);
+        taken
     }
 }
 
@@ -603,12 +677,19 @@ mod tests {
         for _ in 0..3 {
             owed.add(&local, &ctx, &decision);
         }
-        let mut replays = owed.take(&local, &ctx).expect("3 owed");
-        assert!(owed.take(&local, &ctx).is_none(), "taken");
+        let Taken::Replay(mut replays) = owed.take(&local, &ctx) else {
+            panic!("3 owed")
+        };
+        assert!(
+            matches!(owed.take(&local, &ctx), Taken::Busy),
+            "taken, and being replayed"
+        );
         assert_eq!(replays.next(), Some(&ctx));
         replays.paid();
         drop(replays);
-        let mut replays = owed.take(&local, &ctx).expect("2 owed");
+        let Taken::Replay(mut replays) = owed.take(&local, &ctx) else {
+            panic!("2 owed")
+        };
         let mut left = 0;
         while replays.next().is_some() {
             replays.paid();
@@ -616,11 +697,11 @@ mod tests {
         }
         assert_eq!(left, 2, "the 2 not replayed");
         drop(replays);
-        assert!(owed.take(&local, &ctx).is_none(), "all replayed");
+        assert!(matches!(owed.take(&local, &ctx), Taken::Nothing), "all replayed");
         let elsewhere = RequestContext::builder().client_ip("10.0.0.2".parse().unwrap()).build();
         owed.add(&local, &ctx, &decision);
         assert!(
-            owed.take(&local, &elsewhere).is_none(),
+            matches!(owed.take(&local, &elsewhere), Taken::Nothing),
             "another client's buckets owe nothing"
         );
     }
@@ -678,5 +759,53 @@ mod tests {
         );
         let remaining = primary.check(&client(102)).into_ready().unwrap().unwrap().remaining();
         assert_eq!(remaining, Some(0));
+    }
+
+    /// Requests made at once once the handler answers again wait for the replays that hold
+    /// their buckets: a global limit of 100, 10 admitted by the handler, 40 by the local
+    /// engine; then 60 requests at once, of 60 clients. The one that finds the 40 replays
+    /// them; the others wait, and the handler admits 50 of the 60: 100 in all.
+    #[tokio::test]
+    async fn requests_made_at_once_wait_for_the_replays_of_their_buckets() {
+        let global =
+            "rule_sets: [{id: default, rules: [{id: all, scope: global, bands: [{capacity: 100, window: 1h}]}]}]";
+        let rules = || RuleSets::from_yaml_str(global).unwrap();
+        let failing = Arc::new(AtomicBool::new(false));
+        let handler = FallbackHandler::new(
+            Later(Failing {
+                engine: Engine::in_memory(rules()),
+                failing: failing.clone(),
+            }),
+            Engine::in_memory(rules()),
+        );
+        let client = |n: u32| {
+            RequestContext::builder()
+                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+                .build()
+        };
+        for n in 0..10 {
+            assert!(handler.check(&client(n)).await.unwrap().allowed());
+        }
+        failing.store(true, Ordering::Relaxed);
+        for n in 10..50 {
+            assert!(
+                handler.check(&client(n)).await.unwrap().allowed(),
+                "client {n}, locally"
+            );
+        }
+        failing.store(false, Ordering::Relaxed);
+        let at_once: Vec<_> = (100..160)
+            .map(|n| {
+                let (handler, ctx) = (handler.clone(), client(n));
+                tokio::spawn(async move { handler.check(&ctx).await })
+            })
+            .collect();
+        let mut admitted = 0;
+        for check in at_once {
+            let decision = check.await.unwrap().unwrap();
+            assert!(!decision.degraded);
+            admitted += usize::from(decision.allowed());
+        }
+        assert_eq!(admitted, 50, "100 in all: 10 + 40 replayed + 50");
     }
 }
