@@ -4,12 +4,16 @@
 //! fired in the same stretch, so the other tests of this binary running at the same time
 //! are not mistaken for a slow limiter.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::process::Command;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisServer;
-use fluxgate::core::CircuitBreaker;
+use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
 use fluxgate::redis::RedisLimiter;
 
@@ -482,4 +486,87 @@ async fn requests_made_at_once_after_an_outage_each_carry_what_memory_admitted()
     );
     assert!(by_memory <= LIMIT - SPENT, "memory starts from what Redis admitted");
     assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+}
+
+/// Polls `decision` once (its call goes out): the decision, unless it was ready at once, to
+/// be dropped when the client resets its request.
+fn sent(mut decision: MaybeReady<Result<Decision, Error>>) -> Option<MaybeReady<Result<Decision, Error>>> {
+    let mut cx = Context::from_waker(Waker::noop());
+    match Pin::new(&mut decision).poll(&mut cx) {
+        Poll::Ready(_) => None,
+        Poll::Pending => Some(decision),
+    }
+}
+
+/// A probe of a half-open circuit dropped as soon as its call is out is still answered:
+/// Redis, back, closes the circuit. Its answer was lost before, and a client dropping every
+/// probe it made kept the circuit half-open: every request arriving while its probe was
+/// out was answered by the failure policy (`fail_open` admitted a client's 5 requests of
+/// each round, 1,520 over 2 s under a limit of 5). On a runtime of one thread, a probe's
+/// call goes out only once the test awaits.
+#[tokio::test]
+async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
+    const LIMIT: usize = 5;
+    const COOL_DOWN: Duration = Duration::from_millis(100);
+    let server = RedisServer::start();
+    let breaker = Arc::new(
+        CircuitBreaker::new(limiter(&server).await)
+            .failure_threshold(1)
+            .cool_down(COOL_DOWN),
+    );
+    let rules = rules(&format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
+    ));
+    let engine = Engine::builder(rules)
+        .shared_limiter(breaker.clone())
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("the backend decides every rule");
+    let (client, attacker, bystander) = (
+        ctx(),
+        RequestContext::builder()
+            .client_ip("203.0.113.9".parse().expect("an address"))
+            .build(),
+        RequestContext::builder()
+            .client_ip("198.51.100.3".parse().expect("an address"))
+            .build(),
+    );
+    server.signal("-STOP");
+    assert!(
+        engine.check(&bystander).await.expect("decided").degraded,
+        "the circuit opens"
+    );
+    server.signal("-CONT");
+    tokio::time::sleep(COOL_DOWN).await;
+    let (mut admitted, mut failed_open, mut probes) = (0, 0, 0);
+    for _ in 0..100 {
+        // The attacker's request probes when the circuit is half-open, and is dropped.
+        let probing = breaker.is_tripped();
+        let probe = sent(engine.check(&attacker)).expect("the call is out");
+        probes += usize::from(probing);
+        for _ in 0..LIMIT {
+            let d = engine.check(&client).await.expect("decided");
+            admitted += usize::from(d.allowed());
+            failed_open += usize::from(d.failed_open);
+        }
+        drop(probe);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let start = Instant::now();
+    while breaker.is_tripped() && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!(
+        "limit {LIMIT} per hour: {admitted} of the client's requests admitted, {failed_open} by fail_open, \
+         beside {probes} probes dropped"
+    );
+    assert!(
+        !breaker.is_tripped(),
+        "the circuit stayed open: {failed_open} admitted by fail_open"
+    );
+    assert!(
+        admitted - failed_open <= LIMIT,
+        "Redis admitted {}",
+        admitted - failed_open
+    );
 }

@@ -89,6 +89,70 @@ impl<T> Future for MaybeReady<T> {
     }
 }
 
+/// A backend's answer that is settled whether or not its caller is still there: awaited, it
+/// answers with `state` and the output; dropped once polled (its call may be out), it runs
+/// to its end on the runtime and `abandoned` settles `state` with the output; dropped
+/// before (nothing went out) or without a runtime, `abandoned` settles `state` with `None`.
+///
+/// What a request takes with its call (owed permits, a waiting place, a circuit's probe)
+/// is given back, or kept, by what the backend answered, not by whether the client waited
+/// for the answer.
+pub(crate) struct Settled<T: Send + 'static, S: Send + 'static> {
+    future: Option<MaybeReady<T>>,
+    state: Option<S>,
+    started: bool,
+    abandoned: fn(S, Option<T>),
+}
+
+impl<T: Send + 'static, S: Send + 'static> Settled<T, S> {
+    pub(crate) fn new(future: MaybeReady<T>, state: S, abandoned: fn(S, Option<T>)) -> Self {
+        Self {
+            future: Some(future),
+            state: Some(state),
+            started: false,
+            abandoned,
+        }
+    }
+}
+
+// Nothing of it is ever pinned: `MaybeReady` is `Unpin`, `S` only moved.
+impl<T: Send + 'static, S: Send + 'static> Unpin for Settled<T, S> {}
+
+impl<T: Send + 'static, S: Send + 'static> Future for Settled<T, S> {
+    type Output = (S, T);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<(S, T)> {
+        let this = &mut *self;
+        this.started = true;
+        let future = this.future.as_mut().expect("Settled polled after completion");
+        let output = std::task::ready!(Pin::new(future).poll(cx));
+        this.future = None;
+        let state = this.state.take().expect("Settled polled after completion");
+        Poll::Ready((state, output))
+    }
+}
+
+impl<T: Send + 'static, S: Send + 'static> Drop for Settled<T, S> {
+    fn drop(&mut self) {
+        let (Some(future), Some(state)) = (self.future.take(), self.state.take()) else {
+            return;
+        };
+        let abandoned = self.abandoned;
+        if !self.started {
+            return abandoned(state, None);
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let output = future.await;
+                    abandoned(state, Some(output));
+                });
+            }
+            Err(_) => abandoned(state, None),
+        }
+    }
+}
+
 impl<T> fmt::Debug for MaybeReady<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.inner {
