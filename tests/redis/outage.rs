@@ -498,6 +498,37 @@ fn sent(mut decision: MaybeReady<Result<Decision, Error>>) -> Option<MaybeReady<
     }
 }
 
+/// What `fallback_local` admitted during an outage stays owed when the request whose call
+/// takes it is dropped before Redis answers: Redis, refusing that call (3 permits where 2
+/// are left), counts nothing, and the owed permits go back for the next call. Dropped with
+/// the request, they were lost, and Redis admitted them again: 7 admitted of a limit of 5.
+/// On a runtime of one thread, the call goes out only after the request is dropped.
+#[tokio::test]
+async fn owed_permits_outlive_a_request_dropped_during_its_call() {
+    const LIMIT: usize = 5;
+    const SPENT: usize = 3;
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
+
+    let (by_redis, degraded) = admissions(&engine, &client, SPENT).await;
+    assert_eq!((by_redis, degraded), (SPENT, 0), "Redis admits the first requests");
+    let (during, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
+    circuit_closed(&engine, &bystander).await;
+    // The client's next request takes what memory admitted with its own permit, and goes.
+    let dropped = sent(engine.check(&client)).expect("the call is out");
+    drop(dropped);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let (after, degraded) = admissions(&engine, &client, 2 * LIMIT).await;
+    assert_eq!(degraded, 0, "Redis decides after the outage");
+    let total = by_redis + during + after;
+    eprintln!(
+        "limit {LIMIT} per hour: Redis admitted {by_redis}, memory {during} during the outage, a request \
+         dropped during its call, then Redis {after}: {total} in all"
+    );
+    assert_eq!(total, LIMIT, "{total} admitted of a limit of {LIMIT}");
+}
+
 /// A probe of a half-open circuit dropped as soon as its call is out is still answered:
 /// Redis, back, closes the circuit. Its answer was lost before, and a client dropping every
 /// probe it made kept the circuit half-open: every request arriving while its probe was

@@ -1,12 +1,9 @@
 //! The engine: rule lookup, matching, key resolution and the limiter call.
 
 use std::fmt;
-use std::future::Future;
 use std::hash::BuildHasher;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -16,7 +13,7 @@ use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
-use crate::future::MaybeReady;
+use crate::future::{MaybeReady, Settled};
 use crate::handler::{RateLimitHandler, RateLimitMetricsRecorder};
 use crate::key::{KeyResolver, Resolved, TypedKey};
 use crate::lease::Leases;
@@ -538,13 +535,40 @@ impl Engine {
                     _ => MaybeReady::ready(self.inner.decided(&request, result)),
                 }
             }
+            Err(pending) if owes || may_wait(&places) => {
+                // What the call takes for others (owed permits, a waiting place) is settled
+                // by its answer even if the request is dropped before it (`Abandoned`).
+                let abandoned = Abandoned {
+                    inner: self.inner.clone(),
+                    request,
+                    places,
+                    owes,
+                };
+                let call = Settled::new(pending, abandoned, Abandoned::settle);
+                MaybeReady::boxed(async move {
+                    let (
+                        Abandoned {
+                            inner,
+                            request,
+                            places,
+                            owes,
+                        },
+                        result,
+                    ) = call.await;
+                    if owes {
+                        inner.fallback.settle(&request, &result);
+                    }
+                    inner.record_backend_call(start, &result);
+                    match &result {
+                        Ok(outcome) if may_wait(&places) && outcome.admitted_after > Duration::ZERO => {
+                            Inner::wait(inner, request, result, places).await
+                        }
+                        _ => inner.decided(&request, result),
+                    }
+                })
+            }
             Err(pending) => {
                 let this = self.inner.clone();
-                let pending = if owes {
-                    MaybeReady::boxed(OwedCall::new(pending, &this, &request))
-                } else {
-                    pending
-                };
                 MaybeReady::boxed(async move {
                     let result = pending.await;
                     this.record_backend_call(start, &result);
@@ -563,55 +587,42 @@ impl Engine {
     }
 }
 
-/// The backend's call of a request that carries what memory admitted while the backend
-/// failed ([`Fallback::owe_into`]): its answer settles the debt ([`Fallback::settle`]), as
-/// soon as it comes. Dropped before its answer (its client gone, an HTTP/2 reset, an outer
-/// timeout), the call runs to its end on the runtime all the same, so that a call the
-/// backend admitted pays the debt and one it refused leaves it owed.
-struct OwedCall {
-    /// The call and its request, until it answers.
-    pending: Option<(MaybeReady<Result<AcquireOutcome, BoxError>>, AcquireRequest)>,
-    engine: Arc<Inner>,
+/// What a request whose call is out took for others, settled by the backend's answer if the
+/// request is dropped before it (its client gone, an HTTP/2 reset, an outer timeout): the
+/// call then runs to its end on the runtime ([`Settled`]). Permits owed by memory's
+/// admissions during an outage ([`Fallback::owe_into`]) are paid if the backend admitted the
+/// request and stay owed otherwise; the place the backend gave a waiting request goes back,
+/// and its waiter's place is held until then. Dropped with the request, a place was kept
+/// for nobody and the waiter's place was free while the call still ran.
+struct Abandoned {
+    inner: Arc<Inner>,
+    request: AcquireRequest,
+    places: Option<Places>,
+    owes: bool,
 }
 
-impl OwedCall {
-    fn new(call: MaybeReady<Result<AcquireOutcome, BoxError>>, engine: &Arc<Inner>, request: &AcquireRequest) -> Self {
-        Self {
-            pending: Some((call, request.clone())),
-            engine: engine.clone(),
-        }
-    }
-}
-
-impl Future for OwedCall {
-    type Output = Result<AcquireOutcome, BoxError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        let Some((call, _)) = this.pending.as_mut() else {
-            return Poll::Pending; // polled again after its answer
-        };
-        let result = ready!(Pin::new(call).poll(cx));
-        if let Some((_, request)) = this.pending.take() {
-            this.engine.fallback.settle(&request, &result);
-        }
-        Poll::Ready(result)
-    }
-}
-
-impl Drop for OwedCall {
-    fn drop(&mut self) {
-        let Some((call, request)) = self.pending.take() else {
+impl Abandoned {
+    /// Settles what the request took by `result`, its answer (`None`: the call never went
+    /// out, or how it ended is unknown).
+    fn settle(self, result: Option<Result<AcquireOutcome, BoxError>>) {
+        let Self {
+            inner,
+            request,
+            places,
+            owes,
+        } = self;
+        let Some(result) = result else {
             return;
         };
-        // No runtime to run it on (it is shutting down): the debt stays owed.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let engine = self.engine.clone();
-            runtime.spawn(async move {
-                let result = call.await;
-                engine.fallback.settle(&request, &result);
-            });
+        if owes {
+            inner.fallback.settle(&request, &result);
         }
+        if let Ok(outcome) = &result {
+            if may_wait(&places) && outcome.allowed && outcome.admitted_after > Duration::ZERO {
+                crate::wait::give_back(inner.limiter.clone(), &request, outcome);
+            }
+        }
+        drop(places);
     }
 }
 

@@ -6,7 +6,8 @@
 //! [`Bucket::max_wait`](crate::limiter::Bucket::max_wait)), then sleeps until then. At most
 //! `max_waiters` requests of a rule wait at once on one engine: a request that finds them
 //! all taken may not wait, and is refused at once. A waiting request that is dropped
-//! (its client gone) gives its place back.
+//! (its client gone) gives its place back; dropped while its call is out, it keeps its
+//! waiter's place until the backend answers, and then gives back the place it was given.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -145,6 +146,47 @@ impl Drop for Reserved {
     }
 }
 
+impl Reserved {
+    /// The place `outcome` took for `request`, given back when this is dropped unless the
+    /// wait ends.
+    fn of(limiter: Arc<dyn RateLimiter>, request: &AcquireRequest, outcome: &AcquireOutcome) -> Self {
+        let mut taken = request.clone();
+        let shadow_allowed = outcome.shadow_allowed;
+        // The marks of the buckets kept, band by band.
+        let mut marks = Vec::with_capacity(outcome.marks.len());
+        let mut all = outcome.marks.iter();
+        for bucket in request.buckets() {
+            let keep = !bucket.shadow() || shadow_allowed;
+            for _ in 0..bucket.rule.bands().len() {
+                // Every band's mark is read, kept or not, so that the next bucket's line up.
+                let mark = all.next().copied().unwrap_or(0);
+                if keep {
+                    marks.push(mark);
+                }
+            }
+        }
+        taken.retain(|b| !b.shadow() || shadow_allowed);
+        // Given back, a place gives back its rules' cost: what a bucket took beyond it is
+        // what memory admitted while the backend failed (`Fallback::owe_into`), which stays
+        // counted.
+        for index in 0..taken.len() {
+            if let Some(cost) = taken.bucket(index).map(|b| b.rule.permits()) {
+                taken.set_permits(index, cost);
+            }
+        }
+        let at_unix_nanos = outcome
+            .now_unix_nanos
+            .saturating_add(u64::try_from(outcome.admitted_after.as_nanos()).unwrap_or(u64::MAX));
+        Self {
+            limiter,
+            request: taken,
+            at_unix_nanos,
+            marks,
+            over: false,
+        }
+    }
+}
+
 /// Waits until the place `outcome` took for `request` comes, then answers with `then`;
 /// dropped before, gives the place back. `places` are held until then.
 pub(crate) fn wait_for<T: Send + 'static>(
@@ -155,39 +197,7 @@ pub(crate) fn wait_for<T: Send + 'static>(
     then: impl FnOnce() -> T + Send + 'static,
 ) -> MaybeReady<T> {
     let after = outcome.admitted_after;
-    let mut taken = request.clone();
-    let shadow_allowed = outcome.shadow_allowed;
-    // The marks of the buckets kept, band by band.
-    let mut marks = Vec::with_capacity(outcome.marks.len());
-    let mut all = outcome.marks.iter();
-    for bucket in request.buckets() {
-        let keep = !bucket.shadow() || shadow_allowed;
-        for _ in 0..bucket.rule.bands().len() {
-            // Every band's mark is read, kept or not, so that the next bucket's line up.
-            let mark = all.next().copied().unwrap_or(0);
-            if keep {
-                marks.push(mark);
-            }
-        }
-    }
-    taken.retain(|b| !b.shadow() || shadow_allowed);
-    // Given back, a place gives back its rules' cost: what a bucket took beyond it is what
-    // memory admitted while the backend failed (`Fallback::owe_into`), which stays counted.
-    for index in 0..taken.len() {
-        if let Some(cost) = taken.bucket(index).map(|b| b.rule.permits()) {
-            taken.set_permits(index, cost);
-        }
-    }
-    let at_unix_nanos = outcome
-        .now_unix_nanos
-        .saturating_add(u64::try_from(after.as_nanos()).unwrap_or(u64::MAX));
-    let reserved = Reserved {
-        limiter,
-        request: taken,
-        at_unix_nanos,
-        marks,
-        over: false,
-    };
+    let reserved = Reserved::of(limiter, request, outcome);
     MaybeReady::boxed(async move {
         // The whole guard moves into the future, to be dropped with it.
         let mut reserved = reserved;
@@ -196,6 +206,13 @@ pub(crate) fn wait_for<T: Send + 'static>(
         drop(places);
         then()
     })
+}
+
+/// Gives back the place `outcome` took for `request`, whose client is gone: what a waiting
+/// request dropped before its wait ends gives back, for one dropped before the backend's
+/// answer came.
+pub(crate) fn give_back(limiter: Arc<dyn RateLimiter>, request: &AcquireRequest, outcome: &AcquireOutcome) {
+    drop(Reserved::of(limiter, request, outcome));
 }
 
 /// The places a request holds among the waiters, if any: only then can it wait.
