@@ -41,7 +41,8 @@ use crate::handler::RateLimitHandler;
 /// handler that answers later, such as a `RemoteHandler`), so that the handler counts them
 /// and does not admit them again. The replay stops once a check is not admitted (refused,
 /// or decided by a fallback of the handler's own); what is left stays owed, and
-/// lapses after the longest window of the bands that admitted it. At most 100,000 request
+/// lapses after the longest window of the bands that admitted it. A request the handler
+/// refused is not replayed again before the refusal's `retry_after`. At most 100,000 request
 /// identities (the context but its `max_wait`), 64 MiB of their contexts and 10,000
 /// requests per identity are kept. The first such request after an outage waits for the
 /// replays, and so do the requests that count in the same buckets meanwhile, so that the
@@ -103,14 +104,19 @@ impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
         while let Some(replayed_ctx) = replays.next() {
             match self.primary.check(replayed_ctx).into_ready() {
                 Ok(answer) if replayed(&answer) => replays.paid(),
-                Ok(_) => break,
+                Ok(answer) => {
+                    replays.refused(&answer);
+                    break;
+                }
                 Err(pending) => {
                     let (this, ctx) = (self.clone(), ctx.clone());
                     return MaybeReady::boxed(async move {
-                        if replayed(&pending.await) {
+                        let answer = pending.await;
+                        if replayed(&answer) {
                             replays.paid();
                             this.replay(replays).await;
                         } else {
+                            replays.refused(&answer);
                             drop(replays);
                         }
                         this.decide(&ctx).await
@@ -179,6 +185,7 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
                 if replayed(&answer) {
                     replays.paid_for(*entry);
                 } else {
+                    replays.refused_at(*entry, &answer);
                     refused = true;
                 }
             }
@@ -231,6 +238,10 @@ fn charged(local: &Engine, ctx: &RequestContext, result: Result<Decision, Error>
 /// The replayed requests in flight at once, once the wrapped handler answers
 /// asynchronously (a remote service).
 const WAVE: usize = 32;
+
+/// How long a replay the handler did not count waits at least before it is made again
+/// ([`Replays::refused`]).
+const RETRY: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Every future of `futures`, polled together, and their outputs in order.
 async fn all<T: Send + 'static>(mut futures: Vec<MaybeReady<T>>) -> Vec<T> {
@@ -312,6 +323,9 @@ struct Entry {
     buckets: SmallVec<[u64; 4]>,
     requests: u64,
     until: Instant,
+    /// Not replayed before then: the handler refused a replay of it
+    /// ([`Replays::refused`]).
+    retry_at: Option<Instant>,
 }
 
 /// The bytes a context holds, about.
@@ -361,6 +375,36 @@ impl Replays {
             }
         }
         wave
+    }
+
+    /// The handler did not count the replay [`next`](Self::next) gave ([`Self::refused_at`]).
+    fn refused(&mut self, answer: &Result<Decision, Error>) {
+        if let Some(index) = self.entries.len().checked_sub(1) {
+            self.refused_at(index, answer);
+        }
+    }
+
+    /// The handler did not count a replay of the entry at `index` (`answer`). When it
+    /// refused it, the entry is not replayed again before the refusal's `retry_after`
+    /// ([`RETRY`] without one), when the handler would admit it: until then it stays owed,
+    /// and the requests of its buckets neither replay it nor wait for it. A debt the
+    /// handler keeps refusing (the identity's own bucket full at the service, spent through
+    /// another gateway) so costs the requests of a bucket it shares with others (a global
+    /// limit) one refused replay per `retry_after`, not one or a wave of them each, in
+    /// turn. A failure or a fallback's decision is tried again by the next request.
+    fn refused_at(&mut self, index: usize, answer: &Result<Decision, Error>) {
+        let Ok(decision) = answer else {
+            return;
+        };
+        if decision.allowed() {
+            return;
+        }
+        let now = Instant::now();
+        let after = decision.retry_after.unwrap_or(RETRY);
+        let at = now.checked_add(after).unwrap_or(now);
+        if let Some((_, entry)) = self.entries.get_mut(index) {
+            entry.retry_at = entry.retry_at.max(Some(at));
+        }
     }
 
     /// The handler counted one request of the entry at `index`.
@@ -428,6 +472,7 @@ impl Owed {
             buckets: local.bucket_ids(ctx, &self.keys),
             requests: 1,
             until: now.checked_add(longest).unwrap_or(now),
+            retry_at: None,
         };
         let id = self.id(ctx);
         let mut state = self.lock();
@@ -440,6 +485,7 @@ impl Owed {
         if let Some(kept) = state.entries.get_mut(&id).filter(|e| e.until > now) {
             kept.requests = kept.requests.saturating_add(entry.requests).min(MOST_REPLAYS);
             kept.until = kept.until.max(entry.until);
+            kept.retry_at = kept.retry_at.max(entry.retry_at);
             return;
         }
         let bytes = size(&entry.ctx);
@@ -489,11 +535,28 @@ impl Owed {
             }
         }
         let mut entries = Vec::new();
+        // Refused lately, left owed where they are: found again by these buckets later.
+        let mut deferred: SmallVec<[u64; 4]> = SmallVec::new();
         for id in ids {
-            if let Some(entry) = state.entries.remove(&id) {
+            let Some(entry) = state.entries.get(&id) else {
+                continue;
+            };
+            if entry.until > now && entry.retry_at.is_some_and(|at| at > now) {
+                if !deferred.contains(&id) {
+                    deferred.push(id);
+                }
+            } else if let Some(entry) = state.entries.remove(&id) {
                 state.bytes -= size(&entry.ctx);
                 if entry.until > now && !entries.iter().any(|(taken, _)| *taken == id) {
                     entries.push((id, entry));
+                }
+            }
+        }
+        for id in deferred {
+            for bucket in &buckets {
+                let counted = state.entries.get(&id).is_some_and(|e| e.buckets.contains(bucket));
+                if counted {
+                    state.by_bucket.entry(*bucket).or_default().push(id);
                 }
             }
         }
@@ -807,5 +870,99 @@ mod tests {
             admitted += usize::from(decision.allowed());
         }
         assert_eq!(admitted, 50, "100 in all: 10 + 40 replayed + 50");
+    }
+
+    /// A replay the handler refused is left owed, but not replayed again before the
+    /// refusal's `retry_after`; then it is.
+    #[test]
+    fn a_refused_replay_is_made_again_after_its_retry_after() {
+        let local = Engine::in_memory(rules());
+        let owed = Arc::new(Owed::default());
+        let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
+        let decision = local.check(&ctx).into_ready().unwrap().unwrap();
+        owed.add(&local, &ctx, &decision);
+        let Taken::Replay(mut replays) = owed.take(&local, &ctx) else {
+            panic!("1 owed")
+        };
+        assert!(replays.next().is_some());
+        let mut refusal = Decision::without_bands("default".into(), Outcome::RateLimited);
+        refusal.retry_after = Some(std::time::Duration::from_millis(50));
+        assert!(!refusal.allowed());
+        replays.refused(&Ok(refusal));
+        drop(replays);
+        assert!(matches!(owed.take(&local, &ctx), Taken::Nothing), "not before 50 ms");
+        std::thread::sleep(std::time::Duration::from_millis(60));
+        assert!(matches!(owed.take(&local, &ctx), Taken::Replay(_)), "owed still");
+    }
+
+    /// [`Later`], its calls counted.
+    #[derive(Debug)]
+    struct Counted {
+        handler: Later,
+        calls: Arc<std::sync::atomic::AtomicUsize>,
+    }
+
+    impl RateLimitHandler for Counted {
+        fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            self.handler.check(ctx)
+        }
+    }
+
+    /// A client limited to 40 per hour, and everybody to 100,000: the local engine admits
+    /// the client 40 while the handler fails, and the client spends its 40 at the handler
+    /// too (through another gateway). Its replays, refused, are made again only after the
+    /// refusal's `retry_after`: 100 requests of other clients, one after the other then
+    /// 100 at once, cost the handler 201 calls, where each made its own replay (200 calls
+    /// one after the other, then 3,269 at once: a wave of 32 refused calls each, in turn).
+    #[tokio::test]
+    async fn a_replay_the_handler_refuses_is_not_made_again_by_every_request_of_a_shared_bucket() {
+        let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 40, window: 1h}]}, \
+                    {id: all, scope: global, bands: [{capacity: 100000, window: 1h}]}]}]";
+        let rules = || RuleSets::from_yaml_str(yaml).unwrap();
+        let failing = Arc::new(AtomicBool::new(true));
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let service = Engine::in_memory(rules());
+        let handler = FallbackHandler::new(
+            Counted {
+                handler: Later(Failing {
+                    engine: service.clone(),
+                    failing: failing.clone(),
+                }),
+                calls: calls.clone(),
+            },
+            Engine::in_memory(rules()),
+        );
+        let client = |n: u32| {
+            RequestContext::builder()
+                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+                .build()
+        };
+        let mut locally = 0;
+        for _ in 0..50 {
+            locally += usize::from(handler.check(&client(0)).await.unwrap().allowed());
+        }
+        assert_eq!(locally, 40);
+        for _ in 0..40 {
+            assert!(service.check(&client(0)).await.unwrap().allowed(), "spent elsewhere");
+        }
+        failing.store(false, Ordering::Relaxed);
+        calls.store(0, Ordering::Relaxed);
+        for n in 1..=100 {
+            assert!(handler.check(&client(n)).await.unwrap().allowed());
+        }
+        let at_once: Vec<_> = (101..=200)
+            .map(|n| {
+                let (handler, ctx) = (handler.clone(), client(n));
+                tokio::spawn(async move { handler.check(&ctx).await })
+            })
+            .collect();
+        for check in at_once {
+            assert!(check.await.unwrap().unwrap().allowed());
+        }
+        let calls = calls.load(Ordering::Relaxed);
+        assert_eq!(calls, 201, "200 requests and one refused replay");
+        let left = service.check(&client(0)).into_ready().unwrap().unwrap();
+        assert!(!left.allowed(), "the client's own bucket is full");
     }
 }
