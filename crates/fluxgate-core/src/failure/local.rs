@@ -111,14 +111,7 @@ impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
                 Err(pending) => {
                     let (this, ctx) = (self.clone(), ctx.clone());
                     return MaybeReady::boxed(async move {
-                        let answer = pending.await;
-                        if replayed(&answer) {
-                            replays.paid();
-                            this.replay(replays).await;
-                        } else {
-                            replays.refused(&answer);
-                            drop(replays);
-                        }
+                        this.replay_to_end(Some(pending), replays).await;
                         this.decide(&ctx).await
                     });
                 }
@@ -158,7 +151,7 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
             match self.owed.take(&self.local, ctx) {
                 Taken::Nothing => break,
                 Taken::Replay(replays) => {
-                    self.replay(replays).await;
+                    self.replay_to_end(None, replays).await;
                     break;
                 }
                 Taken::Busy => done.await,
@@ -167,12 +160,36 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
         self.decide(ctx).await
     }
 
+    /// [`replay`](Self::replay), after the answer to the first replay (`first`) when one
+    /// was asked, in a task of its own: the request that made it may be dropped (its
+    /// client gone, an HTTP/2 reset, an outer timeout), the replay runs to its end all the
+    /// same, so that what the handler counted is paid and not replayed to it again.
+    async fn replay_to_end(&self, first: Option<MaybeReady<Result<Decision, Error>>>, mut replays: Replays) {
+        let this = self.clone();
+        let replay = async move {
+            if let Some(first) = first {
+                let answer = first.await;
+                if !replayed(&answer) {
+                    replays.refused(&answer);
+                    return;
+                }
+                replays.paid();
+            }
+            this.replay(replays).await;
+        };
+        match tokio::runtime::Handle::try_current() {
+            // A task the runtime ends (it is shutting down) leaves what it did not pay owed.
+            Ok(runtime) => drop(runtime.spawn(replay).await),
+            Err(_) => replay.await,
+        }
+    }
+
     /// Asks the wrapped handler again for the requests the local engine admitted while it
     /// failed ([`Owed::take`]), [`WAVE`] at a time, so that it counts them before it decides
     /// the request that found them. A wave in which one is not admitted (refused, failed,
-    /// or decided by a fallback of its own) ends the replay: what is left stays owed, also
-    /// when the replay is dropped (then the checks of its last wave stay owed too, even
-    /// those the handler counted: the error is towards refusing).
+    /// or decided by a fallback of its own) ends the replay: what is left stays owed (so
+    /// does a wave whose answers did not come, the runtime shutting down: the error is
+    /// towards refusing).
     async fn replay(&self, mut replays: Replays) {
         loop {
             let wave = replays.wave(WAVE);
@@ -1010,5 +1027,63 @@ mod tests {
         }
         assert_eq!(left, 60_000, "each once");
         assert!(took < std::time::Duration::from_secs(1), "{took:?}");
+    }
+
+    /// A handler that answers 10 ms after it is asked, having counted the request at once,
+    /// as a remote service does.
+    #[derive(Debug)]
+    struct Slow(Failing);
+
+    impl RateLimitHandler for Slow {
+        fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
+            let answer = self.0.check(ctx).into_ready();
+            MaybeReady::boxed(async move {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                match answer {
+                    Ok(answer) => answer,
+                    Err(pending) => pending.await,
+                }
+            })
+        }
+    }
+
+    /// 5 clients of 5 per hour, each admitted once by the local engine while the handler
+    /// fails. Then another client's requests are dropped 5 ms after they are made, 10 times,
+    /// while their replays are in flight: the replays run to their end, and the handler
+    /// counts each client's once (3 left after one more), where every dropped request
+    /// replayed one again (a client left with none, the others with 4: not replayed yet).
+    #[tokio::test(start_paused = true)]
+    async fn a_replay_runs_to_its_end_when_its_request_is_dropped() {
+        let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}, \
+                    {id: all, scope: global, bands: [{capacity: 100000, window: 1h}]}]}]";
+        let rules = || RuleSets::from_yaml_str(yaml).unwrap();
+        let failing = Arc::new(AtomicBool::new(true));
+        let service = Engine::in_memory(rules());
+        let handler = FallbackHandler::new(
+            Slow(Failing {
+                engine: service.clone(),
+                failing: failing.clone(),
+            }),
+            Engine::in_memory(rules()),
+        );
+        let client = |n: u32| {
+            RequestContext::builder()
+                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+                .build()
+        };
+        for n in 1..=5 {
+            assert!(handler.check(&client(n)).await.unwrap().degraded);
+        }
+        failing.store(false, Ordering::Relaxed);
+        for _ in 0..10 {
+            let dropped = tokio::time::timeout(std::time::Duration::from_millis(5), handler.check(&client(100)));
+            assert!(dropped.await.is_err(), "dropped while its replay is in flight");
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        let mut left = Vec::new();
+        for n in 1..=5 {
+            left.push(service.check(&client(n)).await.unwrap().remaining());
+        }
+        assert_eq!(left, [Some(3); 5], "1 admitted locally, replayed once, and this one");
     }
 }
