@@ -527,13 +527,24 @@ impl Owed {
                 return;
             }
         }
+        let State { entries, by_bucket, .. } = state;
         for bucket in &entry.buckets {
-            let ids = state.by_bucket.entry(*bucket).or_default();
+            let ids = by_bucket.entry(*bucket).or_default();
             // A long list (a bucket of everybody's) is not searched at each of its
-            // identities: it may list one twice, [`Owed::take`] counts it once.
-            if ids.len() > SEARCHED || !ids.contains(&id) {
-                ids.push(id);
+            // identities: it may list one twice ([`Owed::take`] counts it once), until it
+            // is twice as long as there are identities, when it is made one of each again.
+            if ids.len() <= SEARCHED {
+                if !ids.contains(&id) {
+                    ids.push(id);
+                }
+                continue;
             }
+            if ids.len() > 2 * entries.len() + SEARCHED {
+                ids.retain(|id| entries.contains_key(id));
+                ids.sort_unstable();
+                ids.dedup();
+            }
+            ids.push(id);
         }
         state.bytes += bytes;
         if let Some(old) = state.entries.insert(id, entry) {
@@ -994,6 +1005,38 @@ mod tests {
         assert_eq!(calls, 201, "200 requests and one refused replay");
         let left = service.check(&client(0)).into_ready().unwrap().unwrap();
         assert!(!left.allowed(), "the client's own bucket is full");
+    }
+
+    /// A bucket's long list of identities is kept about as long as there are identities,
+    /// however often they are taken and put back.
+    #[test]
+    fn a_long_bucket_list_does_not_grow_with_replays_put_back() {
+        let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}, \
+                    {id: all, scope: global, match: {paths: [\"/api/**\"]}, bands: [{capacity: 100000, window: 1h}]}]}]";
+        let local = Engine::in_memory(RuleSets::from_yaml_str(yaml).unwrap());
+        let owed = Arc::new(Owed::default());
+        let client = |n: u32, path: &str| {
+            RequestContext::builder()
+                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+                .path(path)
+                .build()
+        };
+        let decision = local.check(&client(0, "/api")).into_ready().unwrap().unwrap();
+        for n in 0..100 {
+            owed.add(&local, &client(n, "/api"), &decision);
+        }
+        // Each client's request of another path takes its request by its own bucket, not
+        // the global one, and puts it back.
+        for _ in 0..50 {
+            for n in 0..100 {
+                let Taken::Replay(replays) = owed.take(&local, &client(n, "/other")) else {
+                    panic!("owed")
+                };
+                drop(replays);
+            }
+        }
+        let longest = owed.lock().by_bucket.values().map(SmallVec::len).max();
+        assert!(longest.is_some_and(|l| l <= 2 * 100 + SEARCHED + 1), "{longest:?}");
     }
 
     /// 60,000 clients of a global limit admitted by the local engine while the handler
