@@ -11,6 +11,7 @@ use crate::limiter::{AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter};
 mod breaker;
 mod local;
 mod owed;
+mod replay;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use local::FallbackHandler;
