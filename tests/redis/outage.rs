@@ -382,6 +382,26 @@ async fn across_an_outage(limit: usize, more: &str, before: usize, during: usize
     (by_redis, during, after, in_time)
 }
 
+/// Checks a run of [`across_an_outage`] of a `kind` of rule of `limit`, `spent` before
+/// the outage: memory admits at most the rest (all of it when the outage's checks ran
+/// within the cool-down), and the three stretches together at most the limit.
+fn within_the_limit(kind: &str, limit: usize, spent: usize, run: (usize, usize, usize, bool)) {
+    let (by_redis, during, after, in_time) = run;
+    let total = by_redis + during + after;
+    eprintln!(
+        "{kind}, limit {limit} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
+         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
+    );
+    assert!(
+        during <= limit - spent,
+        "{during} admitted by memory, past the rest of the limit"
+    );
+    if in_time {
+        assert_eq!(during, limit - spent, "memory starts from what Redis admitted");
+    }
+    assert!(total <= limit, "{total} admitted of a limit of {limit}");
+}
+
 /// A leased rule's lease: 3 permits at most, kept for an hour.
 const LEASE: &str = "        lease: { max: 3, ttl: 1h }\n";
 
@@ -394,20 +414,8 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_leased_r
     // The lease's size: spent whole before the outage, so that memory decides every check
     // of the outage.
     const SPENT: usize = 3;
-    let (by_redis, during, after, in_time) = across_an_outage(LIMIT, LEASE, SPENT, 2 * LIMIT).await;
-    let total = by_redis + during + after;
-    eprintln!(
-        "leased, limit {LIMIT} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
-         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
-    );
-    assert!(
-        during <= LIMIT - SPENT,
-        "{during} admitted by memory, past the rest of the limit"
-    );
-    if in_time {
-        assert_eq!(during, LIMIT - SPENT, "memory starts from what Redis admitted");
-    }
-    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+    let run = across_an_outage(LIMIT, LEASE, SPENT, 2 * LIMIT).await;
+    within_the_limit("leased", LIMIT, SPENT, run);
 }
 
 /// A leased `fallback_local` rule ([`LEASE`]) whose debt is smaller than what Redis has
@@ -436,20 +444,8 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_waiting_
     const LIMIT: usize = 5;
     const SPENT: usize = 3;
     let wait = "        on_limit: { wait: { max_wait: 1s, max_waiters: 10 } }\n";
-    let (by_redis, during, after, in_time) = across_an_outage(LIMIT, wait, SPENT, 2 * LIMIT).await;
-    let total = by_redis + during + after;
-    eprintln!(
-        "waiting, limit {LIMIT} per hour: Redis admitted {by_redis} before the outage, memory {during} during it \
-         (within the cool-down: {in_time}), Redis {after} after it; {total} in all"
-    );
-    assert!(
-        during <= LIMIT - SPENT,
-        "{during} admitted by memory, past the rest of the limit"
-    );
-    if in_time {
-        assert_eq!(during, LIMIT - SPENT, "memory starts from what Redis admitted");
-    }
-    assert!(total <= LIMIT, "{total} admitted of a limit of {LIMIT}");
+    let run = across_an_outage(LIMIT, wait, SPENT, 2 * LIMIT).await;
+    within_the_limit("waiting", LIMIT, SPENT, run);
 }
 
 /// Requests made at once after an outage each carry what memory admitted during it, not

@@ -305,6 +305,13 @@ mod tests {
             .unwrap()
     }
 
+    /// Client `n`, by its address (10.0.0.0 + n).
+    fn client(n: u32) -> RequestContext {
+        RequestContext::builder()
+            .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
+            .build()
+    }
+
     /// The handler admits 3 of 5 and fails: the local engine admits the 2 left, however
     /// its in-memory limiter was given to it.
     #[test]
@@ -490,11 +497,6 @@ mod tests {
             }),
             Engine::in_memory(rules()),
         );
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         for n in 0..10 {
             assert!(handler.check(&client(n)).await.unwrap().allowed());
         }
@@ -531,11 +533,6 @@ mod tests {
             }),
             Engine::in_memory(rules()),
         );
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         for n in 0..10 {
             assert!(handler.check(&client(n)).await.unwrap().allowed());
         }
@@ -623,11 +620,6 @@ mod tests {
             },
             Engine::in_memory(rules()),
         );
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         let mut locally = 0;
         for _ in 0..50 {
             locally += usize::from(handler.check(&client(0)).await.unwrap().allowed());
@@ -698,11 +690,6 @@ mod tests {
             "rule_sets: [{id: default, rules: [{id: all, scope: global, bands: [{capacity: 1000000, window: 1h}]}]}]";
         let local = Engine::in_memory(RuleSets::from_yaml_str(global).unwrap());
         let owed = Arc::new(Owed::default());
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         let decision = local.check(&client(0)).into_ready().unwrap().unwrap();
         for n in 0..60_000 {
             owed.add(&local, &client(n), &decision);
@@ -758,11 +745,6 @@ mod tests {
             }),
             Engine::in_memory(rules()),
         );
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         for n in 1..=5 {
             assert!(handler.check(&client(n)).await.unwrap().degraded);
         }
@@ -788,11 +770,6 @@ mod tests {
         let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 100ms}]}]}]";
         let local = Engine::in_memory(RuleSets::from_yaml_str(yaml).unwrap());
         let owed = Arc::new(Owed::default());
-        let client = |n: u32| {
-            RequestContext::builder()
-                .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
-                .build()
-        };
         let decision = local.check(&client(0)).into_ready().unwrap().unwrap();
         owed.add(&local, &client(0), &decision);
         assert!(matches!(owed.take(&local, &client(1)), Taken::Nothing));
