@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::servers::RedisServer;
+use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
 use fluxgate::redis::RedisLimiter;
@@ -595,5 +596,62 @@ async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
         admitted - failed_open <= LIMIT,
         "Redis admitted {}",
         admitted - failed_open
+    );
+}
+
+/// A limit changed after an outage, before what memory admitted during it was counted:
+/// the debt is carried at most up to what the new rule's smallest band holds beside the
+/// request's cost. A global limit of 5 per hour, 5 admitted by memory during an outage (4
+/// owed), then tightened to 2 per second: each call carries of the debt what the new band
+/// holds beside its cost (1), so one request a second is admitted while it is paid, 2 or
+/// more in 3 s. Carried whole (5 permits on a band of 2), every call of every client was
+/// refused until the old rule's hour had passed: 0 in 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_tightened_after_an_outage_is_not_refused_for_what_memory_admitted() {
+    const COOL_DOWN: Duration = Duration::from_millis(300);
+    let server = RedisServer::start();
+    let set = |band: &str| {
+        rules(&format!(
+            "rule_sets:\n  - id: default\n    rules:\n      - id: everyone\n        scope: global\n        bands: [{band}]\n"
+        ))
+    };
+    let provider = Arc::new(ReloadingRuleSetProvider::new(set("{ capacity: 5, window: 1h }")));
+    let engine = Engine::builder(provider.clone())
+        .limiter(
+            CircuitBreaker::new(limiter(&server).await)
+                .failure_threshold(1)
+                .cool_down(COOL_DOWN),
+        )
+        .fallback(MemoryLimiter::default())
+        .build()
+        .expect("the backend decides every rule");
+    let client = ctx();
+    let bystander = RequestContext::builder()
+        .client_ip("198.51.100.3".parse().expect("an address"))
+        .build();
+    let (by_memory, _) = during_an_outage(&server, &engine, &bystander, &client, 10, COOL_DOWN).await;
+    tokio::time::sleep(COOL_DOWN + Duration::from_millis(50)).await;
+    provider
+        .replace(set("{ capacity: 2, window: 1s }"))
+        .expect("the new rule is valid");
+    // Three seconds of the new limit, a request every 100 ms from one client or another.
+    let start = Instant::now();
+    let (mut admitted, mut degraded, mut sent) = (0, 0, 0);
+    while start.elapsed() < Duration::from_secs(3) {
+        let who = if sent % 2 == 0 { &client } else { &bystander };
+        sent += 1;
+        let d = engine.check(who).await.expect("decided");
+        admitted += usize::from(d.allowed());
+        degraded += usize::from(d.degraded);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "global 5 per hour: memory admitted {by_memory} during the outage; tightened to 2 per second, \
+         {admitted} admitted in the next {:?} ({degraded} degraded)",
+        start.elapsed()
+    );
+    assert!(
+        admitted >= 2,
+        "{admitted} admitted in 3 s of a limit of 2 per second: refused for what memory admitted under the old rule"
     );
 }

@@ -47,7 +47,8 @@ fn lasts(bucket: &Bucket<'_>) -> Duration {
 }
 
 /// The most a call of `bucket` may take on top of its own permits: more than its smallest
-/// band holds, the backend would refuse the request for good.
+/// band holds, the backend would refuse the request for good. Read again when a debt is
+/// carried ([`Owed::take`]): the rule in force then may hold less than the one that owed it.
 fn room(bucket: &Bucket<'_>) -> u64 {
     let smallest = bucket.rule.bands().iter().map(|b| b.capacity()).min().unwrap_or(0);
     smallest.saturating_sub(bucket.rule.permits())
@@ -116,9 +117,15 @@ impl Owed {
             };
             if debt.until <= now {
                 debts.remove(&id);
-            } else if debt.permits > 0 {
-                request.set_permits(index, bucket.permits.saturating_add(debt.permits));
-                took = true;
+            } else {
+                // At most what the rule in force leaves beside the cost: the rule may have
+                // been tightened since memory admitted them, and a call the band can never
+                // admit would refuse the bucket until the debt lapsed. The rest stays owed.
+                let carried = debt.permits.min(room(&bucket));
+                if carried > 0 {
+                    request.set_permits(index, bucket.permits.saturating_add(carried));
+                    took = true;
+                }
             }
         }
         self.len.store(debts.len(), Ordering::Relaxed);
