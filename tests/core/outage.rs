@@ -45,6 +45,21 @@ fn engine(band: &str, more: &str) -> (Engine, Arc<AtomicU8>) {
     (engine, state)
 }
 
+/// An engine of a global rule of 4 per 4 s whose requests may wait up to 10 s for the
+/// refill, after the store admitted 2 and, while it failed, the fallback the 2 left; with
+/// the instant it started.
+async fn after_an_outage() -> (Engine, Instant) {
+    let wait = "        on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }\n";
+    let (engine, store) = engine("{ capacity: 4, window: 4s }", wait);
+    let ctx = RequestContext::builder().build();
+    let start = Instant::now();
+    assert_eq!(admissions(&engine, &ctx, 2).await, (2, 0), "the store admits 2");
+    store.store(DOWN, Ordering::SeqCst);
+    assert_eq!(admissions(&engine, &ctx, 4).await, (2, 2), "the fallback the 2 left");
+    store.store(UP, Ordering::SeqCst);
+    (engine, start)
+}
+
 /// The admissions of `n` checks, and how many of them the fallback decided.
 async fn admissions(engine: &Engine, ctx: &RequestContext, n: usize) -> (usize, usize) {
     let (mut admitted, mut degraded) = (0, 0);
@@ -65,14 +80,7 @@ async fn admissions(engine: &Engine, ctx: &RequestContext, n: usize) -> (usize, 
 /// first instant of a bucket of 4.
 #[tokio::test(start_paused = true)]
 async fn a_request_that_may_wait_takes_what_the_fallback_admitted_and_waits_for_it() {
-    let wait = "        on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }\n";
-    let (engine, store) = engine("{ capacity: 4, window: 4s }", wait);
-    let ctx = RequestContext::builder().build();
-    let start = Instant::now();
-    assert_eq!(admissions(&engine, &ctx, 2).await, (2, 0), "the store admits 2");
-    store.store(DOWN, Ordering::SeqCst);
-    assert_eq!(admissions(&engine, &ctx, 4).await, (2, 2), "the fallback the 2 left");
-    store.store(UP, Ordering::SeqCst);
+    let (engine, start) = after_an_outage().await;
     let answers = at_once(&engine, 3, start).await;
     let s = Duration::from_secs;
     eprintln!("after the outage: {answers:?}");
@@ -85,14 +93,7 @@ async fn a_request_that_may_wait_takes_what_the_fallback_admitted_and_waits_for_
 /// next request was admitted at once, and one more after it.
 #[tokio::test(start_paused = true)]
 async fn a_waiting_place_given_back_keeps_what_the_fallback_admitted_counted() {
-    let wait = "        on_limit: { wait: { max_wait: 10s, max_waiters: 10 } }\n";
-    let (engine, store) = engine("{ capacity: 4, window: 4s }", wait);
-    let ctx = RequestContext::builder().build();
-    let start = Instant::now();
-    assert_eq!(admissions(&engine, &ctx, 2).await, (2, 0), "the store admits 2");
-    store.store(DOWN, Ordering::SeqCst);
-    assert_eq!(admissions(&engine, &ctx, 4).await, (2, 2), "the fallback the 2 left");
-    store.store(UP, Ordering::SeqCst);
+    let (engine, start) = after_an_outage().await;
     let waiter = tokio::spawn({
         let engine = engine.clone();
         async move { engine.check(&RequestContext::builder().build()).await }

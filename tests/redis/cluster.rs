@@ -15,6 +15,24 @@ rule_sets:
         bands: [{ capacity: 100, window: 1h }]
 "#;
 
+/// An engine of a per-IP limit of `capacity` per hour, failing open, keyed under `prefix`
+/// on `cluster`, with calls of 200 ms at most.
+async fn per_ip_fail_open(
+    cluster: &crate::support::servers::RedisCluster,
+    prefix: &str,
+    batching: Option<fluxgate::redis::Batching>,
+    capacity: u64,
+) -> fluxgate::core::Engine {
+    let limiter = fluxgate::redis::RedisLimiter::builder(cluster.url())
+        .prefix(prefix)
+        .timeout(std::time::Duration::from_millis(200))
+        .batching(batching)
+        .connect()
+        .await
+        .expect("the test cluster takes connections");
+    crate::support::redis::per_ip_engine(limiter, capacity, fluxgate::core::FailurePolicy::FailOpen)
+}
+
 /// The scenarios on the cluster that these tests share, one test each, each with its own
 /// client and key prefixes.
 mod scenarios {
@@ -800,25 +818,15 @@ rule_sets:
 /// `fail_open` admitted it (10 of 10 against a capacity of 2); now they settle into exact
 /// refusals after at most a few failures.
 mod migrating {
-    use std::time::Duration;
-
-    use fluxgate::core::{Engine, FailurePolicy, RequestContext};
-    use fluxgate::redis::{Batching, RedisLimiter};
+    use fluxgate::core::{Engine, RequestContext};
+    use fluxgate::redis::Batching;
 
     use crate::support::backend::{check, ctx};
-    use crate::support::redis::per_ip_engine;
     use crate::support::servers::RedisCluster;
 
     /// An engine of a per-IP rule of 2 per hour, failing open, keyed under `prefix`.
     async fn engine(cluster: &RedisCluster, prefix: &str, batching: Option<Batching>) -> Engine {
-        let limiter = RedisLimiter::builder(cluster.url())
-            .prefix(prefix)
-            .timeout(Duration::from_millis(200))
-            .batching(batching)
-            .connect()
-            .await
-            .expect("the test cluster takes connections");
-        per_ip_engine(limiter, 2, FailurePolicy::FailOpen)
+        super::per_ip_fail_open(cluster, prefix, batching, 2).await
     }
 
     /// A new client's requests in a slot being migrated are counted.
@@ -1030,11 +1038,9 @@ mod transaction_replay {
 mod frozen_elsewhere {
     use std::time::Duration;
 
-    use fluxgate::core::FailurePolicy;
-    use fluxgate::redis::{Batching, RedisLimiter};
+    use fluxgate::redis::Batching;
 
     use crate::support::backend::ctx;
-    use crate::support::redis::per_ip_engine;
     use crate::support::servers::RedisCluster;
 
     /// 10 checks of a client of a per-IP limit of 3 per hour, failing open, its key on a
@@ -1045,29 +1051,12 @@ mod frozen_elsewhere {
         frozen_after(batching, prefix, warm, false).await
     }
 
-    /// An engine of a per-IP limit of 3 per hour, failing open, on `cluster` with calls of
-    /// 200 ms at most.
-    async fn per_ip_fail_open(
-        cluster: &RedisCluster,
-        prefix: &str,
-        batching: Option<Batching>,
-    ) -> fluxgate::core::Engine {
-        let limiter = RedisLimiter::builder(cluster.url())
-            .prefix(prefix)
-            .timeout(Duration::from_millis(200))
-            .batching(batching)
-            .connect()
-            .await
-            .expect("the test cluster takes connections");
-        per_ip_engine(limiter, 3, FailurePolicy::FailOpen)
-    }
-
     /// As [`while_another_primary_is_frozen`]; with `flush`, after `SCRIPT FLUSH` on the
     /// client's primary (a restart, or a replica promoted without the scripts) before the
     /// freeze.
     async fn frozen_after(batching: Option<Batching>, prefix: &str, warm: usize, flush: bool) -> (usize, usize) {
         let cluster = RedisCluster::start();
-        let engine = per_ip_fail_open(&cluster, prefix, batching).await;
+        let engine = super::per_ip_fail_open(&cluster, prefix, batching, 3).await;
         for _ in 0..warm {
             assert!(!engine.check(&ctx("192.0.2.200")).await.expect("a decision").failed_open);
         }
@@ -1135,7 +1124,7 @@ mod frozen_elsewhere {
                 .collect()
         };
         for (batching, prefix) in [(None, "loaded-calls"), (Some(Batching::new()), "loaded-batches")] {
-            let engine = per_ip_fail_open(&cluster, prefix, batching).await;
+            let engine = super::per_ip_fail_open(&cluster, prefix, batching, 3).await;
             let before = cached();
             for i in 0..20 {
                 let d = engine.check(&ctx(&format!("192.0.2.{i}"))).await.expect("a decision");

@@ -185,18 +185,10 @@ async fn during_an_outage(
     (admitted, in_time)
 }
 
-/// An engine deciding a per-IP rule of `limit` per hour on `server`, behind a circuit
-/// breaker that opens at the first failure for `cool_down`, with the in-memory fallback;
-/// a client, and a bystander whose requests open and probe the circuit.
-async fn with_fallback(
-    server: &RedisServer,
-    limit: usize,
-    cool_down: Duration,
-) -> (Engine, RequestContext, RequestContext) {
-    with_fallback_and(server, limit, "", cool_down).await
-}
-
-/// [`with_fallback`], the rule's YAML ending with `more` (a `lease`, an `on_limit`).
+/// An engine deciding a per-IP rule of `limit` per hour on `server`, the rule's YAML ending
+/// with `more` (a `lease`, an `on_limit`), behind a circuit breaker that opens at the first
+/// failure for `cool_down`, with the in-memory fallback; a client, and a bystander whose
+/// requests open and probe the circuit.
 async fn with_fallback_and(
     server: &RedisServer,
     limit: usize,
@@ -237,15 +229,15 @@ async fn circuit_closed(engine: &Engine, bystander: &RequestContext) {
 async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() {
     const LIMIT: usize = 5;
     const SPENT: usize = 3;
-    const COOL_DOWN: Duration = Duration::from_millis(300);
-    let server = RedisServer::start();
-    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
-
-    let (by_redis, degraded) = admissions(&engine, &client, SPENT).await;
-    assert_eq!((by_redis, degraded), (SPENT, 0), "Redis admits the first requests");
-
-    let (first, first_in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
-    circuit_closed(&engine, &bystander).await;
+    let AfterAnOutage {
+        server,
+        engine,
+        client,
+        bystander,
+        by_redis,
+        by_memory: first,
+        in_time: first_in_time,
+    } = after_an_outage(LIMIT, "", SPENT, 2 * LIMIT).await;
     let (again, _) = admissions(&engine, &client, 2 * LIMIT).await;
     let (second, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
 
@@ -282,13 +274,14 @@ async fn fallback_local_starts_from_what_redis_admitted_through_this_instance() 
 async fn what_fallback_local_admits_redis_counts_after_the_outage() {
     const LIMIT: usize = 5;
     const DURING: usize = 2;
-    const COOL_DOWN: Duration = Duration::from_millis(300);
-    let server = RedisServer::start();
-    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
-
-    let (during, _) = during_an_outage(&server, &engine, &bystander, &client, DURING, COOL_DOWN).await;
+    let AfterAnOutage {
+        server: _server,
+        engine,
+        client,
+        by_memory: during,
+        ..
+    } = after_an_outage(LIMIT, "", 0, DURING).await;
     assert_eq!(during, DURING, "memory admits within the limit");
-    circuit_closed(&engine, &bystander).await;
     let first = engine.check(&client).await.expect("decided");
     assert!(first.allowed() && !first.degraded, "{first:?}");
     assert_eq!(
@@ -316,16 +309,18 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage() {
 async fn an_abandoned_request_leaves_what_memory_admitted_owed() {
     const LIMIT: usize = 5;
     const SPENT: usize = 3;
-    const COOL_DOWN: Duration = Duration::from_millis(300);
     for call_out in [false, true] {
         let mut attempts = 0;
         let (by_redis, by_memory, again) = loop {
             attempts += 1;
-            let server = RedisServer::start();
-            let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
-            let (by_redis, _) = admissions(&engine, &client, SPENT).await;
-            let (by_memory, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
-            circuit_closed(&engine, &bystander).await;
+            let AfterAnOutage {
+                server,
+                engine,
+                client,
+                by_redis,
+                by_memory,
+                ..
+            } = after_an_outage(LIMIT, "", SPENT, 2 * LIMIT).await;
             let calls = server.evalsha_calls();
             if call_out {
                 // Made while Redis is frozen: out, and unanswered, when it is dropped.
@@ -366,21 +361,54 @@ async fn an_abandoned_request_leaves_what_memory_admitted_owed() {
     }
 }
 
-/// Redis before, memory during and Redis after an outage, for a `fallback_local` rule of
-/// `limit` per hour ending with `more`: `before` checks of the client with Redis up, then
-/// `during` while the circuit is open, then `2 × limit` once it has closed again. The
-/// admissions of each stretch, and whether the outage's checks ran within the cool-down.
-async fn across_an_outage(limit: usize, more: &str, before: usize, during: usize) -> (usize, usize, usize, bool) {
-    const COOL_DOWN: Duration = Duration::from_millis(300);
+/// An engine of [`with_fallback_and`] on a server of its own, after `before` checks of the
+/// client with Redis up, then `during` while the circuit is open, and the circuit closed
+/// again.
+struct AfterAnOutage {
+    /// The server: Redis stops when it is dropped.
+    server: RedisServer,
+    engine: Engine,
+    client: RequestContext,
+    bystander: RequestContext,
+    /// The client's admissions before the outage, all by Redis.
+    by_redis: usize,
+    /// Its admissions during the outage, all by memory.
+    by_memory: usize,
+    /// Whether the outage's checks ran within the cool-down.
+    in_time: bool,
+}
+
+/// The circuit's cool-down in the tests of owed permits.
+const COOL_DOWN: Duration = Duration::from_millis(300);
+
+/// [`AfterAnOutage`] of a `fallback_local` rule of `limit` per hour ending with `more`.
+async fn after_an_outage(limit: usize, more: &str, before: usize, during: usize) -> AfterAnOutage {
     let server = RedisServer::start();
     let (engine, client, bystander) = with_fallback_and(&server, limit, more, COOL_DOWN).await;
     let (by_redis, degraded) = admissions(&engine, &client, before).await;
     assert_eq!((by_redis, degraded), (before, 0), "Redis admits the first requests");
-    let (during, in_time) = during_an_outage(&server, &engine, &bystander, &client, during, COOL_DOWN).await;
+    let (by_memory, in_time) = during_an_outage(&server, &engine, &bystander, &client, during, COOL_DOWN).await;
     circuit_closed(&engine, &bystander).await;
-    let (after, degraded) = admissions(&engine, &client, 2 * limit).await;
+    AfterAnOutage {
+        server,
+        engine,
+        client,
+        bystander,
+        by_redis,
+        by_memory,
+        in_time,
+    }
+}
+
+/// Redis before, memory during and Redis after an outage, for a `fallback_local` rule of
+/// `limit` per hour ending with `more` ([`after_an_outage`]), then `2 × limit` checks once
+/// the circuit has closed again. The admissions of each stretch, and whether the outage's
+/// checks ran within the cool-down.
+async fn across_an_outage(limit: usize, more: &str, before: usize, during: usize) -> (usize, usize, usize, bool) {
+    let run = after_an_outage(limit, more, before, during).await;
+    let (after, degraded) = admissions(&run.engine, &run.client, 2 * limit).await;
     assert_eq!(degraded, 0, "Redis decides after the outage");
-    (by_redis, during, after, in_time)
+    (run.by_redis, run.by_memory, after, run.in_time)
 }
 
 /// Checks a run of [`across_an_outage`] of a `kind` of rule of `limit`, `spent` before
@@ -457,12 +485,15 @@ async fn what_fallback_local_admits_redis_counts_after_the_outage_for_a_waiting_
 async fn requests_made_at_once_after_an_outage_each_carry_what_memory_admitted() {
     const LIMIT: usize = 5;
     const SPENT: usize = 3;
-    const COOL_DOWN: Duration = Duration::from_millis(300);
-    let server = RedisServer::start();
-    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
-    let (by_redis, _) = admissions(&engine, &client, SPENT).await;
-    let (by_memory, in_time) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
-    circuit_closed(&engine, &bystander).await;
+    let AfterAnOutage {
+        server: _server,
+        engine,
+        client,
+        by_redis,
+        by_memory,
+        in_time,
+        ..
+    } = after_an_outage(LIMIT, "", SPENT, 2 * LIMIT).await;
     let at_once: Vec<_> = (0..6)
         .map(|_| {
             let (engine, client) = (engine.clone(), client.clone());
@@ -504,14 +535,14 @@ fn sent(mut decision: MaybeReady<Result<Decision, Error>>) -> Option<MaybeReady<
 async fn owed_permits_outlive_a_request_dropped_during_its_call() {
     const LIMIT: usize = 5;
     const SPENT: usize = 3;
-    const COOL_DOWN: Duration = Duration::from_millis(300);
-    let server = RedisServer::start();
-    let (engine, client, bystander) = with_fallback(&server, LIMIT, COOL_DOWN).await;
-
-    let (by_redis, degraded) = admissions(&engine, &client, SPENT).await;
-    assert_eq!((by_redis, degraded), (SPENT, 0), "Redis admits the first requests");
-    let (during, _) = during_an_outage(&server, &engine, &bystander, &client, 2 * LIMIT, COOL_DOWN).await;
-    circuit_closed(&engine, &bystander).await;
+    let AfterAnOutage {
+        server: _server,
+        engine,
+        client,
+        by_redis,
+        by_memory: during,
+        ..
+    } = after_an_outage(LIMIT, "", SPENT, 2 * LIMIT).await;
     // The client's next request takes what memory admitted with its own permit, and goes.
     let dropped = sent(engine.check(&client)).expect("the call is out");
     drop(dropped);
