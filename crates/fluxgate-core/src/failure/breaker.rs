@@ -81,6 +81,37 @@ impl State {
         }
     }
 
+    /// The answer of the call `call` makes, counted; `None`, without the call, while the
+    /// circuit is open or half-open with a probe already in flight. A probe dropped once its
+    /// call is out is still answered, and counted (see [`Probe`]).
+    fn guard<T: Counted>(self: &Arc<Self>, call: impl FnOnce() -> MaybeReady<T>) -> Option<MaybeReady<T>> {
+        let until = self.open_until.load(Ordering::Acquire);
+        let probe = until != 0;
+        if probe && (until > self.now() || self.probing.swap(true, Ordering::AcqRel)) {
+            return None;
+        }
+        let answer = call();
+        let state = self.clone();
+        if !probe {
+            return Some(answer.map(move |answer| {
+                answer.count(&state, false);
+                answer
+            }));
+        }
+        let probe = Probe(state);
+        Some(match answer.into_ready() {
+            Ok(answer) => {
+                answer.count(&probe.0, true);
+                MaybeReady::ready(answer)
+            }
+            Err(pending) => MaybeReady::boxed(async move {
+                let (probe, answer) = Settled::new(pending, probe, Probe::abandoned).await;
+                answer.count(&probe.0, true);
+                answer
+            }),
+        })
+    }
+
     /// Counts a handler's answer to a check (a `probe` or not).
     fn checked(&self, result: &Result<Decision, Error>, probe: bool) {
         match result {
@@ -116,18 +147,29 @@ impl State {
 struct Probe(Arc<State>);
 
 impl Probe {
-    /// A limiter's probe dropped before its answer: the answer it got after all, if any.
-    fn abandoned(self, result: Option<Result<AcquireOutcome, BoxError>>) {
-        if let Some(result) = &result {
-            self.0.acquired(result, true);
+    /// A probe dropped before its answer: the answer it got after all, if any.
+    fn abandoned<T: Counted>(self, answer: Option<T>) {
+        if let Some(answer) = &answer {
+            answer.count(&self.0, true);
         }
     }
+}
 
-    /// A handler's probe dropped before its answer: the answer it got after all, if any.
-    fn abandoned_check(self, result: Option<Result<Decision, Error>>) {
-        if let Some(result) = &result {
-            self.0.checked(result, true);
-        }
+/// An answer the breaker counts: a limiter's to a call, a handler's to a check.
+trait Counted: Send + 'static {
+    /// Counts it (the answer to a `probe` or not).
+    fn count(&self, state: &State, probe: bool);
+}
+
+impl Counted for Result<AcquireOutcome, BoxError> {
+    fn count(&self, state: &State, probe: bool) {
+        state.acquired(self, probe);
+    }
+}
+
+impl Counted for Result<Decision, Error> {
+    fn count(&self, state: &State, probe: bool) {
+        state.checked(self, probe);
     }
 }
 
@@ -217,33 +259,10 @@ impl<L: fmt::Debug> fmt::Debug for CircuitBreaker<L> {
 
 impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        let state = &self.state;
-        let until = state.open_until.load(Ordering::Acquire);
-        let probe = until != 0;
-        if probe && (until > state.now() || state.probing.swap(true, Ordering::AcqRel)) {
-            // Open, or half-open with a probe already in flight.
-            return MaybeReady::ready(Err(Box::new(CircuitOpen)));
-        }
-        let answer = self.inner.acquire(request);
-        let state = self.state.clone();
-        if !probe {
-            return answer.map(move |result| {
-                state.acquired(&result, false);
-                result
-            });
-        }
-        let probe = Probe(state);
-        match answer.into_ready() {
-            Ok(result) => {
-                probe.0.acquired(&result, true);
-                MaybeReady::ready(result)
-            }
-            Err(pending) => MaybeReady::boxed(async move {
-                let (probe, result) = Settled::new(pending, probe, Probe::abandoned).await;
-                probe.0.acquired(&result, true);
-                result
-            }),
-        }
+        // Open, or half-open with a probe already in flight: refused at once.
+        self.state
+            .guard(|| self.inner.acquire(request))
+            .unwrap_or_else(|| MaybeReady::ready(Err(Box::new(CircuitOpen))))
     }
 
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
@@ -297,33 +316,9 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
 /// policy (the layer's `on_error`) decides what such a failure means for the request.
 impl<H: RateLimitHandler> RateLimitHandler for CircuitBreaker<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let state = &self.state;
-        let until = state.open_until.load(Ordering::Acquire);
-        let probe = until != 0;
-        if probe && (until > state.now() || state.probing.swap(true, Ordering::AcqRel)) {
-            return MaybeReady::ready(Err(Error::Backend(Box::new(CircuitOpen))));
-        }
-        let answer = self.inner.check(ctx);
-        let state = self.state.clone();
-        if !probe {
-            return answer.map(move |result| {
-                state.checked(&result, false);
-                result
-            });
-        }
-        let probe = Probe(state);
-        match answer.into_ready() {
-            Ok(result) => {
-                probe.0.checked(&result, true);
-                MaybeReady::ready(result)
-            }
-            // A probe dropped once its check is out is still answered (see `Probe`).
-            Err(pending) => MaybeReady::boxed(async move {
-                let (probe, result) = Settled::new(pending, probe, Probe::abandoned_check).await;
-                probe.0.checked(&result, true);
-                result
-            }),
-        }
+        self.state
+            .guard(|| self.inner.check(ctx))
+            .unwrap_or_else(|| MaybeReady::ready(Err(Error::Backend(Box::new(CircuitOpen)))))
     }
 }
 
