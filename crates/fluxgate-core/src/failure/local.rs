@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use super::replay::{Owed, Replays, Taken};
+use super::replay::{LocalAdmissions, Replays, Taken};
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::engine::Engine;
@@ -60,7 +60,7 @@ use crate::handler::RateLimitHandler;
 pub struct FallbackHandler<H> {
     primary: Arc<H>,
     local: Engine,
-    owed: Arc<Owed>,
+    admitted: Arc<LocalAdmissions>,
 }
 
 impl<H> Clone for FallbackHandler<H> {
@@ -68,7 +68,7 @@ impl<H> Clone for FallbackHandler<H> {
         Self {
             primary: self.primary.clone(),
             local: self.local.clone(),
-            owed: self.owed.clone(),
+            admitted: self.admitted.clone(),
         }
     }
 }
@@ -79,14 +79,14 @@ impl<H> FallbackHandler<H> {
         Self {
             primary: Arc::new(primary),
             local,
-            owed: Arc::default(),
+            admitted: Arc::default(),
         }
     }
 }
 
 impl<H: RateLimitHandler> RateLimitHandler for FallbackHandler<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
-        let mut replays = match self.owed.take(&self.local, ctx) {
+        let mut replays = match self.admitted.take(&self.local, ctx) {
             Taken::Nothing => return self.decide(ctx),
             Taken::Replay(replays) => replays,
             Taken::Busy => {
@@ -139,10 +139,10 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
     /// admitted in their stead.
     async fn after_replays(&self, ctx: &RequestContext) -> Result<Decision, Error> {
         loop {
-            let done = std::pin::pin!(self.owed.done.notified());
+            let done = std::pin::pin!(self.admitted.done.notified());
             let mut done = done;
             done.as_mut().enable();
-            match self.owed.take(&self.local, ctx) {
+            match self.admitted.take(&self.local, ctx) {
                 Taken::Nothing => break,
                 Taken::Replay(replays) => {
                     self.replay_to_end(None, replays).await;
@@ -179,7 +179,7 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
     }
 
     /// Asks the wrapped handler again for the requests the local engine admitted while it
-    /// failed ([`Owed::take`]), [`WAVE`] at a time, so that it counts them before it decides
+    /// failed ([`LocalAdmissions::take`]), [`WAVE`] at a time, so that it counts them before it decides
     /// the request that found them. A wave in which one is not admitted (refused, failed,
     /// or decided by a fallback of its own) ends the replay: what is left stays owed (so
     /// does a wave whose answers did not come, the runtime shutting down: the error is
@@ -218,7 +218,7 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
             Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
             Ok(mut decision) => {
                 if decision.allowed() && (!decision.bands.is_empty() || !decision.shadow_bands.is_empty()) {
-                    this.owed.add(&this.local, &ctx, &decision);
+                    this.admitted.add(&this.local, &ctx, &decision);
                 }
                 decision.degraded = true;
                 Ok(decision)
@@ -431,7 +431,7 @@ mod tests {
     #[test]
     fn what_is_not_replayed_stays_owed() {
         let local = Engine::in_memory(rules());
-        let owed = Arc::new(Owed::default());
+        let owed = Arc::new(LocalAdmissions::default());
         let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
         let decision = local.check(&ctx).into_ready().unwrap().unwrap();
         for _ in 0..3 {
@@ -564,7 +564,7 @@ mod tests {
     #[test]
     fn a_refused_replay_is_made_again_after_its_retry_after() {
         let local = Engine::in_memory(rules());
-        let owed = Arc::new(Owed::default());
+        let owed = Arc::new(LocalAdmissions::default());
         let ctx = RequestContext::builder().client_ip("10.0.0.1".parse().unwrap()).build();
         let decision = local.check(&ctx).into_ready().unwrap().unwrap();
         owed.add(&local, &ctx, &decision);
@@ -655,7 +655,7 @@ mod tests {
         let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}, \
                     {id: all, scope: global, match: {paths: [\"/api/**\"]}, bands: [{capacity: 100000, window: 1h}]}]}]";
         let local = Engine::in_memory(RuleSets::from_yaml_str(yaml).unwrap());
-        let owed = Arc::new(Owed::default());
+        let owed = Arc::new(LocalAdmissions::default());
         let client = |n: u32, path: &str| {
             RequestContext::builder()
                 .client_ip(std::net::IpAddr::from(std::net::Ipv4Addr::from(0x0a00_0000 + n)))
@@ -689,7 +689,7 @@ mod tests {
         let global =
             "rule_sets: [{id: default, rules: [{id: all, scope: global, bands: [{capacity: 1000000, window: 1h}]}]}]";
         let local = Engine::in_memory(RuleSets::from_yaml_str(global).unwrap());
-        let owed = Arc::new(Owed::default());
+        let owed = Arc::new(LocalAdmissions::default());
         let decision = local.check(&client(0)).into_ready().unwrap().unwrap();
         for n in 0..60_000 {
             owed.add(&local, &client(n), &decision);
@@ -769,7 +769,7 @@ mod tests {
     fn an_entry_that_lapsed_is_forgotten_without_its_requests() {
         let yaml = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 5, window: 100ms}]}]}]";
         let local = Engine::in_memory(RuleSets::from_yaml_str(yaml).unwrap());
-        let owed = Arc::new(Owed::default());
+        let owed = Arc::new(LocalAdmissions::default());
         let decision = local.check(&client(0)).into_ready().unwrap().unwrap();
         owed.add(&local, &client(0), &decision);
         assert!(matches!(owed.take(&local, &client(1)), Taken::Nothing));

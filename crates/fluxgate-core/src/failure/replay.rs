@@ -1,5 +1,5 @@
 //! The requests a [`FallbackHandler`](super::FallbackHandler)'s local engine admitted while
-//! the handler it wraps failed, kept to be replayed to that handler ([`Owed`]).
+//! the handler it wraps failed, kept to be replayed to that handler ([`LocalAdmissions`]).
 
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
@@ -27,7 +27,7 @@ const MOST_REPLAYS: u64 = 10_000;
 /// either, what the local engine admits for a new identity is not replayed.
 const MOST_IDENTITIES: usize = 100_000;
 
-/// How often [`Owed::take`] forgets the entries that lapsed.
+/// How often [`LocalAdmissions::take`] forgets the entries that lapsed.
 pub(super) const PURGE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The longest list of a bucket's identities searched before one is added to it.
@@ -48,7 +48,7 @@ const MOST_BYTES: usize = 64 << 20;
 /// longest window of the bands that admitted it: by then the handler would have refilled
 /// it.
 #[derive(Debug, Default)]
-pub(super) struct Owed {
+pub(super) struct LocalAdmissions {
     /// The identities kept and the buckets in flight, read without the lock on every check.
     pub(super) len: AtomicUsize,
     pub(super) keys: RandomState,
@@ -66,7 +66,7 @@ pub(super) struct State {
     pub(super) bytes: usize,
     /// The buckets of the requests being replayed, each with the replays holding it.
     pub(super) in_flight: HashMap<u64, usize>,
-    /// When [`Owed::take`] next forgets the entries that lapsed ([`State::purge`]).
+    /// When [`LocalAdmissions::take`] next forgets the entries that lapsed ([`State::purge`]).
     pub(super) purge_at: Option<Instant>,
 }
 
@@ -86,14 +86,14 @@ impl State {
     }
 }
 
-/// What [`Owed::take`] found for a request.
+/// What [`LocalAdmissions::take`] found for a request.
 pub(super) enum Taken {
     /// Nothing owed in its buckets.
     Nothing,
     /// Requests to replay before it.
     Replay(Replays),
     /// Nothing left to take, but another request is replaying requests of its buckets: it
-    /// waits for them ([`Owed::done`]).
+    /// waits for them ([`LocalAdmissions::done`]).
     Busy,
 }
 
@@ -118,10 +118,10 @@ fn size(ctx: &RequestContext) -> usize {
         + attributes
 }
 
-/// Requests taken from [`Owed`] to replay: whatever is left of them when dropped goes
+/// Requests taken from [`LocalAdmissions`] to replay: whatever is left of them when dropped goes
 /// back.
 pub(super) struct Replays {
-    pub(super) owed: Arc<Owed>,
+    pub(super) owed: Arc<LocalAdmissions>,
     pub(super) entries: Vec<(u64, Entry)>,
     /// The buckets it holds in flight ([`State::in_flight`]).
     pub(super) buckets: SmallVec<[u64; 8]>,
@@ -221,7 +221,7 @@ impl Drop for Replays {
     }
 }
 
-impl Owed {
+impl LocalAdmissions {
     pub(super) fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -283,7 +283,7 @@ impl Owed {
         for bucket in &entry.buckets {
             let ids = by_bucket.entry(*bucket).or_default();
             // A long list (a bucket of everybody's) is not searched at each of its
-            // identities: it may list one twice ([`Owed::take`] counts it once), until it
+            // identities: it may list one twice ([`LocalAdmissions::take`] counts it once), until it
             // is twice as long as there are identities, when it is made one of each again.
             if ids.len() <= SEARCHED {
                 if !ids.contains(&id) {
