@@ -153,11 +153,24 @@ struct Report {
     server_us: f64,
     /// CPU time of this process per decision, in µs.
     client_us: f64,
+    /// CPU time of `redis-server` per decision, in µs: its commands, and what it does
+    /// besides (expiring keys, its event loop).
+    server_cpu_us: Option<f64>,
 }
 
 /// The CPU time (user and system) of this process so far, in seconds.
 fn process_cpu() -> f64 {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    cpu_of("/proc/self/stat")
+}
+
+/// The CPU time (user and system) of `server` so far, in seconds.
+fn server_cpu(server: &RedisServer) -> f64 {
+    cpu_of(&format!("/proc/{}/stat", server.pid()))
+}
+
+/// The CPU time of the process whose `stat` file is `path`, in seconds.
+fn cpu_of(path: &str) -> f64 {
+    let stat = std::fs::read_to_string(path).unwrap_or_default();
     // The fields after the command name (which may hold spaces) in parentheses.
     let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
     let ticks = |i: usize| fields.get(i).and_then(|f| f.parse::<f64>().ok()).unwrap_or(0.0);
@@ -165,7 +178,20 @@ fn process_cpu() -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
+/// What a measurement on `server` starts from: its `EVALSHA` calls and its CPU time.
+fn server_before(server: &RedisServer) -> (u64, f64) {
+    (server.evalsha_calls(), server_cpu(server))
+}
+
 impl Report {
+    /// Adds `server`'s figures since `before` ([`server_before`]).
+    fn of_server(mut self, server: &RedisServer, before: (u64, f64)) -> Self {
+        self.evalsha = Some(server.evalsha_calls() - before.0);
+        self.server_us = server.evalsha_stat("usec_per_call");
+        self.server_cpu_us = Some((server_cpu(server) - before.1) * 1e6 / self.decisions.max(1) as f64);
+        self
+    }
+
     fn print(&mut self) {
         self.latencies.sort_unstable();
         let pct = |p: f64| {
@@ -181,8 +207,11 @@ impl Report {
                 self.server_us
             )
         });
+        let server_cpu = self
+            .server_cpu_us
+            .map_or_else(String::new, |us| format!(", Redis CPU {us:.2} µs/decision"));
         println!(
-            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms  client CPU {:>5.2} µs/decision{calls}",
+            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms  client CPU {:>5.2} µs/decision{calls}{server_cpu}",
             self.name,
             rate,
             pct(0.50),
@@ -230,6 +259,7 @@ where
         latencies,
         evalsha: None,
         server_us: 0.0,
+        server_cpu_us: None,
         client_us: (process_cpu() - cpu) * 1e6 / decisions.max(1) as f64,
     }
 }
@@ -270,8 +300,8 @@ async fn fluxgate_engine_with(name: &str, yaml: &'static str, batching: Option<B
     let engine = engine(&server, yaml, batching).await;
     // A user id only for rule sets that key by it: the text costs the driver, not the engine.
     let by_user = keys_by_user(yaml);
-    let before = server.evalsha_calls();
-    let mut report = drive(name, move |n| {
+    let before = server_before(&server);
+    let report = drive(name, move |n| {
         let engine = engine.clone();
         async move {
             let mut ctx = RequestContext::builder().client_ip(ip(n));
@@ -284,9 +314,7 @@ async fn fluxgate_engine_with(name: &str, yaml: &'static str, batching: Option<B
         }
     })
     .await;
-    report.evalsha = Some(server.evalsha_calls() - before);
-    report.server_us = server.evalsha_stat("usec_per_call");
-    report
+    report.of_server(&server, before)
 }
 
 async fn fluxgate_layer() -> Report {
@@ -299,8 +327,8 @@ async fn fluxgate_layer_with(name: &str, batching: Option<Batching>) -> Report {
     let svc = RateLimitLayer::new(engine).layer(service_fn(|_req: Request<axum::body::Body>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
     }));
-    let before = server.evalsha_calls();
-    let mut report = drive(name, move |n| {
+    let before = server_before(&server);
+    let report = drive(name, move |n| {
         let svc = svc.clone();
         async move {
             let mut req = Request::new(axum::body::Body::empty());
@@ -310,9 +338,7 @@ async fn fluxgate_layer_with(name: &str, batching: Option<Batching>) -> Report {
         }
     })
     .await;
-    report.evalsha = Some(server.evalsha_calls() - before);
-    report.server_us = server.evalsha_stat("usec_per_call");
-    report
+    report.of_server(&server, before)
 }
 
 #[derive(Clone)]
@@ -345,8 +371,8 @@ async fn peer_layer() -> Report {
     let svc = layer.layer(service_fn(|_req: Request<axum::body::Body>| async {
         Ok::<_, Infallible>(Response::new(axum::body::Body::empty()))
     }));
-    let before = server.evalsha_calls();
-    let mut report = drive("tower-rate-limit-fred layer", move |n| {
+    let before = server_before(&server);
+    let report = drive("tower-rate-limit-fred layer", move |n| {
         let svc = svc.clone();
         async move {
             let mut req = Request::new(axum::body::Body::empty());
@@ -356,9 +382,7 @@ async fn peer_layer() -> Report {
         }
     })
     .await;
-    report.evalsha = Some(server.evalsha_calls() - before);
-    report.server_us = server.evalsha_stat("usec_per_call");
-    report
+    report.of_server(&server, before)
 }
 
 /// `redis-benchmark` running `EVALSHA` of the script the engine runs for `bands` bands of
@@ -386,9 +410,11 @@ fn ceiling(name: &str, bands: usize) {
         args.extend(["b0:10000000/1h|", "d693a400", "168", "3601001"].map(String::from));
     } else {
         for _ in 0..rules {
-            args.extend(["4", "b0:10000000/1h,b1:10000000/1h|"].map(String::from));
+            // flags (2 bands × 8, unscaled), layout, expiry in ms, then each band's capacity
+            // and cost.
+            args.extend(["10", "b0:10000000/1h,b1:10000000/1h|", "3601001"].map(String::from));
             for _ in 0..2 {
-                args.extend(["d693a400", "168", "1"].map(String::from));
+                args.extend(["d693a400", "168"].map(String::from));
             }
         }
     }
