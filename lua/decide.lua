@@ -25,13 +25,13 @@ for _ = 1, head % CALL_MARKS do
   local algorithm = floor((flags % FLAG_WAITS) / FLAG_ALGORITHM)
   local count = floor(flags / FLAG_BANDS)
   arg = arg + 2
-  local eval, store, states
+  local eval, store, states, seeds
   if algorithm == TOKEN_BUCKET then
     k = k + 1
     local layout = ARGV[arg]
     arg = arg + 1
     local kept
-    states, kept = rule_states(redis.call('GET', KEYS[k]), layout, count)
+    states, kept, seeds = rule_states(redis.call('GET', KEYS[k]), layout, count)
     rules[#rules + 1] = {KEYS[k], layout, n + 1, count, shadow, kept}
   else
     eval, store = algorithm_functions(algorithm)
@@ -49,6 +49,16 @@ for _ = 1, head % CALL_MARKS do
     local value, wait, rem, reset, rem_after, reset_after, last, key, state
     if states then
       state = states[i]
+      if seeds and seeds[i] then
+        -- The permits another version's band of its name and window holds in use
+        -- (layout.lua), at most the capacity: the band counts at least as many.
+        local tat, frac = state_tat(state)
+        local least = seeds[i] * a
+        least = math.min(least - least % 1 + (least % 1 > 0 and 1 or 0), c * b)
+        if least > (debt_of(tat, frac, a) or 0) then
+          state = state_of(least, a)
+        end
+      end
       value, wait, rem, reset, rem_after, reset_after = token_bucket_band_eval(state, permits, c, a, b)
     else
       k = k + 1

@@ -11,6 +11,15 @@
 -- stored bands the caller's layout does not name while they still hold permits (their
 -- instant ahead of now), at most KEPT_BANDS of them: each version counts against its own
 -- bands, and a band of a version no longer written is dropped once it is full again.
+--
+-- A band of one name and window in two versions (its capacity changed) is one limit: a
+-- caller's band counts at least the permits the other versions' bands of its name and
+-- window hold in use (`(instant - now) × capacity / window` each), at most its own
+-- capacity. So a client taking turns between the versions gets no more than the looser
+-- one allows, rather than each version's capacity in turn; and a capacity changed on every
+-- instance goes on from the permits its former band holds in use, rather than full. (A
+-- band whose window changed still starts full: its former band's permits refill at the
+-- former rate, which would hold a faster new band to the old one for a whole window.)
 
 -- The most bands of other versions a rule's value keeps.
 local KEPT_BANDS = 16
@@ -19,7 +28,11 @@ local KEPT_BANDS = 16
 -- the stored layout names keeps its state, any other starts full (nil). Then the stored
 -- bands `layout` does not name that still hold permits at `now` (µs): nil, or their names
 -- (joined by commas), their states (each after a `|`), the furthest of their instants and
--- `layout` itself, for `with_kept_bands`.
+-- `layout` itself, for `with_kept_bands`. Then nil, or per band of `layout` (by position)
+-- the most permits that stored bands of its name and window and another capacity hold in
+-- use, as the µs its own instant would lie ahead of now for as many (`(instant - now) ×
+-- their capacity / its capacity`, a remainder counted as a whole µs): the caller's band
+-- counts at least that times its scale in units, rounded up, at most its capacity in units.
 local function matching_states(v, layout, now)
   local states = {}
   local bar = string.find(v, '|', 1, true)
@@ -42,10 +55,10 @@ local function matching_states(v, layout, now)
     own[name] = true
     i = i + 1
   end
-  local kept, count = nil, 0
+  local kept, count, in_use = nil, 0, nil
   for _, name in ipairs(order) do
     local s = stored[name]
-    if not own[name] and s ~= '' and count < KEPT_BANDS then
+    if not own[name] and s ~= '' then
       local t, f = tonumber(s, 16), 0
       if not t then
         local colon = string.find(s, ':', 1, true)
@@ -54,19 +67,45 @@ local function matching_states(v, layout, now)
         end
       end
       if t and f and (t > now or (t == now and f > 0)) then
-        count = count + 1
-        if kept then
-          kept.names, kept.states = kept.names .. ',' .. name, kept.states .. '|' .. s
-          if t > kept.last then
-            kept.last = t
+        -- The permits it holds in use, `(t - now) × capacity / window`, by its band's name
+        -- and window.
+        local band, c = string.match(name, '^([^:]*):(%d+)/')
+        if band then
+          local same = string.sub(name, #band + #c + 2)
+          local ahead = (t - now + (f > 0 and 1 or 0)) * c
+          in_use = in_use or {}
+          if not in_use[band .. same] or ahead > in_use[band .. same] then
+            in_use[band .. same] = ahead
           end
-        else
-          kept = {names = name, states = '|' .. s, last = t, layout = layout}
+        end
+        if count < KEPT_BANDS then
+          count = count + 1
+          if kept then
+            kept.names, kept.states = kept.names .. ',' .. name, kept.states .. '|' .. s
+            if t > kept.last then
+              kept.last = t
+            end
+          else
+            kept = {names = name, states = '|' .. s, last = t, layout = layout}
+          end
         end
       end
     end
   end
-  return states, kept
+  local seeds = nil
+  if in_use then
+    i = 1
+    for name in string.gmatch(string.sub(layout, 1, #layout - 1), '[^,]+') do
+      local band, c = string.match(name, '^([^:]*):(%d+)/')
+      local ahead = band and in_use[band .. string.sub(name, #band + #c + 2)]
+      if ahead then
+        seeds = seeds or {}
+        seeds[i] = ahead / c
+      end
+      i = i + 1
+    end
+  end
+  return states, kept, seeds
 end
 
 -- A rule's `value` (its layout, then its bands' states) with the `kept` bands of another

@@ -29,6 +29,10 @@ local debt, ahead = 0, 0
 -- The bands of another version of the rule the key holds, kept with this one (layout.lua):
 -- their names, their states (each after a `|`) and their furthest instant.
 local kept_names, kept_states, kept_last
+-- The most permits the bands of another version of the rule of the band's name and window
+-- hold in use, as the µs the band's instant would lie ahead of now for as many (layout.lua):
+-- the band counts at least as many.
+local seed
 local v = redis.call('GET', key)
 if v then
   if string.find(v, layout, 1, true) == 1 then
@@ -40,12 +44,14 @@ if v then
     -- the common path).
     local bar = string.find(v, '|', 1, true) or #v
     local tag, at, s, count = string.sub(layout, 1, #layout - 1), bar + 1, nil, 0
+    local own, capacity = string.match(tag, '^([^:]*):(%d+)/')
+    local window = own and string.sub(tag, #own + #capacity + 2)
     for name in string.gmatch(string.sub(v, 1, bar - 1), '[^,]+') do
       local next_bar = string.find(v, '|', at, true)
       local state = string.sub(v, at, (next_bar or 0) - 1)
       if name == tag then
         s = state
-      elseif state ~= '' and count < 16 then
+      elseif state ~= '' then
         local t, f = tonumber(state, 16), 0
         if not t then
           local colon = string.find(state, ':', 1, true)
@@ -54,11 +60,22 @@ if v then
           end
         end
         if t and f and (t > now or (t == now and f > 0)) then
-          count = count + 1
-          kept_names = kept_names and kept_names .. ',' .. name or name
-          kept_states = (kept_states or '') .. '|' .. state
-          if not kept_last or t > kept_last then
-            kept_last = t
+          -- A band of the band's name and window: the permits it holds in use, as the µs
+          -- the band's instant would lie ahead for as many (a remainder counted as a µs).
+          local band, c = string.match(name, '^([^:]*):(%d+)/')
+          if band == own and band and string.sub(name, #band + #c + 2) == window then
+            local used = (t - now + (f > 0 and 1 or 0)) * c / capacity
+            if not seed or used > seed then
+              seed = used
+            end
+          end
+          if count < 16 then
+            count = count + 1
+            kept_names = kept_names and kept_names .. ',' .. name or name
+            kept_states = (kept_states or '') .. '|' .. state
+            if not kept_last or t > kept_last then
+              kept_last = t
+            end
           end
         end
       end
@@ -79,6 +96,18 @@ if v and v ~= '' then
   if tat > now or (tat == now and frac > 0) then
     ahead = (tat - now) * scale
     debt = ahead + frac
+  end
+end
+if seed then
+  -- At least the permits the other version's band holds in use, at most the capacity; its
+  -- instant then lies where that debt puts it.
+  seed = seed * scale
+  seed = seed - seed % 1 + (seed % 1 > 0 and 1 or 0)
+  if seed > cap then
+    seed = cap
+  end
+  if seed > debt then
+    debt, ahead = seed, seed - seed % scale
   end
 end
 

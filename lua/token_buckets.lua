@@ -41,13 +41,13 @@ for r = 1, #KEYS do
     waits, arg = true, arg + 1
   end
   local v = values[r]
-  local at, states
+  local at, states, seeds
   if v then
     if string.find(v, layout, 1, true) == 1 then
       at = #layout + 1
     else
       local kept
-      states, kept = matching_states(v, layout, now)
+      states, kept, seeds = matching_states(v, layout, now)
       if kept then
         kept_bands = kept_bands or {}
         kept_bands[r] = kept
@@ -81,6 +81,18 @@ for r = 1, #KEYS do
       end
       if tat > now or (tat == now and frac > 0) then
         debt = (tat - now) * scale + frac
+      end
+    end
+    if seeds and seeds[i] then
+      -- The permits another version's band of its name and window holds in use
+      -- (layout.lua), at most the capacity: the band counts at least as many.
+      local least = seeds[i] * scale
+      least = least - least % 1 + (least % 1 > 0 and 1 or 0)
+      if least > cap then
+        least = cap
+      end
+      if least > debt then
+        debt = least
       end
     end
     n = n + 1

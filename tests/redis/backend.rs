@@ -243,10 +243,11 @@ rule_sets:
     }
 
     /// A token-bucket rule keeps its bands in one key: when the rule changes, a band whose
-    /// capacity, window or label changed starts full and the others keep their counts,
+    /// window or label changed starts full, one whose capacity alone changed goes on from
+    /// the permits its former band holds in use, and the others keep their counts,
     /// whichever script decides (one band, token buckets only, or with another algorithm).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_changed_band_starts_fresh_and_the_others_keep_their_counts() {
+    async fn a_changed_band_goes_on_or_starts_fresh_and_the_others_keep_their_counts() {
         let redis = Redis::start(Servers::standalone()).await;
         let url = redis.url();
         let engine_of =
@@ -266,24 +267,29 @@ rule_sets:
         // Days, not minutes: no permit refills while the steps run on a busy machine.
         const MINUTE_10: &str = "{ capacity: 10, window: 1d, label: minute }";
         const MINUTE_20: &str = "{ capacity: 20, window: 1d, label: minute }";
+        const MINUTE_DAY2: &str = "{ capacity: 10, window: 2d, label: minute }";
         const HOUR: &str = "{ capacity: 100, window: 10d, label: hour }";
         // The rule's bands, whether a rule of another algorithm comes with it, and the
         // remaining permits of each band after one request.
         type Step = (String, bool, &'static [(&'static str, u64)]);
-        let steps: [Step; 7] = [
+        let steps: [Step; 8] = [
             (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 9), ("hour", 99)]),
             (format!("{MINUTE_10}, {HOUR}"), false, &[("minute", 8), ("hour", 98)]),
-            // The minute's capacity changed: it starts full, the hour keeps its count.
-            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 19), ("hour", 97)]),
+            // The minute's capacity changed: it goes on from the 2 permits its former band
+            // holds in use, the hour keeps its count.
+            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 17), ("hour", 97)]),
             // One band left (the one-band script): the hour keeps its count.
             (HOUR.to_owned(), false, &[("hour", 96)]),
             // The minute back: the key kept its state (a band of another version of the
             // rule, still holding permits), so it goes on from it.
-            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 18), ("hour", 95)]),
+            (format!("{MINUTE_20}, {HOUR}"), false, &[("minute", 16), ("hour", 95)]),
             // With a rule of another algorithm (the general script).
-            (format!("{MINUTE_20}, {HOUR}"), true, &[("minute", 17), ("hour", 94)]),
-            // The first minute band, kept through every version since.
-            (format!("{MINUTE_10}, {HOUR}"), true, &[("minute", 7), ("hour", 93)]),
+            (format!("{MINUTE_20}, {HOUR}"), true, &[("minute", 15), ("hour", 94)]),
+            // The first minute band, kept through every version since: it counts the 5
+            // permits the band of 20 holds in use, more than its own 2.
+            (format!("{MINUTE_10}, {HOUR}"), true, &[("minute", 4), ("hour", 93)]),
+            // A window changed: another limit, which starts full.
+            (format!("{MINUTE_DAY2}, {HOUR}"), false, &[("minute", 9), ("hour", 92)]),
         ];
         for (bands, other, expected) in steps {
             let bands: &'static str = Box::leak(bands.into_boxed_str());
@@ -991,8 +997,10 @@ rule_sets:
 
     /// Two instances holding two versions of a token-bucket rule at once (a rolling change,
     /// a file each instance polls, an instance whose reload failed) share the rule's key:
-    /// neither refills the other's band, whichever script decides. Each version counts
-    /// against its own band: at most the two capacities together, once.
+    /// neither refills the other's band, whichever script decides. Bands of different names
+    /// or windows are different limits: each version counts against its own band, at most
+    /// the two capacities together, once (a band of one name and window is one limit:
+    /// `two_versions_of_a_band_admit_together_no_more_than_the_looser`).
     #[tokio::test]
     async fn two_versions_of_a_rule_do_not_refill_each_others_bands() {
         let redis = Redis::start(Servers::standalone()).await;
@@ -1002,14 +1010,30 @@ rule_sets:
         // One band against one band (the one-band script), two bands (the token-bucket
         // script) and a rule of another algorithm beside (the general script).
         let cases = [
-            ("{ capacity: 10, window: 1h }", "{ capacity: 5, window: 1h }", false, 15),
             (
-                "{ capacity: 10, window: 1h }, { capacity: 1000, window: 1d }",
-                "{ capacity: 5, window: 1h }, { capacity: 1000, window: 1d }",
+                "{ capacity: 10, window: 1h, label: a }",
+                "{ capacity: 5, window: 1h, label: b }",
                 false,
                 15,
             ),
-            ("{ capacity: 10, window: 1h }", "{ capacity: 5, window: 1h }", true, 15),
+            (
+                "{ capacity: 10, window: 1h, label: a }, { capacity: 1000, window: 1d }",
+                "{ capacity: 5, window: 1h, label: b }, { capacity: 1000, window: 1d }",
+                false,
+                15,
+            ),
+            (
+                "{ capacity: 10, window: 1h, label: a }",
+                "{ capacity: 5, window: 1h, label: b }",
+                true,
+                15,
+            ),
+            (
+                "{ capacity: 10, window: 1h }",
+                "{ capacity: 10, window: 2h }",
+                false,
+                20,
+            ),
         ];
         for (i, (old, new, other, most)) in cases.into_iter().enumerate() {
             let (old, new) = (engine_of(old, other).await, engine_of(new, other).await);
@@ -1057,6 +1081,85 @@ rule_sets:
         assert_eq!(d.remaining(), Some(4));
         let value = redis.server().cli(&["GET", key]);
         assert!(value.starts_with("b0:5/1h|") && !value.contains(','), "{value}");
+    }
+
+    /// Two instances holding two versions of a token-bucket band of one name and window (its
+    /// capacity changed) admit together no more than the looser version allows: each
+    /// version's band counts the permits the other's holds in use, whichever script decides
+    /// (one band, alone or batched; token buckets only; with another algorithm) and in
+    /// whichever order the client takes them. Before, each version counted only its own
+    /// band's admissions: 10 per hour and 5 per hour admitted 15.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_versions_of_a_band_admit_together_no_more_than_the_looser() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let url = redis.url();
+        let engine_of = |bands: &str, other: bool, batch: bool| {
+            let mut yaml =
+                format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
+            if other {
+                yaml.push_str("      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 1000, window: 1h }] }\n");
+            }
+            let limiter = fluxgate::redis::RedisLimiter::builder(url.clone())
+                .prefix("looser")
+                .deny_cache(false)
+                .batching(batch.then(fluxgate::redis::Batching::new))
+                .timeout(std::time::Duration::from_secs(2))
+                .connect();
+            async move {
+                Engine::builder(rules(&yaml))
+                    .limiter(limiter.await.expect("the test server takes connections"))
+                    .build()
+                    .expect("Redis decides every rule")
+            }
+        };
+        // The versions' bands, whether a rule of another algorithm comes with the rule,
+        // whether the first version's instance batches its decisions.
+        let cases = [
+            (
+                "{ capacity: 10, window: 1h }",
+                "{ capacity: 5, window: 1h }",
+                false,
+                false,
+            ),
+            (
+                "{ capacity: 10, window: 1h }",
+                "{ capacity: 5, window: 1h }",
+                false,
+                true,
+            ),
+            (
+                "{ capacity: 10, window: 1h, label: hour }, { capacity: 1000, window: 1d, label: day }",
+                "{ capacity: 5, window: 1h, label: hour }, { capacity: 1000, window: 1d, label: day }",
+                false,
+                false,
+            ),
+            (
+                "{ capacity: 10, window: 1h }",
+                "{ capacity: 5, window: 1h }",
+                true,
+                false,
+            ),
+        ];
+        let mut ip = 0;
+        for (i, (looser, stricter, other, batch)) in cases.into_iter().enumerate() {
+            let looser = engine_of(looser, other, batch).await;
+            let stricter = engine_of(stricter, other, false).await;
+            // Alternating, the looser first or the stricter first; and the stricter spent
+            // before the looser.
+            let orders: [&dyn Fn(usize) -> bool; 3] = [&|n| n % 2 == 0, &|n| n % 2 == 1, &|n| n >= 50];
+            for (o, on_looser) in orders.into_iter().enumerate() {
+                ip += 1;
+                let ctx = RequestContext::builder()
+                    .client_ip(format!("192.0.2.{}", 140 + ip).parse().unwrap())
+                    .build();
+                let mut admitted = 0;
+                for n in 0..100 {
+                    let engine = if on_looser(n) { &looser } else { &stricter };
+                    admitted += usize::from(check(engine, &ctx).await.allowed());
+                }
+                assert_eq!(admitted, 10, "case {i}, order {o}: admitted of 100 across the versions");
+            }
+        }
     }
 
     /// A limiter made from another (`with_batching`) shares its deny cache: a reset through
