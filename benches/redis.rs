@@ -21,8 +21,10 @@
 //!   bands, then 1, 3 and 6 rules of 2 bands each, printed as a table.
 //!
 //! The `EVALSHA` calls counted by `INFO commandstats` are printed next to the decisions,
-//! with the microseconds Redis spent per call, and the CPU time of this process (client,
-//! engine and runtime; `getrusage` through `/proc/self/stat`) per decision.
+//! with the microseconds Redis spent per call, the CPU time of this process (client,
+//! engine and runtime; through `/proc/self/stat`) and of the whole `redis-server` process
+//! (its commands, event loop and expiry of keys) per decision, and both processes'
+//! reading and writing system calls per decision (`/proc/<pid>/io`).
 //! `cargo bench --bench redis -- algorithms` runs only the comparison of the algorithms,
 //! `-- bands` only the table of bands and rules, `-- peer` only FluxGate's engine and layer
 //! 1x1, the peer's layer and the engine 3x2, twice each in turn; `-- 1x1`, `-- 3x2`,
@@ -153,9 +155,13 @@ struct Report {
     server_us: f64,
     /// CPU time of this process per decision, in µs.
     client_us: f64,
+    /// This process's reading and writing system calls per decision.
+    client_syscalls: (f64, f64),
     /// CPU time of `redis-server` per decision, in µs: its commands, and what it does
     /// besides (expiring keys, its event loop).
     server_cpu_us: Option<f64>,
+    /// `redis-server`'s reading and writing system calls per decision.
+    server_syscalls: Option<(f64, f64)>,
 }
 
 /// The CPU time (user and system) of this process so far, in seconds.
@@ -178,17 +184,44 @@ fn cpu_of(path: &str) -> f64 {
     (ticks(11) + ticks(12)) / 100.0
 }
 
-/// What a measurement on `server` starts from: its `EVALSHA` calls and its CPU time.
-fn server_before(server: &RedisServer) -> (u64, f64) {
-    (server.evalsha_calls(), server_cpu(server))
+/// The reading and writing system calls of `server` so far.
+fn server_syscalls(server: &RedisServer) -> (u64, u64) {
+    syscalls_of(&format!("/proc/{}/io", server.pid()))
+}
+
+/// The reading and writing system calls so far (`syscr`, `syscw`) of the process whose
+/// `io` file is `path`.
+fn syscalls_of(path: &str) -> (u64, u64) {
+    let io = std::fs::read_to_string(path).unwrap_or_default();
+    let field = |name: &str| {
+        io.lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("syscr:"), field("syscw:"))
+}
+
+/// What a measurement on `server` starts from: its `EVALSHA` calls, its CPU time and its
+/// system calls.
+type Before = (u64, f64, (u64, u64));
+
+fn server_before(server: &RedisServer) -> Before {
+    (server.evalsha_calls(), server_cpu(server), server_syscalls(server))
 }
 
 impl Report {
     /// Adds `server`'s figures since `before` ([`server_before`]).
-    fn of_server(mut self, server: &RedisServer, before: (u64, f64)) -> Self {
+    fn of_server(mut self, server: &RedisServer, before: Before) -> Self {
+        let decisions = self.decisions.max(1) as f64;
         self.evalsha = Some(server.evalsha_calls() - before.0);
         self.server_us = server.evalsha_stat("usec_per_call");
-        self.server_cpu_us = Some((server_cpu(server) - before.1) * 1e6 / self.decisions.max(1) as f64);
+        self.server_cpu_us = Some((server_cpu(server) - before.1) * 1e6 / decisions);
+        let (reads, writes) = server_syscalls(server);
+        self.server_syscalls = Some((
+            (reads - before.2 .0) as f64 / decisions,
+            (writes - before.2 .1) as f64 / decisions,
+        ));
         self
     }
 
@@ -210,13 +243,18 @@ impl Report {
         let server_cpu = self
             .server_cpu_us
             .map_or_else(String::new, |us| format!(", Redis CPU {us:.2} µs/decision"));
+        let server_syscalls = self.server_syscalls.map_or_else(String::new, |(reads, writes)| {
+            format!(" ({reads:.2} reads, {writes:.2} writes)")
+        });
         println!(
-            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms  client CPU {:>5.2} µs/decision{calls}{server_cpu}",
+            "{:<34} {:>9.0} decisions/s  p50 {:>6.3} ms  p99 {:>6.3} ms  client CPU {:>5.2} µs/decision ({:.2} reads, {:.2} writes){calls}{server_cpu}{server_syscalls}",
             self.name,
             rate,
             pct(0.50),
             pct(0.99),
             self.client_us,
+            self.client_syscalls.0,
+            self.client_syscalls.1,
         );
     }
 }
@@ -231,6 +269,7 @@ where
     let counter = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let cpu = process_cpu();
+    let syscalls = syscalls_of("/proc/self/io");
     let mut tasks = Vec::new();
     for _ in 0..IN_FLIGHT {
         let (stop, counter, op) = (stop.clone(), counter.clone(), op.clone());
@@ -260,7 +299,13 @@ where
         evalsha: None,
         server_us: 0.0,
         server_cpu_us: None,
+        server_syscalls: None,
         client_us: (process_cpu() - cpu) * 1e6 / decisions.max(1) as f64,
+        client_syscalls: {
+            let (reads, writes) = syscalls_of("/proc/self/io");
+            let per = |n: u64| n as f64 / decisions.max(1) as f64;
+            (per(reads - syscalls.0), per(writes - syscalls.1))
+        },
     }
 }
 
