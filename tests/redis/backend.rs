@@ -508,12 +508,20 @@ rule_sets:
         let mut keys: Vec<String> = keys.lines().map(str::to_owned).collect();
         keys.sort();
         let ip = "ip=192.0.2.9";
-        let expected: Vec<String> = [("fw", ":fw"), ("lb", ":lb"), ("swc", ":swc"), ("swl", ":swl")]
-            .iter()
-            .map(|(rule, suffix)| format!("test0:{{default:{rule}:{ip}}}:b0:2/1m{suffix}"))
-            // A token-bucket rule is one key, its bands named in its value.
-            .chain([format!("test0:{{default:tb:{ip}}}")])
-            .collect();
+        // A leaky bucket's band named by its capacity and window (its state is counted in
+        // units of its capacity); a window algorithm's by its window alone (it counts
+        // permits).
+        let expected: Vec<String> = [
+            ("fw", ":1m:fw"),
+            ("lb", ":2/1m:lb"),
+            ("swc", ":1m:swc"),
+            ("swl", ":1m:swl"),
+        ]
+        .iter()
+        .map(|(rule, suffix)| format!("test0:{{default:{rule}:{ip}}}:b0{suffix}"))
+        // A token-bucket rule is one key, its bands named in its value.
+        .chain([format!("test0:{{default:tb:{ip}}}")])
+        .collect();
         assert_eq!(keys, expected);
         let states: Vec<String> = keys.iter().map(|k| snapshot(k)).collect();
         // The third request is rejected by every rule and writes nothing anywhere.
@@ -562,7 +570,7 @@ rule_sets:
             assert_eq!(d.remaining(), Some(remaining));
         }
         assert!(!check(&engine, &ctx).await.allowed());
-        let key = "test0:{default:swl:ip=192.0.2.10}:b0:12/1m:swl";
+        let key = "test0:{default:swl:ip=192.0.2.10}:b0:1m:swl";
         let scored = redis.server().cli(&["ZRANGE", key, "0", "-1", "WITHSCORES"]);
         let lines: Vec<&str> = scored.lines().collect();
         assert_eq!(lines.len(), 20, "{lines:?}");
@@ -954,8 +962,8 @@ rule_sets:
         // The state as a clock one window ahead left it: the window after now's, full.
         let ahead = now - now % w + 2 * w;
         let (fw, swc) = (
-            "clockback:{default:fw:ip=192.0.2.50}:b0:3/1h:fw",
-            "clockback:{default:swc:ip=192.0.2.50}:b0:3/1h:swc",
+            "clockback:{default:fw:ip=192.0.2.50}:b0:1h:fw",
+            "clockback:{default:swc:ip=192.0.2.50}:b0:1h:swc",
         );
         let (fw_state, swc_state) = (format!("{ahead}:3"), format!("{ahead}:0:3"));
         redis.server().cli(&["SET", fw, &fw_state, "PX", "86400000"]);
@@ -1158,6 +1166,59 @@ rule_sets:
                     admitted += usize::from(check(engine, &ctx).await.allowed());
                 }
                 assert_eq!(admitted, 10, "case {i}, order {o}: admitted of 100 across the versions");
+            }
+        }
+    }
+
+    /// The same for the window algorithms, whose keys name a band by its window alone: two
+    /// versions of a band of one name and window and another capacity count one window, in
+    /// which each admits while the count is within its own capacity. Before, each version
+    /// had a key of its own: 10 per hour and 5 per hour admitted 15.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_versions_of_a_window_band_admit_together_no_more_than_the_looser() {
+        let redis = Redis::start(Servers::standalone()).await;
+        let url = redis.url();
+        let engine_of = |algorithm: &str, capacity: u64| {
+            let yaml = format!(
+                "rule_sets:\n  - id: default\n    rules:\n      - id: r\n        algorithm: {algorithm}\n        \
+                 bands: [{{ capacity: {capacity}, window: 1h }}]\n"
+            );
+            let limiter = fluxgate::redis::RedisLimiter::builder(url.clone())
+                .prefix("looser-windows")
+                .deny_cache(false)
+                .timeout(std::time::Duration::from_secs(2))
+                .connect();
+            async move {
+                Engine::builder(rules(&yaml))
+                    .limiter(limiter.await.expect("the test server takes connections"))
+                    .build()
+                    .expect("Redis decides every rule")
+            }
+        };
+        // Windows are aligned on the hour: a run that would cross one starts after it.
+        let into_hour = redis.server().time_us() / 1_000_000 % 3_600;
+        if into_hour >= 3_590 {
+            tokio::time::sleep(std::time::Duration::from_secs(3_601 - into_hour)).await;
+        }
+        let mut ip = 0;
+        for algorithm in ["fixed_window", "sliding_window_counter", "sliding_window_log"] {
+            let looser = engine_of(algorithm, 10).await;
+            let stricter = engine_of(algorithm, 5).await;
+            let orders: [&dyn Fn(usize) -> bool; 3] = [&|n| n % 2 == 0, &|n| n % 2 == 1, &|n| n >= 50];
+            for (o, on_looser) in orders.into_iter().enumerate() {
+                ip += 1;
+                let ctx = RequestContext::builder()
+                    .client_ip(format!("192.0.2.{}", 200 + ip).parse().unwrap())
+                    .build();
+                let mut admitted = 0;
+                for n in 0..100 {
+                    let engine = if on_looser(n) { &looser } else { &stricter };
+                    admitted += usize::from(check(engine, &ctx).await.allowed());
+                }
+                assert_eq!(
+                    admitted, 10,
+                    "{algorithm}, order {o}: admitted of 100 across the versions"
+                );
             }
         }
     }

@@ -50,12 +50,12 @@ fn meaning_until(key: &str, value: &str) -> Option<i64> {
         // A token-bucket rule: its bands' instants, in hexadecimal, after the layout.
         return value.split('|').skip(1).filter_map(|s| instant(s, 16)).max();
     }
-    // `:<band>:<capacity>/<window>:<suffix>`
+    // `:<band>:<capacity>/<window>:lb`, `:<band>:<window>:<suffix>` for the windows
     let parts: Vec<&str> = tail.split(':').collect();
     let [_, _, figures, suffix] = parts[..] else {
         return None; // a refund's mark
     };
-    let w = window_us(figures.split('/').nth(1).expect("a window"));
+    let w = window_us(figures.rsplit('/').next().expect("a window"));
     let n: Vec<i64> = value.split(':').map(|x| x.parse().unwrap_or(0)).collect();
     let at = |i: usize| n.get(i).copied().unwrap_or(0);
     match suffix {

@@ -595,7 +595,7 @@ rule_sets:
         2,
         "the second call's 2"
     );
-    let key = "two-windows:{default:global:global}:b0:20/4s:swc";
+    let key = "two-windows:{default:global:global}:b0:4s:swc";
     let stored = redis.server().cli(&["GET", key]);
     let current: u64 = stored
         .trim()

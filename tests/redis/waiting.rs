@@ -983,9 +983,9 @@ async fn a_key_outlives_the_places_waiting_requests_take() {
     type Last = fn(i64, i64) -> i64;
     let cases: [(usize, &str, Last); 4] = [
         (0, "leaky:global}:b0:2/1s:lb", |_, reset_end| reset_end),
-        (1, "fixed:global}:b0:3/1s:fw", |at, _| at - at % W + W),
-        (2, "log:global}:b0:3/1s:swl", |at, _| at + W),
-        (3, "counter:global}:b0:2/1s:swc", |at, _| at - at % W + 2 * W),
+        (1, "fixed:global}:b0:1s:fw", |at, _| at - at % W + W),
+        (2, "log:global}:b0:1s:swl", |at, _| at + W),
+        (3, "counter:global}:b0:1s:swc", |at, _| at - at % W + 2 * W),
     ];
     for (rule, key, last) in cases {
         let prefix = format!("ttl-{rule}");

@@ -1,8 +1,9 @@
 //! The keys in Redis: a token-bucket rule's, `<prefix>:{<rule set>:<rule>:<key value>}`,
 //! whose value holds all its bands, each named by its tag `<band>:<capacity>/<window>`;
-//! a band's of the other algorithms,
-//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>:<suffix>`; and the
-//! deny cache's keys.
+//! a leaky bucket's band,
+//! `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<capacity>/<window>:lb`; a window
+//! algorithm's band, `<prefix>:{<rule set>:<rule>:<key value>}:<band>:<window>:<suffix>`;
+//! and the deny cache's keys.
 
 use std::fmt::Write as _;
 
@@ -44,13 +45,26 @@ pub(crate) fn push_band_tag(out: &mut String, band: &Band, capacity: i64) {
     out.push_str(&fluxgate_core::rule::format_duration(band.window()));
 }
 
-/// What follows a bucket's key (from [`rule_key`]) in the key of
-/// one of its bands, `:<band tag>[:<suffix>]`: the key of a band of the algorithms other
-/// than the token bucket, and the name of any band in the deny cache.
+/// What follows a bucket's key (from [`rule_key`]) in the key of one of its bands: the
+/// key of a band of the algorithms other than the token bucket, and the name of a
+/// token-bucket band in the deny cache. `:<band tag>` for a token or leaky bucket, whose
+/// state is counted in units of its capacity, then `:lb` for a leaky bucket;
+/// `:<band>:<window>:<suffix>` for a window algorithm (fixed window, sliding window log or
+/// counter), whose state counts permits: a band whose capacity alone changed keeps its
+/// count, so that instances holding two versions of the rule count one window, in which
+/// each admits while the count is within its own capacity (the looser version's limit,
+/// where a key per capacity gave both versions' capacities together), and a capacity
+/// changed on every instance goes on from the window's count.
 pub(crate) fn band_part(band: &Band, capacity: i64, algorithm: ScriptAlgorithm) -> String {
     let mut part = String::with_capacity(48);
     part.push(':');
-    push_band_tag(&mut part, band, capacity);
+    if counts_permits(algorithm) {
+        part.push_str(band.name().as_ref());
+        part.push(':');
+        part.push_str(&fluxgate_core::rule::format_duration(band.window()));
+    } else {
+        push_band_tag(&mut part, band, capacity);
+    }
     if let Some(suffix) = suffix(algorithm) {
         part.push(':');
         part.push_str(suffix);
@@ -58,8 +72,24 @@ pub(crate) fn band_part(band: &Band, capacity: i64, algorithm: ScriptAlgorithm) 
     part
 }
 
+/// Whether a band of `algorithm` counts permits (a window algorithm), whatever its
+/// capacity, rather than units of its capacity (a token or leaky bucket).
+pub(crate) fn counts_permits(algorithm: ScriptAlgorithm) -> bool {
+    matches!(
+        algorithm,
+        ScriptAlgorithm::FixedWindow | ScriptAlgorithm::SlidingWindowLog | ScriptAlgorithm::SlidingWindowCounter
+    )
+}
+
+/// What follows a window algorithm's band key in its deny-cache key, `@<capacity>`: the
+/// key holds no capacity, and a denial holds for one.
+pub(crate) fn capacity_part(capacity: i64) -> String {
+    format!("@{capacity}")
+}
+
 /// What follows a band's name (its key, or its rule's key and [`band_part`] for a token
-/// bucket) in its deny-cache key, `#<cost>`: a denial holds for one cost.
+/// bucket; and [`capacity_part`] for a window algorithm) in its deny-cache key, `#<cost>`:
+/// a denial holds for one cost.
 pub(crate) fn cost_part(permits: u64) -> String {
     let mut part = String::with_capacity(21);
     part.push('#');
@@ -144,9 +174,18 @@ mod tests {
             format!(":{name}:10/1s")
         );
         assert_eq!(
-            band_part(&band, 10, ScriptAlgorithm::FixedWindow),
-            format!(":{name}:10/1s:fw")
+            band_part(&band, 10, ScriptAlgorithm::LeakyBucket),
+            format!(":{name}:10/1s:lb")
         );
+        // A window algorithm's count is of permits: its key holds no capacity.
+        for (algorithm, suffix) in [
+            (ScriptAlgorithm::FixedWindow, "fw"),
+            (ScriptAlgorithm::SlidingWindowLog, "swl"),
+            (ScriptAlgorithm::SlidingWindowCounter, "swc"),
+        ] {
+            assert_eq!(band_part(&band, 10, algorithm), format!(":{name}:1s:{suffix}"));
+        }
+        assert_eq!(capacity_part(10), "@10");
         assert_eq!(cost_part(12), "#12");
     }
 

@@ -65,12 +65,12 @@ pub(crate) struct RulePlan {
     /// The scripts' arguments.
     pub(crate) args: Arc<RuleArgs>,
     /// A token-bucket rule's key is `<prefix>:<hash tag>`; a band of another algorithm's
-    /// key is that followed by its part here (`:<band tag>[:<suffix>]`, see
-    /// [`key::band_part`]).
+    /// key is that followed by its part here (see [`key::band_part`]).
     band_parts: SmallVec<[String; 2]>,
-    /// What follows a band's name in its deny-cache key: `#<cost>` after a band key of
-    /// another algorithm, `:<band tag>#<cost>` after a token-bucket rule's key (see
-    /// [`key::band_part`] and [`key::cost_part`]).
+    /// What follows a band's name in its deny-cache key: `#<cost>` after a leaky bucket's
+    /// band key, `@<capacity>#<cost>` after a window algorithm's, `:<band tag>#<cost>` after
+    /// a token-bucket rule's key (see [`key::band_part`], [`key::capacity_part`] and
+    /// [`key::cost_part`]).
     deny_suffixes: SmallVec<[String; 2]>,
 }
 
@@ -153,6 +153,13 @@ impl RulePlan {
             layout.push('|');
             let deny = parts.iter().map(|part| format!("{part}{cost_part}")).collect();
             (Some(Str::from(layout)), SmallVec::new(), deny)
+        } else if key::counts_permits(algorithm) {
+            // A window algorithm's key holds no capacity: its deny-cache name does.
+            let deny = numbers
+                .iter()
+                .map(|args| format!("{}{cost_part}", key::capacity_part(args.capacity)))
+                .collect();
+            (None, parts, deny)
         } else {
             let deny = parts.iter().map(|_| cost_part.clone()).collect();
             (None, parts, deny)
@@ -282,8 +289,8 @@ mod tests {
 
         let fw = the_plan(&sets, 1);
         assert!(!fw.is_one_key());
-        assert_eq!(fw.band_key("p:{api:fw:k}", 0), "p:{api:fw:k}:m:5/1m:fw");
-        assert_eq!(fw.deny_key("p:{api:fw:k}:m:5/1m:fw", 0), "p:{api:fw:k}:m:5/1m:fw#1");
+        assert_eq!(fw.band_key("p:{api:fw:k}", 0), "p:{api:fw:k}:m:1m:fw");
+        assert_eq!(fw.deny_key("p:{api:fw:k}:m:1m:fw", 0), "p:{api:fw:k}:m:1m:fw@5#1");
         assert!(fw.refund(0).unwrap().place.is_none());
         assert!(fw.refund(1).is_none());
     }
