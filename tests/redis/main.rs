@@ -31,6 +31,7 @@ mod differential;
 mod expiry;
 mod fairness;
 mod leases;
+mod memory;
 mod metrics;
 mod outage;
 mod sentinel;

@@ -575,7 +575,7 @@ fn one_rule_reply(
 
 /// The error a request's script raised in a batch.
 fn script_error(message: String) -> RedisError {
-    RedisError::Command(FredError::new(ErrorKind::Unknown, message))
+    RedisError::command(FredError::new(ErrorKind::Unknown, message))
 }
 
 /// The reply of request `i` of `total` from the rest of the batch's reply, decided at
@@ -616,6 +616,10 @@ fn next_reply(values: &mut std::vec::IntoIter<Value>, now: i64, i: usize, total:
 fn copy(error: &RedisError) -> RedisError {
     match error {
         RedisError::Command(e) => RedisError::Command(e.clone()),
+        RedisError::OutOfMemory(full) => match full.0.downcast_ref::<FredError>() {
+            Some(e) => RedisError::command(e.clone()),
+            None => RedisError::Reply(full.to_string()),
+        },
         RedisError::Connect(e) => RedisError::Connect(e.clone()),
         RedisError::Timeout(d) => RedisError::Timeout(*d),
         RedisError::Reply(s) => RedisError::Reply(s.clone()),

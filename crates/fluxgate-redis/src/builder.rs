@@ -110,7 +110,11 @@ impl RedisLimiterBuilder {
         self
     }
 
-    /// Checks the URL, connects and loads the script.
+    /// Checks the URL, connects and loads the script, then reads Redis's memory policy
+    /// (`CONFIG GET maxmemory*`) and logs a warning when Redis may evict the limiter's keys
+    /// ([`MemoryPolicy::evicts_counters`](crate::MemoryPolicy::evicts_counters)); a policy
+    /// that cannot be read (`CONFIG` refused or renamed) is noted at info level, and the
+    /// limiter connects all the same.
     ///
     /// # Errors
     ///
@@ -154,6 +158,9 @@ impl RedisLimiterBuilder {
             }
             return Err(e);
         }
+        // A Redis that evicts keys would let a client renew its limit by making keys:
+        // warned of here, once (see `docs/redis.md`, "Memory").
+        crate::memory::warn_of_eviction(scripts.connection(), unanswered).await;
         Ok(RedisLimiter::new(
             scripts,
             self.prefix,

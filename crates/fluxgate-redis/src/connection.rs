@@ -178,7 +178,7 @@ impl Connection {
     ) -> Result<T, RedisError> {
         let result = match tokio::time::timeout(bound, command).await {
             Ok(Ok(value)) => return Ok(value),
-            Ok(Err(e)) => RedisError::Command(e),
+            Ok(Err(e)) => RedisError::command(e),
             Err(_) => RedisError::Timeout(self.timeout),
         };
         self.revive();

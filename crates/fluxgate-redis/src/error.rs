@@ -28,6 +28,13 @@ pub enum RedisError {
     /// A command failed.
     #[error("redis command failed: {0}")]
     Command(#[source] fred::error::Error),
+    /// Redis refused a write for want of memory (`OOM`: `maxmemory` reached under
+    /// `maxmemory-policy noeviction`). It still decides, refusing what it would refuse;
+    /// the requests it would admit fail with this error, a
+    /// [`StoreFull`](fluxgate_core::limiter::StoreFull) among its sources, and go to their
+    /// rules' failure policies (see `docs/redis.md`, "Memory").
+    #[error("redis is out of memory (maxmemory reached): {0}")]
+    OutOfMemory(#[source] fluxgate_core::limiter::StoreFull),
     /// The call did not complete within its deadline.
     #[error("redis did not answer within {0:?}")]
     Timeout(Duration),
@@ -39,4 +46,17 @@ pub enum RedisError {
     /// shut down).
     #[error("the rate-limit decision was interrupted")]
     Interrupted,
+}
+
+impl RedisError {
+    /// The error of a failed command: [`RedisError::OutOfMemory`] when Redis refused it for
+    /// want of memory (its error, or a script's that it raised, starts with `OOM`),
+    /// [`RedisError::Command`] otherwise.
+    pub(crate) fn command(error: fred::error::Error) -> Self {
+        if error.details().starts_with("OOM ") {
+            Self::OutOfMemory(fluxgate_core::limiter::StoreFull(Box::new(error)))
+        } else {
+            Self::Command(error)
+        }
+    }
 }

@@ -212,6 +212,21 @@ impl RedisLimiter {
     pub async fn health(&self) -> Result<Health, RedisError> {
         health::check(self.inner.scripts.connection()).await
     }
+
+    /// The memory policy (`maxmemory`, `maxmemory-policy`) of each server the limiter's
+    /// keys live on (each primary of a cluster), read with `CONFIG GET maxmemory*` within
+    /// the limiter's deadline. [`connect`](crate::RedisLimiterBuilder::connect) reads it
+    /// and warns of a Redis that may evict counters; a limiter made
+    /// [`from_client`](Self::from_client) can check with this.
+    ///
+    /// # Errors
+    ///
+    /// [`RedisError::Command`] when `CONFIG` is refused (an ACL without `+config|get`, a
+    /// managed Redis that renames it), or [`RedisError::Timeout`].
+    pub async fn memory_policies(&self) -> Result<Vec<crate::MemoryPolicy>, RedisError> {
+        let connection = self.inner.scripts.connection();
+        crate::memory::read(connection, connection.timeout()).await
+    }
 }
 
 impl RateLimiter for RedisLimiter {

@@ -420,7 +420,7 @@ impl Scripts {
             let error = match call.await {
                 Ok(reply) => return Ok(reply),
                 Err(e) if *e.kind() == ErrorKind::Timeout => RedisError::Timeout(timeout),
-                Err(e) => RedisError::Command(e),
+                Err(e) => RedisError::command(e),
             };
             self.connection.revive();
             Err(error)

@@ -12,7 +12,7 @@ use crate::error::Error;
 use crate::error::{BoxError, RuleError};
 use crate::future::{MaybeReady, Settled};
 use crate::handler::RateLimitHandler;
-use crate::limiter::{is_rule_error, AcquireOutcome, AcquireRequest, RateLimiter};
+use crate::limiter::{is_rule_error, is_store_full, AcquireOutcome, AcquireRequest, RateLimiter};
 use crate::rule::{Rule, RuleSet};
 
 /// The error of a call refused because the circuit is open.
@@ -31,7 +31,11 @@ pub struct CircuitOpen;
 /// calls end within a deadline (the Redis limiter's, the rate-limit service's handler's). An answer the backend gave from local knowledge
 /// ([`AcquireOutcome::local`], a deny-cache hit) is no evidence that the store is back,
 /// and a configuration error ([`RuleError`]) is no failure of the backend: neither
-/// resets the failure count nor closes the circuit, and neither opens it.
+/// resets the failure count nor closes the circuit, and neither opens it. A backend whose
+/// store is full ([`StoreFull`](crate::limiter::StoreFull): Redis out of memory) answers
+/// within its deadline and still refuses what it would refuse: that answer counts as one,
+/// and the circuit stays closed, so that only the requests it would admit go to the
+/// failure policy.
 ///
 /// ```
 /// use std::time::Duration;
@@ -76,6 +80,7 @@ impl State {
             // A local answer or a configuration error says nothing about the backend.
             Ok(outcome) if outcome.local => {}
             Err(error) if is_rule_error(error) => {}
+            Err(error) if is_store_full(&**error) => self.succeeded(),
             Ok(_) => self.succeeded(),
             Err(_) => self.failed(probe),
         }
@@ -115,6 +120,7 @@ impl State {
     /// Counts a handler's answer to a check (a `probe` or not).
     fn checked(&self, result: &Result<Decision, Error>, probe: bool) {
         match result {
+            Err(Error::Backend(error)) if is_store_full(&**error) => self.succeeded(),
             Err(Error::Backend(_)) => self.failed(probe),
             // An answer, or an error that says nothing of the service's health.
             _ => self.succeeded(),

@@ -167,10 +167,47 @@ impl Fallback {
 /// [`CircuitBreaker`] is open, which warned once when it opened and answers every request
 /// with [`CircuitOpen`] meanwhile (logged at debug level, so that an outage does not log a
 /// warning per request).
+///
+/// A full store ([`StoreFull`](crate::limiter::StoreFull)) opens no circuit and fails every
+/// request it would admit, for as long as it stays full: it is warned of once per
+/// [`STORE_FULL_WARNING_EVERY`], and logged at debug level in between, so that a client
+/// that fills the store does not also write a warning per request.
 fn warn_failed(error: &BoxError, action: &str) {
     if error.is::<CircuitOpen>() {
         tracing::debug!(%error, "rate-limit backend unavailable; {action}");
+    } else if crate::limiter::is_store_full(&**error) {
+        if store_full_warning_due() {
+            tracing::warn!(
+                %error,
+                "rate-limit store full: the requests it would admit are decided by their rules' failure policies; {action} \
+                 (logged again in {}s at the earliest)",
+                STORE_FULL_WARNING_EVERY.as_secs()
+            );
+        } else {
+            tracing::debug!(%error, "rate-limit store full; {action}");
+        }
     } else {
         tracing::warn!(%error, "rate-limit backend failed; {action}");
     }
+}
+
+/// How often a full store is warned of (see [`warn_failed`]).
+const STORE_FULL_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether a full store's failure is to be warned of now: the first in this process, then
+/// the first after each [`STORE_FULL_WARNING_EVERY`].
+fn store_full_warning_due() -> bool {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::Instant;
+    static START: OnceLock<Instant> = OnceLock::new();
+    // The time of the last warning, in ms since `START`, plus one (0: never warned).
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
+    let every = STORE_FULL_WARNING_EVERY.as_millis() as u64;
+    let last = LAST.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= every)
+        && LAST
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }

@@ -361,3 +361,29 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 pub fn is_rule_error(error: &BoxError) -> bool {
     error.is::<RuleError>()
 }
+
+/// The failure of a backend that answers but cannot record what it admits: its store is
+/// full (Redis at `maxmemory` under `maxmemory-policy noeviction` refuses every write). It
+/// still decides, and refuses what it would refuse; only the requests it would admit fail,
+/// and their rules' failure policies answer them. A backend's error carries it among its
+/// sources ([`is_store_full`]).
+///
+/// A [`CircuitBreaker`](crate::CircuitBreaker) counts such an answer as the backend's
+/// answer, not as a failure: open, it would leave every request to the failure policies,
+/// those the backend still refuses included (`fail_open` then admitted a client whose limit
+/// was spent).
+#[derive(Debug, thiserror::Error)]
+#[error("the rate-limit store is full and records no admission: {0}")]
+pub struct StoreFull(#[source] pub BoxError);
+
+/// Whether `error`, or one of its sources, is a [`StoreFull`].
+pub fn is_store_full(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.is::<StoreFull>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
