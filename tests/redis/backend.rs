@@ -1148,25 +1148,14 @@ rule_sets:
                 false,
             ),
         ];
-        let mut ip = 0;
         for (i, (looser, stricter, other, batch)) in cases.into_iter().enumerate() {
             let looser = engine_of(looser, other, batch).await;
             let stricter = engine_of(stricter, other, false).await;
-            // Alternating, the looser first or the stricter first; and the stricter spent
-            // before the looser.
-            let orders: [&dyn Fn(usize) -> bool; 3] = [&|n| n % 2 == 0, &|n| n % 2 == 1, &|n| n >= 50];
-            for (o, on_looser) in orders.into_iter().enumerate() {
-                ip += 1;
-                let ctx = RequestContext::builder()
-                    .client_ip(format!("192.0.2.{}", 140 + ip).parse().unwrap())
-                    .build();
-                let mut admitted = 0;
-                for n in 0..100 {
-                    let engine = if on_looser(n) { &looser } else { &stricter };
-                    admitted += usize::from(check(engine, &ctx).await.allowed());
-                }
-                assert_eq!(admitted, 10, "case {i}, order {o}: admitted of 100 across the versions");
-            }
+            let admitted = taking_turns(&looser, &stricter, 141 + 3 * i).await;
+            assert_eq!(
+                admitted, [10; 3],
+                "case {i}: admitted of 100 across the versions, by order"
+            );
         }
     }
 
@@ -1200,27 +1189,37 @@ rule_sets:
         if into_hour >= 3_590 {
             tokio::time::sleep(std::time::Duration::from_secs(3_601 - into_hour)).await;
         }
-        let mut ip = 0;
-        for algorithm in ["fixed_window", "sliding_window_counter", "sliding_window_log"] {
+        for (i, algorithm) in ["fixed_window", "sliding_window_counter", "sliding_window_log"]
+            .into_iter()
+            .enumerate()
+        {
             let looser = engine_of(algorithm, 10).await;
             let stricter = engine_of(algorithm, 5).await;
-            let orders: [&dyn Fn(usize) -> bool; 3] = [&|n| n % 2 == 0, &|n| n % 2 == 1, &|n| n >= 50];
-            for (o, on_looser) in orders.into_iter().enumerate() {
-                ip += 1;
-                let ctx = RequestContext::builder()
-                    .client_ip(format!("192.0.2.{}", 200 + ip).parse().unwrap())
-                    .build();
-                let mut admitted = 0;
-                for n in 0..100 {
-                    let engine = if on_looser(n) { &looser } else { &stricter };
-                    admitted += usize::from(check(engine, &ctx).await.allowed());
-                }
-                assert_eq!(
-                    admitted, 10,
-                    "{algorithm}, order {o}: admitted of 100 across the versions"
-                );
+            let admitted = taking_turns(&looser, &stricter, 201 + 3 * i).await;
+            assert_eq!(
+                admitted, [10; 3],
+                "{algorithm}: admitted of 100 across the versions, by order"
+            );
+        }
+    }
+
+    /// A client's 100 requests to two instances holding two versions of a rule, in three
+    /// orders: alternating, the looser first or the stricter first; and the stricter's
+    /// spent before the looser's. Each order from its own address, `192.0.2.<first>` and
+    /// the two after it. The requests admitted in each order.
+    async fn taking_turns(looser: &Engine, stricter: &Engine, first: usize) -> [usize; 3] {
+        let orders: [&dyn Fn(usize) -> bool; 3] = [&|n| n % 2 == 0, &|n| n % 2 == 1, &|n| n >= 50];
+        let mut admitted = [0; 3];
+        for (o, on_looser) in orders.into_iter().enumerate() {
+            let ctx = RequestContext::builder()
+                .client_ip(format!("192.0.2.{}", first + o).parse().expect("an address"))
+                .build();
+            for n in 0..100 {
+                let engine = if on_looser(n) { looser } else { stricter };
+                admitted[o] += usize::from(check(engine, &ctx).await.allowed());
             }
         }
+        admitted
     }
 
     /// A limiter made from another (`with_batching`) shares its deny cache: a reset through
