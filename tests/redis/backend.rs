@@ -223,20 +223,32 @@ rule_sets:
     /// token-bucket rule `r` of `bands`, with a leaky-bucket rule `lb` of `other` per hour
     /// beside it when given (the general script then decides).
     async fn rule_r_engine(url: String, prefix: &str, bands: &str, other: Option<u64>) -> Engine {
-        let limiter = fluxgate::redis::RedisLimiter::builder(url)
-            .prefix(prefix)
-            .deny_cache(false)
-            .timeout(std::time::Duration::from_secs(2))
-            .connect()
-            .await
-            .expect("the test server takes connections");
+        engine_on(url, prefix, &rule_r(bands, other), None).await
+    }
+
+    /// The rule set of [`rule_r_engine`].
+    fn rule_r(bands: &str, other: Option<u64>) -> String {
         let mut yaml = format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
         if let Some(capacity) = other {
             yaml.push_str(&format!(
                 "      - {{ id: lb, algorithm: leaky_bucket, bands: [{{ capacity: {capacity}, window: 1h }}] }}\n"
             ));
         }
-        Engine::builder(rules(&yaml))
+        yaml
+    }
+
+    /// An engine of the rule set `yaml` on a limiter of its own (keys under `prefix`, no
+    /// deny cache, `batching`).
+    async fn engine_on(url: String, prefix: &str, yaml: &str, batching: Option<fluxgate::redis::Batching>) -> Engine {
+        let limiter = fluxgate::redis::RedisLimiter::builder(url)
+            .prefix(prefix)
+            .deny_cache(false)
+            .batching(batching)
+            .timeout(std::time::Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("the test server takes connections");
+        Engine::builder(rules(yaml))
             .limiter(limiter)
             .build()
             .expect("Redis decides every rule")
@@ -1102,23 +1114,8 @@ rule_sets:
         let redis = Redis::start(Servers::standalone()).await;
         let url = redis.url();
         let engine_of = |bands: &str, other: bool, batch: bool| {
-            let mut yaml =
-                format!("rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{bands}]\n");
-            if other {
-                yaml.push_str("      - { id: lb, algorithm: leaky_bucket, bands: [{ capacity: 1000, window: 1h }] }\n");
-            }
-            let limiter = fluxgate::redis::RedisLimiter::builder(url.clone())
-                .prefix("looser")
-                .deny_cache(false)
-                .batching(batch.then(fluxgate::redis::Batching::new))
-                .timeout(std::time::Duration::from_secs(2))
-                .connect();
-            async move {
-                Engine::builder(rules(&yaml))
-                    .limiter(limiter.await.expect("the test server takes connections"))
-                    .build()
-                    .expect("Redis decides every rule")
-            }
+            let (url, yaml) = (url.clone(), rule_r(bands, other.then_some(1000)));
+            async move { engine_on(url, "looser", &yaml, batch.then(fluxgate::redis::Batching::new)).await }
         };
         // The versions' bands, whether a rule of another algorithm comes with the rule,
         // whether the first version's instance batches its decisions.
@@ -1172,17 +1169,8 @@ rule_sets:
                 "rule_sets:\n  - id: default\n    rules:\n      - id: r\n        algorithm: {algorithm}\n        \
                  bands: [{{ capacity: {capacity}, window: 1h }}]\n"
             );
-            let limiter = fluxgate::redis::RedisLimiter::builder(url.clone())
-                .prefix("looser-windows")
-                .deny_cache(false)
-                .timeout(std::time::Duration::from_secs(2))
-                .connect();
-            async move {
-                Engine::builder(rules(&yaml))
-                    .limiter(limiter.await.expect("the test server takes connections"))
-                    .build()
-                    .expect("Redis decides every rule")
-            }
+            let url = url.clone();
+            async move { engine_on(url, "looser-windows", &yaml, None).await }
         };
         // Windows are aligned on the hour: a run that would cross one starts after it.
         let into_hour = redis.server().time_us() / 1_000_000 % 3_600;
