@@ -73,14 +73,43 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// An error answer: a status and `{"error", "field"}`.
 pub(crate) struct Failure(pub(crate) StatusCode, pub(crate) ApiError);
 
+/// An error answer's `error` holds at most its first [`ERROR_HEAD`] and last
+/// [`ERROR_TAIL`] characters. Parsers quote what they refuse (serde's `invalid type:
+/// string "…"`, `unknown variant`, `unknown field`, a rule's pattern), and a body of up to
+/// `[http] max_body_bytes` was answered with all of it, twice for an unknown field: the
+/// start says what is wrong, the end what was expected and where (`expected one of …, at
+/// line 1 column 9`, the longest list of a rule's fields included).
+const ERROR_HEAD: usize = 192;
+const ERROR_TAIL: usize = 320;
+/// The most characters of an error answer's `field` (a path such as `attributes.<name>`,
+/// whose name the caller wrote): its first [`FIELD_HEAD`] and last [`FIELD_TAIL`].
+const FIELD_HEAD: usize = 64;
+const FIELD_TAIL: usize = 32;
+
+/// `text` when it has at most `head + tail` characters, else its first `head` and last
+/// `tail` characters with `…` between them.
+fn cut(text: String, head: usize, tail: usize) -> String {
+    let count = text.chars().count();
+    if count <= head + tail {
+        return text;
+    }
+    let mut out: String = text.chars().take(head).collect();
+    out.push('…');
+    out.extend(text.chars().skip(count - tail));
+    out
+}
+
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let mut response = (self.0, Json(self.1)).into_response();
+        let Failure(status, mut error) = self;
+        error.error = cut(error.error, ERROR_HEAD, ERROR_TAIL);
+        error.field = error.field.map(|field| cut(field, FIELD_HEAD, FIELD_TAIL));
+        let mut response = (status, Json(error)).into_response();
         response.headers_mut().insert(
             header::HeaderName::from_static(fluxgate_core::api::ERROR_HEADER),
             HeaderValue::from_static("1"),
         );
-        if self.0 == StatusCode::UNAUTHORIZED {
+        if status == StatusCode::UNAUTHORIZED {
             response
                 .headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

@@ -717,3 +717,122 @@ fn sigterm_lets_the_checks_in_flight_finish() {
     // And it no longer accepts connections.
     assert!(TcpStream::connect(addr).is_err());
 }
+
+/// An error answer names what is wrong and where, without the value it refuses: a body
+/// of up to `[http] max_body_bytes` was answered with all of it (a string of 900,000
+/// characters where a number belongs: 900,093 bytes; twice for a rule's unknown field).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_answers_do_not_echo_the_values_they_refuse() {
+    let rules = rule_file("echo");
+    let (addr, _task) = serve(config(&["--rules", rules.to_str().unwrap()])).await;
+    let long = "A".repeat(900_000);
+    let check = "/api/ratelimit/check";
+    let cases = [
+        (
+            check,
+            format!(r#"{{"permits": "{long}"}}"#),
+            Some("permits"),
+            "expected u64",
+        ),
+        (
+            check,
+            format!(r#"{{"maxWaitMs": "{long}"}}"#),
+            Some("maxWaitMs"),
+            "invalid type",
+        ),
+        (
+            check,
+            format!(r#"{{"attributes": {{"{long}": 1}}}}"#),
+            None,
+            "expected a string",
+        ),
+        (
+            check,
+            format!(r#"{{"ruleSetId": "{long}"}}"#),
+            Some("ruleSetId"),
+            "longer than 64",
+        ),
+        (
+            "/api/ratelimit/check/batch",
+            format!(r#"{{"requests": [{{"userId": "a"}}, {{"permits": "{long}"}}]}}"#),
+            Some("requests[1].permits"),
+            "expected u64",
+        ),
+    ];
+    for (path, body, field, message) in cases {
+        let answer = blocking(move || call(addr, "POST", path, &[], body.as_bytes())).await;
+        assert_eq!(
+            answer.status,
+            400,
+            "{path}: {}",
+            &answer.body[..answer.body.len().min(300)]
+        );
+        assert!(answer.body.len() < 2_048, "{path}: {} bytes", answer.body.len());
+        let error = answer.json();
+        if let Some(field) = field {
+            assert_eq!(error["field"].as_str(), Some(field), "{error}");
+        } else {
+            assert!(
+                error["field"].as_str().unwrap().starts_with("attributes.AAAA"),
+                "{error}"
+            );
+        }
+        let text = error["error"].as_str().unwrap();
+        assert!(text.contains(message), "{text}");
+        if message.starts_with("expected") {
+            // Where, at the end of the message: kept.
+            assert!(text.contains("at line 1 column"), "{text}");
+        }
+    }
+}
+
+/// The same for the admin endpoints: a rule's unknown field, scope, pattern or window of
+/// 900,000 characters is refused in an answer of less than 1 KiB that still names it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_error_answers_do_not_echo_the_values_they_refuse() {
+    let redis = RedisServer::start();
+    let store = fluxgate_redis::RedisRuleSetStore::connect(&redis.url()).await.unwrap();
+    let spec: fluxgate_core::RuleSetSpec = serde_json::from_value(json!({
+        "id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 100, "window": "1h"}]}]
+    }))
+    .unwrap();
+    store.put(&spec).await.unwrap();
+    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-admin-echo.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!(
+            "redis = \"{}\"\n[store]\nenabled = true\n[admin]\ntoken = \"{TOKEN}\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    let (addr, _task) = serve(config(&["--config", file.to_str().unwrap()])).await;
+    let long = "A".repeat(900_000);
+    let band = json!([{"capacity": 1, "window": "1h"}]);
+    let rule = |extra: Value| {
+        let mut rule = json!({"id": "r", "bands": band});
+        for (name, value) in extra.as_object().unwrap() {
+            rule[name] = value.clone();
+        }
+        json!({"id": "api", "rules": [rule]}).to_string()
+    };
+    let cases = [
+        (rule(json!({ long.clone(): 1 })), "expected one of `id`"),
+        (rule(json!({"scope": long})), "expected one of `global`"),
+        (
+            rule(json!({"match": {"paths": [format!("/a/**{long}")]}})),
+            "invalid path pattern `/a/**AAA",
+        ),
+        (
+            json!({"id": "api", "rules": [{"id": "r", "bands": [{"capacity": 1, "window": long}]}]}).to_string(),
+            "invalid duration",
+        ),
+    ];
+    for (body, message) in cases {
+        let answer = admin_call(addr, "PUT", "/api/rulesets/api", body).await;
+        assert_eq!(answer.status, 400, "{}", &answer.body[..answer.body.len().min(300)]);
+        assert!(answer.body.len() < 1_024, "{} bytes", answer.body.len());
+        let text = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(text.contains(message), "{text}");
+    }
+}
