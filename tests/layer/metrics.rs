@@ -139,3 +139,55 @@ async fn rejections_let_through_in_shadow_mode_are_counted() {
         ]
     );
 }
+
+/// The bytes of `text` with each `%XX` decoded: what a customizer reading a percent-encoded
+/// header (or a claim of a token) hands the layer.
+fn percent_decoded(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < bytes.len() {
+        match (bytes[i], bytes.get(i + 1..i + 3)) {
+            (b'%', Some(hex)) => {
+                let hex = std::str::from_utf8(hex).expect("ASCII");
+                out.push(u8::from_str_radix(hex, 16).expect("two hexadecimal digits"));
+                i += 3;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).expect("UTF-8")
+}
+
+/// A rule set id the request chose is written into the log with its control characters
+/// escaped: the warning for an unknown rule set wrote it as it was, and an id holding a line
+/// break and a terminal escape wrote a second, forged line (`acme\n2025-01-01T00:00:00Z
+/// ERROR forged\u{1b}[2K` in the event's `rule_set` field).
+#[tokio::test]
+async fn a_rule_set_id_from_the_request_forges_no_log_line() {
+    let engine = Engine::builder(rules(RULES)).build().expect("valid");
+    let layer = RateLimitLayer::builder(engine)
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(percent_decoded(tenant));
+            }
+        })
+        .build()
+        .expect("valid");
+    let app = app(layer);
+    let forged = "acme%0A2025-01-01T00:00:00Z%20ERROR%20forged%1B[2K";
+    let (reply, trace) = trace_async(send(
+        &app,
+        request("GET", "/api/orders", "203.0.113.5", &[("x-tenant", forged)]),
+    ))
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let warnings = trace.events_at_least(Level::WARN);
+    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
+    let shown = &warnings[0].fields["rule_set"];
+    assert!(shown.contains("acme"), "{shown}");
+    assert!(!shown.chars().any(char::is_control), "{shown:?}");
+}

@@ -161,11 +161,13 @@ pub(crate) struct SpanRecord {
     pub(crate) fields: BTreeMap<String, String>,
 }
 
-/// An event: its level, message and the name of the span it happened in.
+/// An event: its level, message, other fields (as a formatter writes them: `%` fields by
+/// their `Display`, `?` fields by their `Debug`) and the name of the span it happened in.
 #[derive(Debug, Clone)]
 pub(crate) struct EventRecord {
     pub(crate) level: Level,
     pub(crate) message: String,
+    pub(crate) fields: BTreeMap<String, String>,
     pub(crate) span: Option<&'static str>,
 }
 
@@ -284,9 +286,11 @@ impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
         let mut fields = Fields::default();
         event.record(&mut fields);
         let span = ctx.event_span(event).map(|s| s.name());
+        let message = fields.0.remove("message").unwrap_or_default();
         trace.lock().unwrap().events.push(EventRecord {
             level: *event.metadata().level(),
-            message: fields.0.remove("message").unwrap_or_default(),
+            message,
+            fields: fields.0,
             span,
         });
     }

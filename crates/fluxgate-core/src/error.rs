@@ -73,13 +73,24 @@ const EMPTY: &str = "\"\"";
 /// 10 MB long.
 const SHOWN: usize = 64;
 
-/// `text` as an error shows it: its first [`SHOWN`] characters, then `…` when there are
-/// more.
+/// `text` as an error or a log line shows it: its first [`SHOWN`] characters, then `…`
+/// when there are more, each control character escaped (`\n`, `\u{1b}`). The text may
+/// come from a request (a rule set id a customizer read), and a line break or a terminal
+/// escape written as it is would forge a log line of its own.
 pub(crate) fn shown(text: &str) -> String {
-    match text.char_indices().nth(SHOWN) {
-        Some((end, _)) => format!("{}…", &text[..end]),
-        None => text.to_owned(),
+    let mut out = String::with_capacity(text.len().min(4 * SHOWN + 3));
+    for (i, c) in text.chars().enumerate() {
+        if i == SHOWN {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
     }
+    out
 }
 
 impl RuleError {
