@@ -73,7 +73,7 @@ pub enum ChangeError {
     /// The rule set id is not a valid id.
     #[error("rule change message: rule set id `{id}` is not valid: {reason}")]
     RuleSetId {
-        /// The id, cut to 64 characters.
+        /// The id, cut to 64 characters, its control characters escaped.
         id: String,
         /// Why.
         reason: String,
@@ -241,14 +241,37 @@ impl RuleChange {
 impl fmt::Display for RuleChange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.rule_set {
-            Some(id) => write!(f, "rule set `{id}` changed")?,
+            Some(id) => write!(f, "rule set `{}` changed", Shown(id))?,
             None => f.write_str("every rule set changed")?,
         }
         if self.reset_buckets {
             f.write_str(", buckets reset")?;
         }
         if let Some(source) = &self.source {
-            write!(f, " (from {source})")?;
+            write!(f, " (from {})", Shown(source))?;
+        }
+        Ok(())
+    }
+}
+
+/// A text of a message as the logs show it: its first 64 characters, then `…` when there
+/// are more, each control character escaped (`\n`, `\u{1b}`). Whoever may publish on the
+/// channel writes the message, and the listener logs each event: a `source` holding a line
+/// break and a terminal escape, written as it was, forged log lines of its own.
+struct Shown<'a>(&'a str);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use std::fmt::Write as _;
+        for (i, c) in self.0.chars().enumerate() {
+            if i == 64 {
+                return f.write_char('…');
+            }
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                f.write_char(c)?;
+            }
         }
         Ok(())
     }
@@ -256,7 +279,7 @@ impl fmt::Display for RuleChange {
 
 fn valid_id(id: &str) -> Result<(), ChangeError> {
     check_id(id).map_err(|e| ChangeError::RuleSetId {
-        id: id.chars().take(64).collect(),
+        id: Shown(id).to_string(),
         reason: e.to_string(),
     })
 }
@@ -310,6 +333,26 @@ mod tests {
         let long = "a".repeat(MAX_CHANGE_MESSAGE + 1);
         assert_eq!(RuleChange::parse(&long), Err(ChangeError::TooLong(long.len())));
         assert_eq!(RuleChange::parse_bytes(b"\xff\xfe"), Err(ChangeError::NotText));
+    }
+
+    /// The listener logs each event and each message it ignores: what a publisher wrote
+    /// there is cut and escaped, so that it writes no log line of its own (the `source`
+    /// below was written with its line break and escape, a second line of 2,000 characters).
+    #[test]
+    fn a_publisher_forges_no_log_line() {
+        let forged = format!("admin\n2025-01-01T00:00:00Z ERROR forged\u{1b}[2K{}", "x".repeat(2_000));
+        let message = serde_json::json!({"ruleSetId": "api", "source": forged}).to_string();
+        let shown = RuleChange::parse(&message).unwrap().to_string();
+        assert!(!shown.chars().any(char::is_control), "{shown:?}");
+        assert!(shown.contains("(from admin\\n2025"), "{shown}");
+        assert!(shown.len() < 150, "{} bytes", shown.len());
+        for message in [
+            format!("api\n{forged}"),
+            serde_json::json!({"ruleSetId": forged}).to_string(),
+        ] {
+            let error = RuleChange::parse(&message).unwrap_err().to_string();
+            assert!(!error.chars().any(char::is_control), "{error:?}");
+        }
     }
 
     #[test]
