@@ -191,3 +191,32 @@ async fn a_rule_set_id_from_the_request_forges_no_log_line() {
     assert!(shown.contains("acme"), "{shown}");
     assert!(!shown.chars().any(char::is_control), "{shown:?}");
 }
+
+/// The decision span names the rule set asked for as the warning does, cut to 64
+/// characters: a rule set id a customizer took from a header of 60,000 characters was a
+/// span field of 60,000 characters, on every request and every event of its decision.
+#[tokio::test]
+async fn a_rule_set_id_from_the_request_is_cut_in_the_decision_span() {
+    let engine = Engine::builder(rules(RULES)).build().expect("valid");
+    let layer = RateLimitLayer::builder(engine)
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .expect("valid");
+    let app = app(layer);
+    let long = "t".repeat(60_000);
+    let (reply, trace) = trace_async(send(
+        &app,
+        request("GET", "/api/orders", "203.0.113.5", &[("x-tenant", &long)]),
+    ))
+    .await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let spans = trace.spans("fluxgate.decision");
+    assert_eq!(spans.len(), 1);
+    let shown = &spans[0].fields["rule_set"];
+    assert!(shown.chars().count() <= 65, "{} characters", shown.chars().count());
+    assert!(shown.starts_with("tttt") && shown.ends_with('…'), "{shown}");
+}

@@ -328,7 +328,8 @@ impl Engine {
         }
         let span = tracing::debug_span!(
             "fluxgate.decision",
-            rule_set = ctx.rule_set_id(),
+            // The id as asked for, which may come from the request: cut and escaped.
+            rule_set = %crate::error::Shown(ctx.rule_set_id()),
             outcome = tracing::field::Empty,
         );
         let check = span.in_scope(|| self.check_unrecorded(ctx));
@@ -471,12 +472,12 @@ impl Engine {
                 {
                     // Once per engine: the id may come from the request, one per request.
                     tracing::warn!(
-                        rule_set = %crate::error::shown(ctx.rule_set_id()),
+                        rule_set = %crate::error::Shown(ctx.rule_set_id()),
                         "a request names a rule set no rule set has: admitted, and no rule counts it \
                          (UnknownRuleSet::Allow); logged once, later ones at trace level"
                     );
                 } else {
-                    tracing::trace!(rule_set = ctx.rule_set_id(), ?outcome, "unknown rule set");
+                    tracing::trace!(rule_set = %crate::error::Shown(ctx.rule_set_id()), ?outcome, "unknown rule set");
                 }
                 // Not interned: the id may come from the request (see `Name`).
                 let id = ctx.shared_rule_set_id().clone();

@@ -73,24 +73,34 @@ const EMPTY: &str = "\"\"";
 /// 10 MB long.
 const SHOWN: usize = 64;
 
-/// `text` as an error or a log line shows it: its first [`SHOWN`] characters, then `…`
-/// when there are more, each control character escaped (`\n`, `\u{1b}`). The text may
-/// come from a request (a rule set id a customizer read), and a line break or a terminal
-/// escape written as it is would forge a log line of its own.
+/// `text` as an error or a log line shows it (see [`Shown`]).
 pub(crate) fn shown(text: &str) -> String {
-    let mut out = String::with_capacity(text.len().min(4 * SHOWN + 3));
-    for (i, c) in text.chars().enumerate() {
-        if i == SHOWN {
-            out.push('…');
-            break;
+    Shown(text).to_string()
+}
+
+/// Displays a text as an error or a log line shows it: its first [`SHOWN`] characters,
+/// then `…` when there are more, each control character escaped (`\n`, `\u{1b}`). The
+/// text may come from a request (a rule set id a customizer read from a header or a
+/// token): written whole it made a log field as long as the header, and a line break or a
+/// terminal escape written as it is forged a log line of its own. Written as it is
+/// formatted: nothing is allocated.
+pub(crate) struct Shown<'a>(pub(crate) &'a str);
+
+impl std::fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use std::fmt::Write as _;
+        for (i, c) in self.0.chars().enumerate() {
+            if i == SHOWN {
+                return f.write_char('…');
+            }
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                f.write_char(c)?;
+            }
         }
-        if c.is_control() {
-            out.extend(c.escape_default());
-        } else {
-            out.push(c);
-        }
+        Ok(())
     }
-    out
 }
 
 impl RuleError {
