@@ -4,11 +4,13 @@
 //!
 //! Run with: `cargo bench --bench redis` (needs `redis-server` and `redis-benchmark`,
 //! Debian's `redis-server` and `redis-tools`; `BENCH_SECS` sets the seconds per
-//! measurement, default 5, and `BENCH_POOL` the connections of each client, default 8).
+//! measurement, default 5, `BENCH_POOL` the connections of FluxGate's limiter, default the
+//! limiter's own (4), and `BENCH_PEER_POOL` those of the peer's pool, default 8, its
+//! fastest).
 //!
 //! One process, 64 requests in flight, keys drawn from 100,000 distinct clients, every
 //! request admitted (quotas far above the rate). Measured, each on a fresh server:
-//! - `fluxgate engine 1x1` / `3x2`: `Engine::check` with `RedisLimiter` (pool of 8, as the peer's);
+//! - `fluxgate engine 1x1` / `3x2`: `Engine::check` with `RedisLimiter` (its default pool);
 //! - `fluxgate layer 1x1`: the same through `RateLimitLayer` around a trivial service;
 //! - `tower-rate-limit-fred layer`: the peer's layer (single-band GCRA, 65,535 per
 //!   65.5 s, its largest capacity) around the same;
@@ -37,6 +39,9 @@
 //! 100 and of 1,000 (`lease: { max: 100, ttl: 1s }`) next to the same rule without a lease
 //! and to the peer, twice in turn: with leases, most decisions make no call.
 //! `-- acquisition` runs both, and one call per request, side by side in one command.
+//! `-- fred-pool` runs the peer's script alone (`tower_rate_limit_fred::rate_limit`), sent
+//! on the pool's next client and then through fred's `Pool` as the peer's layer sends it,
+//! twice in turn: how the connections a pool's commands take change Redis's reads.
 
 #![allow(missing_docs, clippy::unwrap_used)]
 
@@ -122,9 +127,16 @@ fn secs() -> Duration {
     )
 }
 
-/// The connections of each client, FluxGate's and the peer's: `BENCH_POOL`, default 8.
-fn pool_size() -> usize {
-    std::env::var("BENCH_POOL")
+/// The connections of FluxGate's limiter: `BENCH_POOL`, or the limiter's default
+/// ([`fluxgate::redis::RedisLimiterBuilder::pool_size`]) when unset.
+fn pool_size() -> Option<usize> {
+    std::env::var("BENCH_POOL").ok().and_then(|s| s.parse().ok())
+}
+
+/// The connections of the peer's pool: `BENCH_PEER_POOL`, default 8, its fastest on this
+/// benchmark (see `docs/benchmarks.md`, "Connections").
+fn peer_pool_size() -> usize {
+    std::env::var("BENCH_PEER_POOL")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(8)
@@ -311,8 +323,11 @@ where
 
 async fn engine(server: &RedisServer, yaml: &str, batching: Option<Batching>) -> Engine {
     // A deadline far above any latency: a busy machine must not fail the benchmark.
-    let limiter = RedisLimiter::builder(server.url())
-        .pool_size(pool_size())
+    let mut limiter = RedisLimiter::builder(server.url());
+    if let Some(size) = pool_size() {
+        limiter = limiter.pool_size(size);
+    }
+    let limiter = limiter
         .timeout(Duration::from_secs(2))
         .batching(batching)
         .connect()
@@ -386,6 +401,36 @@ async fn fluxgate_layer_with(name: &str, batching: Option<Batching>) -> Report {
     report.of_server(&server, before)
 }
 
+/// The peer's script through `tower_rate_limit_fred::rate_limit`, each call sent either on
+/// the pool's next client (`Pool::next`, one connection after the other) or through the
+/// pool itself, as the peer's layer sends it: fred's `Pool` picks a client each time a
+/// command asks for one, several times per command, so that its commands crowd onto a few
+/// of its connections (`docs/benchmarks.md`, "Connections").
+async fn peer_script(name: &str, through_the_pool: bool) -> Report {
+    let server = RedisServer::start();
+    let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
+        .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
+        .build_pool(peer_pool_size())
+        .unwrap();
+    pool.init().await.unwrap();
+    let before = server_before(&server);
+    let report = drive(name, move |n| {
+        let pool = pool.clone();
+        async move {
+            let key = ip(n).to_string();
+            let every = Duration::from_millis(1);
+            let refused = if through_the_pool {
+                tower_rate_limit_fred::rate_limit(&pool, key, u16::MAX, every).await
+            } else {
+                tower_rate_limit_fred::rate_limit(pool.next(), key, u16::MAX, every).await
+            };
+            assert_eq!(refused.unwrap(), None);
+        }
+    })
+    .await;
+    report.of_server(&server, before)
+}
+
 #[derive(Clone)]
 struct PeerKey;
 
@@ -404,7 +449,7 @@ async fn peer_layer() -> Report {
     let server = RedisServer::start();
     let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
         .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
-        .build_pool(pool_size())
+        .build_pool(peer_pool_size())
         .unwrap();
     pool.init().await.unwrap();
     let layer = tower_rate_limit_fred::RateLimitLayer::builder()
@@ -511,7 +556,12 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    println!("{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement", secs());
+    println!(
+        "{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement; FluxGate's pool {}, the peer's {}",
+        secs(),
+        pool_size().map_or_else(|| "the limiter's default".to_owned(), |n| n.to_string()),
+        peer_pool_size()
+    );
     let groups = [
         "algorithms",
         "bands",
@@ -525,6 +575,7 @@ fn main() {
         "batched-3x2",
         "leased",
         "acquisition",
+        "fred-pool",
     ];
     let only: Vec<String> = std::env::args().filter(|a| groups.contains(&a.as_str())).collect();
     let run = |group: &str| only.is_empty() || only.iter().any(|a| a == group);
@@ -533,6 +584,12 @@ fn main() {
     }
     if !only.is_empty() && run("peer") {
         against_the_peer(&rt);
+    }
+    if !only.is_empty() && run("fred-pool") {
+        for _ in 0..2 {
+            rt.block_on(peer_script("peer script, Pool::next", false)).print();
+            rt.block_on(peer_script("peer script, through the Pool", true)).print();
+        }
     }
     if !only.is_empty() && run("1x1") {
         rt.block_on(fluxgate_engine("fluxgate engine 1x1", ONE_BY_ONE)).print();
