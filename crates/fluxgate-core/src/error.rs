@@ -69,39 +69,12 @@ pub enum RuleError {
 /// How an empty name (an `id: ""`, a key `""`) is shown where an error names its place.
 const EMPTY: &str = "\"\"";
 
-/// The most characters of a name or value an error shows: an error about a 10 MB id is not
-/// 10 MB long.
-const SHOWN: usize = 64;
-
 /// `text` as an error or a log line shows it (see [`Shown`]).
 pub(crate) fn shown(text: &str) -> String {
     Shown(text).to_string()
 }
 
-/// Displays a text as an error or a log line shows it: its first [`SHOWN`] characters,
-/// then `…` when there are more, each control character escaped (`\n`, `\u{1b}`). The
-/// text may come from a request (a rule set id a customizer read from a header or a
-/// token): written whole it made a log field as long as the header, and a line break or a
-/// terminal escape written as it is forged a log line of its own. Written as it is
-/// formatted: nothing is allocated.
-pub(crate) struct Shown<'a>(pub(crate) &'a str);
-
-impl std::fmt::Display for Shown<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use std::fmt::Write as _;
-        for (i, c) in self.0.chars().enumerate() {
-            if i == SHOWN {
-                return f.write_char('…');
-            }
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
-            } else {
-                f.write_char(c)?;
-            }
-        }
-        Ok(())
-    }
-}
+pub(crate) use crate::text::Shown;
 
 impl RuleError {
     /// A [`RuleError::Invalid`] at the field the problem is about.

@@ -93,4 +93,4 @@ pub use rule::{
     Algorithm, Band, BandSpec, Format, KeyField, Lease, LeaseSpec, MatchSpec, Mode, OnLimitSpec, OnMissingKey, Rule,
     RuleSet, RuleSetSpec, RuleSets, RuleSpec, RulesFileSpec, Scope, ScopeKind, WaitPolicy, WaitSpec,
 };
-pub use text::Text;
+pub use text::{Shown, Text};

@@ -1,5 +1,6 @@
 //! [`Text`]: a string kept inline when short, so that the usual paths and keys of a
-//! request cost no allocation.
+//! request cost no allocation; [`Shown`]: a text that may come from a request, as an error
+//! or a log line shows it.
 
 use std::borrow::Borrow;
 use std::fmt;
@@ -7,6 +8,44 @@ use std::hash::{Hash, Hasher};
 use std::ops::Deref;
 
 const INLINE: usize = 46;
+
+/// The most characters of a name or value an error or a log line shows: an error about a
+/// 10 MB id is not 10 MB long.
+const SHOWN: usize = 64;
+
+/// Displays a text as an error or a log line shows it: its first 64 characters, then `…`
+/// when there are more, each control character escaped (`\n`, `\u{1b}`).
+///
+/// The text may come from a request or from whoever may write rules or rule change messages
+/// (a rule set id a customizer read from a header, a message's `source`): written whole it
+/// made a log field as long as the header, and a line break or a terminal escape written as
+/// it is forged a log line of its own. Written as it is formatted: nothing is allocated.
+///
+/// ```
+/// use fluxgate_core::Shown;
+/// assert_eq!(Shown("api\n2025 ERROR forged").to_string(), "api\\n2025 ERROR forged");
+/// let long = "x".repeat(100);
+/// assert_eq!(Shown(&long).to_string().chars().count(), 65);
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct Shown<'a>(pub &'a str);
+
+impl fmt::Display for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use std::fmt::Write as _;
+        for (i, c) in self.0.chars().enumerate() {
+            if i == SHOWN {
+                return f.write_char('…');
+            }
+            if c.is_control() {
+                write!(f, "{}", c.escape_default())?;
+            } else {
+                f.write_char(c)?;
+            }
+        }
+        Ok(())
+    }
+}
 
 /// A string stored inline up to 46 bytes, on the heap beyond.
 ///

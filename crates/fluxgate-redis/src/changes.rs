@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use fluxgate_core::rule::check_id;
+use fluxgate_core::Shown;
 use sha2::{Digest, Sha256};
 
 /// The channel rule change events are published on unless another is given.
@@ -238,6 +239,9 @@ impl RuleChange {
     }
 }
 
+/// What whoever may publish on the channel wrote (the id, the `source`) is shown cut and
+/// escaped ([`Shown`]): the listener logs each event, and a `source` holding a line break and
+/// a terminal escape, written as it was, forged log lines of its own.
 impl fmt::Display for RuleChange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match &self.rule_set {
@@ -249,29 +253,6 @@ impl fmt::Display for RuleChange {
         }
         if let Some(source) = &self.source {
             write!(f, " (from {})", Shown(source))?;
-        }
-        Ok(())
-    }
-}
-
-/// A text of a message as the logs show it: its first 64 characters, then `…` when there
-/// are more, each control character escaped (`\n`, `\u{1b}`). Whoever may publish on the
-/// channel writes the message, and the listener logs each event: a `source` holding a line
-/// break and a terminal escape, written as it was, forged log lines of its own.
-struct Shown<'a>(&'a str);
-
-impl fmt::Display for Shown<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        use std::fmt::Write as _;
-        for (i, c) in self.0.chars().enumerate() {
-            if i == 64 {
-                return f.write_char('…');
-            }
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
-            } else {
-                f.write_char(c)?;
-            }
         }
         Ok(())
     }
