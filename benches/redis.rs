@@ -408,11 +408,7 @@ async fn fluxgate_layer_with(name: &str, batching: Option<Batching>) -> Report {
 /// of its connections (`docs/benchmarks.md`, "Connections").
 async fn peer_script(name: &str, through_the_pool: bool) -> Report {
     let server = RedisServer::start();
-    let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
-        .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
-        .build_pool(peer_pool_size())
-        .unwrap();
-    pool.init().await.unwrap();
+    let pool = peer_pool(&server).await;
     let before = server_before(&server);
     let report = drive(name, move |n| {
         let pool = pool.clone();
@@ -431,6 +427,17 @@ async fn peer_script(name: &str, through_the_pool: bool) -> Report {
     report.of_server(&server, before)
 }
 
+/// The peer's connections to `server`: a fred pool of [`peer_pool_size`], with the same
+/// deadline as FluxGate's limiter.
+async fn peer_pool(server: &RedisServer) -> fred::clients::Pool {
+    let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
+        .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
+        .build_pool(peer_pool_size())
+        .unwrap();
+    pool.init().await.unwrap();
+    pool
+}
+
 #[derive(Clone)]
 struct PeerKey;
 
@@ -447,11 +454,7 @@ impl tower_rate_limit_fred::KeyResolver for PeerKey {
 
 async fn peer_layer() -> Report {
     let server = RedisServer::start();
-    let pool = fred::types::Builder::from_config(fred::types::config::Config::from_url(&server.url()).unwrap())
-        .with_performance_config(|c| c.default_command_timeout = Duration::from_secs(2))
-        .build_pool(peer_pool_size())
-        .unwrap();
-    pool.init().await.unwrap();
+    let pool = peer_pool(&server).await;
     let layer = tower_rate_limit_fred::RateLimitLayer::builder()
         .conn(pool)
         .key_resolver(PeerKey)

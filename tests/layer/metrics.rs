@@ -58,16 +58,22 @@ async fn the_layers_fail_open_admissions_are_counted() {
     );
 }
 
-#[tokio::test]
-async fn a_rule_set_chosen_per_request_is_not_a_fail_open_label() {
-    let layer = RateLimitLayer::builder(failing_engine())
+/// A layer of `engine` whose customizer takes the rule set from the `x-tenant` header, as
+/// an application that chooses it per tenant does.
+fn by_tenant(engine: Engine) -> RateLimitLayer {
+    RateLimitLayer::builder(engine)
         .customizer(|ctx, parts| {
             if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
                 ctx.set_rule_set_id(tenant);
             }
         })
         .build()
-        .expect("valid");
+        .expect("valid")
+}
+
+#[tokio::test]
+async fn a_rule_set_chosen_per_request_is_not_a_fail_open_label() {
+    let layer = by_tenant(failing_engine());
     let app = app(layer);
     let ((), metrics) = metrics_async(async {
         for tenant in ["tenant-a", "tenant-zz-9"] {
@@ -197,15 +203,7 @@ async fn a_rule_set_id_from_the_request_forges_no_log_line() {
 /// span field of 60,000 characters, on every request and every event of its decision.
 #[tokio::test]
 async fn a_rule_set_id_from_the_request_is_cut_in_the_decision_span() {
-    let engine = Engine::builder(rules(RULES)).build().expect("valid");
-    let layer = RateLimitLayer::builder(engine)
-        .customizer(|ctx, parts| {
-            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
-                ctx.set_rule_set_id(tenant);
-            }
-        })
-        .build()
-        .expect("valid");
+    let layer = by_tenant(Engine::builder(rules(RULES)).build().expect("valid"));
     let app = app(layer);
     let long = "t".repeat(60_000);
     let (reply, trace) = trace_async(send(

@@ -386,6 +386,28 @@ async fn connections_that_send_no_whole_request_are_closed_in_time() {
     assert_eq!((answer.status, answer.json()["remaining"].clone()), (200, json!(1)));
 }
 
+/// A config file for a service whose rule sets live in `redis` with the admin API on (the
+/// token [`TOKEN`]), the store holding rule set `api` (one rule of 100 per hour); `name`
+/// tells the test's file apart.
+async fn admin_config(redis: &RedisServer, name: &str) -> std::path::PathBuf {
+    let store = fluxgate_redis::RedisRuleSetStore::connect(&redis.url()).await.unwrap();
+    let spec: fluxgate_core::RuleSetSpec = serde_json::from_value(json!({
+        "id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 100, "window": "1h"}]}]
+    }))
+    .unwrap();
+    store.put(&spec).await.unwrap();
+    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-{name}.toml", std::process::id()));
+    std::fs::write(
+        &file,
+        format!(
+            "redis = \"{}\"\n[store]\nenabled = true\n[admin]\ntoken = \"{TOKEN}\"\n",
+            redis.url()
+        ),
+    )
+    .unwrap();
+    file
+}
+
 /// An admin call with the right token.
 async fn admin_call(addr: SocketAddr, method: &'static str, path: &'static str, body: String) -> Answer {
     blocking(move || {
@@ -398,21 +420,7 @@ async fn admin_call(addr: SocketAddr, method: &'static str, path: &'static str, 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_puts_are_enforced_by_two_instances_and_need_the_token() {
     let redis = RedisServer::start();
-    let store = fluxgate_redis::RedisRuleSetStore::connect(&redis.url()).await.unwrap();
-    let spec: fluxgate_core::RuleSetSpec = serde_json::from_value(json!({
-        "id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 100, "window": "1h"}]}]
-    }))
-    .unwrap();
-    store.put(&spec).await.unwrap();
-    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-admin.toml", std::process::id()));
-    std::fs::write(
-        &file,
-        format!(
-            "redis = \"{}\"\n[store]\nenabled = true\n[admin]\ntoken = \"{TOKEN}\"\n",
-            redis.url()
-        ),
-    )
-    .unwrap();
+    let file = admin_config(&redis, "admin").await;
     let config = || config(&["--config", file.to_str().unwrap()]);
     let (one, _a) = serve(config()).await;
     let (two, _b) = serve(config()).await;
@@ -791,21 +799,7 @@ async fn error_answers_do_not_echo_the_values_they_refuse() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_error_answers_do_not_echo_the_values_they_refuse() {
     let redis = RedisServer::start();
-    let store = fluxgate_redis::RedisRuleSetStore::connect(&redis.url()).await.unwrap();
-    let spec: fluxgate_core::RuleSetSpec = serde_json::from_value(json!({
-        "id": "api", "rules": [{"id": "per-ip", "bands": [{"capacity": 100, "window": "1h"}]}]
-    }))
-    .unwrap();
-    store.put(&spec).await.unwrap();
-    let file = std::env::temp_dir().join(format!("fluxgate-server-{}-admin-echo.toml", std::process::id()));
-    std::fs::write(
-        &file,
-        format!(
-            "redis = \"{}\"\n[store]\nenabled = true\n[admin]\ntoken = \"{TOKEN}\"\n",
-            redis.url()
-        ),
-    )
-    .unwrap();
+    let file = admin_config(&redis, "admin-echo").await;
     let (addr, _task) = serve(config(&["--config", file.to_str().unwrap()])).await;
     let long = "A".repeat(900_000);
     let band = json!([{"capacity": 1, "window": "1h"}]);
