@@ -1,10 +1,15 @@
 //! What the layer counts on its own (feature `metrics`): requests admitted by its
 //! `on_error(FailOpen)` and rejections it lets through in shadow mode, beside the engine's
-//! metrics; and one warning per failed check, not two.
+//! metrics; and one warning per failed check, not two, whichever handler failed (the engine,
+//! the rate-limit service's `RemoteHandler`, the local engine of a `FallbackHandler` deciding
+//! in its place).
 
 use fluxgate::core::limiter::{AcquireOutcome, AcquireRequest};
 use fluxgate::core::metrics::MetricsRecorder;
-use fluxgate::core::{BoxError, Engine, MaybeReady, RateLimiter};
+use std::time::Duration;
+
+use fluxgate::core::{BoxError, Engine, FallbackHandler, MaybeReady, RateLimiter};
+use fluxgate::tower::remote::RemoteHandler;
 use fluxgate::tower::RateLimitLayer;
 use http::StatusCode;
 use tracing::Level;
@@ -69,6 +74,56 @@ fn by_tenant(engine: Engine) -> RateLimitLayer {
         })
         .build()
         .expect("valid")
+}
+
+/// A `RemoteHandler` for a rate-limit service that is down: nothing listens on its port.
+fn service_down() -> RemoteHandler {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .expect("a free port")
+        .port();
+    RemoteHandler::builder(&format!("http://127.0.0.1:{port}"))
+        .expect("a valid URL")
+        .timeout(Duration::from_secs(2))
+        .build()
+}
+
+/// The service down, the layer's `on_error` admits: one warning, the layer's. The handler
+/// warned as well before, two per request during an outage.
+#[tokio::test]
+async fn a_failed_remote_check_is_one_warning() {
+    let app = app(RateLimitLayer::new(service_down()));
+    let (reply, trace) = trace_async(get_from(&app, "/api/users", "203.0.113.5")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    let warnings = trace.events_at_least(Level::WARN);
+    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
+    assert!(
+        warnings[0].message.contains("admitting the request"),
+        "{:?}",
+        warnings[0]
+    );
+}
+
+/// The service down and a gateway's local engine deciding in its place: one warning, saying
+/// so. Before, the handler warned and the local engine's decision was logged at debug level.
+#[tokio::test]
+async fn a_remote_check_decided_by_the_local_engine_is_one_warning() {
+    let handler = FallbackHandler::new(service_down(), Engine::in_memory(rules(RULES)));
+    let app = app(RateLimitLayer::new(handler));
+    let (reply, trace) = trace_async(get_from(&app, "/api/users", "203.0.113.5")).await;
+    assert_eq!(reply.status, StatusCode::OK);
+    assert_eq!(
+        reply.header("x-ratelimit-remaining"),
+        Some("0"),
+        "decided by the local engine"
+    );
+    let warnings = trace.events_at_least(Level::WARN);
+    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
+    assert!(
+        warnings[0].message.contains("decided by the local engine"),
+        "{:?}",
+        warnings[0]
+    );
 }
 
 #[tokio::test]

@@ -289,8 +289,10 @@ impl RateLimitHandler for RemoteHandler {
                 // A configuration error at the service: refused whatever the failure
                 // policy, as a rule this engine could not decide would be.
                 RemoteError::Misconfigured(message) => Error::Rule(RuleError::Service { message }),
+                // Logged where the failure is covered, once: by the layer's `on_error`, or
+                // by a `FallbackHandler` that decides it locally (a warning each).
                 error => {
-                    tracing::warn!(%error, "rate-limit service failed");
+                    tracing::debug!(%error, "rate-limit service failed");
                     Error::Backend(Box::new(error))
                 }
             })

@@ -211,12 +211,16 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
     /// does not have is no decision of it: the failure is passed on, for the layer's
     /// `on_error` (a local engine given other rules than the service's must not admit the
     /// requests of a rule set it lacks unlimited, as its `UnknownRuleSet::Allow` would).
+    ///
+    /// The failure is logged here when the local engine decides (a warning, as the engine's
+    /// failure policies log theirs: at debug level while a circuit breaker is open), and
+    /// left to the layer's `on_error`, which logs it, when it does not.
     fn locally(&self, ctx: &RequestContext, error: BoxError) -> MaybeReady<Result<Decision, Error>> {
-        tracing::debug!(%error, "the rate-limit handler failed: decided by the local engine");
         let (this, ctx) = (self.clone(), ctx.clone());
         self.local.check(&ctx).map(move |result| match result {
             Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
             Ok(mut decision) => {
+                super::warn_failed(&error, "decided by the local engine");
                 if decision.allowed() && (!decision.bands.is_empty() || !decision.shadow_bands.is_empty()) {
                     this.admitted.add(&this.local, &ctx, &decision);
                 }
