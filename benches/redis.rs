@@ -5,8 +5,8 @@
 //! Run with: `cargo bench --bench redis` (needs `redis-server` and `redis-benchmark`,
 //! Debian's `redis-server` and `redis-tools`; `BENCH_SECS` sets the seconds per
 //! measurement, default 5, `BENCH_POOL` the connections of FluxGate's limiter, default the
-//! limiter's own (4), and `BENCH_PEER_POOL` those of the peer's pool, default 8, its
-//! fastest).
+//! limiter's own (4), `BENCH_PEER_POOL` those of the peer's pool, default 8, its fastest,
+//! and `BENCH_WORKERS` the runtime's worker threads, default one per core).
 //!
 //! One process, 64 requests in flight, keys drawn from 100,000 distinct clients, every
 //! request admitted (quotas far above the rate). Measured, each on a fresh server:
@@ -555,10 +555,11 @@ fn main() {
         keys_by_user(THREE_BY_TWO) && !keys_by_user(ONE_BY_ONE),
         "the drivers' user ids"
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(workers) = std::env::var("BENCH_WORKERS").ok().and_then(|s| s.parse().ok()) {
+        rt.worker_threads(workers);
+    }
+    let rt = rt.enable_all().build().unwrap();
     println!(
         "{IN_FLIGHT} in flight, {KEYS} keys, {:?} per measurement; FluxGate's pool {}, the peer's {}",
         secs(),
