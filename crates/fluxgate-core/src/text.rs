@@ -26,9 +26,17 @@ const SHOWN: usize = 64;
 /// assert_eq!(Shown("api\n2025 ERROR forged").to_string(), "api\\n2025 ERROR forged");
 /// let long = "x".repeat(100);
 /// assert_eq!(Shown(&long).to_string().chars().count(), 65);
+/// assert_eq!(format!("{:?}", Shown(&long)).chars().count(), 67);
 /// ```
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone, Copy)]
 pub struct Shown<'a>(pub &'a str);
+
+/// As [`Display`](fmt::Display) shows it, in quotes: never the whole text.
+impl fmt::Debug for Shown<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{self}\"")
+    }
+}
 
 impl fmt::Display for Shown<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
