@@ -741,7 +741,7 @@ fn an_invalid_rule_names_the_document_rule_set_rule_and_field() {
         ),
         (
             doc! { "methods": ["GET", "NOT A METHOD"] },
-            r#"document {ruleSetId: "api", id: "r"}: rule set `api`, rule `r`, field `methods[1]`: `NOT A METHOD` is not an HTTP method"#,
+            r#"document {ruleSetId: "api", id: "r"}: rule set `api`, rule `r`, field `methods[1]`: `NOT A METHOD` is not an HTTP method (a token of 1 to 32 characters)"#,
         ),
         (
             doc! { "scope": "CUSTOM", "keyStrategyId": "a b" },

@@ -126,12 +126,12 @@ pub enum MatchError {
         /// What is wrong with it.
         error: PatternError,
     },
-    /// A method is not an HTTP method.
-    #[error("`{method}` is not an HTTP method")]
+    /// A method is not an HTTP method token of at most 32 characters.
+    #[error("`{method}` is not an HTTP method (a token of 1 to 32 characters)")]
     Method {
         /// Its position in `match.methods`.
         index: usize,
-        /// The method as given.
+        /// The method as given, cut to 64 characters and its control characters escaped.
         method: String,
     },
     /// A method meant as every method (`*`, `ANY`, `ALL`): as a token it would match none,

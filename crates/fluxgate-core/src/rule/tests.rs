@@ -235,3 +235,27 @@ fn a_lease_holds_one_request_at_least_and_a_band_at_most() {
     let lease = sets.get("s").unwrap().rules()[0].lease().unwrap();
     assert_eq!((lease.max(), lease.ttl()), (5, Duration::from_millis(250)));
 }
+
+/// A rule names methods of at most 32 characters, as the service's check API takes them: a
+/// rule set PUT through the admin API with a method of 900,000 characters was stored for
+/// every instance to load, and its error quoted it whole.
+#[test]
+fn a_method_longer_than_32_characters_is_refused_and_quoted_cut() {
+    let with_method = |method: String| {
+        let mut spec = RuleSpec::new("r", vec![BandSpec::new(1, Duration::from_secs(1))]);
+        spec.matcher.methods = vec!["GET".into(), method];
+        Rule::from_spec("s", spec)
+    };
+    assert!(with_method("M".repeat(32)).is_ok());
+    for method in ["M".repeat(33), "M".repeat(900_000)] {
+        let error = with_method(method).expect_err("a method of more than 32 characters");
+        assert!(error.to_string().len() < 300, "{} bytes", error.to_string().len());
+        match error {
+            RuleError::Invalid { field, message, .. } => {
+                assert_eq!(field, "match.methods[1]");
+                assert!(matches!(message, Problem::Match(MatchError::Method { index: 1, .. })));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

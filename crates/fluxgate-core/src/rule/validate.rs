@@ -195,6 +195,9 @@ pub fn check_id(id: &str) -> Result<(), IdError> {
     Ok(())
 }
 
+/// The longest method a rule names, in bytes (as the service's check API bounds it).
+const MAX_METHOD: usize = 32;
+
 /// The `match` block: the path patterns, then the methods.
 fn matcher(spec: &MatchSpec) -> Result<(Vec<PathPattern>, Vec<Method>), MatchError> {
     let paths = spec
@@ -215,12 +218,14 @@ fn matcher(spec: &MatchSpec) -> Result<(Vec<PathPattern>, Vec<Method>), MatchErr
                     method: m.clone(),
                 });
             }
+            // At most 32 characters, as the rate-limit service takes a request's method: a
+            // rule's list is stored and loaded by every instance, and its error quotes it.
             Method::from_str(&upper)
                 .ok()
-                .filter(|_| !upper.is_empty())
+                .filter(|_| !upper.is_empty() && upper.len() <= MAX_METHOD)
                 .ok_or_else(|| MatchError::Method {
                     index,
-                    method: m.clone(),
+                    method: crate::error::shown(m),
                 })
         })
         .collect::<Result<_, _>>()?;
