@@ -14,7 +14,9 @@ const INLINE: usize = 46;
 const SHOWN: usize = 64;
 
 /// Displays a text as an error or a log line shows it: its first 64 characters, then `…`
-/// when there are more, each control character escaped (`\n`, `\u{1b}`).
+/// when there are more, each control character escaped (`\n`, `\u{1b}`), and so is each
+/// character a terminal would not show as itself (a bidirectional override, `\u{202e}`; a
+/// zero-width space, `\u{200b}`).
 ///
 /// The text may come from a request or from whoever may write rules or rule change messages
 /// (a rule set id a customizer read from a header, a message's `source`): written whole it
@@ -24,6 +26,9 @@ const SHOWN: usize = 64;
 /// ```
 /// use fluxgate_core::Shown;
 /// assert_eq!(Shown("api\n2025 ERROR forged").to_string(), "api\\n2025 ERROR forged");
+/// assert_eq!(Shown("user\u{202e}nimda").to_string(), "user\\u{202e}nimda");
+/// assert_eq!(Shown("a\u{200b}b").to_string(), "a\\u{200b}b");
+/// assert_eq!(Shown("café \"x\"").to_string(), "café \"x\"");
 /// let long = "x".repeat(100);
 /// assert_eq!(Shown(&long).to_string().chars().count(), 65);
 /// assert_eq!(format!("{:?}", Shown(&long)).chars().count(), 67);
@@ -45,8 +50,13 @@ impl fmt::Display for Shown<'_> {
             if i == SHOWN {
                 return f.write_char('…');
             }
-            if c.is_control() {
-                write!(f, "{}", c.escape_default())?;
+            // Control characters, and the characters Rust does not print as they are:
+            // format characters (bidirectional overrides such as U+202E, which reorder
+            // what a terminal shows after them, zero-width characters), unassigned ones,
+            // combining marks; not quotes or backslashes, which `escape_debug` escapes too.
+            let escaped = c.is_control() || (!matches!(c, '"' | '\'' | '\\') && c.escape_debug().len() > 1);
+            if escaped {
+                write!(f, "{}", c.escape_debug())?;
             } else {
                 f.write_char(c)?;
             }
