@@ -15,7 +15,7 @@ use http::StatusCode;
 use tracing::Level;
 
 use crate::support::app::{app, get_from, request, rules, send};
-use crate::support::telemetry::{metrics_async, trace_async};
+use crate::support::telemetry::{metrics_async, trace_async, Trace};
 
 const RULES: &str = r#"
 rule_sets:
@@ -46,6 +46,13 @@ fn failing_engine() -> Engine {
         .recorder(MetricsRecorder::new())
         .build()
         .expect("valid")
+}
+
+/// Asserts that `trace` holds one warning (or worse), and that it says `says`.
+fn one_warning(trace: &Trace, says: &str) {
+    let warnings = trace.events_at_least(Level::WARN);
+    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
+    assert!(warnings[0].message.contains(says), "{:?}", warnings[0]);
 }
 
 #[tokio::test]
@@ -95,13 +102,7 @@ async fn a_failed_remote_check_is_one_warning() {
     let app = app(RateLimitLayer::new(service_down()));
     let (reply, trace) = trace_async(get_from(&app, "/api/users", "203.0.113.5")).await;
     assert_eq!(reply.status, StatusCode::OK);
-    let warnings = trace.events_at_least(Level::WARN);
-    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
-    assert!(
-        warnings[0].message.contains("admitting the request"),
-        "{:?}",
-        warnings[0]
-    );
+    one_warning(&trace, "admitting the request");
 }
 
 /// The service down and a gateway's local engine deciding in its place: one warning, saying
@@ -117,13 +118,7 @@ async fn a_remote_check_decided_by_the_local_engine_is_one_warning() {
         Some("0"),
         "decided by the local engine"
     );
-    let warnings = trace.events_at_least(Level::WARN);
-    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
-    assert!(
-        warnings[0].message.contains("decided by the local engine"),
-        "{:?}",
-        warnings[0]
-    );
+    one_warning(&trace, "decided by the local engine");
 }
 
 #[tokio::test]
@@ -162,13 +157,7 @@ async fn a_failed_check_is_one_warning() {
     let app = app(RateLimitLayer::new(failing_engine()));
     let (reply, trace) = trace_async(get_from(&app, "/api/users", "203.0.113.5")).await;
     assert_eq!(reply.status, StatusCode::OK);
-    let warnings = trace.events_at_least(Level::WARN);
-    assert_eq!(warnings.len(), 1, "{:?}", trace.events);
-    assert!(
-        warnings[0].message.contains("admitting the request"),
-        "{:?}",
-        warnings[0]
-    );
+    one_warning(&trace, "admitting the request");
     assert!(
         !trace.events.iter().any(|e| e.level == Level::INFO),
         "{:?}",
