@@ -54,9 +54,10 @@ pub(crate) fn parse_url(url: &str) -> Result<Config, String> {
     Config::from_url_clustered(&cluster_url).map_err(|e| e.details().to_string())
 }
 
-/// The URL without its password.
+/// The URL without its passwords: the user's (`user:***@`), and the value of any query
+/// parameter whose name ends with `password` (a Sentinel URL's `sentinelPassword=***`).
 pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
+    let shown = match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             let userinfo = &url[scheme + 3..at];
             match userinfo.split_once(':') {
@@ -65,7 +66,18 @@ pub(crate) fn redact(url: &str) -> String {
             }
         }
         _ => url.to_owned(),
-    }
+    };
+    let Some((base, query)) = shown.split_once('?') else {
+        return shown;
+    };
+    let query: Vec<String> = query
+        .split('&')
+        .map(|param| match param.split_once('=') {
+            Some((name, _)) if name.to_ascii_lowercase().ends_with("password") => format!("{name}=***"),
+            _ => param.to_owned(),
+        })
+        .collect();
+    format!("{base}?{}", query.join("&"))
 }
 
 #[cfg(test)]
@@ -79,6 +91,27 @@ mod tests {
             "redis://user:***@host:6379/0"
         );
         assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    /// A Sentinel URL may hold the sentinels' password in its query
+    /// (`sentinelPassword=`, as fred reads it): an error quoting the URL hides it too.
+    #[test]
+    fn sentinel_passwords_are_not_shown() {
+        let url = "redis-sentinel://:node-pw@127.0.0.1:26379?node=127.0.0.1:26380&sentinelPassword=sentinel-pw&x=1";
+        assert_eq!(
+            redact(url),
+            "redis-sentinel://:***@127.0.0.1:26379?node=127.0.0.1:26380&sentinelPassword=***&x=1"
+        );
+        // Refused (no service name), the error quotes the URL without either password.
+        let error = crate::connection::builder(
+            url,
+            std::time::Duration::from_millis(100),
+            std::time::Duration::from_secs(1),
+        )
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+        assert!(!error.contains("node-pw") && !error.contains("sentinel-pw"), "{error}");
     }
 
     #[test]
