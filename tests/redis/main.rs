@@ -34,6 +34,7 @@ mod leases;
 mod memory;
 mod metrics;
 mod outage;
+mod secrets;
 mod sentinel;
 mod store;
 mod waiting;

@@ -26,8 +26,10 @@ pub struct RedisLimiterBuilder {
 }
 
 impl RedisLimiter {
-    /// A builder for `url`: `redis://[user:password@]host:port[/db]`, `rediss://…`, or
-    /// several comma-separated `host:port` nodes of a cluster.
+    /// A builder for `url`: `redis://[user:password@]host:port[/db]`, or several
+    /// comma-separated `host:port` nodes of a cluster; `rediss://…` (TLS) only when fred is
+    /// built with a TLS client (a TLS feature of fred in the application's dependencies):
+    /// [`connect`](Self::connect) refuses it otherwise, rather than connect in plain text.
     pub fn builder(url: impl Into<String>) -> RedisLimiterBuilder {
         RedisLimiterBuilder {
             url: url.into(),

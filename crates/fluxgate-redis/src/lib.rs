@@ -43,7 +43,8 @@
 //!
 //! # Deployments
 //!
-//! A standalone Redis (`redis://` or `rediss://`, with database, user and password), or a
+//! A standalone Redis (`redis://`, with database, user and password; `rediss://` for TLS
+//! only when fred is built with a TLS client, see `docs/redis.md`, "Deployment"), or a
 //! Redis Cluster named by several comma-separated nodes (`redis://h1:7000,h2:7001`) or a
 //! `redis-cluster://` URL. On a cluster the buckets of a request are grouped by hash slot,
 //! one call per slot goes out concurrently, and when a slot rejects, the slots that

@@ -7,7 +7,25 @@ use fred::types::config::Config;
 /// nodes name a cluster (`redis://host1:6379,host2:6379`), as does a `redis-cluster://`
 /// URL; `redis-sentinel://s1:26379?node=s2:26379&sentinelServiceName=mymaster` names the
 /// sentinels of a primary.
+///
+/// A `rediss` scheme is refused unless fred was built with a TLS client (one of its
+/// `enable-*tls*` features): without one, fred connects to such a URL in plain text, the
+/// password included.
 pub(crate) fn parse_url(url: &str) -> Result<Config, String> {
+    let config = parse_any_url(url)?;
+    if url.starts_with("rediss") && !config.uses_tls() {
+        return Err(NO_TLS.to_owned());
+    }
+    Ok(config)
+}
+
+/// Why a `rediss` URL is refused when fred has no TLS client.
+const NO_TLS: &str = "TLS was asked for (rediss), but fred was built without a TLS client, so the \
+                      connection and its password would go in plain text; enable a TLS feature of fred \
+                      (`enable-rustls`, `enable-rustls-ring` or `enable-native-tls`) in the application's \
+                      dependencies, or reach Redis through a TLS tunnel with a redis:// URL";
+
+fn parse_any_url(url: &str) -> Result<Config, String> {
     let (scheme, rest) = url
         .split_once("://")
         .filter(|(scheme, _)| {
@@ -135,6 +153,11 @@ mod tests {
             "127.0.0.1:6379",
             "redis://host:notaport",
             "redis-sentinel://127.0.0.1:26379",
+            // No TLS client in fred: refused rather than connected in plain text.
+            "rediss://:pw@127.0.0.1:6379",
+            "rediss://127.0.0.1:7000,127.0.0.1:7001",
+            "rediss-cluster://127.0.0.1:7000",
+            "rediss-sentinel://127.0.0.1:26379?sentinelServiceName=mymaster",
         ] {
             assert!(parse_url(bad).is_err(), "{bad}");
         }

@@ -9,7 +9,7 @@ const USAGE: &str =
   --config FILE        a TOML configuration file (see docs/service.md); flags override it
   --listen ADDR        the address to listen on (default 127.0.0.1:8082)
   --rules FILE         a rule file or directory, reloaded when it changes
-  --redis URL          keep the buckets in Redis (redis://, rediss://, redis-cluster://, redis-sentinel://)
+  --redis URL          keep the buckets in Redis (redis://, redis-cluster://, redis-sentinel://)
   --admin-token TOKEN  turn on the rule administration endpoints, with this bearer token";
 
 fn init_logs(config: &Config) {
