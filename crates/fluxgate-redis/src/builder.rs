@@ -12,8 +12,8 @@ use crate::in_flight::DEFAULT_CALLS_PER_KEY;
 use crate::limiter::RedisLimiter;
 use crate::script::Scripts;
 
-/// Builds a [`RedisLimiter`] from a URL.
-#[derive(Debug, Clone)]
+/// Builds a [`RedisLimiter`] from a URL. Its `Debug` shows the URL without its passwords.
+#[derive(Clone)]
 pub struct RedisLimiterBuilder {
     url: String,
     prefix: String,
@@ -23,6 +23,21 @@ pub struct RedisLimiterBuilder {
     calls_per_key: u64,
     reconnect_delay: Duration,
     batching: Option<Batching>,
+}
+
+impl std::fmt::Debug for RedisLimiterBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLimiterBuilder")
+            .field("url", &crate::url::redact(&self.url))
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("pool_size", &self.pool_size)
+            .field("deny_cache", &self.deny_cache)
+            .field("calls_per_key", &self.calls_per_key)
+            .field("reconnect_delay", &self.reconnect_delay)
+            .field("batching", &self.batching)
+            .finish()
+    }
 }
 
 impl RedisLimiter {
@@ -175,6 +190,16 @@ impl RedisLimiterBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A builder printed with `{:?}` (a log line, an `expect` message, a test's output)
+    /// shows its URL without the password.
+    #[test]
+    fn a_builder_shows_no_password() {
+        let builder = RedisLimiter::builder("redis://app:builder-secret@127.0.0.1:6379/0");
+        let shown = format!("{builder:?}");
+        assert!(!shown.contains("builder-secret"), "{shown}");
+        assert!(shown.contains("redis://app:***@127.0.0.1:6379/0"), "{shown}");
+    }
 
     /// A zero deadline times every decision out, and the default failure policy admits
     /// them all: the builder refuses it, naming the option, before it reaches for Redis
