@@ -108,3 +108,4 @@ pub use memory::MemoryPolicy;
 pub use reset::ResetScope;
 pub use script::{BATCH_LUA, DECIDE_LUA, ONE_TOKEN_BUCKET_LUA, REFUND_LUA, TOKEN_BUCKETS_LUA};
 pub use store::{RedisRuleSetStore, StoreError, DEFAULT_RULES_NAMESPACE};
+pub use url::redact_url;

@@ -74,6 +74,19 @@ fn parse_any_url(url: &str) -> Result<Config, String> {
 
 /// The URL without its passwords: the user's (`user:***@`), and the value of any query
 /// parameter whose name ends with `password` (a Sentinel URL's `sentinelPassword=***`).
+/// How the crate's errors and `Debug` show a Redis URL; for an application's own logs of
+/// one too.
+///
+/// ```
+/// assert_eq!(
+///     fluxgate_redis::redact_url("redis://app:secret@10.0.0.5:6379/0"),
+///     "redis://app:***@10.0.0.5:6379/0"
+/// );
+/// ```
+pub fn redact_url(url: &str) -> String {
+    redact(url)
+}
+
 pub(crate) fn redact(url: &str) -> String {
     let shown = match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {

@@ -26,7 +26,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8082";
 /// assert_eq!(config.listen().port(), 8082);
 /// # Ok::<(), toml::de::Error>(())
 /// ```
-#[derive(Debug, Clone, Default, Deserialize)]
+///
+/// Its `Debug` shows neither the admin token nor the Redis URL's passwords.
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct Config {
@@ -56,6 +58,33 @@ pub struct Config {
     /// Logs.
     #[serde(default)]
     pub log: LogConfig,
+}
+
+impl std::fmt::Debug for Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self {
+            listen,
+            rules,
+            redis,
+            limiter,
+            engine,
+            store,
+            admin,
+            http,
+            log,
+        } = self;
+        f.debug_struct("Config")
+            .field("listen", listen)
+            .field("rules", rules)
+            .field("redis", &redis.as_deref().map(fluxgate_redis::redact_url))
+            .field("limiter", limiter)
+            .field("engine", engine)
+            .field("store", store)
+            .field("admin", admin)
+            .field("http", http)
+            .field("log", log)
+            .finish()
+    }
 }
 
 /// `[limiter]`: the Redis limiter's options (`RedisLimiterBuilder`).
@@ -182,13 +211,22 @@ pub struct StoreConfig {
     pub require_reset_grants: bool,
 }
 
-/// `[admin]`: rule administration over HTTP.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// `[admin]`: rule administration over HTTP. Its `Debug` shows whether a token is set, not
+/// the token.
+#[derive(Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 #[non_exhaustive]
 pub struct AdminConfig {
     /// The bearer token of the admin endpoints; without one, they are off (404).
     pub token: Option<String>,
+}
+
+impl std::fmt::Debug for AdminConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdminConfig")
+            .field("token", &self.token.as_ref().map(|_| "…"))
+            .finish()
+    }
 }
 
 /// `[http]`: limits of the API.
@@ -307,6 +345,20 @@ fn read_config_file(path: &Path) -> std::io::Result<String> {
     Ok(text)
 }
 
+/// A TOML error as `line L, column C: <what is wrong>`, without the line itself: toml's own
+/// message quotes it, and the line of a misspelled or malformed `token` or `redis` holds
+/// the secret (the error goes to standard error, with the service's logs).
+fn toml_error(text: &str, error: &toml::de::Error) -> String {
+    let message = error.message().trim_end();
+    let Some(span) = error.span() else {
+        return message.to_owned();
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    format!("line {line}, column {column}: {message}")
+}
+
 /// `[log] level`: a `tracing` filter whose bare words are levels. A bare word that is not a
 /// level is a valid filter (every event of the target of that name) but not what anyone
 /// means: a typo of a level (`inof`) would turn every log line off, the errors that stop
@@ -391,7 +443,7 @@ impl Config {
         })?;
         toml::from_str(&text).map_err(|e| ConfigError::Invalid {
             path: path.to_owned(),
-            message: e.to_string().trim_end().to_owned(),
+            message: toml_error(&text, &e),
         })
     }
 
@@ -641,6 +693,41 @@ mod tests {
         let config: Config = toml::from_str(block).unwrap();
         assert!(!config.store.require_reset_grants && !config.store.allow_empty);
         assert_eq!(config.store.poll_interval_ms, Some(60_000));
+    }
+
+    /// The configuration printed with `{:?}` shows neither the admin token nor the Redis
+    /// password.
+    #[test]
+    fn debug_shows_no_secret() {
+        let config: Config = toml::from_str(
+            "rules = \"rules.yaml\"\nredis = \"redis://app:redis-secret@127.0.0.1:6379\"\n[admin]\ntoken = \"admin-secret-0123456789\"\n",
+        )
+        .unwrap();
+        let shown = format!("{config:?}");
+        assert!(
+            !shown.contains("redis-secret") && !shown.contains("admin-secret"),
+            "{shown}"
+        );
+        assert!(shown.contains("redis://app:***@127.0.0.1:6379"), "{shown}");
+    }
+
+    /// A config file refused for a misspelled option shows where, and what is wrong, but not
+    /// the line itself: the line of a misspelled `token` holds the token, and the error is
+    /// printed to the service's standard error, with its logs.
+    #[test]
+    fn a_refused_config_file_quotes_no_secret() {
+        let file = std::env::temp_dir().join(format!("fluxgate-config-{}-quoted.toml", std::process::id()));
+        for text in [
+            "rules = \"rules.yaml\"\n[admin]\ntokn = \"admin-secret-0123456789\"\n",
+            "rules = \"rules.yaml\"\nredis_url = \"redis://app:redis-secret@127.0.0.1\"\n",
+            "rules = \"rules.yaml\"\n[admin]\ntoken = \"admin-secret-0123456789\n",
+        ] {
+            std::fs::write(&file, text).unwrap();
+            let error = Config::from_file(&file).unwrap_err().to_string();
+            assert!(!error.contains("secret"), "{error}");
+            assert!(error.contains("line 3") || error.contains("line 2"), "{error}");
+        }
+        std::fs::remove_file(&file).unwrap();
     }
 
     /// A config file that is no regular file, or too large, is refused before it is read
