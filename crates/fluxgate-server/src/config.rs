@@ -477,7 +477,13 @@ impl Config {
                 "--rules" => config.rules = Some(value(i, flag)?.into()),
                 "--redis" => config.redis = Some(value(i, flag)?),
                 "--admin-token" => config.admin.token = Some(value(i, flag)?),
-                other => return Err(ConfigError::Flag(format!("unknown argument `{other}` (try --help)"))),
+                // `--flag=value` is quoted without its value: a token or a Redis password.
+                other => {
+                    return Err(ConfigError::Flag(match other.split_once('=') {
+                        Some((name, _)) => format!("unknown argument `{name}=…`: write `{name} VALUE` (try --help)"),
+                        None => format!("unknown argument `{other}` (try --help)"),
+                    }))
+                }
             }
             i += 2;
         }
@@ -728,6 +734,21 @@ mod tests {
             assert!(error.contains("line 3") || error.contains("line 2"), "{error}");
         }
         std::fs::remove_file(&file).unwrap();
+    }
+
+    /// A flag written `--admin-token=<token>` is not a flag this server reads: the error
+    /// names it without its value, which would print the token to standard error.
+    #[test]
+    fn an_unknown_flag_is_quoted_without_its_value() {
+        for flag in [
+            "--admin-token=admin-secret-0123456789",
+            "--redis=redis://app:redis-secret@127.0.0.1",
+        ] {
+            let args = ["--rules", "rules.yaml", flag].map(str::to_owned);
+            let error = Config::from_args(args).unwrap_err().to_string();
+            assert!(!error.contains("secret"), "{error}");
+            assert!(error.contains(flag.split('=').next().unwrap()), "{error}");
+        }
     }
 
     /// A config file that is no regular file, or too large, is refused before it is read
