@@ -1323,3 +1323,85 @@ async fn serve(app: axum::Router) -> SocketAddr {
     });
     addr
 }
+
+const SHARED_LIMIT: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        match: { paths: ["/api/**"] }
+        bands: [{ capacity: 100, window: 1h }]
+      - id: partner-acme-cap
+        match: { paths: ["/api/**"] }
+        scope: global
+        bands: [{ capacity: 50, window: 1h }]
+"#;
+
+/// What one client reads from the headers about the others: every enforced band's rule id
+/// and quota (`RateLimit-Policy`), and a shared band's remaining count once it is the
+/// least, which falls with every other client's request. One client's 30 requests are read
+/// exactly by another from its next response. With the headers off, a refusal by the
+/// shared band still says when it ends and names the rule; the `on_rejection` closure
+/// decides what the body says.
+#[tokio::test]
+async fn a_shared_band_reports_the_other_clients_traffic() {
+    let shared = app_with(layer(engine(SHARED_LIMIT)));
+    let first = get_from(&shared, "/api/users", "198.51.100.2").await;
+    assert_eq!(first.num("x-ratelimit-remaining"), 49);
+    assert_eq!(
+        first.header("ratelimit-policy"),
+        Some("\"per-ip\";q=100;w=3600, \"partner-acme-cap\";q=50;w=3600")
+    );
+    for _ in 0..30 {
+        assert_eq!(
+            get_from(&shared, "/api/users", "203.0.113.7").await.status,
+            StatusCode::OK
+        );
+    }
+    let next = get_from(&shared, "/api/users", "198.51.100.2").await;
+    assert_eq!(
+        next.num("x-ratelimit-remaining"),
+        49 - 30 - 1,
+        "the other client's 30 requests"
+    );
+    // And `t`, the time until the shared band is full again, is the 32 requests' refill
+    // (72 s each at 50 per hour).
+    assert_eq!(next.header("ratelimit"), Some("\"partner-acme-cap\";r=18;t=2304"));
+
+    // Headers off: an admitted response says nothing; a refusal says when, and the default
+    // body names the rule, which `on_rejection` can leave out.
+    let quiet = app_with(
+        layer(engine(SHARED_LIMIT))
+            .legacy_headers(false)
+            .ietf_headers(false)
+            .on_rejection(|_| {
+                let mut response = Response::new(Bytes::from_static(b"{\"error\":\"Rate limit exceeded\"}"));
+                *response.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                response
+            }),
+    );
+    for _ in 0..50 {
+        let r = get_from(&quiet, "/api/users", "203.0.113.7").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(r.header("x-ratelimit-remaining").is_none() && r.header("ratelimit-policy").is_none());
+    }
+    let refused = get_from(&quiet, "/api/users", "198.51.100.2").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.header("retry-after").is_some());
+    assert!(refused.header("x-ratelimit-remaining").is_none() && refused.header("ratelimit").is_none());
+    assert!(!refused.body.contains("partner-acme-cap"), "{}", refused.body);
+    let named = app_with(layer(engine(SHARED_LIMIT)).legacy_headers(false).ietf_headers(false));
+    for _ in 0..50 {
+        get_from(&named, "/api/users", "203.0.113.7").await;
+    }
+    let refused = get_from(&named, "/api/users", "198.51.100.2").await;
+    assert!(
+        refused.body.contains("\"rule\":\"partner-acme-cap\""),
+        "{}",
+        refused.body
+    );
+}
+
+fn app_with(builder: fluxgate::tower::RateLimitLayerBuilder) -> axum::Router {
+    app(builder.build().expect("a valid layer"))
+}
