@@ -42,3 +42,24 @@ async fn a_tls_url_never_connects_in_plain_text() {
         assert!(!error.to_string().contains("tls-only-password"), "{error}");
     }
 }
+
+/// Where an API key a rule counts by ends up in Redis: in the name of its bucket's key, as
+/// the client sent it (a value of up to 64 encoded characters is kept as is), readable by
+/// any Redis user allowed `SCAN`, in `MONITOR`, `SLOWLOG` and the snapshots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_key_is_named_in_its_bucket_key() {
+    use crate::support::backend::{check, engine};
+    use crate::support::redis::{Redis, Servers};
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = engine(
+        &redis,
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-key\n        scope: api_key\n        bands: [{ capacity: 5, window: 1h }]\n",
+    );
+    let ctx = fluxgate::core::RequestContext::builder()
+        .client_ip("192.0.2.80".parse().expect("an address"))
+        .api_key("sk_live_4f9a2c7e1b")
+        .build();
+    assert!(check(&engine, &ctx).await.allowed());
+    let keys = redis.server().cli(&["--scan"]);
+    assert!(keys.contains("sk_live_4f9a2c7e1b"), "{keys}");
+}
