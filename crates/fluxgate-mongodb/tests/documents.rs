@@ -1079,3 +1079,25 @@ proptest! {
         let _ = rule_sets_from_documents(&[with(band(band_doc))]);
     }
 }
+
+/// A connection string that cannot be used is refused with an error (its `Display` and its
+/// `Debug`) that does not show the password in it.
+#[tokio::test]
+async fn a_refused_connection_string_shows_no_password() {
+    for uri in [
+        "mongodb://app:mongo-secret@127.0.0.1:notaport/",
+        "mongodb://app:mongo-secret@127.0.0.1/?authMechanism=NOPE",
+        "mongodb://app:mongo-secret@127.0.0.1/?tls=maybe",
+        "mongodb://app:mongo-secret@/",
+        "mongodb://app:mongo-secret@[::1/",
+        "mongo://app:mongo-secret@127.0.0.1/",
+        "mongodb://app:mongo-secret@127.0.0.1/?appname=x&appname=y&replicaSet=",
+    ] {
+        let error = fluxgate_mongodb::MongoRuleSource::connect(uri, "fluxgate")
+            .await
+            .map(|_| ())
+            .expect_err(uri);
+        let shown = format!("{error} / {error:?}");
+        assert!(!shown.contains("mongo-secret"), "{uri}: {shown}");
+    }
+}
