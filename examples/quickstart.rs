@@ -114,7 +114,11 @@ async fn main() {
     let backend = args
         .redis
         .as_deref()
-        .map_or_else(|| "in memory".to_owned(), |url| format!("in Redis at {url}"));
+        // Shown without its password: this line goes to the terminal and to logs.
+        .map_or_else(
+            || "in memory".to_owned(),
+            |url| format!("in Redis at {}", fluxgate::redis::redact_url(url)),
+        );
     let listener = tokio::net::TcpListener::bind(args.listen).await.unwrap_or_else(|e| {
         eprintln!("error: cannot listen on {}: {e}", args.listen);
         std::process::exit(1);
