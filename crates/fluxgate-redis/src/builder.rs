@@ -44,7 +44,7 @@ impl RedisLimiter {
     /// A builder for `url`: `redis://[user:password@]host:port[/db]`, or several
     /// comma-separated `host:port` nodes of a cluster; `rediss://…` (TLS) only when fred is
     /// built with a TLS client (a TLS feature of fred in the application's dependencies):
-    /// [`connect`](Self::connect) refuses it otherwise, rather than connect in plain text.
+    /// [`connect`](RedisLimiterBuilder::connect) refuses it otherwise, rather than connect in plain text.
     pub fn builder(url: impl Into<String>) -> RedisLimiterBuilder {
         RedisLimiterBuilder {
             url: url.into(),
