@@ -342,7 +342,8 @@ impl RedisCluster {
         let nodes = (0..3)
             .map(|_| RedisServer::start_with(&["--cluster-enabled", "yes", "--cluster-node-timeout", "5000"]))
             .collect();
-        Self::create(nodes, 0, Duration::from_secs(20))
+        // Within a minute: several tests start clusters at once on a busy machine.
+        Self::create(nodes, 0, Duration::from_secs(60))
     }
 
     /// Three primaries, each with a replica that takes over 1 s after its primary stops
