@@ -14,7 +14,7 @@ use fluxgate::redis::RedisLimiter;
 use tracing::Level;
 
 use crate::support::app::rules;
-use crate::support::servers::RedisServer;
+use crate::support::servers::{RedisCluster, RedisServer};
 use crate::support::telemetry::{metrics_async, trace_async};
 
 fn ip_ctx(ip: &str) -> RequestContext {
@@ -103,6 +103,31 @@ async fn connecting_to_a_redis_that_evicts_keys_warns_that_counters_can_be_evict
     let unbounded = RedisServer::start();
     let (_, trace) = connect_and_catch(unbounded.url()).await;
     assert!(trace.events_at_least(Level::INFO).is_empty(), "{:?}", trace.events);
+}
+
+/// On a cluster the policy is read on each primary, where the limiter's keys live: one
+/// reading per primary, each naming its node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_reports_the_policy_of_each_primary() {
+    let cluster = RedisCluster::start();
+    for node in &cluster.nodes {
+        assert_eq!(node.cli(&["CONFIG", "SET", "maxmemory", "64mb"]).trim(), "OK");
+    }
+    let limiter = RedisLimiter::builder(cluster.url())
+        .prefix("memory-cluster")
+        .connect()
+        .await
+        .expect("the test cluster takes connections");
+    let policies = limiter.memory_policies().await.expect("CONFIG GET is allowed");
+    assert_eq!(policies.len(), cluster.nodes.len(), "{policies:?}");
+    let mut servers: Vec<&str> = policies.iter().map(|p| p.server.as_str()).collect();
+    servers.sort_unstable();
+    servers.dedup();
+    assert_eq!(servers.len(), policies.len(), "one reading per primary: {policies:?}");
+    for p in &policies {
+        assert_eq!((p.maxmemory, p.policy.as_str()), (64 << 20, "noeviction"), "{p:?}");
+        assert!(p.refuses_writes_when_full() && !p.evicts_counters(), "{p:?}");
+    }
 }
 
 /// A Redis user that may not read the configuration (`-@admin`, as managed services rename

@@ -27,15 +27,26 @@ pub struct RedisLimiterBuilder {
 
 impl std::fmt::Debug for RedisLimiterBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Every field named, so that a new one is shown (or hidden) on purpose.
+        let Self {
+            url,
+            prefix,
+            timeout,
+            pool_size,
+            deny_cache,
+            calls_per_key,
+            reconnect_delay,
+            batching,
+        } = self;
         f.debug_struct("RedisLimiterBuilder")
-            .field("url", &crate::url::redact(&self.url))
-            .field("prefix", &self.prefix)
-            .field("timeout", &self.timeout)
-            .field("pool_size", &self.pool_size)
-            .field("deny_cache", &self.deny_cache)
-            .field("calls_per_key", &self.calls_per_key)
-            .field("reconnect_delay", &self.reconnect_delay)
-            .field("batching", &self.batching)
+            .field("url", &crate::url::redact(url))
+            .field("prefix", prefix)
+            .field("timeout", timeout)
+            .field("pool_size", pool_size)
+            .field("deny_cache", deny_cache)
+            .field("calls_per_key", calls_per_key)
+            .field("reconnect_delay", reconnect_delay)
+            .field("batching", batching)
             .finish()
     }
 }

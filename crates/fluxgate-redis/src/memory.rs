@@ -4,7 +4,6 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use fred::clients::Client;
 use fred::interfaces::{ClientLike, ClusterInterface};
 use fred::types::{ClusterHash, CustomCommand, Value};
 use futures_util::future::join_all;
@@ -54,23 +53,20 @@ pub(crate) async fn read(connection: &Connection, bound: Duration) -> Result<Vec
             .active_connections()
             .first()
             .map_or_else(|| "redis".to_owned(), ToString::to_string);
-        return Ok(vec![read_one(connection, client, server, bound).await?]);
+        return Ok(vec![config_get(connection, client, server, bound).await?]);
     }
     let reads = primaries.into_iter().map(|server| {
         let node = client.with_cluster_node(server.clone());
-        async move {
-            let args = vec![Value::from_static_str("GET"), Value::from_static_str("maxmemory*")];
-            let command = CustomCommand::new_static("CONFIG", ClusterHash::Random, false);
-            let reply = connection.within(bound, node.custom::<Value, _>(command, args)).await?;
-            parse(server.to_string(), reply)
-        }
+        async move { config_get(connection, &node, server.to_string(), bound).await }
     });
     join_all(reads).await.into_iter().collect()
 }
 
-async fn read_one(
+/// `CONFIG GET maxmemory*` sent through `client` (a node of a cluster, or the server),
+/// within `bound`: the policy of `server`.
+async fn config_get<C: ClientLike>(
     connection: &Connection,
-    client: &Client,
+    client: &C,
     server: String,
     bound: Duration,
 ) -> Result<MemoryPolicy, RedisError> {
@@ -166,6 +162,7 @@ mod tests {
             "volatile-lru",
             "volatile-lfu",
             "volatile-ttl",
+            "volatile-random",
         ] {
             assert!(policy(1 << 20, p).evicts_counters(), "{p}");
             assert!(!policy(0, p).evicts_counters(), "{p} without maxmemory");

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use fluxgate_core::api::{ApiError, BatchCheckRequest, BatchCheckResponse, CheckRequest, CheckResponse};
-use fluxgate_core::{Engine, Error, RuleSetSpec};
+use fluxgate_core::{Engine, Error, RuleSetSpec, Shown};
 use fluxgate_redis::{AdminError, RedisLimiter, RuleAdmin, StoreError};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -354,7 +354,7 @@ pub(crate) async fn get_rule_set(
 fn no_rule_set(id: &str) -> Failure {
     Failure(
         StatusCode::NOT_FOUND,
-        ApiError::general(format!("no rule set `{}`", shown(id))),
+        ApiError::general(format!("no rule set `{}`", Shown(id))),
     )
 }
 
@@ -400,7 +400,7 @@ pub(crate) async fn put_rule_set(
     if spec.id != id {
         let error = ApiError::field(
             "id",
-            format!("`{}` differs from the path's `{}`", shown(&spec.id), shown(&id)),
+            format!("`{}` differs from the path's `{}`", Shown(&spec.id), Shown(&id)),
         );
         return Err(bad_request(error));
     }
@@ -435,12 +435,6 @@ pub(crate) async fn delete_rule_set(
         Some(_) => Ok(StatusCode::NO_CONTENT.into_response()),
         None => Err(no_rule_set(&id)),
     }
-}
-
-/// An id from a request, quoted and cut for a message.
-fn shown(id: &str) -> String {
-    let cut: String = id.chars().take(64).collect();
-    cut.escape_debug().to_string()
 }
 
 /// The backend's health.
