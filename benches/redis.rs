@@ -5,7 +5,7 @@
 //! Run with: `cargo bench --bench redis` (needs `redis-server` and `redis-benchmark`,
 //! Debian's `redis-server` and `redis-tools`; `BENCH_SECS` sets the seconds per
 //! measurement, default 5, `BENCH_POOL` the connections of FluxGate's limiter, default the
-//! limiter's own (4), `BENCH_PEER_POOL` those of the peer's pool, default 8, its fastest,
+//! limiter's own (3), `BENCH_PEER_POOL` those of the peer's pool, default 8, its fastest,
 //! and `BENCH_WORKERS` the runtime's worker threads, default one per core).
 //!
 //! One process, 64 requests in flight, keys drawn from 100,000 distinct clients, every

@@ -61,7 +61,7 @@ impl RedisLimiter {
             url: url.into(),
             prefix: "fluxgate".to_owned(),
             timeout: DEFAULT_TIMEOUT,
-            pool_size: 4,
+            pool_size: 3,
             deny_cache: true,
             calls_per_key: DEFAULT_CALLS_PER_KEY,
             reconnect_delay: Duration::from_millis(100),
@@ -86,7 +86,9 @@ impl RedisLimiterBuilder {
         self
     }
 
-    /// The number of connections, used in turn. Default 4.
+    /// The number of connections, used in turn. Default 3: with more, each connection
+    /// carries fewer calls at once, and Redis reads and answers them in more, smaller
+    /// pieces (`docs/benchmarks.md`, "Connections").
     pub fn pool_size(mut self, size: usize) -> Self {
         self.pool_size = size.max(1);
         self

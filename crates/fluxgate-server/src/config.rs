@@ -96,7 +96,7 @@ pub struct LimiterConfig {
     pub prefix: Option<String>,
     /// The deadline of one decision in Redis, in milliseconds, at least 1. Default 50.
     pub timeout_ms: Option<u64>,
-    /// The number of connections. Default 4.
+    /// The number of connections. Default 3.
     pub pool_size: Option<usize>,
     /// The local deny cache. Default on.
     pub deny_cache: Option<bool>,
