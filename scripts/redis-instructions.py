@@ -9,9 +9,18 @@ deterministic to within about 2% from one run to the next.
 
     scripts/redis-instructions.py [SCRIPT_DIR]
     scripts/redis-instructions.py --commands
+    scripts/redis-instructions.py --generations [SCRIPT_DIR]
 
 `--commands` counts scripts that make nothing but one read and one kind of write (or
 nothing at all), over the same keys: what each command costs inside a script call.
+
+`--generations` measures a layout the crate does not use, by its limit: a batch's token
+buckets kept as fields of two hashes per rule, one per generation of time (`HMGET` of the
+batch's fields in each, one `HSET` of all it writes and a `PEXPIRE`, so that a hash
+outlives its generation by one more and expires whole; not the crate's layout), against a
+key per bucket (a `GET` and a `PSETEX` per request). First the commands alone, then the
+rule's own batch script as built against the same decision reading and writing the
+hashes; 16 requests per call, over 16,000 buckets.
 
 A rule's own one-band script (`src/rule_script.rs` in `fluxgate-redis`: the one-band
 script with the rule's numbers written in, the cost its only argument) is counted after
@@ -100,7 +109,9 @@ def count(name, script, keys, args, n, per=1):
         sha = conn.call('SCRIPT', 'LOAD', open(script).read()).decode()
 
         def command(i):
-            return enc('EVALSHA', sha, len(keys), *[k.format(i=i % 1000) for k in keys], *args)
+            # `{i}` in a key or an argument: the call's place among 1,000 in turn.
+            return enc('EVALSHA', sha, len(keys), *[k.format(i=i % 1000) for k in keys],
+                       *[a.format(i=i % 1000) for a in args])
 
         conn.pipelined([command(i) for i in range(2000)])
         commands = [command(i) for i in range(n)]
@@ -192,18 +203,87 @@ def commands():
             count(name, script, [key], ['3601001', at, 'b0:10000000/1h|18c3a4f2e1b4a'], 10000)
 
 
+# A batch's buckets as the fields of a generation's hash (`--generations`): the commands
+# alone, a key per bucket against the hashes.
+GENERATION_COMMANDS = [
+    ('a key per bucket: GET, PSETEX of each', False,
+     "redis.call('TIME') for i = 1, #KEYS do redis.call('GET', KEYS[i]) "
+     "redis.call('PSETEX', KEYS[i], 3601001, 'v') end return 1"),
+    ('two generations: HMGET of all in each, one HSET', True,
+     "redis.call('TIME') redis.call('HMGET', KEYS[1], unpack(ARGV)) redis.call('HMGET', KEYS[2], unpack(ARGV)) "
+     "local kv = {} for i = 1, #ARGV do kv[2 * i - 1] = ARGV[i] kv[2 * i] = 'v' end "
+     "redis.call('HSET', KEYS[1], unpack(kv)) redis.call('PEXPIRE', KEYS[1], 7202002) return 1"),
+]
+
+
+def generation_script(built):
+    """The rule's own batch script reading its buckets from two generation hashes (KEYS[1]
+    this one, KEYS[2] the one before; the requests' key values after the cost in ARGV) and
+    writing them with one HSET into this one."""
+    for line in ("redis.call('GET', key)", "redis.call('PSETEX', key, ttl, value)",
+                 "local reply, cost = {batch_now}, #ARGV == 1 and tonumber(ARGV[1], 16)\nfor i = 1, #KEYS do",
+                 "pcall(decide, KEYS[i], cost or tonumber(ARGV[i], 16))", "return reply"):
+        if line not in built:
+            sys.exit(f'the rule batch script changed; not found: {line!r}')
+    gen = built.replace("redis.call('GET', key)", "got[key]")
+    # A key written twice in a batch reads its first write.
+    gen = gen.replace("redis.call('PSETEX', key, ttl, value)",
+                      "got[key] = value put[#put + 1] = key put[#put + 1] = value")
+    gen = gen.replace(
+        "local reply, cost = {batch_now}, #ARGV == 1 and tonumber(ARGV[1], 16)\nfor i = 1, #KEYS do",
+        "local reply, cost = {batch_now}, tonumber(ARGV[1], 16)\n"
+        "local fields = {}\nfor i = 2, #ARGV do fields[i - 1] = ARGV[i] end\n"
+        "local a, b = redis.call('HMGET', KEYS[1], unpack(fields)), redis.call('HMGET', KEYS[2], unpack(fields))\n"
+        "for i = 1, #fields do local v = a[i] or b[i] if v then got[fields[i]] = v end end\n"
+        "for i = 1, #fields do")
+    gen = gen.replace("pcall(decide, KEYS[i], cost or tonumber(ARGV[i], 16))", "pcall(decide, fields[i], cost)")
+    # The hash lives two generations (here of an hour and a second: the key's expiry).
+    gen = gen.replace("return reply", "if #put > 0 then redis.call('HSET', KEYS[1], unpack(put)) "
+                      "redis.call('PEXPIRE', KEYS[1], 7202002) end\nreturn reply")
+    return "local got, put = {}, {}\n" + gen
+
+
+def generations(scripts):
+    requests = 16
+    fields = [f'ip={j}.10.0.{{i}}.1' for j in range(requests)]
+    keys = ['fluxgate:{{{{default:per-ip:{}}}}}'.format(f) for f in fields]
+    hashes = ['fluxgate:{{default:per-ip}}:g1', 'fluxgate:{{default:per-ip}}:g0']
+    print(f'{"call, 16 requests":<44} {"instr/call":>10}')
+    with tempfile.TemporaryDirectory() as d:
+        script = os.path.join(d, 'script.lua')
+        for name, hashed, body in GENERATION_COMMANDS:
+            with open(script, 'w') as f:
+                f.write(body)
+            count(name, script, hashes if hashed else keys, fields if hashed else [], 20000 // requests, requests)
+        built = rule_batch_script(open(os.path.join(scripts, 'one_token_bucket.lua')).read(),
+                                  open(os.path.join(scripts, 'rule_batch.lua')).read(),
+                                  'b0:10000000/1h|', 'd693a400', '3601001')
+        with open(script, 'w') as f:
+            f.write(built)
+        count("the rule's own batch script, a key per bucket", script, keys, ['168'], 20000 // requests, requests)
+        with open(script, 'w') as f:
+            f.write(generation_script(built))
+        count('the same on two generation hashes', script, hashes, ['168'] + fields, 20000 // requests, requests)
+
+
+def built_scripts(args):
+    """SCRIPT_DIR, or the newest built one."""
+    if args:
+        return args[0]
+    target = os.environ.get('CARGO_TARGET_DIR', 'target')
+    dirs = glob.glob(os.path.join(target, '*', 'build', 'fluxgate-redis-*', 'out'))
+    dirs = [d for d in dirs if os.path.exists(os.path.join(d, 'one_token_bucket.lua'))]
+    if not dirs:
+        sys.exit('no built scripts: cargo build -p fluxgate-redis, or name their directory')
+    return max(dirs, key=lambda d: os.path.getmtime(os.path.join(d, 'token_buckets.lua')))
+
+
 def main():
     if sys.argv[1:] == ['--commands']:
         return commands()
-    if len(sys.argv) > 1:
-        scripts = sys.argv[1]
-    else:
-        target = os.environ.get('CARGO_TARGET_DIR', 'target')
-        dirs = glob.glob(os.path.join(target, '*', 'build', 'fluxgate-redis-*', 'out'))
-        dirs = [d for d in dirs if os.path.exists(os.path.join(d, 'one_token_bucket.lua'))]
-        if not dirs:
-            sys.exit('no built scripts: cargo build -p fluxgate-redis, or name their directory')
-        scripts = max(dirs, key=lambda d: os.path.getmtime(os.path.join(d, 'token_buckets.lua')))
+    if sys.argv[1:2] == ['--generations']:
+        return generations(built_scripts(sys.argv[2:]))
+    scripts = built_scripts(sys.argv[1:])
     one = os.path.join(scripts, 'one_token_bucket.lua')
     many = os.path.join(scripts, 'token_buckets.lua')
     # Formatted twice: with the rule, then with the client.
