@@ -121,6 +121,33 @@ async fn a_remote_check_decided_by_the_local_engine_is_one_warning() {
     one_warning(&trace, "decided by the local engine");
 }
 
+/// A handler that stays down fails every request: the layer warns of the first failure,
+/// then of at most one per `LogThrottle::EVERY`, the others at debug level; the same for a
+/// `FallbackHandler` whose local engine decides in its place.
+#[tokio::test]
+async fn failed_checks_in_a_row_are_one_warning() {
+    let handler = FallbackHandler::new(service_down(), Engine::in_memory(rules(RULES)));
+    for (app, says) in [
+        (app(RateLimitLayer::new(failing_engine())), "admitting the request"),
+        (app(RateLimitLayer::new(handler)), "decided by the local engine"),
+    ] {
+        let ((), trace) = trace_async(async {
+            // A client each: the local engine's rule admits one request per client.
+            for client in ["203.0.113.5", "203.0.113.6", "203.0.113.7", "203.0.113.8"] {
+                assert_eq!(get_from(&app, "/api/users", client).await.status, StatusCode::OK);
+            }
+        })
+        .await;
+        one_warning(&trace, says);
+        let held_back: Vec<_> = trace
+            .events
+            .iter()
+            .filter(|e| e.level == Level::DEBUG && e.message.contains(says))
+            .collect();
+        assert_eq!(held_back.len(), 3, "{:?}", trace.events);
+    }
+}
+
 #[tokio::test]
 async fn a_rule_set_chosen_per_request_is_not_a_fail_open_label() {
     let layer = by_tenant(failing_engine());

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use fluxgate_core::failure::CircuitOpen;
+use fluxgate_core::failure::{CircuitOpen, LogThrottle};
 use fluxgate_core::{
     Decision, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
 };
@@ -44,6 +44,8 @@ pub(crate) struct Config {
     /// Whether a request of the layer's own rule set admitted because the handler has no
     /// such rule set was logged as a warning.
     pub(crate) warned_unknown: AtomicBool,
+    /// The warnings of the failures `on_error` covers.
+    pub(crate) failures: LogThrottle,
 }
 
 impl fmt::Debug for Config {
@@ -149,6 +151,25 @@ impl Config {
         self.customizer.is_none() || *ctx.rule_set_id() == *self.rule_set
     }
 
+    /// Logs a failure `on_error` covers: a warning at most once per [`LogThrottle::EVERY`]
+    /// for this layer, saying how many it held back, the others at debug level (so that a
+    /// handler down without a circuit breaker does not write a warning per request); at
+    /// debug level while a circuit breaker is open, which warned when it opened.
+    fn log_failure(&self, error: &Error, action: &str) {
+        if matches!(error, Error::Backend(e) if e.is::<CircuitOpen>()) {
+            tracing::debug!(%error, "rate-limit check failed; {action}");
+        } else if let Some(held_back) = self.failures.due() {
+            tracing::warn!(
+                %error,
+                held_back,
+                "rate-limit check failed; {action} (warned again in {}s at the earliest, the failures between at debug level)",
+                LogThrottle::EVERY.as_secs()
+            );
+        } else {
+            tracing::debug!(%error, "rate-limit check failed; {action}");
+        }
+    }
+
     /// What happens to a request after its decision, or after the handler failed;
     /// `own_rule_set` says whether the request's rule set is the layer's own
     /// ([`own_rule_set`](Self::own_rule_set)).
@@ -209,7 +230,7 @@ impl Config {
             }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
-                    log_failure(&error, "admitting the request");
+                    self.log_failure(&error, "admitting the request");
                     #[cfg(feature = "metrics")]
                     metrics::counter!(
                         fluxgate_core::metrics::FAIL_OPEN_TOTAL,
@@ -224,22 +245,11 @@ impl Config {
                 }
                 // `fail_closed`; `fallback_local` is refused when the layer is built.
                 _ => {
-                    log_failure(&error, "refusing the request");
+                    self.log_failure(&error, "refusing the request");
                     Verdict::Reject(crate::response::unavailable(self.unavailable_status))
                 }
             },
         }
-    }
-}
-
-/// Logs a failed check: a warning, except while a circuit breaker is open, which warned
-/// once when it opened and fails every request meanwhile (logged at debug level, so that
-/// an outage does not log a warning per request).
-fn log_failure(error: &Error, action: &str) {
-    if matches!(error, Error::Backend(e) if e.is::<CircuitOpen>()) {
-        tracing::debug!(%error, "rate-limit check failed; {action}");
-    } else {
-        tracing::warn!(%error, "rate-limit check failed; {action}");
     }
 }
 

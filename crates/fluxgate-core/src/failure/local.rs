@@ -4,6 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 
 use super::replay::{LocalAdmissions, Replays, Taken};
+use super::LogThrottle;
 use crate::context::RequestContext;
 use crate::decision::{Decision, Outcome};
 use crate::engine::Engine;
@@ -61,6 +62,8 @@ pub struct FallbackHandler<H> {
     primary: Arc<H>,
     local: Engine,
     admitted: Arc<LocalAdmissions>,
+    /// The warnings of the failures the local engine covers.
+    warnings: Arc<LogThrottle>,
 }
 
 impl<H> Clone for FallbackHandler<H> {
@@ -69,6 +72,7 @@ impl<H> Clone for FallbackHandler<H> {
             primary: self.primary.clone(),
             local: self.local.clone(),
             admitted: self.admitted.clone(),
+            warnings: self.warnings.clone(),
         }
     }
 }
@@ -80,6 +84,7 @@ impl<H> FallbackHandler<H> {
             primary: Arc::new(primary),
             local,
             admitted: Arc::default(),
+            warnings: Arc::default(),
         }
     }
 }
@@ -220,7 +225,7 @@ impl<H: RateLimitHandler> FallbackHandler<H> {
         self.local.check(&ctx).map(move |result| match result {
             Ok(decision) if decision.outcome == Outcome::UnknownRuleSetAllowed => Err(Error::Backend(error)),
             Ok(mut decision) => {
-                super::warn_failed(&error, "decided by the local engine");
+                super::warn_failed(&this.warnings, &error, "decided by the local engine");
                 if decision.allowed() && (!decision.bands.is_empty() || !decision.shadow_bands.is_empty()) {
                     this.admitted.add(&this.local, &ctx, &decision);
                 }

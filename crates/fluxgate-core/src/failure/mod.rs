@@ -12,9 +12,11 @@ mod breaker;
 mod local;
 mod owed;
 mod replay;
+mod throttle;
 
 pub use breaker::{CircuitBreaker, CircuitOpen};
 pub use local::FallbackHandler;
+pub use throttle::LogThrottle;
 
 /// What to do with a request when the limiter backend fails (an error, a deadline, an
 /// open [`CircuitBreaker`]).
@@ -48,6 +50,8 @@ pub(crate) struct Fallback {
     pub(crate) charges: bool,
     /// What memory admitted while the backend failed, for the backend to count.
     pub(crate) owed: owed::Owed,
+    /// The warnings of the failures the policies cover.
+    pub(crate) warnings: LogThrottle,
 }
 
 impl Fallback {
@@ -121,7 +125,7 @@ impl Fallback {
             .buckets()
             .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))
         {
-            warn_failed(&error, "refusing the request (fail_closed)");
+            warn_failed(&self.warnings, &error, "refusing the request (fail_closed)");
             let rule = closed.rule.id().clone();
             let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
             decision.degraded = true;
@@ -132,6 +136,7 @@ impl Fallback {
             return Err(Error::Backend(error));
         }
         warn_failed(
+            &self.warnings,
             &error,
             "deciding by the rules' failure policies (fail_open, fallback_local)",
         );
@@ -163,51 +168,40 @@ impl Fallback {
     }
 }
 
-/// Logs a backend failure that a failure policy covers: a warning, except while a
-/// [`CircuitBreaker`] is open, which warned once when it opened and answers every request
-/// with [`CircuitOpen`] meanwhile (logged at debug level, so that an outage does not log a
-/// warning per request).
+/// Logs a backend failure that a failure policy covers: a warning at most once per
+/// [`LogThrottle::EVERY`] (`warnings`), saying how many it held back, the others at debug
+/// level, so that a backend down without a [`CircuitBreaker`] does not write a warning per
+/// request. While a breaker is open, which warned once when it opened and answers every
+/// request with [`CircuitOpen`] meanwhile, at debug level.
 ///
 /// A full store ([`StoreFull`](crate::limiter::StoreFull)) opens no circuit and fails every
-/// request it would admit, for as long as it stays full: it is warned of once per
-/// [`STORE_FULL_WARNING_EVERY`], and logged at debug level in between, so that a client
-/// that fills the store does not also write a warning per request.
-fn warn_failed(error: &BoxError, action: &str) {
+/// request it would admit, for as long as it stays full: it is warned of at most once per
+/// [`LogThrottle::EVERY`] in the process, so that a client that fills the store does not
+/// also write a warning per request.
+fn warn_failed(warnings: &LogThrottle, error: &BoxError, action: &str) {
+    static STORE_FULL: std::sync::LazyLock<LogThrottle> = std::sync::LazyLock::new(LogThrottle::default);
     if error.is::<CircuitOpen>() {
         tracing::debug!(%error, "rate-limit backend unavailable; {action}");
     } else if crate::limiter::is_store_full(&**error) {
-        if store_full_warning_due() {
+        if let Some(held_back) = STORE_FULL.due() {
             tracing::warn!(
                 %error,
+                held_back,
                 "rate-limit store full: the requests it would admit are decided by their rules' failure policies; {action} \
                  (logged again in {}s at the earliest)",
-                STORE_FULL_WARNING_EVERY.as_secs()
+                LogThrottle::EVERY.as_secs()
             );
         } else {
             tracing::debug!(%error, "rate-limit store full; {action}");
         }
+    } else if let Some(held_back) = warnings.due() {
+        tracing::warn!(
+            %error,
+            held_back,
+            "rate-limit backend failed; {action} (warned again in {}s at the earliest, the failures between at debug level)",
+            LogThrottle::EVERY.as_secs()
+        );
     } else {
-        tracing::warn!(%error, "rate-limit backend failed; {action}");
+        tracing::debug!(%error, "rate-limit backend failed; {action}");
     }
-}
-
-/// How often a full store is warned of (see [`warn_failed`]).
-const STORE_FULL_WARNING_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Whether a full store's failure is to be warned of now: the first in this process, then
-/// the first after each [`STORE_FULL_WARNING_EVERY`].
-fn store_full_warning_due() -> bool {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
-    use std::time::Instant;
-    static START: OnceLock<Instant> = OnceLock::new();
-    // The time of the last warning, in ms since `START`, plus one (0: never warned).
-    static LAST: AtomicU64 = AtomicU64::new(0);
-    let now = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1;
-    let every = STORE_FULL_WARNING_EVERY.as_millis() as u64;
-    let last = LAST.load(Ordering::Relaxed);
-    (last == 0 || now.saturating_sub(last) >= every)
-        && LAST
-            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
 }
