@@ -128,10 +128,12 @@ impl RemoteHandler {
     ///
     /// # Errors
     ///
-    /// [`RemoteError::Url`] when `base` is not an `http://` URL.
+    /// [`RemoteError::Url`] when `base` is not an `http://` URL, or names a user or a
+    /// password (the check API takes no credentials, and none would be sent). The error
+    /// shows the URL without its user and password.
     pub fn builder(base: &str) -> Result<RemoteHandlerBuilder, RemoteError> {
         let bad = |reason: &str| RemoteError::Url {
-            url: base.to_owned(),
+            url: without_userinfo(base),
             reason: reason.to_owned(),
         };
         let base: Uri = base.parse().map_err(|_| bad("not a URL"))?;
@@ -141,6 +143,12 @@ impl RemoteHandler {
             ));
         }
         let authority = base.authority().ok_or_else(|| bad("no host"))?.clone();
+        if authority.as_str().contains('@') {
+            return Err(bad(
+                "a user or password in the URL would not be sent: the check API takes no credentials; \
+                 keep the service on a private network",
+            ));
+        }
         let prefix = base.path().trim_end_matches('/');
         let check = Uri::builder()
             .scheme("http")
@@ -327,9 +335,52 @@ fn wait_bound(timeout: Duration) -> u64 {
     u64::try_from((timeout / 2).as_millis()).map_or(MAX_WAIT_MS, |ms| ms.min(MAX_WAIT_MS))
 }
 
+/// `url` with the user and password of its authority, if any, shown as `***`.
+fn without_userinfo(url: &str) -> String {
+    let start = url.find("://").map_or(0, |scheme| scheme + 3);
+    let end = url[start..].find(['/', '?', '#']).map_or(url.len(), |end| start + end);
+    match url[start..end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
+        None => url.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A URL with credentials is refused, and no error shows them: hyper would send
+    /// neither, and the handler's `Debug` and errors would show the password.
+    #[test]
+    fn a_url_with_credentials_is_refused_without_showing_them() {
+        for url in [
+            "http://gateway:s3cret@127.0.0.1:8082",
+            "http://gateway:s3cret@127.0.0.1:8082/prefix?x=1",
+            "http://s3cret@127.0.0.1:8082",
+            "https://gateway:s3cret@127.0.0.1:8082",
+            "http://gateway:s3cret@[::1:8082",
+        ] {
+            let Err(error) = RemoteHandler::builder(url) else {
+                panic!("{url} accepted");
+            };
+            let shown = format!("{error} {error:?}");
+            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(shown.contains("***@"), "{shown}");
+        }
+        let Err(error) = RemoteHandler::builder("http://gateway:s3cret@127.0.0.1:8082") else {
+            unreachable!()
+        };
+        assert!(error.to_string().contains("would not be sent"), "{error}");
+    }
+
+    #[test]
+    fn userinfo_is_hidden_in_the_authority_only() {
+        assert_eq!(without_userinfo("http://u:p@h:1/a@b"), "http://***@h:1/a@b");
+        assert_eq!(without_userinfo("http://h:1/a@b"), "http://h:1/a@b");
+        assert_eq!(without_userinfo("u:p@h"), "***@h");
+        assert_eq!(without_userinfo("http://a@b@h"), "http://***@h");
+        assert_eq!(without_userinfo(""), "");
+    }
 
     /// Without the service's mark, only a body of exactly the service's fields is its error.
     #[test]
