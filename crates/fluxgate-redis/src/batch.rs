@@ -5,14 +5,12 @@
 
 use std::collections::VecDeque;
 use std::fmt::Write as _;
-use std::future::Future;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use fred::bytes_utils::Str;
 use fred::error::{Error as FredError, ErrorKind};
 use fred::types::{Key, Value};
-use futures_util::future::Either;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -39,8 +37,7 @@ use crate::script::{missing_script, Scripts};
 /// when it holds [`max_requests`](Self::max_requests), or when its first request has
 /// waited [`max_delay`](Self::max_delay), whichever comes first. Each request keeps the
 /// limiter's deadline from the moment it arrived, wherever it waits: past it, it fails with
-/// [`RedisError::Timeout`] (and its failure policy answers it); a batch sent answers all its
-/// requests by the deadline of the oldest. A request still gathering
+/// [`RedisError::Timeout`] (and its failure policy answers it). A request still gathering
 /// then leaves its batch; one whose batch was already handed to the client may still be
 /// written and counted in Redis, which errs towards refusing, never admitting. On the pools
 /// [`RedisLimiterBuilder`](crate::RedisLimiterBuilder) makes, a batch's call is bounded by
@@ -182,19 +179,25 @@ impl Batcher {
             return Box::pin(self.shared.scripts.decide(keys, args)).await;
         }
         let (reply, answer) = oneshot::channel();
+        let arrived = Instant::now();
         self.shared.submit(Job {
             slot,
             keys,
             args: args.clone(),
-            arrived: Instant::now(),
+            arrived,
             reply,
         });
-        // The request's own deadline, wherever it waits, is kept without a timer of its
-        // own: the timer of the waiting requests sends it by then (`Shared::due`), and its
-        // batch's call answers it by the deadline of the batch's oldest request (`send`).
-        match answer.await {
-            Ok(result) => Scripts::read(args, &result?),
-            Err(_) => Err(RedisError::Interrupted),
+        // The request's own deadline, wherever it waits. Past it the answer is dropped,
+        // and a request still waiting is left out of its batch (see `take`).
+        let timeout = self.shared.scripts.connection().timeout();
+        let answered = match arrived.checked_add(timeout) {
+            Some(deadline) => tokio::time::timeout_at(deadline, answer).await,
+            None => Ok(answer.await), // a deadline beyond the clock's range
+        };
+        match answered {
+            Ok(Ok(result)) => Scripts::read(args, &result?),
+            Ok(Err(_)) => Err(RedisError::Interrupted),
+            Err(_) => Err(RedisError::Timeout(timeout)),
         }
     }
 }
@@ -261,11 +264,9 @@ impl Shared {
     }
 
     /// When a request that arrived at `arrived` is due to go out whether or not a call is
-    /// free: after `max_delay`, or at its deadline if that comes first (its call then
-    /// answers it with a timeout, see [`send`]); `None` when never (a delay beyond the
-    /// clock's range).
+    /// free; `None` when never (a delay beyond the clock's range).
     fn due(&self, arrived: Instant) -> Option<Instant> {
-        arrived.checked_add(self.limits.max_delay.min(self.scripts.connection().timeout()))
+        arrived.checked_add(self.limits.max_delay)
     }
 }
 
@@ -416,11 +417,8 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
                 keys.extend(job.keys.into_iter().map(Key::from));
                 replies.push(job.reply);
             }
-            let call = scripts.decide_batch(Some(&rule), keys, argv, remaining());
-            if let Some(result) = by_deadline(call, oldest.checked_add(timeout), &mut replies, timeout).await {
-                answer_all(scripts, Some(&rule), result, replies, one_rule_reply).await;
-            }
-            return;
+            let result = scripts.decide_batch(Some(&rule), keys, argv, remaining()).await;
+            return answer_all(scripts, Some(&rule), result, replies, one_rule_reply).await;
         }
     }
     // Each distinct list of arguments once, by the first request that has it.
@@ -453,38 +451,8 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
         keys.extend(job.keys.into_iter().map(Key::from));
         replies.push(job.reply);
     }
-    let call = scripts.decide_batch(None, keys, argv, remaining());
-    if let Some(result) = by_deadline(call, oldest.checked_add(timeout), &mut replies, timeout).await {
-        answer_all(scripts, None, result, replies, next_reply).await;
-    }
-}
-
-/// A batch's `call`, awaited until `deadline`, its oldest request's (none when beyond the
-/// clock's range). Past it, every request of the batch is answered with a timeout at once,
-/// since each request's deadline counts from its arrival, and the call is still awaited
-/// and its result dropped, so that a call fred times out revives its connection as any
-/// other does (`Scripts::bounded`): `None` then.
-async fn by_deadline<T>(
-    call: impl Future<Output = T>,
-    deadline: Option<Instant>,
-    replies: &mut Vec<oneshot::Sender<Result<Numbers, RedisError>>>,
-    timeout: Duration,
-) -> Option<T> {
-    let Some(deadline) = deadline else {
-        return Some(call.await);
-    };
-    let call = std::pin::pin!(call);
-    let expired = std::pin::pin!(tokio::time::sleep_until(deadline));
-    match futures_util::future::select(call, expired).await {
-        Either::Left((result, _)) => Some(result),
-        Either::Right(((), call)) => {
-            for reply in replies.drain(..) {
-                let _ = reply.send(Err(RedisError::Timeout(timeout)));
-            }
-            let _ = call.await;
-            None
-        }
-    }
+    let result = scripts.decide_batch(None, keys, argv, remaining()).await;
+    answer_all(scripts, None, result, replies, next_reply).await;
 }
 
 /// When every request of `batch` is of one token-bucket rule of one band that has its own
