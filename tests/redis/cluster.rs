@@ -744,6 +744,60 @@ mod failover {
             "decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}"
         );
     }
+
+    /// The same under load: requests of other clients, in every hash slot, keep every
+    /// connection written to, so fred never counts one dead by itself; the limiter sees the
+    /// slot's calls time out with none answered for a second and reconnects the pool, which
+    /// learns the slots again. Before, decisions of the frozen primary's slots never resumed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn decisions_resume_after_a_failover_from_a_frozen_primary_under_load() {
+        let cluster = RedisCluster::start_with_replicas();
+        let limiter = RedisLimiter::builder(cluster.url())
+            .prefix("frozen-load")
+            .timeout(Duration::from_millis(200))
+            .pool_size(4)
+            .connect()
+            .await
+            .expect("the test cluster takes connections");
+        let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
+        let ip = "192.0.2.5";
+        let ctx = ctx(ip);
+        assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
+        let key = format!("frozen-load:{{default:per-ip:ip={ip}}}");
+        let slot = fred::util::redis_keyslot(key.as_bytes());
+        let primary = cluster.node_of_key(&key);
+        let other = cluster.another_node(primary);
+        let load = {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                for n in 0u32.. {
+                    let _ = engine.check(&ctx_of(n)).await;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        };
+        primary.signal("-STOP");
+        let (promoted, resumed) = until_decided_after_promotion(&engine, &ctx, || {
+            RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
+        })
+        .await;
+        primary.signal("-CONT");
+        load.abort();
+        let promoted = promoted.expect("the replica took over within 30 s");
+        let resumed = resumed.expect("decisions resumed on the promoted replica");
+        eprintln!(
+            "cluster, under load: the replica took over {promoted:?} after its primary froze; decisions resumed {resumed:?} after"
+        );
+        assert!(
+            resumed <= promoted + Duration::from_secs(3),
+            "decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}"
+        );
+    }
+
+    /// Another client for each `n`, in turn among 200.
+    fn ctx_of(n: u32) -> fluxgate::core::RequestContext {
+        ctx(&format!("198.51.100.{}", n % 200))
+    }
 }
 
 mod prefix {

@@ -90,6 +90,53 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
     );
 }
 
+/// The same under load: requests of other clients keep every connection written to, so
+/// fred never counts one dead by itself (its check waits for a connection's last write to
+/// be a second old), whatever the pool's size. The limiter sees the slot's calls time out
+/// with none answered for a second, and reconnects the pool. Before, decisions never
+/// resumed: every one timed out on the frozen primary and was admitted by `fail_open`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decisions_resume_after_a_failover_from_a_frozen_primary_under_load() {
+    let sentinels = RedisSentinels::start();
+    let limiter = RedisLimiter::builder(sentinels.url())
+        .timeout(Duration::from_millis(200))
+        .reconnect_delay(Duration::from_millis(100))
+        .pool_size(4)
+        .connect()
+        .await
+        .expect("connect through the sentinels");
+    let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
+    let ctx = ctx("192.0.2.5");
+    assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
+
+    let load = {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            for n in 0u32.. {
+                // Each connection written to every 20 ms or so.
+                let other = crate::support::backend::ctx(&format!("198.51.100.{}", n % 200));
+                let _ = engine.check(&other).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+    let old = sentinels.primary.port();
+    sentinels.primary.signal("-STOP");
+    let (promoted, resumed) =
+        until_decided_after_promotion(&engine, &ctx, || sentinels.primary_port().is_some_and(|p| p != old)).await;
+    sentinels.primary.signal("-CONT");
+    load.abort();
+    let promoted = promoted.expect("the sentinels promoted the replica within 30 s");
+    let resumed = resumed.expect("decisions resumed on the promoted replica");
+    eprintln!(
+        "sentinel, under load: the replica was promoted {promoted:?} after the primary froze; decisions resumed {resumed:?} after"
+    );
+    assert!(
+        resumed <= promoted + Duration::from_secs(3),
+        "decisions resumed {resumed:?} after the freeze, the replica promoted after {promoted:?}"
+    );
+}
+
 /// A rule change listener follows a failover from a primary that stops answering without
 /// closing its connections: a heartbeat left unanswered counts its subscription's
 /// connection as dead, the client asks the sentinels for the new primary, subscribes there

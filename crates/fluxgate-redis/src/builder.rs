@@ -180,7 +180,10 @@ impl RedisLimiterBuilder {
                 return Err(RedisError::Connect(e));
             }
         };
-        let scripts = Scripts::new(Connection::pool(pool.clone(), self.timeout, cluster).with_tasks(tasks));
+        let connection = Connection::pool(pool.clone(), self.timeout, cluster)
+            .with_tasks(tasks)
+            .with_liveness(unanswered);
+        let scripts = Scripts::new(connection);
         if let Err(e) = scripts.load().await {
             // No limiter: its clients would otherwise keep reconnecting for good.
             for client in pool.clients() {

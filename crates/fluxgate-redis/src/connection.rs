@@ -1,8 +1,9 @@
 //! The connections to Redis and the deadline of every command sent through them.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use fred::clients::{Client, Pool};
 use fred::interfaces::ClientLike;
@@ -58,6 +59,92 @@ pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
     }
 }
 
+/// Whether Redis still answers the calls of each hash slot (one on a standalone Redis), to
+/// reconnect when it stops, whatever the load.
+///
+/// fred counts a connection dead when its last write is older than `unanswered` with no
+/// reply since ([`unresponsive`]). A connection that is written to more often than that
+/// never is: under load (or with a pool of two or three connections and a request every
+/// few hundred milliseconds), a primary that stops answering without closing its
+/// connections (a frozen process, a host gone, a partition) kept every connection to it
+/// after a failover had promoted another, each decision timing out and left to its failure
+/// policy, until TCP gave up, minutes later. Here a slot whose calls time out and whose
+/// last answer is older than `unanswered` makes the pool reconnect (asking the sentinels
+/// for the primary again, or the cluster for its slots), at most once per `unanswered`.
+struct Liveness {
+    start: Instant,
+    /// `unanswered` in [`TICK_MS`] ticks.
+    unanswered: u32,
+    /// Per slot: whether a call of it was answered since its last timeout was looked at.
+    answered: Box<[AtomicBool]>,
+    /// Per slot: since when (ticks) no call of it has been seen answered.
+    silent_since: Box<[AtomicU32]>,
+    /// When (ticks) the pool last reconnected because of a slot's silence.
+    reconnected: AtomicU32,
+}
+
+/// The unit of [`Liveness`]'s times: a `u32` of them lasts two years, and differences are
+/// taken wrapping.
+const TICK_MS: u128 = 16;
+
+impl Liveness {
+    fn new(unanswered: Duration, cluster: bool) -> Self {
+        let slots = if cluster { 16_384 } else { 1 };
+        let unanswered = u32::try_from(unanswered.as_millis() / TICK_MS)
+            .unwrap_or(u32::MAX)
+            .max(1);
+        Self {
+            start: Instant::now(),
+            unanswered,
+            answered: (0..slots).map(|_| AtomicBool::new(true)).collect(),
+            silent_since: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            // As if it had reconnected long enough ago.
+            reconnected: AtomicU32::new(0u32.wrapping_sub(unanswered)),
+        }
+    }
+
+    fn now(&self) -> u32 {
+        // Wrapping on purpose (see `TICK_MS`).
+        (self.start.elapsed().as_millis() / TICK_MS) as u32
+    }
+
+    fn answered(&self, slot: u16) {
+        if let Some(answered) = self.answered.get(usize::from(slot)) {
+            // Read first: no write to a line the other threads read while Redis answers.
+            if !answered.load(Ordering::Relaxed) {
+                answered.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A call of `slot` timed out: whether the pool is to reconnect now.
+    fn timed_out(&self, slot: u16) -> bool {
+        self.timed_out_at(slot, self.now())
+    }
+
+    /// [`timed_out`](Self::timed_out) at `now` (ticks).
+    fn timed_out_at(&self, slot: u16, now: u32) -> bool {
+        let (Some(answered), Some(silent_since)) = (
+            self.answered.get(usize::from(slot)),
+            self.silent_since.get(usize::from(slot)),
+        ) else {
+            return false;
+        };
+        if answered.swap(false, Ordering::Relaxed) {
+            // Answered since the last timeout: its silence starts now.
+            silent_since.store(now, Ordering::Relaxed);
+            return false;
+        }
+        let last = self.reconnected.load(Ordering::Relaxed);
+        now.wrapping_sub(silent_since.load(Ordering::Relaxed)) >= self.unanswered
+            && now.wrapping_sub(last) >= self.unanswered
+            && self
+                .reconnected
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+}
+
 /// The client or pool the limiter sends its commands through, and their deadline.
 #[derive(Clone)]
 pub(crate) struct Connection {
@@ -69,6 +156,8 @@ pub(crate) struct Connection {
     /// The connection task of each client of a pool the crate connected, in the pool's
     /// order (see [`Connection::revive`]).
     tasks: Option<Arc<Mutex<Vec<ConnectHandle>>>>,
+    /// Whether Redis still answers, for a pool the crate connected.
+    liveness: Option<Arc<Liveness>>,
 }
 
 #[derive(Clone)]
@@ -87,6 +176,7 @@ impl Connection {
             fred_timeout: (!timeout.is_zero()).then_some(timeout),
             cluster,
             tasks: None,
+            liveness: None,
         }
     }
 
@@ -95,6 +185,45 @@ impl Connection {
     pub(crate) fn with_tasks(mut self, tasks: Vec<ConnectHandle>) -> Self {
         self.tasks = Some(Arc::new(Mutex::new(tasks)));
         self
+    }
+
+    /// The same connections, reconnected when the calls of a slot time out and none of
+    /// them has been answered for `unanswered` (see [`Liveness`]).
+    pub(crate) fn with_liveness(mut self, unanswered: Duration) -> Self {
+        self.liveness = Some(Arc::new(Liveness::new(unanswered, self.cluster)));
+        self
+    }
+
+    /// A decision call of `slot` was answered.
+    pub(crate) fn answered(&self, slot: u16) {
+        if let Some(liveness) = &self.liveness {
+            liveness.answered(slot);
+        }
+    }
+
+    /// A decision call of `slot` timed out: when no call of the slot has been answered for
+    /// `unanswered`, the pool reconnects, in a task of its own (see [`Liveness`]).
+    pub(crate) fn timed_out(&self, slot: u16) {
+        let (Some(liveness), Clients::Pool(pool)) = (&self.liveness, &self.clients) else {
+            return;
+        };
+        if !liveness.timed_out(slot) {
+            return;
+        }
+        tracing::warn!(
+            slot,
+            "Redis answered no call of this hash slot for {}ms: reconnecting (a primary that stopped \
+             answering without closing its connections, or an unreachable one)",
+            u128::from(liveness.unanswered) * TICK_MS
+        );
+        let pool = pool.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = pool.force_reconnection().await {
+                    tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
+                }
+            });
+        }
     }
 
     /// Starts again the connection task of any client of the pool whose task ended. fred
@@ -128,6 +257,7 @@ impl Connection {
             fred_timeout: None,
             cluster,
             tasks: None,
+            liveness: None,
         }
     }
 
@@ -189,6 +319,48 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A slot's calls time out with none answered for `unanswered`: the pool reconnects,
+    /// then not again within `unanswered`; an answer starts the silence over; other slots
+    /// keep their own.
+    #[test]
+    fn a_slot_silent_for_the_whole_period_reconnects_the_pool_once_per_period() {
+        let liveness = Liveness::new(Duration::from_millis(1600), true); // 100 ticks
+                                                                         // The first timeout after answers starts the silence.
+        assert!(!liveness.timed_out_at(7, 1000));
+        assert!(!liveness.timed_out_at(7, 1050));
+        assert!(!liveness.timed_out_at(7, 1099));
+        assert!(liveness.timed_out_at(7, 1100), "silent for the whole period");
+        assert!(!liveness.timed_out_at(7, 1150), "reconnected already");
+        assert!(liveness.timed_out_at(7, 1200), "still silent a period later");
+        // An answer: the next timeout starts the silence over.
+        liveness.answered(7);
+        assert!(!liveness.timed_out_at(7, 1500));
+        assert!(!liveness.timed_out_at(7, 1599));
+        assert!(liveness.timed_out_at(7, 1600));
+        // Another slot, answered meanwhile, starts its own silence at its first timeout.
+        assert!(!liveness.timed_out_at(9, 1600));
+        assert!(!liveness.timed_out_at(9, 1650));
+        // Past the end of the slots: never.
+        assert!(!liveness.timed_out_at(16_384, 5000));
+    }
+
+    /// One reconnection for all slots per period: a cluster whose primary of many slots
+    /// stops answering reconnects once, not once per slot.
+    #[test]
+    fn silent_slots_reconnect_the_pool_once_per_period_between_them() {
+        let liveness = Liveness::new(Duration::from_millis(1600), true);
+        for slot in 0..10 {
+            assert!(!liveness.timed_out_at(slot, 0));
+        }
+        let reconnections = (0..10).filter(|&slot| liveness.timed_out_at(slot, 100)).count();
+        assert_eq!(reconnections, 1);
+        // The standalone server's single slot, and the clock's wrapping.
+        let liveness = Liveness::new(Duration::from_millis(1600), false);
+        assert!(!liveness.timed_out_at(0, u32::MAX - 50));
+        assert!(liveness.timed_out_at(0, 49), "100 ticks later, across the wrap");
+        assert!(!liveness.timed_out_at(1, 500), "one slot only");
+    }
 
     /// fred reads a zero command timeout as none: a zero deadline is then kept by the
     /// limiter's own timer, never left to fred.

@@ -81,11 +81,19 @@ impl Inner {
     }
 
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
+    /// Whether it was answered or timed out tells the connections whether Redis still
+    /// answers the slot (`Connection::timed_out`).
     async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
-        match &self.batcher {
+        let result = match &self.batcher {
             Some(batcher) => batcher.decide(slot, keys, args).await,
             None => self.scripts.decide(keys, args).await,
+        };
+        match &result {
+            Ok(_) => self.scripts.connection().answered(slot),
+            Err(RedisError::Timeout(_)) => self.scripts.connection().timed_out(slot),
+            Err(_) => {}
         }
+        result
     }
 }
 
