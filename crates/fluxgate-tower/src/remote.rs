@@ -80,7 +80,7 @@ pub enum RemoteError {
     /// The base URL cannot be used.
     #[error("rate-limit service URL `{url}`: {reason}")]
     Url {
-        /// The URL given.
+        /// The URL given, its user and password (anything before an `@`) shown as `***`.
         url: String,
         /// What is wrong.
         reason: String,
@@ -128,14 +128,22 @@ impl RemoteHandler {
     ///
     /// # Errors
     ///
-    /// [`RemoteError::Url`] when `base` is not an `http://` URL, or names a user or a
-    /// password (the check API takes no credentials, and none would be sent). The error
-    /// shows the URL without its user and password.
+    /// [`RemoteError::Url`] when `base` is not an `http://` URL, or holds an `@` (a user
+    /// or a password, anywhere: the check API takes no credentials, and none would be
+    /// sent). The error shows the URL without what comes before its `@`.
     pub fn builder(base: &str) -> Result<RemoteHandlerBuilder, RemoteError> {
         let bad = |reason: &str| RemoteError::Url {
             url: without_userinfo(base),
             reason: reason.to_owned(),
         };
+        // Before parsing: `http::Uri` ends the authority at the first `/`, `?` or `#`, so
+        // that a password holding one would be read as a host and a port, and shown.
+        if base.contains('@') {
+            return Err(bad(
+                "a user or password in the URL would not be sent: the check API takes no credentials; \
+                 keep the service on a private network",
+            ));
+        }
         let base: Uri = base.parse().map_err(|_| bad("not a URL"))?;
         if base.scheme_str() != Some("http") {
             return Err(bad(
@@ -143,12 +151,6 @@ impl RemoteHandler {
             ));
         }
         let authority = base.authority().ok_or_else(|| bad("no host"))?.clone();
-        if authority.as_str().contains('@') {
-            return Err(bad(
-                "a user or password in the URL would not be sent: the check API takes no credentials; \
-                 keep the service on a private network",
-            ));
-        }
         let prefix = base.path().trim_end_matches('/');
         let check = Uri::builder()
             .scheme("http")
@@ -335,11 +337,11 @@ fn wait_bound(timeout: Duration) -> u64 {
     u64::try_from((timeout / 2).as_millis()).map_or(MAX_WAIT_MS, |ms| ms.min(MAX_WAIT_MS))
 }
 
-/// `url` with the user and password of its authority, if any, shown as `***`.
+/// `url` with everything between its scheme and its last `@`, a user and a password
+/// (which may hold `/`, `?` or `#`), shown as `***`.
 fn without_userinfo(url: &str) -> String {
     let start = url.find("://").map_or(0, |scheme| scheme + 3);
-    let end = url[start..].find(['/', '?', '#']).map_or(url.len(), |end| start + end);
-    match url[start..end].rfind('@') {
+    match url[start..].rfind('@') {
         Some(at) => format!("{}***{}", &url[..start], &url[start + at..]),
         None => url.to_owned(),
     }
@@ -359,12 +361,17 @@ mod tests {
             "http://s3cret@127.0.0.1:8082",
             "https://gateway:s3cret@127.0.0.1:8082",
             "http://gateway:s3cret@[::1:8082",
+            "http://gateway:s3/cret@127.0.0.1:8082",
+            "http://gateway:s3?cret@127.0.0.1:8082",
+            "http://gateway:s3#cret@127.0.0.1:8082",
+            "http://gateway:s3%40cret@127.0.0.1:8082",
+            "HTTP://gateway:s3cret@127.0.0.1:8082",
         ] {
             let Err(error) = RemoteHandler::builder(url) else {
                 panic!("{url} accepted");
             };
             let shown = format!("{error} {error:?}");
-            assert!(!shown.contains("s3cret"), "{shown}");
+            assert!(!shown.contains("cret"), "{shown}");
             assert!(shown.contains("***@"), "{shown}");
         }
         let Err(error) = RemoteHandler::builder("http://gateway:s3cret@127.0.0.1:8082") else {
@@ -374,9 +381,9 @@ mod tests {
     }
 
     #[test]
-    fn userinfo_is_hidden_in_the_authority_only() {
-        assert_eq!(without_userinfo("http://u:p@h:1/a@b"), "http://***@h:1/a@b");
-        assert_eq!(without_userinfo("http://h:1/a@b"), "http://h:1/a@b");
+    fn everything_up_to_the_last_at_sign_is_hidden() {
+        assert_eq!(without_userinfo("http://u:p/q?r#s@h:1/a"), "http://***@h:1/a");
+        assert_eq!(without_userinfo("http://h:1/a"), "http://h:1/a");
         assert_eq!(without_userinfo("u:p@h"), "***@h");
         assert_eq!(without_userinfo("http://a@b@h"), "http://***@h");
         assert_eq!(without_userinfo(""), "");
