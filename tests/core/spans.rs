@@ -134,6 +134,43 @@ async fn an_asynchronous_decision_runs_in_its_span_and_a_failing_backend_warns_o
     );
 }
 
+/// A refusal by a `fail_closed` rule is warned of even right after admissions by the
+/// engine's `fail_open`: each kind of answer has its throttle, and neither hides the other.
+#[tokio::test]
+async fn a_fail_closed_refusal_is_warned_of_beside_admissions() {
+    const TWO: &str = r#"
+rule_sets:
+  - id: api
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 2, window: 1h }]
+  - id: login
+    rules:
+      - id: per-ip
+        on_backend_failure: fail_closed
+        bands: [{ capacity: 2, window: 1h }]
+"#;
+    let engine = Engine::builder(rules(TWO))
+        .limiter(DownLater)
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("valid");
+    let ((), trace) = trace_async(async {
+        for rule_set in ["api", "api", "login", "login", "api"] {
+            engine.check(&ctx(rule_set)).await.expect("a decision");
+        }
+    })
+    .await;
+    let warnings: Vec<_> = trace
+        .events_at_least(Level::WARN)
+        .iter()
+        .map(|e| e.message.clone())
+        .collect();
+    assert_eq!(warnings.len(), 2, "{warnings:?}");
+    assert!(warnings[0].contains("failure policies"), "{warnings:?}");
+    assert!(warnings[1].contains("refusing the request (fail_closed)"), "{warnings:?}");
+}
+
 #[test]
 fn an_open_circuit_does_not_warn_per_request() {
     let breaker = CircuitBreaker::new(Down)

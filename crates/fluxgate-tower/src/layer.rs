@@ -421,7 +421,7 @@ impl RateLimitLayerBuilder {
                 customizer: self.customizer,
                 rejection: self.rejection,
                 warned_unknown: AtomicBool::new(false),
-                failures: fluxgate_core::failure::LogThrottle::default(),
+                failures: Default::default(),
             }),
         })
     }

@@ -50,8 +50,10 @@ pub(crate) struct Fallback {
     pub(crate) charges: bool,
     /// What memory admitted while the backend failed, for the backend to count.
     pub(crate) owed: owed::Owed,
-    /// The warnings of the failures the policies cover.
-    pub(crate) warnings: LogThrottle,
+    /// The warnings of the failures the policies cover: of the requests a `fail_closed`
+    /// rule refused, and of those the others decided (one throttle each, so that neither
+    /// kind hides the other).
+    pub(crate) warnings: [LogThrottle; 2],
 }
 
 impl Fallback {
@@ -125,7 +127,7 @@ impl Fallback {
             .buckets()
             .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))
         {
-            warn_failed(&self.warnings, &error, "refusing the request (fail_closed)");
+            warn_failed(&self.warnings[0], &error, "refusing the request (fail_closed)");
             let rule = closed.rule.id().clone();
             let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
             decision.degraded = true;
@@ -136,7 +138,7 @@ impl Fallback {
             return Err(Error::Backend(error));
         }
         warn_failed(
-            &self.warnings,
+            &self.warnings[1],
             &error,
             "deciding by the rules' failure policies (fail_open, fallback_local)",
         );

@@ -10,8 +10,11 @@ use std::time::{Duration, Instant};
 /// A backend that is down without a [`CircuitBreaker`](super::CircuitBreaker) fails
 /// every request: without a throttle, an outage would write a warning per request. The
 /// engine's failure policies, a [`FallbackHandler`](super::FallbackHandler) and the tower
-/// layer's `on_error` each keep one, so that an outage writes one warning per
-/// [`LogThrottle::EVERY`] from each of them, and its metrics still count every failure.
+/// layer's `on_error` keep one for each kind of answer they give (refused, admitted or
+/// decided in memory), so that an outage writes at most one warning of each per
+/// [`LogThrottle::EVERY`], and the engine's recorder still counts every failure. The count
+/// a warning gives is of the occurrences since the previous warning, which may be long
+/// ago.
 ///
 /// ```
 /// use std::time::Duration;
