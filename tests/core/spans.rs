@@ -168,7 +168,10 @@ rule_sets:
         .collect();
     assert_eq!(warnings.len(), 2, "{warnings:?}");
     assert!(warnings[0].contains("failure policies"), "{warnings:?}");
-    assert!(warnings[1].contains("refusing the request (fail_closed)"), "{warnings:?}");
+    assert!(
+        warnings[1].contains("refusing the request (fail_closed)"),
+        "{warnings:?}"
+    );
 }
 
 #[test]

@@ -703,7 +703,7 @@ mod failover {
     use fluxgate::redis::RedisLimiter;
 
     use crate::support::backend::ctx;
-    use crate::support::redis::{per_ip_engine, until_decided_after_promotion};
+    use crate::support::redis::{other_clients, per_ip_engine, until_decided_after_promotion};
     use crate::support::servers::RedisCluster;
 
     /// A primary that stops answering without closing its connections (a frozen process; a
@@ -713,90 +713,59 @@ mod failover {
     /// later, with the failure policy answering all that time.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
-        let cluster = RedisCluster::start_with_replicas();
-        let limiter = RedisLimiter::builder(cluster.url())
-            .prefix("frozen")
-            .timeout(Duration::from_millis(200))
-            .connect()
-            .await
-            .expect("the test cluster takes connections");
-        let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
-        let ip = "192.0.2.5";
-        let ctx = ctx(ip);
-        assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
-        let key = format!("frozen:{{default:per-ip:ip={ip}}}");
-        let slot = fred::util::redis_keyslot(key.as_bytes());
-        let primary = cluster.node_of_key(&key);
-        let other = cluster.another_node(primary);
-        primary.signal("-STOP");
-        let (promoted, resumed) = until_decided_after_promotion(&engine, &ctx, || {
-            RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
-        })
-        .await;
-        primary.signal("-CONT");
-        let promoted = promoted.expect("the replica took over within 30 s");
-        let resumed = resumed.expect("decisions resumed on the promoted replica");
-        eprintln!(
-            "cluster: the replica took over {promoted:?} after its primary froze; decisions resumed {resumed:?} after"
-        );
-        assert!(
-            resumed <= promoted + Duration::from_secs(3),
-            "decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}"
-        );
+        after_a_frozen_primary(None, false).await;
     }
 
     /// The same under load: requests of other clients, in every hash slot, keep every
     /// connection written to, so fred never counts one dead by itself; the limiter sees the
     /// slot's calls time out with none answered for a second and reconnects the pool, which
-    /// learns the slots again. Before, decisions of the frozen primary's slots never resumed.
+    /// learns the slots again. Before, decisions of the frozen primary's slots resumed 16 s
+    /// after the replica took over.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn decisions_resume_after_a_failover_from_a_frozen_primary_under_load() {
+        after_a_frozen_primary(Some(4), true).await;
+    }
+
+    /// Decisions resume within 3 s of the replica taking over after its primary froze, with
+    /// a pool of `pool` connections (the limiter's default if `None`), `under_load` or not.
+    async fn after_a_frozen_primary(pool: Option<usize>, under_load: bool) {
         let cluster = RedisCluster::start_with_replicas();
-        let limiter = RedisLimiter::builder(cluster.url())
-            .prefix("frozen-load")
-            .timeout(Duration::from_millis(200))
-            .pool_size(4)
-            .connect()
-            .await
-            .expect("the test cluster takes connections");
+        let prefix = if under_load { "frozen-load" } else { "frozen" };
+        let mut builder = RedisLimiter::builder(cluster.url())
+            .prefix(prefix)
+            .timeout(Duration::from_millis(200));
+        if let Some(pool) = pool {
+            builder = builder.pool_size(pool);
+        }
+        let limiter = builder.connect().await.expect("the test cluster takes connections");
         let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
         let ip = "192.0.2.5";
         let ctx = ctx(ip);
         assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
-        let key = format!("frozen-load:{{default:per-ip:ip={ip}}}");
+        let key = format!("{prefix}:{{default:per-ip:ip={ip}}}");
         let slot = fred::util::redis_keyslot(key.as_bytes());
         let primary = cluster.node_of_key(&key);
         let other = cluster.another_node(primary);
-        let load = {
-            let engine = engine.clone();
-            tokio::spawn(async move {
-                for n in 0u32.. {
-                    let _ = engine.check(&ctx_of(n)).await;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-            })
-        };
+        let load = under_load.then(|| other_clients(&engine));
         primary.signal("-STOP");
         let (promoted, resumed) = until_decided_after_promotion(&engine, &ctx, || {
             RedisCluster::primary_of_slot_seen_by(other, slot).is_some_and(|p| p != primary.port())
         })
         .await;
         primary.signal("-CONT");
-        load.abort();
+        if let Some(load) = load {
+            load.abort();
+        }
         let promoted = promoted.expect("the replica took over within 30 s");
         let resumed = resumed.expect("decisions resumed on the promoted replica");
         eprintln!(
-            "cluster, under load: the replica took over {promoted:?} after its primary froze; decisions resumed {resumed:?} after"
+            "cluster (under load: {under_load}): the replica took over {promoted:?} after its primary froze; \
+             decisions resumed {resumed:?} after"
         );
         assert!(
             resumed <= promoted + Duration::from_secs(3),
             "decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}"
         );
-    }
-
-    /// Another client for each `n`, in turn among 200.
-    fn ctx_of(n: u32) -> fluxgate::core::RequestContext {
-        ctx(&format!("198.51.100.{}", n % 200))
     }
 }
 

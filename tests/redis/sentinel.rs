@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::changes::spec;
 use crate::support::app::rules;
 use crate::support::backend::ctx;
-use crate::support::redis::{per_ip_engine, until_decided_after_promotion};
+use crate::support::redis::{other_clients, per_ip_engine, until_decided_after_promotion};
 use crate::support::servers::RedisSentinels;
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{Engine, FailurePolicy, RequestContext};
@@ -63,31 +63,7 @@ async fn decisions_resume_after_a_failover() {
 /// primary until TCP gave up, minutes later: the failure policy answered all that time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
-    let sentinels = RedisSentinels::start();
-    let limiter = RedisLimiter::builder(sentinels.url())
-        .timeout(Duration::from_millis(200))
-        .reconnect_delay(Duration::from_millis(100))
-        .connect()
-        .await
-        .expect("connect through the sentinels");
-    let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
-    let ctx = ctx("192.0.2.5");
-    assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
-
-    let old = sentinels.primary.port();
-    sentinels.primary.signal("-STOP");
-    let (promoted, resumed) =
-        until_decided_after_promotion(&engine, &ctx, || sentinels.primary_port().is_some_and(|p| p != old)).await;
-    sentinels.primary.signal("-CONT");
-    let promoted = promoted.expect("the sentinels promoted the replica within 30 s");
-    let resumed = resumed.expect("decisions resumed on the promoted replica");
-    eprintln!(
-        "sentinel: the replica was promoted {promoted:?} after the primary froze; decisions resumed {resumed:?} after"
-    );
-    assert!(
-        resumed <= promoted + Duration::from_secs(3),
-        "decisions resumed {resumed:?} after the freeze, the replica promoted after {promoted:?}"
-    );
+    after_a_frozen_primary(None, false).await;
 }
 
 /// The same under load: requests of other clients keep every connection written to, so
@@ -97,39 +73,38 @@ async fn decisions_resume_after_a_failover_from_a_frozen_primary() {
 /// resumed: every one timed out on the frozen primary and was admitted by `fail_open`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn decisions_resume_after_a_failover_from_a_frozen_primary_under_load() {
+    after_a_frozen_primary(Some(4), true).await;
+}
+
+/// Decisions resume within 3 s of the promotion after the primary froze, with a pool of
+/// `pool` connections (the limiter's default if `None`), `under_load` or not.
+async fn after_a_frozen_primary(pool: Option<usize>, under_load: bool) {
     let sentinels = RedisSentinels::start();
-    let limiter = RedisLimiter::builder(sentinels.url())
+    let mut builder = RedisLimiter::builder(sentinels.url())
         .timeout(Duration::from_millis(200))
-        .reconnect_delay(Duration::from_millis(100))
-        .pool_size(4)
-        .connect()
-        .await
-        .expect("connect through the sentinels");
+        .reconnect_delay(Duration::from_millis(100));
+    if let Some(pool) = pool {
+        builder = builder.pool_size(pool);
+    }
+    let limiter = builder.connect().await.expect("connect through the sentinels");
     let engine = per_ip_engine(limiter, 1000, FailurePolicy::FailOpen);
     let ctx = ctx("192.0.2.5");
     assert!(!engine.check(&ctx).await.expect("a decision").failed_open);
 
-    let load = {
-        let engine = engine.clone();
-        tokio::spawn(async move {
-            for n in 0u32.. {
-                // Each connection written to every 20 ms or so.
-                let other = crate::support::backend::ctx(&format!("198.51.100.{}", n % 200));
-                let _ = engine.check(&other).await;
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-        })
-    };
+    let load = under_load.then(|| other_clients(&engine));
     let old = sentinels.primary.port();
     sentinels.primary.signal("-STOP");
     let (promoted, resumed) =
         until_decided_after_promotion(&engine, &ctx, || sentinels.primary_port().is_some_and(|p| p != old)).await;
     sentinels.primary.signal("-CONT");
-    load.abort();
+    if let Some(load) = load {
+        load.abort();
+    }
     let promoted = promoted.expect("the sentinels promoted the replica within 30 s");
     let resumed = resumed.expect("decisions resumed on the promoted replica");
     eprintln!(
-        "sentinel, under load: the replica was promoted {promoted:?} after the primary froze; decisions resumed {resumed:?} after"
+        "sentinel (under load: {under_load}): the replica was promoted {promoted:?} after the primary froze; \
+         decisions resumed {resumed:?} after"
     );
     assert!(
         resumed <= promoted + Duration::from_secs(3),

@@ -48,6 +48,20 @@ pub(crate) async fn until_decided_after_promotion(
     (promoted, None)
 }
 
+/// Requests of other clients than the tests' (`198.51.100.0` to `.199` in turn), one every
+/// 5 ms or so until the task is aborted: with a pool of a few connections, each connection
+/// is written to every 20 ms or so, as under load.
+pub(crate) fn other_clients(engine: &Engine) -> tokio::task::JoinHandle<()> {
+    let engine = engine.clone();
+    tokio::spawn(async move {
+        for n in 0u32.. {
+            let other = crate::support::backend::ctx(&format!("198.51.100.{}", n % 200));
+            let _ = engine.check(&other).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+}
+
 /// Where a [`Redis`] backend runs.
 pub(crate) enum Servers {
     /// A standalone server of its own.
