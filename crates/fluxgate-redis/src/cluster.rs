@@ -28,7 +28,13 @@ pub(crate) async fn decide_across_slots(
     let results = join_all(calls.iter().map(|c| scripts.decide_kept(&c.keys, &c.args))).await;
     let mut replies = Vec::with_capacity(results.len());
     let mut failure = None;
-    for result in results {
+    for (result, call) in results.into_iter().zip(&calls) {
+        // Whether Redis still answers the call's slot (`Connection::timed_out`).
+        match &result {
+            Ok(_) => scripts.connection().answered(call.slot),
+            Err(RedisError::Timeout(_)) => scripts.connection().timed_out(call.slot),
+            Err(_) => {}
+        }
         match result {
             Ok(reply) => replies.push(Some(reply)),
             Err(e) => {

@@ -6,9 +6,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use fred::clients::{Client, Pool};
-use fred::interfaces::ClientLike;
+use fred::interfaces::{ClientLike, ClusterInterface};
 use fred::types::config::{ReconnectPolicy, ServerConfig, UnresponsiveConfig};
 use fred::types::{Builder, ConnectHandle};
+use futures_util::future::join_all;
 
 use crate::error::RedisError;
 use crate::url::{parse_url, redact};
@@ -68,80 +69,100 @@ pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
 /// few hundred milliseconds), a primary that stops answering without closing its
 /// connections (a frozen process, a host gone, a partition) kept every connection to it
 /// after a failover had promoted another, each decision timing out and left to its failure
-/// policy, until TCP gave up, minutes later. Here a slot whose calls time out and whose
-/// last answer is older than `unanswered` makes the pool reconnect (asking the sentinels
-/// for the primary again, or the cluster for its slots), at most once per `unanswered`.
+/// policy, until TCP gave up, minutes later. Here a slot whose calls keep timing out for
+/// `unanswered`, counted from the first timeout after an answer, makes the pool reconnect
+/// ([`Connection::timed_out`]), at most once per `unanswered` and never while a
+/// reconnection it started is under way.
 struct Liveness {
     start: Instant,
-    /// `unanswered` in [`TICK_MS`] ticks.
+    /// `unanswered` in [`TICK_MS`] ticks, rounded up.
     unanswered: u32,
-    /// Per slot: whether a call of it was answered since its last timeout was looked at.
-    answered: Box<[AtomicBool]>,
-    /// Per slot: since when (ticks) no call of it has been seen answered.
+    /// Per slot: [`ANSWERED`] when a call of it was answered since its last timeout, else
+    /// the tick of the first timeout since (its silence).
     silent_since: Box<[AtomicU32]>,
     /// When (ticks) the pool last reconnected because of a slot's silence.
     reconnected: AtomicU32,
+    /// Whether a reconnection it started is under way.
+    reconnecting: AtomicBool,
 }
 
 /// The unit of [`Liveness`]'s times: a `u32` of them lasts two years, and differences are
 /// taken wrapping.
 const TICK_MS: u128 = 16;
 
+/// A slot answered since its last timeout (no tick is stored as this value).
+const ANSWERED: u32 = u32::MAX;
+
 impl Liveness {
     fn new(unanswered: Duration, cluster: bool) -> Self {
         let slots = if cluster { 16_384 } else { 1 };
-        let unanswered = u32::try_from(unanswered.as_millis() / TICK_MS)
+        let unanswered = u32::try_from(unanswered.as_millis().div_ceil(TICK_MS))
             .unwrap_or(u32::MAX)
             .max(1);
         Self {
             start: Instant::now(),
             unanswered,
-            answered: (0..slots).map(|_| AtomicBool::new(true)).collect(),
-            silent_since: (0..slots).map(|_| AtomicU32::new(0)).collect(),
+            silent_since: (0..slots).map(|_| AtomicU32::new(ANSWERED)).collect(),
             // As if it had reconnected long enough ago.
             reconnected: AtomicU32::new(0u32.wrapping_sub(unanswered)),
+            reconnecting: AtomicBool::new(false),
         }
     }
 
     fn now(&self) -> u32 {
-        // Wrapping on purpose (see `TICK_MS`).
-        (self.start.elapsed().as_millis() / TICK_MS) as u32
+        // Wrapping on purpose (see `TICK_MS`); never `ANSWERED`.
+        ((self.start.elapsed().as_millis() / TICK_MS) as u32).min(ANSWERED - 1)
     }
 
     fn answered(&self, slot: u16) {
-        if let Some(answered) = self.answered.get(usize::from(slot)) {
+        if let Some(silent_since) = self.silent_since.get(usize::from(slot)) {
             // Read first: no write to a line the other threads read while Redis answers.
-            if !answered.load(Ordering::Relaxed) {
-                answered.store(true, Ordering::Relaxed);
+            if silent_since.load(Ordering::Relaxed) != ANSWERED {
+                silent_since.store(ANSWERED, Ordering::Relaxed);
             }
         }
     }
 
-    /// A call of `slot` timed out: whether the pool is to reconnect now.
+    /// A call of `slot` timed out: whether the pool is to reconnect now (the caller then
+    /// does, and calls [`reconnected`](Self::reconnected) when it is done).
     fn timed_out(&self, slot: u16) -> bool {
         self.timed_out_at(slot, self.now())
     }
 
-    /// [`timed_out`](Self::timed_out) at `now` (ticks).
+    /// [`timed_out`](Self::timed_out) at `now` (ticks, below [`ANSWERED`]).
     fn timed_out_at(&self, slot: u16, now: u32) -> bool {
-        let (Some(answered), Some(silent_since)) = (
-            self.answered.get(usize::from(slot)),
-            self.silent_since.get(usize::from(slot)),
-        ) else {
+        let Some(silent_since) = self.silent_since.get(usize::from(slot)) else {
             return false;
         };
-        if answered.swap(false, Ordering::Relaxed) {
-            // Answered since the last timeout: its silence starts now.
-            silent_since.store(now, Ordering::Relaxed);
+        let since = silent_since.load(Ordering::Relaxed);
+        if since == ANSWERED {
+            // The first timeout after an answer: the silence starts now (one thread's).
+            let _ = silent_since.compare_exchange(ANSWERED, now, Ordering::Relaxed, Ordering::Relaxed);
             return false;
         }
         let last = self.reconnected.load(Ordering::Relaxed);
-        now.wrapping_sub(silent_since.load(Ordering::Relaxed)) >= self.unanswered
+        now.wrapping_sub(since) >= self.unanswered
             && now.wrapping_sub(last) >= self.unanswered
+            && !self.reconnecting.load(Ordering::Relaxed)
             && self
                 .reconnected
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
+            && !self.reconnecting.swap(true, Ordering::Relaxed)
+    }
+
+    /// The reconnection [`timed_out`](Self::timed_out) asked for is over.
+    fn reconnected(&self) {
+        self.reconnecting.store(false, Ordering::Relaxed);
+    }
+}
+
+/// Marks the reconnection over when dropped, however its task ends.
+struct Reconnecting(Arc<Liveness>);
+
+impl Drop for Reconnecting {
+    fn drop(&mut self) {
+        self.0.reconnected();
     }
 }
 
@@ -201,10 +222,17 @@ impl Connection {
         }
     }
 
-    /// A decision call of `slot` timed out: when no call of the slot has been answered for
-    /// `unanswered`, the pool reconnects, in a task of its own (see [`Liveness`]).
+    /// A decision call of `slot` timed out: when the slot's calls have kept timing out for
+    /// `unanswered` (see [`Liveness`]), the pool reconnects, in a task of its own. On a
+    /// standalone or Sentinel-managed server, each client reconnects (asking the sentinels
+    /// for the primary again), after fred's reconnection delay; on a cluster, each client
+    /// reads the cluster's slots again and connects to the nodes that now own them,
+    /// leaving its other connections as they are.
     pub(crate) fn timed_out(&self, slot: u16) {
         let (Some(liveness), Clients::Pool(pool)) = (&self.liveness, &self.clients) else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         if !liveness.timed_out(slot) {
@@ -216,14 +244,22 @@ impl Connection {
              answering without closing its connections, or an unreachable one)",
             u128::from(liveness.unanswered) * TICK_MS
         );
-        let pool = pool.clone();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = pool.force_reconnection().await {
-                    tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
-                }
-            });
-        }
+        let (pool, cluster, done) = (pool.clone(), self.cluster, Reconnecting(liveness.clone()));
+        runtime.spawn(async move {
+            let _done = done;
+            let result = if cluster {
+                join_all(pool.clients().iter().map(|client| client.sync_cluster()))
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<()>, _>>()
+                    .map(drop)
+            } else {
+                pool.force_reconnection().await
+            };
+            if let Err(error) = result {
+                tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
+            }
+        });
     }
 
     /// Starts again the connection task of any client of the pool whose task ended. fred
@@ -320,9 +356,9 @@ impl Connection {
 mod tests {
     use super::*;
 
-    /// A slot's calls time out with none answered for `unanswered`: the pool reconnects,
-    /// then not again within `unanswered`; an answer starts the silence over; other slots
-    /// keep their own.
+    /// A slot's calls keep timing out for `unanswered`: the pool reconnects, then not again
+    /// within `unanswered` nor while that reconnection is under way; an answer starts the
+    /// silence over; other slots keep their own.
     #[test]
     fn a_slot_silent_for_the_whole_period_reconnects_the_pool_once_per_period() {
         let liveness = Liveness::new(Duration::from_millis(1600), true); // 100 ticks
@@ -332,12 +368,16 @@ mod tests {
         assert!(!liveness.timed_out_at(7, 1099));
         assert!(liveness.timed_out_at(7, 1100), "silent for the whole period");
         assert!(!liveness.timed_out_at(7, 1150), "reconnected already");
-        assert!(liveness.timed_out_at(7, 1200), "still silent a period later");
+        assert!(!liveness.timed_out_at(7, 1200), "the reconnection is under way");
+        liveness.reconnected();
+        assert!(liveness.timed_out_at(7, 1201), "still silent once it is over");
+        liveness.reconnected();
         // An answer: the next timeout starts the silence over.
         liveness.answered(7);
         assert!(!liveness.timed_out_at(7, 1500));
         assert!(!liveness.timed_out_at(7, 1599));
         assert!(liveness.timed_out_at(7, 1600));
+        liveness.reconnected();
         // Another slot, answered meanwhile, starts its own silence at its first timeout.
         assert!(!liveness.timed_out_at(9, 1600));
         assert!(!liveness.timed_out_at(9, 1650));
@@ -357,9 +397,11 @@ mod tests {
         assert_eq!(reconnections, 1);
         // The standalone server's single slot, and the clock's wrapping.
         let liveness = Liveness::new(Duration::from_millis(1600), false);
-        assert!(!liveness.timed_out_at(0, u32::MAX - 50));
+        assert!(!liveness.timed_out_at(0, ANSWERED - 51));
         assert!(liveness.timed_out_at(0, 49), "100 ticks later, across the wrap");
         assert!(!liveness.timed_out_at(1, 500), "one slot only");
+        // A period not a whole number of ticks is rounded up.
+        assert_eq!(Liveness::new(Duration::from_secs(1), false).unanswered, 63);
     }
 
     /// fred reads a zero command timeout as none: a zero deadline is then kept by the

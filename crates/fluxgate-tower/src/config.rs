@@ -44,9 +44,9 @@ pub(crate) struct Config {
     /// Whether a request of the layer's own rule set admitted because the handler has no
     /// such rule set was logged as a warning.
     pub(crate) warned_unknown: AtomicBool,
-    /// The warnings of the failures `on_error` covers: of the requests it admitted, and
-    /// of those it refused (one throttle each, so that neither kind hides the other).
-    pub(crate) failures: [LogThrottle; 2],
+    /// The warnings of the failures `on_error` covers (one policy per layer: all admitted,
+    /// or all refused).
+    pub(crate) failures: LogThrottle,
 }
 
 impl fmt::Debug for Config {
@@ -153,14 +153,13 @@ impl Config {
     }
 
     /// Logs a failure `on_error` covers: a warning at most once per [`LogThrottle::EVERY`]
-    /// for this layer and `action` (`warnings`), saying how many it held back, the others
-    /// at debug level (so that a handler down without a circuit breaker does not write a
-    /// warning per request); at debug level while a circuit breaker is open, which warned
-    /// when it opened.
-    fn log_failure(&self, warnings: &LogThrottle, error: &Error, action: &str) {
+    /// for this layer, saying how many it held back, the others at debug level (so that a
+    /// handler down without a circuit breaker does not write a warning per request); at
+    /// debug level while a circuit breaker is open, which warned when it opened.
+    fn log_failure(&self, error: &Error, action: &str) {
         if matches!(error, Error::Backend(e) if e.is::<CircuitOpen>()) {
             tracing::debug!(%error, "rate-limit check failed; {action}");
-        } else if let Some(held_back) = warnings.due() {
+        } else if let Some(held_back) = self.failures.due() {
             tracing::warn!(
                 %error,
                 held_back,
@@ -232,7 +231,7 @@ impl Config {
             }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
-                    self.log_failure(&self.failures[0], &error, "admitting the request");
+                    self.log_failure(&error, "admitting the request");
                     #[cfg(feature = "metrics")]
                     metrics::counter!(
                         fluxgate_core::metrics::FAIL_OPEN_TOTAL,
@@ -247,7 +246,7 @@ impl Config {
                 }
                 // `fail_closed`; `fallback_local` is refused when the layer is built.
                 _ => {
-                    self.log_failure(&self.failures[1], &error, "refusing the request");
+                    self.log_failure(&error, "refusing the request");
                     Verdict::Reject(crate::response::unavailable(self.unavailable_status))
                 }
             },

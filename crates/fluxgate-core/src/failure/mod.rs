@@ -50,10 +50,11 @@ pub(crate) struct Fallback {
     pub(crate) charges: bool,
     /// What memory admitted while the backend failed, for the backend to count.
     pub(crate) owed: owed::Owed,
-    /// The warnings of the failures the policies cover: of the requests a `fail_closed`
-    /// rule refused, and of those the others decided (one throttle each, so that neither
-    /// kind hides the other).
-    pub(crate) warnings: [LogThrottle; 2],
+    /// The warnings of the failures of requests a `fail_closed` rule refused.
+    pub(crate) refusals: LogThrottle,
+    /// The warnings of the failures of requests the other policies decided (`fail_open`,
+    /// `fallback_local`): a throttle of its own, so that neither kind hides the other.
+    pub(crate) decided: LogThrottle,
 }
 
 impl Fallback {
@@ -127,7 +128,7 @@ impl Fallback {
             .buckets()
             .find(|b| self.policy(b) == Some(FailurePolicy::FailClosed))
         {
-            warn_failed(&self.warnings[0], &error, "refusing the request (fail_closed)");
+            warn_failed(&self.refusals, &error, "refusing the request (fail_closed)");
             let rule = closed.rule.id().clone();
             let mut decision = Decision::without_bands(rule_set, Outcome::BackendUnavailable { rule });
             decision.degraded = true;
@@ -138,7 +139,7 @@ impl Fallback {
             return Err(Error::Backend(error));
         }
         warn_failed(
-            &self.warnings[1],
+            &self.decided,
             &error,
             "deciding by the rules' failure policies (fail_open, fallback_local)",
         );

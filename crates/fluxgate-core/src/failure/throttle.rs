@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 ///
 /// A backend that is down without a [`CircuitBreaker`](super::CircuitBreaker) fails
 /// every request: without a throttle, an outage would write a warning per request. The
-/// engine's failure policies, a [`FallbackHandler`](super::FallbackHandler) and the tower
-/// layer's `on_error` keep one for each kind of answer they give (refused, admitted or
-/// decided in memory), so that an outage writes at most one warning of each per
-/// [`LogThrottle::EVERY`], and the engine's recorder still counts every failure. The count
+/// engine's failure policies keep one for the requests a `fail_closed` rule refuses and
+/// one for those the other policies decide; a [`FallbackHandler`](super::FallbackHandler)
+/// and each tower layer's `on_error` keep one each. An outage writes at most one warning
+/// from each per [`LogThrottle::EVERY`], and the engine's recorder still counts every
+/// failure. The count
 /// a warning gives is of the occurrences since the previous warning, which may be long
 /// ago.
 ///
