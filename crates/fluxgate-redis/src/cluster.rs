@@ -29,12 +29,8 @@ pub(crate) async fn decide_across_slots(
     let mut replies = Vec::with_capacity(results.len());
     let mut failure = None;
     for (result, call) in results.into_iter().zip(&calls) {
-        // Whether Redis still answers the call's slot (`Connection::timed_out`).
-        match &result {
-            Ok(_) => scripts.connection().answered(call.slot),
-            Err(RedisError::Timeout(_)) => scripts.connection().timed_out(call.slot),
-            Err(_) => {}
-        }
+        // Whether Redis still answers the call's slot.
+        scripts.connection().saw(call.slot, &result);
         match result {
             Ok(reply) => replies.push(Some(reply)),
             Err(e) => {

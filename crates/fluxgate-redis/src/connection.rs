@@ -215,8 +215,19 @@ impl Connection {
         self
     }
 
+    /// What a decision call of `slot` came to: answered, timed out (see
+    /// [`timed_out`](Self::timed_out)) or another error, which tells nothing of whether
+    /// Redis answers.
+    pub(crate) fn saw<T>(&self, slot: u16, result: &Result<T, RedisError>) {
+        match result {
+            Ok(_) => self.answered(slot),
+            Err(RedisError::Timeout(_)) => self.timed_out(slot),
+            Err(_) => {}
+        }
+    }
+
     /// A decision call of `slot` was answered.
-    pub(crate) fn answered(&self, slot: u16) {
+    fn answered(&self, slot: u16) {
         if let Some(liveness) = &self.liveness {
             liveness.answered(slot);
         }
@@ -228,7 +239,7 @@ impl Connection {
     /// for the primary again), after fred's reconnection delay; on a cluster, each client
     /// reads the cluster's slots again and connects to the nodes that now own them,
     /// leaving its other connections as they are.
-    pub(crate) fn timed_out(&self, slot: u16) {
+    fn timed_out(&self, slot: u16) {
         let (Some(liveness), Clients::Pool(pool)) = (&self.liveness, &self.clients) else {
             return;
         };

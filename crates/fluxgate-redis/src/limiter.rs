@@ -82,17 +82,13 @@ impl Inner {
 
     /// One call's decision: in a batch with batching on, in a call of its own otherwise.
     /// Whether it was answered or timed out tells the connections whether Redis still
-    /// answers the slot (`Connection::timed_out`).
+    /// answers the slot (`Connection::saw`).
     async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         let result = match &self.batcher {
             Some(batcher) => batcher.decide(slot, keys, args).await,
             None => self.scripts.decide(keys, args).await,
         };
-        match &result {
-            Ok(_) => self.scripts.connection().answered(slot),
-            Err(RedisError::Timeout(_)) => self.scripts.connection().timed_out(slot),
-            Err(_) => {}
-        }
+        self.scripts.connection().saw(slot, &result);
         result
     }
 }
