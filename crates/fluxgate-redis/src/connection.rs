@@ -140,15 +140,21 @@ impl Liveness {
             let _ = silent_since.compare_exchange(ANSWERED, now, Ordering::Relaxed, Ordering::Relaxed);
             return false;
         }
-        let last = self.reconnected.load(Ordering::Relaxed);
-        now.wrapping_sub(since) >= self.unanswered
-            && now.wrapping_sub(last) >= self.unanswered
-            && !self.reconnecting.load(Ordering::Relaxed)
-            && self
-                .reconnected
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-            && !self.reconnecting.swap(true, Ordering::Relaxed)
+        // The thread that takes `reconnecting` alone reads and writes `reconnected`.
+        if now.wrapping_sub(since) < self.unanswered
+            || self
+                .reconnecting
+                .compare_exchange(false, true, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
+        {
+            return false;
+        }
+        if now.wrapping_sub(self.reconnected.load(Ordering::Relaxed)) < self.unanswered {
+            self.reconnected();
+            return false;
+        }
+        self.reconnected.store(now, Ordering::Relaxed);
+        true
     }
 
     /// The reconnection [`timed_out`](Self::timed_out) asked for is over.
@@ -372,8 +378,8 @@ mod tests {
     /// silence over; other slots keep their own.
     #[test]
     fn a_slot_silent_for_the_whole_period_reconnects_the_pool_once_per_period() {
-        let liveness = Liveness::new(Duration::from_millis(1600), true); // 100 ticks
-                                                                         // The first timeout after answers starts the silence.
+        // 1,600 ms: 100 ticks. The first timeout after answers starts the silence.
+        let liveness = Liveness::new(Duration::from_millis(1600), true);
         assert!(!liveness.timed_out_at(7, 1000));
         assert!(!liveness.timed_out_at(7, 1050));
         assert!(!liveness.timed_out_at(7, 1099));
