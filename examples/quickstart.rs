@@ -1,7 +1,7 @@
 //! An axum app limited by FluxGate, in memory by default or in Redis with `--redis`.
 //!
 //! Run with: `cargo run --example quickstart` (options: `--listen ADDR`, `--rules FILE`,
-//! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send ~20
+//! `--redis URL` to keep the buckets in Redis instead of memory, `--demo` to send 15
 //! requests to itself, print each status and the rate-limit headers, and exit).
 //!
 //! The rules file is watched: an edit is in force about 100 ms after it is saved, and an
