@@ -229,6 +229,54 @@ async fn requests_gather_while_the_calls_allowed_are_in_flight() {
     }
 }
 
+/// A request of 256 keys or more (here one per band of a fixed-window rule) does not fit a
+/// batch's header: it goes out in a call of its own at once, even while the one batch call
+/// allowed is in flight; one of 255 keys waits for that call, as any request does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_of_256_keys_goes_in_a_call_of_its_own() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let bands = |n: u32| {
+        (1..=n)
+            .map(|s| format!("{{ capacity: 1000, window: {s}s }}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let yaml = format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - {{ id: per-ip, bands: [{{ capacity: 10, window: 1h }}] }}\n  \
+         - id: wide\n    rules:\n      - {{ id: w, algorithm: fixed_window, bands: [{}] }}\n  \
+         - id: almost\n    rules:\n      - {{ id: w, algorithm: fixed_window, bands: [{}] }}\n",
+        bands(256),
+        bands(255)
+    );
+    let batching = Batching::new().max_calls(1).max_delay(Duration::from_secs(60));
+    let engine = engine_of(&redis, batching, Duration::from_secs(20), &yaml).await;
+    let wide = |set: &str| {
+        RequestContext::builder()
+            .rule_set_id(set)
+            .client_ip("192.0.2.12".parse().expect("an address"))
+            .build()
+    };
+    for (set, alone) in [("wide", true), ("almost", false)] {
+        // The first request takes the one call allowed, held by Redis's pause; then the
+        // request of many keys.
+        let contexts = [ctx("192.0.2.11"), wide(set)];
+        let paused = Paused::new(&redis, Duration::from_secs(3));
+        let pending = start_in_order(&engine, &contexts).await;
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        let blocked = blocked_calls(&redis);
+        paused.check_still_paused();
+        let keys = if alone { 256 } else { 255 };
+        assert_eq!(
+            blocked,
+            if alone { 2 } else { 1 },
+            "a request of {keys} keys while the batch call is in flight"
+        );
+        for decision in pending {
+            assert!(decision.await.expect("decision").allowed());
+        }
+    }
+}
+
 /// A request keeps the limiter's deadline while it waits for a call: past it, it fails with
 /// a timeout, however long `max_delay`, and a request that had not gone out never does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
