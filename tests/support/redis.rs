@@ -23,29 +23,69 @@ pub(crate) fn per_ip_engine(limiter: RedisLimiter, capacity: u64, policy: Failur
         .expect("Redis decides the rule")
 }
 
+/// What [`until_decided_after_promotion`] saw.
+pub(crate) struct Failover {
+    /// How long after the call the replica was seen to have taken over.
+    pub(crate) promoted: Option<Duration>,
+    /// How long after the call a decision after that came from Redis.
+    pub(crate) resumed: Option<Duration>,
+    /// How much later than asked the checker's own 100 ms pauses ended after the takeover:
+    /// how busy the machine was while the client reconnected.
+    pub(crate) late: Duration,
+}
+
+impl Failover {
+    /// Asserts that decisions resumed within `bound` of the takeover, plus the checker's
+    /// own lateness (the reconnection runs on the same busy cores); `what` names the setup.
+    pub(crate) fn assert_resumed_within(&self, bound: Duration, what: &str) {
+        let promoted = self.promoted.expect("the replica took over within 30 s");
+        let resumed = self.resumed.expect("decisions resumed on the promoted replica");
+        eprintln!(
+            "{what}: the replica took over {promoted:?} after the primary froze; decisions resumed {resumed:?} \
+             after (the checker's pauses {:?} late meanwhile)",
+            self.late
+        );
+        assert!(
+            resumed <= promoted + bound + self.late,
+            "{what}: decisions resumed {resumed:?} after the freeze, the replica took over after {promoted:?}: \
+             more than {bound:?} after, with the checker {:?} late",
+            self.late
+        );
+    }
+}
+
 /// Checks `ctx` every 100 ms, for 30 s at most, while a primary is frozen: how long after
-/// the call `promoted()` first held (its replica taken over), and how long until a
-/// decision after that came from Redis, not the failure policy (each admitted). `None` for
-/// what did not come.
+/// the call `promoted()` first held (its replica taken over), how long until a decision
+/// after that came from Redis, not the failure policy (each admitted), and how late the
+/// checker's own pauses ended meanwhile. `None` for what did not come.
 pub(crate) async fn until_decided_after_promotion(
     engine: &Engine,
     ctx: &fluxgate::core::RequestContext,
     mut promoted_now: impl FnMut() -> bool,
-) -> (Option<Duration>, Option<Duration>) {
+) -> Failover {
     let start = std::time::Instant::now();
-    let mut promoted = None;
+    let mut seen = Failover {
+        promoted: None,
+        resumed: None,
+        late: Duration::ZERO,
+    };
     while start.elapsed() < Duration::from_secs(30) {
         let d = engine.check(ctx).await.expect("a decision");
-        if promoted.is_none() && promoted_now() {
-            promoted = Some(start.elapsed());
+        if seen.promoted.is_none() && promoted_now() {
+            seen.promoted = Some(start.elapsed());
         }
-        if promoted.is_some() && !d.failed_open {
+        if seen.promoted.is_some() && !d.failed_open {
             assert!(d.allowed());
-            return (promoted, Some(start.elapsed()));
+            seen.resumed = Some(start.elapsed());
+            return seen;
         }
+        let pause = std::time::Instant::now();
         tokio::time::sleep(Duration::from_millis(100)).await;
+        if seen.promoted.is_some() {
+            seen.late += pause.elapsed().saturating_sub(Duration::from_millis(100));
+        }
     }
-    (promoted, None)
+    seen
 }
 
 /// Requests of other clients than the tests' (`198.51.100.0` to `.199` in turn), one every
