@@ -163,6 +163,57 @@ async fn a_leased_key_costs_a_call_per_lease_and_its_headers_count_down() {
     assert!(calls >= decisions / 100, "{calls} calls: fewer than one per lease");
 }
 
+/// With two instances, a request admitted from a lease reports the shared bucket as of its
+/// instance's last call, less its own spend: another instance's lease taken since does not
+/// show, and `reset` is the instant that call reported. Once the lease expires (`ttl`),
+/// the next call shows what the other spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leases_headers_miss_the_others_until_the_next_call() {
+    let redis = Redis::start(Servers::standalone()).await;
+    // 100,000 a day: at most a few permits refill during the test.
+    let rules = || leased_per(100_000, "24h", 100, "1s");
+    let (a, b) = (
+        instance(&redis, "stale", rules()).await,
+        instance(&redis, "stale", rules()).await,
+    );
+    let start = Instant::now();
+    let first = check(&a).await;
+    // The lease was taken before this, and expires a second after at the latest.
+    let taken = Instant::now();
+    let (remaining, reset) = (first.remaining().expect("a figure"), first.reset_unix_secs());
+    // The other instance takes a lease of its own and spends 20 permits from it.
+    for _ in 0..20 {
+        assert!(check(&b).await.allowed());
+    }
+    redis.server().cli(&["CONFIG", "RESETSTAT"]);
+    for spent in 1..=3 {
+        let d = check(&a).await;
+        assert!(d.allowed());
+        assert_eq!(
+            d.remaining(),
+            Some(remaining - spent),
+            "admitted from the lease: as of its call, less its own spend"
+        );
+        assert_eq!(d.reset_unix_secs(), reset, "the reset its call reported");
+    }
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "the requests took {took:?}, past the lease's ttl: the machine is too busy for this test"
+    );
+    assert_eq!(script_calls(&redis), 0, "all three from the lease");
+    tokio::time::sleep_until((taken + Duration::from_millis(1100)).into()).await;
+    let after = check(&a).await.remaining().expect("a figure");
+    assert!(script_calls(&redis) >= 1, "the lease expired: a call");
+    // 100,000 a day refill about 1.2 a second.
+    let refilled = u64::try_from(start.elapsed().as_millis()).expect("a short test") * 100_000 / 86_400_000 + 1;
+    assert!(
+        after + 24 <= remaining + refilled,
+        "the next call shows the other instance's 20 permits besides this one's 4: {after} remaining, \
+         {remaining} at the first call, {refilled} refilled at most"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_arriving_together_share_one_call() {
     let redis = Redis::start(Servers::standalone()).await;
