@@ -55,3 +55,17 @@ pub use fluxgate_redis as redis;
 pub use fluxgate_tower as tower;
 #[cfg(feature = "tower")]
 pub use fluxgate_tower::{RateLimit, RateLimitLayer};
+
+/// The examples of the README and of the guides in `docs/`, compiled (and run, unless
+/// marked `no_run`) as doc tests, so that they keep up with the API.
+#[cfg(doctest)]
+mod guides {
+    #[doc = include_str!("../README.md")]
+    struct Readme;
+    #[doc = include_str!("../docs/acquisition.md")]
+    struct Acquisition;
+    #[doc = include_str!("../docs/configuration.md")]
+    struct Configuration;
+    #[doc = include_str!("../docs/reload.md")]
+    struct Reload;
+}
