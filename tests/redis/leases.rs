@@ -214,6 +214,68 @@ async fn a_leases_headers_miss_the_others_until_the_next_call() {
     );
 }
 
+/// A per-IP rule of 100 an hour, whose instances lease up to 10 permits of an address for an
+/// hour.
+const PER_IP_LEASED: &str = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: per-ip
+        bands: [{ capacity: 100, window: 1h }]
+        lease: { max: 10, ttl: 1h }
+"#;
+
+/// An engine holds at most 65,536 leases (4,096 in each of its 16 shards): past that, a
+/// key without a lease is decided one request at a time, each with a call of its own, and
+/// the engine's memory stays bounded however many keys a leased rule meets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_holds_at_most_65536_leases() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let engine = instance(&redis, "many", rules(PER_IP_LEASED)).await;
+    let address = |n: u32| format!("10.{}.{}.{}", n >> 16 & 255, n >> 8 & 255, n & 255);
+    let check_ip = |engine: &Engine, ip: String| {
+        let engine = engine.clone();
+        async move {
+            let ctx = RequestContext::builder()
+                .client_ip(ip.parse().expect("an address"))
+                .build();
+            engine.check(&ctx).await.expect("a decision").allowed()
+        }
+    };
+    // 72,000 addresses, a lease each while there is room: every shard full (4,500 keys
+    // each on average, 6 standard deviations above the 4,096 kept).
+    let keys = 72_000u32;
+    for chunk in (0..keys).step_by(256) {
+        let mut set = tokio::task::JoinSet::new();
+        for n in chunk..(chunk + 256).min(keys) {
+            set.spawn(check_ip(&engine, address(n)));
+        }
+        while let Some(admitted) = set.join_next().await {
+            assert!(admitted.expect("a decision task"));
+        }
+    }
+    // A new address's second request: from its lease if it had one (no call), otherwise a
+    // call of its own.
+    for n in keys..keys + 10 {
+        assert!(check_ip(&engine, address(n)).await);
+        let before = script_calls(&redis);
+        assert!(check_ip(&engine, address(n)).await);
+        assert_eq!(
+            script_calls(&redis) - before,
+            1,
+            "address {} took a lease past 65,536",
+            address(n)
+        );
+    }
+    // A new engine, below the bound, leases the same new address: what held the first one
+    // back was the bound, not the rule.
+    let fresh = instance(&redis, "many", rules(PER_IP_LEASED)).await;
+    assert!(check_ip(&fresh, address(keys + 10)).await);
+    let before = script_calls(&redis);
+    assert!(check_ip(&fresh, address(keys + 10)).await);
+    assert_eq!(script_calls(&redis) - before, 0, "from the lease");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_arriving_together_share_one_call() {
     let redis = Redis::start(Servers::standalone()).await;
