@@ -1,6 +1,6 @@
 //! The in-memory limiter keys the engine's address and global keys by their typed value,
 //! without their text: it must count every request under the same bucket as the key's text
-//! would.
+//! would, beside rules keyed by user ids and API keys of every kind.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -50,7 +50,25 @@ rule_sets:
       - id: global
         scope: global
         bands: [{ capacity: 400, window: 1h }]
+      - id: per-api-key
+        scope: api_key
+        on_missing_key: skip
+        bands: [{ capacity: 6, window: 1h }]
 "#;
+
+/// User ids and API keys: ones the key's text encodes (`%`, a space, a non-ASCII
+/// character), ones that read like another key's text, the value that stands for an
+/// ambiguous header, and ones past the length whose text is a digest.
+fn identities() -> Vec<String> {
+    let mut ids: Vec<String> = ["user-0", "user-1", "a b", "a%20b", "ip=192.0.2.1", "user=x", "\0", "é", "ключ"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    ids.push("x".repeat(64));
+    ids.push("x".repeat(65));
+    ids.push(format!("{}y", "x".repeat(200)));
+    ids
+}
 
 /// The clients: IPv4 addresses that differ in one octet, IPv6 addresses of one /64 and of
 /// neighbouring ones, an IPv4-mapped IPv6 address, one under the NAT64 well-known prefix and
@@ -86,8 +104,12 @@ fn typed_keys_count_every_request_under_its_texts_bucket() {
             if let Some(ip) = ip {
                 ctx = ctx.client_ip(*ip);
             }
+            let ids = identities();
             if (i + round) % 3 == 0 {
-                ctx = ctx.user_id(format!("user-{}", i % 5));
+                ctx = ctx.user_id(ids[i % ids.len()].clone());
+            }
+            if (i + round) % 2 == 0 {
+                ctx = ctx.api_key(ids[(i + 3) % ids.len()].clone());
             }
             let ctx = ctx.build();
             let a = typed.check(&ctx).into_ready().unwrap().unwrap();
