@@ -60,10 +60,20 @@ rule_sets:
 /// character), ones that read like another key's text, the value that stands for an
 /// ambiguous header, and ones past the length whose text is a digest.
 fn identities() -> Vec<String> {
-    let mut ids: Vec<String> = ["user-0", "user-1", "a b", "a%20b", "ip=192.0.2.1", "user=x", "\0", "é", "ключ"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+    let mut ids: Vec<String> = [
+        "user-0",
+        "user-1",
+        "a b",
+        "a%20b",
+        "ip=192.0.2.1",
+        "user=x",
+        "\0",
+        "é",
+        "ключ",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
     ids.push("x".repeat(64));
     ids.push("x".repeat(65));
     ids.push(format!("{}y", "x".repeat(200)));
