@@ -757,7 +757,7 @@ mod failover {
             load.abort();
         }
         // A reading of the slots that asks the frozen node first waits on it for fred's
-        // internal command timeout (the deadline, one to two seconds) before it asks
+        // internal command timeout (the deadline held between one and two seconds: one here) before it asks
         // another, and again when it connects to it anew: 3.1 s after the takeover once,
         // in a run of the whole suite on two busy cores (0.1 to 0.9 s alone).
         seen.assert_resumed_within(Duration::from_secs(4), &format!("cluster (under load: {under_load})"));

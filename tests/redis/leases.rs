@@ -166,7 +166,7 @@ async fn a_leased_key_costs_a_call_per_lease_and_its_headers_count_down() {
 /// With two instances, a request admitted from a lease reports the shared bucket as of its
 /// instance's last call, less its own spend: another instance's lease taken since does not
 /// show, and `reset` is the instant that call reported. Once the lease expires (`ttl`),
-/// the next call shows what the other spent.
+/// the next call reads the bucket as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leases_headers_miss_the_others_until_the_next_call() {
     let redis = Redis::start(Servers::standalone()).await;
@@ -188,6 +188,11 @@ async fn a_leases_headers_miss_the_others_until_the_next_call() {
     redis.server().cli(&["CONFIG", "RESETSTAT"]);
     for spent in 1..=3 {
         let d = check(&a).await;
+        let took = start.elapsed();
+        assert!(
+            took < Duration::from_secs(1),
+            "the requests took {took:?}, past the lease's ttl: the machine is too busy for this test"
+        );
         assert!(d.allowed());
         assert_eq!(
             d.remaining(),
@@ -196,21 +201,19 @@ async fn a_leases_headers_miss_the_others_until_the_next_call() {
         );
         assert_eq!(d.reset_unix_secs(), reset, "the reset its call reported");
     }
-    let took = start.elapsed();
-    assert!(
-        took < Duration::from_secs(1),
-        "the requests took {took:?}, past the lease's ttl: the machine is too busy for this test"
-    );
     assert_eq!(script_calls(&redis), 0, "all three from the lease");
     tokio::time::sleep_until((taken + Duration::from_millis(1100)).into()).await;
     let after = check(&a).await.remaining().expect("a figure");
     assert!(script_calls(&redis) >= 1, "the lease expired: a call");
     // 100,000 a day refill about 1.2 a second.
     let refilled = u64::try_from(start.elapsed().as_millis()).expect("a short test") * 100_000 / 86_400_000 + 1;
+    // The bucket as it is now: less than the stale figure by more than this instance's own
+    // spend (what the other took and its own first lease, which the other's later take
+    // keeps from going back; which of the two expired leases went back first varies).
     assert!(
         after + 24 <= remaining + refilled,
-        "the next call shows the other instance's 20 permits besides this one's 4: {after} remaining, \
-         {remaining} at the first call, {refilled} refilled at most"
+        "the next call reads the bucket: {after} remaining, {remaining} at the first call, \
+         {refilled} refilled at most"
     );
 }
 
@@ -225,9 +228,11 @@ rule_sets:
         lease: { max: 10, ttl: 1h }
 "#;
 
-/// An engine holds at most 65,536 leases (4,096 in each of its 16 shards): past that, a
-/// key without a lease is decided one request at a time, each with a call of its own, and
-/// the engine's memory stays bounded however many keys a leased rule meets.
+/// An engine's leases are bounded (65,536: 4,096 in each of its 16 shards, each shard
+/// checked when a call taking a lease starts, so calls that start together may each add
+/// one past it): past that, a key without a lease is decided one request at a time, each
+/// with a call of its own, and the engine's memory stays bounded however many keys a leased
+/// rule meets. The test shows the bound holds below 72,000; it does not pin its value.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_holds_at_most_65536_leases() {
     let redis = Redis::start(Servers::standalone()).await;

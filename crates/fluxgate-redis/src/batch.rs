@@ -35,8 +35,8 @@ use crate::script::{missing_script, Scripts};
 /// at once, so a lone request on an idle instance goes out alone, without delay. While all
 /// of them are in flight the arriving requests gather; a batch goes out when a call ends,
 /// when it holds [`max_requests`](Self::max_requests), or when its first request has
-/// waited [`max_delay`](Self::max_delay), whichever comes first (tokio's timer wakes it at
-/// the next millisecond at most after that). Each request keeps the limiter's deadline from
+/// waited [`max_delay`](Self::max_delay), whichever comes first (tokio's timer rounds it
+/// up to the next millisecond, and a busy machine wakes it later still). Each request keeps the limiter's deadline from
 /// the moment it reached the batch (after its wait, if any, for its bucket's calls in
 /// flight, which their own deadlines bound), wherever it waits: past it, it fails with
 /// [`RedisError::Timeout`] (and its failure policy answers it). A request still gathering
