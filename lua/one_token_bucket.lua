@@ -127,18 +127,20 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
   end
   local frac = d - whole * scale
   local value
-  -- The instant in hexadecimal: as its high 5 and low 8 digits by `bit.tohex` (LuaBitOp,
-  -- in every Redis), the same 13 digits `%x` writes for the instants of 1978 to 2112,
-  -- without the C library's formatting; `%x` for any other.
   local at = now + whole
-  local low = at % 4294967296
-  local high = (at - low) / 4294967296
-  if frac == 0 and high >= 65536 and high < 1048576 then
-    value = layout .. bit.tohex(high, 5) .. bit.tohex(low, 8)
-  elseif frac == 0 then
-    value = string.format('%s%x', layout, at)
+  if frac ~= 0 then
+    value = string.format('%s%x:%x', layout, at, frac)
   else
-    value = string.format('%s%x:%x', layout, now + whole, frac)
+    -- The instant in hexadecimal: as its high 5 and low 8 digits by `bit.tohex` (LuaBitOp,
+    -- in every Redis), the same 13 digits `%x` writes for the instants of 1978 to 2112,
+    -- without the C library's formatting; `%x` for any other.
+    local low = at % 4294967296
+    local high = (at - low) / 4294967296
+    if high >= 65536 and high < 1048576 then
+      value = layout .. bit.tohex(high, 5) .. bit.tohex(low, 8)
+    else
+      value = string.format('%s%x', layout, at)
+    end
   end
   if kept_names then
     -- layout.lua's with_kept_bands, inline.

@@ -36,9 +36,10 @@ use crate::script::{missing_script, Scripts};
 /// of them are in flight the arriving requests gather; a batch goes out when a call ends,
 /// when it holds [`max_requests`](Self::max_requests), or when its first request has
 /// waited [`max_delay`](Self::max_delay), whichever comes first (tokio's timer rounds it
-/// up to the next millisecond, and a busy machine wakes it later still). Each request keeps the limiter's deadline from
-/// the moment it reached the batch (after its wait, if any, for its bucket's calls in
-/// flight, which their own deadlines bound), wherever it waits: past it, it fails with
+/// up to the next millisecond, and a busy machine wakes it later still). Each request
+/// keeps the limiter's deadline from the moment it reached the batch (after its wait, if
+/// any, for its bucket's calls in flight, which their own deadlines bound), wherever it
+/// waits: past it, it fails with
 /// [`RedisError::Timeout`] (and its failure policy answers it). A request still gathering
 /// then leaves its batch; one whose batch was already handed to the client may still be
 /// written and counted in Redis, which errs towards refusing, never admitting. On the pools
