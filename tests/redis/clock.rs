@@ -244,3 +244,74 @@ async fn a_failover_to_a_replica_whose_clock_is_off_moves_time_for_every_bucket(
         );
     }
 }
+
+/// The one-band script writes a whole instant's 13 hexadecimal digits as its high 5 and low
+/// 8 (`bit.tohex`) for the instants of 1978 to 2112, and with `%x` for any other: whatever
+/// the instant, the stored value is the text `%x` writes, and the script reads it back. Run
+/// on a server whose clock stands a day before 2^48 µs (November 1978), the request's cost
+/// moving the written instant (now plus the cost, at scale 1) across each edge: below 2^48
+/// (12 digits), a low part of 2^31 and more (the sign bit of `bit.tohex`'s 32-bit integers),
+/// and the high part's 16 and 20 bits.
+#[test]
+fn the_one_band_script_writes_every_instant_as_hex_does() {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    const LOW: i64 = 1 << 32;
+    let machine_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64;
+    let start_us: i64 = (1 << 48) - 86_400_000_000;
+    let server = RedisServer::start_with_clock(&[], start_us / 1_000 - machine_ms);
+    let layout = "b0:1/1s|";
+    // Each case writes at the instant `target` (a few ms later: the time the call takes).
+    let targets = [
+        (1 << 48) - 5_000_000,           // 65,535 high: `%x`, 12 digits
+        1 << 48,                         // the first instant of 13 digits
+        (1 << 48) + (1 << 31) - 500_000, // a low part just below 2^31
+        (1 << 48) + (1 << 31),           // and from 2^31
+        (1 << 48) + LOW - 500_000,       // a low part of 32 bits
+        (1 << 48) + LOW,                 // high 65,537, low 0
+        (1 << 52) - 1_000_000_000,       // high 1,048,575
+        1 << 52,                         // 2112: `%x`, 14 digits
+    ];
+    for (i, target) in targets.into_iter().enumerate() {
+        let key = format!("hex:{i}");
+        let now = server.time_us() as i64;
+        let cost = target - now;
+        assert!(cost > 0, "case {i}: the server's clock passed {target:x} ({now:x})");
+        let eval = |cost: i64| {
+            let out = server.cli(&[
+                "EVAL",
+                fluxgate::redis::ONE_TOKEN_BUCKET_LUA,
+                "1",
+                &key,
+                layout,
+                &format!("{:x}", 1_i64 << 53),
+                &format!("{cost:x}"),
+                "60000",
+            ]);
+            let numbers: Vec<i64> = out
+                .lines()
+                .map(|l| {
+                    l.trim()
+                        .parse()
+                        .unwrap_or_else(|_| panic!("case {i}: a reply of numbers: {out}"))
+                })
+                .collect();
+            assert_eq!(numbers.len(), 2, "case {i}: now and the debt: {out}");
+            (numbers[0], numbers[1])
+        };
+        let (now, debt) = eval(cost);
+        assert_eq!(debt, 0, "case {i}: a new key owes nothing");
+        let at = now + cost;
+        let stored = server.cli(&["GET", &key]);
+        assert_eq!(
+            stored.trim_end(),
+            format!("{layout}{at:x}"),
+            "case {i}: the instant {at} ({now} + {cost})"
+        );
+        // Read back: the next call owes what lies between its instant and the one written.
+        let (later, debt) = eval(0);
+        assert_eq!(debt, at - later, "case {i}: {stored} read back at {later}");
+    }
+}
