@@ -228,3 +228,39 @@ async fn a_lease_gives_back_to_the_bucket_of_the_typed_key() {
     let leased = decision.bands.iter().find(|b| &*b.rule == "leased").unwrap();
     assert_eq!(leased.remaining, 8);
 }
+
+/// Look-alikes stay apart in the typed engine: every user id of [`identities`] (`a b` and
+/// `a%20b`, one spelled as an address key's text, one as a user key's) has a bucket of its
+/// own, and the user id `ip=<address>` is not the bucket of that address's requests without
+/// a user, which the rule keys by the address (`fallback_ip`).
+#[test]
+fn look_alike_user_ids_and_addresses_count_apart() {
+    let engine = Engine::in_memory(RuleSets::from_yaml_str(RULES).unwrap());
+    let by_user = |d: &fluxgate_core::Decision| {
+        d.bands
+            .iter()
+            .find(|b| &*b.rule == "per-user-else-ip" && b.limit == 5)
+            .expect("the user rule's first band")
+            .remaining
+    };
+    let from = |n: u8, user: Option<&str>| {
+        let mut ctx = RequestContext::builder().client_ip(IpAddr::from([10, 9, 1, n]));
+        if let Some(user) = user {
+            ctx = ctx.user_id(user);
+        }
+        engine.check(&ctx.build()).into_ready().unwrap().unwrap()
+    };
+    // Two requests of 10.9.1.1 without a user: its address's bucket holds 3.
+    for remaining in [4, 3] {
+        assert_eq!(by_user(&from(1, None)), remaining);
+    }
+    let mut ids = identities();
+    ids.push("ip=10.9.1.1".to_owned());
+    for (n, id) in (2..).zip(&ids) {
+        let first = from(n, Some(id));
+        assert!(first.allowed(), "user {id:?}");
+        assert_eq!(by_user(&first), 4, "user {id:?}: a bucket of its own, first request");
+    }
+    // And none of them spent the address's bucket.
+    assert_eq!(by_user(&from(1, None)), 2);
+}
