@@ -61,7 +61,7 @@ async fn statuses(addr: SocketAddr, raw: &str) -> Vec<u16> {
 
 /// An HTTP/2 connection (prior knowledge) to `addr`.
 #[allow(clippy::unwrap_used)]
-async fn h2(addr: SocketAddr) -> SendRequest<Empty<Bytes>> {
+pub(crate) async fn h2(addr: SocketAddr) -> SendRequest<Empty<Bytes>> {
     let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
     let (send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(stream))
         .await

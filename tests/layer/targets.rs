@@ -100,3 +100,66 @@ async fn an_excluded_root_lets_no_other_request_target_through() {
         assert_eq!(status_of(addr, "GET http://example.com HTTP/1.1").await, 200);
     }
 }
+
+/// An HTTP/2 request of `method` whose `:path` is `*`, the one path without a leading `/`
+/// that `http` accepts.
+#[allow(clippy::unwrap_used)]
+fn h2_asterisk(addr: SocketAddr, method: http::Method) -> http::Request<http_body_util::Empty<bytes::Bytes>> {
+    let mut parts = http::uri::Parts::default();
+    parts.scheme = Some(http::uri::Scheme::HTTP);
+    parts.authority = Some(addr.to_string().parse().unwrap());
+    parts.path_and_query = Some(http::uri::PathAndQuery::from_static("*"));
+    http::Request::builder()
+        .method(method)
+        .uri(http::Uri::from_parts(parts).unwrap())
+        .body(http_body_util::Empty::new())
+        .unwrap()
+}
+
+/// Behind a middleware that appends a trailing `/` (tower-http's `NormalizePathLayer`), `*`
+/// becomes `/*/` and runs a `/{page}/` route: the asterisk form, over HTTP/1.1 and HTTP/2,
+/// is counted by that route's rule, with and without `include` naming it.
+#[tokio::test]
+#[allow(clippy::unwrap_used)]
+async fn the_asterisk_form_is_counted_behind_a_middleware_that_appends_a_slash() {
+    use tower_http::normalize_path::NormalizePathLayer;
+    let rules = "rule_sets: [{id: default, rules: [{id: page, match: {paths: [\"/*/\"]}, \
+        bands: [{capacity: 1, window: 1h}]}]}]";
+    for include in [false, true] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = runs.clone();
+        let mut builder = layer(super::engine(rules));
+        if include {
+            builder = builder.include(["/*/"]);
+        }
+        let router = axum::Router::new().route(
+            "/{page}/",
+            axum::routing::any(move || {
+                counted.fetch_add(1, Ordering::SeqCst);
+                async { "page" }
+            }),
+        );
+        let service = tower::ServiceBuilder::new()
+            .layer(builder.build().unwrap())
+            .layer(NormalizePathLayer::append_trailing_slash())
+            .service(router);
+        let addr = serve(axum::Router::new().fallback_service(service)).await;
+        let mut h2 = crate::protocol::h2(addr).await;
+        let mut statuses = Vec::new();
+        for method in [http::Method::GET, http::Method::OPTIONS] {
+            h2.ready().await.unwrap();
+            statuses.push(
+                h2.send_request(h2_asterisk(addr, method))
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16(),
+            );
+        }
+        for line in ["GET * HTTP/1.1", "OPTIONS * HTTP/1.1"] {
+            statuses.push(status_of(addr, line).await);
+        }
+        assert_eq!(statuses, [200, 429, 429, 429], "include: {include}");
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "include: {include}");
+    }
+}

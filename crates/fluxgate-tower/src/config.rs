@@ -109,6 +109,14 @@ impl Config {
         // it, as it answers an unknown top-level path. It is matched as that one segment,
         // so that an exclusion of `/` does not let it through to the fallback.
         if !routed.starts_with('/') {
+            // `http` refuses every other path without a leading `/` (`PathAndQuery`). Were
+            // one to come (another version, another parser), it is limited: matched as one
+            // segment, `health` would be excluded by `/health` while the fallback answers
+            // it, and a middleware that puts a `/` in front would route `tenants/../orders`
+            // to a route that `include` names.
+            if !(routed.is_empty() || routed == "*") {
+                return true;
+            }
             let by_segment = |p: &PathPattern| p.matches_segments(&[routed]);
             return view(&by_segment, &by_segment);
         }
@@ -303,5 +311,39 @@ fn header_text(value: &[u8]) -> String {
         Err(_) => std::iter::once('\0')
             .chain(value.iter().map(|&b| char::from(b)))
             .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use fluxgate_core::{Engine, RequestContextBuilder, RuleSets};
+
+    use crate::RateLimitLayer;
+
+    /// Whether a layer of `include` and `exclude` patterns limits a request of `path`.
+    fn limits(path: &str, include: &[&str], exclude: &[&str]) -> bool {
+        let engine = Engine::in_memory(RuleSets::from_yaml_str("rule_sets: []").expect("rules"));
+        let mut builder = RateLimitLayer::builder(engine);
+        if !include.is_empty() {
+            builder = builder.include(include.iter().copied());
+        }
+        if !exclude.is_empty() {
+            builder = builder.exclude(exclude.iter().copied());
+        }
+        let layer = builder.build().expect("a layer");
+        let mut context = RequestContextBuilder::with_rule_set(layer.config.rule_set.clone());
+        context.set_path(path);
+        layer.config.limits(context.peek())
+    }
+
+    /// `*` and the empty path are matched as one segment; any other path without a leading
+    /// `/` is limited whatever `include` and `exclude` say.
+    #[test]
+    fn a_path_without_a_leading_slash_other_than_the_asterisk_is_limited() {
+        assert!(!limits("*", &[], &["/*"]), "`*` as the one segment `/*` excludes");
+        assert!(limits("*", &[], &["/health"]));
+        assert!(limits("health", &[], &["/health"]));
+        assert!(limits("tenants/../orders", &["/tenants/*/orders"], &[]));
+        assert!(!limits("/health", &[], &["/health"]));
     }
 }
