@@ -11,8 +11,8 @@ use axum::{Json, Router};
 use fluxgate_core::api::{ApiError, BatchCheckRequest, BatchCheckResponse, CheckRequest, CheckResponse};
 use fluxgate_core::{Engine, Error, RuleSetSpec, Shown};
 use fluxgate_redis::{AdminError, RedisLimiter, RuleAdmin, StoreError};
-use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::de::{DeserializeOwned, DeserializeSeed, IgnoredAny, MapAccess, SeqAccess, Visitor};
+use serde::{Deserializer, Serialize};
 
 use crate::openapi;
 
@@ -124,14 +124,20 @@ fn bad_request(error: ApiError) -> Failure {
 
 /// Reads a JSON object body, naming the field at fault.
 fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, Failure> {
+    parse_with(body, std::marker::PhantomData::<T>)
+}
+
+/// [`parse`], the body read by `seed`.
+fn parse_with<'de, S: DeserializeSeed<'de>>(body: &'de [u8], seed: S) -> Result<S::Value, Failure> {
     // Structs would also read from arrays (fields by position): only objects are accepted.
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(bad_request(ApiError::general("the body must be a JSON object")));
     }
     let mut json = serde_json::Deserializer::from_slice(body);
-    let value = serde_path_to_error::deserialize(&mut json).map_err(|e| {
-        let path = e.path().to_string();
-        let error = e.into_inner();
+    let mut track = serde_path_to_error::Track::new();
+    let read = seed.deserialize(serde_path_to_error::Deserializer::new(&mut json, &mut track));
+    let value = read.map_err(|error| {
+        let path = track.path().to_string();
         let message = if error.is_eof() {
             "the body is not complete JSON".to_owned()
         } else {
@@ -204,18 +210,7 @@ pub(crate) async fn check(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     tag = "check"
 )]
 pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, Failure> {
-    let batch: BatchCheckRequest = parse(&body)?;
-    if batch.requests.len() > state.max_batch {
-        let error = ApiError::field(
-            "requests",
-            format!(
-                "{} requests: at most {} in one batch",
-                batch.requests.len(),
-                state.max_batch
-            ),
-        );
-        return Err(bad_request(error));
-    }
+    let batch = parse_with(&body, Batch { max: state.max_batch })?;
     // Every request is checked before any is decided: an invalid one decides nothing.
     let contexts = batch
         .requests
@@ -242,6 +237,85 @@ pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes)
         })
         .collect();
     Ok(Json(BatchCheckResponse::new(results)).into_response())
+}
+
+/// Reads a [`BatchCheckRequest`] of at most `max` requests: the reading stops at the one
+/// past it, so that a body of a million `{}` is refused before it becomes as many requests
+/// (of about 200 bytes each, 70 times the body). Fields other than `requests` are ignored,
+/// as [`BatchCheckRequest`]'s own reading ignores them.
+struct Batch {
+    max: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Batch {
+    type Value = BatchCheckRequest;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Batch {
+    type Value = BatchCheckRequest;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an object of `requests`")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        use serde::de::Error as _;
+        let mut requests = None;
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            if key == "requests" {
+                if requests.is_some() {
+                    return Err(A::Error::duplicate_field("requests"));
+                }
+                requests = Some(map.next_value_seed(Requests { max: self.max })?);
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        let requests = requests.ok_or_else(|| A::Error::missing_field("requests"))?;
+        let mut batch = BatchCheckRequest::default();
+        batch.requests = requests;
+        Ok(batch)
+    }
+}
+
+/// The requests of a [`Batch`], at most `max`.
+struct Requests {
+    max: usize,
+}
+
+impl<'de> DeserializeSeed<'de> for Requests {
+    type Value = Vec<CheckRequest>;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Requests {
+    type Value = Vec<CheckRequest>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("an array of requests")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        use serde::de::Error as _;
+        let mut requests = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(self.max));
+        while let Some(request) = seq.next_element::<CheckRequest>()? {
+            if requests.len() == self.max {
+                return Err(A::Error::custom(format!(
+                    "more than {max} requests: at most {max} in one batch",
+                    max = self.max
+                )));
+            }
+            requests.push(request);
+        }
+        Ok(requests)
+    }
 }
 
 /// The token of an `Authorization: Bearer <token>` value: the scheme in any case, as

@@ -247,6 +247,10 @@ pub struct HttpConfig {
     /// The longest a request's body may take to arrive after its head, in milliseconds;
     /// later, the request is answered 408. Default 10,000.
     pub body_timeout_ms: Option<u64>,
+    /// The longest the server waits for a client to read its answer, in milliseconds, from
+    /// when the connection stopped taking bytes (a client that reads nothing); then the
+    /// connection is closed. Default 10,000.
+    pub write_timeout_ms: Option<u64>,
 }
 
 /// `[log]`: logs on standard error.
@@ -510,8 +514,14 @@ impl Config {
             Some("no rules: give `--rules FILE` (or `rules` in the file), or enable `[store]` with `redis`")
         } else if self.admin.token.as_deref().is_some_and(|t| t.len() < 16) {
             Some("`[admin] token` must be at least 16 characters")
-        } else if self.http.header_timeout_ms == Some(0) || self.http.body_timeout_ms == Some(0) {
-            Some("`[http] header_timeout_ms` and `body_timeout_ms` must be at least 1")
+        } else if [
+            self.http.header_timeout_ms,
+            self.http.body_timeout_ms,
+            self.http.write_timeout_ms,
+        ]
+        .contains(&Some(0))
+        {
+            Some("`[http] header_timeout_ms`, `body_timeout_ms` and `write_timeout_ms` must be at least 1")
         } else if self.limiter.timeout_ms == Some(0) {
             Some("`[limiter] timeout_ms` must be at least 1: with no time to answer, every decision would fail")
         } else if self.limiter.calls_in_flight_per_key == Some(0) {
@@ -562,6 +572,11 @@ impl Config {
     /// The longest a request's body may take to arrive.
     pub fn body_timeout(&self) -> Duration {
         Duration::from_millis(self.http.body_timeout_ms.unwrap_or(10_000))
+    }
+
+    /// The longest the server waits for a client to read its answer.
+    pub fn write_timeout(&self) -> Duration {
+        Duration::from_millis(self.http.write_timeout_ms.unwrap_or(10_000))
     }
 
     /// The limiter's deadline.
@@ -630,6 +645,22 @@ mod tests {
         );
         let config: Config = toml::from_str(&format!("{redis}[limiter]\ntimeout_ms = 1")).unwrap();
         assert!(config.check().is_ok());
+    }
+
+    /// A connection time limit of zero would close every connection at once: refused, each
+    /// of the three, naming them.
+    #[test]
+    fn a_zero_connection_time_limit_is_refused() {
+        for option in ["header_timeout_ms", "body_timeout_ms", "write_timeout_ms"] {
+            let config: Config = toml::from_str(&format!("rules = \"rules.yaml\"\n[http]\n{option} = 0")).unwrap();
+            let error = config.check().unwrap_err().to_string();
+            assert!(
+                error.contains(option) && error.contains("must be at least 1"),
+                "{error}"
+            );
+            let config: Config = toml::from_str(&format!("rules = \"rules.yaml\"\n[http]\n{option} = 1")).unwrap();
+            assert!(config.check().is_ok(), "{option} = 1");
+        }
     }
 
     /// A misspelled option, or one at the wrong level, is refused naming it, never ignored

@@ -195,6 +195,7 @@ impl Service {
             timeouts: serve::Timeouts {
                 header: config.header_timeout(),
                 body: config.body_timeout(),
+                write: config.write_timeout(),
             },
             _watch: watch,
             _listener: listener,
@@ -221,8 +222,10 @@ impl Service {
     ///
     /// A connection must send each request head within `[http] header_timeout_ms` (from
     /// when it opens, or from the previous answer: an idle connection is closed then), and
-    /// each body within `[http] body_timeout_ms` of its head (else `408`), so that clients
-    /// that send nothing or part of a request cannot hold connections for good.
+    /// each body within `[http] body_timeout_ms` of its head (else `408`); a connection that
+    /// takes no byte of an answer for `[http] write_timeout_ms` is closed. So clients that
+    /// send nothing or part of a request, or read nothing of the answers, cannot hold
+    /// connections for good.
     ///
     /// # Errors
     ///

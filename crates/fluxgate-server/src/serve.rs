@@ -1,9 +1,12 @@
 //! The HTTP server: connections accepted from a listener and served with time limits, so
 //! that a client that opens connections and sends nothing, part of a request head or part
-//! of a body cannot hold them (and the process's file descriptors) for good.
+//! of a body, or that does not read its answers, cannot hold them (and the process's file
+//! descriptors) for good.
 
 use std::future::Future;
-use std::pin::pin;
+use std::io;
+use std::pin::{pin, Pin};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
@@ -18,6 +21,9 @@ use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::time::Sleep;
 
 use crate::app::Failure;
 
@@ -30,6 +36,9 @@ pub(crate) struct Timeouts {
     pub(crate) header: Duration,
     /// The longest a request's body may take to arrive, counted from its head.
     pub(crate) body: Duration,
+    /// The longest a write of an answer may wait for the client to read, counted from
+    /// when the socket stopped taking bytes; past it, the connection is closed.
+    pub(crate) write: Duration,
 }
 
 /// What the body middleware needs.
@@ -96,6 +105,7 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let mut builder = http1::Builder::new();
         builder.timer(TokioTimer::new()).header_read_timeout(timeouts.header);
+        let stream = WriteTimeout::new(stream, timeouts.write);
         let connection = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
         let connection = graceful.watch(connection);
         tokio::spawn(async move {
@@ -127,4 +137,87 @@ async fn accept_failed(error: &std::io::Error, failing: &mut bool) {
         *failing = true;
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// A connection's socket whose writes fail with [`io::ErrorKind::TimedOut`] once the socket
+/// has taken no byte for `timeout`: the time runs while a write waits and starts again at
+/// each byte taken. hyper has no such limit: a client that sent whole requests (several,
+/// pipelined) and then read nothing held its connection for good, the server waiting to
+/// write an answer with no request head to time (a few hundred such clients took every
+/// file descriptor of the service, and every gateway's check timed out, decided by its
+/// failure policy). A client that reads, however slowly, is not cut off.
+struct WriteTimeout {
+    stream: TcpStream,
+    timeout: Duration,
+    /// Armed while a write waits.
+    waiting: Option<Pin<Box<Sleep>>>,
+}
+
+impl WriteTimeout {
+    fn new(stream: TcpStream, timeout: Duration) -> Self {
+        Self {
+            stream,
+            timeout,
+            waiting: None,
+        }
+    }
+
+    /// What a write (or flush, or shutdown) gave: ready, the timer disarmed; pending, the
+    /// timer armed if it was not, and past it an error.
+    fn timed<T>(&mut self, cx: &mut Context<'_>, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.waiting = None;
+            return polled;
+        }
+        let timeout = self.timeout;
+        let waiting = self
+            .waiting
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(timeout)));
+        match waiting.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                self.waiting = None;
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the client read nothing for {timeout:?}"),
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncRead for WriteTimeout {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for WriteTimeout {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
+        self.timed(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.stream).poll_write_vectored(cx, bufs);
+        self.timed(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.stream).poll_flush(cx);
+        self.timed(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.stream).poll_shutdown(cx);
+        self.timed(cx, polled)
+    }
 }

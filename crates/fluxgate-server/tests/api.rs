@@ -338,6 +338,61 @@ async fn bad_requests_get_their_documented_answer_and_change_nothing() {
     assert_eq!(answer.status, 405);
 }
 
+/// A batch of more than `[http] max_batch` requests is refused as soon as its reading
+/// reaches the one past the bound: the rest of the body is not read (here not even JSON),
+/// so that a body of a million `{}` does not become as many requests first. Batches within
+/// the bound read as before: other fields ignored, an invalid request named by its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_past_its_bound_is_refused_before_the_rest_is_read() {
+    let rules = rule_file("bounded-batch");
+    let mut config = config(&["--rules", rules.to_str().unwrap()]);
+    config.http.max_batch = Some(5);
+    let (addr, _task) = serve(config).await;
+    let request = r#"{"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/elsewhere"}"#;
+    let batch = |n: usize, tail: &str| format!(r#"{{"requests": [{}{tail}"#, vec![request; n].join(", "));
+    let cases: Vec<(String, u16, Option<&str>, &str)> = vec![
+        (
+            batch(6, ", !!! not JSON"),
+            400,
+            Some("requests"),
+            "more than 5 requests: at most 5 in one batch",
+        ),
+        (batch(6, "]}"), 400, Some("requests"), "at most 5 in one batch"),
+        (batch(5, r#"], "other": [1, {"x": 2}]}"#), 200, None, ""),
+        (r#"{"other": 1}"#.to_owned(), 400, None, "missing field `requests`"),
+        (
+            format!(r#"{{"requests": [], "requests": [{request}]}}"#),
+            400,
+            None,
+            "duplicate field `requests`",
+        ),
+        (
+            format!(r#"{{"requests": [{request}, {request}, {{"clientIp": "x"}}]}}"#),
+            400,
+            Some("requests[2].clientIp"),
+            "not an IPv4",
+        ),
+        (
+            r#"{"requests": {}}"#.to_owned(),
+            400,
+            Some("requests"),
+            "an array of requests",
+        ),
+    ];
+    for (body, status, field, message) in cases {
+        let shown = body.chars().take(60).collect::<String>();
+        let answer = blocking(move || call(addr, "POST", "/api/ratelimit/check/batch", &[], body.as_bytes())).await;
+        assert_eq!(answer.status, status, "{shown}: {}", answer.body);
+        let json = answer.json();
+        if status == 400 {
+            assert_eq!(json["field"].as_str(), field, "{shown}: {json}");
+            assert!(json["error"].as_str().unwrap().contains(message), "{shown}: {json}");
+        } else {
+            assert_eq!(json["results"].as_array().map(Vec::len), Some(5), "{json}");
+        }
+    }
+}
+
 /// A client that opens connections and sends nothing, part of a request head or part of a
 /// body cannot hold them: each is answered or closed within the time limits, so that such
 /// clients cannot take every file descriptor of the service (then every gateway's new
@@ -384,6 +439,48 @@ async fn connections_that_send_no_whole_request_are_closed_in_time() {
     let good = json!({"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/orders/1"});
     let answer = blocking(move || post(addr, "/api/ratelimit/check", &good)).await;
     assert_eq!((answer.status, answer.json()["remaining"].clone()), (200, json!(1)));
+}
+
+/// A client that sends whole requests and then reads nothing cannot hold its connection:
+/// once the connection has taken no byte of an answer for `[http] write_timeout_ms`, it is
+/// closed (hyper alone waited to write for good, no request head to time, and a few hundred
+/// such clients took every file descriptor of the service). Here 1,000 pipelined requests
+/// for the 26 KB `/openapi.json`, far more than the sockets' buffers hold, through a receive
+/// buffer of 2 KB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_read_no_answer_are_closed_in_time() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const SENT: usize = 1_000;
+    let rules = rule_file("unread");
+    let mut config = config(&["--rules", rules.to_str().unwrap()]);
+    config.http.header_timeout_ms = Some(300);
+    config.http.write_timeout_ms = Some(300);
+    let (addr, _task) = serve(config).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(2048).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let requests = "GET /openapi.json HTTP/1.1\r\nhost: t\r\n\r\n".repeat(SENT);
+    stream.write_all(requests.as_bytes()).await.unwrap();
+    // Five times the write timeout without reading.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let start = Instant::now();
+    let mut raw = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut raw)).await;
+    let answered = String::from_utf8_lossy(&raw).matches("HTTP/1.1 200").count();
+    assert!(
+        read.is_ok(),
+        "still open after {:?} ({answered} answers read)",
+        start.elapsed()
+    );
+    assert!(
+        answered < SENT,
+        "every answer was written: the connection waited for its reader ({:?})",
+        read
+    );
+    // The service still answers others.
+    let good = json!({"ruleSetId": "api", "clientIp": "192.0.2.1", "path": "/orders/1"});
+    let answer = blocking(move || post(addr, "/api/ratelimit/check", &good)).await;
+    assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
 /// A config file for a service whose rule sets live in `redis` with the admin API on (the
