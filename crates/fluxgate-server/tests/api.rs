@@ -483,6 +483,45 @@ async fn clients_that_read_no_answer_are_closed_in_time() {
     assert_eq!(answer.status, 200, "{}", answer.body);
 }
 
+/// A shutdown waits for the answers in flight, and a client that reads nothing of its
+/// answer holds it for the write time limit at most, not for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_reads_nothing_holds_a_shutdown_for_the_write_time_limit_at_most() {
+    use tokio::io::AsyncWriteExt;
+    let rules = rule_file("unread-shutdown");
+    let mut config = config(&["--rules", rules.to_str().unwrap()]);
+    config.http.write_timeout_ms = Some(300);
+    let service = Service::start(&config).await.expect("the service starts");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        service
+            .serve(listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(2048).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let requests = "GET /openapi.json HTTP/1.1\r\nhost: t\r\n\r\n".repeat(1_000);
+    stream.write_all(requests.as_bytes()).await.unwrap();
+    // The server is writing (and waiting) when the shutdown comes.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let start = Instant::now();
+    stop.send(()).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), task).await;
+    assert!(ended.is_ok(), "the shutdown still waits after {:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "the shutdown took {:?} (the write time limit is 300 ms)",
+        start.elapsed()
+    );
+    drop(stream);
+}
+
 /// A config file for a service whose rule sets live in `redis` with the admin API on (the
 /// token [`TOKEN`]), the store holding rule set `api` (one rule of 100 per hour); `name`
 /// tells the test's file apart.
