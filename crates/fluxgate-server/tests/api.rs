@@ -441,26 +441,34 @@ async fn connections_that_send_no_whole_request_are_closed_in_time() {
     assert_eq!((answer.status, answer.json()["remaining"].clone()), (200, json!(1)));
 }
 
+/// A client of `addr` with a receive buffer of 2 KB that has sent `requests` pipelined
+/// requests for the 26 KB `/openapi.json` (far more answers than the sockets' buffers hold)
+/// and reads nothing.
+async fn unread_client(addr: SocketAddr, requests: usize) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(2048).unwrap();
+    let mut stream = socket.connect(addr).await.unwrap();
+    let sent = "GET /openapi.json HTTP/1.1\r\nhost: t\r\n\r\n".repeat(requests);
+    stream.write_all(sent.as_bytes()).await.unwrap();
+    stream
+}
+
 /// A client that sends whole requests and then reads nothing cannot hold its connection:
 /// once the connection has taken no byte of an answer for `[http] write_timeout_ms`, it is
 /// closed (hyper alone waited to write for good, no request head to time, and a few hundred
 /// such clients took every file descriptor of the service). Here 1,000 pipelined requests
-/// for the 26 KB `/openapi.json`, far more than the sockets' buffers hold, through a receive
-/// buffer of 2 KB.
+/// of an [`unread_client`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_read_no_answer_are_closed_in_time() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     const SENT: usize = 1_000;
     let rules = rule_file("unread");
     let mut config = config(&["--rules", rules.to_str().unwrap()]);
     config.http.header_timeout_ms = Some(300);
     config.http.write_timeout_ms = Some(300);
     let (addr, _task) = serve(config).await;
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(2048).unwrap();
-    let mut stream = socket.connect(addr).await.unwrap();
-    let requests = "GET /openapi.json HTTP/1.1\r\nhost: t\r\n\r\n".repeat(SENT);
-    stream.write_all(requests.as_bytes()).await.unwrap();
+    let mut stream = unread_client(addr, SENT).await;
     // Five times the write timeout without reading.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     let start = Instant::now();
@@ -487,7 +495,6 @@ async fn clients_that_read_no_answer_are_closed_in_time() {
 /// answer holds it for the write time limit at most, not for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_reads_nothing_holds_a_shutdown_for_the_write_time_limit_at_most() {
-    use tokio::io::AsyncWriteExt;
     let rules = rule_file("unread-shutdown");
     let mut config = config(&["--rules", rules.to_str().unwrap()]);
     config.http.write_timeout_ms = Some(300);
@@ -503,11 +510,7 @@ async fn a_client_that_reads_nothing_holds_a_shutdown_for_the_write_time_limit_a
             .await
             .unwrap();
     });
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.set_recv_buffer_size(2048).unwrap();
-    let mut stream = socket.connect(addr).await.unwrap();
-    let requests = "GET /openapi.json HTTP/1.1\r\nhost: t\r\n\r\n".repeat(1_000);
-    stream.write_all(requests.as_bytes()).await.unwrap();
+    let stream = unread_client(addr, 1_000).await;
     // The server is writing (and waiting) when the shutdown comes.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let start = Instant::now();
