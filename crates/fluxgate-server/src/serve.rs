@@ -143,9 +143,10 @@ async fn accept_failed(error: &std::io::Error, failing: &mut bool) {
 /// has taken no byte for `timeout`: the time runs while a write waits and starts again at
 /// each byte taken. hyper has no such limit: a client that sent whole requests (several,
 /// pipelined) and then read nothing held its connection for good, the server waiting to
-/// write an answer with no request head to time (a few hundred such clients took every
-/// file descriptor of the service, and every gateway's check timed out, decided by its
-/// failure policy). A client that reads, however slowly, is not cut off.
+/// write an answer with no request head to time (as many such clients as the process's file
+/// descriptors, 64 under `prlimit --nofile=64`, and a gateway's checks timed out for as long
+/// as they stayed, decided by its failure policy). A client that reads, however slowly, is
+/// not cut off.
 struct WriteTimeout {
     stream: TcpStream,
     timeout: Duration,

@@ -456,8 +456,8 @@ async fn unread_client(addr: SocketAddr, requests: usize) -> tokio::net::TcpStre
 
 /// A client that sends whole requests and then reads nothing cannot hold its connection:
 /// once the connection has taken no byte of an answer for `[http] write_timeout_ms`, it is
-/// closed (hyper alone waited to write for good, no request head to time, and a few hundred
-/// such clients took every file descriptor of the service). Here 1,000 pipelined requests
+/// closed (hyper alone waited to write for good, no request head to time, and as many such
+/// clients as the process's file descriptors locked every gateway out). Here 1,000 pipelined requests
 /// of an [`unread_client`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_read_no_answer_are_closed_in_time() {
