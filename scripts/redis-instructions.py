@@ -158,21 +158,26 @@ def rule_script(one, layout, cap, ttl):
     return ''.join(l + '\n' for l in lines if l.strip() and not l.lstrip().startswith('--'))
 
 
-# The lines of one_token_bucket.lua that read the clock, which a batch reads once, and its
-# reply, whose `now` a batch's reply holds once.
+# The lines of one_token_bucket.lua that read the clock, which a batch reads once, its
+# reply, whose `now` a batch's reply holds once, and its read of the key, which a batch
+# makes with its other keys.
 TIME = "local time = redis.call('TIME')\nlocal now = time[1] * 1000000 + time[2]\n"
 REPLY = "return {now, debt}\n"
+READ = "local v = redis.call('GET', key)\n"
+READ_IN_BATCH = "local v = stored\nif not v then\n  v = redis.call('GET', key)\nend\n"
 
 
 def rule_batch_script(one, loop, layout, cap, ttl):
     """A rule's own batch script, as `src/rule_script.rs` writes it: the clock read once,
-    the one-band script as a function of a key and a cost with the rule's numbers written
-    in, then `rule_batch.lua`; the comment lines left out."""
+    the one-band script as a function of a key, a cost and the key's value read with the
+    batch's keys, with the rule's numbers written in, then `rule_batch.lua`; the comment
+    lines left out. Its `ARGV`: how many keys repeat (and their places), then the costs."""
     before, after = one.split(ARGUMENTS)
-    after = after.replace(TIME, 'local now = batch_now\n', 1).replace(REPLY, 'return debt\n', 1)
+    after = (after.replace(TIME, 'local now = batch_now\n', 1).replace(READ, READ_IN_BATCH, 1)
+             .replace(REPLY, 'return debt\n', 1))
     text = ("local batch_time = redis.call('TIME')\n"
             "local batch_now = batch_time[1] * 1000000 + batch_time[2]\n"
-            "local decide = function(key, cost)\n" + before +
+            "local decide = function(key, cost, stored)\n" + before +
             f"local layout = '{layout}'\n"
             f"local cap, ttl, scale, wait = 0x{cap}, '{ttl}', 0x1, nil\n" + after + "end\n" + loop)
     return ''.join(l + '\n' for l in text.splitlines() if l.strip() and not l.lstrip().startswith('--'))
@@ -216,30 +221,33 @@ GENERATION_COMMANDS = [
 ]
 
 
-def generation_script(built):
-    """The rule's own batch script reading its buckets from two generation hashes (KEYS[1]
-    this one, KEYS[2] the one before; the requests' key values after the cost in ARGV) and
-    writing them with one HSET into this one."""
-    for line in ("redis.call('GET', key)", "redis.call('PSETEX', key, ttl, value)",
-                 "local reply, cost = {batch_now}, #ARGV == 1 and tonumber(ARGV[1], 16)\nfor i = 1, #KEYS do",
-                 "pcall(decide, KEYS[i], cost or tonumber(ARGV[i], 16))", "return reply"):
+# The loop of a rule's batch script reading its buckets from two generation hashes (KEYS[1]
+# this one, KEYS[2] the one before; the requests' key values after the cost in ARGV) and
+# writing them with one HSET into this one, in place of `rule_batch.lua`.
+GENERATION_LOOP = """local reply, cost = {batch_now}, tonumber(ARGV[1], 16)
+local fields = {}
+for i = 2, #ARGV do fields[i - 1] = ARGV[i] end
+local a, b = redis.call('HMGET', KEYS[1], unpack(fields)), redis.call('HMGET', KEYS[2], unpack(fields))
+for i = 1, #fields do local v = a[i] or b[i] if v then got[fields[i]] = v end end
+for i = 1, #fields do
+  local ok, r = pcall(decide, fields[i], cost)
+  if ok then reply[i + 1] = r else reply[i + 1] = type(r) == 'table' and tostring(r.err) or tostring(r) end
+end
+if #put > 0 then redis.call('HSET', KEYS[1], unpack(put)) redis.call('PEXPIRE', KEYS[1], 7202002) end
+return reply
+"""
+
+
+def generation_script(one):
+    """The rule's own batch script's decision reading and writing generation hashes."""
+    built = rule_batch_script(one, GENERATION_LOOP, 'b0:10000000/1h|', 'd693a400', '3601001')
+    for line in ("redis.call('GET', key)", "redis.call('PSETEX', key, ttl, value)"):
         if line not in built:
             sys.exit(f'the rule batch script changed; not found: {line!r}')
     gen = built.replace("redis.call('GET', key)", "got[key]")
     # A key written twice in a batch reads its first write.
     gen = gen.replace("redis.call('PSETEX', key, ttl, value)",
                       "got[key] = value put[#put + 1] = key put[#put + 1] = value")
-    gen = gen.replace(
-        "local reply, cost = {batch_now}, #ARGV == 1 and tonumber(ARGV[1], 16)\nfor i = 1, #KEYS do",
-        "local reply, cost = {batch_now}, tonumber(ARGV[1], 16)\n"
-        "local fields = {}\nfor i = 2, #ARGV do fields[i - 1] = ARGV[i] end\n"
-        "local a, b = redis.call('HMGET', KEYS[1], unpack(fields)), redis.call('HMGET', KEYS[2], unpack(fields))\n"
-        "for i = 1, #fields do local v = a[i] or b[i] if v then got[fields[i]] = v end end\n"
-        "for i = 1, #fields do")
-    gen = gen.replace("pcall(decide, KEYS[i], cost or tonumber(ARGV[i], 16))", "pcall(decide, fields[i], cost)")
-    # The hash lives two generations (here of an hour and a second: the key's expiry).
-    gen = gen.replace("return reply", "if #put > 0 then redis.call('HSET', KEYS[1], unpack(put)) "
-                      "redis.call('PEXPIRE', KEYS[1], 7202002) end\nreturn reply")
     return "local got, put = {}, {}\n" + gen
 
 
@@ -255,14 +263,14 @@ def generations(scripts):
             with open(script, 'w') as f:
                 f.write(body)
             count(name, script, hashes if hashed else keys, fields if hashed else [], 20000 // requests, requests)
-        built = rule_batch_script(open(os.path.join(scripts, 'one_token_bucket.lua')).read(),
-                                  open(os.path.join(scripts, 'rule_batch.lua')).read(),
+        one = open(os.path.join(scripts, 'one_token_bucket.lua')).read()
+        built = rule_batch_script(one, open(os.path.join(scripts, 'rule_batch.lua')).read(),
                                   'b0:10000000/1h|', 'd693a400', '3601001')
         with open(script, 'w') as f:
             f.write(built)
-        count("the rule's own batch script, a key per bucket", script, keys, ['168'], 20000 // requests, requests)
+        count("the rule's own batch script, a key per bucket", script, keys, ['0', '168'], 20000 // requests, requests)
         with open(script, 'w') as f:
-            f.write(generation_script(built))
+            f.write(generation_script(one))
         count('the same on two generation hashes', script, hashes, ['168'] + fields, 20000 // requests, requests)
 
 
@@ -315,8 +323,8 @@ def main():
                 with open(own, 'w') as f:
                     f.write(rule_batch_script(open(one).read(), open(loop).read(),
                                               'b0:10000000/1h|', 'd693a400', '3601001'))
-                # The cost once, every request's.
-                count(f"batch of {requests} (the rule's own batch script)", own, keys, ['168'],
+                # No key repeated, the cost once, every request's.
+                count(f"batch of {requests} (the rule's own batch script)", own, keys, ['0', '168'],
                       20000 // requests, requests)
     home = os.environ.get('CARGO_HOME', os.path.expanduser('~/.cargo'))
     peer = sorted(glob.glob(os.path.join(home, 'registry/src/*/tower-rate-limit-fred-*/scripts/rate_limit.lua')))

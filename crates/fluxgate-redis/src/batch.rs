@@ -3,7 +3,7 @@
 //! token-bucket rule of one band, of that rule's own batch script (see
 //! `src/rule_script.rs`).
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::fmt::Write as _;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -459,8 +459,10 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
 }
 
 /// When every request of `batch` is of one token-bucket rule of one band that has its own
-/// script: that script, and its batch script's `ARGV`, each request's cost in units, or the
-/// one cost of them all when they are the same (a rule's requests of as many permits).
+/// script: that script, and its batch script's `ARGV` (`lua/rule_batch.lua`): how many
+/// requests' keys repeat an earlier request's and their places ([`repeated_keys`]), then
+/// each request's cost in units, or the one cost of them all when they are the same (a
+/// rule's requests of as many permits).
 fn one_rule(batch: &[Job]) -> Option<(Arc<RuleScript>, Vec<Value>)> {
     let (rule, _) = batch.first()?.args.rule_script()?;
     let mut costs = Vec::with_capacity(batch.len());
@@ -470,11 +472,41 @@ fn one_rule(batch: &[Job]) -> Option<(Arc<RuleScript>, Vec<Value>)> {
             _ => return None,
         }
     }
-    let argv = match costs.split_first() {
-        Some((first, rest)) if rest.iter().all(|cost| cost == first) => vec![(*first).clone()],
-        _ => costs.into_iter().cloned().collect(),
-    };
+    let repeats = repeated_keys(batch);
+    let mut argv = Vec::with_capacity(1 + repeats.len() + costs.len());
+    argv.push(hex(repeats.len() as u64));
+    argv.extend(repeats.into_iter().map(|place| hex(place as u64)));
+    match costs.split_first() {
+        Some((first, rest)) if rest.iter().all(|cost| cost == first) => argv.push((*first).clone()),
+        _ => argv.extend(costs.into_iter().cloned()),
+    }
     Some((rule.clone(), argv))
+}
+
+/// The places, from 1, of the requests of `batch` whose key an earlier request of the batch
+/// has too. The rule's batch script reads the batch's keys before it decides any request,
+/// so the request at such a place reads its key again, after the earlier request's write:
+/// a place left out here would be decided on a count from before that write.
+fn repeated_keys(batch: &[Job]) -> Vec<usize> {
+    fn key(job: &Job) -> Option<&str> {
+        job.keys.first().map(String::as_str)
+    }
+    let mut places = Vec::new();
+    if batch.len() <= 16 {
+        for (i, job) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|earlier| key(earlier) == key(job)) {
+                places.push(i + 1);
+            }
+        }
+    } else {
+        let mut seen = HashSet::with_capacity(batch.len());
+        for (i, job) in batch.iter().enumerate() {
+            if !seen.insert(key(job)) {
+                places.push(i + 1);
+            }
+        }
+    }
+    places
 }
 
 /// Answers each request of a batch from its script's `result`, each reply read by `read`.
@@ -731,18 +763,46 @@ mod tests {
         let batch = [of(&[&one]), of(&[&one]), of(&[&one])].map(job_of);
         let (rule, argv) = one_rule(&batch).expect("one rule");
         assert!(Arc::ptr_eq(&rule, of(&[&one]).rule_script().unwrap().0));
-        assert_eq!(argv, [Value::from("1f4")], "one cost for all: 500 µs");
+        assert_eq!(argv[0], Value::from("2"), "two requests repeat the first one's key");
+        assert_eq!(
+            argv[1..],
+            ["2", "3", "1f4"].map(Value::from),
+            "one cost for all: 500 µs"
+        );
         let batch = [of(&[&one]), of(&[&two]), of(&[&one])].map(job_of);
         let (same, argv) = one_rule(&batch).expect("one rule, its costs apart");
         assert!(
             Arc::ptr_eq(&rule, &same),
             "one script for the rule's requests of any cost"
         );
-        assert_eq!(argv, ["1f4", "3e8", "1f4"].map(Value::from));
+        assert_eq!(argv, ["2", "2", "3", "1f4", "3e8", "1f4"].map(Value::from));
         // Another rule's request (another capacity); a request of two rules.
         assert!(one_rule(&[of(&[&one]), of(&[&other])].map(job_of)).is_none());
         assert!(one_rule(&[of(&[&one]), of(&[&one, &other])].map(job_of)).is_none());
         assert!(one_rule(&[]).is_none());
+    }
+
+    /// Every request whose key an earlier request of the batch has is named, in small
+    /// batches (compared pairwise) and large ones (a set) alike, and no other.
+    #[test]
+    fn each_repeated_key_is_named_by_its_place() {
+        let batch_of = |keys: &[&str]| -> Vec<Job> {
+            keys.iter()
+                .map(|key| Job {
+                    keys: Keys::from_elem((*key).to_owned(), 1),
+                    ..job(0).0
+                })
+                .collect()
+        };
+        assert!(repeated_keys(&batch_of(&["a", "b", "c"])).is_empty());
+        assert_eq!(repeated_keys(&batch_of(&["a", "b", "a", "a", "b", "ab"])), [3, 4, 5]);
+        for n in [16, 17, 100] {
+            let mut keys: Vec<String> = (0..n).map(|i| format!("k{i}")).collect();
+            keys[n - 1] = "k0".into();
+            keys[n / 2] = format!("k{}", n / 2 - 1);
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            assert_eq!(repeated_keys(&batch_of(&keys)), [n / 2 + 1, n], "{n} requests");
+        }
     }
 
     /// A rule's batch script replies with each request's debt, or its error.

@@ -53,6 +53,18 @@ const TIME: &str = "local time = redis.call('TIME')\nlocal now = time[1] * 10000
 /// The reply of `one_token_bucket.lua`, whose `now` a batch's reply holds once.
 const REPLY: &str = "return {now, debt}\n";
 
+/// The line of `one_token_bucket.lua` that reads the key, which a batch reads with the
+/// batch's other keys, and again only for a key an earlier request of the batch may have
+/// written.
+const READ: &str = "local v = redis.call('GET', key)\n";
+
+/// What a batch's function has in place of [`READ`]: the value read with the batch's
+/// keys; or the key read now, when that is `nil` (a key an earlier request may have
+/// written) or `false` (`MGET` found no string: the key is missing, or holds another type,
+/// which `GET` refuses with `WRONGTYPE`, as in a call of its own, rather than the write
+/// replacing it).
+const READ_IN_BATCH: &str = "local v = stored\nif not v then\n  v = redis.call('GET', key)\nend\n";
+
 /// A rule's one-band script, and its batch script.
 #[derive(Debug)]
 pub(crate) struct RuleScript {
@@ -130,25 +142,27 @@ fn lua(constants: Constants<'_>) -> Option<String> {
 }
 
 /// The text of the batch script of `constants`: the clock read once, then
-/// `one_token_bucket.lua` as a function of a request's key and cost, the constants written
-/// in as in [`lua`], reading the batch's clock and returning its band's debt alone; then
-/// `lua/rule_batch.lua`, which calls it for each request. `None` if the one-band script
-/// has not the lines it replaces, each once.
+/// `one_token_bucket.lua` as a function of a request's key, cost and stored value (when
+/// `nil` or `false`: read it), the constants written in as in [`lua`], reading the batch's clock and
+/// returning its band's debt alone; then `lua/rule_batch.lua`, which reads the batch's keys
+/// and calls it for each request. `None` if the one-band script has not the lines it
+/// replaces, each once.
 fn batch_lua(constants: Constants<'_>) -> Option<String> {
     let (before, after) = ONE_TOKEN_BUCKET_LUA.split_once(ARGUMENTS)?;
-    if after.matches(TIME).count() != 1 || after.matches(REPLY).count() != 1 {
+    if [TIME, REPLY, READ].iter().any(|line| after.matches(line).count() != 1) {
         return None;
     }
     let after = after
         .replacen(TIME, "local now = batch_now\n", 1)
+        .replacen(READ, READ_IN_BATCH, 1)
         .replacen(REPLY, "return debt\n", 1);
     let mut lua = String::with_capacity(ONE_TOKEN_BUCKET_LUA.len() + RULE_BATCH_LUA.len());
     lua.push_str("-- FluxGate batched decisions of one token-bucket rule of one band (one_token_bucket.lua,\n");
-    lua.push_str("-- rule_batch.lua), its arguments written in. KEYS: each request's key. ARGV: each\n");
-    lua.push_str("-- request's cost in units, or one cost for all.\n");
+    lua.push_str("-- rule_batch.lua), its arguments written in. KEYS: each request's key. ARGV: the\n");
+    lua.push_str("-- places of repeated keys, counted first, then each request's cost or one for all.\n");
     lua.push_str("local batch_time = redis.call('TIME')\n");
     lua.push_str("local batch_now = batch_time[1] * 1000000 + batch_time[2]\n");
-    lua.push_str("local decide = function(key, cost)\n");
+    lua.push_str("local decide = function(key, cost, stored)\n");
     without_comments(before, &mut lua);
     lua.push_str("local layout = ");
     quoted(constants.layout, &mut lua);
@@ -337,7 +351,7 @@ mod tests {
             ..constants("b0:10/1h|")
         })
         .unwrap();
-        assert!(lua.contains("local decide = function(key, cost)\n"), "{lua}");
+        assert!(lua.contains("local decide = function(key, cost, stored)\n"), "{lua}");
         assert!(lua.contains("local layout = 'b0:10/1h|'\n"), "{lua}");
         assert!(
             lua.contains("local cap, ttl, scale, wait = 0xd693a400, '3601001', 0x3, '3e8'\n"),
@@ -348,8 +362,12 @@ mod tests {
         assert!(lua.contains("return debt\nend\n"), "{lua}");
         assert!(!lua.contains("return {now"), "{lua}");
         assert!(!lua.contains("KEYS[1]") && !lua.contains("ARGV[2]"), "{lua}");
+        // The key read with the batch's keys, or now when `stored` is nil or false.
+        assert!(lua.contains(READ_IN_BATCH), "{lua}");
+        assert_eq!(lua.matches("redis.call('GET', key)").count(), 1, "{lua}");
+        assert!(lua.contains("redis.call('MGET', unpack(KEYS))"), "{lua}");
         assert!(
-            lua.contains("pcall(decide, KEYS[i], cost or tonumber(ARGV[i], 16))"),
+            lua.contains("pcall(decide, KEYS[i], cost or tonumber(ARGV[first + i - 1], 16), stored[i])"),
             "{lua}"
         );
         assert_eq!(
