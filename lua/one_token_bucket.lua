@@ -33,10 +33,14 @@ local kept_names, kept_states, kept_last
 -- hold in use, as the µs the band's instant would lie ahead of now for as many (layout.lua):
 -- the band counts at least as many.
 local seed
+-- The instant before which a new instant may keep the key's expiry, when the key holds this
+-- layout: see the write below.
+local keep_before
 local v = redis.call('GET', key)
 if v then
   if string.find(v, layout, 1, true) == 1 then
     v = string.sub(v, #layout + 1)
+    keep_before = true
   else
     -- The rule changed since the write, or another instance holds another version of it:
     -- the band's state if the stored layout names it, and the other bands still holding
@@ -97,6 +101,11 @@ if v and v ~= '' then
     ahead = (tat - now) * scale
     debt = ahead + frac
   end
+  if keep_before then
+    keep_before = tat - tat % 1000000 + 900000
+  end
+else
+  keep_before = nil
 end
 if seed then
   -- At least the permits the other version's band holds in use, at most the capacity; its
@@ -150,6 +159,20 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
       ttl = string.format('%d', least)
     end
   end
-  redis.call('PSETEX', key, ttl, value)
+  if keep_before and not kept_names and at < keep_before then
+    -- Every writer of a rule's key sets its expiry a second or more past the furthest
+    -- instant it writes (this script: the window, the wait and a second; the others alike;
+    -- a refund moves an instant back and keeps the expiry). So the key lives past the end of
+    -- the whole second in which its stored instant lies, less the time Redis may count a
+    -- relative expiry from before this script read TIME (a few ms at most when measured).
+    -- A new instant 100 ms or more before that end needs no new expiry, and the same then
+    -- holds for the next write: the write keeps the expiry (KEEPTTL costs Redis about half
+    -- of PSETEX, which removes the expiry, sets it again and rewrites the command for
+    -- replication). A key decided more than once a second, the common case under load, is
+    -- mostly written so; its key then outlives its state by 100 ms or more, not a second.
+    redis.call('SET', key, value, 'KEEPTTL')
+  else
+    redis.call('PSETEX', key, ttl, value)
+  end
 end
 return {now, debt}
