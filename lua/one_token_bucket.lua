@@ -15,7 +15,9 @@
 -- Reply: now_us and the band's debt before the request; the caller derives the decision,
 -- the wait and the band's figures from them. README.md, "The one-band call".
 
-local key, layout = KEYS[1], ARGV[1]
+-- offset: the layout's length in decimal, where the band's state starts in the value; a
+-- rule's own script has it written in, this one writes it when it needs it.
+local key, layout, offset = KEYS[1], ARGV[1], nil
 local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5], ARGV[6]
 scale = scale and tonumber(scale, 16) or 1
 -- The strings of TIME converted by the arithmetic: once each, where tonumber converts a
@@ -135,8 +137,10 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
     whole = whole + 1
   end
   local frac = d - whole * scale
-  local value
   local at = now + whole
+  -- The value; or, for an instant written by `bit.tohex`, its 13 digits alone (the value is
+  -- the layout and them).
+  local value, digits
   if frac ~= 0 then
     value = string.format('%s%x:%x', layout, at, frac)
   else
@@ -146,33 +150,40 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
     local low = at % 4294967296
     local high = (at - low) / 4294967296
     if high >= 65536 and high < 1048576 then
-      value = layout .. bit.tohex(high, 5) .. bit.tohex(low, 8)
+      digits = bit.tohex(high, 5) .. bit.tohex(low, 8)
     else
       value = string.format('%s%x', layout, at)
     end
   end
   if kept_names then
     -- layout.lua's with_kept_bands, inline.
-    value = string.sub(layout, 1, #layout - 1) .. ',' .. kept_names .. '|' .. string.sub(value, #layout + 1) .. kept_states
+    value = string.sub(layout, 1, #layout - 1) .. ',' .. kept_names .. '|' .. (digits or string.sub(value, #layout + 1)) .. kept_states
     local least = (kept_last - now - (kept_last - now) % 1000) / 1000 + 1001
     if least > ttl + 0 then
       ttl = string.format('%d', least)
     end
-  end
-  if keep_before and not kept_names and at < keep_before then
+    redis.call('PSETEX', key, ttl, value)
+  elseif keep_before and at < keep_before then
     -- Every writer of a rule's key sets its expiry a second or more past the furthest
     -- instant it writes (this script: the window, the wait and a second; the others alike;
     -- a refund moves an instant back and keeps the expiry). So the key lives past the end of
     -- the whole second in which its stored instant lies, less the time Redis may count a
     -- relative expiry from before this script read TIME (a few ms at most when measured).
     -- A new instant 100 ms or more before that end needs no new expiry, and the same then
-    -- holds for the next write: the write keeps the expiry (KEEPTTL costs Redis about half
-    -- of PSETEX, which removes the expiry, sets it again and rewrites the command for
-    -- replication). A key decided more than once a second, the common case under load, is
-    -- mostly written so; its key then outlives its state by 100 ms or more, not a second.
-    redis.call('SET', key, value, 'KEEPTTL')
+    -- holds for the next write: the write keeps the expiry (PSETEX removes the expiry, sets
+    -- it again and rewrites the command for replication). A key decided more than once a
+    -- second, the common case under load, is mostly written so; its key then outlives its
+    -- state by 100 ms or more, not a second.
+    if digits and #v == 13 then
+      -- The stored state is 13 characters after the layout, as the new one: its
+      -- characters are replaced in place, which keeps the expiry too and costs Redis less
+      -- than a new value (SETRANGE; its reply a number, where SET's is a table).
+      redis.call('SETRANGE', key, offset or string.format('%d', #layout), digits)
+    else
+      redis.call('SET', key, value or layout .. digits, 'KEEPTTL')
+    end
   else
-    redis.call('PSETEX', key, ttl, value)
+    redis.call('PSETEX', key, ttl, value or layout .. digits)
   end
 end
 return {now, debt}

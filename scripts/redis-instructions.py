@@ -145,7 +145,7 @@ def rule(r, bands):
 
 # The lines of one_token_bucket.lua that read a rule's arguments, which a rule's own script
 # replaces with its numbers (as `src/rule_script.rs` in fluxgate-redis does).
-ARGUMENTS = ("local key, layout = KEYS[1], ARGV[1]\n"
+ARGUMENTS = ("local key, layout, offset = KEYS[1], ARGV[1], nil\n"
              "local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), "
              "ARGV[4], ARGV[5], ARGV[6]\n"
              "scale = scale and tonumber(scale, 16) or 1\n")
@@ -155,7 +155,7 @@ def rule_script(one, layout, cap, ttl):
     """A rule's own one-band script: its layout, capacity (hex) and expiry written in, the
     comment lines left out; the cost its only argument."""
     before, after = one.split(ARGUMENTS)
-    own = (f"local key, layout = KEYS[1], '{layout}'\n"
+    own = (f"local key, layout, offset = KEYS[1], '{layout}', '{len(layout)}'\n"
            f"local cap, cost, ttl, scale, wait = 0x{cap}, tonumber(ARGV[1], 16), '{ttl}', 0x1, nil\n")
     lines = (before + own + after).splitlines()
     return ''.join(l + '\n' for l in lines if l.strip() and not l.lstrip().startswith('--'))
@@ -181,7 +181,7 @@ def rule_batch_script(one, loop, layout, cap, ttl):
     text = ("local batch_time = redis.call('TIME')\n"
             "local batch_now = batch_time[1] * 1000000 + batch_time[2]\n"
             "local decide = function(key, cost, stored)\n" + before +
-            f"local layout = '{layout}'\n"
+            f"local layout, offset = '{layout}', '{len(layout)}'\n"
             f"local cap, ttl, scale, wait = 0x{cap}, '{ttl}', 0x1, nil\n" + after + "end\n" + loop)
     return ''.join(l + '\n' for l in text.splitlines() if l.strip() and not l.lstrip().startswith('--'))
 

@@ -38,7 +38,7 @@ pub(crate) const MOST: usize = 256;
 
 /// The lines of `one_token_bucket.lua` that read the rule's arguments, which a rule's
 /// script replaces with its constants.
-const ARGUMENTS: &str = "local key, layout = KEYS[1], ARGV[1]
+const ARGUMENTS: &str = "local key, layout, offset = KEYS[1], ARGV[1], nil
 local cap, cost, ttl, scale, wait = tonumber(ARGV[2], 16), tonumber(ARGV[3], 16), ARGV[4], ARGV[5], ARGV[6]
 scale = scale and tonumber(scale, 16) or 1
 ";
@@ -133,8 +133,9 @@ fn lua(constants: Constants<'_>) -> Option<String> {
     lua.push_str("-- FluxGate decision of one token-bucket rule of one band (one_token_bucket.lua), its\n");
     lua.push_str("-- arguments written in. KEYS[1]: the rule's key. ARGV[1]: the request's cost in units.\n");
     without_comments(before, &mut lua);
-    lua.push_str("local key, layout = KEYS[1], ");
+    lua.push_str("local key, layout, offset = KEYS[1], ");
     quoted(constants.layout, &mut lua);
+    let _ = write!(lua, ", '{}'", constants.layout.len());
     lua.push_str("\nlocal cap, cost, ttl, scale, wait = ");
     numbers(constants, "tonumber(ARGV[1], 16), ", &mut lua);
     without_comments(after, &mut lua);
@@ -164,8 +165,9 @@ fn batch_lua(constants: Constants<'_>) -> Option<String> {
     lua.push_str("local batch_now = batch_time[1] * 1000000 + batch_time[2]\n");
     lua.push_str("local decide = function(key, cost, stored)\n");
     without_comments(before, &mut lua);
-    lua.push_str("local layout = ");
+    lua.push_str("local layout, offset = ");
     quoted(constants.layout, &mut lua);
+    let _ = write!(lua, ", '{}'", constants.layout.len());
     lua.push_str("\nlocal cap, ttl, scale, wait = ");
     numbers(constants, "", &mut lua);
     without_comments(&after, &mut lua);
@@ -329,7 +331,10 @@ mod tests {
         assert_eq!(ONE_TOKEN_BUCKET_LUA.matches(ARGUMENTS).count(), 1);
         let lua = lua(constants("b0:10/1h|")).unwrap();
         assert!(!lua.contains("ARGV[2]"), "{lua}");
-        assert!(lua.contains("local key, layout = KEYS[1], 'b0:10/1h|'\n"), "{lua}");
+        assert!(
+            lua.contains("local key, layout, offset = KEYS[1], 'b0:10/1h|', '9'\n"),
+            "{lua}"
+        );
         assert!(
             lua.contains(
                 "local cap, cost, ttl, scale, wait = 0xd693a400, tonumber(ARGV[1], 16), '3601001', 0x1, nil\n"
@@ -352,7 +357,7 @@ mod tests {
         })
         .unwrap();
         assert!(lua.contains("local decide = function(key, cost, stored)\n"), "{lua}");
-        assert!(lua.contains("local layout = 'b0:10/1h|'\n"), "{lua}");
+        assert!(lua.contains("local layout, offset = 'b0:10/1h|', '9'\n"), "{lua}");
         assert!(
             lua.contains("local cap, ttl, scale, wait = 0xd693a400, '3601001', 0x3, '3e8'\n"),
             "{lua}"
