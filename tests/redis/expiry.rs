@@ -174,17 +174,22 @@ async fn every_key_outlives_what_its_state_counts_in_batches() {
     .await;
 }
 
-/// Random decisions and refunds on `redis`, under `prefix`, each followed by the check of
-/// every key.
-async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: Option<Batching>, seed: u64) {
-    let limiter = RedisLimiter::builder(redis.url())
+/// A limiter on `redis` under `prefix`, without a deny cache: every decision is Redis's.
+async fn limiter(redis: &Redis, prefix: &str, batching: Option<Batching>) -> RedisLimiter {
+    RedisLimiter::builder(redis.url())
         .prefix(prefix)
         .timeout(Duration::from_secs(5))
         .deny_cache(false)
         .batching(batching)
         .connect()
         .await
-        .expect("connect to the test Redis");
+        .expect("connect to the test Redis")
+}
+
+/// Random decisions and refunds on `redis`, under `prefix`, each followed by the check of
+/// every key.
+async fn outlive(redis: &Redis, nodes: &[&RedisServer], prefix: &str, batching: Option<Batching>, seed: u64) {
+    let limiter = limiter(redis, prefix, batching).await;
     let sets = versions();
     let mut rng = Rng(seed);
     let (mut least, mut early, mut waited, mut refunds) = (i64::MAX, Vec::new(), 0, 0);
@@ -357,14 +362,7 @@ async fn a_write_keeps_its_keys_expiry_only_well_inside_the_stored_instants_seco
     .expect("a rule set")
     .clone();
     for (prefix, batching) in [("keep", None), ("keep-batched", Some(Batching::new()))] {
-        let limiter = RedisLimiter::builder(redis.url())
-            .prefix(prefix)
-            .timeout(Duration::from_secs(5))
-            .deny_cache(false)
-            .batching(batching)
-            .connect()
-            .await
-            .expect("connect to the test Redis");
+        let limiter = limiter(&redis, prefix, batching).await;
         // The stored state and the one written after a permit, of an instant.
         type State = fn(u64) -> String;
         // The last point of a second (µs) whose instant, moved on, stays short of 900 ms.
