@@ -25,7 +25,10 @@ local n, repeats = #KEYS, tonumber(ARGV[1], 16)
 local first = repeats + 2
 local reply, cost = {batch_now}, #ARGV == first and tonumber(ARGV[first], 16)
 local stored
-if n <= 512 then
+if n == 0 then
+  -- MGET needs a key (the crate never sends an empty batch).
+  return reply
+elseif n <= 512 then
   stored = redis.call('MGET', unpack(KEYS))
 else
   stored = {}
