@@ -35,14 +35,14 @@ local kept_names, kept_states, kept_last
 -- hold in use, as the µs the band's instant would lie ahead of now for as many (layout.lua):
 -- the band counts at least as many.
 local seed
--- The instant before which a new instant may keep the key's expiry, when the key holds this
--- layout: see the write below.
-local keep_before
+-- Whether the key holds this layout, and then the instant before which a new instant may
+-- keep the key's expiry: see the write below.
+local own_layout, keep_before
 local v = redis.call('GET', key)
 if v then
   if string.find(v, layout, 1, true) == 1 then
     v = string.sub(v, #layout + 1)
-    keep_before = true
+    own_layout = true
   else
     -- The rule changed since the write, or another instance holds another version of it:
     -- the band's state if the stored layout names it, and the other bands still holding
@@ -103,11 +103,9 @@ if v and v ~= '' then
     ahead = (tat - now) * scale
     debt = ahead + frac
   end
-  if keep_before then
+  if own_layout then
     keep_before = tat - tat % 1000000 + 900000
   end
-else
-  keep_before = nil
 end
 if seed then
   -- At least the permits the other version's band holds in use, at most the capacity; its
@@ -174,13 +172,17 @@ if d <= cap or (wait and d - cap <= tonumber(wait, 16) * scale and ahead >= d - 
     -- it again and rewrites the command for replication). A key decided more than once a
     -- second, the common case under load, is mostly written so; its key then outlives its
     -- state by 100 ms or more, not a second.
+    -- A write refused (a Redis user allowed only the commands of earlier releases, ACL; a
+    -- full Redis) is made as every release makes it, which fails the call if refused too.
     if digits and #v == 13 then
       -- The stored state is 13 characters after the layout, as the new one: its
       -- characters are replaced in place, which keeps the expiry too and costs Redis less
-      -- than a new value (SETRANGE; its reply a number, where SET's is a table).
-      redis.call('SETRANGE', key, offset or string.format('%d', #layout), digits)
-    else
-      redis.call('SET', key, value or layout .. digits, 'KEEPTTL')
+      -- than a new value (SETRANGE; its reply the value's length, where SET's is a table).
+      if redis.pcall('SETRANGE', key, offset or string.format('%d', #layout), digits) ~= #layout + 13 then
+        redis.call('PSETEX', key, ttl, layout .. digits)
+      end
+    elseif redis.pcall('SET', key, value or layout .. digits, 'KEEPTTL').err then
+      redis.call('PSETEX', key, ttl, value or layout .. digits)
     end
   else
     redis.call('PSETEX', key, ttl, value or layout .. digits)

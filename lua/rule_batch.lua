@@ -24,16 +24,15 @@
 local n, repeats = #KEYS, tonumber(ARGV[1], 16)
 local first = repeats + 2
 local reply, cost = {batch_now}, #ARGV == first and tonumber(ARGV[first], 16)
-local stored
-if n == 0 then
-  -- MGET needs a key (the crate never sends an empty batch).
-  return reply
-elseif n <= 512 then
-  stored = redis.call('MGET', unpack(KEYS))
-else
-  stored = {}
+-- A refused MGET (a Redis user allowed only the commands of earlier releases, which read
+-- each key with GET) replies an error, a table of no values: every key is then read when
+-- decided, as then.
+local stored = {}
+if n > 0 and n <= 512 then
+  stored = redis.pcall('MGET', unpack(KEYS))
+elseif n > 512 then
   for from = 1, n, 512 do
-    local part = redis.call('MGET', unpack(KEYS, from, math.min(from + 511, n)))
+    local part = redis.pcall('MGET', unpack(KEYS, from, math.min(from + 511, n)))
     for j = 1, #part do
       stored[from + j - 1] = part[j]
     end

@@ -346,14 +346,63 @@ rule_sets:
 /// A token bucket's write keeps its key's expiry (`SETRANGE` in place, or `SET … KEEPTTL`,
 /// each well below `PSETEX` in Redis) only while its new instant lies 100 ms or more short
 /// of the end of the whole second in which the stored instant lies; past that, the write
-/// sets the expiry again. Through the rule's one-band script and through batches alike: the
-/// key's state is set to an instant 10 s ahead, at a chosen point of its second, with an
-/// expiry of a minute, and a request of one permit moves it on: 1 ms for a rule of
-/// 3,600,000 an hour (13 digits written over 13 in place), 514 µs and 3,600 sevenths for
-/// one of 7,000,000 (a state with a remainder, written whole).
+/// sets the expiry again. Through the rule's one-band script and through batches alike: see
+/// [`writes_and_expiries`].
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_keeps_its_keys_expiry_only_well_inside_the_stored_instants_second() {
     let redis = Redis::start(Servers::standalone()).await;
+    for (prefix, batching) in [("keep", None), ("keep-batched", Some(Batching::new()))] {
+        let limiter = limiter(&redis, prefix, batching).await;
+        writes_and_expiries(&redis, &limiter, prefix, true).await;
+    }
+}
+
+/// A Redis user allowed only the commands the one-band scripts made before batches read
+/// their keys together and writes kept their expiry (no `MGET`, `SET` or `SETRANGE`) still
+/// gets every decision, exactly: a batch reads each key with `GET`, and a write that would
+/// keep its key's expiry sets it again with `PSETEX`. (With the refused commands failing
+/// the call, every such request went to the failure policy, admitted uncounted under
+/// `fail_open`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_allowed_only_the_earlier_commands_gets_every_decision() {
+    let redis = Redis::start(Servers::standalone()).await;
+    let server = redis.server();
+    let created = server.cli(&[
+        "ACL",
+        "SETUSER",
+        "earlier",
+        "on",
+        ">earlier-password",
+        "~*",
+        "&*",
+        "+@all",
+        "-mget",
+        "-set",
+        "-setrange",
+    ]);
+    assert_eq!(created.trim(), "OK");
+    let url = format!("redis://earlier:earlier-password@127.0.0.1:{}", server.port());
+    for (prefix, batching) in [("earlier", None), ("earlier-batched", Some(Batching::new()))] {
+        let limiter = RedisLimiter::builder(url.clone())
+            .prefix(prefix)
+            .timeout(Duration::from_secs(5))
+            .deny_cache(false)
+            .batching(batching)
+            .connect()
+            .await
+            .expect("connect to the test Redis");
+        writes_and_expiries(&redis, &limiter, prefix, false).await;
+    }
+}
+
+/// Through `limiter` (keys under `prefix`): each rule's key is set to a state at an instant
+/// 10 s ahead, at a chosen point of its second, with an expiry of a minute, and a request
+/// of one permit moves it on: 1 ms for a rule of 3,600,000 an hour (13 digits written over
+/// 13 in place), 514 µs and 3,600 sevenths for one of 7,000,000 (a state with a remainder,
+/// written whole). Each time, the new state is checked, and the expiry: kept while the new
+/// instant stays 100 ms short of the end of the stored instant's second and `may_keep`, set
+/// again otherwise. The requests before a rule's first check let its scripts load.
+async fn writes_and_expiries(redis: &Redis, limiter: &RedisLimiter, prefix: &str, may_keep: bool) {
     let server = redis.server();
     let set = rules(
         "rule_sets:\n  - id: default\n    rules:\n      - { id: fine, scope: global, bands: [{ capacity: 3600000, window: 1h }] }\n      - { id: scaled, scope: global, bands: [{ capacity: 7000000, window: 1h }] }\n",
@@ -361,68 +410,69 @@ async fn a_write_keeps_its_keys_expiry_only_well_inside_the_stored_instants_seco
     .get("default")
     .expect("a rule set")
     .clone();
-    for (prefix, batching) in [("keep", None), ("keep-batched", Some(Batching::new()))] {
-        let limiter = limiter(&redis, prefix, batching).await;
-        // The stored state and the one written after a permit, of an instant.
-        type State = fn(u64) -> String;
-        // The last point of a second (µs) whose instant, moved on, stays short of 900 ms.
-        let cases: [(usize, &str, State, State, u64); 2] = [
-            (
-                0,
-                "fine",
-                |at| format!("{at:x}"),
-                |at| format!("{:x}", at + 1_000),
-                898_999,
-            ),
-            (
-                1,
-                "scaled",
-                |at| format!("{at:x}:3"),
-                |at| format!("{:x}:5", at + 514),
-                899_485,
-            ),
-        ];
-        for (rule, name, stored_state, written_state, last_kept) in cases {
-            let mut request = AcquireRequest::new(set.clone());
-            request.push_permits(rule, Text::from("global"), 1);
+    // The stored state and the one written after a permit, of an instant.
+    type State = fn(u64) -> String;
+    // The last point of a second (µs) whose instant, moved on, stays short of 900 ms.
+    let cases: [(usize, &str, State, State, u64); 2] = [
+        (
+            0,
+            "fine",
+            |at| format!("{at:x}"),
+            |at| format!("{:x}", at + 1_000),
+            898_999,
+        ),
+        (
+            1,
+            "scaled",
+            |at| format!("{at:x}:3"),
+            |at| format!("{:x}:5", at + 514),
+            899_485,
+        ),
+    ];
+    for (rule, name, stored_state, written_state, last_kept) in cases {
+        let mut request = AcquireRequest::new(set.clone());
+        request.push_permits(rule, Text::from("global"), 1);
+        for _ in 0..3 {
             assert!(limiter.acquire(&request).await.expect("a decision").allowed);
-            let keys = server.cli(&["--scan", "--pattern", &format!("{prefix}:*:{name}:*")]);
-            let key = keys.lines().next().expect("the rule's key").to_owned();
-            let stored = server.cli(&["GET", &key]);
-            let layout = &stored[..=stored.find('|').expect("a layout")];
-            // Where in its second the stored instant lies (µs), and whether the write keeps
-            // the minute's expiry: the new instant stays short of 900 ms, or not.
-            for (into_second, kept) in [
-                (300_000, true),
-                (last_kept, true),
-                (last_kept + 1, false),
-                (950_000, false),
-                (0, true),
-            ] {
-                let second = server.time_us() / 1_000_000 + 10;
-                let instant = second * 1_000_000 + into_second;
-                let value = format!("{layout}{}", stored_state(instant));
-                assert_eq!(server.cli(&["SET", &key, &value, "PX", "60000"]).trim(), "OK");
-                let outcome = limiter.acquire(&request).await.expect("a decision");
-                assert!(outcome.allowed, "{prefix}, {name}: 10 s of an hour's debt admits");
-                let written = server.cli(&["GET", &key]);
-                assert_eq!(
-                    written.trim(),
-                    format!("{layout}{}", written_state(instant)),
-                    "{prefix}, {name}: the instant moved by the permit"
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let keys = server.cli(&["--scan", "--pattern", &format!("{prefix}:*:{name}:*")]);
+        let key = keys.lines().next().expect("the rule's key").to_owned();
+        let stored = server.cli(&["GET", &key]);
+        let layout = &stored[..=stored.find('|').expect("a layout")];
+        // Where in its second the stored instant lies (µs), and whether the write keeps
+        // the minute's expiry: the new instant stays short of 900 ms, or not.
+        for (into_second, kept) in [
+            (300_000, true),
+            (last_kept, true),
+            (last_kept + 1, false),
+            (950_000, false),
+            (0, true),
+        ] {
+            let kept = kept && may_keep;
+            let second = server.time_us() / 1_000_000 + 10;
+            let instant = second * 1_000_000 + into_second;
+            let value = format!("{layout}{}", stored_state(instant));
+            assert_eq!(server.cli(&["SET", &key, &value, "PX", "60000"]).trim(), "OK");
+            let outcome = limiter.acquire(&request).await.expect("a decision");
+            assert!(outcome.allowed, "{prefix}, {name}: 10 s of an hour's debt admits");
+            let written = server.cli(&["GET", &key]);
+            assert_eq!(
+                written.trim(),
+                format!("{layout}{}", written_state(instant)),
+                "{prefix}, {name}: the instant moved by the permit"
+            );
+            let pttl: i64 = server.cli(&["PTTL", &key]).trim().parse().expect("a PTTL");
+            if kept {
+                assert!(
+                    pttl <= 60_000,
+                    "{prefix}, {name}: the instant at {into_second} µs into its second kept the expiry: {pttl} ms"
                 );
-                let pttl: i64 = server.cli(&["PTTL", &key]).trim().parse().expect("a PTTL");
-                if kept {
-                    assert!(
-                        pttl <= 60_000,
-                        "{prefix}, {name}: the instant at {into_second} µs into its second kept the expiry: {pttl} ms"
-                    );
-                } else {
-                    assert!(
-                        pttl > 3_590_000,
-                        "{prefix}, {name}: the instant at {into_second} µs into its second set the expiry again: {pttl} ms"
-                    );
-                }
+            } else {
+                assert!(
+                    pttl > 3_590_000,
+                    "{prefix}, {name}: the instant at {into_second} µs into its second set the expiry again: {pttl} ms"
+                );
             }
         }
     }
