@@ -617,3 +617,25 @@ pub(crate) async fn openapi_document() -> Response {
 async fn not_found() -> Response {
     Failure(StatusCode::NOT_FOUND, ApiError::general("not found")).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bounded reader [`Batch`] reads `requests` alone, and builds the rest of a
+    /// [`BatchCheckRequest`] from its default: a field added to it must be read there too,
+    /// or a batch would lose it.
+    #[test]
+    fn the_bounded_batch_reader_reads_every_field_of_a_batch() {
+        let fields = serde_json::to_value(BatchCheckRequest::default()).expect("JSON");
+        let names: Vec<&str> = fields
+            .as_object()
+            .expect("an object")
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(names, ["requests"], "read each new field in `Batch::visit_map`");
+        let batch = parse_with(br#"{"requests": [{}, {}]}"#, Batch { max: 2 });
+        assert_eq!(batch.ok().map(|batch| batch.requests.len()), Some(2));
+    }
+}
