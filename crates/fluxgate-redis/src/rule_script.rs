@@ -370,7 +370,7 @@ mod tests {
         // The key read with the batch's keys, or now when `stored` is nil or false.
         assert!(lua.contains(READ_IN_BATCH), "{lua}");
         assert_eq!(lua.matches("redis.call('GET', key)").count(), 1, "{lua}");
-        assert!(lua.contains("redis.call('MGET', unpack(KEYS))"), "{lua}");
+        assert!(lua.contains("redis.pcall('MGET', unpack(KEYS))"), "{lua}");
         assert!(
             lua.contains("pcall(decide, KEYS[i], cost or tonumber(ARGV[first + i - 1], 16), stored[i])"),
             "{lua}"
