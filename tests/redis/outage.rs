@@ -7,6 +7,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -16,7 +17,9 @@ use crate::support::servers::RedisServer;
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
-use fluxgate::redis::RedisLimiter;
+use fluxgate::redis::{Batching, RedisLimiter};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
 
 const DEADLINE: Duration = Duration::from_millis(50);
 const SLACK: Duration = Duration::from_millis(20);
@@ -684,5 +687,150 @@ async fn a_limit_tightened_after_an_outage_is_not_refused_for_what_memory_admitt
     assert!(
         admitted >= 2,
         "{admitted} admitted in 3 s of a limit of 2 per second: refused for what memory admitted under the old rule"
+    );
+}
+
+/// A TCP proxy to `port` that numbers its connections from 0 in the order it accepts them.
+/// Once `frozen` holds a connection's number, that connection forwards nothing more either
+/// way and stays open, as one whose packets a middlebox drops does (no reset, no close).
+/// Returns the proxy's port.
+async fn freezing_proxy(port: u16, frozen: Arc<AtomicUsize>) -> u16 {
+    async fn forward(
+        mut from: impl AsyncRead + Unpin,
+        mut to: impl AsyncWrite + Unpin,
+        frozen: Arc<AtomicUsize>,
+        n: usize,
+    ) {
+        let mut buf = vec![0u8; 65536];
+        loop {
+            let read = from.read(&mut buf).await;
+            if frozen.load(Ordering::SeqCst) == n {
+                // Hold both sockets open, forwarding nothing.
+                std::future::pending::<()>().await;
+            }
+            match read {
+                Ok(0) | Err(_) => return,
+                Ok(len) => {
+                    if to.write_all(&buf[..len]).await.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+    let local = listener.local_addr().expect("an address").port();
+    tokio::spawn(async move {
+        let mut accepted = 0;
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await else {
+                continue;
+            };
+            let n = accepted;
+            accepted += 1;
+            let (cr, cw) = client.into_split();
+            let (sr, sw) = server.into_split();
+            tokio::spawn(forward(cr, sw, frozen.clone(), n));
+            tokio::spawn(forward(sr, cw, frozen.clone(), n));
+        }
+    });
+    local
+}
+
+/// One connection of the pool stops answering while the others answer (a middlebox
+/// dropping one flow's packets): the calls sent on it time out, and the failure policy
+/// answers them (`fail_open`: admitted uncounted). fred does not count it dead, written to
+/// more often than its check's period, and the hash slot's calls are answered on the other
+/// connections. The limiter watches each client's calls as well: the client whose calls
+/// keep timing out for the period (a second) while the others' are answered connects
+/// again, and the failure policy answers nothing more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stuck_connection_among_answering_ones_connects_again() {
+    one_stuck_connection(None).await;
+}
+
+/// The same with batched decisions: a batch's call on the stuck connection times out, and
+/// each of its requests with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stuck_connection_among_answering_ones_connects_again_with_batches() {
+    one_stuck_connection(Some(Batching::new())).await;
+}
+
+async fn one_stuck_connection(batching: Option<Batching>) {
+    let server = RedisServer::start();
+    let frozen = Arc::new(AtomicUsize::new(usize::MAX));
+    let port = freezing_proxy(server.port(), frozen.clone()).await;
+    let limiter = RedisLimiter::builder(format!("redis://127.0.0.1:{port}"))
+        .pool_size(3)
+        .timeout(DEADLINE)
+        .reconnect_delay(Duration::from_millis(50))
+        .deny_cache(false)
+        .batching(batching)
+        .connect()
+        .await
+        .expect("connect");
+    let rules = rules(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 1000000000, window: 1h }]\n",
+    );
+    let engine = Arc::new(
+        Engine::builder(rules)
+            .limiter(limiter)
+            .on_backend_failure(FailurePolicy::FailOpen)
+            .build()
+            .expect("the backend decides every rule"),
+    );
+    for _ in 0..30 {
+        let d = engine.check(&ctx()).await.expect("decided");
+        assert!(
+            d.allowed() && !d.failed_open,
+            "decided by Redis before the freeze: {d:?}"
+        );
+    }
+    // The pool's second connection.
+    frozen.store(1, Ordering::SeqCst);
+    let start = Instant::now();
+    let run = Duration::from_secs(4);
+    // Eight loops of requests, one every 5 ms each: each connection is written to far more
+    // often than fred's check of its own looks for a silence.
+    let loops: Vec<_> = (0..8)
+        .map(|_| {
+            let engine = engine.clone();
+            tokio::spawn(async move {
+                let mut failed = Vec::new();
+                let mut decided = 0usize;
+                while start.elapsed() < run {
+                    let d = engine.check(&ctx()).await.expect("decided");
+                    decided += 1;
+                    if d.failed_open {
+                        failed.push(start.elapsed());
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                (decided, failed)
+            })
+        })
+        .collect();
+    let (mut decided, mut failed) = (0, Vec::new());
+    for l in loops {
+        let (d, f) = l.await.expect("a loop");
+        decided += d;
+        failed.extend(f);
+    }
+    failed.sort();
+    let last = failed.last().copied();
+    let late = failed.iter().filter(|at| **at >= Duration::from_millis(2500)).count();
+    eprintln!(
+        "one stuck connection of three (batching {}): {} of {decided} decisions answered by the failure policy, the last {last:?} after the freeze; {late} in its last 1.5 s",
+        batching.is_some(),
+        failed.len()
+    );
+    assert!(
+        !failed.is_empty(),
+        "the frozen connection carried no call: the test proves nothing"
+    );
+    assert_eq!(
+        late, 0,
+        "calls still timed out on the stuck connection 2.5 s after it stopped answering (period 1 s): {} of {decided} decisions answered by the failure policy",
+        failed.len()
     );
 }

@@ -179,7 +179,7 @@ impl Batcher {
             // More keys than a batch's header can count, or a cluster's slot found
             // migrating (its calls go in a transaction): a call of its own (a future of its
             // own, rarely made, that this one does not hold).
-            return Box::pin(self.shared.scripts.decide(keys, args)).await;
+            return Box::pin(self.shared.scripts.decide(slot, keys, args)).await;
         }
         let (reply, answer) = oneshot::channel();
         let arrived = Instant::now();
@@ -410,6 +410,8 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
     let Some(oldest) = batch.iter().map(|job| job.arrived).min() else {
         return;
     };
+    // One hash slot's requests (see `take`).
+    let slot = batch.first().map_or(0, |job| job.slot);
     // What is left of the deadline of the oldest request.
     let remaining = || timeout.saturating_sub(oldest.elapsed());
     if let Some((rule, argv)) = one_rule(&batch) {
@@ -420,7 +422,7 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
                 keys.extend(job.keys.into_iter().map(Key::from));
                 replies.push(job.reply);
             }
-            let result = scripts.decide_batch(Some(&rule), keys, argv, remaining()).await;
+            let result = scripts.decide_batch(slot, Some(&rule), keys, argv, remaining()).await;
             return answer_all(scripts, Some(&rule), result, replies, one_rule_reply).await;
         }
     }
@@ -454,7 +456,7 @@ async fn send(scripts: &Scripts, batch: Vec<Job>) {
         keys.extend(job.keys.into_iter().map(Key::from));
         replies.push(job.reply);
     }
-    let result = scripts.decide_batch(None, keys, argv, remaining()).await;
+    let result = scripts.decide_batch(slot, None, keys, argv, remaining()).await;
     answer_all(scripts, None, result, replies, next_reply).await;
 }
 

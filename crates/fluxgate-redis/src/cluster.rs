@@ -25,7 +25,7 @@ pub(crate) async fn decide_across_slots(
     request: AcquireRequest,
     decided: impl FnOnce(&AcquireRequest, &[Call], &AcquireOutcome),
 ) -> Result<AcquireOutcome, RedisError> {
-    let results = join_all(calls.iter().map(|c| scripts.decide_kept(&c.keys, &c.args))).await;
+    let results = join_all(calls.iter().map(|c| scripts.decide_kept(c.slot, &c.keys, &c.args))).await;
     let mut replies = Vec::with_capacity(results.len());
     let mut failure = None;
     for (result, call) in results.into_iter().zip(&calls) {

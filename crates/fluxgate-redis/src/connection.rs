@@ -73,14 +73,29 @@ pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
 /// `unanswered`, counted from the first timeout after an answer, makes the pool reconnect
 /// ([`Connection::timed_out`]), at most once per `unanswered` and never while a
 /// reconnection it started is under way.
+///
+/// The same is watched per client of the pool and slot: one connection that stops
+/// answering while the pool's others answer (a middlebox dropping one flow's packets) left
+/// a share of the decisions to the failure policy, each call on it timing out, while the
+/// others' answers kept the slot from ever being silent. A client whose calls of a slot
+/// keep timing out for `unanswered`, while the slot's calls on the other clients were
+/// answered meanwhile, connects again alone ([`Connection::client_timed_out`]).
 struct Liveness {
     start: Instant,
     /// `unanswered` in [`TICK_MS`] ticks, rounded up.
     unanswered: u32,
+    /// Per slot, every client's calls.
+    slots: Silence,
+    /// Per client of the pool, in the pool's order: its own calls, per slot.
+    clients: Box<[Silence]>,
+}
+
+/// The silences of calls, per hash slot, and the reconnection they start.
+struct Silence {
     /// Per slot: [`ANSWERED`] when a call of it was answered since its last timeout, else
     /// the tick of the first timeout since (its silence).
     silent_since: Box<[AtomicU32]>,
-    /// When (ticks) the pool last reconnected because of a slot's silence.
+    /// When (ticks) the last reconnection it started began.
     reconnected: AtomicU32,
     /// Whether a reconnection it started is under way.
     reconnecting: AtomicBool,
@@ -94,14 +109,90 @@ const TICK_MS: u128 = 16;
 const ANSWERED: u32 = u32::MAX;
 
 impl Liveness {
-    fn new(unanswered: Duration, cluster: bool) -> Self {
+    fn new(unanswered: Duration, cluster: bool, clients: usize) -> Self {
         let slots = if cluster { 16_384 } else { 1 };
+        // At most a quarter of the ticks' range (about half a year): differences of ticks
+        // are read up to half of it (see `elapsed`).
         let unanswered = u32::try_from(unanswered.as_millis().div_ceil(TICK_MS))
             .unwrap_or(u32::MAX)
-            .max(1);
+            .clamp(1, u32::MAX / 4);
         Self {
             start: Instant::now(),
             unanswered,
+            slots: Silence::new(slots, unanswered),
+            clients: (0..clients).map(|_| Silence::new(slots, unanswered)).collect(),
+        }
+    }
+
+    fn now(&self) -> u32 {
+        // Wrapping on purpose (see `TICK_MS`); never `ANSWERED`.
+        ((self.start.elapsed().as_millis() / TICK_MS) as u32).min(ANSWERED - 1)
+    }
+
+    fn answered(&self, slot: u16) {
+        self.slots.answered(slot);
+    }
+
+    /// A call of `slot` timed out: whether the pool is to reconnect now (the caller then
+    /// does, and calls [`reconnected`](Self::reconnected) when it is done).
+    fn timed_out(&self, slot: u16) -> bool {
+        self.timed_out_at(slot, self.now())
+    }
+
+    /// [`timed_out`](Self::timed_out) at `now` (ticks, below [`ANSWERED`]).
+    fn timed_out_at(&self, slot: u16, now: u32) -> bool {
+        self.slots.timed_out_at(slot, now, self.unanswered)
+    }
+
+    /// The reconnection [`timed_out`](Self::timed_out) asked for is over.
+    fn reconnected(&self) {
+        self.slots.reconnected();
+    }
+
+    /// A call of `slot` on the client at `place` was answered.
+    fn client_answered(&self, place: usize, slot: u16) {
+        if let Some(client) = self.clients.get(place) {
+            client.answered(slot);
+        }
+    }
+
+    /// A call of `slot` on the client at `place` timed out: whether that client alone is
+    /// to connect again now. Its calls of the slot have kept timing out for `unanswered`,
+    /// and the slot's calls on other clients were answered after this client's silence
+    /// began: a slot silent on every client for as long is the pool's to reconnect
+    /// ([`timed_out`](Self::timed_out)). The caller calls
+    /// [`client_reconnected`](Self::client_reconnected) when it is done.
+    fn client_timed_out(&self, place: usize, slot: u16) -> bool {
+        self.client_timed_out_at(place, slot, self.now())
+    }
+
+    /// [`client_timed_out`](Self::client_timed_out) at `now` (ticks, below [`ANSWERED`]).
+    fn client_timed_out_at(&self, place: usize, slot: u16, now: u32) -> bool {
+        let Some(client) = self.clients.get(place) else {
+            return false;
+        };
+        let (Some(own), Some(all)) = (client.silence(slot, now), self.slots.since(slot)) else {
+            return false; // its silence begins now
+        };
+        // The slot's own silence, if any, began after this client's: other clients'
+        // calls of the slot were answered since this client's first timeout. (The slot's
+        // timeouts are counted just after the client's, by the caller of the call: the
+        // slot's silence begins the same tick or the next when its every call times out.)
+        let others_answer = all == ANSWERED || elapsed(all, own) > 1;
+        others_answer && client.due(own, now, self.unanswered)
+    }
+
+    /// The reconnection of the client at `place` is over.
+    fn client_reconnected(&self, place: usize) {
+        if let Some(client) = self.clients.get(place) {
+            client.reconnected();
+        }
+    }
+}
+
+impl Silence {
+    fn new(slots: usize, unanswered: u32) -> Self {
+        Self {
             silent_since: (0..slots).map(|_| AtomicU32::new(ANSWERED)).collect(),
             // As if it had reconnected long enough ago.
             reconnected: AtomicU32::new(0u32.wrapping_sub(unanswered)),
@@ -109,9 +200,11 @@ impl Liveness {
         }
     }
 
-    fn now(&self) -> u32 {
-        // Wrapping on purpose (see `TICK_MS`); never `ANSWERED`.
-        ((self.start.elapsed().as_millis() / TICK_MS) as u32).min(ANSWERED - 1)
+    /// Where `slot`'s silence began ([`ANSWERED`] for none); `None` past the slots.
+    fn since(&self, slot: u16) -> Option<u32> {
+        self.silent_since
+            .get(usize::from(slot))
+            .map(|since| since.load(Ordering::Relaxed))
     }
 
     fn answered(&self, slot: u16) {
@@ -123,25 +216,32 @@ impl Liveness {
         }
     }
 
-    /// A call of `slot` timed out: whether the pool is to reconnect now (the caller then
-    /// does, and calls [`reconnected`](Self::reconnected) when it is done).
-    fn timed_out(&self, slot: u16) -> bool {
-        self.timed_out_at(slot, self.now())
-    }
-
-    /// [`timed_out`](Self::timed_out) at `now` (ticks, below [`ANSWERED`]).
-    fn timed_out_at(&self, slot: u16, now: u32) -> bool {
-        let Some(silent_since) = self.silent_since.get(usize::from(slot)) else {
-            return false;
-        };
+    /// Starts `slot`'s silence at `now` (ticks, below [`ANSWERED`]) after an answer; where
+    /// the silence under way began, `None` when it begins now (or past the slots).
+    fn silence(&self, slot: u16, now: u32) -> Option<u32> {
+        let silent_since = self.silent_since.get(usize::from(slot))?;
         let since = silent_since.load(Ordering::Relaxed);
         if since == ANSWERED {
             // The first timeout after an answer: the silence starts now (one thread's).
             let _ = silent_since.compare_exchange(ANSWERED, now, Ordering::Relaxed, Ordering::Relaxed);
-            return false;
+            return None;
         }
+        Some(since)
+    }
+
+    /// A call of `slot` timed out at `now`: starts its silence after an answer; whether it
+    /// has lasted `unanswered` and a reconnection is to start now ([`due`](Self::due)).
+    fn timed_out_at(&self, slot: u16, now: u32, unanswered: u32) -> bool {
+        self.silence(slot, now)
+            .is_some_and(|since| self.due(since, now, unanswered))
+    }
+
+    /// Whether a silence that began at `since` has lasted `unanswered` at `now` and a
+    /// reconnection is to start: at most one per `unanswered`, none while the last is under
+    /// way.
+    fn due(&self, since: u32, now: u32, unanswered: u32) -> bool {
         // The thread that takes `reconnecting` alone reads and writes `reconnected`.
-        if now.wrapping_sub(since) < self.unanswered
+        if elapsed(now, since) < unanswered
             || self
                 .reconnecting
                 .compare_exchange(false, true, Ordering::Relaxed, Ordering::Relaxed)
@@ -149,7 +249,7 @@ impl Liveness {
         {
             return false;
         }
-        if now.wrapping_sub(self.reconnected.load(Ordering::Relaxed)) < self.unanswered {
+        if elapsed(now, self.reconnected.load(Ordering::Relaxed)) < unanswered {
             self.reconnected();
             return false;
         }
@@ -157,18 +257,33 @@ impl Liveness {
         true
     }
 
-    /// The reconnection [`timed_out`](Self::timed_out) asked for is over.
+    /// The reconnection [`timed_out_at`](Self::timed_out_at) asked for is over.
     fn reconnected(&self) {
         self.reconnecting.store(false, Ordering::Relaxed);
     }
 }
 
-/// Marks the reconnection over when dropped, however its task ends.
-struct Reconnecting(Arc<Liveness>);
+/// The ticks from `then` to `now`, 0 when `then` is later: another thread's reading of the
+/// clock, taken a moment after this one's, began a silence or a reconnection.
+fn elapsed(now: u32, then: u32) -> u32 {
+    let ticks = now.wrapping_sub(then);
+    if ticks > u32::MAX / 2 {
+        0
+    } else {
+        ticks
+    }
+}
+
+/// Marks the reconnection over when dropped, however its task ends: the pool's, or that of
+/// the client at a place.
+struct Reconnecting(Arc<Liveness>, Option<usize>);
 
 impl Drop for Reconnecting {
     fn drop(&mut self) {
-        self.0.reconnected();
+        match self.1 {
+            None => self.0.reconnected(),
+            Some(place) => self.0.client_reconnected(place),
+        }
     }
 }
 
@@ -217,7 +332,11 @@ impl Connection {
     /// The same connections, reconnected when the calls of a slot time out and none of
     /// them has been answered for `unanswered` (see [`Liveness`]).
     pub(crate) fn with_liveness(mut self, unanswered: Duration) -> Self {
-        self.liveness = Some(Arc::new(Liveness::new(unanswered, self.cluster)));
+        let clients = match &self.clients {
+            Clients::Pool(pool) => pool.clients().len(),
+            Clients::One(_) => 0,
+        };
+        self.liveness = Some(Arc::new(Liveness::new(unanswered, self.cluster, clients)));
         self
     }
 
@@ -261,7 +380,7 @@ impl Connection {
              answering without closing its connections, or an unreachable one)",
             u128::from(liveness.unanswered) * TICK_MS
         );
-        let (pool, cluster, done) = (pool.clone(), self.cluster, Reconnecting(liveness.clone()));
+        let (pool, cluster, done) = (pool.clone(), self.cluster, Reconnecting(liveness.clone(), None));
         runtime.spawn(async move {
             let _done = done;
             let result = if cluster {
@@ -277,6 +396,48 @@ impl Connection {
                 tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
             }
         });
+    }
+
+    /// What a decision call of `slot` on the client at `place` (see
+    /// [`next_placed`](Self::next_placed)) came to, as [`saw`](Self::saw) for the client
+    /// alone: when its calls of the slot have kept timing out for `unanswered` while the
+    /// slot's calls on the pool's other clients were answered (see [`Liveness`]), that
+    /// client connects again, in a task of its own, after fred's reconnection delay (on a
+    /// cluster, to every node, reading the cluster's slots again). Its calls meanwhile
+    /// time out as they did; the other clients' are not interrupted.
+    pub(crate) fn client_saw<T>(&self, place: Option<usize>, slot: u16, result: &Result<T, RedisError>) {
+        let (Some(liveness), Some(place), Clients::Pool(pool)) = (&self.liveness, place, &self.clients) else {
+            return;
+        };
+        match result {
+            Ok(_) => liveness.client_answered(place, slot),
+            Err(RedisError::Timeout(_)) => {
+                let Some(client) = pool.clients().get(place) else {
+                    return;
+                };
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    return;
+                };
+                if !liveness.client_timed_out(place, slot) {
+                    return;
+                }
+                tracing::warn!(
+                    client = %client.id(),
+                    slot,
+                    "Redis answered no call of this hash slot on this connection for {}ms while it answered \
+                     the others: connecting it again (a connection whose packets are lost)",
+                    u128::from(liveness.unanswered) * TICK_MS
+                );
+                let (client, done) = (client.clone(), Reconnecting(liveness.clone(), Some(place)));
+                runtime.spawn(async move {
+                    let _done = done;
+                    if let Err(error) = client.force_reconnection().await {
+                        tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
+                    }
+                });
+            }
+            Err(_) => {}
+        }
     }
 
     /// Starts again the connection task of any client of the pool whose task ended. fred
@@ -334,6 +495,20 @@ impl Connection {
         }
     }
 
+    /// The client for the next decision call, and its place in the pool when its calls
+    /// are watched (a pool the crate connected): what the call came to is then told
+    /// [`client_saw`](Self::client_saw).
+    pub(crate) fn next_placed(&self) -> (&Client, Option<usize>) {
+        match (&self.clients, &self.liveness) {
+            (Clients::Pool(pool), Some(_)) => {
+                let client = pool.next();
+                let place = pool.clients().iter().position(|c| std::ptr::eq(c, client));
+                (client, place)
+            }
+            _ => (self.next(), None),
+        }
+    }
+
     /// The deadline of one call.
     pub(crate) fn timeout(&self) -> Duration {
         self.timeout
@@ -379,7 +554,7 @@ mod tests {
     #[test]
     fn a_slot_silent_for_the_whole_period_reconnects_the_pool_once_per_period() {
         // 1,600 ms: 100 ticks. The first timeout after answers starts the silence.
-        let liveness = Liveness::new(Duration::from_millis(1600), true);
+        let liveness = Liveness::new(Duration::from_millis(1600), true, 3);
         assert!(!liveness.timed_out_at(7, 1000));
         assert!(!liveness.timed_out_at(7, 1050));
         assert!(!liveness.timed_out_at(7, 1099));
@@ -406,19 +581,85 @@ mod tests {
     /// stops answering reconnects once, not once per slot.
     #[test]
     fn silent_slots_reconnect_the_pool_once_per_period_between_them() {
-        let liveness = Liveness::new(Duration::from_millis(1600), true);
+        let liveness = Liveness::new(Duration::from_millis(1600), true, 3);
         for slot in 0..10 {
             assert!(!liveness.timed_out_at(slot, 0));
         }
         let reconnections = (0..10).filter(|&slot| liveness.timed_out_at(slot, 100)).count();
         assert_eq!(reconnections, 1);
         // The standalone server's single slot, and the clock's wrapping.
-        let liveness = Liveness::new(Duration::from_millis(1600), false);
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 3);
         assert!(!liveness.timed_out_at(0, ANSWERED - 51));
         assert!(liveness.timed_out_at(0, 49), "100 ticks later, across the wrap");
         assert!(!liveness.timed_out_at(1, 500), "one slot only");
         // A period not a whole number of ticks is rounded up.
-        assert_eq!(Liveness::new(Duration::from_secs(1), false).unanswered, 63);
+        assert_eq!(Liveness::new(Duration::from_secs(1), false, 3).unanswered, 63);
+    }
+
+    /// A client whose calls of a slot keep timing out for the period while the slot's
+    /// calls on the others are answered connects again alone, once per period; not while
+    /// the whole slot is silent (the pool's to reconnect), nor after an answer of its own.
+    #[test]
+    fn a_client_silent_while_the_others_answer_connects_again_alone() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 3);
+        // Client 1's first timeout at 1000; the others answer after it.
+        assert!(!liveness.client_timed_out_at(1, 0, 1000));
+        assert!(!liveness.timed_out_at(0, 1000));
+        liveness.answered(0);
+        assert!(!liveness.client_timed_out_at(1, 0, 1050));
+        assert!(
+            !liveness.client_timed_out_at(1, 0, 1099),
+            "silent for less than the period"
+        );
+        assert!(
+            liveness.client_timed_out_at(1, 0, 1100),
+            "silent for the period, the others answered"
+        );
+        assert!(
+            !liveness.client_timed_out_at(1, 0, 1150),
+            "its reconnection is under way"
+        );
+        liveness.client_reconnected(1);
+        assert!(!liveness.client_timed_out_at(1, 0, 1160), "once per period");
+        assert!(liveness.client_timed_out_at(1, 0, 1200), "still silent a period later");
+        liveness.client_reconnected(1);
+        // An answer of its own starts its silence over.
+        liveness.client_answered(1, 0);
+        assert!(!liveness.client_timed_out_at(1, 0, 1300));
+        assert!(!liveness.client_timed_out_at(1, 0, 1399));
+        // The slot times out on every client meanwhile: its silence began with this
+        // client's (the next tick), and the pool reconnects, not the client.
+        assert!(!liveness.timed_out_at(0, 1301));
+        assert!(
+            !liveness.client_timed_out_at(1, 0, 1400),
+            "the slot is silent on every client"
+        );
+        assert!(!liveness.client_timed_out_at(2, 0, 1350));
+        assert!(
+            !liveness.client_timed_out_at(2, 0, 1450),
+            "a client silent after the slot"
+        );
+        assert!(liveness.timed_out_at(0, 1401), "the pool's to reconnect");
+        // Places past the pool's: never.
+        assert!(!liveness.client_timed_out_at(3, 0, 5000));
+    }
+
+    /// A silence or a reconnection begun at a tick later than a thread's own reading of
+    /// the clock (another thread read it a moment after) counts as just begun, not as one
+    /// that began two years ago.
+    #[test]
+    fn a_tick_read_later_by_another_thread_is_no_old_silence() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 1);
+        assert!(!liveness.timed_out_at(0, 1001), "the silence begins at 1001");
+        assert!(!liveness.timed_out_at(0, 1000), "a reading of 1000, made before");
+        assert!(liveness.timed_out_at(0, 1101));
+        liveness.reconnected();
+        assert!(
+            !liveness.timed_out_at(0, 1100),
+            "reconnected at 1101, after this reading"
+        );
+        assert_eq!(elapsed(5, u32::MAX - 1), 7, "across the wrap");
+        assert_eq!(elapsed(5, 6), 0);
     }
 
     /// fred reads a zero command timeout as none: a zero deadline is then kept by the

@@ -86,7 +86,7 @@ impl Inner {
     async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         let result = match &self.batcher {
             Some(batcher) => batcher.decide(slot, keys, args).await,
-            None => self.scripts.decide(keys, args).await,
+            None => self.scripts.decide(slot, keys, args).await,
         };
         self.scripts.connection().saw(slot, &result);
         result

@@ -232,7 +232,7 @@ impl Scripts {
     /// [`RedisError::Command`] when Redis fails the call (`NOSCRIPT` among them),
     /// [`RedisError::Timeout`] when it does not answer in time, and [`RedisError::Reply`]
     /// for a reply of the wrong shape.
-    pub(crate) async fn decide(&self, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
+    pub(crate) async fn decide(&self, slot: u16, keys: Keys, args: &DecideArgs) -> Result<Reply, RedisError> {
         let timeout = self.connection.timeout();
         if self.migrating(&keys) {
             let (script, argv) = self.decision(args);
@@ -255,13 +255,11 @@ impl Scripts {
         };
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
-        let call = Box::pin(self.connection.next().evalsha::<Value, _, _, _>(
-            script.sha1().clone(),
-            fred_keys(keys),
-            argv,
-        ));
-        let reply = self.bounded(call, timeout).await?;
-        Self::read(args, &numbers(reply)?)
+        let (client, place) = self.connection.next_placed();
+        let call = Box::pin(client.evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv));
+        let reply = self.bounded(call, timeout).await;
+        self.connection.client_saw(place, slot, &reply);
+        Self::read(args, &numbers(reply?)?)
     }
 
     /// A decision call after `error` ([`decided_again`]), made again within `remaining`,
@@ -310,9 +308,9 @@ impl Scripts {
     /// # Errors
     ///
     /// As [`Scripts::decide`].
-    pub(crate) async fn decide_kept(&self, keys: &[String], args: &DecideArgs) -> Result<Reply, RedisError> {
+    pub(crate) async fn decide_kept(&self, slot: u16, keys: &[String], args: &DecideArgs) -> Result<Reply, RedisError> {
         let start = Instant::now();
-        match self.decide(Keys::from(keys), args).await {
+        match self.decide(slot, Keys::from(keys), args).await {
             Err(e) if decided_again(&e, self.connection.is_cluster()) => {
                 let remaining = self.connection.timeout().saturating_sub(start.elapsed());
                 self.decide_again(Keys::from(keys), args, remaining, &e).await
@@ -348,18 +346,18 @@ impl Scripts {
     /// [`Scripts::reload_batch`].
     pub(crate) async fn decide_batch(
         &self,
+        slot: u16,
         rule: Option<&RuleScript>,
         keys: Vec<Key>,
         argv: Vec<Value>,
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
         let script = rule.map_or(&self.batch, |rule| &rule.batch);
-        let call = Box::pin(
-            self.connection
-                .next()
-                .evalsha::<Vec<Value>, _, _, _>(script.sha1().clone(), keys, argv),
-        );
-        self.bounded(call, remaining).await
+        let (client, place) = self.connection.next_placed();
+        let call = Box::pin(client.evalsha::<Vec<Value>, _, _, _>(script.sha1().clone(), keys, argv));
+        let result = self.bounded(call, remaining).await;
+        self.connection.client_saw(place, slot, &result);
+        result
     }
 
     /// Whether a batch of `rule`'s requests alone may go to its own batch script: Redis did
@@ -680,7 +678,7 @@ mod tests {
     fn a_decision_future_is_small() {
         let scripts = Scripts::new(Connection::client(fred::clients::Client::default()));
         let args = DecideArgs::new();
-        let future = scripts.decide(Keys::new(), &args);
+        let future = scripts.decide(0, Keys::new(), &args);
         let size = std::mem::size_of_val(&future);
         assert!(size <= 512, "{size} bytes");
     }
