@@ -88,6 +88,9 @@ struct Liveness {
     slots: Silence,
     /// Per client of the pool, in the pool's order: its own calls, per slot.
     clients: Box<[Silence]>,
+    /// Per slot: the tick of the last answer to a call of it on any client (as the client
+    /// that sent the call counts it, when its reply comes), [`ANSWERED`] for none yet.
+    answered_at: Box<[AtomicU32]>,
 }
 
 /// The silences of calls, per hash slot, and the reconnection they start.
@@ -121,6 +124,9 @@ impl Liveness {
             unanswered,
             slots: Silence::new(slots, unanswered),
             clients: (0..clients).map(|_| Silence::new(slots, unanswered)).collect(),
+            answered_at: (0..if clients > 0 { slots } else { 0 })
+                .map(|_| AtomicU32::new(ANSWERED))
+                .collect(),
         }
     }
 
@@ -151,8 +157,19 @@ impl Liveness {
 
     /// A call of `slot` on the client at `place` was answered.
     fn client_answered(&self, place: usize, slot: u16) {
+        self.client_answered_at(place, slot, self.now());
+    }
+
+    /// [`client_answered`](Self::client_answered) at `now` (ticks, below [`ANSWERED`]).
+    fn client_answered_at(&self, place: usize, slot: u16, now: u32) {
         if let Some(client) = self.clients.get(place) {
             client.answered(slot);
+        }
+        if let Some(answered_at) = self.answered_at.get(usize::from(slot)) {
+            // Read first: written once per tick at most, whatever the rate of answers.
+            if answered_at.load(Ordering::Relaxed) != now {
+                answered_at.store(now, Ordering::Relaxed);
+            }
         }
     }
 
@@ -171,14 +188,14 @@ impl Liveness {
         let Some(client) = self.clients.get(place) else {
             return false;
         };
-        let (Some(own), Some(all)) = (client.silence(slot, now), self.slots.since(slot)) else {
+        let (Some(own), Some(answered_at)) = (client.silence(slot, now), self.answered_at.get(usize::from(slot)))
+        else {
             return false; // its silence begins now
         };
-        // The slot's own silence, if any, began after this client's: other clients'
-        // calls of the slot were answered since this client's first timeout. (The slot's
-        // timeouts are counted just after the client's, by the caller of the call: the
-        // slot's silence begins the same tick or the next when its every call times out.)
-        let others_answer = all == ANSWERED || elapsed(all, own) > 1;
+        // A call of the slot was answered after this client's first timeout (a tick later
+        // at least): on another client, since an answer of its own ends its silence.
+        let last = answered_at.load(Ordering::Relaxed);
+        let others_answer = last != ANSWERED && elapsed(last, own) > 0;
         others_answer && client.due(own, now, self.unanswered)
     }
 
@@ -198,13 +215,6 @@ impl Silence {
             reconnected: AtomicU32::new(0u32.wrapping_sub(unanswered)),
             reconnecting: AtomicBool::new(false),
         }
-    }
-
-    /// Where `slot`'s silence began ([`ANSWERED`] for none); `None` past the slots.
-    fn since(&self, slot: u16) -> Option<u32> {
-        self.silent_since
-            .get(usize::from(slot))
-            .map(|since| since.load(Ordering::Relaxed))
     }
 
     fn answered(&self, slot: u16) {
@@ -598,14 +608,15 @@ mod tests {
 
     /// A client whose calls of a slot keep timing out for the period while the slot's
     /// calls on the others are answered connects again alone, once per period; not while
-    /// the whole slot is silent (the pool's to reconnect), nor after an answer of its own.
+    /// no call of the slot is answered after its first timeout (the whole slot silent: the
+    /// pool's to reconnect), nor after an answer of its own.
     #[test]
     fn a_client_silent_while_the_others_answer_connects_again_alone() {
         let liveness = Liveness::new(Duration::from_millis(1600), false, 3);
-        // Client 1's first timeout at 1000; the others answer after it.
+        liveness.client_answered_at(1, 0, 990);
+        // Client 1's first timeout at 1000; client 0 answers after it.
         assert!(!liveness.client_timed_out_at(1, 0, 1000));
-        assert!(!liveness.timed_out_at(0, 1000));
-        liveness.answered(0);
+        liveness.client_answered_at(0, 0, 1001);
         assert!(!liveness.client_timed_out_at(1, 0, 1050));
         assert!(
             !liveness.client_timed_out_at(1, 0, 1099),
@@ -624,24 +635,28 @@ mod tests {
         assert!(liveness.client_timed_out_at(1, 0, 1200), "still silent a period later");
         liveness.client_reconnected(1);
         // An answer of its own starts its silence over.
-        liveness.client_answered(1, 0);
+        liveness.client_answered_at(1, 0, 1250);
         assert!(!liveness.client_timed_out_at(1, 0, 1300));
-        assert!(!liveness.client_timed_out_at(1, 0, 1399));
-        // The slot times out on every client meanwhile: its silence began with this
-        // client's (the next tick), and the pool reconnects, not the client.
-        assert!(!liveness.timed_out_at(0, 1301));
+        // No answer since, on any client (the slot silent on all): the pool's to reconnect.
+        assert!(!liveness.client_timed_out_at(2, 0, 1310));
         assert!(
             !liveness.client_timed_out_at(1, 0, 1400),
             "the slot is silent on every client"
         );
-        assert!(!liveness.client_timed_out_at(2, 0, 1350));
-        assert!(
-            !liveness.client_timed_out_at(2, 0, 1450),
-            "a client silent after the slot"
-        );
-        assert!(liveness.timed_out_at(0, 1401), "the pool's to reconnect");
+        assert!(!liveness.client_timed_out_at(2, 0, 1410));
+        // An answer in the tick the silence began tells nothing: it may be older.
+        liveness.client_answered_at(0, 0, 1300);
+        assert!(!liveness.client_timed_out_at(1, 0, 1450));
+        // Then one after it.
+        liveness.client_answered_at(0, 0, 1301);
+        assert!(liveness.client_timed_out_at(1, 0, 1460));
+        liveness.client_reconnected(1);
         // Places past the pool's: never.
         assert!(!liveness.client_timed_out_at(3, 0, 5000));
+        // Without clients (a client the application connected): nothing watched per client.
+        let alone = Liveness::new(Duration::from_millis(1600), false, 0);
+        alone.client_answered_at(0, 0, 10);
+        assert!(!alone.client_timed_out_at(0, 0, 5000));
     }
 
     /// A silence or a reconnection begun at a tick later than a thread's own reading of
