@@ -74,23 +74,31 @@ pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
 /// ([`Connection::timed_out`]), at most once per `unanswered` and never while a
 /// reconnection it started is under way.
 ///
-/// The same is watched per client of the pool and slot: one connection that stops
-/// answering while the pool's others answer (a middlebox dropping one flow's packets) left
-/// a share of the decisions to the failure policy, each call on it timing out, while the
-/// others' answers kept the slot from ever being silent. A client whose calls of a slot
-/// keep timing out for `unanswered`, while the slot's calls on the other clients were
-/// answered meanwhile, connects again alone ([`Connection::client_timed_out`]).
+/// The same is watched per client of the pool: one connection that stops answering while
+/// the pool's others answer (a middlebox dropping one flow's packets) left a share of the
+/// decisions to the failure policy, each call on it timing out, while the others' answers
+/// kept the slot from ever being silent. A client whose calls of a range of slots (all
+/// slots on a standalone server, 64 neighbouring slots on a cluster, where a node holds
+/// ranges of them) have all timed out for `unanswered`, while a call of the range was
+/// answered on another client after its first timeout, connects again alone
+/// ([`Connection::client_saw`]). Until it answers again, the calls of that range go to the
+/// pool's other clients ([`Connection::next_placed`]), but for a probe now and then: a
+/// reconnection waits on a connection task that may itself wait on the stuck socket, once
+/// its buffer is full.
 struct Liveness {
     start: Instant,
     /// `unanswered` in [`TICK_MS`] ticks, rounded up.
     unanswered: u32,
     /// Per slot, every client's calls.
     slots: Silence,
-    /// Per client of the pool, in the pool's order: its own calls, per slot.
+    /// Per client of the pool, in the pool's order: its own calls, per range of slots.
     clients: Box<[Silence]>,
-    /// Per slot: the tick of the last answer to a call of it on any client (as the client
-    /// that sent the call counts it, when its reply comes), [`ANSWERED`] for none yet.
+    /// Per range of slots: the tick of the last answer to a call of it on any client (as
+    /// the client that sent the call counts it, when its reply comes), [`ANSWERED`] for
+    /// none yet.
     answered_at: Box<[AtomicU32]>,
+    /// Per client: the tick of its last probe while its calls are sent to the others.
+    probed_at: Box<[AtomicU32]>,
 }
 
 /// The silences of calls, per hash slot, and the reconnection they start.
@@ -111,11 +119,24 @@ const TICK_MS: u128 = 16;
 /// A slot answered since its last timeout (no tick is stored as this value).
 const ANSWERED: u32 = u32::MAX;
 
+/// How far a tick may be ahead of a thread's own reading of the clock (another thread
+/// read it a moment later) and still be read as just now: about 17 minutes. A tick further
+/// ahead is one from long ago, the wrapping difference counted as it is.
+const AHEAD: u32 = 1 << 16;
+
+/// The slots of a range watched per client on a cluster (`slot >> RANGE_BITS`): 256
+/// ranges of 64 neighbouring slots.
+const RANGE_BITS: u16 = 6;
+
 impl Liveness {
     fn new(unanswered: Duration, cluster: bool, clients: usize) -> Self {
-        let slots = if cluster { 16_384 } else { 1 };
+        let (slots, ranges) = if cluster {
+            (16_384, 16_384 >> RANGE_BITS)
+        } else {
+            (1, 1)
+        };
         // At most a quarter of the ticks' range (about half a year): differences of ticks
-        // are read up to half of it (see `elapsed`).
+        // are read up to all of it but `AHEAD` (see `elapsed`).
         let unanswered = u32::try_from(unanswered.as_millis().div_ceil(TICK_MS))
             .unwrap_or(u32::MAX)
             .clamp(1, u32::MAX / 4);
@@ -123,10 +144,11 @@ impl Liveness {
             start: Instant::now(),
             unanswered,
             slots: Silence::new(slots, unanswered),
-            clients: (0..clients).map(|_| Silence::new(slots, unanswered)).collect(),
-            answered_at: (0..if clients > 0 { slots } else { 0 })
+            clients: (0..clients).map(|_| Silence::new(ranges, unanswered)).collect(),
+            answered_at: (0..if clients > 0 { ranges } else { 0 })
                 .map(|_| AtomicU32::new(ANSWERED))
                 .collect(),
+            probed_at: (0..clients).map(|_| AtomicU32::new(0)).collect(),
         }
     }
 
@@ -145,9 +167,16 @@ impl Liveness {
         self.timed_out_at(slot, self.now())
     }
 
-    /// [`timed_out`](Self::timed_out) at `now` (ticks, below [`ANSWERED`]).
+    /// [`timed_out`](Self::timed_out) at `now` (ticks, below [`ANSWERED`]). The pool's
+    /// reconnection reconnects every client: none reconnects alone for a period after.
     fn timed_out_at(&self, slot: u16, now: u32) -> bool {
-        self.slots.timed_out_at(slot, now, self.unanswered)
+        let reconnect = self.slots.timed_out_at(slot, now, self.unanswered);
+        if reconnect {
+            for client in self.clients.iter() {
+                client.reconnected.store(now, Ordering::Relaxed);
+            }
+        }
+        reconnect
     }
 
     /// The reconnection [`timed_out`](Self::timed_out) asked for is over.
@@ -162,10 +191,11 @@ impl Liveness {
 
     /// [`client_answered`](Self::client_answered) at `now` (ticks, below [`ANSWERED`]).
     fn client_answered_at(&self, place: usize, slot: u16, now: u32) {
+        let range = slot >> RANGE_BITS;
         if let Some(client) = self.clients.get(place) {
-            client.answered(slot);
+            client.answered(range);
         }
-        if let Some(answered_at) = self.answered_at.get(usize::from(slot)) {
+        if let Some(answered_at) = self.answered_at.get(usize::from(range)) {
             // Read first: written once per tick at most, whatever the rate of answers.
             if answered_at.load(Ordering::Relaxed) != now {
                 answered_at.store(now, Ordering::Relaxed);
@@ -174,10 +204,11 @@ impl Liveness {
     }
 
     /// A call of `slot` on the client at `place` timed out: whether that client alone is
-    /// to connect again now. Its calls of the slot have kept timing out for `unanswered`,
-    /// and the slot's calls on other clients were answered after this client's silence
-    /// began: a slot silent on every client for as long is the pool's to reconnect
-    /// ([`timed_out`](Self::timed_out)). The caller calls
+    /// to connect again now. Its calls of the slot's range have all timed out for
+    /// `unanswered`, and a call of the range was answered on another client after its
+    /// first timeout: a range silent on every client is the pool's to reconnect
+    /// ([`timed_out`](Self::timed_out)), and so is every client while the pool's
+    /// reconnection is under way. The caller calls
     /// [`client_reconnected`](Self::client_reconnected) when it is done.
     fn client_timed_out(&self, place: usize, slot: u16) -> bool {
         self.client_timed_out_at(place, slot, self.now())
@@ -185,18 +216,53 @@ impl Liveness {
 
     /// [`client_timed_out`](Self::client_timed_out) at `now` (ticks, below [`ANSWERED`]).
     fn client_timed_out_at(&self, place: usize, slot: u16, now: u32) -> bool {
+        let range = slot >> RANGE_BITS;
         let Some(client) = self.clients.get(place) else {
             return false;
         };
-        let (Some(own), Some(answered_at)) = (client.silence(slot, now), self.answered_at.get(usize::from(slot)))
+        let (Some(own), Some(answered_at)) = (client.silence(range, now), self.answered_at.get(usize::from(range)))
         else {
             return false; // its silence begins now
         };
-        // A call of the slot was answered after this client's first timeout (a tick later
-        // at least): on another client, since an answer of its own ends its silence.
+        // A call of the range was answered after this client's first timeout (a tick
+        // later at least): on another client, since an answer of its own ends its silence.
         let last = answered_at.load(Ordering::Relaxed);
         let others_answer = last != ANSWERED && elapsed(last, own) > 0;
-        others_answer && client.due(own, now, self.unanswered)
+        others_answer && !self.slots.reconnecting.load(Ordering::Relaxed) && client.due(own, now, self.unanswered)
+    }
+
+    /// Whether a call of `slot` is better sent on another client than the one at `place`:
+    /// its calls of the slot's range have all timed out for `unanswered`, and it is not
+    /// the time for a probe of it (one per quarter of `unanswered` at most, taken by the
+    /// call that asks).
+    fn avoids(&self, place: usize, slot: u16) -> bool {
+        let Some(since) = self
+            .clients
+            .get(place)
+            .and_then(|client| client.since(slot >> RANGE_BITS))
+        else {
+            return false;
+        };
+        if since == ANSWERED {
+            return false; // no clock read while it answers
+        }
+        self.avoids_at(place, since, self.now())
+    }
+
+    /// [`avoids`](Self::avoids), the client's silence of the range begun at `since`, at
+    /// `now` (ticks, below [`ANSWERED`]).
+    fn avoids_at(&self, place: usize, since: u32, now: u32) -> bool {
+        if elapsed(now, since) < self.unanswered {
+            return false;
+        }
+        let Some(probed_at) = self.probed_at.get(place) else {
+            return false;
+        };
+        let last = probed_at.load(Ordering::Relaxed);
+        elapsed(now, last) < (self.unanswered / 4).max(1)
+            || probed_at
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_err()
     }
 
     /// The reconnection of the client at `place` is over.
@@ -224,6 +290,13 @@ impl Silence {
                 silent_since.store(ANSWERED, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Where `slot`'s silence began, [`ANSWERED`] for none; `None` past the slots.
+    fn since(&self, slot: u16) -> Option<u32> {
+        self.silent_since
+            .get(usize::from(slot))
+            .map(|since| since.load(Ordering::Relaxed))
     }
 
     /// Starts `slot`'s silence at `now` (ticks, below [`ANSWERED`]) after an answer; where
@@ -273,11 +346,12 @@ impl Silence {
     }
 }
 
-/// The ticks from `then` to `now`, 0 when `then` is later: another thread's reading of the
-/// clock, taken a moment after this one's, began a silence or a reconnection.
+/// The ticks from `then` to `now`, 0 when `then` is later by less than [`AHEAD`]: another
+/// thread's reading of the clock, taken a moment after this one's, began a silence or a
+/// reconnection.
 fn elapsed(now: u32, then: u32) -> u32 {
     let ticks = now.wrapping_sub(then);
-    if ticks > u32::MAX / 2 {
+    if ticks > u32::MAX - AHEAD {
         0
     } else {
         ticks
@@ -410,11 +484,12 @@ impl Connection {
 
     /// What a decision call of `slot` on the client at `place` (see
     /// [`next_placed`](Self::next_placed)) came to, as [`saw`](Self::saw) for the client
-    /// alone: when its calls of the slot have kept timing out for `unanswered` while the
-    /// slot's calls on the pool's other clients were answered (see [`Liveness`]), that
-    /// client connects again, in a task of its own, after fred's reconnection delay (on a
-    /// cluster, to every node, reading the cluster's slots again). Its calls meanwhile
-    /// time out as they did; the other clients' are not interrupted.
+    /// alone: when its calls of the slot's range have all timed out for `unanswered` while
+    /// a call of the range was answered on another client (see [`Liveness`]), that client
+    /// connects again, in a task of its own, after fred's reconnection delay (on a
+    /// cluster, to every node, reading the cluster's slots again); the other clients' calls
+    /// are not interrupted. Until it answers again, [`next_placed`](Self::next_placed)
+    /// sends the range's calls to the others, but for a probe now and then.
     pub(crate) fn client_saw<T>(&self, place: Option<usize>, slot: u16, result: &Result<T, RedisError>) {
         let (Some(liveness), Some(place), Clients::Pool(pool)) = (&self.liveness, place, &self.clients) else {
             return;
@@ -439,10 +514,16 @@ impl Connection {
                     u128::from(liveness.unanswered) * TICK_MS
                 );
                 let (client, done) = (client.clone(), Reconnecting(liveness.clone(), Some(place)));
+                // Bounded: a connection task waiting on a socket that takes no more bytes
+                // reads no command, the reconnection's neither. The next try is a period
+                // later; the client's calls go to the others meanwhile.
+                let period = Duration::from_millis(u64::from(liveness.unanswered) * TICK_MS as u64);
                 runtime.spawn(async move {
                     let _done = done;
-                    if let Err(error) = client.force_reconnection().await {
-                        tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
+                    match tokio::time::timeout(period, client.force_reconnection()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(error)) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
+                        Err(_) => tracing::debug!("a forced reconnection did not end within the period"),
                     }
                 });
             }
@@ -505,18 +586,27 @@ impl Connection {
         }
     }
 
-    /// The client for the next decision call, and its place in the pool when its calls
+    /// The client for a decision call of `slot`, and its place in the pool when its calls
     /// are watched (a pool the crate connected): what the call came to is then told
-    /// [`client_saw`](Self::client_saw).
-    pub(crate) fn next_placed(&self) -> (&Client, Option<usize>) {
-        match (&self.clients, &self.liveness) {
-            (Clients::Pool(pool), Some(_)) => {
-                let client = pool.next();
-                let place = pool.clients().iter().position(|c| std::ptr::eq(c, client));
-                (client, place)
-            }
-            _ => (self.next(), None),
+    /// [`client_saw`](Self::client_saw). The pool's next client, or the next after it whose
+    /// calls of the slot answer when that one's have all timed out for the period (see
+    /// [`Liveness`]); that one still takes a probe now and then.
+    pub(crate) fn next_placed(&self, slot: u16) -> (&Client, Option<usize>) {
+        let (Clients::Pool(pool), Some(liveness)) = (&self.clients, &self.liveness) else {
+            return (self.next(), None);
+        };
+        let clients = pool.clients();
+        let first = pool.next();
+        let Some(place) = clients.iter().position(|c| std::ptr::eq(c, first)) else {
+            return (first, None);
+        };
+        if !liveness.avoids(place, slot) {
+            return (first, Some(place));
         }
+        (1..clients.len())
+            .map(|step| (place + step) % clients.len())
+            .find(|&other| !liveness.avoids(other, slot))
+            .map_or((first, Some(place)), |other| (&clients[other], Some(other)))
     }
 
     /// The deadline of one call.
@@ -657,6 +747,88 @@ mod tests {
         let alone = Liveness::new(Duration::from_millis(1600), false, 0);
         alone.client_answered_at(0, 0, 10);
         assert!(!alone.client_timed_out_at(0, 0, 5000));
+    }
+
+    /// The pool's reconnection counts as every client's: none reconnects alone during it
+    /// nor for a period after, though the first back answers while another still times
+    /// out.
+    #[test]
+    fn no_client_reconnects_alone_during_or_just_after_the_pools_reconnection() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 3);
+        // Every client silent from 1000: the pool reconnects at 1100.
+        for place in 0..3 {
+            assert!(!liveness.client_timed_out_at(place, 0, 1000));
+        }
+        assert!(!liveness.timed_out_at(0, 1000));
+        assert!(liveness.timed_out_at(0, 1100));
+        // Client 0 is back first; client 2 still times out, silent since 1000.
+        liveness.client_answered_at(0, 0, 1150);
+        assert!(
+            !liveness.client_timed_out_at(2, 0, 1160),
+            "the pool's reconnection is under way"
+        );
+        liveness.reconnected();
+        assert!(
+            !liveness.client_timed_out_at(2, 0, 1170),
+            "within a period of the pool's"
+        );
+        assert!(liveness.client_timed_out_at(2, 0, 1200), "a period after it, alone");
+    }
+
+    /// On a cluster a client's calls are watched per range of 64 neighbouring slots: the
+    /// slots of one node's range share a silence, another range has its own.
+    #[test]
+    fn a_clients_calls_are_watched_per_range_of_slots_on_a_cluster() {
+        let liveness = Liveness::new(Duration::from_millis(1600), true, 2);
+        assert!(!liveness.client_timed_out_at(1, 0, 1000));
+        liveness.client_answered_at(0, 63, 1001);
+        assert!(!liveness.client_timed_out_at(1, 64, 1050), "another range");
+        assert!(liveness.client_timed_out_at(1, 63, 1100), "slots 0 and 63: one range");
+        liveness.client_reconnected(1);
+        // Range 1 (slot 64) began its silence at 1050 and no call of it was answered since.
+        assert!(!liveness.client_timed_out_at(1, 127, 1300));
+        // The last slot is in the last range.
+        assert!(!liveness.client_timed_out_at(1, 16_383, 1300));
+        liveness.client_answered_at(0, 16_320, 1301);
+        assert!(liveness.client_timed_out_at(1, 16_383, 1400));
+    }
+
+    /// A client whose calls of a range have all timed out for the period is passed over
+    /// for the others, but for one probe per quarter of the period; an answer ends it.
+    #[test]
+    fn a_silent_client_is_passed_over_but_for_a_probe_now_and_then() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
+        assert!(!liveness.avoids(1, 0), "answering");
+        assert!(!liveness.client_timed_out_at(1, 0, 1000));
+        assert!(!liveness.avoids_at(1, 1000, 1099), "silent for less than the period");
+        assert!(!liveness.avoids_at(1, 1000, 1100), "a probe");
+        assert!(liveness.avoids_at(1, 1000, 1101));
+        assert!(liveness.avoids_at(1, 1000, 1124));
+        assert!(
+            !liveness.avoids_at(1, 1000, 1125),
+            "the next probe, a quarter period later"
+        );
+        assert!(liveness.avoids_at(1, 1000, 1126));
+        liveness.client_answered_at(1, 0, 1130);
+        assert!(!liveness.avoids(1, 0), "answered again");
+        assert!(!liveness.avoids(5, 0), "past the pool's places");
+    }
+
+    /// The watch still reconnects after years without a reconnection: a tick far behind
+    /// is read as long ago, not as one a moment ahead.
+    #[test]
+    fn the_pool_still_reconnects_after_years_without_a_reconnection() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 1);
+        // 2^31 ticks: about 398 days after the start.
+        let later = 1u32 << 31;
+        assert!(!liveness.timed_out_at(0, later));
+        assert!(liveness.timed_out_at(0, later + 100));
+        liveness.reconnected();
+        // Close to the wrap (about 2.18 years).
+        let late = u32::MAX - (1 << 17);
+        liveness.answered(0);
+        assert!(!liveness.timed_out_at(0, late));
+        assert!(liveness.timed_out_at(0, late + 100));
     }
 
     /// A silence or a reconnection begun at a tick later than a thread's own reading of

@@ -255,7 +255,7 @@ impl Scripts {
         };
         // fred's future is large: boxed once here (as in `run`), so that the futures around
         // it stay small.
-        let (client, place) = self.connection.next_placed();
+        let (client, place) = self.connection.next_placed(slot);
         let call = Box::pin(client.evalsha::<Value, _, _, _>(script.sha1().clone(), fred_keys(keys), argv));
         let reply = self.bounded(call, timeout).await;
         self.connection.client_saw(place, slot, &reply);
@@ -353,7 +353,7 @@ impl Scripts {
         remaining: Duration,
     ) -> Result<Vec<Value>, RedisError> {
         let script = rule.map_or(&self.batch, |rule| &rule.batch);
-        let (client, place) = self.connection.next_placed();
+        let (client, place) = self.connection.next_placed(slot);
         let call = Box::pin(client.evalsha::<Vec<Value>, _, _, _>(script.sha1().clone(), keys, argv));
         let result = self.bounded(call, remaining).await;
         self.connection.client_saw(place, slot, &result);
