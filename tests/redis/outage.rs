@@ -779,7 +779,9 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
     let port = freezing_proxy(server.port(), frozen.clone(), refuse.clone()).await;
     let limiter = RedisLimiter::builder(format!("redis://127.0.0.1:{port}"))
         .pool_size(3)
-        .timeout(DEADLINE)
+        // Longer than the other tests' deadline: a busy machine's late timers time out no
+        // call on the answering connections, whose every failure the test counts.
+        .timeout(Duration::from_millis(200))
         .reconnect_delay(Duration::from_millis(50))
         .deny_cache(false)
         .batching(batching)
@@ -807,7 +809,7 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
     frozen.store(1, Ordering::SeqCst);
     refuse.store(cannot_connect_again, Ordering::SeqCst);
     let start = Instant::now();
-    let run = Duration::from_secs(4);
+    let run = Duration::from_secs(5);
     // Eight loops of requests, one every 5 ms each: each connection is written to far more
     // often than fred's check of its own looks for a silence.
     let loops: Vec<_> = (0..8)
@@ -836,7 +838,7 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
     }
     failed.sort();
     let last = failed.last().copied();
-    let late = failed.iter().filter(|at| **at >= Duration::from_millis(2500)).count();
+    let late = failed.iter().filter(|at| **at >= Duration::from_millis(3500)).count();
     eprintln!(
         "one stuck connection of three (batching {}, connecting again refused {cannot_connect_again}): {} of \
          {decided} decisions answered by the failure policy, the last {last:?} after the freeze; {late} in its last 1.5 s",
@@ -849,10 +851,11 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
     );
     // Connected again, the client answers; passed over, it takes a probe per quarter of
     // the period (1 s): 6 in 1.5 s, and as many reconnections' calls at most besides.
+    // Its first call times out 200 ms after the freeze, the period runs from there.
     let most = if cannot_connect_again { 12 } else { 0 };
     assert!(
         late <= most,
-        "{late} calls answered by the failure policy 2.5 s after the connection stopped answering (period 1 s; at most \
+        "{late} calls answered by the failure policy 3.5 s after the connection stopped answering (period 1 s; at most \
          {most}): {} of {decided} decisions in all",
         failed.len()
     );
