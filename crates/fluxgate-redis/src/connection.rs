@@ -81,10 +81,11 @@ pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
 /// slots on a standalone server, 64 neighbouring slots on a cluster, where a node holds
 /// ranges of them) have all timed out for `unanswered`, while a call of the range was
 /// answered on another client after its first timeout, connects again alone
-/// ([`Connection::client_saw`]). Until it answers again, the calls of that range go to the
-/// pool's other clients ([`Connection::next_placed`]), but for a probe now and then: a
-/// reconnection waits on a connection task that may itself wait on the stuck socket, once
-/// its buffer is full.
+/// ([`Connection::client_saw`]). Until that reconnection ends, the calls of that range go to
+/// the pool's other clients ([`Connection::next_placed`]): it is carried out by the client's
+/// connection task, which waits on the stuck socket once that socket's buffer is full, and
+/// then ends only when TCP gives up. No decision is sent to it as a probe meanwhile: each
+/// such call would time out, and every request of a batch with it.
 struct Liveness {
     start: Instant,
     /// `unanswered` in [`TICK_MS`] ticks, rounded up.
@@ -97,8 +98,6 @@ struct Liveness {
     /// the client that sent the call counts it, when its reply comes), [`ANSWERED`] for
     /// none yet.
     answered_at: Box<[AtomicU32]>,
-    /// Per client: the tick of its last probe while its calls are sent to the others.
-    probed_at: Box<[AtomicU32]>,
 }
 
 /// The silences of calls, per hash slot, and the reconnection they start.
@@ -148,7 +147,6 @@ impl Liveness {
             answered_at: (0..if clients > 0 { ranges } else { 0 })
                 .map(|_| AtomicU32::new(ANSWERED))
                 .collect(),
-            probed_at: (0..clients).map(|_| AtomicU32::new(0)).collect(),
         }
     }
 
@@ -226,15 +224,15 @@ impl Liveness {
         };
         // A call of the range was answered after this client's first timeout (a tick
         // later at least): on another client, since an answer of its own ends its silence.
+        // Both read from `now`: an answer long before the silence is no later one.
         let last = answered_at.load(Ordering::Relaxed);
-        let others_answer = last != ANSWERED && elapsed(last, own) > 0;
-        others_answer && !self.slots.reconnecting.load(Ordering::Relaxed) && client.due(own, now, self.unanswered)
+        let others_answer = last != ANSWERED && elapsed(now, last) < elapsed(now, own);
+        others_answer && client.due(own, now, self.unanswered)
     }
 
     /// Whether a call of `slot` is better sent on another client than the one at `place`:
-    /// its calls of the slot's range have all timed out for `unanswered`, and it is not
-    /// the time for a probe of it (one per quarter of `unanswered` at most, taken by the
-    /// call that asks).
+    /// its calls of the slot's range have all timed out for `unanswered` (and its
+    /// reconnection has not ended well since).
     fn avoids(&self, place: usize, slot: u16) -> bool {
         let Some(since) = self
             .clients
@@ -243,26 +241,31 @@ impl Liveness {
         else {
             return false;
         };
-        if since == ANSWERED {
-            return false; // no clock read while it answers
-        }
-        self.avoids_at(place, since, self.now())
+        // No clock read while it answers.
+        since != ANSWERED && elapsed(self.now(), since) >= self.unanswered
     }
 
-    /// [`avoids`](Self::avoids), the client's silence of the range begun at `since`, at
-    /// `now` (ticks, below [`ANSWERED`]).
-    fn avoids_at(&self, place: usize, since: u32, now: u32) -> bool {
-        if elapsed(now, since) < self.unanswered {
-            return false;
-        }
-        let Some(probed_at) = self.probed_at.get(place) else {
+    /// Whether the client at `place`, passed over for the calls of `slot`'s range, is to
+    /// connect again now: not while its last reconnection is under way, nor within a
+    /// period of the last (its own or the pool's). The caller then does.
+    fn reconnection_due(&self, place: usize, slot: u16) -> bool {
+        let Some(client) = self.clients.get(place) else {
             return false;
         };
-        let last = probed_at.load(Ordering::Relaxed);
-        elapsed(now, last) < (self.unanswered / 4).max(1)
-            || probed_at
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
+        match client.since(slot >> RANGE_BITS) {
+            Some(since) if since != ANSWERED => client.due(since, self.now(), self.unanswered),
+            _ => false,
+        }
+    }
+
+    /// The client at `place` connected again: its silences are over (its calls go to it
+    /// again, and a new silence starts at its next timeout).
+    fn client_recovered(&self, place: usize) {
+        if let Some(client) = self.clients.get(place) {
+            for range in 0..client.silent_since.len() {
+                client.answered(range as u16);
+            }
+        }
     }
 
     /// The reconnection of the client at `place` is over.
@@ -466,7 +469,8 @@ impl Connection {
         );
         let (pool, cluster, done) = (pool.clone(), self.cluster, Reconnecting(liveness.clone(), None));
         runtime.spawn(async move {
-            let _done = done;
+            // Marks the reconnection over when the task ends, however it ends.
+            let held = done;
             let result = if cluster {
                 join_all(pool.clients().iter().map(|client| client.sync_cluster()))
                     .await
@@ -476,8 +480,13 @@ impl Connection {
             } else {
                 pool.force_reconnection().await
             };
-            if let Err(error) = result {
-                tracing::debug!(%error, "a forced reconnection failed; fred keeps trying");
+            match result {
+                Ok(()) => {
+                    for place in 0..pool.clients().len() {
+                        held.0.client_recovered(place);
+                    }
+                }
+                Err(error) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
             }
         });
     }
@@ -488,8 +497,8 @@ impl Connection {
     /// a call of the range was answered on another client (see [`Liveness`]), that client
     /// connects again, in a task of its own, after fred's reconnection delay (on a
     /// cluster, to every node, reading the cluster's slots again); the other clients' calls
-    /// are not interrupted. Until it answers again, [`next_placed`](Self::next_placed)
-    /// sends the range's calls to the others, but for a probe now and then.
+    /// are not interrupted. Until that reconnection ends well,
+    /// [`next_placed`](Self::next_placed) sends the range's calls to the others.
     pub(crate) fn client_saw<T>(&self, place: Option<usize>, slot: u16, result: &Result<T, RedisError>) {
         let (Some(liveness), Some(place), Clients::Pool(pool)) = (&self.liveness, place, &self.clients) else {
             return;
@@ -497,38 +506,46 @@ impl Connection {
         match result {
             Ok(_) => liveness.client_answered(place, slot),
             Err(RedisError::Timeout(_)) => {
-                let Some(client) = pool.clients().get(place) else {
-                    return;
-                };
-                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                    return;
-                };
-                if !liveness.client_timed_out(place, slot) {
-                    return;
+                if liveness.client_timed_out(place, slot) {
+                    self.reconnect_client(pool, liveness, place, slot);
                 }
-                tracing::warn!(
-                    client = %client.id(),
-                    slot,
-                    "Redis answered no call of this hash slot on this connection for {}ms while it answered \
-                     the others: connecting it again (a connection whose packets are lost)",
-                    u128::from(liveness.unanswered) * TICK_MS
-                );
-                let (client, done) = (client.clone(), Reconnecting(liveness.clone(), Some(place)));
-                // Bounded: a connection task waiting on a socket that takes no more bytes
-                // reads no command, the reconnection's neither. The next try is a period
-                // later; the client's calls go to the others meanwhile.
-                let period = Duration::from_millis(u64::from(liveness.unanswered) * TICK_MS as u64);
-                runtime.spawn(async move {
-                    let _done = done;
-                    match tokio::time::timeout(period, client.force_reconnection()).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(error)) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
-                        Err(_) => tracing::debug!("a forced reconnection did not end within the period"),
-                    }
-                });
             }
             Err(_) => {}
         }
+    }
+
+    /// Connects the client at `place` again, in a task of its own, its reconnection taken
+    /// ([`Liveness::client_timed_out`] or [`Silence::due`]); a success ends its silences.
+    fn reconnect_client(&self, pool: &Pool, liveness: &Arc<Liveness>, place: usize, slot: u16) {
+        let Some(client) = pool.clients().get(place) else {
+            liveness.client_reconnected(place);
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            liveness.client_reconnected(place);
+            return;
+        };
+        tracing::warn!(
+            client = %client.id(),
+            slot,
+            "Redis answered no call of this hash slot on this connection for {}ms while it answered \
+             the others: connecting it again (a connection whose packets are lost)",
+            u128::from(liveness.unanswered) * TICK_MS
+        );
+        let (client, done) = (client.clone(), Reconnecting(liveness.clone(), Some(place)));
+        let liveness = liveness.clone();
+        // Not bounded: a connection task waiting on a socket that takes no more bytes reads
+        // the reconnection's command only once TCP gives up, and a command sent again would
+        // only be one more reconnection then. Until it ends the client is passed over (its
+        // silence lasts), and no other is asked for; after a failure, the next is asked for
+        // a period later, when a call passes it over (`next_placed`).
+        runtime.spawn(async move {
+            let _done = done;
+            match client.force_reconnection().await {
+                Ok(()) => liveness.client_recovered(place),
+                Err(error) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
+            }
+        });
     }
 
     /// Starts again the connection task of any client of the pool whose task ended. fred
@@ -588,9 +605,11 @@ impl Connection {
 
     /// The client for a decision call of `slot`, and its place in the pool when its calls
     /// are watched (a pool the crate connected): what the call came to is then told
-    /// [`client_saw`](Self::client_saw). The pool's next client, or the next after it whose
-    /// calls of the slot answer when that one's have all timed out for the period (see
-    /// [`Liveness`]); that one still takes a probe now and then.
+    /// [`client_saw`](Self::client_saw). The pool's next client, or the next after it not
+    /// passed over when that one's calls of the slot have all timed out for the period and
+    /// its reconnection has not ended well since (see [`Liveness`]); the next client when
+    /// every one is passed over (a primary that stopped answering: the pool's reconnection
+    /// is then under way).
     pub(crate) fn next_placed(&self, slot: u16) -> (&Client, Option<usize>) {
         let (Clients::Pool(pool), Some(liveness)) = (&self.clients, &self.liveness) else {
             return (self.next(), None);
@@ -603,10 +622,23 @@ impl Connection {
         if !liveness.avoids(place, slot) {
             return (first, Some(place));
         }
-        (1..clients.len())
+        let Some(other) = (1..clients.len())
             .map(|step| (place + step) % clients.len())
             .find(|&other| !liveness.avoids(other, slot))
-            .map_or((first, Some(place)), |other| (&clients[other], Some(other)))
+        else {
+            return (first, Some(place)); // every client silent: the pool's to reconnect
+        };
+        // The clients passed over take no call, so no timeout of theirs asks for their
+        // reconnection again after one that failed: the call that passes them over does,
+        // once per period at most.
+        let mut skipped = place;
+        while skipped != other {
+            if liveness.reconnection_due(skipped, slot) {
+                self.reconnect_client(pool, liveness, skipped, slot);
+            }
+            skipped = (skipped + 1) % clients.len();
+        }
+        (&clients[other], Some(other))
     }
 
     /// The deadline of one call.
@@ -794,24 +826,66 @@ mod tests {
     }
 
     /// A client whose calls of a range have all timed out for the period is passed over
-    /// for the others, but for one probe per quarter of the period; an answer ends it.
+    /// until its reconnection ends well (or it answers); no decision goes to it as a probe.
     #[test]
-    fn a_silent_client_is_passed_over_but_for_a_probe_now_and_then() {
+    fn a_silent_client_is_passed_over_until_it_connects_again() {
         let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
         assert!(!liveness.avoids(1, 0), "answering");
-        assert!(!liveness.client_timed_out_at(1, 0, 1000));
-        assert!(!liveness.avoids_at(1, 1000, 1099), "silent for less than the period");
-        assert!(!liveness.avoids_at(1, 1000, 1100), "a probe");
-        assert!(liveness.avoids_at(1, 1000, 1101));
-        assert!(liveness.avoids_at(1, 1000, 1124));
-        assert!(
-            !liveness.avoids_at(1, 1000, 1125),
-            "the next probe, a quarter period later"
-        );
-        assert!(liveness.avoids_at(1, 1000, 1126));
-        liveness.client_answered_at(1, 0, 1130);
-        assert!(!liveness.avoids(1, 0), "answered again");
+        let now = liveness.now();
+        assert!(!liveness.client_timed_out_at(1, 0, now));
+        assert!(!liveness.avoids(1, 0), "silent for less than the period");
+        let long_ago = now.wrapping_sub(100);
+        liveness.clients[1].silent_since[0].store(long_ago, Ordering::Relaxed);
+        assert!(liveness.avoids(1, 0), "silent for the period");
+        assert!(liveness.avoids(1, 0), "and still, whatever the calls asking");
+        assert!(!liveness.avoids(0, 0), "the other client answers");
+        liveness.client_recovered(1);
+        assert!(!liveness.avoids(1, 0), "connected again");
+        liveness.clients[1].silent_since[0].store(long_ago, Ordering::Relaxed);
+        liveness.client_answered_at(1, 0, now);
+        assert!(!liveness.avoids(1, 0), "answered");
         assert!(!liveness.avoids(5, 0), "past the pool's places");
+    }
+
+    /// A client passed over takes no call, so no timeout of its own asks for its
+    /// reconnection after one that failed: the calls passing it over do, once per period.
+    #[test]
+    fn a_client_passed_over_is_connected_again_once_per_period() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
+        assert!(!liveness.reconnection_due(1, 0), "answering");
+        let now = liveness.now();
+        liveness.clients[1].silent_since[0].store(now.wrapping_sub(200), Ordering::Relaxed);
+        assert!(
+            liveness.reconnection_due(1, 0),
+            "silent for the period, never reconnected"
+        );
+        assert!(!liveness.reconnection_due(1, 0), "its reconnection is under way");
+        liveness.client_reconnected(1); // it failed
+        assert!(!liveness.reconnection_due(1, 0), "within a period of the last");
+        let now = liveness.now();
+        liveness.clients[1]
+            .reconnected
+            .store(now.wrapping_sub(100), Ordering::Relaxed);
+        assert!(liveness.reconnection_due(1, 0), "a period later");
+        liveness.client_reconnected(1);
+        liveness.client_recovered(1);
+        assert!(!liveness.reconnection_due(1, 0), "connected again");
+    }
+
+    /// An answer long before a client's silence began (more than [`AHEAD`] earlier) is no
+    /// answer after it.
+    #[test]
+    fn an_answer_long_before_the_silence_is_not_after_it() {
+        let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
+        liveness.client_answered_at(0, 0, 1000);
+        let later = 1000 + AHEAD + 10;
+        assert!(!liveness.client_timed_out_at(1, 0, later));
+        assert!(
+            !liveness.client_timed_out_at(1, 0, later + 100),
+            "nothing answered since"
+        );
+        liveness.client_answered_at(0, 0, later + 101);
+        assert!(liveness.client_timed_out_at(1, 0, later + 102));
     }
 
     /// The watch still reconnects after years without a reconnection: a tick far behind

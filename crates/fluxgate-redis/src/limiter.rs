@@ -382,11 +382,11 @@ impl RedisLimiter {
                             Box::pin(async {
                                 let remaining = inner.scripts.connection().timeout().saturating_sub(start.elapsed());
                                 let mut calls = encode(&request, &inner.prefix, cluster)?;
-                                let Some(Call { keys, args, .. }) = calls.pop() else {
+                                let Some(Call { slot, keys, args, .. }) = calls.pop() else {
                                     return Err(BoxError::from(e));
                                 };
                                 drop(calls);
-                                Ok(inner.scripts.decide_again(keys, &args, remaining, &e).await?)
+                                Ok(inner.scripts.decide_again(slot, keys, &args, remaining, &e).await?)
                             })
                             .await
                         }

@@ -276,13 +276,15 @@ impl Scripts {
     /// As [`Scripts::decide`].
     pub(crate) async fn decide_again(
         &self,
+        slot: u16,
         keys: Keys,
         args: &DecideArgs,
         remaining: Duration,
         error: &RedisError,
     ) -> Result<Reply, RedisError> {
         let (script, argv) = self.decision(args);
-        let client = self.connection.next();
+        // A client passed over is passed over here too (see `Connection::next_placed`).
+        let (client, _) = self.connection.next_placed(slot);
         let reply = if missing_script(error) {
             let first = keys.first().cloned();
             let again = async {
@@ -313,7 +315,7 @@ impl Scripts {
         match self.decide(slot, Keys::from(keys), args).await {
             Err(e) if decided_again(&e, self.connection.is_cluster()) => {
                 let remaining = self.connection.timeout().saturating_sub(start.elapsed());
-                self.decide_again(Keys::from(keys), args, remaining, &e).await
+                self.decide_again(slot, Keys::from(keys), args, remaining, &e).await
             }
             result => result,
         }
