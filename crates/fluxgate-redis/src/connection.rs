@@ -205,8 +205,8 @@ impl Liveness {
     /// to connect again now. Its calls of the slot's range have all timed out for
     /// `unanswered`, and a call of the range was answered on another client after its
     /// first timeout: a range silent on every client is the pool's to reconnect
-    /// ([`timed_out`](Self::timed_out)), and so is every client while the pool's
-    /// reconnection is under way. The caller calls
+    /// ([`timed_out`](Self::timed_out)), and no client reconnects alone within a period
+    /// of the pool's reconnection. The caller calls
     /// [`client_reconnected`](Self::client_reconnected) when it is done.
     fn client_timed_out(&self, place: usize, slot: u16) -> bool {
         self.client_timed_out_at(place, slot, self.now())
@@ -218,16 +218,21 @@ impl Liveness {
         let Some(client) = self.clients.get(place) else {
             return false;
         };
-        let (Some(own), Some(answered_at)) = (client.silence(range, now), self.answered_at.get(usize::from(range)))
-        else {
+        let Some(own) = client.silence(range, now) else {
             return false; // its silence begins now
         };
         // A call of the range was answered after this client's first timeout (a tick
         // later at least): on another client, since an answer of its own ends its silence.
-        // Both read from `now`: an answer long before the silence is no later one.
-        let last = answered_at.load(Ordering::Relaxed);
-        let others_answer = last != ANSWERED && elapsed(now, last) < elapsed(now, own);
-        others_answer && client.due(own, now, self.unanswered)
+        self.answered_since(range, own, now) && client.due(own, now, self.unanswered)
+    }
+
+    /// Whether a call of `range` was answered (on any client) after `since`, both read
+    /// from `now`: an answer long before it is no later one.
+    fn answered_since(&self, range: u16, since: u32, now: u32) -> bool {
+        self.answered_at.get(usize::from(range)).is_some_and(|answered_at| {
+            let last = answered_at.load(Ordering::Relaxed);
+            last != ANSWERED && elapsed(now, last) < elapsed(now, since)
+        })
     }
 
     /// Whether a call of `slot` is better sent on another client than the one at `place`:
@@ -246,14 +251,20 @@ impl Liveness {
     }
 
     /// Whether the client at `place`, passed over for the calls of `slot`'s range, is to
-    /// connect again now: not while its last reconnection is under way, nor within a
-    /// period of the last (its own or the pool's). The caller then does.
+    /// connect again now: a call of the range was answered on another client after its
+    /// silence began (a range silent on every client is the pool's to reconnect), and
+    /// neither is its last reconnection under way nor within a period (its own or the
+    /// pool's). The caller then does.
     fn reconnection_due(&self, place: usize, slot: u16) -> bool {
+        let range = slot >> RANGE_BITS;
         let Some(client) = self.clients.get(place) else {
             return false;
         };
-        match client.since(slot >> RANGE_BITS) {
-            Some(since) if since != ANSWERED => client.due(since, self.now(), self.unanswered),
+        match client.since(range) {
+            Some(since) if since != ANSWERED => {
+                let now = self.now();
+                self.answered_since(range, since, now) && client.due(since, now, self.unanswered)
+            }
             _ => false,
         }
     }
@@ -481,11 +492,15 @@ impl Connection {
                 pool.force_reconnection().await
             };
             match result {
-                Ok(()) => {
+                // Every client connected again (a cluster's reading of its slots leaves
+                // the connections to nodes that keep theirs as they were: their silences
+                // stay).
+                Ok(()) if !cluster => {
                     for place in 0..pool.clients().len() {
                         held.0.client_recovered(place);
                     }
                 }
+                Ok(()) => {}
                 Err(error) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
             }
         });
@@ -517,6 +532,9 @@ impl Connection {
     /// Connects the client at `place` again, in a task of its own, its reconnection taken
     /// ([`Liveness::client_timed_out`] or [`Silence::due`]); a success ends its silences.
     fn reconnect_client(&self, pool: &Pool, liveness: &Arc<Liveness>, place: usize, slot: u16) {
+        // A client whose connection task ended reads no command, the reconnection's
+        // neither: started again first.
+        self.revive();
         let Some(client) = pool.clients().get(place) else {
             liveness.client_reconnected(place);
             return;
@@ -848,13 +866,19 @@ mod tests {
     }
 
     /// A client passed over takes no call, so no timeout of its own asks for its
-    /// reconnection after one that failed: the calls passing it over do, once per period.
+    /// reconnection after one that failed: the calls passing it over do, once per period,
+    /// while another client answers.
     #[test]
     fn a_client_passed_over_is_connected_again_once_per_period() {
         let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
         assert!(!liveness.reconnection_due(1, 0), "answering");
         let now = liveness.now();
         liveness.clients[1].silent_since[0].store(now.wrapping_sub(200), Ordering::Relaxed);
+        assert!(
+            !liveness.reconnection_due(1, 0),
+            "no call answered since its silence began: every client silent, the pool's to reconnect"
+        );
+        liveness.client_answered_at(0, 0, now.wrapping_sub(100));
         assert!(
             liveness.reconnection_due(1, 0),
             "silent for the period, never reconnected"

@@ -236,9 +236,11 @@ impl Scripts {
         let timeout = self.connection.timeout();
         if self.migrating(&keys) {
             let (script, argv) = self.decision(args);
-            let call = Box::pin(asking_again(self.connection.next(), script, keys, argv));
-            let reply = self.connection.within(timeout, call).await?;
-            return Self::read(args, &numbers(reply)?);
+            let (client, place) = self.connection.next_placed(slot);
+            let call = Box::pin(asking_again(client, script, keys, argv));
+            let reply = self.connection.within(timeout, call).await;
+            self.connection.client_saw(place, slot, &reply);
+            return Self::read(args, &numbers(reply?)?);
         }
         let (script, argv) = match self.own_script(args) {
             // A rule's own script not loaded on this limiter's connections yet: loaded in a
