@@ -184,16 +184,29 @@ impl Liveness {
 
     /// A call of `slot` on the client at `place` was answered.
     fn client_answered(&self, place: usize, slot: u16) {
-        self.client_answered_at(place, slot, self.now());
+        self.client_answered_then(place, slot, || self.now());
     }
 
     /// [`client_answered`](Self::client_answered) at `now` (ticks, below [`ANSWERED`]).
+    #[cfg(test)]
     fn client_answered_at(&self, place: usize, slot: u16, now: u32) {
+        self.client_answered_then(place, slot, || now);
+    }
+
+    /// [`client_answered`](Self::client_answered), the clock read by `now` only when the
+    /// answer tells something: while another client of the pool is silent on the range
+    /// (an answer before any silence begins is no answer after it), not on every call.
+    fn client_answered_then(&self, place: usize, slot: u16, now: impl FnOnce() -> u32) {
         let range = slot >> RANGE_BITS;
         if let Some(client) = self.clients.get(place) {
             client.answered(range);
         }
+        let silent = |client: &Silence| client.since(range).is_some_and(|since| since != ANSWERED);
+        if !self.clients.iter().any(silent) {
+            return;
+        }
         if let Some(answered_at) = self.answered_at.get(usize::from(range)) {
+            let now = now();
             // Read first: written once per tick at most, whatever the rate of answers.
             if answered_at.load(Ordering::Relaxed) != now {
                 answered_at.store(now, Ordering::Relaxed);
@@ -221,9 +234,16 @@ impl Liveness {
         let Some(own) = client.silence(range, now) else {
             return false; // its silence begins now
         };
-        // A call of the range was answered after this client's first timeout (a tick
-        // later at least): on another client, since an answer of its own ends its silence.
-        self.answered_since(range, own, now) && client.due(own, now, self.unanswered)
+        self.alone_due(client, range, own, now)
+    }
+
+    /// Whether `client`, silent on `range` since `since`, is to connect again alone at
+    /// `now`: a call of the range was answered after its first timeout (a tick later at
+    /// least; on another client, since an answer of its own ends its silence), and its
+    /// silence has lasted the period with no reconnection under way nor within a period
+    /// ([`Silence::due`]).
+    fn alone_due(&self, client: &Silence, range: u16, since: u32, now: u32) -> bool {
+        self.answered_since(range, since, now) && client.due(since, now, self.unanswered)
     }
 
     /// Whether a call of `range` was answered (on any client) after `since`, both read
@@ -261,10 +281,7 @@ impl Liveness {
             return false;
         };
         match client.since(range) {
-            Some(since) if since != ANSWERED => {
-                let now = self.now();
-                self.answered_since(range, since, now) && client.due(since, now, self.unanswered)
-            }
+            Some(since) if since != ANSWERED => self.alone_due(client, range, since, self.now()),
             _ => false,
         }
     }
@@ -902,6 +919,11 @@ mod tests {
     fn an_answer_long_before_the_silence_is_not_after_it() {
         let liveness = Liveness::new(Duration::from_millis(1600), false, 2);
         liveness.client_answered_at(0, 0, 1000);
+        assert_eq!(
+            liveness.answered_at[0].load(Ordering::Relaxed),
+            ANSWERED,
+            "no client silent: the answer tells nothing, the clock is not read"
+        );
         let later = 1000 + AHEAD + 10;
         assert!(!liveness.client_timed_out_at(1, 0, later));
         assert!(
