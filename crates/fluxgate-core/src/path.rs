@@ -43,6 +43,9 @@ pub(crate) fn normalized(raw: &str) -> Text {
 /// The normalized path and, when it differs, the path as routed (the raw path without its
 /// query and fragment): one pass, and no comparison for a path that is normal already.
 pub(crate) fn normalized_and_routed(raw: &str) -> (Text, Option<Text>) {
+    if let Some(normal) = normal_prefix(raw) {
+        return (Text::from(normal), None);
+    }
     let raw = match raw.bytes().position(|b| b == b'?' || b == b'#') {
         // `?` and `#` are ASCII: `end` is a character boundary.
         Some(end) => raw.get(..end).unwrap_or(raw),
@@ -54,6 +57,53 @@ pub(crate) fn normalized_and_routed(raw: &str) -> (Text, Option<Text>) {
     let normal = normalize_slow(raw);
     let routed = (normal != raw).then(|| Text::from(raw));
     (Text::from(normal), routed)
+}
+
+/// The bytes [`normal_prefix`] stops at: `?` and `#` (the end of the path), `%`, `/` and
+/// `.`.
+static STOPS: [bool; 256] = {
+    let mut stops = [false; 256];
+    let mut i = 0;
+    while i < 5 {
+        stops[b"?#%/."[i] as usize] = true;
+        i += 1;
+    }
+    stops
+};
+
+/// The path before its query or fragment, when that is normal ([`is_normal`]) as it is:
+/// one pass that stops only at the bytes of [`STOPS`]; `None` when it cannot tell at once
+/// (an escape, an empty, `.` or `..` segment, a trailing `/`, no leading `/`), which the
+/// general path then decides.
+fn normal_prefix(raw: &str) -> Option<&str> {
+    let b = raw.as_bytes();
+    if b.first() != Some(&b'/') {
+        return None;
+    }
+    // The end of the path: its length, or the `?` or `#` that starts the query or fragment.
+    let at_end = |i: usize| i == b.len() || b[i] == b'?' || b[i] == b'#';
+    let mut i = 1;
+    loop {
+        while i < b.len() && !STOPS[usize::from(b[i])] {
+            i += 1;
+        }
+        if at_end(i) {
+            // Normal unless it ends with `/` (the root aside). The bytes before `i` are
+            // ASCII at `i`, so `i` is a character boundary.
+            return (i == 1 || b[i - 1] != b'/').then(|| raw.get(..i)).flatten();
+        }
+        match b[i] {
+            b'/' if b[i - 1] == b'/' => return None,
+            // A `.` or `..` segment.
+            b'.' if b[i - 1] == b'/'
+                && (at_end(i + 1) || b[i + 1] == b'/' || (b[i + 1] == b'.' && (at_end(i + 2) || b[i + 2] == b'/'))) =>
+            {
+                return None
+            }
+            b'%' => return None,
+            _ => i += 1,
+        }
+    }
 }
 
 fn normalize_slow(raw: &str) -> String {
@@ -634,6 +684,35 @@ mod tests {
 
     fn p(s: &str) -> PathPattern {
         s.parse().unwrap()
+    }
+
+    /// The one-pass check of a normal path gives what the general one gives (the query
+    /// cut, then [`is_normal`]) on every string of up to six bytes of an alphabet of the bytes
+    /// it stops at, an ordinary byte and a byte of a longer character.
+    #[test]
+    fn the_one_pass_check_agrees_with_the_general_one() {
+        let alphabet = ["/", ".", "%", "?", "#", "a", "é"];
+        let mut paths = vec![String::new()];
+        let mut start = 0;
+        for _ in 0..6 {
+            let end = paths.len();
+            for i in start..end {
+                for c in alphabet {
+                    paths.push(format!("{}{c}", paths[i]));
+                }
+            }
+            start = end;
+        }
+        for raw in &paths {
+            let cut = raw.find(['?', '#']).map_or(raw.as_str(), |end| &raw[..end]);
+            let expected = is_normal(cut).then_some(cut);
+            let fast = normal_prefix(raw);
+            assert_eq!(fast, expected, "{raw:?}");
+            assert_eq!(&*normalized_and_routed(raw).0, normalize_slow(cut), "{raw:?}");
+        }
+        assert_eq!(normal_prefix("/api/items"), Some("/api/items"));
+        assert_eq!(normal_prefix("/api/v1.2/x?y"), Some("/api/v1.2/x"));
+        assert_eq!(normal_prefix("/a/.b/..c"), Some("/a/.b/..c"));
     }
 
     #[test]
