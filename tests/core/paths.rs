@@ -14,7 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fluxgate_core::limiter::RateLimiter;
-use fluxgate_core::{Decision, Engine, ManualClock, MemoryLimiter, Outcome, RequestContext, RuleSets, WaitPolicy};
+use fluxgate_core::{
+    AddressDecision, Bands, Decision, Engine, ManualClock, MemoryLimiter, Outcome, RequestContext, RuleSets, WaitPolicy,
+};
 use http::Method;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -251,6 +253,24 @@ fn view(d: &Decision) -> impl PartialEq + std::fmt::Debug {
 /// a wait for the refill.
 static SEEN: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
 
+/// Decisions `Engine::check_address` made (an engine of its own asks it first, and builds
+/// on the context only when it gives way).
+static BY_ADDRESS: AtomicUsize = AtomicUsize::new(0);
+
+/// The decision `check_address` made, as `check` gives it: an admission by one band is a
+/// decision of that band alone.
+fn by_address(decision: AddressDecision, ctx: &RequestContext) -> Decision {
+    match decision {
+        AddressDecision::Admitted(band) => {
+            let mut decision = Decision::without_bands(ctx.rule_set_id().into(), Outcome::Admitted);
+            decision.bands = Bands::from(vec![band]);
+            decision.binding_index = Some(0);
+            decision
+        }
+        AddressDecision::Decided(decision) => decision,
+    }
+}
+
 /// Runs `case` through every engine; the first difference, if any.
 fn run(case: &Case) -> Result<(), TestCaseError> {
     let clock = ManualClock::new(1_700_000_000_000_000_000);
@@ -285,6 +305,9 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             engine(rules(None), Some(Arc::new(crate::typed_keys::ByText(memory())))),
         ));
     }
+    // Asked by `check_address` first (which decides a rule set of one address or global
+    // rule of one band), by `check` when it gives way.
+    let addressed = engine(rules(None), None);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -294,10 +317,20 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
         clock.advance(Duration::from_millis(step.advance_ms));
         let ctx = context(step);
         let started = runtime.block_on(async { tokio::time::Instant::now() });
-        let decisions: Vec<Decision> = engines
+        let mut decisions: Vec<Decision> = engines
             .iter()
             .map(|(_, engine)| runtime.block_on(engine.check(&ctx)).expect("decided"))
             .collect();
+        let address = ctx.client_ip();
+        decisions.push(
+            match addressed.check_address(ctx.rule_set_id(), ctx.method(), address) {
+                Some(decision) => {
+                    BY_ADDRESS.fetch_add(1, Ordering::Relaxed);
+                    by_address(decision, &ctx)
+                }
+                None => runtime.block_on(addressed.check(&ctx)).expect("decided"),
+            },
+        );
         let waited = runtime.block_on(async { started.elapsed() > Duration::ZERO });
         let seen = match (decisions[0].allowed(), waited) {
             (true, false) => 0,
@@ -305,7 +338,8 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             (true, true) => 2,
         };
         SEEN[seen].fetch_add(1, Ordering::Relaxed);
-        for ((name, _), decision) in engines.iter().zip(&decisions).skip(1) {
+        let names = engines.iter().map(|(name, _)| *name).chain(["by address"]);
+        for (name, decision) in names.zip(&decisions).skip(1) {
             prop_assert_eq!(
                 view(&decisions[0]),
                 view(decision),
@@ -333,4 +367,6 @@ fn every_path_decides_as_the_general_one() {
     // Every kind of decision was compared.
     let seen = SEEN.each_ref().map(|n| n.load(Ordering::Relaxed));
     assert!(seen.iter().all(|&n| n > 20), "admitted, refused, waited: {seen:?}");
+    let by_address = BY_ADDRESS.load(Ordering::Relaxed);
+    assert!(by_address > 100, "only {by_address} decisions by address");
 }

@@ -11,6 +11,7 @@ mod support {
     pub(crate) mod telemetry;
 }
 
+mod by_address;
 mod composition;
 mod metrics;
 mod protocol;
@@ -33,9 +34,11 @@ use http_body_util::{BodyExt, Full};
 use support::app::*;
 use tower::{service_fn, Service, ServiceBuilder, ServiceExt};
 
-/// An engine over the rules of `yaml` and a fresh in-memory limiter on tokio's clock.
+/// An engine over the rules of `yaml` and a fresh in-memory limiter on tokio's clock (the
+/// engine's own: a layer decides rule sets of one address rule of one band without a
+/// context, `Engine::check_address`).
 fn builder(yaml: &str) -> EngineBuilder {
-    Engine::builder(rules(yaml)).shared_limiter(Arc::new(MemoryLimiter::builder().clock(TokioClock::new()).build()))
+    Engine::builder(rules(yaml)).limiter(MemoryLimiter::builder().clock(TokioClock::new()).build())
 }
 
 fn engine(yaml: &str) -> Engine {

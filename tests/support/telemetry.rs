@@ -251,6 +251,16 @@ impl Visit for Fields {
 }
 
 impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Catcher {
+    // Enabled only on a thread with a catch open, asked at each call: elsewhere spans and
+    // events are off, as without a subscriber (what the engine's short paths look at).
+    fn register_callsite(&self, _: &'static tracing::Metadata<'static>) -> tracing::subscriber::Interest {
+        tracing::subscriber::Interest::sometimes()
+    }
+
+    fn enabled(&self, _: &tracing::Metadata<'_>, _: Context<'_, S>) -> bool {
+        open().is_some()
+    }
+
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         let Some((number, trace)) = open() else { return };
         let mut fields = Fields::default();

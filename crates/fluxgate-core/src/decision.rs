@@ -77,6 +77,11 @@ pub struct BandReport {
 }
 
 impl BandReport {
+    /// When the band is full again, in whole Unix seconds (rounded up).
+    pub fn reset_unix_secs(&self) -> u64 {
+        ceil_secs(self.reset_at.duration_since(UNIX_EPOCH).unwrap_or_default())
+    }
+
     /// The report of `band` of `rule` after a decision taken at `now_unix_nanos`.
     #[inline]
     pub(crate) fn new(
@@ -321,8 +326,7 @@ impl Decision {
 
     /// When the binding band is full again, in whole Unix seconds (rounded up).
     pub fn reset_unix_secs(&self) -> Option<u64> {
-        self.binding()
-            .map(|b| ceil_secs(b.reset_at.duration_since(UNIX_EPOCH).unwrap_or_default()))
+        self.binding().map(BandReport::reset_unix_secs)
     }
 
     /// `Retry-After` in whole seconds: rounded up, at least 1.

@@ -2,15 +2,17 @@
 
 use std::fmt;
 use std::hash::BuildHasher;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use http::Method;
 use smallvec::SmallVec;
 use tracing::Instrument;
 
 use crate::context::RequestContext;
-use crate::decision::{Decision, Outcome};
+use crate::decision::{BandReport, Decision, Outcome};
 use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::{MaybeReady, Settled};
@@ -355,6 +357,64 @@ impl Engine {
                 )
             }
         }
+    }
+
+    /// Decides a request by its method and client address alone, when its rule set needs
+    /// nothing else: the decision [`check`](Self::check) makes for a context of this rule
+    /// set, method and address, whatever the context's path, user, API key and attributes,
+    /// without building one. The rule set must be one enforced rule of one band, keyed by
+    /// the client address or global, without path patterns, a lease or a wait for the
+    /// refill, and read from the engine's in-memory limiter, with no recorder and no
+    /// subscriber of the `fluxgate.decision` span; otherwise (an unknown rule set, or a
+    /// provider whose lookup does not complete at once, too) this returns `None` with
+    /// nothing counted, and the caller builds the context for `check`. The layer of
+    /// `fluxgate-tower` decides by it when nothing else would read the context (no
+    /// customizer, include or exclude patterns, or shadow mode).
+    ///
+    /// ```
+    /// use fluxgate_core::{AddressDecision, Engine, RuleSets};
+    /// use http::Method;
+    ///
+    /// let rules = RuleSets::from_yaml_str(r#"
+    /// rule_sets:
+    ///   - id: default
+    ///     rules:
+    ///       - id: per-ip
+    ///         bands: [{ capacity: 1, window: 1m }]
+    /// "#).unwrap();
+    /// let engine = Engine::in_memory(rules);
+    /// let ip = Some("192.0.2.1".parse().unwrap());
+    /// match engine.check_address("default", &Method::GET, ip) {
+    ///     Some(AddressDecision::Admitted(band)) => assert_eq!(band.remaining, 0),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// match engine.check_address("default", &Method::GET, ip) {
+    ///     Some(AddressDecision::Decided(decision)) => assert!(!decision.allowed()),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// ```
+    pub fn check_address(&self, rule_set: &str, method: &Method, client_ip: Option<IpAddr>) -> Option<AddressDecision> {
+        let memory = self.inner.direct.as_ref()?;
+        // What `check` records or shows in its span, it decides itself.
+        if self.inner.recorder.is_some() || self.inner.key_text || tracing::enabled!(tracing::Level::DEBUG) {
+            return None;
+        }
+        let Ok(Ok(Some(set))) = self.inner.provider.rule_set(rule_set).into_ready() else {
+            return None;
+        };
+        let rule = one_band_rule(&set).filter(|rule| !rule.has_path_patterns())?;
+        let typed = self.inner.resolver.typed_by_address(rule, client_ip)?;
+        if !rule.applies_to_paths(None, method) {
+            let decision = Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
+            return Some(AddressDecision::Decided(decision));
+        }
+        /// The text of a key known by its typed value: none.
+        static NO_TEXT: Text = Text::new();
+        let bucket = Bucket::of(&set, rule, &NO_TEXT, typed);
+        Some(match memory.acquire_one_admitted(&bucket, &rule.bands()[0]) {
+            Ok(band) => AddressDecision::Admitted(band),
+            Err(outcome) => AddressDecision::Decided(Decision::from_enforced_outcome(set.id().clone(), outcome)),
+        })
     }
 
     fn check_unrecorded(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
@@ -720,9 +780,23 @@ impl Inner {
     }
 }
 
+/// What [`Engine::check_address`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AddressDecision {
+    /// Admitted, the permit taken from the rule set's one band: that band's report, the
+    /// only band of the decision [`Engine::check`] makes.
+    Admitted(BandReport),
+    /// Any other decision, as [`Engine::check`] makes it.
+    Decided(Decision),
+}
+
 impl RateLimitHandler for Engine {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         Engine::check(self, ctx)
+    }
+
+    fn engine(&self) -> Option<&Engine> {
+        Some(self)
     }
 }
 

@@ -192,9 +192,16 @@ impl KeyResolver {
     /// the address and global scopes.
     #[inline]
     pub(crate) fn typed(&self, rule: &Rule, ctx: &RequestContext) -> Option<TypedKey> {
+        self.typed_by_address(rule, ctx.client_ip())
+    }
+
+    /// [`typed`](Self::typed) for a request of this client address, when the rule's key
+    /// is the address's or the global one (no other field of the request takes part).
+    #[inline]
+    pub(crate) fn typed_by_address(&self, rule: &Rule, client_ip: Option<IpAddr>) -> Option<TypedKey> {
         match rule.scope() {
             Scope::Global => Some(TypedKey::Global),
-            Scope::Ip => Some(self.typed_ip(ctx.client_ip())),
+            Scope::Ip => Some(self.typed_ip(client_ip)),
             _ => None,
         }
     }

@@ -2,13 +2,15 @@
 //! sees it, its context, and what to do with the decision.
 
 use std::fmt;
+use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
 use fluxgate_core::failure::{CircuitOpen, LogThrottle};
 use fluxgate_core::{
-    Decision, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler, RequestContext, RequestContextBuilder,
+    AddressDecision, Decision, Engine, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler,
+    RequestContext, RequestContextBuilder,
 };
 use http::request::Parts;
 use http::{Extensions, HeaderMap, HeaderName, Method, Response};
@@ -28,6 +30,10 @@ pub type RejectionResponder = dyn Fn(&Decision) -> Response<Bytes> + Send + Sync
 /// every service the layer makes.
 pub(crate) struct Config {
     pub(crate) handler: Arc<dyn RateLimitHandler>,
+    /// The handler's engine, when nothing but the rules reads a request's context (no
+    /// customizer, include or exclude patterns, or shadow mode): requests are then
+    /// decided by [`Engine::check_address`] when their rule set allows it.
+    pub(crate) by_address: Option<Engine>,
     pub(crate) rule_set: Name,
     pub(crate) client_ip: ClientIpResolver,
     pub(crate) user_header: Option<HeaderName>,
@@ -53,6 +59,7 @@ impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitConfig")
             .field("handler", &self.handler)
+            .field("by_address", &self.by_address.is_some())
             .field("rule_set", &self.rule_set)
             .field("trusted_proxies", &self.client_ip.trusted)
             .field("forwarded_header", &self.client_ip.header)
@@ -129,13 +136,15 @@ impl Config {
             && view(&|p| p.matches_routed_trimmed(routed), &|p| p.matches_routed_trimmed(routed)))
     }
 
-    /// Fills a context from the request, before the customizer.
+    /// Fills a context from the request, before the customizer; `client_ip` is the
+    /// request's client address, as [`ClientIpResolver::resolve`] reads it.
     pub(crate) fn fill(
         &self,
         builder: &mut RequestContextBuilder,
         method: &Method,
         headers: &HeaderMap,
         extensions: &Extensions,
+        client_ip: Option<IpAddr>,
     ) {
         let header = |name: &Option<http::HeaderName>| name.as_ref().and_then(|n| identity_header(headers, n));
         let user = extensions
@@ -148,7 +157,7 @@ impl Config {
             .or_else(|| header(&self.api_key_header));
         builder
             .set_method(method.clone())
-            .set_client_ip(self.client_ip.resolve(extensions, headers))
+            .set_client_ip(client_ip)
             .set_user_id(user)
             .set_api_key(key);
     }
@@ -176,6 +185,15 @@ impl Config {
             );
         } else {
             tracing::debug!(%error, "rate-limit check failed; {action}");
+        }
+    }
+
+    /// What happens to a request [`Engine::check_address`] decided: what
+    /// [`verdict`](Self::verdict) makes of the decision [`Engine::check`] gives.
+    pub(crate) fn address_verdict(&self, decision: AddressDecision) -> Verdict {
+        match decision {
+            AddressDecision::Admitted(band) => Verdict::Pass(Figures::of_admitted(self, &band)),
+            AddressDecision::Decided(decision) => self.verdict(Ok(decision), true),
         }
     }
 

@@ -396,8 +396,15 @@ impl RateLimitLayerBuilder {
                 status: self.unavailable_status,
             });
         }
+        let include = patterns("include", &self.include)?;
+        let by_address = self
+            .handler
+            .engine()
+            .filter(|_| self.customizer.is_none() && !self.shadow && include.is_empty() && exclude.is_empty())
+            .cloned();
         Ok(RateLimitLayer {
             config: Arc::new(Config {
+                by_address,
                 handler: self.handler,
                 rule_set: self.rule_set,
                 client_ip: ClientIpResolver::new(trusted, header("forwarded_for_header", &self.forwarded_for)?),
@@ -411,7 +418,7 @@ impl RateLimitLayerBuilder {
                     .as_deref()
                     .map(|n| header("api_key_header", n))
                     .transpose()?,
-                include: patterns("include", &self.include)?,
+                include,
                 exclude,
                 legacy_headers: self.legacy_headers,
                 ietf_headers: self.ietf_headers,

@@ -70,17 +70,37 @@ impl Figures {
     /// The figures of a decision, or `None` when no band took part or no header is on.
     pub(crate) fn of(config: &Config, decision: &Decision, rejected: bool) -> Option<Self> {
         let binding = decision.binding()?;
+        let retry_after = if rejected { decision.retry_after_secs() } else { None };
+        Self::of_bands(config, &decision.bands, binding, retry_after, rejected)
+    }
+
+    /// The figures of a request admitted by its only band (see
+    /// [`Engine::check_address`](fluxgate_core::Engine::check_address)): what [`of`](Self::of)
+    /// gives for the decision with that one band.
+    pub(crate) fn of_admitted(config: &Config, band: &BandReport) -> Option<Self> {
+        Self::of_bands(config, std::slice::from_ref(band), band, None, false)
+    }
+
+    /// The figures of a decision's enforced bands, `binding` among them.
+    fn of_bands(
+        config: &Config,
+        bands: &[BandReport],
+        binding: &BandReport,
+        retry_after: Option<u64>,
+        rejected: bool,
+    ) -> Option<Self> {
         if !config.legacy_headers && !config.ietf_headers && !rejected {
             return None;
         }
-        let remaining = decision.remaining().unwrap_or(binding.remaining);
-        let ietf = config.ietf_headers.then(|| ietf_headers(decision, binding, remaining));
+        // The least remaining over the enforced bands (`Decision::remaining`).
+        let remaining = bands.iter().map(|b| b.remaining).min().unwrap_or(binding.remaining);
+        let ietf = config.ietf_headers.then(|| ietf_headers(bands, binding, remaining));
         Some(Self {
             legacy: config.legacy_headers,
             limit: binding.limit,
             remaining,
-            reset: decision.reset_unix_secs().unwrap_or_default(),
-            retry_after: if rejected { decision.retry_after_secs() } else { None },
+            reset: binding.reset_unix_secs(),
+            retry_after,
             ietf,
         })
     }
@@ -125,10 +145,10 @@ impl Figures {
 }
 
 /// `RateLimit-Policy` lists every enforced band; `RateLimit` gives the binding one.
-fn ietf_headers(decision: &Decision, binding: &BandReport, remaining: u64) -> [HeaderValue; 2] {
-    let (policy, distinct) = policy_header(decision);
+fn ietf_headers(bands: &[BandReport], binding: &BandReport, remaining: u64) -> [HeaderValue; 2] {
+    let (policy, distinct) = policy_header(bands);
     let current = values::value(|current| {
-        policy_name(current, decision, binding, distinct);
+        policy_name(current, bands, binding, distinct);
         current.push(b";r=");
         current.push_u64(remaining);
         current.push(b";t=");
@@ -142,22 +162,15 @@ type PolicyKey = Vec<(fluxgate_core::Name, fluxgate_core::Name, bool, u64, std::
 
 /// `RateLimit-Policy`, and whether the bands' preferred names are distinct (see
 /// [`policy_name`]): both depend only on the bands, so both are kept with the last value.
-fn policy_header(decision: &Decision) -> (HeaderValue, bool) {
+fn policy_header(bands: &[BandReport]) -> (HeaderValue, bool) {
     thread_local! {
         static LAST: RefCell<Option<(PolicyKey, HeaderValue, bool)>> = const { RefCell::new(None) };
     }
     let same = |key: &PolicyKey| {
-        key.len() == decision.bands.len()
-            && key
-                .iter()
-                .zip(&decision.bands)
-                .all(|((rule, band, labeled, limit, window), b)| {
-                    *rule == b.rule
-                        && *band == b.band
-                        && *labeled == b.labeled
-                        && *limit == b.limit
-                        && *window == b.window
-                })
+        key.len() == bands.len()
+            && key.iter().zip(bands).all(|((rule, band, labeled, limit, window), b)| {
+                *rule == b.rule && *band == b.band && *labeled == b.labeled && *limit == b.limit && *window == b.window
+            })
     };
     LAST.with(|last| {
         let mut last = last.borrow_mut();
@@ -166,22 +179,21 @@ fn policy_header(decision: &Decision) -> (HeaderValue, bool) {
                 return (value.clone(), *distinct);
             }
         }
-        let names: Vec<_> = decision.bands.iter().map(|b| preferred_name(decision, b)).collect();
+        let names: Vec<_> = bands.iter().map(|b| preferred_name(bands, b)).collect();
         let distinct = names.iter().enumerate().all(|(i, name)| !names[..i].contains(name));
         let value = values::value(|policy| {
-            for (i, band) in decision.bands.iter().enumerate() {
+            for (i, band) in bands.iter().enumerate() {
                 if i > 0 {
                     policy.push(b", ");
                 }
-                policy_name(policy, decision, band, distinct);
+                policy_name(policy, bands, band, distinct);
                 policy.push(b";q=");
                 policy.push_u64(band.limit);
                 policy.push(b";w=");
                 policy.push_u64(ceil_secs(band.window).max(1));
             }
         });
-        let key = decision
-            .bands
+        let key = bands
             .iter()
             .map(|b| (b.rule.clone(), b.band.clone(), b.labeled, b.limit, b.window))
             .collect();
@@ -192,10 +204,10 @@ fn policy_header(decision: &Decision) -> (HeaderValue, bool) {
 
 /// A band's preferred name in the IETF headers: its label, else the rule id for a rule's
 /// only band, else `rule:band`.
-fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Option<&'a str>) {
+fn preferred_name<'a>(bands: &[BandReport], band: &'a BandReport) -> (&'a str, Option<&'a str>) {
     if band.labeled {
         (&band.band, None)
-    } else if decision.bands.iter().filter(|b| b.rule == band.rule).count() == 1 {
+    } else if bands.iter().filter(|b| b.rule == band.rule).count() == 1 {
         (&band.rule, None)
     } else {
         (&band.rule, Some(&band.band))
@@ -205,9 +217,9 @@ fn preferred_name<'a>(decision: &Decision, band: &'a BandReport) -> (&'a str, Op
 /// Writes a band's name, quoted: its preferred name when the decision's bands all have
 /// distinct ones (`distinct`, from [`policy_header`]), else `rule:band` for every band:
 /// ids and labels never contain `:`, so those names are distinct.
-fn policy_name(out: &mut ValueBuf<'_>, decision: &Decision, band: &BandReport, distinct: bool) {
+fn policy_name(out: &mut ValueBuf<'_>, bands: &[BandReport], band: &BandReport, distinct: bool) {
     let (first, second) = if distinct {
-        preferred_name(decision, band)
+        preferred_name(bands, band)
     } else {
         (&*band.rule, Some(&*band.band))
     };

@@ -78,17 +78,34 @@ where
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let config = &self.config;
+        let client_ip = config.client_ip.resolve(req.extensions(), req.headers());
+        if let Some(engine) = &config.by_address {
+            // A rule set that reads nothing but the method and the client address is
+            // decided without a context (nothing else of the layer reads one).
+            if let Some(decision) = engine.check_address(&config.rule_set, req.method(), client_ip) {
+                return match config.address_verdict(decision) {
+                    Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
+                    Verdict::Reject(response) => ResponseFuture::rejected(response),
+                };
+            }
+        }
         let mut builder = RequestContextBuilder::with_rule_set(config.rule_set.clone());
         builder.set_path(req.uri().path());
         if !config.limits(builder.peek()) {
             return ResponseFuture::calling(self.inner.call(req), None);
         }
         match &config.customizer {
-            None => config.fill(&mut builder, req.method(), req.headers(), req.extensions()),
+            None => config.fill(&mut builder, req.method(), req.headers(), req.extensions(), client_ip),
             Some(customize) => {
                 // Only a customizer needs the request taken apart into its `Parts`.
                 let (parts, body) = req.into_parts();
-                config.fill(&mut builder, &parts.method, &parts.headers, &parts.extensions);
+                config.fill(
+                    &mut builder,
+                    &parts.method,
+                    &parts.headers,
+                    &parts.extensions,
+                    client_ip,
+                );
                 customize(&mut builder, &parts);
                 req = Request::from_parts(parts, body);
             }

@@ -886,14 +886,20 @@ impl MemoryLimiter {
 
     /// One bucket with one band: one lock, no intermediate allocation.
     pub(crate) fn acquire_one(&self, bucket: &Bucket<'_>, band: &Band) -> AcquireOutcome {
+        self.acquire_single(bucket, band)
+    }
+
+    /// [`acquire_one`](Self::acquire_one) for a request its band admits and commits: the
+    /// band's report alone, no outcome or report vector; any other outcome as
+    /// `acquire_one` gives it.
+    pub(crate) fn acquire_one_admitted(&self, bucket: &Bucket<'_>, band: &Band) -> Result<BandReport, AcquireOutcome> {
+        self.acquire_single(bucket, band)
+    }
+
+    fn acquire_single<O: SingleOutcome>(&self, bucket: &Bucket<'_>, band: &Band) -> O {
         let hash = self.key_hash(bucket);
         let key = hash.band(band);
         let mut shard = lock(&self.inner.shards[self.shard_of(&hash)]);
-        fn outcome<S>(mut bands: Bands, bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> AcquireOutcome {
-            let shadow = bucket.shadow();
-            bands.push(report(bucket, band, now, e, e.allowed));
-            AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
-        }
         if bucket.rule.algorithm().keeps_an_instant() {
             // One lookup of the instant, read and written in place. The clock is read and
             // the report's vector taken after the lookup, which they do not depend on: the
@@ -901,7 +907,7 @@ impl MemoryLimiter {
             let Shard { gcra, latest, .. } = &mut *shard;
             let stored = gcra.get_mut(&key);
             let now = not_before(latest, self.inner.clock.now_nanos());
-            let bands = Bands::with_capacity(1);
+            let spare = O::spare();
             let e = evaluate_instant(stored.as_deref().copied().map(Kept::tat), bucket, band, now);
             if e.allowed {
                 let next = Kept::new(e.next, band);
@@ -916,11 +922,11 @@ impl MemoryLimiter {
             if !e.allowed {
                 shard.restamp(key, band);
                 if let Some(outcome) = self.reserve_one(&mut shard, key, bucket, band, now, &e) {
-                    return outcome;
+                    return O::reserved(outcome);
                 }
             }
             drop(shard);
-            return outcome(bands, bucket, band, now, &e);
+            return O::evaluated(spare, bucket, band, now, &e);
         }
         let now = not_before(&mut shard.latest, self.inner.clock.now_nanos());
         let e = evaluate(&shard, key, bucket, band, now);
@@ -929,11 +935,11 @@ impl MemoryLimiter {
         } else {
             shard.restamp(key, band);
             if let Some(outcome) = self.reserve_one(&mut shard, key, bucket, band, now, &e) {
-                return outcome;
+                return O::reserved(outcome);
             }
         }
         drop(shard);
-        outcome(Bands::with_capacity(1), bucket, band, now, &e)
+        O::evaluated(O::spare(), bucket, band, now, &e)
     }
 
     /// A one-band request the band refuses, if it may wait for it: the band's place at
@@ -1277,6 +1283,48 @@ fn evaluate(shard: &Shard, key: u128, bucket: &Bucket<'_>, band: &Band, now: u64
                 |()| Next::Log,
             )
         }
+    }
+}
+
+/// What [`MemoryLimiter::acquire_single`] gives back: the whole outcome, or the report of
+/// an admitted request alone.
+trait SingleOutcome: Sized {
+    /// What is taken before the evaluation (the report vector, for an outcome).
+    type Spare;
+    fn spare() -> Self::Spare;
+    /// After the band's evaluation at `now`, committed when it admits.
+    fn evaluated<S>(spare: Self::Spare, bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> Self;
+    /// A refused request that waits for its place.
+    fn reserved(outcome: AcquireOutcome) -> Self;
+}
+
+impl SingleOutcome for AcquireOutcome {
+    type Spare = Bands;
+    fn spare() -> Bands {
+        Bands::with_capacity(1)
+    }
+    fn evaluated<S>(mut bands: Bands, bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> Self {
+        let shadow = bucket.shadow();
+        bands.push(report(bucket, band, now, e, e.allowed));
+        AcquireOutcome::new(e.allowed || shadow, !shadow || e.allowed, now, bands)
+    }
+    fn reserved(outcome: AcquireOutcome) -> Self {
+        outcome
+    }
+}
+
+impl SingleOutcome for Result<BandReport, AcquireOutcome> {
+    type Spare = ();
+    fn spare() {}
+    fn evaluated<S>((): (), bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> Self {
+        if e.allowed && !bucket.shadow() {
+            Ok(report(bucket, band, now, e, true))
+        } else {
+            Err(AcquireOutcome::evaluated(Bands::with_capacity(1), bucket, band, now, e))
+        }
+    }
+    fn reserved(outcome: AcquireOutcome) -> Self {
+        Err(outcome)
     }
 }
 
