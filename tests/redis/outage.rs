@@ -13,7 +13,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
-use crate::support::servers::RedisServer;
+use crate::support::servers::{RedisCluster, RedisServer};
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
@@ -780,17 +780,71 @@ async fn a_stuck_connection_that_cannot_connect_again_is_passed_over_with_batche
     one_stuck_connection_with(Some(Batching::new()), true).await;
 }
 
+/// The same on a cluster: one of the pool's three connections to the primary of the
+/// request's slot stops answering while the other two answer. The limiter watches each
+/// client per range of 64 slots there; the client reconnects (to every node) and answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stuck_connection_to_a_cluster_node_connects_again() {
+    one_stuck_connection_on(Where::Cluster, None, false).await;
+}
+
+/// The same with batched decisions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stuck_connection_to_a_cluster_node_connects_again_with_batches() {
+    one_stuck_connection_on(Where::Cluster, Some(Batching::new()), false).await;
+}
+
+/// Where the proxy of [`one_stuck_connection_on`] stands: before a standalone server, or
+/// before the primary of the request's slot in a cluster of three, which announces the
+/// proxy's port as its own so that clients connect to it through the proxy.
+#[derive(Clone, Copy, PartialEq)]
+enum Where {
+    Standalone,
+    Cluster,
+}
+
 async fn one_stuck_connection(batching: Option<Batching>) {
     one_stuck_connection_with(batching, false).await;
 }
 
 async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_again: bool) {
-    let server = RedisServer::start();
+    one_stuck_connection_on(Where::Standalone, batching, cannot_connect_again).await;
+}
+
+async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, cannot_connect_again: bool) {
     let frozen = Arc::new(AtomicUsize::new(usize::MAX));
     let refuse = Arc::new(AtomicBool::new(false));
     let forwarded = Arc::new(AtomicUsize::new(0));
-    let port = freezing_proxy(server.port(), frozen.clone(), refuse.clone(), forwarded.clone()).await;
-    let limiter = RedisLimiter::builder(format!("redis://127.0.0.1:{port}"))
+    let (_server, _cluster, url) = match place {
+        Where::Standalone => {
+            let server = RedisServer::start();
+            let port = freezing_proxy(server.port(), frozen.clone(), refuse.clone(), forwarded.clone()).await;
+            (Some(server), None, format!("redis://127.0.0.1:{port}"))
+        }
+        Where::Cluster => {
+            let cluster = RedisCluster::start();
+            let slot = fred::util::redis_keyslot(b"{default:per-ip:ip=192.0.2.77}");
+            let node = cluster.node_of_slot(slot);
+            let port = freezing_proxy(node.port(), frozen.clone(), refuse.clone(), forwarded.clone()).await;
+            let announced = port.to_string();
+            assert_eq!(
+                node.cli(&["CONFIG", "SET", "cluster-announce-port", &announced]).trim(),
+                "OK"
+            );
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !cluster
+                .nodes
+                .iter()
+                .all(|n| n.cli(&["CLUSTER", "NODES"]).contains(&format!(":{announced}@")))
+            {
+                assert!(Instant::now() < deadline, "the nodes did not learn the announced port");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let url = cluster.url();
+            (None, Some(cluster), url)
+        }
+    };
+    let limiter = RedisLimiter::builder(url)
         .pool_size(3)
         // Longer than the other tests' deadline: a busy machine's late timers time out no
         // call on the answering connections, whose every failure the test counts.
@@ -818,7 +872,11 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
             "decided by Redis before the freeze: {d:?}"
         );
     }
-    // The pool's second connection.
+    // The pool's second connection (on a cluster, the second to the node behind the proxy).
+    assert!(
+        forwarded.load(Ordering::SeqCst) >= 3,
+        "the pool's connections do not all go through the proxy"
+    );
     frozen.store(1, Ordering::SeqCst);
     refuse.store(cannot_connect_again, Ordering::SeqCst);
     let start = Instant::now();
@@ -853,8 +911,10 @@ async fn one_stuck_connection_with(batching: Option<Batching>, cannot_connect_ag
     let last = failed.last().copied();
     let late = failed.iter().filter(|at| **at >= Duration::from_millis(3500)).count();
     eprintln!(
-        "one stuck connection of three (batching {}, connecting again refused {cannot_connect_again}): {} of \
-         {decided} decisions answered by the failure policy, the last {last:?} after the freeze; {late} in its last 1.5 s",
+        "one stuck connection of three (cluster {}, batching {}, connecting again refused {cannot_connect_again}): {} \
+         of {decided} decisions answered by the failure policy, the last {last:?} after the freeze; {late} in its last \
+         1.5 s",
+        place == Where::Cluster,
         batching.is_some(),
         failed.len()
     );

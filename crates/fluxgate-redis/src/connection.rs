@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use fred::clients::{Client, Pool};
 use fred::interfaces::{ClientLike, ClusterInterface};
 use fred::types::config::{ReconnectPolicy, ServerConfig, UnresponsiveConfig};
-use fred::types::{Builder, ConnectHandle};
+use fred::types::{Builder, ClusterHash, ConnectHandle, CustomCommand, Value};
 use futures_util::future::join_all;
 
 use crate::error::RedisError;
@@ -304,6 +304,15 @@ impl Liveness {
     }
 }
 
+/// Whether the node of `slot` answers `client` within `timeout`: a `PING` sent to it.
+async fn answers(client: &Client, slot: u16, timeout: Duration) -> Result<(), RedisError> {
+    let ping = CustomCommand::new_static("PING", ClusterHash::Custom(slot), false);
+    match tokio::time::timeout(timeout, client.custom::<Value, Value>(ping, Vec::new())).await {
+        Ok(reply) => reply.map(drop).map_err(RedisError::Command),
+        Err(_) => Err(RedisError::Timeout(timeout)),
+    }
+}
+
 impl Silence {
     fn new(slots: usize, unanswered: u32) -> Self {
         Self {
@@ -528,9 +537,10 @@ impl Connection {
     /// alone: when its calls of the slot's range have all timed out for `unanswered` while
     /// a call of the range was answered on another client (see [`Liveness`]), that client
     /// connects again, in a task of its own, after fred's reconnection delay (on a
-    /// cluster, to every node, reading the cluster's slots again); the other clients' calls
-    /// are not interrupted. Until that reconnection ends well,
-    /// [`next_placed`](Self::next_placed) sends the range's calls to the others.
+    /// cluster, reading the cluster's slots again, which keeps every connection that shows
+    /// no error: there it ends well only once the slot's node answers a `PING` through the
+    /// client); the other clients' calls are not interrupted. Until that reconnection ends
+    /// well, [`next_placed`](Self::next_placed) sends the range's calls to the others.
     pub(crate) fn client_saw<T>(&self, place: Option<usize>, slot: u16, result: &Result<T, RedisError>) {
         let (Some(liveness), Some(place), Clients::Pool(pool)) = (&self.liveness, place, &self.clients) else {
             return;
@@ -569,6 +579,7 @@ impl Connection {
         );
         let (client, done) = (client.clone(), Reconnecting(liveness.clone(), Some(place)));
         let liveness = liveness.clone();
+        let (cluster, timeout) = (self.cluster, self.timeout);
         // Not bounded: a connection task waiting on a socket that takes no more bytes reads
         // the reconnection's command only once TCP gives up, and a command sent again would
         // only be one more reconnection then. Until it ends the client is passed over (its
@@ -576,7 +587,17 @@ impl Connection {
         // a period later, when a call passes it over (`next_placed`).
         runtime.spawn(async move {
             let _done = done;
-            match client.force_reconnection().await {
+            let result = match client.force_reconnection().await {
+                // A clustered client's reconnection reads the cluster's slots again and keeps
+                // every connection that shows no error, a stuck one too: the client is back
+                // only once the slot's node answers it within the deadline (before, it was
+                // sent the range's calls again, which timed out until the period passed
+                // once more, a third of them answered by the failure policy for as long as
+                // the connection stayed stuck).
+                Ok(()) if cluster => answers(&client, slot, timeout).await,
+                other => other.map_err(RedisError::Command),
+            };
+            match result {
                 Ok(()) => liveness.client_recovered(place),
                 Err(error) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
             }
