@@ -880,6 +880,17 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
     frozen.store(1, Ordering::SeqCst);
     refuse.store(cannot_connect_again, Ordering::SeqCst);
     let start = Instant::now();
+    // When the proxy first forwards a connection made after the freeze.
+    let connected_again = {
+        let forwarded = forwarded.clone();
+        let before = forwarded.load(Ordering::SeqCst);
+        tokio::spawn(async move {
+            while forwarded.load(Ordering::SeqCst) == before && start.elapsed() < Duration::from_secs(10) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            (forwarded.load(Ordering::SeqCst) > before).then(|| start.elapsed())
+        })
+    };
     let run = Duration::from_secs(5);
     // Eight loops of requests, one every 5 ms each: each connection is written to far more
     // often than fred's check of its own looks for a silence.
@@ -932,6 +943,14 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
          {decided} decisions in all",
         failed.len()
     );
+    if !cannot_connect_again {
+        // The stuck connection is replaced: on a cluster, by fred's own check once nothing
+        // but the client's `PING` is written to it (a connection with no reply for the
+        // period since its last write), which decisions sent to it kept from firing.
+        let again = connected_again.await.expect("the watcher");
+        eprintln!("a connection made again {again:?} after the freeze");
+        assert!(again.is_some(), "the stuck connection was not replaced within 10 s");
+    }
     if cannot_connect_again {
         // Connecting possible again: the client passed over connects again within a period
         // or two (its reconnection asked for by the calls passing it over) and answers.
