@@ -367,6 +367,32 @@ fn every_path_decides_as_the_general_one() {
     // Every kind of decision was compared.
     let seen = SEEN.each_ref().map(|n| n.load(Ordering::Relaxed));
     assert!(seen.iter().all(|&n| n > 20), "admitted, refused, waited: {seen:?}");
-    let by_address = BY_ADDRESS.load(Ordering::Relaxed);
+}
+
+/// Rule sets `Engine::check_address` decides (one enforced rule of one band, keyed by the
+/// address or global, no path pattern, no wait), which few of the cases above are: decided
+/// by every path as well.
+#[test]
+fn rule_sets_decided_by_address_decide_as_the_general_one() {
+    let one = (rule_gen(), 0..2usize, prop::collection::vec(step(), 1..60)).prop_map(|(mut rule, scope, steps)| {
+        rule.scope = scope; // `scope: ip` or `scope: global`
+        rule.bands.truncate(1);
+        (rule.shadow, rule.paths, rule.wait) = (false, false, false);
+        Case {
+            rules: vec![rule],
+            engine_wait: false,
+            steps,
+        }
+    });
+    let before = BY_ADDRESS.load(Ordering::Relaxed);
+    let mut runner = TestRunner::new(Config {
+        cases: 64,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    if let Err(error) = runner.run(&one, |case| run(&case)) {
+        panic!("{error}");
+    }
+    let by_address = BY_ADDRESS.load(Ordering::Relaxed) - before;
     assert!(by_address > 100, "only {by_address} decisions by address");
 }

@@ -110,12 +110,16 @@ async fn deciding_by_address_answers_as_the_context_does() {
         let ietf = rng.chance(2);
         // One clock for both: a window's edges are read from it.
         let clock = TokioClock::new();
-        let direct = app(layer(engine_on(&yaml, clock)).ietf_headers(ietf).build().unwrap());
-        let general = app(layer(engine_on(&yaml, clock))
+        let direct = layer(engine_on(&yaml, clock)).ietf_headers(ietf).build().unwrap();
+        let general = layer(engine_on(&yaml, clock))
             .ietf_headers(ietf)
             .customizer(|_, _| {})
             .build()
-            .unwrap());
+            .unwrap();
+        // The first layer asks `check_address` first, the second never does.
+        assert!(format!("{direct:?}").contains("by_address: true"), "{direct:?}");
+        assert!(format!("{general:?}").contains("by_address: false"), "{general:?}");
+        let (direct, general) = (app(direct), app(general));
         // Which rule sets take the short path: one of one band, keyed by address or
         // global, without path patterns (asked of an engine of its own).
         let probe: Engine = engine(&yaml);
@@ -191,4 +195,46 @@ fn the_short_path_is_taken_only_for_rule_sets_it_decides_alone() {
         let first = engine.check(&ctx).into_ready().ok().unwrap().unwrap();
         assert!(first.allowed(), "{yaml}: the short path counted the request");
     }
+}
+
+/// A handler around an engine, counting its checks: a wrapper's `check` may decide
+/// otherwise (a circuit breaker, a fallback, a user's blocklist), so a layer around it
+/// never asks the engine by address.
+#[derive(Debug)]
+struct Counted(Engine, std::sync::atomic::AtomicUsize);
+
+impl fluxgate::core::RateLimitHandler for Counted {
+    fn check(
+        &self,
+        ctx: &fluxgate::core::RequestContext,
+    ) -> fluxgate::core::MaybeReady<Result<fluxgate::core::Decision, fluxgate::core::Error>> {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.check(ctx)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_handler_around_an_engine_decides_every_request() {
+    let yaml = "rule_sets:\n  - id: default\n    rules:\n      - id: r\n        bands: [{ capacity: 2, window: 1h }]\n";
+    let counted = std::sync::Arc::new(Counted(engine(yaml), std::sync::atomic::AtomicUsize::new(0)));
+    let built = layer(counted.0.clone()).build().unwrap();
+    assert!(format!("{built:?}").contains("by_address: true"), "an engine itself");
+    let shared = layer_of(std::sync::Arc::new(counted.0.clone()));
+    assert!(
+        format!("{shared:?}").contains("by_address: true"),
+        "an `Arc` of an engine"
+    );
+    let wrapped = layer_of(counted.clone());
+    assert!(format!("{wrapped:?}").contains("by_address: false"), "{wrapped:?}");
+    let app = app(wrapped);
+    for _ in 0..5 {
+        send(&app, request("GET", "/api/users", Some("192.0.2.1"), "u")).await;
+    }
+    assert_eq!(counted.1.load(std::sync::atomic::Ordering::SeqCst), 5);
+}
+
+fn layer_of(handler: impl fluxgate::core::RateLimitHandler) -> fluxgate::tower::RateLimitLayer {
+    fluxgate::tower::RateLimitLayer::builder(handler)
+        .build()
+        .expect("the default options are valid")
 }

@@ -794,10 +794,6 @@ impl RateLimitHandler for Engine {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         Engine::check(self, ctx)
     }
-
-    fn engine(&self) -> Option<&Engine> {
-        Some(self)
-    }
 }
 
 /// Records the decision's outcome in its span, and sends it to the recorder.

@@ -14,24 +14,11 @@ use crate::future::MaybeReady;
 pub trait RateLimitHandler: Send + Sync + fmt::Debug + 'static {
     /// Decides one request.
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>>;
-
-    /// The engine that decides, when this handler is one (or an `Arc` of one), so that a
-    /// caller may use what the engine offers besides [`check`](Self::check), such as
-    /// [`Engine::check_address`](crate::Engine::check_address). `None` by default: a
-    /// handler that wraps an engine and decides otherwise (a failure policy around it)
-    /// must not hand it out.
-    fn engine(&self) -> Option<&crate::Engine> {
-        None
-    }
 }
 
 impl<H: RateLimitHandler + ?Sized> RateLimitHandler for Arc<H> {
     fn check(&self, ctx: &RequestContext) -> MaybeReady<Result<Decision, Error>> {
         (**self).check(ctx)
-    }
-
-    fn engine(&self) -> Option<&crate::Engine> {
-        (**self).engine()
     }
 }
 

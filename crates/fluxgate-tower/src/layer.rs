@@ -1,12 +1,13 @@
 //! [`RateLimitLayer`] and its configuration.
 
+use std::any::Any;
 use std::fmt;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use fluxgate_core::{
-    Decision, FailurePolicy, Name, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET,
+    Decision, Engine, FailurePolicy, Name, PathPattern, RateLimitHandler, RequestContextBuilder, DEFAULT_RULE_SET,
 };
 use http::request::Parts;
 use http::{HeaderName, Response};
@@ -97,6 +98,8 @@ pub enum ConfigError {
 /// ```
 pub struct RateLimitLayerBuilder {
     handler: Arc<dyn RateLimitHandler>,
+    /// The handler, when it is an [`Engine`] itself.
+    engine: Option<Engine>,
     rule_set: Name,
     trusted: Vec<String>,
     forwarded_for: String,
@@ -131,7 +134,15 @@ impl RateLimitLayer {
 
     /// A builder around a handler.
     pub fn builder(handler: impl RateLimitHandler) -> RateLimitLayerBuilder {
+        // An engine itself (or an `Arc` of one), and no wrapper around it, whose `check`
+        // may decide otherwise: the layer may then ask it `Engine::check_address`.
+        let any = &handler as &dyn Any;
+        let engine = any
+            .downcast_ref::<Engine>()
+            .or_else(|| any.downcast_ref::<Arc<Engine>>().map(|engine| &**engine))
+            .cloned();
         RateLimitLayerBuilder {
+            engine,
             handler: Arc::new(handler),
             rule_set: Name::new(DEFAULT_RULE_SET),
             trusted: Vec::new(),
@@ -398,10 +409,8 @@ impl RateLimitLayerBuilder {
         }
         let include = patterns("include", &self.include)?;
         let by_address = self
-            .handler
-            .engine()
-            .filter(|_| self.customizer.is_none() && !self.shadow && include.is_empty() && exclude.is_empty())
-            .cloned();
+            .engine
+            .filter(|_| self.customizer.is_none() && !self.shadow && include.is_empty() && exclude.is_empty());
         Ok(RateLimitLayer {
             config: Arc::new(Config {
                 by_address,
