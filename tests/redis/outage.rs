@@ -8,7 +8,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -694,18 +694,21 @@ async fn a_limit_tightened_after_an_outage_is_not_refused_for_what_memory_admitt
 /// Once `frozen` holds a connection's number, that connection forwards nothing more either
 /// way and stays open, as one whose packets a middlebox drops does (no reset, no close).
 /// While `refuse` is set, it closes every connection it accepts; `forwarded` counts those it
-/// forwards. Returns the proxy's port.
+/// forwards, and `scripts` the script calls (`EVALSHA`) sent on each connection. Returns
+/// the proxy's port.
 async fn freezing_proxy(
     port: u16,
     frozen: Arc<AtomicUsize>,
     refuse: Arc<AtomicBool>,
     forwarded: Arc<AtomicUsize>,
+    scripts: Arc<Mutex<Vec<usize>>>,
 ) -> u16 {
     async fn forward(
         mut from: impl AsyncRead + Unpin,
         mut to: impl AsyncWrite + Unpin,
         frozen: Arc<AtomicUsize>,
         n: usize,
+        scripts: Option<Arc<Mutex<Vec<usize>>>>,
     ) {
         let mut buf = vec![0u8; 65536];
         loop {
@@ -717,6 +720,14 @@ async fn freezing_proxy(
             match read {
                 Ok(0) | Err(_) => return,
                 Ok(len) => {
+                    if let Some(scripts) = &scripts {
+                        let calls = buf[..len].windows(7).filter(|w| w == b"EVALSHA").count();
+                        let mut scripts = scripts.lock().expect("the counts");
+                        if scripts.len() <= n {
+                            scripts.resize(n + 1, 0);
+                        }
+                        scripts[n] += calls;
+                    }
                     if to.write_all(&buf[..len]).await.is_err() {
                         return;
                     }
@@ -740,8 +751,8 @@ async fn freezing_proxy(
             forwarded.fetch_add(1, Ordering::SeqCst);
             let (cr, cw) = client.into_split();
             let (sr, sw) = server.into_split();
-            tokio::spawn(forward(cr, sw, frozen.clone(), n));
-            tokio::spawn(forward(sr, cw, frozen.clone(), n));
+            tokio::spawn(forward(cr, sw, frozen.clone(), n, Some(scripts.clone())));
+            tokio::spawn(forward(sr, cw, frozen.clone(), n, None));
         }
     });
     local
@@ -815,17 +826,32 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
     let frozen = Arc::new(AtomicUsize::new(usize::MAX));
     let refuse = Arc::new(AtomicBool::new(false));
     let forwarded = Arc::new(AtomicUsize::new(0));
+    let scripts = Arc::new(Mutex::new(Vec::new()));
     let (_server, _cluster, url) = match place {
         Where::Standalone => {
             let server = RedisServer::start();
-            let port = freezing_proxy(server.port(), frozen.clone(), refuse.clone(), forwarded.clone()).await;
+            let port = freezing_proxy(
+                server.port(),
+                frozen.clone(),
+                refuse.clone(),
+                forwarded.clone(),
+                scripts.clone(),
+            )
+            .await;
             (Some(server), None, format!("redis://127.0.0.1:{port}"))
         }
         Where::Cluster => {
             let cluster = RedisCluster::start();
             let slot = fred::util::redis_keyslot(b"{default:per-ip:ip=192.0.2.77}");
             let node = cluster.node_of_slot(slot);
-            let port = freezing_proxy(node.port(), frozen.clone(), refuse.clone(), forwarded.clone()).await;
+            let port = freezing_proxy(
+                node.port(),
+                frozen.clone(),
+                refuse.clone(),
+                forwarded.clone(),
+                scripts.clone(),
+            )
+            .await;
             let announced = port.to_string();
             assert_eq!(
                 node.cli(&["CONFIG", "SET", "cluster-announce-port", &announced]).trim(),
@@ -880,6 +906,7 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
     frozen.store(1, Ordering::SeqCst);
     refuse.store(cannot_connect_again, Ordering::SeqCst);
     let start = Instant::now();
+    let made_before_freeze = forwarded.load(Ordering::SeqCst);
     // When the proxy first forwards a connection made after the freeze.
     let connected_again = {
         let forwarded = forwarded.clone();
@@ -950,6 +977,24 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
         let again = connected_again.await.expect("the watcher");
         eprintln!("a connection made again {again:?} after the freeze");
         assert!(again.is_some(), "the stuck connection was not replaced within 10 s");
+        // And the client takes decisions again: script calls go out on its new connection.
+        let late = || {
+            scripts
+                .lock()
+                .expect("the counts")
+                .iter()
+                .skip(made_before_freeze)
+                .sum::<usize>()
+        };
+        let before = late();
+        for _ in 0..60 {
+            let d = engine.check(&ctx()).await.expect("decided");
+            assert!(!d.failed_open, "{d:?}");
+        }
+        assert!(
+            late() > before,
+            "no script call went out on a connection made after the freeze: the client was not counted back"
+        );
     }
     if cannot_connect_again {
         // Connecting possible again: the client passed over connects again within a period

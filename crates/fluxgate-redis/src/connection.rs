@@ -296,6 +296,16 @@ impl Liveness {
         }
     }
 
+    /// The client at `place` answers the calls of these ranges again: their silences are
+    /// over.
+    fn client_recovered_ranges(&self, place: usize, ranges: &[u16]) {
+        if let Some(client) = self.clients.get(place) {
+            for &range in ranges {
+                client.answered(range);
+            }
+        }
+    }
+
     /// The reconnection of the client at `place` is over.
     fn client_reconnected(&self, place: usize) {
         if let Some(client) = self.clients.get(place) {
@@ -304,13 +314,51 @@ impl Liveness {
     }
 }
 
-/// Whether the node of `slot` answers `client` within `timeout`: a `PING` sent to it.
+/// Whether the node of `slot` answers `client` within `timeout`: a `PING` sent to it. An
+/// error reply is an answer too (a user whose ACL refuses `PING`, `NOPERM`; a slot that
+/// moved): the connection carries it.
 async fn answers(client: &Client, slot: u16, timeout: Duration) -> Result<(), RedisError> {
     let ping = CustomCommand::new_static("PING", ClusterHash::Custom(slot), false);
     match tokio::time::timeout(timeout, client.custom::<Value, Value>(ping, Vec::new())).await {
-        Ok(reply) => reply.map(drop).map_err(RedisError::Command),
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(error)) if is_reply(&error) => Ok(()),
+        Ok(Err(error)) => Err(RedisError::Command(error)),
         Err(_) => Err(RedisError::Timeout(timeout)),
     }
+}
+
+/// Whether `error` is an error reply of Redis (its code first, in capitals: `ERR`,
+/// `NOPERM`, `MOVED`…), not one of the client's own (a timeout, a connection lost, a
+/// command it could not route).
+fn is_reply(error: &fred::error::Error) -> bool {
+    use fred::error::ErrorKind;
+    let code = error.details().split_whitespace().next().unwrap_or("");
+    !matches!(error.kind(), ErrorKind::Timeout | ErrorKind::IO | ErrorKind::Canceled)
+        && !code.is_empty()
+        && code.bytes().all(|b| b.is_ascii_uppercase())
+}
+
+/// Which of a clustered client's silent ranges its reconnection proved (see
+/// [`Connection::reconnect_client`]): the nodes of the first and the last slot of `range`
+/// (two when the range is split between nodes) answered it, and so every range whose
+/// slots those nodes hold is proved too, as fred's routing table has them. An error when a
+/// node did not answer.
+async fn proven_ranges(client: &Client, range: u16, timeout: Duration) -> Result<Vec<u16>, RedisError> {
+    let ends = |range: u16| [range << RANGE_BITS, ((range + 1) << RANGE_BITS) - 1];
+    for slot in ends(range) {
+        answers(client, slot, timeout).await?;
+    }
+    let Some(routing) = client.cached_cluster_state() else {
+        return Ok(vec![range]);
+    };
+    let proven: Vec<_> = ends(range)
+        .iter()
+        .filter_map(|&slot| routing.get_server(slot).cloned())
+        .collect();
+    let held = |slot: u16| routing.get_server(slot).is_some_and(|server| proven.contains(server));
+    Ok((0..16_384 >> RANGE_BITS)
+        .filter(|&other| other == range || ends(other).into_iter().all(held))
+        .collect())
 }
 
 impl Silence {
@@ -538,9 +586,10 @@ impl Connection {
     /// a call of the range was answered on another client (see [`Liveness`]), that client
     /// connects again, in a task of its own, after fred's reconnection delay (on a
     /// cluster, reading the cluster's slots again, which keeps every connection that shows
-    /// no error: there it ends well only once the slot's node answers a `PING` through the
-    /// client); the other clients' calls are not interrupted. Until that reconnection ends
-    /// well, [`next_placed`](Self::next_placed) sends the range's calls to the others.
+    /// no error: there it ends well for a range only once the range's nodes answer a `PING`
+    /// through the client, see [`proven_ranges`]); the other clients' calls are not
+    /// interrupted. Until that reconnection ends well,
+    /// [`next_placed`](Self::next_placed) sends the range's calls to the others.
     pub(crate) fn client_saw<T>(&self, place: Option<usize>, slot: u16, result: &Result<T, RedisError>) {
         let (Some(liveness), Some(place), Clients::Pool(pool)) = (&self.liveness, place, &self.clients) else {
             return;
@@ -557,7 +606,8 @@ impl Connection {
     }
 
     /// Connects the client at `place` again, in a task of its own, its reconnection taken
-    /// ([`Liveness::client_timed_out`] or [`Silence::due`]); a success ends its silences.
+    /// ([`Liveness::client_timed_out`] or [`Silence::due`]); a success ends its silences (on
+    /// a cluster, those of the ranges whose nodes answered it, see [`proven_ranges`]).
     fn reconnect_client(&self, pool: &Pool, liveness: &Arc<Liveness>, place: usize, slot: u16) {
         // A client whose connection task ended reads no command, the reconnection's
         // neither: started again first.
@@ -590,15 +640,18 @@ impl Connection {
             let result = match client.force_reconnection().await {
                 // A clustered client's reconnection reads the cluster's slots again and keeps
                 // every connection that shows no error, a stuck one too: the client is back
-                // only once the slot's node answers it within the deadline (before, it was
-                // sent the range's calls again, which timed out until the period passed
-                // once more, a third of them answered by the failure policy for as long as
-                // the connection stayed stuck).
-                Ok(()) if cluster => answers(&client, slot, timeout).await,
-                other => other.map_err(RedisError::Command),
+                // for a range only once the nodes of the range answer it within the deadline,
+                // and for the other ranges of those nodes with it (before, it was sent every
+                // range's calls again, which timed out until the period passed once more, a
+                // third of them answered by the failure policy for as long as the
+                // connection stayed stuck).
+                Ok(()) if cluster => proven_ranges(&client, slot >> RANGE_BITS, timeout).await.map(Some),
+                Ok(()) => Ok(None),
+                Err(error) => Err(RedisError::Command(error)),
             };
             match result {
-                Ok(()) => liveness.client_recovered(place),
+                Ok(Some(ranges)) => liveness.client_recovered_ranges(place, &ranges),
+                Ok(None) => liveness.client_recovered(place),
                 Err(error) => tracing::debug!(%error, "a forced reconnection failed; fred keeps trying"),
             }
         });
@@ -735,6 +788,25 @@ impl Connection {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An error reply of Redis is an answer (the connection carries it); the client's own
+    /// errors are not.
+    #[test]
+    fn an_error_reply_is_an_answer() {
+        use fred::error::{Error, ErrorKind};
+        let answered = |kind, details: &str| is_reply(&Error::new(kind, details.to_owned()));
+        assert!(answered(
+            ErrorKind::Unknown,
+            "NOPERM User limiter has no permissions to run the 'ping' command"
+        ));
+        assert!(answered(ErrorKind::Unknown, "ERR unknown command"));
+        assert!(answered(ErrorKind::Cluster, "MOVED 3999 127.0.0.1:6381"));
+        assert!(!answered(ErrorKind::Unknown, "Failed to route command."));
+        assert!(!answered(ErrorKind::Timeout, "Request timed out."));
+        assert!(!answered(ErrorKind::IO, "ERR connection reset"));
+        assert!(!answered(ErrorKind::Canceled, "CANCELED"));
+        assert!(!answered(ErrorKind::Unknown, ""));
+    }
 
     /// A slot's calls keep timing out for `unanswered`: the pool reconnects, then not again
     /// within `unanswered` nor while that reconnection is under way; an answer starts the
