@@ -78,10 +78,12 @@ where
 
     fn call(&mut self, mut req: Request<ReqBody>) -> Self::Future {
         let config = &self.config;
-        let client_ip = config.client_ip.resolve(req.extensions(), req.headers());
+        // The client address, once resolved (a request the layer leaves alone never is).
+        let mut resolved = None;
         if let Some(engine) = &config.by_address {
             // A rule set that reads nothing but the method and the client address is
             // decided without a context (nothing else of the layer reads one).
+            let client_ip = *resolved.insert(config.client_ip.resolve(req.extensions(), req.headers()));
             if let Some(decision) = engine.check_address(&config.rule_set, req.method(), client_ip) {
                 return match config.address_verdict(decision) {
                     Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
@@ -94,6 +96,7 @@ where
         if !config.limits(builder.peek()) {
             return ResponseFuture::calling(self.inner.call(req), None);
         }
+        let client_ip = resolved.unwrap_or_else(|| config.client_ip.resolve(req.extensions(), req.headers()));
         match &config.customizer {
             None => config.fill(&mut builder, req.method(), req.headers(), req.extensions(), client_ip),
             Some(customize) => {
