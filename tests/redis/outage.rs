@@ -805,6 +805,13 @@ async fn one_stuck_connection_to_a_cluster_node_connects_again_with_batches() {
     one_stuck_connection_on(Where::Cluster, Some(Batching::new()), false).await;
 }
 
+/// The same on a cluster when the node behind the proxy takes no new connection: the
+/// client stays passed over for the node's ranges, and connects again once it can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_connection_to_a_cluster_node_that_cannot_connect_again_is_passed_over() {
+    one_stuck_connection_on(Where::Cluster, None, true).await;
+}
+
 /// Where the proxy of [`one_stuck_connection_on`] stands: before a standalone server, or
 /// before the primary of the request's slot in a cluster of three, which announces the
 /// proxy's port as its own so that clients connect to it through the proxy.
