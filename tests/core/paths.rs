@@ -21,16 +21,10 @@ use http::Method;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
+use crate::support::app::ALGORITHMS;
+
 /// The shadow rule that never binds (a capacity no sequence here comes near), added last.
 const NEUTRAL: &str = "zz-neutral";
-
-const ALGORITHMS: [&str; 5] = [
-    "token_bucket",
-    "leaky_bucket",
-    "fixed_window",
-    "sliding_window_log",
-    "sliding_window_counter",
-];
 
 const SCOPES: [&str; 8] = [
     "scope: ip",

@@ -13,7 +13,7 @@ use axum::extract::ConnectInfo;
 use fluxgate::core::{AddressDecision, Engine, MemoryLimiter, TokioClock};
 use http::{Method, Request};
 
-use crate::support::app::rules;
+use crate::support::app::{rules, ALGORITHMS};
 use crate::support::rng::Rng;
 use crate::{app, engine, layer, send};
 
@@ -25,13 +25,6 @@ fn engine_on(yaml: &str, clock: TokioClock) -> Engine {
         .expect("the in-memory limiter decides every rule")
 }
 
-const ALGORITHMS: [&str; 5] = [
-    "token_bucket",
-    "leaky_bucket",
-    "fixed_window",
-    "sliding_window_log",
-    "sliding_window_counter",
-];
 const SCOPES: [&str; 3] = ["ip", "global", "user"];
 const PEERS: [Option<&str>; 5] = [
     Some("192.0.2.1"),

@@ -928,7 +928,7 @@ mod migrating {
 mod transaction_replay {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use fluxgate::core::FailurePolicy;
     use fluxgate::redis::RedisLimiter;
@@ -1003,17 +1003,7 @@ mod transaction_replay {
         let target = cluster.another_node(cluster.node_of_slot(slot));
         let armed = Arc::new(AtomicBool::new(false));
         let via = proxy(target.port(), armed.clone()).await;
-        let p = via.to_string();
-        assert_eq!(target.cli(&["CONFIG", "SET", "cluster-announce-port", &p]).trim(), "OK");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !cluster
-            .nodes
-            .iter()
-            .all(|n| n.cli(&["CLUSTER", "NODES"]).contains(&format!(":{p}@")))
-        {
-            assert!(Instant::now() < deadline, "the nodes did not learn the announced port");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        cluster.announce_port(target, via);
         let limiter = RedisLimiter::builder(cluster.url())
             .prefix("replay")
             .timeout(Duration::from_millis(200))

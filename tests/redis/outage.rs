@@ -859,20 +859,7 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
                 scripts.clone(),
             )
             .await;
-            let announced = port.to_string();
-            assert_eq!(
-                node.cli(&["CONFIG", "SET", "cluster-announce-port", &announced]).trim(),
-                "OK"
-            );
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while !cluster
-                .nodes
-                .iter()
-                .all(|n| n.cli(&["CLUSTER", "NODES"]).contains(&format!(":{announced}@")))
-            {
-                assert!(Instant::now() < deadline, "the nodes did not learn the announced port");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
+            cluster.announce_port(node, port);
             let url = cluster.url();
             (None, Some(cluster), url)
         }

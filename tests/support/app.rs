@@ -11,6 +11,16 @@ use fluxgate::tower::{RateLimitLayer, RateLimitLayerBuilder};
 use http::{HeaderMap, Request, StatusCode};
 use tower::ServiceExt;
 
+/// The five algorithms, as rule files name them.
+#[allow(dead_code)] // Not every test binary draws rules.
+pub(crate) const ALGORITHMS: [&str; 5] = [
+    "token_bucket",
+    "leaky_bucket",
+    "fixed_window",
+    "sliding_window_log",
+    "sliding_window_counter",
+];
+
 /// The rule sets of a YAML text.
 pub(crate) fn rules(yaml: &str) -> RuleSets {
     RuleSets::from_yaml_str(yaml).unwrap_or_else(|e| panic!("test rules: {e}"))

@@ -471,6 +471,26 @@ impl RedisCluster {
         self.node_of_slot(fred::util::redis_keyslot(key.as_bytes()))
     }
 
+    /// Makes `node` announce `port` as its own (a proxy in front of it: clients that read
+    /// the cluster's slots then connect to it through the proxy), and waits until every
+    /// node tells it so.
+    pub(crate) fn announce_port(&self, node: &RedisServer, port: u16) {
+        let announced = port.to_string();
+        assert_eq!(
+            node.cli(&["CONFIG", "SET", "cluster-announce-port", &announced]).trim(),
+            "OK"
+        );
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self
+            .nodes
+            .iter()
+            .all(|n| n.cli(&["CLUSTER", "NODES"]).contains(&format!(":{announced}@")))
+        {
+            assert!(Instant::now() < deadline, "the nodes did not learn the announced port");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
     /// A node of the cluster other than `node`.
     pub(crate) fn another_node(&self, node: &RedisServer) -> &RedisServer {
         self.nodes
