@@ -253,11 +253,29 @@ static BY_ADDRESS: AtomicUsize = AtomicUsize::new(0);
 
 /// The decision `check_address` made, as `check` gives it: an admission by one band is a
 /// decision of that band alone.
-fn by_address(decision: AddressDecision, ctx: &RequestContext) -> Decision {
+/// The figures the admitted band gives by itself must be its report's.
+fn by_address(decision: AddressDecision<'_>, ctx: &RequestContext) -> Decision {
     match decision {
         AddressDecision::Admitted(band) => {
+            let report = band.report();
+            assert_eq!(
+                (
+                    band.limit(),
+                    band.remaining(),
+                    band.reset_after(),
+                    band.reset_unix_secs()
+                ),
+                (
+                    report.limit,
+                    report.remaining,
+                    report.reset_after,
+                    report.reset_unix_secs()
+                ),
+                "{report:?}"
+            );
+            assert_eq!((band.rule().id(), band.band().name()), (&report.rule, &report.band));
             let mut decision = Decision::without_bands(ctx.rule_set_id().into(), Outcome::Admitted);
-            decision.bands = Bands::from(vec![band]);
+            decision.bands = Bands::from(vec![report]);
             decision.binding_index = Some(0);
             decision
         }
@@ -317,10 +335,10 @@ fn run(case: &Case) -> Result<(), TestCaseError> {
             .collect();
         let address = ctx.client_ip();
         decisions.push(
-            match addressed.check_address(ctx.rule_set_id(), ctx.method(), address) {
+            match addressed.check_address(ctx.rule_set_id(), ctx.method(), address, |d| by_address(d, &ctx)) {
                 Some(decision) => {
                     BY_ADDRESS.fetch_add(1, Ordering::Relaxed);
-                    by_address(decision, &ctx)
+                    decision
                 }
                 None => runtime.block_on(addressed.check(&ctx)).expect("decided"),
             },

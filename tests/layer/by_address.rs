@@ -118,7 +118,7 @@ async fn deciding_by_address_answers_as_the_context_does() {
         let probe: Engine = engine(&yaml);
         let ip = Some("192.0.2.9".parse().unwrap());
         assert_eq!(
-            probe.check_address("default", &Method::DELETE, ip).is_some(),
+            probe.check_address("default", &Method::DELETE, ip, |_| ()).is_some(),
             by_address,
             "case {case}:\n{yaml}"
         );
@@ -159,17 +159,18 @@ fn the_short_path_is_taken_only_for_rule_sets_it_decides_alone() {
     let address: IpAddr = "192.0.2.1".parse().expect("an address");
     let ip = Some(address);
     let plain = engine(&one(""));
-    assert!(matches!(
-        plain.check_address("default", &Method::GET, ip),
-        Some(AddressDecision::Admitted(_))
-    ));
-    assert!(matches!(
-        plain.check_address("default", &Method::GET, ip),
-        Some(AddressDecision::Decided(d)) if !d.allowed()
-    ));
+    let admitted = |decision: AddressDecision<'_>| match decision {
+        AddressDecision::Admitted(band) => Some(band.remaining()),
+        AddressDecision::Decided(d) => d.allowed().then(|| d.remaining()).flatten(),
+    };
+    assert_eq!(
+        plain.check_address("default", &Method::GET, ip, admitted),
+        Some(Some(0))
+    );
+    assert_eq!(plain.check_address("default", &Method::GET, ip, admitted), Some(None));
     // An unknown rule set, a user's key, a path pattern, a shadow rule, a second band, a
     // lease, a wait: the context decides, and nothing was counted.
-    assert!(plain.check_address("other", &Method::GET, ip).is_none());
+    assert!(plain.check_address("other", &Method::GET, ip, |_| ()).is_none());
     for yaml in [
         one("        scope: user\n"),
         one("        match: { paths: [\"/api/**\"] }\n"),
@@ -179,7 +180,7 @@ fn the_short_path_is_taken_only_for_rule_sets_it_decides_alone() {
         one("        on_limit: { wait: { max_wait: 1s, max_waiters: 1 } }\n"),
     ] {
         let engine = engine(&yaml);
-        assert!(engine.check_address("default", &Method::GET, ip).is_none(), "{yaml}");
+        assert!(engine.check_address("default", &Method::GET, ip, |_| ()).is_none(), "{yaml}");
         let ctx = fluxgate::core::RequestContext::builder()
             .path("/api/x")
             .client_ip(address)

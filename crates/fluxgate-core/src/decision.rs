@@ -108,6 +108,88 @@ impl BandReport {
     }
 }
 
+/// The one band of a rule set that admitted a request, as [`Engine::check_address`]
+/// gives it: the band's figures after the decision, read from the rule set rather than
+/// copied into a [`BandReport`] (its names are not cloned, and no instant is built). Its
+/// [`report`](Self::report) is the report [`Engine::check`] gives for the same decision.
+///
+/// [`Engine::check_address`]: crate::Engine::check_address
+/// [`Engine::check`]: crate::Engine::check
+#[derive(Debug, Clone, Copy)]
+pub struct AdmittedBand<'a> {
+    rule: &'a Rule,
+    band: &'a Band,
+    remaining: u64,
+    reset_after: Duration,
+    now_unix_nanos: u64,
+}
+
+impl<'a> AdmittedBand<'a> {
+    /// The band `band` of `rule`, admitted at `now_unix_nanos` with `remaining` permits left
+    /// and full again after `reset_after`.
+    pub(crate) fn new(
+        rule: &'a Rule,
+        band: &'a Band,
+        now_unix_nanos: u64,
+        remaining: u64,
+        reset_after: Duration,
+    ) -> Self {
+        Self {
+            rule,
+            band,
+            remaining,
+            reset_after,
+            now_unix_nanos,
+        }
+    }
+
+    /// The rule.
+    pub fn rule(&self) -> &'a Rule {
+        self.rule
+    }
+
+    /// The band.
+    pub fn band(&self) -> &'a Band {
+        self.band
+    }
+
+    /// The capacity ([`BandReport::limit`]).
+    pub fn limit(&self) -> u64 {
+        self.band.capacity()
+    }
+
+    /// Permits left ([`BandReport::remaining`]).
+    pub fn remaining(&self) -> u64 {
+        self.remaining
+    }
+
+    /// Time until the band is full again ([`BandReport::reset_after`]).
+    pub fn reset_after(&self) -> Duration {
+        self.reset_after
+    }
+
+    /// When the band is full again, in whole Unix seconds rounded up: the report's
+    /// [`BandReport::reset_unix_secs`], worked out without building its instant.
+    pub fn reset_unix_secs(&self) -> u64 {
+        ceil_secs(Duration::from_nanos(reset_unix_nanos(
+            self.now_unix_nanos,
+            self.reset_after,
+        )))
+    }
+
+    /// The band's report, as [`Engine::check`](crate::Engine::check) gives it.
+    pub fn report(&self) -> BandReport {
+        BandReport::new(
+            self.rule,
+            self.band,
+            self.now_unix_nanos,
+            self.remaining,
+            self.reset_after,
+            Wait::None,
+        )
+    }
+}
+
 impl BandReport {
     /// Sets the figures of a band that was evaluated but not committed: `remaining` and the
     /// time until it is full, from `now_unix_nanos`.
@@ -122,8 +204,13 @@ impl BandReport {
 /// instant of 64-bit nanoseconds since the epoch, in the year 2554).
 #[inline]
 fn reset_at(now_unix_nanos: u64, reset_after: Duration) -> SystemTime {
+    UNIX_EPOCH + Duration::from_nanos(reset_unix_nanos(now_unix_nanos, reset_after))
+}
+
+/// When a band is full again, in Unix nanoseconds.
+fn reset_unix_nanos(now_unix_nanos: u64, reset_after: Duration) -> u64 {
     let after = u64::try_from(reset_after.as_nanos()).unwrap_or(u64::MAX);
-    UNIX_EPOCH + Duration::from_nanos(now_unix_nanos.saturating_add(after))
+    now_unix_nanos.saturating_add(after)
 }
 
 /// The binding band of a decision's enforced `bands`, and the retry-after: on rejection

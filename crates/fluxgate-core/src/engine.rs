@@ -12,7 +12,7 @@ use smallvec::SmallVec;
 use tracing::Instrument;
 
 use crate::context::RequestContext;
-use crate::decision::{BandReport, Decision, Outcome};
+use crate::decision::{AdmittedBand, Decision, Outcome};
 use crate::error::{BoxError, Error, RuleError};
 use crate::failure::{FailurePolicy, Fallback};
 use crate::future::{MaybeReady, Settled};
@@ -362,14 +362,17 @@ impl Engine {
     /// Decides a request by its method and client address alone, when its rule set needs
     /// nothing else: the decision [`check`](Self::check) makes for a context of this rule
     /// set, method and address, whatever the context's path, user, API key and attributes,
-    /// without building one. The rule set must be one enforced rule of one band, keyed by
-    /// the client address or global, without path patterns, a lease or a wait for the
-    /// refill, and read from the engine's in-memory limiter, with no recorder and no
-    /// subscriber of the `fluxgate.decision` span; otherwise (an unknown rule set, or a
-    /// provider whose lookup does not complete at once, too) this returns `None` with
-    /// nothing counted, and the caller builds the context for `check`. The layer of
-    /// `fluxgate-tower` decides by it when nothing else would read the context (no
-    /// customizer, include or exclude patterns, or shadow mode).
+    /// without building one, handed to `then`. The rule set must be one enforced rule of
+    /// one band, keyed by the client address or global, without path patterns, a lease or
+    /// a wait for the refill, and read from the engine's in-memory limiter, with no
+    /// recorder and no subscriber of the `fluxgate.decision` span; otherwise (an unknown
+    /// rule set, or a provider whose lookup does not complete at once, too) this returns
+    /// `None` with nothing counted and `then` not called, and the caller builds the
+    /// context for `check`. The layer of `fluxgate-tower` decides by it when nothing else
+    /// would read the context (no customizer, include or exclude patterns, or shadow mode).
+    ///
+    /// An admission comes as the band's figures, borrowed from the rule set for the time
+    /// of `then` ([`AdmittedBand`]); any other decision as `check` makes it.
     ///
     /// ```
     /// use fluxgate_core::{AddressDecision, Engine, RuleSets};
@@ -384,16 +387,21 @@ impl Engine {
     /// "#).unwrap();
     /// let engine = Engine::in_memory(rules);
     /// let ip = Some("192.0.2.1".parse().unwrap());
-    /// match engine.check_address("default", &Method::GET, ip) {
-    ///     Some(AddressDecision::Admitted(band)) => assert_eq!(band.remaining, 0),
-    ///     other => panic!("{other:?}"),
-    /// }
-    /// match engine.check_address("default", &Method::GET, ip) {
-    ///     Some(AddressDecision::Decided(decision)) => assert!(!decision.allowed()),
-    ///     other => panic!("{other:?}"),
-    /// }
+    /// let remaining = |decision: AddressDecision<'_>| match decision {
+    ///     AddressDecision::Admitted(band) => Some(band.remaining()),
+    ///     AddressDecision::Decided(decision) => decision.allowed().then(|| decision.remaining()).flatten(),
+    /// };
+    /// assert_eq!(engine.check_address("default", &Method::GET, ip, remaining), Some(Some(0)));
+    /// assert_eq!(engine.check_address("default", &Method::GET, ip, remaining), Some(None));
+    /// assert_eq!(engine.check_address("other", &Method::GET, ip, remaining), None);
     /// ```
-    pub fn check_address(&self, rule_set: &str, method: &Method, client_ip: Option<IpAddr>) -> Option<AddressDecision> {
+    pub fn check_address<R>(
+        &self,
+        rule_set: &str,
+        method: &Method,
+        client_ip: Option<IpAddr>,
+        then: impl FnOnce(AddressDecision<'_>) -> R,
+    ) -> Option<R> {
         let memory = self.inner.direct.as_ref()?;
         // What `check` records or shows in its span, it decides itself.
         if self.inner.recorder.is_some() || self.inner.key_text || tracing::enabled!(tracing::Level::DEBUG) {
@@ -406,14 +414,24 @@ impl Engine {
         let typed = self.inner.resolver.typed_by_address(rule, client_ip)?;
         if !rule.applies_to_paths(None, method) {
             let decision = Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
-            return Some(AddressDecision::Decided(decision));
+            return Some(then(AddressDecision::Decided(decision)));
         }
         /// The text of a key known by its typed value: none.
         static NO_TEXT: Text = Text::new();
         let bucket = Bucket::of(&set, rule, &NO_TEXT, typed);
-        Some(match memory.acquire_one_admitted(&bucket, &rule.bands()[0]) {
-            Ok(band) => AddressDecision::Admitted(band),
-            Err(outcome) => AddressDecision::Decided(Decision::from_enforced_outcome(set.id().clone(), outcome)),
+        let band = &rule.bands()[0];
+        Some(match memory.acquire_one_admitted(&bucket, band) {
+            Ok(admitted) => then(AddressDecision::Admitted(AdmittedBand::new(
+                rule,
+                band,
+                admitted.now_unix_nanos,
+                admitted.remaining,
+                admitted.reset_after,
+            ))),
+            Err(outcome) => then(AddressDecision::Decided(Decision::from_enforced_outcome(
+                set.id().clone(),
+                outcome,
+            ))),
         })
     }
 
@@ -781,11 +799,12 @@ impl Inner {
 }
 
 /// What [`Engine::check_address`] decided.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum AddressDecision {
-    /// Admitted, the permit taken from the rule set's one band: that band's report, the
-    /// only band of the decision [`Engine::check`] makes.
-    Admitted(BandReport),
+#[derive(Debug, Clone)]
+pub enum AddressDecision<'a> {
+    /// Admitted, the permit taken from the rule set's one band: that band's figures, the
+    /// only band of the decision [`Engine::check`] makes (its report is
+    /// [`AdmittedBand::report`]).
+    Admitted(AdmittedBand<'a>),
     /// Any other decision, as [`Engine::check`] makes it.
     Decided(Decision),
 }

@@ -75,7 +75,7 @@ mod wait;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
-pub use decision::{BandReport, Bands, Decision, Outcome};
+pub use decision::{AdmittedBand, BandReport, Bands, Decision, Outcome};
 pub use engine::{AddressDecision, Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};
 pub use failure::{CircuitBreaker, FailurePolicy, FallbackHandler};

@@ -190,7 +190,7 @@ impl Config {
 
     /// What happens to a request [`Engine::check_address`] decided: what
     /// [`verdict`](Self::verdict) makes of the decision [`Engine::check`] gives.
-    pub(crate) fn address_verdict(&self, decision: AddressDecision) -> Verdict {
+    pub(crate) fn address_verdict(&self, decision: AddressDecision<'_>) -> Verdict {
         match decision {
             AddressDecision::Admitted(band) => Verdict::Pass(Figures::of_admitted(self, &band)),
             AddressDecision::Decided(decision) => self.verdict(Ok(decision), true),

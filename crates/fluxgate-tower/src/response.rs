@@ -4,7 +4,7 @@ use std::cell::RefCell;
 
 use bytes::Bytes;
 use fluxgate_core::num::ceil_secs;
-use fluxgate_core::{BandReport, Decision};
+use fluxgate_core::{AdmittedBand, BandReport, Decision};
 use http::header::{CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 
@@ -77,8 +77,22 @@ impl Figures {
     /// The figures of a request admitted by its only band (see
     /// [`Engine::check_address`](fluxgate_core::Engine::check_address)): what [`of`](Self::of)
     /// gives for the decision with that one band.
-    pub(crate) fn of_admitted(config: &Config, band: &BandReport) -> Option<Self> {
-        Self::of_bands(config, std::slice::from_ref(band), band, None, false)
+    pub(crate) fn of_admitted(config: &Config, band: &AdmittedBand<'_>) -> Option<Self> {
+        if !config.legacy_headers && !config.ietf_headers {
+            return None;
+        }
+        let ietf = config.ietf_headers.then(|| {
+            let report = band.report();
+            ietf_headers(std::slice::from_ref(&report), &report, band.remaining())
+        });
+        Some(Self {
+            legacy: config.legacy_headers,
+            limit: band.limit(),
+            remaining: band.remaining(),
+            reset: band.reset_unix_secs(),
+            retry_after: None,
+            ietf,
+        })
     }
 
     /// The figures of a decision's enforced bands, `binding` among them.

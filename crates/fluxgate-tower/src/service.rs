@@ -84,8 +84,11 @@ where
             // A rule set that reads nothing but the method and the client address is
             // decided without a context (nothing else of the layer reads one).
             let client_ip = *resolved.insert(config.client_ip.resolve(req.extensions(), req.headers()));
-            if let Some(decision) = engine.check_address(&config.rule_set, req.method(), client_ip) {
-                return match config.address_verdict(decision) {
+            let verdict = engine.check_address(&config.rule_set, req.method(), client_ip, |decision| {
+                config.address_verdict(decision)
+            });
+            if let Some(verdict) = verdict {
+                return match verdict {
                     Verdict::Pass(figures) => ResponseFuture::calling(self.inner.call(req), figures),
                     Verdict::Reject(response) => ResponseFuture::rejected(response),
                 };

@@ -890,9 +890,9 @@ impl MemoryLimiter {
     }
 
     /// [`acquire_one`](Self::acquire_one) for a request its band admits and commits: the
-    /// band's report alone, no outcome or report vector; any other outcome as
+    /// band's figures alone, no outcome, report or report vector; any other outcome as
     /// `acquire_one` gives it.
-    pub(crate) fn acquire_one_admitted(&self, bucket: &Bucket<'_>, band: &Band) -> Result<BandReport, AcquireOutcome> {
+    pub(crate) fn acquire_one_admitted(&self, bucket: &Bucket<'_>, band: &Band) -> Result<Admitted, AcquireOutcome> {
         self.acquire_single(bucket, band)
     }
 
@@ -1313,12 +1313,26 @@ impl SingleOutcome for AcquireOutcome {
     }
 }
 
-impl SingleOutcome for Result<BandReport, AcquireOutcome> {
+/// The figures of a one-band request its band admitted and committed: what its report
+/// would say, without the report.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Admitted {
+    pub(crate) now_unix_nanos: u64,
+    pub(crate) remaining: u64,
+    pub(crate) reset_after: Duration,
+}
+
+impl SingleOutcome for Result<Admitted, AcquireOutcome> {
     type Spare = ();
     fn spare() {}
     fn evaluated<S>((): (), bucket: &Bucket<'_>, band: &Band, now: u64, e: &Eval<S>) -> Self {
         if e.allowed && !bucket.shadow() {
-            Ok(report(bucket, band, now, e, true))
+            // The figures `report` takes for a committed band.
+            Ok(Admitted {
+                now_unix_nanos: now,
+                remaining: e.remaining_after,
+                reset_after: Duration::from_nanos(e.reset_after),
+            })
         } else {
             Err(AcquireOutcome::evaluated(Bands::with_capacity(1), bucket, band, now, e))
         }
