@@ -186,21 +186,27 @@ pub fn paths(data: &[u8]) {
     let Ok(parsed) = parsed else {
         return;
     };
-    let pat: Vec<Vec<char>> = pattern
+    // Each segment of the pattern, decoded and as written: a path's segment matches either.
+    let written: Vec<Vec<char>> = pattern
         .split('/')
         .filter(|s| !s.is_empty())
         .map(|s| s.chars().collect())
         .collect();
+    let decoded: Vec<Vec<char>> = reference_decode(&pattern)
+        .split('/')
+        .filter(|s| !s.is_empty())
+        .map(|s| s.chars().collect())
+        .collect();
+    let pat: Vec<[Vec<char>; 2]> = decoded.into_iter().zip(written).map(|(d, w)| [d, w]).collect();
     let normalized = normalize_path(raw);
     let normal_segments: Vec<&str> = normalized.split('/').filter(|s| !s.is_empty()).collect();
-    let by_route = reference_matches(&pat, &routed);
     // A pattern ignores its trailing `/`, so the routed view is also matched without the
     // request's: `/items/*/` applies to `/items//`, which reaches an `/items/{id}/` route.
-    let by_route = by_route
-        || match routed.split_last() {
-            Some((&"", rest)) => reference_matches(&pat, rest),
-            _ => false,
-        };
+    let without_slash = |routed: &[&str]| match routed.split_last() {
+        Some((&"", rest)) => reference_matches(&pat, rest),
+        _ => false,
+    };
+    let by_route = reference_matches(&pat, &routed) || without_slash(&routed);
     // Behind a middleware that trims the runs of `/` at both ends (tower-http's
     // `NormalizePathLayer`), the router sees `/` and the rest, when there are such runs.
     let trimmed_raw = if raw.starts_with("//") || raw.ends_with('/') {
@@ -214,7 +220,6 @@ pub fn paths(data: &[u8]) {
         by_trim,
         "`{pattern}`.matches_routed_trimmed({raw:?}), trimmed {trimmed_raw:?}"
     );
-    let by_route = by_route || by_trim;
     let by_path = reference_matches(&pat, &normal_segments);
     assert_eq!(
         parsed.matches_routed(raw),
@@ -223,7 +228,7 @@ pub fn paths(data: &[u8]) {
     );
     assert_eq!(
         parsed.matches_routed_or_without_trailing_slash(raw) || by_trim,
-        by_route,
+        by_route || by_trim,
         "`{pattern}`.matches_routed_or_without_trailing_slash({raw:?}), segments {routed:?}"
     );
     assert_eq!(
@@ -231,6 +236,24 @@ pub fn paths(data: &[u8]) {
         by_path,
         "`{pattern}`.matches({normalized:?}) (from {raw:?})"
     );
+    // With escapes, two views more: the routed segments decoded (with or without the
+    // trailing `/`, or trimmed), and the normalized path with `%2F` decoded too.
+    let by_decoded = raw.contains('%') && {
+        let decoded: Vec<String> = routed.iter().map(|s| reference_decode(s)).collect();
+        let decoded: Vec<&str> = decoded.iter().map(String::as_str).collect();
+        let trimmed: Vec<String> = reference_routed(&trimmed_raw)
+            .iter()
+            .map(|s| reference_decode(s))
+            .collect();
+        let trimmed: Vec<&str> = trimmed.iter().map(String::as_str).collect();
+        let flattened = normalize_path(&normalized.replace("%2F", "/"));
+        let flattened: Vec<&str> = flattened.split('/').filter(|s| !s.is_empty()).collect();
+        reference_matches(&pat, &decoded)
+            || without_slash(&decoded)
+            || (trimmed_raw != raw && reference_matches(&pat, &trimmed))
+            || reference_matches(&pat, &flattened)
+    };
+    let by_route = by_route || by_trim || by_decoded;
 
     // A rule with the pattern applies exactly when the routed (with or without its trailing
     // `/`, or trimmed) or the normalized path matches, for GET and HEAD alike, and never for another
@@ -300,19 +323,75 @@ fn check_normalized(raw: &str) {
     );
 }
 
-/// Whether a path holds a `%XX` escape that normalization would change: one of an
-/// unreserved character (decoded) or with a lower-case hex digit (upper-cased).
+/// Whether a path holds a `%XX` escape that normalization would change: one with a
+/// lower-case hex digit (upper-cased), or of an ASCII character other than those that
+/// stay escaped (`/`, `%`, `?`, `#` and control characters; decoded).
 fn has_unnormalized_escape(path: &str) -> bool {
     path.as_bytes().windows(3).any(|w| {
         let digit = |c: u8| char::from(c).to_digit(16);
         match (w[0], digit(w[1]), digit(w[2])) {
             (b'%', Some(h), Some(l)) => {
                 let byte = (h * 16 + l) as u8;
-                is_plain(byte) || byte == b'~' || w[1].is_ascii_lowercase() || w[2].is_ascii_lowercase()
+                (byte.is_ascii() && !stays_escaped(char::from(byte)))
+                    || w[1].is_ascii_lowercase()
+                    || w[2].is_ascii_lowercase()
             }
             _ => false,
         }
     })
+}
+
+/// The characters an escape of which stays one in a normalized path.
+fn stays_escaped(c: char) -> bool {
+    matches!(c, '/' | '%' | '?' | '#') || c.is_control()
+}
+
+/// A path (or pattern) with its escapes decoded, as documented for `normalize_path`: each
+/// run of escapes decoded to bytes; each character they form written as itself unless it
+/// stays escaped; each byte that forms none, and each character that stays escaped,
+/// written as escapes with upper-case digits; a `%` that starts no escape as `%25`.
+fn reference_decode(text: &str) -> String {
+    let mut out = String::new();
+    let mut run: Vec<u8> = Vec::new();
+    let flush = |run: &mut Vec<u8>, out: &mut String| {
+        for chunk in run.utf8_chunks() {
+            for c in chunk.valid().chars() {
+                if stays_escaped(c) {
+                    let mut buf = [0; 4];
+                    for b in c.encode_utf8(&mut buf).bytes() {
+                        out.push_str(&format!("%{b:02X}"));
+                    }
+                } else {
+                    out.push(c);
+                }
+            }
+            for b in chunk.invalid() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        }
+        run.clear();
+    };
+    let chars: Vec<char> = text.chars().collect();
+    let mut i = 0;
+    while i < chars.len() {
+        let escape = (chars[i] == '%')
+            .then(|| Some((chars.get(i + 1)?.to_digit(16)?, chars.get(i + 2)?.to_digit(16)?)))
+            .flatten();
+        if let Some((h, l)) = escape {
+            run.push((h * 16 + l) as u8);
+            i += 3;
+            continue;
+        }
+        flush(&mut run, &mut out);
+        if chars[i] == '%' {
+            out.push_str("%25");
+        } else {
+            out.push(chars[i]);
+        }
+        i += 1;
+    }
+    flush(&mut run, &mut out);
+    out
 }
 
 /// The segments a router sees, from the documentation of `routed_segments`.
@@ -326,25 +405,30 @@ fn reference_routed(raw: &str) -> Vec<&str> {
     }
 }
 
-/// The documented pattern syntax.
+/// The documented pattern syntax: checked as written, and decoded (no escaped `*`, no
+/// `.` or `..` segment once decoded).
 fn reference_pattern_valid(p: &str) -> bool {
+    let decoded = reference_decode(p);
     p.starts_with('/')
         && !p.contains(['#', ' '])
         && !p.chars().any(char::is_control)
-        && p.split('/')
+        && decoded.matches('*').count() == p.matches('*').count()
+        && decoded
+            .split('/')
             .all(|s| s != "." && s != ".." && (s == "**" || !s.contains("**")))
 }
 
 /// Ant matching over segments, by dynamic programming: `**` any number of whole segments,
-/// `*` any characters within one segment (an empty segment too), `?` one character.
-fn reference_matches(pattern: &[Vec<char>], segments: &[&str]) -> bool {
+/// `*` any characters within one segment (an empty segment too), `?` one character. Each
+/// pattern segment is given in its two spellings (decoded, as written): either may match.
+fn reference_matches(pattern: &[[Vec<char>; 2]], segments: &[&str]) -> bool {
     let segments: Vec<Vec<char>> = segments.iter().map(|s| s.chars().collect()).collect();
     // reach[j]: the pattern so far matches the first j segments.
     let mut reach = vec![false; segments.len() + 1];
     reach[0] = true;
     for p in pattern {
         let mut next = vec![false; segments.len() + 1];
-        if p.as_slice() == ['*', '*'] {
+        if p[0].as_slice() == ['*', '*'] {
             let mut any = false;
             for (n, r) in next.iter_mut().zip(&reach) {
                 any |= *r;
@@ -352,7 +436,7 @@ fn reference_matches(pattern: &[Vec<char>], segments: &[&str]) -> bool {
             }
         } else {
             for (j, s) in segments.iter().enumerate() {
-                if reach[j] && glob(p, s) {
+                if reach[j] && (glob(&p[0], s) || glob(&p[1], s)) {
                     next[j + 1] = true;
                 }
             }

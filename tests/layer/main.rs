@@ -13,6 +13,7 @@ mod support {
 
 mod by_address;
 mod composition;
+mod escapes;
 mod metrics;
 mod protocol;
 mod routes;

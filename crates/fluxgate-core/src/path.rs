@@ -1,10 +1,12 @@
 //! Path normalization and Ant-style path patterns.
 //!
-//! A rule's patterns are matched against two views of a request's path: the normalized
-//! path ([`normalize_path`]) and the path as a router sees it ([`routed_segments`], also
-//! tried [`without_trailing_slash`], as patterns ignore their own, and [`trimmed`], as a
-//! path-trimming middleware rewrites it). A rule applies when either matches, so
-//! normalization can only add rules to a request, never take one away.
+//! A rule's patterns are matched against views of a request's path: the normalized path
+//! ([`normalize_path`]), the path as a router sees it ([`routed_segments`], also tried
+//! [`without_trailing_slash`], as patterns ignore their own, and [`trimmed`], as a
+//! path-trimming middleware rewrites it), and, for a path with escapes, the same with
+//! them decoded ([`with_decoded_views`]). A rule applies when any matches, so
+//! normalization can only add rules to a request, never take one away. A pattern's own
+//! escapes are decoded as a path's are.
 
 use std::cell::OnceCell;
 use std::fmt;
@@ -17,11 +19,12 @@ use crate::text::Text;
 
 /// Normalizes a request path before any matching.
 ///
-/// Drops the query and fragment, percent-decodes unreserved characters
-/// (`A-Z a-z 0-9 - . _ ~`; other escapes are kept with upper-case hex digits, and a `%`
-/// that starts no escape becomes `%25`), collapses repeated `/`, resolves `.` and `..`
-/// segments (never above the root) and drops a trailing `/`. The result always starts
-/// with `/`, and normalizing it again changes nothing.
+/// Drops the query and fragment, percent-decodes escapes as a router decodes its path
+/// parameters (every escape but those of `/`, `%`, `?`, `#`, control characters and bytes
+/// that are not UTF-8, which are kept with upper-case hex digits; a `%` that starts no
+/// escape becomes `%25`), collapses repeated `/`, resolves `.` and `..` segments (never
+/// above the root) and drops a trailing `/`. The result always starts with `/`, and
+/// normalizing it again changes nothing.
 ///
 /// ```
 /// use fluxgate_core::path::normalize_path;
@@ -30,6 +33,9 @@ use crate::text::Text;
 /// assert_eq!(normalize_path("/api/x/../users?page=2"), "/api/users");
 /// assert_eq!(normalize_path("/api/%75sers/"), "/api/users");
 /// assert_eq!(normalize_path("/%2e%2e/admin"), "/admin");
+/// assert_eq!(normalize_path("/wiki/Caf%C3%A9"), "/wiki/Caf\u{e9}");
+/// assert_eq!(normalize_path("/wiki/Help%3aContents"), "/wiki/Help:Contents");
+/// assert_eq!(normalize_path("/files/a%2fb"), "/files/a%2Fb");
 /// ```
 pub fn normalize_path(raw: &str) -> String {
     normalized(raw).to_string()
@@ -107,7 +113,7 @@ fn normal_prefix(raw: &str) -> Option<&str> {
 }
 
 fn normalize_slow(raw: &str) -> String {
-    let decoded = decode_unreserved(raw);
+    let decoded = decode_escapes(raw);
     let mut segments: Vec<&str> = Vec::new();
     for segment in decoded.split('/') {
         match segment {
@@ -161,37 +167,41 @@ fn is_normal(path: &str) -> bool {
     true
 }
 
-/// Decodes `%XX` escapes of unreserved characters; every other escape is kept (with
-/// upper-case hex digits) so that a decoded `/` cannot create new segments. A `%` that
-/// starts no escape is written `%25`, so that decoded characters after it can never form
-/// a new escape: the result is normal, and normalizing it again changes nothing.
+/// Decodes `%XX` escapes, as a router's path parameters are decoded (axum's `Path`
+/// decodes every escape): `/wiki/Caf%C3%A9`, `/wiki/Caf\u{e9}` and `/wiki/Caf%c3%a9` are one
+/// page to a `/wiki/{page}` handler, and one path here. An escape stays one, with upper-case
+/// hex digits, where decoding it would change the path's structure or could not be written
+/// as itself: `/` (`%2F`, so that it cannot create new segments), `%` (`%25`, so that no
+/// decoded characters can form a new escape), `?` and `#` (which would end the path),
+/// control characters, and bytes that do not form UTF-8. A `%` that starts no escape is
+/// written `%25`. The result is its own decoding: decoding it again changes nothing.
 ///
 /// Not the `percent-encoding` crate: its decoder decodes every escape and yields bytes
 /// without saying which came from an escape (so `%2F` could not stay apart from `/`), and
-/// leaves a stray `%` as it is; re-encoding afterwards with an `AsciiSet` works by byte
-/// class, so it would also encode characters that came in raw (`:`, `@`, `é`).
-fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
+/// leaves a stray `%` as it is.
+fn decode_escapes(raw: &str) -> std::borrow::Cow<'_, str> {
     if !raw.contains('%') {
         return std::borrow::Cow::Borrowed(raw);
     }
     let bytes = raw.as_bytes();
     let mut out = String::with_capacity(raw.len());
+    // The bytes of consecutive escapes, decoded together: a character of several bytes is
+    // written as several escapes.
+    let mut run = Vec::new();
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' && i + 2 < bytes.len() {
-            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                let c = (h << 4 | l) as char;
-                if c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_' | '~') {
-                    out.push(c);
-                } else {
-                    out.push('%');
-                    out.push(bytes[i + 1].to_ascii_uppercase() as char);
-                    out.push(bytes[i + 2].to_ascii_uppercase() as char);
-                }
+        if bytes[i] == b'%' {
+            if let Some((h, l)) = bytes
+                .get(i + 1)
+                .zip(bytes.get(i + 2))
+                .and_then(|(&h, &l)| hex(h).zip(hex(l)))
+            {
+                run.push(h << 4 | l);
                 i += 3;
                 continue;
             }
         }
+        write_decoded(&mut run, &mut out);
         if bytes[i] == b'%' {
             out.push_str("%25");
             i += 1;
@@ -202,7 +212,46 @@ fn decode_unreserved(raw: &str) -> std::borrow::Cow<'_, str> {
         out.push_str(&raw[i..i + ch_len]);
         i += ch_len;
     }
+    write_decoded(&mut run, &mut out);
     std::borrow::Cow::Owned(out)
+}
+
+/// Writes the bytes of a run of escapes (then empties it): each character as itself when
+/// [`decodes_as_itself`], every other byte as an escape.
+fn write_decoded(run: &mut Vec<u8>, out: &mut String) {
+    let mut rest = run.as_slice();
+    while !rest.is_empty() {
+        let (valid, bad) = match std::str::from_utf8(rest) {
+            Ok(valid) => (valid, 0),
+            Err(e) => (
+                std::str::from_utf8(&rest[..e.valid_up_to()]).unwrap_or_default(),
+                e.error_len().unwrap_or(rest.len() - e.valid_up_to()),
+            ),
+        };
+        for c in valid.chars() {
+            if decodes_as_itself(c) {
+                out.push(c);
+            } else {
+                c.encode_utf8(&mut [0; 4]).bytes().for_each(|b| push_escape(out, b));
+            }
+        }
+        let bad_bytes = &rest[valid.len()..valid.len() + bad];
+        bad_bytes.iter().for_each(|&b| push_escape(out, b));
+        rest = &rest[valid.len() + bad..];
+    }
+    run.clear();
+}
+
+/// Whether a character decoded from an escape is written as itself (see [`decode_escapes`]).
+fn decodes_as_itself(c: char) -> bool {
+    !matches!(c, '/' | '%' | '?' | '#') && !c.is_control()
+}
+
+fn push_escape(out: &mut String, b: u8) {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    out.push('%');
+    out.push(char::from(HEX[usize::from(b >> 4)]));
+    out.push(char::from(HEX[usize::from(b & 0xF)]));
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -221,6 +270,8 @@ pub(crate) struct RequestPaths<'a> {
     normalized: &'a str,
     segments: OnceCell<SmallVec<[&'a str; 16]>>,
     routed: Option<&'a [&'a str]>,
+    /// The views of [`with_decoded_views`], for a path with escapes.
+    decoded: Option<(&'a [&'a str], &'a [&'a str])>,
 }
 
 impl<'a> RequestPaths<'a> {
@@ -230,6 +281,7 @@ impl<'a> RequestPaths<'a> {
             normalized,
             segments: OnceCell::new(),
             routed: None,
+            decoded: None,
         }
     }
 
@@ -243,6 +295,12 @@ impl<'a> RequestPaths<'a> {
     pub(crate) fn routed(&self) -> Option<&[&'a str]> {
         self.routed
     }
+
+    /// For a path with escapes, its segments as routed, each decoded, and its flattened
+    /// segments (see [`with_decoded_views`]).
+    pub(crate) fn decoded(&self) -> Option<(&[&'a str], &[&'a str])> {
+        self.decoded
+    }
 }
 
 /// Runs `f` with a request's paths: its normalized path and, when it differs, the segments
@@ -250,15 +308,74 @@ impl<'a> RequestPaths<'a> {
 pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'_>) -> R) -> R {
     let normalized = ctx.path();
     match ctx.distinct_routed_path() {
-        None => f(&RequestPaths::normalized(normalized)),
-        Some(raw) => with_routed_segments(raw, |routed| {
+        // A normalized path keeps `%2F` (a path with other escapes differs from its
+        // normalized form): the flattened view.
+        None if normalized.contains('%') => decoded_views(normalized, |decoded, flattened| {
             f(&RequestPaths {
                 normalized,
                 segments: OnceCell::new(),
-                routed: Some(routed),
+                routed: None,
+                decoded: Some((decoded, flattened)),
+            })
+        }),
+        None => f(&RequestPaths::normalized(normalized)),
+        Some(raw) => with_routed_segments(raw, |routed| {
+            if !raw.contains('%') {
+                return f(&RequestPaths {
+                    normalized,
+                    segments: OnceCell::new(),
+                    routed: Some(routed),
+                    decoded: None,
+                });
+            }
+            decoded_views(raw, |decoded, flattened| {
+                f(&RequestPaths {
+                    normalized,
+                    segments: OnceCell::new(),
+                    routed: Some(routed),
+                    decoded: Some((decoded, flattened)),
+                })
             })
         }),
     }
+}
+
+/// Runs `f` with the views of a path that has escapes (`None` for one without): its
+/// segments as routed, each decoded as [`normalize_path`] decodes them; and its
+/// *flattened* segments, those of its normalized path with `%2F` decoded too and
+/// normalized again.
+///
+/// The first is what a route's parameters hold: axum routes `/api/x/../Caf%C3%A9` to an
+/// `/api/{version}/{page}` handler with `version = ".."` and `page = "Caf\u{e9}"`. The second is
+/// the path a handler reads from a wildcard parameter, or a file server from its part of
+/// the path, where `%2F` is a `/` like any other: `/files/{*rest}` gets `private/x` from
+/// `/files/private%2Fx`.
+///
+/// ```
+/// use fluxgate_core::path::with_decoded_views;
+/// let views = with_decoded_views("/api/x/../Caf%C3%A9/a%2Fb", |routed, flattened| {
+///     (routed.join("|"), flattened.join("|"))
+/// });
+/// assert_eq!(views, Some(("api|x|..|Caf\u{e9}|a%2Fb".to_owned(), "api|Caf\u{e9}|a|b".to_owned())));
+/// assert_eq!(with_decoded_views("/api/../login", |_, _| ()), None);
+/// ```
+pub fn with_decoded_views<R>(raw_path: &str, f: impl FnOnce(&[&str], &[&str]) -> R) -> Option<R> {
+    let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
+    path.contains('%').then(|| decoded_views(path, f))
+}
+
+fn decoded_views<R>(raw_path: &str, f: impl FnOnce(&[&str], &[&str]) -> R) -> R {
+    let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
+    let routed: Vec<_> = routed_segments(path).into_iter().map(decode_escapes).collect();
+    let routed: Vec<&str> = routed.iter().map(|segment| &**segment).collect();
+    let normal = normalize_slow(path);
+    // In a normalized path, every `%` starts an escape.
+    let flattened = match normal.contains("%2F") {
+        true => normalize_slow(&normal.replace("%2F", "/")),
+        false => normal,
+    };
+    let flattened: Vec<&str> = flattened.split('/').filter(|s| !s.is_empty()).collect();
+    f(&routed, &flattened)
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
@@ -386,7 +503,7 @@ impl Shape {
         let mut text = String::new();
         for segment in literals {
             match segment {
-                Segment::Literal(literal) => {
+                Segment::Literal(literal, _) => {
                     text.push('/');
                     text.push_str(literal);
                 }
@@ -405,10 +522,10 @@ impl Shape {
 enum Segment {
     /// `**`
     AnyDepth,
-    /// A segment without wildcards.
-    Literal(String),
-    /// A segment with `*` or `?`.
-    Glob(Vec<char>),
+    /// A segment without wildcards: decoded, and as written when that differs.
+    Literal(String, Option<String>),
+    /// A segment with `*` or `?`: decoded, and as written when that differs.
+    Glob(Vec<char>, Option<Vec<char>>),
 }
 
 /// Why a path pattern was rejected.
@@ -442,8 +559,19 @@ impl FromStr for PathPattern {
         if s.chars().any(char::is_control) || s.contains(' ') {
             return Err(err("a pattern must not contain spaces or control characters"));
         }
+        // Escapes mean what they mean in a path: the pattern is matched decoded, as paths
+        // are (`/wiki/Caf%C3%A9` is `/wiki/Caf\u{e9}`, `/a%2fb` is `/a%2Fb`).
+        let decoded = decode_escapes(s);
+        if decoded.matches('*').count() != s.matches('*').count() {
+            return Err(err("a pattern must not escape `*` (`%2A`): a `*` is a wildcard"));
+        }
         let mut segments = Vec::new();
-        for seg in s.split('/').filter(|seg| !seg.is_empty()) {
+        // Decoding makes no `/`: the segments as written are the decoded ones, in order.
+        let written = s.split('/').filter(|seg| !seg.is_empty());
+        for (seg, written) in decoded.split('/').filter(|seg| !seg.is_empty()).zip(written) {
+            // The segment as written, when it differs, matches a segment of the path as
+            // routed spelled that way: what a route written with the same escapes serves.
+            let written = (written != seg).then_some(written);
             if seg == "**" {
                 // Consecutive `**` mean the same as one.
                 if segments.last() != Some(&Segment::AnyDepth) {
@@ -454,9 +582,12 @@ impl FromStr for PathPattern {
             } else if seg == "." || seg == ".." {
                 return Err(err("a pattern must not contain `.` or `..` segments"));
             } else if seg.contains(['*', '?']) {
-                segments.push(Segment::Glob(seg.chars().collect()));
+                segments.push(Segment::Glob(
+                    seg.chars().collect(),
+                    written.map(|w| w.chars().collect()),
+                ));
             } else {
-                segments.push(Segment::Literal(seg.to_owned()));
+                segments.push(Segment::Literal(seg.to_owned(), written.map(str::to_owned)));
             }
         }
         Ok(Self {
@@ -509,7 +640,7 @@ impl PathPattern {
                         Segment::AnyDepth => more = true,
                         // Every segment of a normalized path (not empty): `*`s, and at most
                         // one `?`.
-                        Segment::Glob(glob)
+                        Segment::Glob(glob, _)
                             if glob.contains(&'*')
                                 && glob.iter().all(|c| matches!(c, '*' | '?'))
                                 && glob.iter().filter(|&&c| c == '?').count() <= 1 =>
@@ -636,8 +767,10 @@ impl PathPattern {
 fn segment_matches(pattern: &Segment, segment: &str) -> bool {
     match pattern {
         Segment::AnyDepth => true,
-        Segment::Literal(lit) => lit == segment,
-        Segment::Glob(glob) => glob_matches(glob, segment),
+        Segment::Literal(lit, written) => lit == segment || written.as_deref() == Some(segment),
+        Segment::Glob(glob, written) => {
+            glob_matches(glob, segment) || written.as_deref().is_some_and(|w| glob_matches(w, segment))
+        }
     }
 }
 
@@ -748,6 +881,24 @@ mod tests {
             assert_eq!(normalize_path(&once), once, "{raw}");
         }
         assert_eq!(normalize_path("/caf\u{e9}/%41"), "/caf\u{e9}/A");
+        // Every escape is decoded as a router decodes a parameter, but those that would
+        // change the path's structure or cannot be written as themselves.
+        assert_eq!(normalize_path("/caf%C3%A9/caf%c3%a9"), "/caf\u{e9}/caf\u{e9}");
+        assert_eq!(normalize_path("/a%3Ab%40c%2Bd%20e"), "/a:b@c+d e");
+        assert_eq!(normalize_path("/a%2f%25%3f%23b"), "/a%2F%25%3F%23b");
+        assert_eq!(normalize_path("/a%00%7f%C2%85"), "/a%00%7F%C2%85");
+        assert_eq!(normalize_path("/a%C3/%A9%ff%C3%28"), "/a%C3/%A9%FF%C3(");
+        assert_eq!(normalize_path("/%E2%82%AC%E2%82"), "/\u{20ac}%E2%82");
+        for raw in [
+            "/a%C3%25A9",
+            "/%C3%2F%A9",
+            "/%E2%82%C2%80x",
+            "/%C3\u{e9}",
+            "/%2e%2E%2F..",
+        ] {
+            let once = normalize_path(raw);
+            assert_eq!(normalize_path(&once), once, "{raw}");
+        }
         assert_eq!(normalize_path("/x/%2E%2E/api/users#frag"), "/api/users");
         for normal in [
             "/",
@@ -792,8 +943,41 @@ mod tests {
         assert!(!p("/**/t").matches(&deep));
     }
 
+    /// A pattern's escapes are decoded as a path's: it matches every spelling of the path
+    /// it names in the normalized view, and in the routed view its own spelling too.
+    #[test]
+    fn escaped_patterns() {
+        for pattern in ["/wiki/Caf\u{e9}", "/wiki/Caf%C3%A9", "/wiki/Caf%c3%a9"] {
+            assert!(p(pattern).matches(&normalize_path("/wiki/Caf%C3%A9")), "{pattern}");
+            assert!(p(pattern).matches("/wiki/Caf\u{e9}"), "{pattern}");
+            assert!(p(pattern).matches_routed("/wiki/Caf\u{e9}"), "{pattern}");
+        }
+        assert!(p("/wiki/Caf%C3%A9").matches_routed("/wiki/Caf%C3%A9"));
+        assert!(!p("/wiki/Caf\u{e9}").matches_routed("/wiki/Caf%C3%A9"));
+        assert!(p("/a%2fb").matches(&normalize_path("/a%2Fb")));
+        assert!(!p("/a/b").matches(&normalize_path("/a%2Fb")));
+        assert!(p("/x/*:y").matches(&normalize_path("/x/a%3Ay")));
+        assert!(p("/x/%3F").matches(&normalize_path("/x/%3f")));
+    }
+
+    #[test]
+    fn decoded_views() {
+        let views = |raw: &str| with_decoded_views(raw, |routed, flattened| (routed.join("|"), flattened.join("|")));
+        assert_eq!(views("/a/b"), None);
+        assert_eq!(views("/a/%41?x=%41"), Some(("a|A".to_owned(), "a|A".to_owned())));
+        assert_eq!(views("/f/a%2Fb/"), Some(("f|a%2Fb|".to_owned(), "f|a|b".to_owned())));
+        assert_eq!(
+            views("/f/x%2F..%2F..%2Fy"),
+            Some(("f|x%2F..%2F..%2Fy".to_owned(), "y".to_owned()))
+        );
+        assert_eq!(views("/f/%252F"), Some(("f|%252F".to_owned(), "f|%252F".to_owned())));
+    }
+
     #[test]
     fn malformed_patterns() {
+        for bad in ["/a%2A", "/a/%2e%2E/b", "/%2e"] {
+            assert!(bad.parse::<PathPattern>().is_err(), "{bad:?}");
+        }
         for bad in ["", "api", "/api/a**", "/api/../x", "/a b"] {
             assert!(bad.parse::<PathPattern>().is_err(), "{bad:?}");
         }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fluxgate_core::failure::{CircuitOpen, LogThrottle};
+use fluxgate_core::path::{trimmed, with_decoded_views, without_trailing_slash};
 use fluxgate_core::{
     AddressDecision, Decision, Engine, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler,
     RequestContext, RequestContextBuilder,
@@ -108,8 +109,25 @@ impl Config {
             return true;
         }
         let routed = ctx.routed_path();
+        // With escapes: the routed segments decoded, as a route's parameters hold them, in
+        // the three forms of the routed view below, and the path flattened (`%2F` decoded
+        // too), as a wildcard parameter or a file server reads it. Views of their own,
+        // which can only limit more.
+        let decoded = || {
+            with_decoded_views(routed, |decoded, flattened| {
+                let by_decoded = |p: &PathPattern| p.matches_segments(decoded);
+                let by_flattened = |p: &PathPattern| p.matches_segments(flattened);
+                view(&by_decoded, &|p| {
+                    by_decoded(p) || without_trailing_slash(decoded).is_some_and(|s| p.matches_segments(s))
+                }) || trimmed(decoded).is_some_and(|t| {
+                    let by_trimmed = |p: &PathPattern| p.matches_segments(t);
+                    view(&by_trimmed, &by_trimmed)
+                }) || view(&by_flattened, &by_flattened)
+            })
+            .unwrap_or(false)
+        };
         if routed == normalized {
-            return false;
+            return decoded();
         }
         // A path without a leading `/` (`*` in the asterisk form, the empty path of the
         // authority form, `GET host:80`) reaches no route: the router's fallback answers
@@ -134,6 +152,7 @@ impl Config {
             // `NormalizePathLayer`), the router routes the path without them: a view of
             // its own, which can only limit more.
             && view(&|p| p.matches_routed_trimmed(routed), &|p| p.matches_routed_trimmed(routed)))
+            || decoded()
     }
 
     /// Fills a context from the request, before the customizer; `client_ip` is the

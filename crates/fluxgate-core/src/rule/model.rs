@@ -441,12 +441,19 @@ impl Rule {
             && (self.paths.is_empty()
                 || paths.is_some_and(|paths| {
                     self.paths.iter().any(|p| p.matches_normalized(paths))
-                        || paths.routed().is_some_and(|r| {
-                            self.matches_path(r)
-                                || without_trailing_slash(r).is_some_and(|r| self.matches_path(r))
-                                || trimmed(r).is_some_and(|r| self.matches_path(r))
-                        })
+                        || paths.routed().is_some_and(|r| self.matches_routed(r))
+                        || paths
+                            .decoded()
+                            .is_some_and(|(r, flattened)| self.matches_routed(r) || self.matches_path(flattened))
                 }))
+    }
+
+    /// Whether one of the rule's patterns matches the segments of a path as routed, with
+    /// or without its trailing `/`, or trimmed.
+    fn matches_routed(&self, routed: &[&str]) -> bool {
+        self.matches_path(routed)
+            || without_trailing_slash(routed).is_some_and(|r| self.matches_path(r))
+            || trimmed(routed).is_some_and(|r| self.matches_path(r))
     }
 
     /// Whether the rule's methods include `method`. `HEAD` is matched as `GET` too,
