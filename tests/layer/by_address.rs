@@ -168,6 +168,21 @@ fn the_short_path_is_taken_only_for_rule_sets_it_decides_alone() {
         Some(Some(0))
     );
     assert_eq!(plain.check_address("default", &Method::GET, ip, admitted), Some(None));
+    // A provider that lends no rule set in place (`RuleSetProvider::rule_set_in_place`)
+    // is asked for its snapshot; the same decisions.
+    let cached = Engine::builder(
+        fluxgate::core::CachingRuleSetProvider::builder(fluxgate::core::StaticRuleSetProvider::new(rules(&one(""))))
+            .build(),
+    )
+    .limiter(MemoryLimiter::builder().build())
+    .build()
+    .expect("an engine");
+    assert_eq!(
+        cached.check_address("default", &Method::GET, ip, admitted),
+        Some(Some(0))
+    );
+    assert_eq!(cached.check_address("default", &Method::GET, ip, admitted), Some(None));
+    assert!(cached.check_address("other", &Method::GET, ip, |_| ()).is_none());
     // An unknown rule set, a user's key, a path pattern, a shadow rule, a second band, a
     // lease, a wait: the context decides, and nothing was counted.
     assert!(plain.check_address("other", &Method::GET, ip, |_| ()).is_none());

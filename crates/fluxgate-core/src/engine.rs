@@ -407,10 +407,20 @@ impl Engine {
         if self.inner.recorder.is_some() || self.inner.key_text || tracing::enabled!(tracing::Level::DEBUG) {
             return None;
         }
-        let Ok(Ok(Some(set))) = self.inner.provider.rule_set(rule_set).into_ready() else {
-            return None;
+        // Lent in place where the provider can (no reference count written), else the
+        // snapshot it hands out; either is the one rule set the decision reads.
+        let handed_out;
+        let set: &RuleSet = match self.inner.provider.rule_set_in_place(rule_set) {
+            Some(lent) => lent?,
+            None => {
+                let Ok(Ok(Some(set))) = self.inner.provider.rule_set(rule_set).into_ready() else {
+                    return None;
+                };
+                handed_out = set;
+                &handed_out
+            }
         };
-        let rule = one_band_rule(&set).filter(|rule| !rule.has_path_patterns())?;
+        let rule = one_band_rule(set).filter(|rule| !rule.has_path_patterns())?;
         let typed = self.inner.resolver.typed_by_address(rule, client_ip)?;
         if !rule.applies_to_paths(None, method) {
             let decision = Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
@@ -418,7 +428,7 @@ impl Engine {
         }
         /// The text of a key known by its typed value: none.
         static NO_TEXT: Text = Text::new();
-        let bucket = Bucket::of(&set, rule, &NO_TEXT, typed);
+        let bucket = Bucket::of(set, rule, &NO_TEXT, typed);
         let band = &rule.bands()[0];
         Some(match memory.acquire_one_admitted(&bucket, band) {
             Ok(admitted) => then(AddressDecision::Admitted(AdmittedBand::new(

@@ -32,6 +32,16 @@ pub trait RuleSetProvider: Send + Sync + fmt::Debug + 'static {
     /// not write one shared reference count.
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup>;
 
+    /// The rule set with this id, lent in place, when the provider holds its rule sets so
+    /// and can lend one at once: `Some(None)` when it has no rule set of this id, `None`
+    /// when it lends none (the default), and the caller asks [`rule_set`](Self::rule_set).
+    /// What it lends is what `rule_set` hands out. `RuleSets` and `StaticRuleSetProvider`
+    /// lend theirs: a lookup without a reference count written.
+    fn rule_set_in_place(&self, id: &str) -> Option<Option<&RuleSet>> {
+        let _ = id;
+        None
+    }
+
     /// Checks every rule set the provider holds now with `check`, and keeps `check` for
     /// the rule sets it loads later: a rule set that fails it is never handed out (its
     /// lookups fail with the [`RuleError`], which the engine reports as
@@ -93,6 +103,10 @@ impl<P: RuleSetProvider + ?Sized> RuleSetProvider for Arc<P> {
         (**self).rule_set(id)
     }
 
+    fn rule_set_in_place(&self, id: &str) -> Option<Option<&RuleSet>> {
+        (**self).rule_set_in_place(id)
+    }
+
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
         (**self).validate(check)
     }
@@ -133,6 +147,10 @@ impl From<RuleSets> for StaticRuleSetProvider {
 impl RuleSetProvider for StaticRuleSetProvider {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
         self.sets.rule_set(id)
+    }
+
+    fn rule_set_in_place(&self, id: &str) -> Option<Option<&RuleSet>> {
+        self.sets.rule_set_in_place(id)
     }
 
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
@@ -180,6 +198,10 @@ impl RuleSetProvider for RuleSets {
         MaybeReady::ready(Ok(self.get(id).map(local_copy)))
     }
 
+    fn rule_set_in_place(&self, id: &str) -> Option<Option<&RuleSet>> {
+        Some(self.get(id).map(|set| &**set))
+    }
+
     fn validate(&self, check: RuleCheck) -> Result<(), RuleError> {
         let mut sets: Vec<&Arc<RuleSet>> = self.iter().collect();
         // The same error first whatever the map's order.
@@ -194,6 +216,28 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+
+    /// Fixed rule sets lend in place what they hand out; a provider that does not (the
+    /// cache) lends none, and every wrapper says what it wraps says.
+    #[test]
+    fn rule_sets_lend_what_they_hand_out() {
+        let sets = RuleSets::from_yaml_str(
+            "rule_sets:\n  - id: a\n    rules: [{ id: r, bands: [{ capacity: 1, window: 1s }] }]\n",
+        )
+        .expect("rules");
+        let handed =
+            |p: &dyn RuleSetProvider, id: &str| p.rule_set(id).into_ready().ok().and_then(Result::ok).flatten();
+        let fixed = StaticRuleSetProvider::new(sets.clone());
+        let shared: Arc<dyn RuleSetProvider> = Arc::new(sets.clone());
+        for provider in [&sets as &dyn RuleSetProvider, &fixed, &shared] {
+            let lent = provider.rule_set_in_place("a").expect("lends").expect("a rule set");
+            let out = handed(provider, "a").expect("handed out");
+            assert_eq!((lent.id(), lent.rules()), (out.id(), out.rules()));
+            assert!(provider.rule_set_in_place("b").expect("lends").is_none());
+        }
+        let cached = CachingRuleSetProvider::builder(fixed).build();
+        assert!(cached.rule_set_in_place("a").is_none());
+    }
 
     /// A source that counts its lookups and can be told to fail.
     #[derive(Debug, Default)]
