@@ -246,11 +246,25 @@ pub fn paths(data: &[u8]) {
             .map(|s| reference_decode(s))
             .collect();
         let trimmed: Vec<&str> = trimmed.iter().map(String::as_str).collect();
-        let flattened = normalize_path(&normalized.replace("%2F", "/"));
+        // `%2F` decoded first, as a wildcard parameter holds it: split as routed (each
+        // segment decoded, with or without the trailing `/`, or trimmed), and normalized.
+        let slashes = raw.replace("%2F", "/").replace("%2f", "/");
+        let flat_routed: Vec<String> = reference_routed(&slashes).iter().map(|s| reference_decode(s)).collect();
+        let flat_routed: Vec<&str> = flat_routed.iter().map(String::as_str).collect();
+        let flat_trimmed = format!("/{}", slashes.split(['?', '#']).next().unwrap_or("").trim_matches('/'));
+        let flat_trimmed: Vec<String> = reference_routed(&flat_trimmed)
+            .iter()
+            .map(|s| reference_decode(s))
+            .collect();
+        let flat_trimmed: Vec<&str> = flat_trimmed.iter().map(String::as_str).collect();
+        let flattened = normalize_path(&slashes);
         let flattened: Vec<&str> = flattened.split('/').filter(|s| !s.is_empty()).collect();
         reference_matches(&pat, &decoded)
             || without_slash(&decoded)
             || (trimmed_raw != raw && reference_matches(&pat, &trimmed))
+            || reference_matches(&pat, &flat_routed)
+            || without_slash(&flat_routed)
+            || (flat_trimmed != flat_routed && reference_matches(&pat, &flat_trimmed))
             || reference_matches(&pat, &flattened)
     };
     let by_route = by_route || by_trim || by_decoded;

@@ -271,7 +271,7 @@ pub(crate) struct RequestPaths<'a> {
     segments: OnceCell<SmallVec<[&'a str; 16]>>,
     routed: Option<&'a [&'a str]>,
     /// The views of [`with_decoded_views`], for a path with escapes.
-    decoded: Option<(&'a [&'a str], &'a [&'a str])>,
+    decoded: Option<DecodedViews<'a>>,
 }
 
 impl<'a> RequestPaths<'a> {
@@ -296,9 +296,8 @@ impl<'a> RequestPaths<'a> {
         self.routed
     }
 
-    /// For a path with escapes, its segments as routed, each decoded, and its flattened
-    /// segments (see [`with_decoded_views`]).
-    pub(crate) fn decoded(&self) -> Option<(&[&'a str], &[&'a str])> {
+    /// For a path with escapes, its decoded views (see [`with_decoded_views`]).
+    pub(crate) fn decoded(&self) -> Option<DecodedViews<'a>> {
         self.decoded
     }
 }
@@ -310,12 +309,12 @@ pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'
     match ctx.distinct_routed_path() {
         // A normalized path keeps `%2F` (a path with other escapes differs from its
         // normalized form): the flattened view.
-        None if normalized.contains('%') => decoded_views(normalized, |decoded, flattened| {
+        None if normalized.contains('%') => decoded_views(normalized, |decoded| {
             f(&RequestPaths {
                 normalized,
                 segments: OnceCell::new(),
                 routed: None,
-                decoded: Some((decoded, flattened)),
+                decoded: Some(decoded),
             })
         }),
         None => f(&RequestPaths::normalized(normalized)),
@@ -328,54 +327,78 @@ pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'
                     decoded: None,
                 });
             }
-            decoded_views(raw, |decoded, flattened| {
+            decoded_views(raw, |decoded| {
                 f(&RequestPaths {
                     normalized,
                     segments: OnceCell::new(),
                     routed: Some(routed),
-                    decoded: Some((decoded, flattened)),
+                    decoded: Some(decoded),
                 })
             })
         }),
     }
 }
 
-/// Runs `f` with the views of a path that has escapes (`None` for one without): its
-/// segments as routed, each decoded as [`normalize_path`] decodes them; and its
-/// *flattened* segments, those of its normalized path with `%2F` decoded too and
-/// normalized again.
-///
-/// The first is what a route's parameters hold: axum routes `/api/x/../Caf%C3%A9` to an
-/// `/api/{version}/{page}` handler with `version = ".."` and `page = "Caf\u{e9}"`. The second is
-/// the path a handler reads from a wildcard parameter, or a file server from its part of
-/// the path, where `%2F` is a `/` like any other: `/files/{*rest}` gets `private/x` from
-/// `/files/private%2Fx`.
+/// The views of a path that has escapes, with them decoded (see [`with_decoded_views`]).
+#[derive(Debug, Clone, Copy)]
+pub struct DecodedViews<'a> {
+    /// Its segments as routed, each decoded as [`normalize_path`] decodes them (`%2F`
+    /// kept): what a route's parameters hold. axum routes `/api/x/../Caf%C3%A9` to an
+    /// `/api/{version}/{page}` handler with `version = ".."` and `page = "Caf\u{e9}"`.
+    pub routed: &'a [&'a str],
+    /// The path with `%2F` decoded as a `/`, then split as routed (each segment decoded,
+    /// dot segments kept): what a wildcard parameter holds. `/files/{*rest}` gets
+    /// `private/x/../y` from `/files/private%2Fx/../y`.
+    pub flattened_routed: &'a [&'a str],
+    /// The path with `%2F` decoded as a `/`, then normalized, in segments: what a handler
+    /// or a file server that resolves the wildcard's dot segments reads (`private/y`).
+    pub flattened: &'a [&'a str],
+}
+
+/// Runs `f` with the views of a path that has escapes ([`DecodedViews`]); `None` for a
+/// path without.
 ///
 /// ```
 /// use fluxgate_core::path::with_decoded_views;
-/// let views = with_decoded_views("/api/x/../Caf%C3%A9/a%2Fb", |routed, flattened| {
-///     (routed.join("|"), flattened.join("|"))
+/// let views = with_decoded_views("/api/x/../Caf%C3%A9/a%2Fb/..", |v| {
+///     (v.routed.join("|"), v.flattened_routed.join("|"), v.flattened.join("|"))
 /// });
-/// assert_eq!(views, Some(("api|x|..|Caf\u{e9}|a%2Fb".to_owned(), "api|Caf\u{e9}|a|b".to_owned())));
-/// assert_eq!(with_decoded_views("/api/../login", |_, _| ()), None);
+/// assert_eq!(
+///     views,
+///     Some((
+///         "api|x|..|Caf\u{e9}|a%2Fb|..".to_owned(),
+///         "api|x|..|Caf\u{e9}|a|b|..".to_owned(),
+///         "api|Caf\u{e9}|a".to_owned()
+///     ))
+/// );
+/// assert!(with_decoded_views("/api/../login", |_| ()).is_none());
 /// ```
-pub fn with_decoded_views<R>(raw_path: &str, f: impl FnOnce(&[&str], &[&str]) -> R) -> Option<R> {
+pub fn with_decoded_views<R>(raw_path: &str, f: impl FnOnce(DecodedViews<'_>) -> R) -> Option<R> {
     let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
     path.contains('%').then(|| decoded_views(path, f))
 }
 
-fn decoded_views<R>(raw_path: &str, f: impl FnOnce(&[&str], &[&str]) -> R) -> R {
+fn decoded_views<R>(raw_path: &str, f: impl FnOnce(DecodedViews<'_>) -> R) -> R {
     let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
-    let routed: Vec<_> = routed_segments(path).into_iter().map(decode_escapes).collect();
-    let routed: Vec<&str> = routed.iter().map(|segment| &**segment).collect();
-    let normal = normalize_slow(path);
-    // In a normalized path, every `%` starts an escape.
-    let flattened = match normal.contains("%2F") {
-        true => normalize_slow(&normal.replace("%2F", "/")),
-        false => normal,
+    let decode = |path: &str| -> Vec<String> {
+        routed_segments(path)
+            .into_iter()
+            .map(|segment| decode_escapes(segment).into_owned())
+            .collect()
     };
+    // A `%` that starts `%2F` is never part of an escape before it (whose digits are hex),
+    // so replacing the text decodes exactly the escapes of `/`.
+    let slashes = path.replace("%2F", "/").replace("%2f", "/");
+    let (routed, flattened_routed) = (decode(path), decode(&slashes));
+    let flattened = normalize_slow(&slashes);
+    let routed: Vec<&str> = routed.iter().map(String::as_str).collect();
+    let flattened_routed: Vec<&str> = flattened_routed.iter().map(String::as_str).collect();
     let flattened: Vec<&str> = flattened.split('/').filter(|s| !s.is_empty()).collect();
-    f(&routed, &flattened)
+    f(DecodedViews {
+        routed: &routed,
+        flattened_routed: &flattened_routed,
+        flattened: &flattened,
+    })
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
@@ -741,6 +764,37 @@ impl PathPattern {
     /// normalized path, or the segments of a path as routed ([`routed_segments`]), where
     /// `*` also matches an empty segment.
     pub fn matches_segments(&self, path: &[&str]) -> bool {
+        self.matches_segments_by(path, segment_matches)
+    }
+
+    /// Whether a path matches as a router sees it ([`matches_routed`](Self::matches_routed)),
+    /// each pattern segment read only as written: what a route written as the pattern is
+    /// serves. A pattern's decoded spelling is another path to the router (a static route
+    /// `/wiki/Help%3AContents` does not run for `/wiki/Help:Contents`), so a layer's
+    /// `exclude` leaves a request alone in this view only as written.
+    ///
+    /// ```
+    /// use fluxgate_core::PathPattern;
+    /// let p: PathPattern = "/wiki/Help%3AContents".parse().unwrap();
+    /// assert!(p.matches_routed("/wiki/Help:Contents"));
+    /// assert!(!p.matches_routed_as_written("/wiki/Help:Contents"));
+    /// assert!(p.matches_routed_as_written("/wiki/Help%3AContents"));
+    /// ```
+    pub fn matches_routed_as_written(&self, raw_path: &str) -> bool {
+        with_routed_segments(raw_path, |segments| {
+            self.matches_segments_by(segments, segment_matches_as_written)
+        })
+    }
+
+    /// [`matches_routed_trimmed`](Self::matches_routed_trimmed), each pattern segment read
+    /// only as written ([`matches_routed_as_written`](Self::matches_routed_as_written)).
+    pub fn matches_routed_trimmed_as_written(&self, raw_path: &str) -> bool {
+        with_routed_segments(raw_path, |segments| {
+            trimmed(segments).is_some_and(|s| self.matches_segments_by(s, segment_matches_as_written))
+        })
+    }
+
+    fn matches_segments_by(&self, path: &[&str], segment_matches: fn(&Segment, &str) -> bool) -> bool {
         // Iterative wildcard matching over segments, `**` as the star.
         let pat = &self.segments;
         let (mut p, mut s) = (0, 0);
@@ -771,6 +825,14 @@ fn segment_matches(pattern: &Segment, segment: &str) -> bool {
         Segment::Glob(glob, written) => {
             glob_matches(glob, segment) || written.as_deref().is_some_and(|w| glob_matches(w, segment))
         }
+    }
+}
+
+fn segment_matches_as_written(pattern: &Segment, segment: &str) -> bool {
+    match pattern {
+        Segment::AnyDepth => true,
+        Segment::Literal(lit, written) => written.as_deref().unwrap_or(lit) == segment,
+        Segment::Glob(glob, written) => glob_matches(written.as_deref().unwrap_or(glob), segment),
     }
 }
 
@@ -962,15 +1024,25 @@ mod tests {
 
     #[test]
     fn decoded_views() {
-        let views = |raw: &str| with_decoded_views(raw, |routed, flattened| (routed.join("|"), flattened.join("|")));
+        let views = |raw: &str| {
+            with_decoded_views(raw, |v| {
+                [v.routed, v.flattened_routed, v.flattened].map(|s| s.join("|"))
+            })
+        };
         assert_eq!(views("/a/b"), None);
-        assert_eq!(views("/a/%41?x=%41"), Some(("a|A".to_owned(), "a|A".to_owned())));
-        assert_eq!(views("/f/a%2Fb/"), Some(("f|a%2Fb|".to_owned(), "f|a|b".to_owned())));
+        assert_eq!(views("/a/%41?x=%41"), Some(["a|A", "a|A", "a|A"].map(str::to_owned)));
         assert_eq!(
-            views("/f/x%2F..%2F..%2Fy"),
-            Some(("f|x%2F..%2F..%2Fy".to_owned(), "y".to_owned()))
+            views("/f/a%2Fb/"),
+            Some(["f|a%2Fb|", "f|a|b|", "f|a|b"].map(str::to_owned))
         );
-        assert_eq!(views("/f/%252F"), Some(("f|%252F".to_owned(), "f|%252F".to_owned())));
+        assert_eq!(
+            views("/f/p%2fx/../y"),
+            Some(["f|p%2Fx|..|y", "f|p|x|..|y", "f|p|y"].map(str::to_owned))
+        );
+        assert_eq!(
+            views("/f/%252F"),
+            Some(["f|%252F", "f|%252F", "f|%252F"].map(str::to_owned))
+        );
     }
 
     #[test]

@@ -109,25 +109,33 @@ impl Config {
             return true;
         }
         let routed = ctx.routed_path();
-        // With escapes: the routed segments decoded, as a route's parameters hold them, in
-        // the three forms of the routed view below, and the path flattened (`%2F` decoded
-        // too), as a wildcard parameter or a file server reads it. Views of their own,
-        // which can only limit more.
+        // With escapes: the routed segments decoded, as a route's parameters hold them, and
+        // with `%2F` decoded too, as a wildcard parameter holds them, each in the forms of
+        // the routed view below; and the path with `%2F` decoded, normalized, as a file
+        // server reads it. Views of their own, which can only limit more.
         let decoded = || {
-            with_decoded_views(routed, |decoded, flattened| {
-                let by_decoded = |p: &PathPattern| p.matches_segments(decoded);
-                let by_flattened = |p: &PathPattern| p.matches_segments(flattened);
-                view(&by_decoded, &|p| {
-                    by_decoded(p) || without_trailing_slash(decoded).is_some_and(|s| p.matches_segments(s))
-                }) || trimmed(decoded).is_some_and(|t| {
-                    let by_trimmed = |p: &PathPattern| p.matches_segments(t);
-                    view(&by_trimmed, &by_trimmed)
-                }) || view(&by_flattened, &by_flattened)
+            with_decoded_views(routed, |views| {
+                // A routed view: an exclusion in it as is, an inclusion also without the
+                // trailing `/`, and the trimmed path a view of its own.
+                let routed_view = |segments: &[&str]| {
+                    let by = |p: &PathPattern| p.matches_segments(segments);
+                    view(&by, &|p| {
+                        by(p) || without_trailing_slash(segments).is_some_and(|s| p.matches_segments(s))
+                    }) || trimmed(segments).is_some_and(|t| {
+                        let by_trimmed = |p: &PathPattern| p.matches_segments(t);
+                        view(&by_trimmed, &by_trimmed)
+                    })
+                };
+                let by_flattened = |p: &PathPattern| p.matches_segments(views.flattened);
+                routed_view(views.routed) || routed_view(views.flattened_routed) || view(&by_flattened, &by_flattened)
             })
             .unwrap_or(false)
         };
         if routed == normalized {
-            return decoded();
+            // The path as routed is the normalized one, but an exclusion matches it only as
+            // the pattern is written: a static route written with escapes does not run for
+            // their decoded spelling, which the router sends elsewhere.
+            return decoded() || view(&|p| p.matches_routed_as_written(routed), &by_normalized);
         }
         // A path without a leading `/` (`*` in the asterisk form, the empty path of the
         // authority form, `GET host:80`) reaches no route: the router's fallback answers
@@ -145,13 +153,14 @@ impl Config {
             let by_segment = |p: &PathPattern| p.matches_segments(&[routed]);
             return view(&by_segment, &by_segment);
         }
-        view(&|p| p.matches_routed(routed), &|p| {
+        // In the raw views, an exclusion matches only as the pattern is written (see above).
+        view(&|p| p.matches_routed_as_written(routed), &|p| {
             p.matches_routed_or_without_trailing_slash(routed)
         }) || ((routed.starts_with("//") || routed.ends_with('/'))
             // Behind a middleware that trims the runs of `/` at both ends (tower-http's
             // `NormalizePathLayer`), the router routes the path without them: a view of
             // its own, which can only limit more.
-            && view(&|p| p.matches_routed_trimmed(routed), &|p| p.matches_routed_trimmed(routed)))
+            && view(&|p| p.matches_routed_trimmed_as_written(routed), &|p| p.matches_routed_trimmed(routed)))
             || decoded()
     }
 

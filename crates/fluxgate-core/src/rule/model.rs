@@ -442,9 +442,11 @@ impl Rule {
                 || paths.is_some_and(|paths| {
                     self.paths.iter().any(|p| p.matches_normalized(paths))
                         || paths.routed().is_some_and(|r| self.matches_routed(r))
-                        || paths
-                            .decoded()
-                            .is_some_and(|(r, flattened)| self.matches_routed(r) || self.matches_path(flattened))
+                        || paths.decoded().is_some_and(|v| {
+                            self.matches_routed(v.routed)
+                                || self.matches_routed(v.flattened_routed)
+                                || self.matches_path(v.flattened)
+                        })
                 }))
     }
 
