@@ -476,6 +476,11 @@ fn glob(pattern: &[char], text: &[char]) -> bool {
                 if reach[j] && (c == '?' || c == t) {
                     next[j + 1] = true;
                 }
+                // `?` is one character to the handler: an escape (`%3F`) is one.
+                let hex = |k: usize| text.get(k).is_some_and(char::is_ascii_hexdigit);
+                if reach[j] && c == '?' && t == '%' && hex(j + 1) && hex(j + 2) {
+                    next[j + 3] = true;
+                }
             }
         }
         reach = next;

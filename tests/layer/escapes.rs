@@ -92,6 +92,10 @@ async fn a_page_a_rule_names_is_counted_whatever_its_spelling() {
         ("/wiki/a b", "/wiki/a%20b", "a b"),
         ("/wiki/Caf?", "/wiki/Caf%C3%A9", "Café"),
         ("/wiki/*:Contents", "/wiki/Help%3aContents", "Help:Contents"),
+        // One character to the handler, though it stays an escape in every view.
+        ("/wiki/?", "/wiki/%3F", "?"),
+        ("/wiki/?", "/wiki/%25", "%"),
+        ("/wiki/?", "/wiki/%23", "#"),
     ] {
         let pattern = pattern.replace(' ', "%20");
         let (app, runs) = wiki_app(RateLimitLayer::new(engine(&one_rule(&pattern))));

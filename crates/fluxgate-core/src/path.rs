@@ -823,9 +823,53 @@ fn segment_matches(pattern: &Segment, segment: &str) -> bool {
         Segment::AnyDepth => true,
         Segment::Literal(lit, written) => lit == segment || written.as_deref() == Some(segment),
         Segment::Glob(glob, written) => {
-            glob_matches(glob, segment) || written.as_deref().is_some_and(|w| glob_matches(w, segment))
+            glob_matches_decoded(glob, segment) || written.as_deref().is_some_and(|w| glob_matches_decoded(w, segment))
         }
     }
+}
+
+/// Whether a glob matches a segment as its handler reads it, decoded: as [`glob_matches`],
+/// and where the segment holds an escape (`%3F`, `%25`, `%23` stay escapes in the decoded
+/// views; the raw view keeps them all), `?` may also take the whole escape, one
+/// character to the handler. `/wiki/?` counts `/wiki/%3F` as it counts `/wiki/x`.
+fn glob_matches_decoded(glob: &[char], text: &str) -> bool {
+    if !text.contains('%') || !glob.contains(&'?') {
+        return glob_matches(glob, text);
+    }
+    // Over the text's character boundaries: `reach[j]`, the glob so far matches `text[..j]`.
+    let bytes = text.as_bytes();
+    let escape_at = |j: usize| {
+        bytes.get(j) == Some(&b'%')
+            && bytes.get(j + 1).is_some_and(u8::is_ascii_hexdigit)
+            && bytes.get(j + 2).is_some_and(u8::is_ascii_hexdigit)
+    };
+    let mut reach = vec![false; text.len() + 1];
+    reach[0] = true;
+    for &g in glob {
+        let mut next = vec![false; text.len() + 1];
+        let mut any = false;
+        for j in 0..=text.len() {
+            if g == '*' {
+                any |= reach[j];
+                next[j] |= any;
+                continue;
+            }
+            let Some(c) = reach[j]
+                .then(|| text.get(j..).and_then(|rest| rest.chars().next()))
+                .flatten()
+            else {
+                continue;
+            };
+            if g == '?' || g == c {
+                next[j + c.len_utf8()] = true;
+            }
+            if g == '?' && escape_at(j) {
+                next[j + 3] = true;
+            }
+        }
+        reach = next;
+    }
+    reach[text.len()]
 }
 
 fn segment_matches_as_written(pattern: &Segment, segment: &str) -> bool {
@@ -1043,6 +1087,21 @@ mod tests {
             views("/f/%252F"),
             Some(["f|%252F", "f|%252F", "f|%252F"].map(str::to_owned))
         );
+    }
+
+    /// `?` is one character to the handler, an escape included, but in the raw view of an
+    /// exclusion (as written).
+    #[test]
+    fn a_one_character_glob_takes_an_escape() {
+        for raw in ["/wiki/x", "/wiki/%3F", "/wiki/%25", "/wiki/%23", "/wiki/%41"] {
+            assert!(p("/wiki/?").matches(&normalize_path(raw)), "{raw}");
+            assert!(p("/wiki/?").matches_routed(raw), "{raw}");
+        }
+        assert!(p("/wiki/a?b*").matches(&normalize_path("/wiki/a%3Fbcd")));
+        assert!(p("/wiki/*%3F?").matches(&normalize_path("/wiki/x%3F%23")));
+        assert!(!p("/wiki/?").matches(&normalize_path("/wiki/%3F%3F")));
+        assert!(!p("/wiki/?").matches_routed_as_written("/wiki/%3F"));
+        assert!(p("/wiki/???").matches_routed_as_written("/wiki/%3F"));
     }
 
     #[test]
