@@ -216,11 +216,18 @@ impl ClientIpResolver {
     /// The client address of a request from `peer` with these headers: the peer, or —
     /// when the peer is a trusted proxy — the nearest untrusted hop of the configured
     /// forwarding header, read right to left.
+    #[inline]
     pub fn resolve_from(&self, peer: Option<IpAddr>, headers: &HeaderMap) -> Option<IpAddr> {
         let peer = peer?;
         if self.trusted.is_empty() || !self.is_trusted(peer) {
             return Some(canonical(peer));
         }
+        Some(self.forwarded_client(peer, headers))
+    }
+
+    /// The client behind `peer`, a trusted proxy: the nearest untrusted hop of the
+    /// configured header, or the last trusted one when the walk ends before it.
+    fn forwarded_client(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
         // Right to left, lazily: the walk reads the hops the trusted proxies wrote and the
         // first one they did not, and no further; what a client wrote to the left of that,
         // however long, costs nothing.
@@ -240,7 +247,7 @@ impl ClientIpResolver {
                 break;
             }
         }
-        Some(client)
+        client
     }
 }
 
