@@ -339,7 +339,7 @@ fn check_normalized(raw: &str) {
 
 /// Whether a path holds a `%XX` escape that normalization would change: one with a
 /// lower-case hex digit (upper-cased), or of an ASCII character other than those that
-/// stay escaped (`/`, `%`, `?`, `#` and control characters; decoded).
+/// stay escaped (`/`, `%`, `?`, `#` and ASCII control characters; decoded).
 fn has_unnormalized_escape(path: &str) -> bool {
     path.as_bytes().windows(3).any(|w| {
         let digit = |c: u8| char::from(c).to_digit(16);
@@ -357,7 +357,7 @@ fn has_unnormalized_escape(path: &str) -> bool {
 
 /// The characters an escape of which stays one in a normalized path.
 fn stays_escaped(c: char) -> bool {
-    matches!(c, '/' | '%' | '?' | '#') || c.is_control()
+    matches!(c, '/' | '%' | '?' | '#') || c.is_ascii_control()
 }
 
 /// A path (or pattern) with its escapes decoded, as documented for `normalize_path`: each

@@ -221,12 +221,12 @@ fn rule_file_holds_on_random_inputs() {
 fn paths_hold_on_random_inputs() {
     const PATTERN_SEGMENTS: &[&str] = &[
         "**", "*", "?", "a", "b", "a*", "*b", "?b", "a?c", "*.json", "%2e", "%41", "~", "", ".", "..", "***", "a**",
-        "é", "%C3%A9", "%c3%a9*", ":", "%3A", "a%2Fb", "a%2fb", "%2A", "%C3", "%25", "%20",
+        "é", "%C3%A9", "%c3%a9*", ":", "%3A", "a%2Fb", "a%2fb", "%2A", "%C3", "%25", "%20", "%C2%85",
     ];
     const PATH_SEGMENTS: &[&str] = &[
         "a", "b", "ab", "abc", "a.json", "", ".", "..", "%2e", "%2E%2e", "%41", "%2f", "%%34%31", "%", "%4", "~",
         "%7e", "é", "*", "?", "%C3%A9", "%c3%a9", "%C3", "%A9", ":", "%3a", "a%2Fb", "%2A", "%00", "%C2%85", "%25",
-        "%20", "%3F", "%23", "%FF",
+        "%20", "%3F", "%23", "%FF", "\u{85}", "%c2%9f",
     ];
     assert_random("paths", checks::paths, 0x5EED_0002, |rng| {
         let mut data = Vec::new();

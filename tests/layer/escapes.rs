@@ -96,6 +96,12 @@ async fn a_page_a_rule_names_is_counted_whatever_its_spelling() {
         ("/wiki/?", "/wiki/%3F", "?"),
         ("/wiki/?", "/wiki/%25", "%"),
         ("/wiki/?", "/wiki/%23", "#"),
+        // A control character past ASCII, raw or escaped, is one character too.
+        ("/wiki/?", "/wiki/%C2%85", "\u{85}"),
+        ("/wiki/?", "/wiki/%c2%9f", "\u{9f}"),
+        ("/wiki/a?b", "/wiki/a%C2%80b", "a\u{80}b"),
+        ("/wiki/%C2%85", "/wiki/\u{85}", "\u{85}"),
+        ("/wiki/x%C2%9B", "/wiki/x\u{9b}", "x\u{9b}"),
     ] {
         let pattern = pattern.replace(' ', "%20");
         let (app, runs) = wiki_app(RateLimitLayer::new(engine(&one_rule(&pattern))));

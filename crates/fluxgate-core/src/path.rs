@@ -20,7 +20,7 @@ use crate::text::Text;
 /// Normalizes a request path before any matching.
 ///
 /// Drops the query and fragment, percent-decodes escapes as a router decodes its path
-/// parameters (every escape but those of `/`, `%`, `?`, `#`, control characters and bytes
+/// parameters (every escape but those of `/`, `%`, `?`, `#`, ASCII control characters and bytes
 /// that are not UTF-8, which are kept with upper-case hex digits; a `%` that starts no
 /// escape becomes `%25`), collapses repeated `/`, resolves `.` and `..` segments (never
 /// above the root) and drops a trailing `/`. The result always starts with `/`, and
@@ -173,7 +173,9 @@ fn is_normal(path: &str) -> bool {
 /// hex digits, where decoding it would change the path's structure or could not be written
 /// as itself: `/` (`%2F`, so that it cannot create new segments), `%` (`%25`, so that no
 /// decoded characters can form a new escape), `?` and `#` (which would end the path),
-/// control characters, and bytes that do not form UTF-8. A `%` that starts no escape is
+/// ASCII control characters (which a request cannot hold raw), and bytes that do not form
+/// UTF-8. Other control characters (U+0080 to U+009F) are decoded: a request may hold them
+/// raw, and a handler reads one character. A `%` that starts no escape is
 /// written `%25`. The result is its own decoding: decoding it again changes nothing.
 ///
 /// Not the `percent-encoding` crate: its decoder decodes every escape and yields bytes
@@ -244,7 +246,7 @@ fn write_decoded(run: &mut Vec<u8>, out: &mut String) {
 
 /// Whether a character decoded from an escape is written as itself (see [`decode_escapes`]).
 fn decodes_as_itself(c: char) -> bool {
-    !matches!(c, '/' | '%' | '?' | '#') && !c.is_control()
+    !matches!(c, '/' | '%' | '?' | '#') && !c.is_ascii_control()
 }
 
 fn push_escape(out: &mut String, b: u8) {
@@ -992,7 +994,8 @@ mod tests {
         assert_eq!(normalize_path("/caf%C3%A9/caf%c3%a9"), "/caf\u{e9}/caf\u{e9}");
         assert_eq!(normalize_path("/a%3Ab%40c%2Bd%20e"), "/a:b@c+d e");
         assert_eq!(normalize_path("/a%2f%25%3f%23b"), "/a%2F%25%3F%23b");
-        assert_eq!(normalize_path("/a%00%7f%C2%85"), "/a%00%7F%C2%85");
+        assert_eq!(normalize_path("/a%00%7f%C2%85"), "/a%00%7F\u{85}");
+        assert_eq!(normalize_path("/a\u{85}"), normalize_path("/a%c2%85"));
         assert_eq!(normalize_path("/a%C3/%A9%ff%C3%28"), "/a%C3/%A9%FF%C3(");
         assert_eq!(normalize_path("/%E2%82%AC%E2%82"), "/\u{20ac}%E2%82");
         for raw in [
@@ -1100,6 +1103,11 @@ mod tests {
         assert!(p("/wiki/a?b*").matches(&normalize_path("/wiki/a%3Fbcd")));
         assert!(p("/wiki/*%3F?").matches(&normalize_path("/wiki/x%3F%23")));
         assert!(!p("/wiki/?").matches(&normalize_path("/wiki/%3F%3F")));
+        // A control character past ASCII is one character, raw or escaped.
+        for raw in ["/wiki/%C2%85", "/wiki/%c2%9f", "/wiki/\u{85}"] {
+            assert!(p("/wiki/?").matches(&normalize_path(raw)), "{raw}");
+            assert!(p("/wiki/%C2%85").matches(&normalize_path("/wiki/\u{85}")), "{raw}");
+        }
         assert!(!p("/wiki/?").matches_routed_as_written("/wiki/%3F"));
         assert!(p("/wiki/???").matches_routed_as_written("/wiki/%3F"));
     }
