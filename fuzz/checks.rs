@@ -198,15 +198,35 @@ pub fn paths(data: &[u8]) {
         .map(|s| s.chars().collect())
         .collect();
     let pat: Vec<[Vec<char>; 2]> = decoded.into_iter().zip(written).map(|(d, w)| [d, w]).collect();
+    // A pattern that writes `%2F` also matches with it read as a `/` (when that reads as a
+    // pattern at all), never as written.
+    let flat_text = pattern.replace("%2F", "/").replace("%2f", "/");
+    let twin: Option<Vec<[Vec<char>; 2]>> = (flat_text != pattern && reference_pattern_valid(&flat_text)).then(|| {
+        let segments = |text: &str| -> Vec<Vec<char>> {
+            text.split('/')
+                .filter(|s| !s.is_empty())
+                .map(|s| s.chars().collect())
+                .collect()
+        };
+        let written = segments(&flat_text);
+        segments(&reference_decode(&flat_text))
+            .into_iter()
+            .zip(written)
+            .map(|(d, w)| [d, w])
+            .collect()
+    });
+    let matches_pat = |segments: &[&str]| {
+        reference_matches(&pat, segments) || twin.as_ref().is_some_and(|t| reference_matches(t, segments))
+    };
     let normalized = normalize_path(raw);
     let normal_segments: Vec<&str> = normalized.split('/').filter(|s| !s.is_empty()).collect();
     // A pattern ignores its trailing `/`, so the routed view is also matched without the
     // request's: `/items/*/` applies to `/items//`, which reaches an `/items/{id}/` route.
     let without_slash = |routed: &[&str]| match routed.split_last() {
-        Some((&"", rest)) => reference_matches(&pat, rest),
+        Some((&"", rest)) => matches_pat(rest),
         _ => false,
     };
-    let by_route = reference_matches(&pat, &routed) || without_slash(&routed);
+    let by_route = matches_pat(&routed) || without_slash(&routed);
     // Behind a middleware that trims the runs of `/` at both ends (tower-http's
     // `NormalizePathLayer`), the router sees `/` and the rest, when there are such runs.
     let trimmed_raw = if raw.starts_with("//") || raw.ends_with('/') {
@@ -214,16 +234,16 @@ pub fn paths(data: &[u8]) {
     } else {
         raw.to_owned()
     };
-    let by_trim = trimmed_raw != raw && reference_matches(&pat, &reference_routed(&trimmed_raw));
+    let by_trim = trimmed_raw != raw && matches_pat(&reference_routed(&trimmed_raw));
     assert_eq!(
         parsed.matches_routed_trimmed(raw),
         by_trim,
         "`{pattern}`.matches_routed_trimmed({raw:?}), trimmed {trimmed_raw:?}"
     );
-    let by_path = reference_matches(&pat, &normal_segments);
+    let by_path = matches_pat(&normal_segments);
     assert_eq!(
         parsed.matches_routed(raw),
-        reference_matches(&pat, &routed),
+        matches_pat(&routed),
         "`{pattern}`.matches_routed({raw:?}), segments {routed:?}"
     );
     assert_eq!(
@@ -259,15 +279,40 @@ pub fn paths(data: &[u8]) {
         let flat_trimmed: Vec<&str> = flat_trimmed.iter().map(String::as_str).collect();
         let flattened = normalize_path(&slashes);
         let flattened: Vec<&str> = flattened.split('/').filter(|s| !s.is_empty()).collect();
-        reference_matches(&pat, &decoded)
+        matches_pat(&decoded)
             || without_slash(&decoded)
-            || (trimmed_raw != raw && reference_matches(&pat, &trimmed))
-            || reference_matches(&pat, &flat_routed)
+            || (trimmed_raw != raw && matches_pat(&trimmed))
+            || matches_pat(&flat_routed)
             || without_slash(&flat_routed)
-            || (flat_trimmed != flat_routed && reference_matches(&pat, &flat_trimmed))
-            || reference_matches(&pat, &flattened)
+            || (flat_trimmed != flat_routed && matches_pat(&flat_trimmed))
+            || matches_pat(&flattened)
     };
-    let by_route = by_route || by_trim || by_decoded;
+    // With a `..` segment: for each wildcard root k (up to 16 segments deep) past which a
+    // `..` climbs, the segments before k as they are and the rest cleaned, never above k.
+    // The segments are the routed ones, decoded with `%2F` read as `/` when the path has
+    // escapes.
+    let by_clamped = {
+        let base: Vec<String> = if raw.contains('%') {
+            let slashes = raw.replace("%2F", "/").replace("%2f", "/");
+            reference_routed(&slashes).iter().map(|s| reference_decode(s)).collect()
+        } else {
+            routed.iter().map(|s| s.to_string()).collect()
+        };
+        (1..base.len().min(17)).any(|k| {
+            let mut kept: Vec<&str> = base[..k].iter().map(String::as_str).collect();
+            let mut climbed = false;
+            for s in &base[k..] {
+                match s.as_str() {
+                    "" | "." => {}
+                    ".." if kept.len() > k => drop(kept.pop()),
+                    ".." => climbed = true,
+                    s => kept.push(s),
+                }
+            }
+            climbed && matches_pat(&kept)
+        })
+    };
+    let by_route = by_route || by_trim || by_decoded || by_clamped;
 
     // A rule with the pattern applies exactly when the routed (with or without its trailing
     // `/`, or trimmed) or the normalized path matches, for GET and HEAD alike, and never for another

@@ -128,6 +128,12 @@ async fn an_escaped_slash_under_a_wildcard_route_is_counted_as_a_slash() {
         // The handler gets `private/x/../y`, as from `/files/private/x/../y`.
         "/files/private%2Fx/../y",
         "/files/private%2F/../y",
+        // The handler gets `../private/x` (and the like), which one that cleans it against
+        // its own root serves as `private/x`.
+        "/files/../private/x",
+        "/files/%2e%2e/private/x",
+        "/files/a%2F..%2F..%2Fprivate/x",
+        "/files/x/../../private/x",
     ] {
         let (app, runs) = wiki_app(RateLimitLayer::new(engine(&one_rule("/files/private/**"))));
         let (ran, given) = five_times(&app, &runs, spelling).await;
@@ -144,6 +150,8 @@ async fn an_included_page_is_limited_whatever_its_spelling() {
         ("/wiki/Help:*", "/wiki/Help%3AContents"),
         ("/files/private/**", "/files/private%2Fx"),
         ("/files/private/**", "/files/private%2Fx/../y"),
+        ("/files/private/**", "/files/../private/x"),
+        ("/files/private/**", "/files/a%2F..%2F..%2Fprivate/x"),
     ] {
         let layer = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
             .include([include])
@@ -236,5 +244,45 @@ async fn an_exclusion_written_with_escapes_leaves_only_that_spelling_alone() {
         let (ran, given) = five_times(&app, &runs, spelling).await;
         assert_eq!(given.first().map(|g| g.0), Some("fallback"), "{spelling}");
         assert_eq!(ran, 1, "exclude `{route}`, request `{spelling}`: {given:?}");
+    }
+}
+
+/// An exclusion's own trailing `/` and empty segments count in the raw view: `/docs/` and
+/// `/docs` are two routes to the router, and `//health` is no spelling of `/health` it
+/// routes to the same handler (the fallback answers it).
+#[tokio::test]
+async fn an_exclusion_keeps_its_trailing_slash_and_empty_segments() {
+    for (exclude, target, handler, excluded) in [
+        ("/docs/", "/docs/", "docs/", true),
+        ("/docs/", "/docs", "docs", false),
+        ("/docs", "/docs/", "docs/", false),
+        ("/docs", "/docs", "docs", true),
+        ("//docs", "/docs", "docs", false),
+        ("/items/*/", "/items/5", "item", false),
+        ("/items/*/", "/items/5/", "item/", true),
+    ] {
+        let runs: Runs = Arc::default();
+        let record = |name: &'static str| {
+            let runs = runs.clone();
+            move |uri: http::Uri| {
+                runs.lock().expect("runs").push((name, uri.path().to_owned()));
+                std::future::ready(name)
+            }
+        };
+        let layer = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+            .exclude([exclude])
+            .build()
+            .expect("a layer");
+        let app = Router::new()
+            .route("/docs", get(record("docs")))
+            .route("/docs/", get(record("docs/")))
+            .route("/items/{id}", get(record("item")))
+            .route("/items/{id}/", get(record("item/")))
+            .fallback(record("fallback"))
+            .layer(layer);
+        let (ran, given) = five_times(&app, &runs, target).await;
+        let what = format!("exclude `{exclude}`, request `{target}`: {given:?}");
+        assert_eq!(given.first().map(|g| g.0), Some(handler), "{what}");
+        assert_eq!(ran, if excluded { 5 } else { 1 }, "{what}");
     }
 }

@@ -15,6 +15,7 @@ mod by_address;
 mod composition;
 mod escapes;
 mod metrics;
+mod param_values;
 mod protocol;
 mod routes;
 mod targets;

@@ -274,6 +274,8 @@ pub(crate) struct RequestPaths<'a> {
     routed: Option<&'a [&'a str]>,
     /// The views of [`with_decoded_views`], for a path with escapes.
     decoded: Option<DecodedViews<'a>>,
+    /// The views of [`with_clamped_views`], for a path with a `..` segment.
+    clamped: Vec<Vec<&'a str>>,
 }
 
 impl<'a> RequestPaths<'a> {
@@ -284,6 +286,7 @@ impl<'a> RequestPaths<'a> {
             segments: OnceCell::new(),
             routed: None,
             decoded: None,
+            clamped: Vec::new(),
         }
     }
 
@@ -302,6 +305,11 @@ impl<'a> RequestPaths<'a> {
     pub(crate) fn decoded(&self) -> Option<DecodedViews<'a>> {
         self.decoded
     }
+
+    /// For a path with a `..` segment, its clamped views (see [`with_clamped_views`]).
+    pub(crate) fn clamped(&self) -> &[Vec<&'a str>] {
+        &self.clamped
+    }
 }
 
 /// Runs `f` with a request's paths: its normalized path and, when it differs, the segments
@@ -312,29 +320,35 @@ pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'
         // A normalized path keeps `%2F` (a path with other escapes differs from its
         // normalized form): the flattened view.
         None if normalized.contains('%') => decoded_views(normalized, |decoded| {
+            let clamped = clamped_views(decoded.flattened_routed);
             f(&RequestPaths {
                 normalized,
                 segments: OnceCell::new(),
                 routed: None,
                 decoded: Some(decoded),
+                clamped,
             })
         }),
         None => f(&RequestPaths::normalized(normalized)),
         Some(raw) => with_routed_segments(raw, |routed| {
             if !raw.contains('%') {
+                let clamped = clamped_views(routed);
                 return f(&RequestPaths {
                     normalized,
                     segments: OnceCell::new(),
                     routed: Some(routed),
                     decoded: None,
+                    clamped,
                 });
             }
             decoded_views(raw, |decoded| {
+                let clamped = clamped_views(decoded.flattened_routed);
                 f(&RequestPaths {
                     normalized,
                     segments: OnceCell::new(),
                     routed: Some(routed),
                     decoded: Some(decoded),
+                    clamped,
                 })
             })
         }),
@@ -401,6 +415,66 @@ fn decoded_views<R>(raw_path: &str, f: impl FnOnce(DecodedViews<'_>) -> R) -> R 
         flattened_routed: &flattened_routed,
         flattened: &flattened,
     })
+}
+
+/// The most positions [`with_clamped_views`] takes for a wildcard's root: the depth of a
+/// route's wildcard parameter, counted in segments.
+const CLAMPED_ROOTS: usize = 16;
+
+/// Runs `f` with the *clamped* views of a path that has a `..` segment (none for another):
+/// for each position `k` (up to 16) past which a `..` climbs, the segments before `k` as
+/// they are, then those after with dot and empty segments resolved, never above `k`. A
+/// wildcard parameter holds its part of the path with the dots in it, and a handler that
+/// cleans it against its own root reads what `..` cannot climb out of: `/files/{*rest}`
+/// gets `../private/x` from `/files/../private/x`, which such a handler serves as
+/// `private/x`, and `/files/private/**` counts it. The segments are those of the path as
+/// routed, with escapes decoded and `%2F` read as `/` when it has any (the flattened
+/// routed view of [`with_decoded_views`]).
+///
+/// ```
+/// use fluxgate_core::path::with_clamped_views;
+/// let views = with_clamped_views("/files/a/../../private/x", |views| {
+///     views.iter().map(|v| v.join("|")).collect::<Vec<_>>()
+/// });
+/// // A wildcard after `/files`, after `/files/a`, after `/files/a/..`.
+/// assert_eq!(views, ["files|private|x", "files|a|private|x", "files|a|..|private|x"]);
+/// let views = with_clamped_views("/files/a%2F..%2F..%2Fprivate/x", |views| views[0].join("|"));
+/// assert_eq!(views, "files|private|x");
+/// assert_eq!(with_clamped_views("/files/a/./x", |views| views.len()), 0);
+/// ```
+pub fn with_clamped_views<R>(raw_path: &str, f: impl FnOnce(&[Vec<&str>]) -> R) -> R {
+    let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
+    if path.contains('%') {
+        return decoded_views(path, |views| f(&clamped_views(views.flattened_routed)));
+    }
+    with_routed_segments(path, |segments| f(&clamped_views(segments)))
+}
+
+/// See [`with_clamped_views`]: no view (and no allocation) without a `..` segment.
+fn clamped_views<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
+    if !segments.contains(&"..") {
+        return Vec::new();
+    }
+    let mut views = Vec::new();
+    for k in 1..segments.len().min(CLAMPED_ROOTS + 1) {
+        let (root, rest) = segments.split_at(k);
+        let mut resolved: Vec<&str> = root.to_vec();
+        let mut climbed = false;
+        for &segment in rest {
+            match segment {
+                "" | "." => {}
+                ".." if resolved.len() > k => {
+                    resolved.pop();
+                }
+                ".." => climbed = true,
+                segment => resolved.push(segment),
+            }
+        }
+        if climbed {
+            views.push(resolved);
+        }
+    }
+    views
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
@@ -500,6 +574,15 @@ pub fn routed_segments(raw_path: &str) -> Vec<&str> {
 pub struct PathPattern {
     source: String,
     segments: Vec<Segment>,
+    /// The segments as written, nothing decoded and none dropped (an empty one, a trailing
+    /// `/`): what a route written as the pattern serves (see
+    /// [`matches_routed_as_written`](Self::matches_routed_as_written)).
+    written: Vec<Segment>,
+    /// For a pattern that writes `%2F`, the pattern with it read as a `/`: a wildcard
+    /// parameter holds `a/b` for `/files/a%2Fb` and `/files/a/b` alike, so a rule on
+    /// `/files/a%2Fb` counts both. Matched wherever the pattern's decoded spelling is, never
+    /// as written.
+    flat: Option<Box<PathPattern>>,
     /// How a normalized path is matched: as text, when the pattern has that shape.
     shape: Shape,
 }
@@ -615,10 +698,31 @@ impl FromStr for PathPattern {
                 segments.push(Segment::Literal(seg.to_owned(), written.map(str::to_owned)));
             }
         }
+        // As written: split at every `/` after the first, empty segments kept.
+        let written = match &s[1..] {
+            "" => Vec::new(),
+            rest => rest
+                .split('/')
+                .map(|seg| match seg {
+                    "**" => Segment::AnyDepth,
+                    seg if seg.contains(['*', '?']) => Segment::Glob(seg.chars().collect(), None),
+                    seg => Segment::Literal(seg.to_owned(), None),
+                })
+                .collect(),
+        };
+        // The twin is the pattern as written with its `%2F` written `/` (a `%` that starts
+        // `%2F` is never part of an escape before it). One that cannot be read
+        // (`/a%2F..%2Fb` is `/a/../b`) is left out: the pattern matches as it decodes.
+        let flat = match decoded.contains("%2F") {
+            true => s.replace("%2F", "/").replace("%2f", "/").parse().ok().map(Box::new),
+            false => None,
+        };
         Ok(Self {
             source: s.to_owned(),
             shape: Shape::of(&segments),
             segments,
+            written,
+            flat,
         })
     }
 }
@@ -698,13 +802,14 @@ impl PathPattern {
     /// literal segments, optionally followed by `**` (no split), else segment by segment.
     pub(crate) fn matches_normalized(&self, paths: &RequestPaths<'_>) -> bool {
         let path = paths.normalized;
-        match &self.shape {
+        let matches = match &self.shape {
             Shape::Exact(text) => path == text,
             Shape::Under(text) => {
                 path.starts_with(text.as_str()) && (path.len() == text.len() || path.as_bytes()[text.len()] == b'/')
             }
-            Shape::Segments => self.matches_segments(paths.normalized_segments()),
-        }
+            Shape::Segments => matches_segments_by(&self.segments, paths.normalized_segments(), segment_matches),
+        };
+        matches || self.flat.as_ref().is_some_and(|flat| flat.matches_normalized(paths))
     }
 
     /// Whether a path matches as a router sees it: the raw path, split at every `/`,
@@ -766,14 +871,16 @@ impl PathPattern {
     /// normalized path, or the segments of a path as routed ([`routed_segments`]), where
     /// `*` also matches an empty segment.
     pub fn matches_segments(&self, path: &[&str]) -> bool {
-        self.matches_segments_by(path, segment_matches)
+        matches_segments_by(&self.segments, path, segment_matches)
+            || self.flat.as_ref().is_some_and(|flat| flat.matches_segments(path))
     }
 
     /// Whether a path matches as a router sees it ([`matches_routed`](Self::matches_routed)),
-    /// each pattern segment read only as written: what a route written as the pattern is
-    /// serves. A pattern's decoded spelling is another path to the router (a static route
-    /// `/wiki/Help%3AContents` does not run for `/wiki/Help:Contents`), so a layer's
-    /// `exclude` leaves a request alone in this view only as written.
+    /// the pattern read only as written, nothing decoded and none of its segments dropped:
+    /// what a route written as the pattern serves. A pattern's decoded spelling, or without
+    /// its trailing `/`, is another path to the router (a static route
+    /// `/wiki/Help%3AContents` does not run for `/wiki/Help:Contents`, nor `/docs/` for
+    /// `/docs`), so a layer's `exclude` leaves a request alone in this view only as written.
     ///
     /// ```
     /// use fluxgate_core::PathPattern;
@@ -781,43 +888,53 @@ impl PathPattern {
     /// assert!(p.matches_routed("/wiki/Help:Contents"));
     /// assert!(!p.matches_routed_as_written("/wiki/Help:Contents"));
     /// assert!(p.matches_routed_as_written("/wiki/Help%3AContents"));
+    /// let docs: PathPattern = "/docs/".parse().unwrap();
+    /// assert!(docs.matches_routed("/docs") && !docs.matches_routed_as_written("/docs"));
+    /// assert!(docs.matches_routed_as_written("/docs/"));
     /// ```
     pub fn matches_routed_as_written(&self, raw_path: &str) -> bool {
         with_routed_segments(raw_path, |segments| {
-            self.matches_segments_by(segments, segment_matches_as_written)
+            matches_segments_by(&self.written, segments, segment_matches_as_written)
         })
     }
 
-    /// [`matches_routed_trimmed`](Self::matches_routed_trimmed), each pattern segment read
-    /// only as written ([`matches_routed_as_written`](Self::matches_routed_as_written)).
+    /// [`matches_routed_trimmed`](Self::matches_routed_trimmed), the pattern read only as
+    /// written ([`matches_routed_as_written`](Self::matches_routed_as_written)) and without
+    /// its empty segments at either end, as the trimming middleware leaves the path.
     pub fn matches_routed_trimmed_as_written(&self, raw_path: &str) -> bool {
         with_routed_segments(raw_path, |segments| {
-            trimmed(segments).is_some_and(|s| self.matches_segments_by(s, segment_matches_as_written))
+            // The pattern as the same middleware would leave it: without its empty segments at
+            // either end.
+            let empty = |segment: &Segment| matches!(segment, Segment::Literal(text, None) if text.is_empty());
+            let start = self.written.iter().take_while(|s| empty(s)).count();
+            let end = self.written.len() - self.written[start..].iter().rev().take_while(|s| empty(s)).count();
+            trimmed(segments)
+                .is_some_and(|s| matches_segments_by(&self.written[start..end], s, segment_matches_as_written))
         })
     }
+}
 
-    fn matches_segments_by(&self, path: &[&str], segment_matches: fn(&Segment, &str) -> bool) -> bool {
-        // Iterative wildcard matching over segments, `**` as the star.
-        let pat = &self.segments;
-        let (mut p, mut s) = (0, 0);
-        let mut backtrack: Option<(usize, usize)> = None;
-        while s < path.len() {
-            if p < pat.len() && pat[p] == Segment::AnyDepth {
-                backtrack = Some((p, s));
-                p += 1;
-            } else if p < pat.len() && segment_matches(&pat[p], path[s]) {
-                p += 1;
-                s += 1;
-            } else if let Some((bp, bs)) = backtrack {
-                p = bp + 1;
-                s = bs + 1;
-                backtrack = Some((bp, bs + 1));
-            } else {
-                return false;
-            }
+/// Whether segments match a pattern's segments, each by `segment_matches`.
+fn matches_segments_by(pat: &[Segment], path: &[&str], segment_matches: fn(&Segment, &str) -> bool) -> bool {
+    // Iterative wildcard matching over segments, `**` as the star.
+    let (mut p, mut s) = (0, 0);
+    let mut backtrack: Option<(usize, usize)> = None;
+    while s < path.len() {
+        if p < pat.len() && pat[p] == Segment::AnyDepth {
+            backtrack = Some((p, s));
+            p += 1;
+        } else if p < pat.len() && segment_matches(&pat[p], path[s]) {
+            p += 1;
+            s += 1;
+        } else if let Some((bp, bs)) = backtrack {
+            p = bp + 1;
+            s = bs + 1;
+            backtrack = Some((bp, bs + 1));
+        } else {
+            return false;
         }
-        pat[p..].iter().all(|seg| *seg == Segment::AnyDepth)
     }
+    pat[p..].iter().all(|seg| *seg == Segment::AnyDepth)
 }
 
 fn segment_matches(pattern: &Segment, segment: &str) -> bool {
@@ -1110,6 +1227,19 @@ mod tests {
         }
         assert!(!p("/wiki/?").matches_routed_as_written("/wiki/%3F"));
         assert!(p("/wiki/???").matches_routed_as_written("/wiki/%3F"));
+    }
+
+    /// A pattern that writes `%2F` also matches with it read as a `/`, but not as written.
+    #[test]
+    fn an_escaped_slash_in_a_pattern_is_also_a_slash() {
+        let p = p("/files/a%2fb");
+        for raw in ["/files/a%2Fb", "/files/a/b"] {
+            assert!(p.matches(&normalize_path(raw)), "{raw}");
+            assert!(p.matches_routed(raw), "{raw}");
+        }
+        assert!(p.matches_routed_as_written("/files/a%2fb"));
+        assert!(!p.matches_routed_as_written("/files/a/b"));
+        assert!("/files/a%2F..%2Fb".parse::<PathPattern>().is_ok());
     }
 
     #[test]

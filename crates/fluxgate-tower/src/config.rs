@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fluxgate_core::failure::{CircuitOpen, LogThrottle};
-use fluxgate_core::path::{trimmed, with_decoded_views, without_trailing_slash};
+use fluxgate_core::path::{trimmed, with_clamped_views, with_decoded_views, without_trailing_slash};
 use fluxgate_core::{
     AddressDecision, Decision, Engine, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler,
     RequestContext, RequestContextBuilder,
@@ -131,11 +131,22 @@ impl Config {
             })
             .unwrap_or(false)
         };
+        // With a `..` segment: the path resolved at each root a wildcard parameter may have,
+        // as a handler that cleans its part of the path reads it (see
+        // `with_clamped_views`). Views of their own, which can only limit more.
+        let clamped = || {
+            with_clamped_views(routed, |views| {
+                views.iter().any(|v| {
+                    let by_clamped = |p: &PathPattern| p.matches_segments(v);
+                    view(&by_clamped, &by_clamped)
+                })
+            })
+        };
         if routed == normalized {
             // The path as routed is the normalized one, but an exclusion matches it only as
             // the pattern is written: a static route written with escapes does not run for
             // their decoded spelling, which the router sends elsewhere.
-            return decoded() || view(&|p| p.matches_routed_as_written(routed), &by_normalized);
+            return decoded() || clamped() || view(&|p| p.matches_routed_as_written(routed), &by_normalized);
         }
         // A path without a leading `/` (`*` in the asterisk form, the empty path of the
         // authority form, `GET host:80`) reaches no route: the router's fallback answers
@@ -162,6 +173,7 @@ impl Config {
             // its own, which can only limit more.
             && view(&|p| p.matches_routed_trimmed_as_written(routed), &|p| p.matches_routed_trimmed(routed)))
             || decoded()
+            || clamped()
     }
 
     /// Fills a context from the request, before the customizer; `client_ip` is the

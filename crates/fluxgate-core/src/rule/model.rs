@@ -447,6 +447,7 @@ impl Rule {
                                 || self.matches_routed(v.flattened_routed)
                                 || self.matches_path(v.flattened)
                         })
+                        || paths.clamped().iter().any(|v| self.matches_path(v))
                 }))
     }
 
