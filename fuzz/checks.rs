@@ -287,29 +287,33 @@ pub fn paths(data: &[u8]) {
             || (flat_trimmed != flat_routed && matches_pat(&flat_trimmed))
             || matches_pat(&flattened)
     };
-    // With a `..` segment: for each wildcard root k (up to 16 segments deep) past which a
-    // `..` climbs, the segments before k as they are and the rest cleaned, never above k.
-    // The segments are the routed ones, decoded with `%2F` read as `/` when the path has
-    // escapes.
+    // With a dot or empty segment, or a `%2F`: for each root k (up to 16 segments deep) a
+    // wildcard may begin at, the segments before k as they are and the rest read with `%2F`
+    // as `/` and cleaned, never above k. The segments are the routed ones decoded (`%2F`
+    // kept), and the same trimmed of empty segments at either end.
     let by_clamped = {
-        let base: Vec<String> = if raw.contains('%') {
-            let slashes = raw.replace("%2F", "/").replace("%2f", "/");
-            reference_routed(&slashes).iter().map(|s| reference_decode(s)).collect()
-        } else {
-            routed.iter().map(|s| s.to_string()).collect()
-        };
-        (1..base.len().min(17)).any(|k| {
-            let mut kept: Vec<&str> = base[..k].iter().map(String::as_str).collect();
-            let mut climbed = false;
-            for s in &base[k..] {
-                match s.as_str() {
-                    "" | "." => {}
-                    ".." if kept.len() > k => drop(kept.pop()),
-                    ".." => climbed = true,
-                    s => kept.push(s),
+        let decoded: Vec<String> = routed.iter().map(|s| reference_decode(s)).collect();
+        let first = decoded.iter().take_while(|s| s.is_empty()).count();
+        let last = decoded.len() - decoded[first..].iter().rev().take_while(|s| s.is_empty()).count();
+        let trimmed: Vec<String> = decoded[first..last].to_vec();
+        let dotted = |s: &str| matches!(s, "" | "." | "..");
+        [decoded, trimmed].iter().any(|base| {
+            (1..base.len().min(17)).any(|k| {
+                let rest: Vec<&str> = base[k..].iter().flat_map(|s| s.split("%2F")).collect();
+                if !rest.iter().any(|s| dotted(s)) {
+                    return false;
                 }
-            }
-            climbed && matches_pat(&kept)
+                let mut kept: Vec<&str> = base[..k].iter().map(String::as_str).collect();
+                for s in rest {
+                    match s {
+                        "" | "." => {}
+                        ".." if kept.len() > k => drop(kept.pop()),
+                        ".." => {}
+                        s => kept.push(s),
+                    }
+                }
+                matches_pat(&kept)
+            })
         })
     };
     let by_route = by_route || by_trim || by_decoded || by_clamped;

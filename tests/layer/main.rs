@@ -19,6 +19,7 @@ mod param_values;
 mod protocol;
 mod routes;
 mod targets;
+mod wildcards;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;

@@ -276,6 +276,22 @@ pub(crate) struct RequestPaths<'a> {
     decoded: Option<DecodedViews<'a>>,
     /// The views of [`with_clamped_views`], for a path with a `..` segment.
     clamped: Vec<Vec<&'a str>>,
+    /// Whether the path is longer than [`LONGEST_MATCHED_PATH`]: every pattern matches it.
+    too_long: bool,
+}
+
+/// The longest path, in bytes, that patterns are matched against: a longer one (as
+/// normalized or as routed, without its query) is matched by every pattern, so that it is
+/// counted by every rule whose methods it has and limited by the layer whatever `include`
+/// and `exclude` say. Matching a path against each view costs time in proportion to its
+/// length, and a client may send a path of up to 64 KiB (hyper's limit over HTTP/1.1):
+/// against a few patterns with wildcards, tens of milliseconds per request. No route of an
+/// ordinary application is that long.
+pub const LONGEST_MATCHED_PATH: usize = 4096;
+
+/// Whether a request's path is longer than [`LONGEST_MATCHED_PATH`].
+pub fn is_too_long(ctx: &RequestContext) -> bool {
+    ctx.path().len().max(ctx.routed_path().len()) > LONGEST_MATCHED_PATH
 }
 
 impl<'a> RequestPaths<'a> {
@@ -287,6 +303,7 @@ impl<'a> RequestPaths<'a> {
             routed: None,
             decoded: None,
             clamped: Vec::new(),
+            too_long: false,
         }
     }
 
@@ -306,6 +323,11 @@ impl<'a> RequestPaths<'a> {
         self.decoded
     }
 
+    /// Whether the path is too long to be matched: every pattern matches it.
+    pub(crate) fn too_long(&self) -> bool {
+        self.too_long
+    }
+
     /// For a path with a `..` segment, its clamped views (see [`with_clamped_views`]).
     pub(crate) fn clamped(&self) -> &[Vec<&'a str>] {
         &self.clamped
@@ -316,17 +338,25 @@ impl<'a> RequestPaths<'a> {
 /// of its path as routed; without allocating for usual paths.
 pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'_>) -> R) -> R {
     let normalized = ctx.path();
+    if is_too_long(ctx) {
+        // Matched by every pattern (see `LONGEST_MATCHED_PATH`): no view is worked out.
+        return f(&RequestPaths {
+            too_long: true,
+            ..RequestPaths::normalized(normalized)
+        });
+    }
     match ctx.distinct_routed_path() {
         // A normalized path keeps `%2F` (a path with other escapes differs from its
         // normalized form): the flattened view.
         None if normalized.contains('%') => decoded_views(normalized, |decoded| {
-            let clamped = clamped_views(decoded.flattened_routed);
+            let clamped = clamped_views(decoded.routed);
             f(&RequestPaths {
                 normalized,
                 segments: OnceCell::new(),
                 routed: None,
                 decoded: Some(decoded),
                 clamped,
+                too_long: false,
             })
         }),
         None => f(&RequestPaths::normalized(normalized)),
@@ -339,16 +369,18 @@ pub(crate) fn with_paths<R>(ctx: &RequestContext, f: impl FnOnce(&RequestPaths<'
                     routed: Some(routed),
                     decoded: None,
                     clamped,
+                    too_long: false,
                 });
             }
             decoded_views(raw, |decoded| {
-                let clamped = clamped_views(decoded.flattened_routed);
+                let clamped = clamped_views(decoded.routed);
                 f(&RequestPaths {
                     normalized,
                     segments: OnceCell::new(),
                     routed: Some(routed),
                     decoded: Some(decoded),
                     clamped,
+                    too_long: false,
                 })
             })
         }),
@@ -421,57 +453,67 @@ fn decoded_views<R>(raw_path: &str, f: impl FnOnce(DecodedViews<'_>) -> R) -> R 
 /// route's wildcard parameter, counted in segments.
 const CLAMPED_ROOTS: usize = 16;
 
-/// Runs `f` with the *clamped* views of a path that has a `..` segment (none for another):
-/// for each position `k` (up to 16) past which a `..` climbs, the segments before `k` as
-/// they are, then those after with dot and empty segments resolved, never above `k`. A
-/// wildcard parameter holds its part of the path with the dots in it, and a handler that
-/// cleans it against its own root reads what `..` cannot climb out of: `/files/{*rest}`
-/// gets `../private/x` from `/files/../private/x`, which such a handler serves as
-/// `private/x`, and `/files/private/**` counts it. The segments are those of the path as
-/// routed, with escapes decoded and `%2F` read as `/` when it has any (the flattened
-/// routed view of [`with_decoded_views`]).
+/// Runs `f` with the *clamped* views of a path that has a dot or empty segment, or a `%2F`
+/// (none for another): for each position `k` (up to 16) where a wildcard parameter may
+/// begin, the segments before `k` as they are, then those after read as the wildcard holds
+/// them (`%2F` a `/`) and cleaned (empty and `.` segments dropped, `..` resolved, never
+/// above `k`), when that changes them. A handler that cleans its wildcard against its own
+/// root reads that: `/files/{*rest}` gets `../private/x` from `/files/../private/x` and
+/// serves `private/x`, and `/files/private/**` counts it. The segments are those of the
+/// path as routed, escapes decoded but `%2F`, and the same trimmed of the empty segments at
+/// either end, as a trimming middleware routes them.
 ///
 /// ```
 /// use fluxgate_core::path::with_clamped_views;
-/// let views = with_clamped_views("/files/a/../../private/x", |views| {
-///     views.iter().map(|v| v.join("|")).collect::<Vec<_>>()
-/// });
+/// let views = |path| with_clamped_views(path, |views| views.iter().map(|v| v.join("|")).collect::<Vec<_>>());
 /// // A wildcard after `/files`, after `/files/a`, after `/files/a/..`.
-/// assert_eq!(views, ["files|private|x", "files|a|private|x", "files|a|..|private|x"]);
-/// let views = with_clamped_views("/files/a%2F..%2F..%2Fprivate/x", |views| views[0].join("|"));
-/// assert_eq!(views, "files|private|x");
-/// assert_eq!(with_clamped_views("/files/a/./x", |views| views.len()), 0);
+/// assert_eq!(views("/files/a/../../private/x"), ["files|private|x", "files|a|private|x", "files|a|..|private|x"]);
+/// assert_eq!(views("/files/a%2F..%2F..%2Fprivate/x"), ["files|private|x"]);
+/// // A parameter before the wildcard keeps its own `.` and `%2F`.
+/// assert!(views("/api/./files/./private/x").contains(&"api|.|files|private|x".to_owned()));
+/// assert!(views("/api/a%2Fb/files/../private/x").contains(&"api|a%2Fb|files|private|x".to_owned()));
+/// assert!(views("/files/a/b").is_empty());
 /// ```
 pub fn with_clamped_views<R>(raw_path: &str, f: impl FnOnce(&[Vec<&str>]) -> R) -> R {
     let path = raw_path.find(['?', '#']).map_or(raw_path, |end| &raw_path[..end]);
     if path.contains('%') {
-        return decoded_views(path, |views| f(&clamped_views(views.flattened_routed)));
+        return decoded_views(path, |views| f(&clamped_views(views.routed)));
     }
     with_routed_segments(path, |segments| f(&clamped_views(segments)))
 }
 
-/// See [`with_clamped_views`]: no view (and no allocation) without a `..` segment.
+/// See [`with_clamped_views`]: no view (and no allocation) without a dot or empty segment.
+/// `segments` are the routed segments, decoded with `%2F` kept (a parameter before the
+/// wildcard holds it whole); the wildcard's part is read with `%2F` as `/`. Also cut from
+/// the trimmed segments, as a trimming middleware routes them.
 fn clamped_views<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
-    if !segments.contains(&"..") {
+    let dotted = |s: &&str| matches!(*s, "" | "." | "..");
+    if !segments.iter().any(dotted) && !segments.iter().any(|s| s.contains("%2F")) {
         return Vec::new();
     }
-    let mut views = Vec::new();
-    for k in 1..segments.len().min(CLAMPED_ROOTS + 1) {
-        let (root, rest) = segments.split_at(k);
-        let mut resolved: Vec<&str> = root.to_vec();
-        let mut climbed = false;
-        for &segment in rest {
-            match segment {
-                "" | "." => {}
-                ".." if resolved.len() > k => {
-                    resolved.pop();
-                }
-                ".." => climbed = true,
-                segment => resolved.push(segment),
+    let mut views: Vec<Vec<&'a str>> = Vec::new();
+    let bases = std::iter::once(segments).chain(trimmed(segments));
+    for base in bases {
+        for k in 1..base.len().min(CLAMPED_ROOTS + 1) {
+            let (root, rest) = base.split_at(k);
+            let rest: Vec<&'a str> = rest.iter().flat_map(|s| s.split("%2F")).collect();
+            if !rest.iter().any(dotted) {
+                continue;
             }
-        }
-        if climbed {
-            views.push(resolved);
+            let mut resolved: Vec<&'a str> = root.to_vec();
+            for segment in rest {
+                match segment {
+                    "" | "." => {}
+                    ".." if resolved.len() > k => {
+                        resolved.pop();
+                    }
+                    ".." => {}
+                    segment => resolved.push(segment),
+                }
+            }
+            if !views.contains(&resolved) {
+                views.push(resolved);
+            }
         }
     }
     views
@@ -867,6 +909,12 @@ impl PathPattern {
         })
     }
 
+    /// [`matches_segments`](Self::matches_segments) without the pattern's `%2F` read as a
+    /// `/`: what an exclusion matches where no view as written stands beside it.
+    pub fn matches_segments_as_spelled(&self, path: &[&str]) -> bool {
+        matches_segments_by(&self.segments, path, segment_matches)
+    }
+
     /// Whether a path already split into segments matches: the non-empty segments of a
     /// normalized path, or the segments of a path as routed ([`routed_segments`]), where
     /// `*` also matches an empty segment.
@@ -962,10 +1010,12 @@ fn glob_matches_decoded(glob: &[char], text: &str) -> bool {
             && bytes.get(j + 1).is_some_and(u8::is_ascii_hexdigit)
             && bytes.get(j + 2).is_some_and(u8::is_ascii_hexdigit)
     };
+    // Two rows, reused: a segment of a hostile path may be long.
     let mut reach = vec![false; text.len() + 1];
+    let mut next = vec![false; text.len() + 1];
     reach[0] = true;
     for &g in glob {
-        let mut next = vec![false; text.len() + 1];
+        next.fill(false);
         let mut any = false;
         for j in 0..=text.len() {
             if g == '*' {
@@ -986,7 +1036,10 @@ fn glob_matches_decoded(glob: &[char], text: &str) -> bool {
                 next[j + 3] = true;
             }
         }
-        reach = next;
+        if !next.contains(&true) {
+            return false;
+        }
+        std::mem::swap(&mut reach, &mut next);
     }
     reach[text.len()]
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use fluxgate_core::failure::{CircuitOpen, LogThrottle};
-use fluxgate_core::path::{trimmed, with_clamped_views, with_decoded_views, without_trailing_slash};
+use fluxgate_core::path::{is_too_long, trimmed, with_clamped_views, with_decoded_views, without_trailing_slash};
 use fluxgate_core::{
     AddressDecision, Decision, Engine, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler,
     RequestContext, RequestContextBuilder,
@@ -100,6 +100,10 @@ impl Config {
         if self.include.is_empty() && self.exclude.is_empty() {
             return true;
         }
+        if is_too_long(ctx) {
+            // Matched by every pattern: limited (`LONGEST_MATCHED_PATH`).
+            return true;
+        }
         let normalized = ctx.path();
         let view = |excluded: &dyn Fn(&PathPattern) -> bool, included: &dyn Fn(&PathPattern) -> bool| {
             !self.exclude.iter().any(excluded) && (self.include.is_empty() || self.include.iter().any(included))
@@ -161,8 +165,11 @@ impl Config {
             if !(routed.is_empty() || routed == "*") {
                 return true;
             }
+            // No view as written stands beside this one: an exclusion matches it without
+            // its `%2F` read as a `/` (`/%2F*` would be `/*`).
             let by_segment = |p: &PathPattern| p.matches_segments(&[routed]);
-            return view(&by_segment, &by_segment);
+            let excluded = |p: &PathPattern| p.matches_segments_as_spelled(&[routed]);
+            return view(&excluded, &by_segment);
         }
         // In the raw views, an exclusion matches only as the pattern is written (see above).
         view(&|p| p.matches_routed_as_written(routed), &|p| {

@@ -440,7 +440,8 @@ impl Rule {
             && self.matches_method(method)
             && (self.paths.is_empty()
                 || paths.is_some_and(|paths| {
-                    self.paths.iter().any(|p| p.matches_normalized(paths))
+                    paths.too_long()
+                        || self.paths.iter().any(|p| p.matches_normalized(paths))
                         || paths.routed().is_some_and(|r| self.matches_routed(r))
                         || paths.decoded().is_some_and(|v| {
                             self.matches_routed(v.routed)

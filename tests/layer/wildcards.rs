@@ -1,0 +1,203 @@
+//! A wildcard parameter's part of the path, as a handler that cleans it against its own
+//! root reads it: the dots and empty segments in it resolved, never above the wildcard,
+//! whatever a parameter before it holds, and behind a middleware that trims the path's
+//! runs of `/`. A rule or an `include` naming what the handler serves must count every
+//! spelling of it.
+
+use std::sync::{Arc, Mutex};
+
+use axum::extract::Path;
+use axum::routing::get;
+use axum::Router;
+use fluxgate::tower::RateLimitLayer;
+use http::{Request, StatusCode};
+use tower::{ServiceBuilder, ServiceExt};
+use tower_http::normalize_path::NormalizePathLayer;
+
+use crate::engine;
+
+/// What each handler served, in order.
+type Served = Arc<Mutex<Vec<String>>>;
+
+const EVERY_REQUEST_ONCE: &str =
+    "rule_sets:\n  - id: default\n    rules:\n      - id: all\n        bands: [{ capacity: 1, window: 1h }]\n";
+
+fn one_rule(pattern: &str) -> String {
+    format!(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: page\n        match: {{ paths: [\"{pattern}\"] }}\n        bands: [{{ capacity: 1, window: 1h }}]\n"
+    )
+}
+
+/// What a handler that cleans `rest` against its own root serves.
+fn cleaned(rest: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    for segment in rest.split('/') {
+        match segment {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            segment => out.push(segment),
+        }
+    }
+    out.join("/")
+}
+
+/// A router whose wildcard handler records what it serves: `/api/{version}/files/{*rest}`
+/// and `/files/{*rest}`.
+fn router(served: &Served) -> Router {
+    let (versioned, plain) = (served.clone(), served.clone());
+    Router::new()
+        .route(
+            "/api/{version}/files/{*rest}",
+            get(move |Path((_, rest)): Path<(String, String)>| {
+                versioned.lock().expect("served").push(cleaned(&rest));
+                std::future::ready("files")
+            }),
+        )
+        .route(
+            "/files/{*rest}",
+            get(move |Path(rest): Path<String>| {
+                plain.lock().expect("served").push(cleaned(&rest));
+                std::future::ready("files")
+            }),
+        )
+}
+
+/// The layers to try: the rule on `pattern`, and `include` of it.
+fn layers(pattern: &str) -> [(&'static str, RateLimitLayer); 2] {
+    let include = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+        .include([pattern])
+        .build()
+        .expect("a layer");
+    [
+        ("rule", RateLimitLayer::new(engine(&one_rule(pattern)))),
+        ("include", include),
+    ]
+}
+
+/// Sends `target` five times through `app`; how many were admitted.
+async fn admitted<S>(app: &S, target: &str) -> usize
+where
+    S: tower::Service<Request<axum::body::Body>, Response = axum::response::Response> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let mut admitted = 0;
+    for _ in 0..5 {
+        let mut request = Request::builder()
+            .uri(target)
+            .body(axum::body::Body::empty())
+            .expect("a request");
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [192, 0, 2, 10],
+                4000,
+            ))));
+        let reply = app.clone().oneshot(request).await.expect("a reply");
+        admitted += usize::from(reply.status() != StatusCode::TOO_MANY_REQUESTS);
+    }
+    admitted
+}
+
+/// A parameter before the wildcard may be `.`, `..`, empty or hold a `%2F`; the wildcard's
+/// own part may need cleaning without climbing above its root.
+#[tokio::test]
+async fn a_wildcard_after_a_parameter_is_counted_as_its_handler_cleans_it() {
+    for target in [
+        "/api/v1/files/../private/x",
+        "/api/./files/a/../private/x",
+        "/api/../files/a/../private/x",
+        "/api//files/a/../private/x",
+        "/api/./files/./private/x",
+        "/api//files//private/x",
+        "/api/%2e/files/%2e/private/x",
+        "/api/a%2Fb/files/../private/x",
+        "/api/a%2Fb/files/x/../../private/x",
+    ] {
+        for (what, layer) in layers("/api/*/files/private/**") {
+            let served = Served::default();
+            let app = router(&served).layer(layer);
+            let admitted = admitted(&app, target).await;
+            let served = served.lock().expect("served").clone();
+            assert_eq!(
+                served.first().map(String::as_str),
+                Some("private/x"),
+                "{what}, {target}"
+            );
+            assert_eq!(admitted, 1, "{what}, {target}: ran {served:?}");
+        }
+    }
+}
+
+/// Behind tower-http's `NormalizePathLayer`, which trims the runs of `/` at both ends, the
+/// router routes `//files/../private/x` as `/files/../private/x`.
+#[tokio::test]
+async fn a_wildcards_dots_are_counted_behind_a_trimming_middleware() {
+    for target in [
+        "/files/../private/x",
+        "//files/../private/x",
+        "//files/a/../../private/x",
+        "//files/%2e%2e/private/x",
+        "///files/..%2Fprivate%2Fx",
+    ] {
+        for (what, layer) in layers("/files/private/**") {
+            let served = Served::default();
+            let app = ServiceBuilder::new()
+                .layer(layer)
+                .layer(NormalizePathLayer::trim_trailing_slash())
+                .service(router(&served));
+            let admitted = admitted(&app, target).await;
+            let served = served.lock().expect("served").clone();
+            assert_eq!(
+                served.first().map(String::as_str),
+                Some("private/x"),
+                "{what}, {target}"
+            );
+            assert_eq!(admitted, 1, "{what}, {target}: ran {served:?}");
+        }
+    }
+}
+
+/// An exclusion's `%2F` is read as a `/` nowhere an exclusion decides alone: `/%2F*` is no
+/// `/*` for the asterisk form, which reaches the fallback.
+#[tokio::test]
+async fn an_exclusions_escaped_slash_leaves_the_asterisk_form_limited() {
+    for exclude in ["/%2F*", "/%2F/**"] {
+        let layer = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+            .exclude([exclude])
+            .build()
+            .expect("a layer");
+        let app = Router::new().fallback(|| std::future::ready("fallback")).layer(layer);
+        assert_eq!(admitted(&app, "*").await, 1, "exclude `{exclude}`");
+    }
+}
+
+/// A path longer than `LONGEST_MATCHED_PATH` is matched by every pattern, so that matching
+/// it costs nothing: counted by a rule on another path, limited whatever `include` and
+/// `exclude` say. A shorter one is matched as usual.
+#[tokio::test]
+async fn a_path_too_long_to_match_is_counted_by_every_rule() {
+    let longest = fluxgate::core::path::LONGEST_MATCHED_PATH;
+    let long = format!("/x/{}", "a".repeat(longest));
+    let short = format!("/x/{}", "a".repeat(longest - 3));
+    let exclude = |pattern: &str| {
+        RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+            .exclude([pattern])
+            .build()
+            .expect("a layer")
+    };
+    let include = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+        .include(["/other/**"])
+        .build()
+        .expect("a layer");
+    for (what, layer, long_admitted, short_admitted) in [
+        ("rule", RateLimitLayer::new(engine(&one_rule("/other/**"))), 1, 5),
+        ("include", include, 1, 5),
+        ("exclude", exclude("/x/**"), 1, 5),
+    ] {
+        let app = Router::new().fallback(|| std::future::ready("fallback")).layer(layer);
+        assert_eq!(admitted(&app, &long).await, long_admitted, "{what}, {} bytes", long.len());
+        assert_eq!(admitted(&app, &short).await, short_admitted, "{what}, {} bytes", short.len());
+    }
+}
