@@ -197,7 +197,17 @@ async fn a_path_too_long_to_match_is_counted_by_every_rule() {
         ("exclude", exclude("/x/**"), 1, 5),
     ] {
         let app = Router::new().fallback(|| std::future::ready("fallback")).layer(layer);
-        assert_eq!(admitted(&app, &long).await, long_admitted, "{what}, {} bytes", long.len());
-        assert_eq!(admitted(&app, &short).await, short_admitted, "{what}, {} bytes", short.len());
+        assert_eq!(
+            admitted(&app, &long).await,
+            long_admitted,
+            "{what}, {} bytes",
+            long.len()
+        );
+        assert_eq!(
+            admitted(&app, &short).await,
+            short_admitted,
+            "{what}, {} bytes",
+            short.len()
+        );
     }
 }
