@@ -299,9 +299,19 @@ pub fn paths(data: &[u8]) {
         let dotted = |s: &str| matches!(s, "" | "." | "..");
         [decoded, trimmed].iter().any(|base| {
             (1..base.len().min(17)).any(|k| {
+                let flattened = base[k..].iter().any(|s| s.contains("%2F"));
                 let rest: Vec<&str> = base[k..].iter().flat_map(|s| s.split("%2F")).collect();
-                if !rest.iter().any(|s| dotted(s)) {
+                if !rest.iter().any(|s| dotted(s)) && !flattened {
                     return false;
+                }
+                // Read with `%2F` as `/`, not cleaned.
+                let split: Vec<&str> = base[..k]
+                    .iter()
+                    .map(String::as_str)
+                    .chain(rest.iter().copied())
+                    .collect();
+                if flattened && matches_pat(&split) {
+                    return true;
                 }
                 let mut kept: Vec<&str> = base[..k].iter().map(String::as_str).collect();
                 for s in rest {

@@ -114,6 +114,9 @@ async fn a_wildcard_after_a_parameter_is_counted_as_its_handler_cleans_it() {
         "/api/%2e/files/%2e/private/x",
         "/api/a%2Fb/files/../private/x",
         "/api/a%2Fb/files/x/../../private/x",
+        // A `%2F` in both parameters, no dots.
+        "/api/a%2Fb/files/private%2Fx",
+        "/api/a%2fb/files/%2Fprivate%2Fx",
     ] {
         for (what, layer) in layers("/api/*/files/private/**") {
             let served = Served::default();
@@ -173,41 +176,95 @@ async fn an_exclusions_escaped_slash_leaves_the_asterisk_form_limited() {
     }
 }
 
-/// A path longer than `LONGEST_MATCHED_PATH` is matched by every pattern, so that matching
-/// it costs nothing: counted by a rule on another path, limited whatever `include` and
-/// `exclude` say. A shorter one is matched as usual.
+/// A path longer than `LONGEST_MATCHED_PATH` is never matched, so that matching it costs
+/// nothing: the engine refuses it when rules match paths (the layer answers `400`), and
+/// the layer limits it whatever `include` and `exclude` say. A shorter one is matched as
+/// usual.
 #[tokio::test]
-async fn a_path_too_long_to_match_is_counted_by_every_rule() {
+async fn a_path_too_long_to_match_is_refused_or_limited() {
     let longest = fluxgate::core::path::LONGEST_MATCHED_PATH;
     let long = format!("/x/{}", "a".repeat(longest));
     let short = format!("/x/{}", "a".repeat(longest - 3));
-    let exclude = |pattern: &str| {
+    let layer = |include: &[&str], exclude: &[&str]| {
         RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
-            .exclude([pattern])
+            .include(include.iter().copied())
+            .exclude(exclude.iter().copied())
             .build()
             .expect("a layer")
     };
-    let include = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
-        .include(["/other/**"])
-        .build()
-        .expect("a layer");
-    for (what, layer, long_admitted, short_admitted) in [
-        ("rule", RateLimitLayer::new(engine(&one_rule("/other/**"))), 1, 5),
-        ("include", include, 1, 5),
-        ("exclude", exclude("/x/**"), 1, 5),
+    // What the fallback saw of five requests of each path: how many ran it, and the
+    // statuses.
+    for (what, layer, long_ran, short_ran) in [
+        ("rule", RateLimitLayer::new(engine(&one_rule("/other/**"))), 0, 5),
+        ("include", layer(&["/other/**"], &[]), 1, 5),
+        ("exclude", layer(&[], &["/x/**"]), 1, 5),
     ] {
-        let app = Router::new().fallback(|| std::future::ready("fallback")).layer(layer);
-        assert_eq!(
-            admitted(&app, &long).await,
-            long_admitted,
-            "{what}, {} bytes",
-            long.len()
-        );
-        assert_eq!(
-            admitted(&app, &short).await,
-            short_admitted,
-            "{what}, {} bytes",
-            short.len()
-        );
+        let ran = Served::default();
+        let seen = ran.clone();
+        let app = Router::new()
+            .fallback(move || {
+                seen.lock().expect("ran").push(String::new());
+                std::future::ready("fallback")
+            })
+            .layer(layer);
+        for (path, expected) in [(&long, long_ran), (&short, short_ran)] {
+            ran.lock().expect("ran").clear();
+            let statuses = statuses(&app, path).await;
+            let count = ran.lock().expect("ran").len();
+            assert_eq!(count, expected, "{what}, {} bytes: {statuses:?}", path.len());
+        }
     }
+}
+
+/// A long path cannot pull in a rule whose failure policy is looser than its own rule's:
+/// with the backend down, a `fallback_local` rule keeps limiting, and the long path is
+/// refused rather than matched by a rule without a policy.
+#[tokio::test]
+async fn a_long_path_brings_in_no_looser_failure_policy() {
+    let yaml = r#"
+rule_sets:
+  - id: default
+    rules:
+      - id: api
+        match: { paths: ["/api/**"] }
+        on_backend_failure: fallback_local
+        scope: ip
+        bands: [{ capacity: 2, window: 1h }]
+      - id: admin
+        match: { paths: ["/admin/**"] }
+        bands: [{ capacity: 100, window: 1h }]
+"#;
+    let engine = fluxgate::core::Engine::builder(crate::support::app::rules(yaml))
+        .limiter(crate::Down)
+        .build()
+        .expect("an engine");
+    let app = Router::new()
+        .fallback(|| std::future::ready("fallback"))
+        .layer(RateLimitLayer::new(engine));
+    assert_eq!(statuses(&app, "/api/x").await, [200, 200, 429, 429, 429]);
+    let long = format!("/api/{}", "a".repeat(fluxgate::core::path::LONGEST_MATCHED_PATH));
+    assert_eq!(statuses(&app, &long).await, [400; 5]);
+}
+
+/// The statuses of five requests of `target` through `app`.
+async fn statuses<S>(app: &S, target: &str) -> Vec<u16>
+where
+    S: tower::Service<Request<axum::body::Body>, Response = axum::response::Response> + Clone,
+    S::Error: std::fmt::Debug,
+{
+    let mut statuses = Vec::new();
+    for _ in 0..5 {
+        let mut request = Request::builder()
+            .uri(target)
+            .body(axum::body::Body::empty())
+            .expect("a request");
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
+                [192, 0, 2, 10],
+                4000,
+            ))));
+        statuses.push(app.clone().oneshot(request).await.expect("a reply").status().as_u16());
+    }
+    statuses
 }

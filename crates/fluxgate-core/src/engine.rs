@@ -23,7 +23,7 @@ use crate::limiter::{
     is_rule_error, validate_rule_set, AcquireOutcome, AcquireRequest, Bucket, MemoryLimiter, RateLimiter,
 };
 use crate::name::Name;
-use crate::path::{with_paths, RequestPaths};
+use crate::path::{is_too_long, with_paths, RequestPaths, LONGEST_MATCHED_PATH};
 use crate::provider::{RuleCheck, RuleSetLookup, RuleSetProvider};
 use crate::rule::{Mode, Rule, RuleSet, RuleSets, WaitPolicy};
 use crate::text::Text;
@@ -583,6 +583,15 @@ impl Engine {
             }
         };
 
+        if is_too_long(ctx) && set.rules().iter().any(Rule::has_path_patterns) {
+            // Refused rather than matched by every pattern: a rule pulled in so could bring
+            // a looser failure policy than the request's own rules (see
+            // `LONGEST_MATCHED_PATH`).
+            return MaybeReady::ready(Err(Error::Refused(format!(
+                "the request's path is {} bytes long: rules are matched against paths of up to {LONGEST_MATCHED_PATH} bytes",
+                ctx.path().len().max(ctx.routed_path().len())
+            ))));
+        }
         if let Some(memory) = &self.inner.direct {
             if let Some(rule) = one_band_rule(&set) {
                 return MaybeReady::ready(Ok(self.decide_one(memory, &set, rule, ctx)));

@@ -133,10 +133,12 @@ pub enum Error {
     /// it opens no circuit and no failure policy admits the request.
     #[error("rate-limit rules cannot be decided: {0}")]
     Rule(#[source] RuleError),
-    /// A rate-limit service refused to decide the request as it was described to it (its
-    /// answer `400`: a value beyond its bounds). The service answered, so this is no
-    /// backend failure: it opens no circuit, and no failure policy admits the request.
-    #[error("the rate-limit service refused to decide the request: {0}")]
+    /// The request cannot be decided as it was described: a value beyond the bounds of a
+    /// rate-limit service (its answer `400`) or of the engine (a path longer than
+    /// [`LONGEST_MATCHED_PATH`](crate::path::LONGEST_MATCHED_PATH) for a rule set whose
+    /// rules match paths). No backend failed: it opens no circuit, and no failure policy
+    /// admits the request.
+    #[error("the request cannot be rate-limited: {0}")]
     Refused(String),
 }
 

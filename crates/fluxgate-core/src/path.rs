@@ -280,13 +280,15 @@ pub(crate) struct RequestPaths<'a> {
     too_long: bool,
 }
 
-/// The longest path, in bytes, that patterns are matched against: a longer one (as
-/// normalized or as routed, without its query) is matched by every pattern, so that it is
-/// counted by every rule whose methods it has and limited by the layer whatever `include`
-/// and `exclude` say. Matching a path against each view costs time in proportion to its
-/// length, and a client may send a path of up to 64 KiB (hyper's limit over HTTP/1.1):
-/// against a few patterns with wildcards, tens of milliseconds per request. No route of an
-/// ordinary application is that long.
+/// The longest path, in bytes, that patterns are matched against. A longer one (as
+/// normalized or as routed, without its query) is refused by the engine when its rule set
+/// has rules that match paths ([`Error::Refused`](crate::Error::Refused): the layer answers
+/// `400`), and limited by the layer whatever `include` and `exclude` say; elsewhere (a
+/// fallback handler charging its local engine) it is matched by every pattern. Matching a
+/// path against each view costs time in proportion to its length, and a client may send a
+/// path of up to 64 KiB (hyper's limit over HTTP/1.1): against a few patterns with
+/// wildcards, tens of milliseconds per request. No route of an ordinary application is
+/// that long.
 pub const LONGEST_MATCHED_PATH: usize = 4096;
 
 /// Whether a request's path is longer than [`LONGEST_MATCHED_PATH`].
@@ -456,8 +458,8 @@ const CLAMPED_ROOTS: usize = 16;
 /// Runs `f` with the *clamped* views of a path that has a dot or empty segment, or a `%2F`
 /// (none for another): for each position `k` (up to 16) where a wildcard parameter may
 /// begin, the segments before `k` as they are, then those after read as the wildcard holds
-/// them (`%2F` a `/`) and cleaned (empty and `.` segments dropped, `..` resolved, never
-/// above `k`), when that changes them. A handler that cleans its wildcard against its own
+/// them (`%2F` a `/`), as they are and cleaned (empty and `.` segments dropped, `..`
+/// resolved, never above `k`), when that changes them. A handler that cleans its wildcard against its own
 /// root reads that: `/files/{*rest}` gets `../private/x` from `/files/../private/x` and
 /// serves `private/x`, and `/files/private/**` counts it. The segments are those of the
 /// path as routed, escapes decoded but `%2F`, and the same trimmed of the empty segments at
@@ -468,7 +470,9 @@ const CLAMPED_ROOTS: usize = 16;
 /// let views = |path| with_clamped_views(path, |views| views.iter().map(|v| v.join("|")).collect::<Vec<_>>());
 /// // A wildcard after `/files`, after `/files/a`, after `/files/a/..`.
 /// assert_eq!(views("/files/a/../../private/x"), ["files|private|x", "files|a|private|x", "files|a|..|private|x"]);
-/// assert_eq!(views("/files/a%2F..%2F..%2Fprivate/x"), ["files|private|x"]);
+/// assert!(views("/files/a%2F..%2F..%2Fprivate/x").contains(&"files|private|x".to_owned()));
+/// // A `%2F` in the parameter and in the wildcard's part, no dots: the part split at it.
+/// assert!(views("/api/a%2Fb/files/private%2Fx").contains(&"api|a%2Fb|files|private|x".to_owned()));
 /// // A parameter before the wildcard keeps its own `.` and `%2F`.
 /// assert!(views("/api/./files/./private/x").contains(&"api|.|files|private|x".to_owned()));
 /// assert!(views("/api/a%2Fb/files/../private/x").contains(&"api|a%2Fb|files|private|x".to_owned()));
@@ -496,9 +500,17 @@ fn clamped_views<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
     for base in bases {
         for k in 1..base.len().min(CLAMPED_ROOTS + 1) {
             let (root, rest) = base.split_at(k);
+            let flattened = rest.iter().any(|s| s.contains("%2F"));
             let rest: Vec<&'a str> = rest.iter().flat_map(|s| s.split("%2F")).collect();
-            if !rest.iter().any(dotted) {
+            if !rest.iter().any(dotted) && !flattened {
                 continue;
+            }
+            if flattened {
+                // The wildcard's part read with `%2F` as `/`, not cleaned, the root as it is.
+                let split: Vec<&'a str> = root.iter().copied().chain(rest.iter().copied()).collect();
+                if !views.contains(&split) {
+                    views.push(split);
+                }
             }
             let mut resolved: Vec<&'a str> = root.to_vec();
             for segment in rest {

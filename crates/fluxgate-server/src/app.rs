@@ -154,10 +154,13 @@ fn parse_with<'de, S: DeserializeSeed<'de>>(body: &'de [u8], seed: S) -> Result<
     Ok(value)
 }
 
-/// An engine error as an answer: the backend or the rule provider failed (503), or a rule
-/// cannot be decided (500, a configuration error).
+/// An engine error as an answer: the backend or the rule provider failed (503), a rule
+/// cannot be decided (500, a configuration error), or the request cannot be decided as
+/// described (400: a path too long to match; the gateway refuses it too, and no failure
+/// policy admits it).
 fn engine_failure(error: &Error) -> Failure {
     match error {
+        Error::Refused(reason) => bad_request(ApiError::general(reason.clone())),
         Error::Rule(e) => {
             tracing::error!(error = %e, "a rule cannot be decided");
             Failure(StatusCode::INTERNAL_SERVER_ERROR, ApiError::general(e.to_string()))

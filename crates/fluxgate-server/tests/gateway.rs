@@ -480,9 +480,11 @@ fn a_body_bound_below_the_largest_check_is_raised() {
     assert_eq!(large.max_body_bytes(), 4 * fluxgate_core::api::MAX_CHECK_BYTES);
 }
 
-/// The longest path a request can have, counted at the service as with a local engine:
+/// The longest path a request can have, decided at the service as with a local engine:
 /// the check describing it is within the body bound the service takes, even where
-/// `[http] max_body_bytes` is set lower (an earlier release's 64 KiB).
+/// `[http] max_body_bytes` is set lower (an earlier release's 64 KiB). Past
+/// `LONGEST_MATCHED_PATH`, a rule set whose rules match paths refuses it (`400`) on both
+/// sides, and counts nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_longest_paths_are_counted_as_by_a_local_engine() {
     const PER_IP: &str = "rule_sets: [{id: default, rules: [{id: per-ip, match: {paths: [\"/api/**\"]}, \
@@ -506,8 +508,8 @@ async fn the_longest_paths_are_counted_as_by_a_local_engine() {
     );
     let through_gateway = statuses(gateway(service_addr, FailurePolicy::FailOpen).await, &requests).await;
     let locally = statuses(local(PER_IP, FailurePolicy::FailOpen).await, &requests).await;
-    assert_eq!(locally, ["404", "404", "429", "429", "429", "429"]);
-    assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
+    assert_eq!(locally, ["400", "400", "400", "400", "400", "200"]);
+    assert_eq!(through_gateway, locally, "the gateway decides as the local engine does");
 }
 
 /// A TCP relay to `upstream` that can be cut: while `down` holds, every connection through

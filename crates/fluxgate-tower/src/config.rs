@@ -294,12 +294,12 @@ impl Config {
             // A client causes these at will (a method or a value the service bounds): logged
             // at debug level, so that a client cannot flood the log with them.
             Err(Error::Refused(error)) if self.shadow => {
-                tracing::debug!(%error, "the rate-limit service refused the request; shadow mode: admitting it");
+                tracing::debug!(%error, "the request cannot be rate-limited; shadow mode: admitting it");
                 Verdict::Pass(None)
             }
             Err(Error::Refused(error)) => {
-                // The service cannot count this request: no failure policy admits it.
-                tracing::debug!(%error, "the rate-limit service refused the request; refusing it");
+                // The request cannot be counted: no failure policy admits it.
+                tracing::debug!(%error, "the request cannot be rate-limited; refusing it");
                 Verdict::Reject(crate::response::refused())
             }
             Err(error) => match self.on_error {

@@ -260,8 +260,9 @@ pub(crate) fn misconfigured() -> Response<Bytes> {
     )
 }
 
-/// The response when the rate-limit service refused to decide the request as described
-/// (a value beyond its bounds): `400`, since it cannot be counted.
+/// The response when the rate-limit service or the engine refused to decide the request as
+/// described (a value beyond its bounds, a path too long to match): `400`, since it cannot
+/// be counted.
 pub(crate) fn refused() -> Response<Bytes> {
     json_error(
         StatusCode::BAD_REQUEST,
