@@ -101,7 +101,8 @@ impl Config {
             return true;
         }
         if is_too_long(ctx) {
-            // Matched by every pattern: limited (`LONGEST_MATCHED_PATH`).
+            // Too long to be matched (`LONGEST_MATCHED_PATH`): limited, whatever `include`
+            // and `exclude` say.
             return true;
         }
         let normalized = ctx.path();
