@@ -30,13 +30,6 @@ fn wiki_app(layer: RateLimitLayer) -> (Router, Runs) {
             std::future::ready(value)
         }
     };
-    let fallback = {
-        let runs = runs.clone();
-        move |uri: http::Uri| {
-            runs.lock().expect("runs").push(("fallback", uri.path().to_owned()));
-            std::future::ready("fallback")
-        }
-    };
     let fixed = {
         let runs = runs.clone();
         move || {
@@ -48,9 +41,29 @@ fn wiki_app(layer: RateLimitLayer) -> (Router, Runs) {
         .route("/wiki/{page}", get(record("wiki")))
         .route("/files/{*rest}", get(record("files")))
         .route("/static/Café/x", get(fixed))
-        .fallback(fallback)
+        .fallback(by_uri(&runs, "fallback"))
         .layer(layer);
     (router, runs)
+}
+
+/// A handler recording its `name` and the path it ran for.
+fn by_uri(
+    runs: &Runs,
+    name: &'static str,
+) -> impl Fn(http::Uri) -> std::future::Ready<&'static str> + Clone + Send + Sync + 'static {
+    let runs = runs.clone();
+    move |uri: http::Uri| {
+        runs.lock().expect("runs").push((name, uri.path().to_owned()));
+        std::future::ready(name)
+    }
+}
+
+/// A layer counting every request once, but those `exclude` leaves alone.
+fn excluding(exclude: &str) -> RateLimitLayer {
+    RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
+        .exclude([exclude])
+        .build()
+        .expect("a layer")
 }
 
 fn one_rule(pattern: &str) -> String {
@@ -171,12 +184,6 @@ async fn an_included_page_is_limited_whatever_its_spelling() {
 /// an exclusion leaves alone only as it spells it: more limited, never less.
 #[tokio::test]
 async fn an_exclusion_reaches_no_handler_it_does_not_name() {
-    let layer = |exclude: &str| {
-        RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
-            .exclude([exclude])
-            .build()
-            .expect("a layer")
-    };
     for (exclude, spelling, handler, excluded) in [
         ("/static/Café/x", "/static/Café/x", "static", true),
         ("/static/Café/x", "/static/Caf%C3%A9/x", "fallback", false),
@@ -194,7 +201,7 @@ async fn an_exclusion_reaches_no_handler_it_does_not_name() {
         ("/files/*", "/files/a%2Fb", "files", false),
         ("/files/a/*", "/files/a%2Fb", "files", false),
     ] {
-        let (app, runs) = wiki_app(layer(exclude));
+        let (app, runs) = wiki_app(excluding(exclude));
         let (ran, given) = five_times(&app, &runs, spelling).await;
         let what = format!("exclude `{exclude}`, request `{spelling}`: {given:?}");
         assert_eq!(given.first().map(|g| g.0), Some(handler), "{what}");
@@ -224,17 +231,8 @@ async fn an_exclusion_written_with_escapes_leaves_only_that_spelling_alone() {
         ("/static/Caf%C3%A9/x", "/static/Café/x"),
     ] {
         let runs: Runs = Arc::default();
-        let record = |name: &'static str| {
-            let runs = runs.clone();
-            move |uri: http::Uri| {
-                runs.lock().expect("runs").push((name, uri.path().to_owned()));
-                std::future::ready(name)
-            }
-        };
-        let layer = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
-            .exclude([route])
-            .build()
-            .expect("a layer");
+        let record = |name| by_uri(&runs, name);
+        let layer = excluding(route);
         let app = Router::new()
             .route(route, get(record("static")))
             .fallback(record("fallback"))
@@ -262,17 +260,8 @@ async fn an_exclusion_keeps_its_trailing_slash_and_empty_segments() {
         ("/items/*/", "/items/5/", "item/", true),
     ] {
         let runs: Runs = Arc::default();
-        let record = |name: &'static str| {
-            let runs = runs.clone();
-            move |uri: http::Uri| {
-                runs.lock().expect("runs").push((name, uri.path().to_owned()));
-                std::future::ready(name)
-            }
-        };
-        let layer = RateLimitLayer::builder(engine(EVERY_REQUEST_ONCE))
-            .exclude([exclude])
-            .build()
-            .expect("a layer");
+        let record = |name| by_uri(&runs, name);
+        let layer = excluding(exclude);
         let app = Router::new()
             .route("/docs", get(record("docs")))
             .route("/docs/", get(record("docs/")))

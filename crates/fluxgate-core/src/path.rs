@@ -1056,11 +1056,13 @@ fn glob_matches_decoded(glob: &[char], text: &str) -> bool {
     reach[text.len()]
 }
 
+/// A segment of a pattern as written (`PathPattern::written`, which holds no second
+/// spelling) against a segment as routed: the text alone, no escape read as a character.
 fn segment_matches_as_written(pattern: &Segment, segment: &str) -> bool {
     match pattern {
         Segment::AnyDepth => true,
-        Segment::Literal(lit, written) => written.as_deref().unwrap_or(lit) == segment,
-        Segment::Glob(glob, written) => glob_matches(written.as_deref().unwrap_or(glob), segment),
+        Segment::Literal(lit, _) => lit == segment,
+        Segment::Glob(glob, _) => glob_matches(glob, segment),
     }
 }
 
@@ -1160,16 +1162,6 @@ mod tests {
         assert_eq!(normalize_path("/a%4"), "/a%254");
         assert_eq!(normalize_path("/%%34%31"), "/%2541");
         assert_eq!(normalize_path("/a/%%32%65%%32%65/b"), "/a/%252e%252e/b");
-        for raw in [
-            "/%%34%31",
-            "/a/%%32%65%%32%65/b",
-            "/%%41e",
-            "/%2f%2F%",
-            "/x/%2e%2E/../%%2e",
-        ] {
-            let once = normalize_path(raw);
-            assert_eq!(normalize_path(&once), once, "{raw}");
-        }
         assert_eq!(normalize_path("/caf\u{e9}/%41"), "/caf\u{e9}/A");
         // Every escape is decoded as a router decodes a parameter, but those that would
         // change the path's structure or cannot be written as themselves.
@@ -1180,7 +1172,13 @@ mod tests {
         assert_eq!(normalize_path("/a\u{85}"), normalize_path("/a%c2%85"));
         assert_eq!(normalize_path("/a%C3/%A9%ff%C3%28"), "/a%C3/%A9%FF%C3(");
         assert_eq!(normalize_path("/%E2%82%AC%E2%82"), "/\u{20ac}%E2%82");
+        // Normalizing twice changes nothing.
         for raw in [
+            "/%%34%31",
+            "/a/%%32%65%%32%65/b",
+            "/%%41e",
+            "/%2f%2F%",
+            "/x/%2e%2E/../%%2e",
             "/a%C3%25A9",
             "/%C3%2F%A9",
             "/%E2%82%C2%80x",
