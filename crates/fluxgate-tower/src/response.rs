@@ -81,10 +81,7 @@ impl Figures {
         if !config.legacy_headers && !config.ietf_headers {
             return None;
         }
-        let ietf = config.ietf_headers.then(|| {
-            let report = band.report();
-            ietf_headers(std::slice::from_ref(&report), &report, band.remaining())
-        });
+        let ietf = config.ietf_headers.then(|| one_band_ietf_headers(band));
         Some(Self {
             legacy: config.legacy_headers,
             limit: band.limit(),
@@ -171,6 +168,49 @@ fn ietf_headers(bands: &[BandReport], binding: &BandReport, remaining: u64) -> [
     [policy, current]
 }
 
+/// [`ietf_headers`] for a request admitted by its only band, written from the rule set
+/// rather than from a report: the band's preferred name is its label, else its rule's id.
+fn one_band_ietf_headers(admitted: &AdmittedBand<'_>) -> [HeaderValue; 2] {
+    /// The last `RateLimit-Policy` of one band, with the name, capacity and window it was
+    /// written for.
+    type Last = Option<(fluxgate_core::Name, u64, std::time::Duration, HeaderValue)>;
+    thread_local! {
+        static LAST: RefCell<Last> = const { RefCell::new(None) };
+    }
+    let band = admitted.band();
+    let name = if band.label().is_some() {
+        band.name()
+    } else {
+        admitted.rule().id()
+    };
+    let (limit, window) = (band.capacity(), band.window());
+    let policy = LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        match &*last {
+            Some((n, l, w, value)) if n == name && *l == limit && *w == window => value.clone(),
+            _ => {
+                let value = values::value(|policy| {
+                    quoted(policy, name, None);
+                    policy.push(b";q=");
+                    policy.push_u64(limit);
+                    policy.push(b";w=");
+                    policy.push_u64(ceil_secs(window).max(1));
+                });
+                *last = Some((name.clone(), limit, window, value.clone()));
+                value
+            }
+        }
+    });
+    let current = values::value(|current| {
+        quoted(current, name, None);
+        current.push(b";r=");
+        current.push_u64(admitted.remaining());
+        current.push(b";t=");
+        current.push_u64(ceil_secs(admitted.reset_after()));
+    });
+    [policy, current]
+}
+
 /// What `RateLimit-Policy` is made of, to reuse the last value while the rules are the same.
 type PolicyKey = Vec<(fluxgate_core::Name, fluxgate_core::Name, bool, u64, std::time::Duration)>;
 
@@ -237,6 +277,11 @@ fn policy_name(out: &mut ValueBuf<'_>, bands: &[BandReport], band: &BandReport, 
     } else {
         (&*band.rule, Some(&*band.band))
     };
+    quoted(out, first, second);
+}
+
+/// Writes `"first"`, or `"first:second"`.
+fn quoted(out: &mut ValueBuf<'_>, first: &str, second: Option<&str>) {
     out.push(b"\"");
     out.push(first.as_bytes());
     if let Some(second) = second {
