@@ -57,8 +57,9 @@ rule_sets:
 "#;
 
 /// User ids and API keys: ones the key's text encodes (`%`, a space, a non-ASCII
-/// character), ones that read like another key's text, the value that stands for an
-/// ambiguous header, and ones past the length whose text is a digest.
+/// character), ones that read like another key's text, a header value that is not UTF-8
+/// (`\0` then its bytes; `\0` alone, an ambiguous header, is refused by the rules that
+/// read it), and ones past the length whose text is a digest.
 fn identities() -> Vec<String> {
     let mut ids: Vec<String> = [
         "user-0",
@@ -67,7 +68,7 @@ fn identities() -> Vec<String> {
         "a%20b",
         "ip=192.0.2.1",
         "user=x",
-        "\0",
+        "\0\u{e9}",
         "é",
         "ключ",
     ]

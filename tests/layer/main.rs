@@ -1144,83 +1144,125 @@ async fn a_forged_user_header_chooses_no_counter_when_the_header_is_off() {
     assert_eq!(admitted, 2, "ten forged X-User-Id values counted as one address");
 }
 
-/// An identity header sent several times with different values names no counter of the
-/// client's choosing. An application reads the first instance (`HeaderMap::get`, as the
-/// API-key check below does) and a proxy that appends writes the last: whichever the layer
-/// read, the client would choose its counter with the other. Here a client with one valid
-/// API key sends a fresh second `X-API-Key` with every request; the application
-/// authenticates the first, and the per-key rule still admits only its capacity.
+/// An identity header sent several times with different values names no counter: an
+/// application reads the first instance (`HeaderMap::get`, as the API-key check below does)
+/// and a proxy that appends writes the last, so whichever the layer read, the client would
+/// choose its counter with the other; and a counter all such requests shared would be a
+/// second quota for every client. An enforced rule keyed by the header refuses such a
+/// request (`400`), and the handler never runs for it.
 #[tokio::test]
-async fn a_repeated_identity_header_chooses_no_counter() {
-    const PER_KEY: &str = "rule_sets: [{id: default, rules: [\
+async fn a_repeated_identity_header_is_refused_by_the_rules_that_count_by_it() {
+    const RULES: &str = "rule_sets: [{id: default, rules: [\
         {id: per-key, match: {paths: [\"/api/**\"]}, scope: api_key, bands: [{capacity: 2, window: 1h}]}, \
-        {id: per-user, match: {paths: [\"/user\"]}, scope: user, bands: [{capacity: 2, window: 1h}]}]}]";
+        {id: per-user, match: {paths: [\"/user\"]}, scope: user, bands: [{capacity: 2, window: 1h}]}, \
+        {id: per-ip-user, match: {paths: [\"/both\"]}, scope: composite, fields: [ip, user], bands: [{capacity: 2, window: 1h}]}, \
+        {id: watched, mode: shadow, match: {paths: [\"/watched\"]}, scope: api_key, bands: [{capacity: 1, window: 1h}]}, \
+        {id: per-ip, match: {paths: [\"/open\", \"/watched\"]}, bands: [{capacity: 100, window: 1h}]}]}]";
+    // One rule alone: the engine's path for a rule set of one rule of one band.
+    const ONE_RULE: &str =
+        "rule_sets: [{id: default, rules: [{id: per-key, scope: api_key, bands: [{capacity: 2, window: 1h}]}]}]";
     let runs = Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
-    let app = axum::Router::new()
-        .route(
-            "/api/data",
-            axum::routing::get(move || {
-                counted.fetch_add(1, Ordering::SeqCst);
-                async { "data" }
-            }),
-        )
-        .route("/user", axum::routing::get(|| async { "user" }))
-        // The application's own API-key check: the first instance, as `HeaderMap::get` reads.
-        .layer(axum::middleware::from_fn(
-            |req: axum::extract::Request, next: axum::middleware::Next| async move {
-                match req.headers().get("x-api-key").map(|v| v.as_bytes()) {
-                    Some(b"valid-key") | None => next.run(req).await,
-                    Some(_) => StatusCode::UNAUTHORIZED.into_response(),
-                }
-            },
-        ))
-        .layer(layer(engine(PER_KEY)).build().unwrap());
-    let mut admitted = 0;
-    for i in 0..10 {
-        let mut req = request("GET", "/api/data", "192.0.2.95", &[("x-api-key", "valid-key")]);
-        req.headers_mut()
-            .append("x-api-key", format!("fresh-{i}").parse().unwrap());
-        admitted += usize::from(send(&app, req).await.status == StatusCode::OK);
-    }
-    assert_eq!(admitted, 2, "a second X-API-Key chose a new counter for each request");
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
-    // The key sent once has its own counter, untouched by the repeated ones.
-    let once = send(
-        &app,
-        request("GET", "/api/data", "192.0.2.96", &[("x-api-key", "valid-key")]),
-    )
-    .await;
-    assert_eq!(once.status, StatusCode::OK);
-    assert_eq!(once.num("x-ratelimit-remaining"), 1);
-    // The same value repeated is that value.
-    let mut twice = request("GET", "/api/data", "192.0.2.97", &[("x-api-key", "valid-key")]);
-    twice.headers_mut().append("x-api-key", "valid-key".parse().unwrap());
-    assert_eq!(send(&app, twice).await.num("x-ratelimit-remaining"), 0);
-    // The user header likewise: a forged first `X-User-Id` before alice's (a proxy that
-    // appends) neither spends alice's counter nor opens a new one.
-    let user = |values: &[&str]| {
-        let mut req = request("GET", "/user", "192.0.2.98", &[]);
+    let app_of = |rules: &str| {
+        let counted = runs.clone();
+        axum::Router::new()
+            .route(
+                "/api/data",
+                axum::routing::get(move || {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    async { "data" }
+                }),
+            )
+            .route("/user", axum::routing::get(|| async { "user" }))
+            .route("/both", axum::routing::get(|| async { "both" }))
+            .route("/open", axum::routing::get(|| async { "open" }))
+            .route("/watched", axum::routing::get(|| async { "watched" }))
+            // The application's own API-key check: the first instance, as `HeaderMap::get`
+            // reads.
+            .layer(axum::middleware::from_fn(
+                |req: axum::extract::Request, next: axum::middleware::Next| async move {
+                    match req.headers().get("x-api-key").map(|v| v.as_bytes()) {
+                        Some(b"valid-key") | None => next.run(req).await,
+                        Some(_) => StatusCode::UNAUTHORIZED.into_response(),
+                    }
+                },
+            ))
+            .layer(layer(engine(rules)).build().unwrap())
+    };
+    let with = |path: &str, peer: &str, name: &'static str, values: &[&str]| {
+        let mut req = request("GET", path, peer, &[]);
         for v in values {
-            req.headers_mut().append("x-user-id", v.parse().unwrap());
+            req.headers_mut().append(name, v.parse().expect("a header value"));
         }
         req
     };
-    for i in 0..4 {
-        let forged = format!("forged-{i}");
-        let r = send(&app, user(&[&forged, "alice"])).await;
-        let expected = if i < 2 {
-            StatusCode::OK
-        } else {
-            StatusCode::TOO_MANY_REQUESTS
-        };
-        assert_eq!(r.status, expected, "request {i} with a forged X-User-Id");
+    for (rules, peer) in [(RULES, "192.0.2.95"), (ONE_RULE, "192.0.2.105")] {
+        runs.store(0, Ordering::SeqCst);
+        let app = app_of(rules);
+        // The key's own quota: two, then refused.
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            statuses.push(
+                send(&app, with("/api/data", peer, "x-api-key", &["valid-key"]))
+                    .await
+                    .status,
+            );
+        }
+        // A fresh second `X-API-Key` with each request: refused, not a second quota.
+        for i in 0..3 {
+            let fresh = format!("fresh-{i}");
+            let r = send(&app, with("/api/data", peer, "x-api-key", &["valid-key", &fresh])).await;
+            statuses.push(r.status);
+        }
+        use StatusCode as S;
+        assert_eq!(
+            statuses,
+            [
+                S::OK,
+                S::OK,
+                S::TOO_MANY_REQUESTS,
+                S::BAD_REQUEST,
+                S::BAD_REQUEST,
+                S::BAD_REQUEST
+            ],
+            "{rules}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{rules}");
+        // The same value repeated is that value: another key's counter, spent by one.
+        let other = "192.0.2.200";
+        let once = send(&app, with("/api/data", other, "x-api-key", &["valid-key"])).await;
+        assert_eq!(
+            once.status,
+            S::TOO_MANY_REQUESTS,
+            "the key's counter is spent, whatever the address"
+        );
+        let twice = send(&app, with("/api/data", other, "x-api-key", &["valid-key", "valid-key"])).await;
+        assert_eq!(twice.status, S::TOO_MANY_REQUESTS, "a repeated value is that value");
     }
-    assert_eq!(
-        send(&app, user(&["alice"])).await.num("x-ratelimit-remaining"),
-        1,
-        "alice's counter"
-    );
+    let app = app_of(RULES);
+    // The user header likewise, alone and in a composite key: a forged first `X-User-Id`
+    // before alice's (a proxy that appends) neither spends alice's counter nor opens a new
+    // one.
+    for path in ["/user", "/both"] {
+        for i in 0..3 {
+            let forged = format!("forged-{i}");
+            let r = send(&app, with(path, "192.0.2.98", "x-user-id", &[&forged, "alice"])).await;
+            assert_eq!(
+                r.status,
+                StatusCode::BAD_REQUEST,
+                "{path}: request {i} with a forged X-User-Id"
+            );
+        }
+        let alice = send(&app, with(path, "192.0.2.98", "x-user-id", &["alice"])).await;
+        assert_eq!(alice.num("x-ratelimit-remaining"), 1, "{path}: alice's counter");
+    }
+    // A rule that does not count by the header, and a shadow rule that does, leave such a
+    // request alone.
+    for path in ["/open", "/watched"] {
+        for _ in 0..3 {
+            let r = send(&app, with(path, "192.0.2.99", "x-api-key", &["valid-key", "other"])).await;
+            assert_eq!(r.status, StatusCode::OK, "{path}");
+        }
+    }
 }
 
 /// A customizer that picks the rule set from the request lets the client name one that

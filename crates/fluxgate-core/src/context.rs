@@ -14,6 +14,19 @@ use crate::text::Text;
 /// The rule set id used when nothing else is configured.
 pub const DEFAULT_RULE_SET: &str = "default";
 
+/// The user id or API key of a request that names several different ones, such as a
+/// header sent more than once with different values: `\0` alone, which no single value
+/// gives (the layer writes `\0` only before the bytes of a value that is not UTF-8).
+///
+/// Neither value can be trusted to be the one the application reads (an application reads
+/// the first instance of a header, a proxy that appends writes the last), so an enforced
+/// rule whose key reads such a field refuses the request ([`Error::Refused`]; the layer
+/// answers `400`) rather than counting it under either value, or under a counter such
+/// requests would share. A shadow rule counts it under that shared counter.
+///
+/// [`Error::Refused`]: crate::Error::Refused
+pub const AMBIGUOUS_IDENTITY: &str = "\0";
+
 /// What the engine knows about one request. Immutable once built; build it with
 /// [`RequestContext::builder`].
 ///

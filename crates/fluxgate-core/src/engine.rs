@@ -461,12 +461,14 @@ impl Engine {
 
     /// The acquire request of `ctx` under `set`: every rule that applies, with its key;
     /// or, when there is nothing to ask the limiter, the rule set's id and the outcome (no
-    /// rule applies, or a rule refuses a request without its key).
+    /// rule applies, or a rule refuses a request without its key), or the error that
+    /// refuses the request (an enforced rule's key reads an ambiguous identity).
     #[inline(always)]
-    fn request_for(&self, set: Arc<RuleSet>, ctx: &RequestContext) -> Result<AcquireRequest, (Name, Outcome)> {
+    fn request_for(&self, set: Arc<RuleSet>, ctx: &RequestContext) -> Result<AcquireRequest, Unasked> {
         let with_patterns = set.rules().iter().any(Rule::has_path_patterns);
         let mut request = AcquireRequest::new(set);
         let mut denied_by = None;
+        let mut ambiguous_for = None;
         let method = ctx.method();
         // `paths` is `None` when no rule has path patterns.
         let mut select = |paths: Option<&RequestPaths<'_>>| {
@@ -482,13 +484,20 @@ impl Engine {
                         .inner
                         .resolver
                         .resolve_into(rule, ctx, key, typed, self.inner.key_text);
-                    resolved == Resolved::Key
+                    matches!(resolved, Resolved::Key | Resolved::Ambiguous)
                 });
-                if resolved == Resolved::Deny {
-                    let rule = &request.rule_set().rules()[i];
-                    if rule.mode() != Mode::Shadow {
-                        denied_by = Some(rule.id().clone());
-                        break;
+                let rule = &request.rule_set().rules()[i];
+                if rule.mode() != Mode::Shadow {
+                    match resolved {
+                        Resolved::Deny => {
+                            denied_by = Some(rule.id().clone());
+                            break;
+                        }
+                        Resolved::Ambiguous => {
+                            ambiguous_for = Some(rule.id().clone());
+                            break;
+                        }
+                        Resolved::Key | Resolved::Skip => {}
                     }
                 }
             }
@@ -501,14 +510,17 @@ impl Engine {
         } else {
             select(None);
         }
+        if let Some(rule) = ambiguous_for {
+            return Err(Unasked::Refused(ambiguous_identity(&rule)));
+        }
         if let Some(rule) = denied_by {
             let outcome = Outcome::MissingKey { rule };
             let id = request.rule_set().id().clone();
-            return Err((id, outcome));
+            return Err(Unasked::Decided(id, outcome));
         }
         if request.is_empty() {
             let id = request.rule_set().id().clone();
-            return Err((id, Outcome::NoMatchingRule));
+            return Err(Unasked::Decided(id, Outcome::NoMatchingRule));
         }
         Ok(request)
     }
@@ -594,13 +606,14 @@ impl Engine {
         }
         if let Some(memory) = &self.inner.direct {
             if let Some(rule) = one_band_rule(&set) {
-                return MaybeReady::ready(Ok(self.decide_one(memory, &set, rule, ctx)));
+                return MaybeReady::ready(self.decide_one(memory, &set, rule, ctx));
             }
         }
         // The request holds the one reference to the rule set taken by the lookup.
         let mut request = match self.request_for(set, ctx) {
             Ok(request) => request,
-            Err((id, outcome)) => return MaybeReady::ready(Ok(Decision::without_bands(id, outcome))),
+            Err(Unasked::Decided(id, outcome)) => return MaybeReady::ready(Ok(Decision::without_bands(id, outcome))),
+            Err(Unasked::Refused(error)) => return MaybeReady::ready(Err(error)),
         };
         // Rules that wait for the refill, while they have waiters' places free.
         let places = self.inner.waiters.admit(&mut request, ctx.max_wait());
@@ -762,9 +775,15 @@ impl Engine {
     /// with the in-memory limiter: what the general path does for it, the rule matched, its
     /// key resolved and the limiter asked for its one bucket, without building an
     /// [`AcquireRequest`].
-    fn decide_one(&self, memory: &MemoryLimiter, set: &RuleSet, rule: &Rule, ctx: &RequestContext) -> Decision {
+    fn decide_one(
+        &self,
+        memory: &MemoryLimiter,
+        set: &RuleSet,
+        rule: &Rule,
+        ctx: &RequestContext,
+    ) -> Result<Decision, Error> {
         if !rule.applies(ctx) {
-            return Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule);
+            return Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule));
         }
         /// The text of a key known by its typed value: none.
         static NO_TEXT: Text = Text::new();
@@ -775,19 +794,38 @@ impl Engine {
                 let (mut key, mut typed) = (Text::new(), TypedKey::Text);
                 match resolver.resolve_into(rule, ctx, &mut key, &mut typed, self.inner.key_text) {
                     Resolved::Key => {}
-                    Resolved::Skip => return Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule),
+                    Resolved::Ambiguous => return Err(ambiguous_identity(rule.id())),
+                    Resolved::Skip => return Ok(Decision::without_bands(set.id().clone(), Outcome::NoMatchingRule)),
                     Resolved::Deny => {
                         let outcome = Outcome::MissingKey {
                             rule: rule.id().clone(),
                         };
-                        return Decision::without_bands(set.id().clone(), outcome);
+                        return Ok(Decision::without_bands(set.id().clone(), outcome));
                     }
                 }
                 memory.acquire_one(&Bucket::of(set, rule, &key, typed), &rule.bands()[0])
             }
         };
-        Decision::from_enforced_outcome(set.id().clone(), outcome)
+        Ok(Decision::from_enforced_outcome(set.id().clone(), outcome))
     }
+}
+
+/// Why [`Engine::request_for`] asks the limiter nothing.
+enum Unasked {
+    /// The decision is known: the rule set's id and the outcome.
+    Decided(Name, Outcome),
+    /// The request cannot be counted.
+    Refused(Error),
+}
+
+/// The refusal of a request whose user id or API key, read by `rule`'s key, is
+/// [`AMBIGUOUS_IDENTITY`](crate::AMBIGUOUS_IDENTITY).
+fn ambiguous_identity(rule: &Name) -> Error {
+    Error::Refused(format!(
+        "rule `{}` counts by the user id or API key, and the request names several different ones \
+         (a header sent more than once with different values)",
+        rule
+    ))
 }
 
 impl Inner {

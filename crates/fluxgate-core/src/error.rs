@@ -136,8 +136,10 @@ pub enum Error {
     /// The request cannot be decided as it was described: a value beyond the bounds of a
     /// rate-limit service (its answer `400`) or of the engine (a path longer than
     /// [`LONGEST_MATCHED_PATH`](crate::path::LONGEST_MATCHED_PATH) for a rule set whose
-    /// rules match paths). No backend failed: it opens no circuit, and no failure policy
-    /// admits the request.
+    /// rules match paths, or a user id or API key that is
+    /// [`AMBIGUOUS_IDENTITY`](crate::AMBIGUOUS_IDENTITY) for an enforced rule keyed by
+    /// it). No backend failed: it opens no circuit, and no failure policy admits the
+    /// request.
     #[error("the request cannot be rate-limited: {0}")]
     Refused(String),
 }

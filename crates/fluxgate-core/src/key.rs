@@ -12,7 +12,7 @@ use std::net::{IpAddr, Ipv6Addr};
 
 use sha2::{Digest, Sha256};
 
-use crate::context::RequestContext;
+use crate::context::{RequestContext, AMBIGUOUS_IDENTITY};
 use crate::rule::{KeyField, OnMissingKey, Rule, Scope};
 use crate::text::Text;
 
@@ -36,6 +36,9 @@ pub enum KeyResolution {
 pub(crate) enum Resolved {
     /// The key value was written.
     Key,
+    /// The key value was written from a user id or API key that is
+    /// [`AMBIGUOUS_IDENTITY`]: an enforced rule refuses the request.
+    Ambiguous,
     /// See [`KeyResolution::Skip`].
     Skip,
     /// See [`KeyResolution::Deny`].
@@ -112,7 +115,7 @@ impl KeyResolver {
     pub fn resolve(&self, rule: &Rule, ctx: &RequestContext) -> KeyResolution {
         let mut out = Text::new();
         match self.resolve_into(rule, ctx, &mut out, &mut TypedKey::Text, true) {
-            Resolved::Key => KeyResolution::Key(out),
+            Resolved::Key | Resolved::Ambiguous => KeyResolution::Key(out),
             Resolved::Skip => KeyResolution::Skip,
             Resolved::Deny => KeyResolution::Deny,
         }
@@ -172,7 +175,11 @@ impl KeyResolver {
             }
         };
         if complete {
-            return Resolved::Key;
+            return if reads_ambiguous_identity(rule, ctx) {
+                Resolved::Ambiguous
+            } else {
+                Resolved::Key
+            };
         }
         match rule.on_missing_key() {
             OnMissingKey::FallbackIp => {
@@ -334,6 +341,23 @@ fn write_ipv4(buf: &mut [u8], octets: [u8; 4]) -> usize {
         n += 1;
     }
     n - 1
+}
+
+/// Whether `rule`'s key reads a user id or API key of `ctx` that is
+/// [`AMBIGUOUS_IDENTITY`].
+fn reads_ambiguous_identity(rule: &Rule, ctx: &RequestContext) -> bool {
+    let user = || ctx.user_id() == Some(AMBIGUOUS_IDENTITY);
+    let api_key = || ctx.api_key() == Some(AMBIGUOUS_IDENTITY);
+    match rule.scope() {
+        Scope::User => user(),
+        Scope::ApiKey => api_key(),
+        Scope::Composite(fields) => fields.iter().any(|field| match field {
+            KeyField::User => user(),
+            KeyField::ApiKey => api_key(),
+            KeyField::Ip | KeyField::Attribute(_) => false,
+        }),
+        Scope::Global | Scope::Ip | Scope::Attribute(_) => false,
+    }
 }
 
 fn push_opt(out: &mut Text, tag: &str, value: Option<&str>) -> bool {

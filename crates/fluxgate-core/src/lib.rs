@@ -74,7 +74,7 @@ mod text;
 mod wait;
 
 pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
-pub use context::{RequestContext, RequestContextBuilder, DEFAULT_RULE_SET};
+pub use context::{RequestContext, RequestContextBuilder, AMBIGUOUS_IDENTITY, DEFAULT_RULE_SET};
 pub use decision::{AdmittedBand, BandReport, Bands, Decision, Outcome};
 pub use engine::{AddressDecision, Engine, EngineBuilder, UnknownRuleSet};
 pub use error::{BoxError, Error, RuleError};

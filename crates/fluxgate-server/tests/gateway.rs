@@ -453,6 +453,29 @@ async fn a_value_written_as_a_digest_shares_no_counter_with_the_long_value() {
     assert_eq!(through_gateway, locally, "the gateway counts as the local engine does");
 }
 
+/// A user id sent twice with different values names no counter: refused (`400`) by the
+/// rule that counts by it, at the service as with a local engine, whatever the gateway's
+/// failure policy; neither a second quota nor a `fail_open` admission.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_user_header_is_refused_as_by_a_local_engine() {
+    let as_users = |users: &[&str]| {
+        let lines: String = users.iter().map(|user| format!("x-user-id: {user}\r\n")).collect();
+        format!("GET /api/hello HTTP/1.1\r\nhost: t\r\n{lines}connection: close\r\n\r\n")
+    };
+    let requests = [
+        as_users(&["alice"]),
+        as_users(&["alice", "forged-1"]),
+        as_users(&["forged-2", "alice"]),
+        as_users(&["alice", "alice"]),
+        as_users(&["alice"]),
+    ];
+    let (service_addr, _stop_service) = service_with("repeated-user", PER_USER);
+    let through_gateway = statuses(gateway(service_addr, FailurePolicy::FailOpen).await, &requests).await;
+    let locally = statuses(local(PER_USER, FailurePolicy::FailOpen).await, &requests).await;
+    assert_eq!(locally, ["200", "400", "400", "200", "429"]);
+    assert_eq!(through_gateway, locally, "the gateway decides as the local engine does");
+}
+
 /// A service whose bodies are bounded lower than a check can be (`[http] max_body_bytes`,
 /// a bound that a service of an earlier release started with) would answer a long path's
 /// check with 413: a failure of the service, which `fail_open` admits uncounted and which

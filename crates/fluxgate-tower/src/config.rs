@@ -11,7 +11,7 @@ use fluxgate_core::failure::{CircuitOpen, LogThrottle};
 use fluxgate_core::path::{is_too_long, trimmed, with_clamped_views, with_decoded_views, without_trailing_slash};
 use fluxgate_core::{
     AddressDecision, Decision, Engine, Error, FailurePolicy, Name, Outcome, PathPattern, RateLimitHandler,
-    RequestContext, RequestContextBuilder,
+    RequestContext, RequestContextBuilder, AMBIGUOUS_IDENTITY,
 };
 use http::request::Parts;
 use http::{Extensions, HeaderMap, HeaderName, Method, Response};
@@ -329,22 +329,24 @@ impl Config {
 }
 
 /// The value of an identity header (the user id, the API key): its value when every
-/// instance of it says the same, else [`AMBIGUOUS`]. Spaces and tabs around a value are not
-/// part of it ([`field_value`]).
+/// instance of it says the same, else [`AMBIGUOUS_IDENTITY`]. Spaces and tabs around a
+/// value are not part of it ([`field_value`]).
 ///
 /// Neither instance of a header sent several times with different values can be trusted:
 /// an application reads the first (`HeaderMap::get`, and the extractors built on it),
 /// a proxy that appends its own value writes the last. Whichever the layer read, a client
 /// could name its counter with the other, one new counter per request (an application
-/// that checks the first `X-API-Key` while the layer counted the last). All such requests
-/// share one counter per rule instead.
+/// that checks the first `X-API-Key` while the layer counted the last). Nor can such
+/// requests share one counter: that counter would be a second quota for every client (a
+/// valid first key for the application, any second one). An enforced rule keyed by the
+/// header refuses them instead (`400`).
 fn identity_header(headers: &HeaderMap, name: &HeaderName) -> Option<String> {
     let mut values = headers.get_all(name).iter().map(field_value);
     let first = values.next()?;
     Some(if values.all(|value| value == first) {
         header_text(first)
     } else {
-        AMBIGUOUS.to_owned()
+        AMBIGUOUS_IDENTITY.to_owned()
     })
 }
 
@@ -361,12 +363,6 @@ fn field_value(value: &http::HeaderValue) -> &[u8] {
     let end = bytes.iter().rposition(|b| !ows(b)).map_or(start, |i| i + 1);
     &bytes[start..end]
 }
-
-/// The user id or API key of a request that sent the header several times with different
-/// values: `\0` alone, which no header value gives ([`header_text`] writes `\0` only
-/// before the bytes of a value that is not UTF-8, and a header value cannot contain
-/// `\0`), so such requests never share a counter with a value a client sent once.
-pub(crate) const AMBIGUOUS: &str = "\0";
 
 /// A header value as text, injectively: valid UTF-8 as it is; anything else as `\0` (which
 /// no header value can contain) followed by its bytes read as Latin-1. Two different
