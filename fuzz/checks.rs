@@ -724,7 +724,8 @@ fn percent_decode(s: &str) -> Option<Vec<u8>> {
 }
 
 /// Reads an address: a kind byte (v4, v6, IPv4-mapped v6, v6 under the NAT64 well-known
-/// prefix or in a 6to4 network, or the previous address with one bit flipped) and its bytes.
+/// prefix, IPv4-translated, in a 6to4 network, a Teredo or a link-local address, or the
+/// previous address with one bit flipped) and its bytes.
 fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     let mut take = |n: usize| -> Vec<u8> {
         let (head, tail) = bytes.split_at(n.min(bytes.len()));
@@ -738,7 +739,21 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
         (0, _) => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"))),
         (2, _) => {
             let v4 = Ipv4Addr::from(<[u8; 4]>::try_from(take(4)).expect("4 bytes"));
-            if kind & 8 != 0 {
+            if kind & 16 != 0 {
+                // A Teredo client (`2001:0::/32`), its address inverted in the last 32
+                // bits; or an IPv4-translated address (`::ffff:0:a.b.c.d`).
+                let mut octets = [0u8; 16];
+                if kind & 32 != 0 {
+                    octets[..4].copy_from_slice(&[0x20, 0x01, 0, 0]);
+                    let middle = take(8);
+                    octets[4..12].copy_from_slice(&middle);
+                    octets[12..].copy_from_slice(&(!u32::from(v4)).to_be_bytes());
+                } else {
+                    octets[8..10].copy_from_slice(&[0xff, 0xff]);
+                    octets[12..].copy_from_slice(&v4.octets());
+                }
+                IpAddr::V6(Ipv6Addr::from(octets))
+            } else if kind & 8 != 0 {
                 // A host of the 6to4 network `2002:WWXX:YYZZ::/48`, the rest of its bits
                 // from the input.
                 let rest = take(10);
@@ -764,22 +779,40 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
             let bit = take(1)[0] % 32;
             IpAddr::V4(Ipv4Addr::from(u32::from(p) ^ (1u32 << bit)))
         }
-        _ => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(take(16)).expect("16 bytes"))),
+        _ => {
+            let mut octets = <[u8; 16]>::try_from(take(16)).expect("16 bytes");
+            if kind & 64 != 0 {
+                // Link-local: `fe80::/10`, the rest from the input.
+                octets[0] = 0xfe;
+                octets[1] = 0x80 | (octets[1] & 0x3f);
+            }
+            IpAddr::V6(Ipv6Addr::from(octets))
+        }
     }
 }
 
+fn is_link_local(ip: IpAddr) -> bool {
+    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
+}
+
 fn reference_mask(ip: IpAddr, prefix: u8) -> IpAddr {
-    // IPv4-mapped, under the NAT64 well-known prefix `64:ff9b::/96`, or in the 6to4
-    // network `2002:WWXX:YYZZ::/48` of the host `WW.XX.YY.ZZ`.
+    // IPv4-mapped, IPv4-translated (`::ffff:0:a.b.c.d`), under the NAT64 well-known prefix
+    // `64:ff9b::/96`, in the 6to4 network `2002:WWXX:YYZZ::/48` of the host `WW.XX.YY.ZZ`,
+    // or a Teredo client (`2001:0::/32`, its address inverted in the last four bytes).
     let embedded = |v6: Ipv6Addr| {
         let (s, o) = (v6.segments(), v6.octets());
+        let last = Ipv4Addr::new(o[12], o[13], o[14], o[15]);
         v6.to_ipv4_mapped()
-            .or_else(|| (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]).then(|| Ipv4Addr::new(o[12], o[13], o[14], o[15])))
+            .or_else(|| (s[..6] == [0, 0, 0, 0, 0xffff, 0]).then_some(last))
+            .or_else(|| (s[..6] == [0x64, 0xff9b, 0, 0, 0, 0]).then_some(last))
             .or_else(|| (s[0] == 0x2002).then(|| Ipv4Addr::new(o[2], o[3], o[4], o[5])))
+            .or_else(|| (s[..2] == [0x2001, 0]).then(|| Ipv4Addr::from(last.octets().map(|b| !b))))
     };
     match ip {
         IpAddr::V6(v6) => match embedded(v6) {
             Some(v4) => IpAddr::V4(v4),
+            // Link-local (`fe80::/10`): whole.
+            None if is_link_local(ip) => IpAddr::V6(v6),
             None => {
                 let keep = if prefix >= 128 {
                     u128::MAX
@@ -813,7 +846,7 @@ fn ip_keys(param: u8, mut bytes: &[u8]) {
         assert!(encoded.len() <= 64, "IP key {k:?} is longer than ip= + 64");
         let expected = match masked {
             IpAddr::V4(v4) => v4.to_string(),
-            IpAddr::V6(v6) if prefix < 128 => format!("{v6}_{prefix}"),
+            IpAddr::V6(v6) if prefix < 128 && !is_link_local(ip) => format!("{v6}_{prefix}"),
             IpAddr::V6(v6) => v6.to_string(),
         };
         assert_eq!(

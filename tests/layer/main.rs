@@ -242,6 +242,48 @@ async fn a_parameter_before_a_trailing_slash_cannot_walk_around_its_rule() {
     }
 }
 
+/// IPv6 clients that share a /64 without being one client are counted apart: the clients
+/// of one Teredo relay server (its address fills their first 64 bits) are their public
+/// IPv4 addresses, and link-local clients (every link has `fe80::/64`, and the zone of a
+/// connection's address is not part of its `IpAddr`) their whole addresses. Before, each
+/// group shared one counter, so one client spent the others' limit.
+#[tokio::test]
+async fn ipv6_clients_that_share_a_64_are_counted_apart() {
+    use std::net::{Ipv6Addr, SocketAddrV6};
+    const PER_IP: &str = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let app = app(layer(engine(PER_IP)).build().unwrap());
+    let from = |ip: &str, zone: u32| {
+        let mut req = request("GET", "/health", "192.0.2.1", &[]);
+        let ip: Ipv6Addr = ip.parse().expect("an address");
+        req.extensions_mut()
+            .insert(axum::extract::ConnectInfo(SocketAddr::V6(SocketAddrV6::new(
+                ip, 40_000, 0, zone,
+            ))));
+        req
+    };
+    for (a, b) in [
+        // Two clients of the Teredo server 65.54.227.120.
+        (
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "2001:0:4136:e378:8000:ec77:cecc:9bf8",
+        ),
+        // Two hosts on two links.
+        ("fe80::a1", "fe80::b2"),
+    ] {
+        for _ in 0..2 {
+            assert_eq!(send(&app, from(a, 2)).await.status, StatusCode::OK, "{a}");
+        }
+        assert_eq!(
+            send(&app, from(a, 2)).await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{a}"
+        );
+        let other = send(&app, from(b, 3)).await;
+        assert_eq!(other.status, StatusCode::OK, "{b} after {a} spent its limit");
+        assert_eq!(other.num("x-ratelimit-remaining"), 1, "{b}");
+    }
+}
+
 #[tokio::test]
 async fn forwarded_for_is_only_believed_from_trusted_proxies() {
     let rules = r#"

@@ -215,44 +215,51 @@ impl KeyResolver {
 
     /// The typed value of the key `push_ip` writes.
     fn typed_ip(&self, ip: Option<IpAddr>) -> TypedKey {
-        match ip.map(|ip| self.mask(ip)) {
-            Some(IpAddr::V4(v4)) => TypedKey::Ipv4(u32::from(v4)),
-            Some(IpAddr::V6(v6)) => TypedKey::Ipv6 {
+        match ip.map(|ip| self.cut(ip)) {
+            Some((IpAddr::V4(v4), _)) => TypedKey::Ipv4(u32::from(v4)),
+            Some((IpAddr::V6(v6), prefix)) => TypedKey::Ipv6 {
                 bits: u128::from(v6),
-                prefix: self.ipv6_prefix,
+                prefix,
             },
             None => TypedKey::NoIp,
         }
     }
 
     fn push_ip(&self, out: &mut Text, ip: Option<IpAddr>) {
-        let v6 = match ip.map(|ip| self.mask(ip)) {
-            Some(IpAddr::V4(v4)) => return push_ipv4(out, v4.octets()),
-            Some(IpAddr::V6(v6)) => Some(v6),
+        let v6 = match ip.map(|ip| self.cut(ip)) {
+            Some((IpAddr::V4(v4), _)) => return push_ipv4(out, v4.octets()),
+            Some((IpAddr::V6(v6), prefix)) => Some((v6, prefix)),
             None => None,
         };
         out.push_str("ip=");
         match v6 {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
-            Some(v6) => {
+            Some((v6, prefix)) => {
                 let text = v6.to_string();
                 encode_into(out, &text);
-                if self.ipv6_prefix < 128 {
-                    let _ = write!(out, "_{}", self.ipv6_prefix);
+                if prefix < 128 {
+                    let _ = write!(out, "_{prefix}");
                 }
             }
             None => out.push_str("unknown"),
         }
     }
 
-    /// The address as keyed: an IPv4 client seen as IPv6 (IPv4-mapped, `::ffff:a.b.c.d`,
-    /// or translated under the NAT64 well-known prefix, `64:ff9b::a.b.c.d`, or a 6to4
-    /// address, `2002:WWXX:YYZZ::`) as IPv4, other IPv6 cut to the prefix.
+    /// The address as keyed: an IPv4 client seen as IPv6 (IPv4-mapped, `::ffff:a.b.c.d`;
+    /// IPv4-translated, `::ffff:0:a.b.c.d`; translated under the NAT64 well-known prefix,
+    /// `64:ff9b::a.b.c.d`; a 6to4 address, `2002:WWXX:YYZZ::`; a Teredo address,
+    /// `2001:0:…`) as IPv4, a link-local address (`fe80::/10`) whole, other IPv6 cut to the
+    /// prefix.
     ///
     /// A server behind a stateless translator (SIIT, RFC 7755) sees every IPv4 client under
     /// `64:ff9b::/96`, one /64: cut to the prefix, all of them would share one counter. A
     /// 6to4 address (`2002::/16`) is keyed as the IPv4 host whose /48 it is in: cut to a /64,
-    /// that one host would have 65,536 counters.
+    /// that one host would have 65,536 counters. A Teredo address (`2001::/32`, RFC 4380)
+    /// holds its relay server's IPv4 address in its first /64, shared by every client of the
+    /// server, and its client's public IPv4 address (inverted) in its last 32 bits: it is
+    /// keyed as that client. Every link has the same link-local /64, `fe80::/64`, and the
+    /// address's zone (its link) is not part of an `IpAddr`: cut to the prefix, every client
+    /// on every link would share one counter.
     ///
     /// ```
     /// use fluxgate_core::key::KeyResolver;
@@ -262,11 +269,20 @@ impl KeyResolver {
     /// assert_eq!(r.mask("2002:c000:201:ffff::1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
     /// ```
     pub fn mask(&self, ip: IpAddr) -> IpAddr {
+        self.cut(ip).0
+    }
+
+    /// [`mask`](Self::mask), and the prefix an IPv6 address is cut to (128 for a
+    /// link-local one, kept whole), which its key names.
+    fn cut(&self, ip: IpAddr) -> (IpAddr, u8) {
         match ip {
-            IpAddr::V4(v4) => IpAddr::V4(v4),
+            IpAddr::V4(v4) => (IpAddr::V4(v4), 32),
             IpAddr::V6(v6) => {
                 if let Some(v4) = embedded_ipv4(v6) {
-                    return IpAddr::V4(v4);
+                    return (IpAddr::V4(v4), 32);
+                }
+                if v6.is_unicast_link_local() {
+                    return (IpAddr::V6(v6), 128);
                 }
                 let bits = u128::from(v6);
                 let masked = if self.ipv6_prefix >= 128 {
@@ -274,7 +290,7 @@ impl KeyResolver {
                 } else {
                     bits & !(u128::MAX >> self.ipv6_prefix)
                 };
-                IpAddr::V6(Ipv6Addr::from(masked))
+                (IpAddr::V6(Ipv6Addr::from(masked)), self.ipv6_prefix)
             }
         }
     }
@@ -288,8 +304,18 @@ const NAT64_WELL_KNOWN: u128 = 0x0064_ff9b_0000_0000_0000_0000_0000_0000;
 /// IPv4 host `WW.XX.YY.ZZ`.
 const SIX_TO_FOUR: u128 = 0x2002 << 112;
 
-/// The IPv4 client an IPv6 address stands for: an IPv4-mapped address, one under the
-/// NAT64 well-known prefix, or the host whose 6to4 network it is in.
+/// The Teredo prefix, `2001::/32` (RFC 4380): `2001:0:SSSS:SSSS:FFFF:PPPP:CCCC:CCCC`, the
+/// server's IPv4 address `S`, flags, the client's port and public IPv4 address `C`, both
+/// inverted.
+const TEREDO: u128 = 0x2001_0000 << 96;
+
+/// The IPv4-translated addresses, `::ffff:0:0/96` (RFC 2765): the IPv4 address in the
+/// last 32 bits.
+const IPV4_TRANSLATED: u128 = 0xffff_0000 << 32;
+
+/// The IPv4 client an IPv6 address stands for: an IPv4-mapped or IPv4-translated address,
+/// one under the NAT64 well-known prefix, the host whose 6to4 network it is in, or a
+/// Teredo client.
 fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
     if let Some(v4) = v6.to_ipv4_mapped() {
         return Some(v4);
@@ -299,8 +325,13 @@ fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
         // Bits 16 to 47: the host's address (`as u32` keeps the low 32 bits).
         return Some(std::net::Ipv4Addr::from((bits >> 80) as u32));
     }
+    if bits >> 96 == TEREDO >> 96 {
+        // The last 32 bits, inverted: the client's public address.
+        return Some(std::net::Ipv4Addr::from(!(bits as u32)));
+    }
     // `bits as u32` keeps the low 32 bits: the embedded address.
-    (bits >> 32 == NAT64_WELL_KNOWN >> 32).then(|| std::net::Ipv4Addr::from(bits as u32))
+    let prefix = bits >> 32 << 32;
+    (prefix == NAT64_WELL_KNOWN || prefix == IPV4_TRANSLATED).then(|| std::net::Ipv4Addr::from(bits as u32))
 }
 
 /// The decimal digits of every octet, and their count in the last byte.
@@ -553,6 +584,32 @@ mod tests {
         assert_eq!(key(&r, &at("2002:c633:6409::1")), "ip=198.51.100.9");
         // Neighbours of the prefix are IPv6 networks as any other.
         assert_eq!(key(&r, &at("2003:c000:201::1")), "ip=2003%3Ac000%3A201%3A%3A_64");
+        // IPv4-translated addresses (RFC 2765) are their IPv4 clients.
+        assert_eq!(key(&r, &at("::ffff:0:192.0.2.1")), "ip=192.0.2.1");
+        assert_eq!(key(&r, &at("::fffe:0:192.0.2.1")), "ip=%3A%3A_64");
+        // A Teredo client is its public IPv4 address (the last 32 bits, inverted), not the
+        // relay server's /64 that every client of that server shares.
+        assert_eq!(key(&r, &at("2001:0:4136:e378:8000:63bf:3fff:fdd2")), "ip=192.0.2.45");
+        assert_eq!(key(&r, &at("2001:0:4136:e378:8000:ec77:cecc:9bf8")), "ip=49.51.100.7");
+        assert_eq!(
+            key(&r, &at("2001:1:4136:e378::1")),
+            "ip=2001%3A1%3A4136%3Ae378%3A%3A_64"
+        );
+        // A link-local client is its whole address: every link has the same /64.
+        assert_eq!(key(&r, &at("fe80::a1")), "ip=fe80%3A%3Aa1");
+        assert_ne!(key(&r, &at("fe80::a1")), key(&r, &at("fe80::b2")));
+        assert_eq!(key(&r, &at("febf:1::a1")), "ip=febf%3A1%3A%3Aa1");
+        assert_eq!(key(&r, &at("fec0::a1")), "ip=fec0%3A%3A_64");
+        assert_eq!(
+            KeyResolver::new(48).resolve(&r, &at("fe80::1:a1")),
+            KeyResolution::Key("ip=fe80%3A%3A1%3Aa1".into())
+        );
+        // A site-local network cut short enough to read as link-local keeps its prefix:
+        // it is not the link-local client of that address.
+        assert_eq!(
+            KeyResolver::new(9).resolve(&r, &at("fec0::1")),
+            KeyResolution::Key("ip=fe80%3A%3A_9".into())
+        );
         for ip in ["0.0.0.0", "255.255.255.255", "10.100.9.199", "1.20.30.4"] {
             assert_eq!(key(&r, &at(ip)), format!("ip={ip}"));
         }
