@@ -245,13 +245,17 @@ async fn a_parameter_before_a_trailing_slash_cannot_walk_around_its_rule() {
 /// IPv6 clients that share a /64 without being one client are counted apart: the clients
 /// of one Teredo relay server (its address fills their first 64 bits) are their public
 /// IPv4 addresses, and link-local clients (every link has `fe80::/64`, and the zone of a
-/// connection's address is not part of its `IpAddr`) their whole addresses. Before, each
-/// group shared one counter, so one client spent the others' limit.
+/// connection's address is not part of its `IpAddr`) their whole addresses; the IPv4
+/// clients of a NAT64 prefix of the network's own, once the engine is told it, their IPv4
+/// addresses. Before, each group shared one counter, so one client spent the others' limit.
 #[tokio::test]
 async fn ipv6_clients_that_share_a_64_are_counted_apart() {
     use std::net::{Ipv6Addr, SocketAddrV6};
     const PER_IP: &str = "rule_sets: [{id: default, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
-    let app = app(layer(engine(PER_IP)).build().unwrap());
+    let nat64: Ipv6Addr = "2001:db8:64::".parse().expect("a prefix");
+    let app = app(layer(builder(PER_IP).nat64_prefix(nat64).build().unwrap())
+        .build()
+        .unwrap());
     let from = |ip: &str, zone: u32| {
         let mut req = request("GET", "/health", "192.0.2.1", &[]);
         let ip: Ipv6Addr = ip.parse().expect("an address");
@@ -269,6 +273,8 @@ async fn ipv6_clients_that_share_a_64_are_counted_apart() {
         ),
         // Two hosts on two links.
         ("fe80::a1", "fe80::b2"),
+        // Two IPv4 clients of the network's NAT64 prefix.
+        ("2001:db8:64::192.0.2.1", "2001:db8:64::198.51.100.7"),
     ] {
         for _ in 0..2 {
             assert_eq!(send(&app, from(a, 2)).await.status, StatusCode::OK, "{a}");

@@ -169,7 +169,17 @@ impl EngineBuilder {
     ///
     /// When `bits` is 0 or larger than 128.
     pub fn ipv6_prefix(mut self, bits: u8) -> Self {
-        self.resolver = KeyResolver::new(bits);
+        self.resolver = self.resolver.with_ipv6_prefix(bits);
+        self
+    }
+
+    /// Keys the clients under the /96 network-specific NAT64 prefix `prefix` as the IPv4
+    /// addresses in their last 32 bits, as those under the well-known `64:ff9b::/96` are
+    /// (see [`KeyResolver::with_nat64_prefix`]). Set it behind a stateless translator
+    /// (SIIT) or a NAT64 with a prefix of its own network: its IPv4 clients would otherwise
+    /// share one counter per /64.
+    pub fn nat64_prefix(mut self, prefix: std::net::Ipv6Addr) -> Self {
+        self.resolver = self.resolver.with_nat64_prefix(prefix);
         self
     }
 

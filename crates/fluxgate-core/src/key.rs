@@ -74,11 +74,14 @@ pub(crate) enum TypedKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeyResolver {
     ipv6_prefix: u8,
+    /// The first 96 bits of a network-specific NAT64 prefix, when one is configured
+    /// ([`with_nat64_prefix`](Self::with_nat64_prefix)).
+    nat64: Option<u128>,
 }
 
 impl Default for KeyResolver {
     fn default() -> Self {
-        Self { ipv6_prefix: 64 }
+        Self::new(64)
     }
 }
 
@@ -90,16 +93,54 @@ impl KeyResolver {
     ///
     /// When `ipv6_prefix` is 0 or larger than 128.
     pub const fn new(ipv6_prefix: u8) -> Self {
+        Self {
+            ipv6_prefix: 64,
+            nat64: None,
+        }
+        .with_ipv6_prefix(ipv6_prefix)
+    }
+
+    /// This resolver keying IPv6 clients by their first `ipv6_prefix` bits.
+    ///
+    /// # Panics
+    ///
+    /// When `ipv6_prefix` is 0 or larger than 128.
+    pub const fn with_ipv6_prefix(self, ipv6_prefix: u8) -> Self {
         assert!(
             ipv6_prefix >= 1 && ipv6_prefix <= 128,
             "ipv6_prefix must be between 1 and 128"
         );
-        Self { ipv6_prefix }
+        Self { ipv6_prefix, ..self }
+    }
+
+    /// This resolver keying the addresses under the /96 network-specific NAT64 prefix
+    /// `prefix` (its last 32 bits are ignored) as the IPv4 addresses in their last 32
+    /// bits, as it keys those under the well-known prefix `64:ff9b::/96`.
+    ///
+    /// A server behind a stateless translator (SIIT, RFC 7755) or a NAT64 with a prefix of
+    /// its network (RFC 6052, such as `2001:db8:64::/96`) sees every IPv4 client in that
+    /// /96: keyed by their /64, they would all share one counter.
+    ///
+    /// ```
+    /// use fluxgate_core::key::KeyResolver;
+    /// let r = KeyResolver::default().with_nat64_prefix("2001:db8:64::".parse().unwrap());
+    /// assert_eq!(r.mask("2001:db8:64::192.0.2.1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
+    /// ```
+    pub const fn with_nat64_prefix(self, prefix: Ipv6Addr) -> Self {
+        Self {
+            nat64: Some(prefix.to_bits() >> 32 << 32),
+            ..self
+        }
     }
 
     /// The IPv6 prefix length.
     pub fn ipv6_prefix(&self) -> u8 {
         self.ipv6_prefix
+    }
+
+    /// The network-specific NAT64 prefix, when one is configured.
+    pub fn nat64_prefix(&self) -> Option<Ipv6Addr> {
+        self.nat64.map(Ipv6Addr::from)
     }
 
     /// Resolves the key of `rule` for `ctx`.
@@ -278,7 +319,7 @@ impl KeyResolver {
         match ip {
             IpAddr::V4(v4) => (IpAddr::V4(v4), 32),
             IpAddr::V6(v6) => {
-                if let Some(v4) = embedded_ipv4(v6) {
+                if let Some(v4) = embedded_ipv4(v6, self.nat64) {
                     return (IpAddr::V4(v4), 32);
                 }
                 if v6.is_unicast_link_local() {
@@ -314,9 +355,9 @@ const TEREDO: u128 = 0x2001_0000 << 96;
 const IPV4_TRANSLATED: u128 = 0xffff_0000 << 32;
 
 /// The IPv4 client an IPv6 address stands for: an IPv4-mapped or IPv4-translated address,
-/// one under the NAT64 well-known prefix, the host whose 6to4 network it is in, or a
-/// Teredo client.
-fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
+/// one under the NAT64 well-known prefix or the network-specific one `nat64` (its first 96
+/// bits), the host whose 6to4 network it is in, or a Teredo client.
+fn embedded_ipv4(v6: Ipv6Addr, nat64: Option<u128>) -> Option<std::net::Ipv4Addr> {
     if let Some(v4) = v6.to_ipv4_mapped() {
         return Some(v4);
     }
@@ -331,7 +372,8 @@ fn embedded_ipv4(v6: Ipv6Addr) -> Option<std::net::Ipv4Addr> {
     }
     // `bits as u32` keeps the low 32 bits: the embedded address.
     let prefix = bits >> 32 << 32;
-    (prefix == NAT64_WELL_KNOWN || prefix == IPV4_TRANSLATED).then(|| std::net::Ipv4Addr::from(bits as u32))
+    (prefix == NAT64_WELL_KNOWN || prefix == IPV4_TRANSLATED || Some(prefix) == nat64)
+        .then(|| std::net::Ipv4Addr::from(bits as u32))
 }
 
 /// The decimal digits of every octet, and their count in the last byte.
@@ -604,6 +646,20 @@ mod tests {
             KeyResolver::new(48).resolve(&r, &at("fe80::1:a1")),
             KeyResolution::Key("ip=fe80%3A%3A1%3Aa1".into())
         );
+        // A network-specific NAT64 prefix, when configured, as the well-known one; its
+        // neighbours are IPv6 networks as any other.
+        let nsp = KeyResolver::default().with_nat64_prefix("2001:db8:64::ffff:1".parse().unwrap());
+        let by_nsp = |ip: &str| match nsp.resolve(&r, &at(ip)) {
+            KeyResolution::Key(k) => k.to_string(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(by_nsp("2001:db8:64::192.0.2.1"), "ip=192.0.2.1");
+        assert_eq!(by_nsp("2001:db8:64::c633:6407"), "ip=198.51.100.7");
+        assert_eq!(by_nsp("64:ff9b::192.0.2.1"), "ip=192.0.2.1");
+        assert_eq!(by_nsp("2001:db8:64:0:1::1"), "ip=2001%3Adb8%3A64%3A%3A_64");
+        assert_eq!(key(&r, &at("2001:db8:64::192.0.2.1")), "ip=2001%3Adb8%3A64%3A%3A_64");
+        assert_eq!(nsp.nat64_prefix(), Some("2001:db8:64::".parse().unwrap()));
+        assert_eq!(nsp.with_ipv6_prefix(48).nat64_prefix(), nsp.nat64_prefix());
         // A site-local network cut short enough to read as link-local keeps its prefix:
         // it is not the link-local client of that address.
         assert_eq!(

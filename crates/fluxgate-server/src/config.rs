@@ -183,6 +183,10 @@ pub struct EngineConfig {
     pub on_backend_failure: Option<FailurePolicyConfig>,
     /// The prefix length keying IPv6 clients. Default 64.
     pub ipv6_prefix: Option<u8>,
+    /// A network-specific NAT64 prefix, a /96 (`2001:db8:64::`): its addresses are keyed
+    /// as the IPv4 clients in their last 32 bits. Default: only the well-known
+    /// `64:ff9b::/96`.
+    pub nat64_prefix: Option<std::net::Ipv6Addr>,
 }
 
 /// `[store]`: rules kept in Redis.
@@ -528,6 +532,12 @@ impl Config {
             Some("`[limiter] calls_in_flight_per_key` must be at least 1: with none, no decision could be made")
         } else if self.engine.ipv6_prefix.is_some_and(|bits| bits == 0 || bits > 128) {
             Some("`[engine] ipv6_prefix` must be 1 to 128")
+        } else if self
+            .engine
+            .nat64_prefix
+            .is_some_and(|prefix| prefix.to_bits() as u32 != 0)
+        {
+            Some("`[engine] nat64_prefix` must be a /96, its last 32 bits zero (such as `2001:db8:64::`)")
         } else {
             None
         };
@@ -645,6 +655,24 @@ mod tests {
         );
         let config: Config = toml::from_str(&format!("{redis}[limiter]\ntimeout_ms = 1")).unwrap();
         assert!(config.check().is_ok());
+    }
+
+    /// A NAT64 prefix is a /96: an address with bits past it set (a mistaken host address)
+    /// or that is no address is refused, naming the option.
+    #[test]
+    fn a_nat64_prefix_is_a_96() {
+        let base = "rules = \"rules.yaml\"\n[engine]\n";
+        let config: Config = toml::from_str(&format!("{base}nat64_prefix = \"2001:db8:64::\"")).unwrap();
+        assert!(config.check().is_ok());
+        assert_eq!(config.engine.nat64_prefix, Some("2001:db8:64::".parse().unwrap()));
+        let config: Config = toml::from_str(&format!("{base}nat64_prefix = \"2001:db8:64::1\"")).unwrap();
+        let error = config.check().unwrap_err().to_string();
+        assert!(error.contains("`[engine] nat64_prefix` must be a /96"), "{error}");
+        let error = toml::from_str::<Config>(&format!("{base}nat64_prefix = \"2001:db8:64::/96\""))
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("nat64_prefix"), "{error}");
     }
 
     /// A connection time limit of zero would close every connection at once: refused, each

@@ -141,6 +141,9 @@ impl Service {
         if let Some(bits) = config.engine.ipv6_prefix {
             engine = engine.ipv6_prefix(bits);
         }
+        if let Some(prefix) = config.engine.nat64_prefix {
+            engine = engine.nat64_prefix(prefix);
+        }
         let engine = engine.build()?;
         let (listener, polling, admin) = match (store, &config.redis) {
             (Some(store), Some(url)) => {
