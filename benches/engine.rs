@@ -4,7 +4,10 @@
 //!
 //! Decisions: 1 rule × 1 band and 3 rules × 2 bands, over 10,000 client addresses, all
 //! admitted, in memory; and the floor of the first (`support/floor.rs`): the least such a
-//! decision can cost once everything a rule set settles when it loads is taken out. Memory: before the timing runs, 1,000,000 distinct keys are
+//! decision can cost once everything a rule set settles when it loads is taken out. Then
+//! (`long_paths`) what a client makes a decision cost with a path of 4,096 bytes, the
+//! longest rules are matched against, built of dot segments, empty segments and escapes
+//! (each adds views of the path to match), against five rules with path patterns. Memory: before the timing runs, 1,000,000 distinct keys are
 //! decided (each stays active: 100 per hour) and the growth of the process's resident set
 //! is divided by the key count.
 
@@ -89,9 +92,56 @@ fn decisions(c: &mut Criterion) {
     group.finish();
 }
 
+/// Five rules with path patterns, wildcards and globs among them.
+const PATH_RULES: &str = r#"rule_sets: [{id: default, rules: [
+  {id: a, match: {paths: ["/files/private/**"]}, bands: [{capacity: 1000000000, window: 1h}]},
+  {id: b, match: {paths: ["/api/*/files/private/**"]}, bands: [{capacity: 1000000000, window: 1h}]},
+  {id: c, match: {paths: ["/**/*.secret"]}, bands: [{capacity: 1000000000, window: 1h}]},
+  {id: d, match: {paths: ["/wiki/?"]}, bands: [{capacity: 1000000000, window: 1h}]},
+  {id: e, match: {paths: ["/a/**/b/**/c"]}, bands: [{capacity: 1000000000, window: 1h}]}]}]"#;
+
+/// A path of `start` and then `unit` repeated, cut to the longest matched path.
+fn long_path(start: &str, unit: &str) -> String {
+    let mut path = String::from(start);
+    while path.len() + unit.len() <= fluxgate::core::path::LONGEST_MATCHED_PATH {
+        path.push_str(unit);
+    }
+    path
+}
+
+fn long_paths(c: &mut Criterion) {
+    let engine = apps::engine(PATH_RULES, 1_000_000);
+    let mut group = c.benchmark_group("long_paths");
+    for (name, path) in [
+        ("plain_segments", long_path("/files", "/a")),
+        ("empty_segments", long_path("/files", "/")),
+        ("dot_segments", long_path("/files", "/.")),
+        ("escaped_slashes", long_path("/files/", "%2F")),
+        ("dots_and_escapes", long_path("/files", "/a/../%2e%2E/%2F/x")),
+        ("parameter_slashes_and_dots", long_path("/api/x/files", "/a%2Fb/./..")),
+    ] {
+        let ctx = RequestContext::builder()
+            .path(&path)
+            .client_ip(IpAddr::V4(Ipv4Addr::new(10, 0, 0, 1)))
+            .build();
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let d = engine.check(&ctx).into_ready().expect("in memory").expect("decision");
+                black_box(d)
+            })
+        });
+    }
+    group.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
     targets = decisions
 }
-criterion_main!(benches);
+criterion_group! {
+    name = paths;
+    config = Criterion::default().measurement_time(Duration::from_secs(2)).warm_up_time(Duration::from_millis(500)).sample_size(20);
+    targets = long_paths
+}
+criterion_main!(benches, paths);

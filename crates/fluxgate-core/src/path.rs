@@ -287,8 +287,9 @@ pub(crate) struct RequestPaths<'a> {
 /// fallback handler charging its local engine) it is matched by every pattern. Matching a
 /// path against each view costs time in proportion to its length, and a client may send a
 /// path of up to 64 KiB (hyper's limit over HTTP/1.1): against a few patterns with
-/// wildcards, tens of milliseconds per request. No route of an ordinary application is
-/// that long.
+/// wildcards, tens of milliseconds per request, where one of this bound built to make views
+/// costs a few hundred microseconds at most (`cargo bench --bench engine -- long_paths`).
+/// No route of an ordinary application is that long.
 pub const LONGEST_MATCHED_PATH: usize = 4096;
 
 /// Whether a request's path is longer than [`LONGEST_MATCHED_PATH`].
@@ -491,29 +492,50 @@ pub fn with_clamped_views<R>(raw_path: &str, f: impl FnOnce(&[Vec<&str>]) -> R) 
 /// wildcard holds it whole); the wildcard's part is read with `%2F` as `/`. Also cut from
 /// the trimmed segments, as a trimming middleware routes them.
 fn clamped_views<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
-    let dotted = |s: &&str| matches!(*s, "" | "." | "..");
-    if !segments.iter().any(dotted) && !segments.iter().any(|s| s.contains("%2F")) {
+    let dotted = |s: &str| matches!(s, "" | "." | "..");
+    if !segments.iter().any(|s| dotted(s) || find_escaped_slash(s).is_some()) {
         return Vec::new();
     }
-    let mut views: Vec<Vec<&'a str>> = Vec::new();
+    let mut views = Views::default();
+    // Work per request in proportion to the path's length times the number of roots: each
+    // segment is split at `%2F` once, and what the rest after a root holds is read from
+    // the end once, not for each root.
+    let (mut pieces, mut starts, mut resolved) = (Vec::new(), Vec::new(), Vec::new());
     let bases = std::iter::once(segments).chain(trimmed(segments));
     for base in bases {
+        pieces.clear();
+        starts.clear();
+        for segment in base {
+            starts.push(pieces.len());
+            split_escaped_slash(segment, &mut pieces);
+        }
+        // Whether the segments from `i` on hold a `%2F`, and the pieces from `j` on a dot or
+        // empty segment.
+        let mut slash_from = vec![false; base.len() + 1];
+        for i in (0..base.len()).rev() {
+            slash_from[i] = slash_from[i + 1] || find_escaped_slash(base[i]).is_some();
+        }
+        let mut dotted_from = vec![false; pieces.len() + 1];
+        for j in (0..pieces.len()).rev() {
+            dotted_from[j] = dotted_from[j + 1] || dotted(pieces[j]);
+        }
         for k in 1..base.len().min(CLAMPED_ROOTS + 1) {
-            let (root, rest) = base.split_at(k);
-            let flattened = rest.iter().any(|s| s.contains("%2F"));
-            let rest: Vec<&'a str> = rest.iter().flat_map(|s| s.split("%2F")).collect();
-            if !rest.iter().any(dotted) && !flattened {
+            let root = &base[..k];
+            let rest = &pieces[starts[k]..];
+            let flattened = slash_from[k];
+            if !dotted_from[starts[k]] && !flattened {
                 continue;
             }
-            if flattened {
-                // The wildcard's part read with `%2F` as `/`, not cleaned, the root as it is.
-                let split: Vec<&'a str> = root.iter().copied().chain(rest.iter().copied()).collect();
-                if !views.contains(&split) {
-                    views.push(split);
-                }
+            // The wildcard's part read with `%2F` as `/`, not cleaned, the root as it is: the
+            // same view as the root one segment shorter gives unless that segment holds a
+            // `%2F` (it is one piece either way), so made only then.
+            if flattened && (k == 1 || find_escaped_slash(base[k - 1]).is_some()) {
+                let split: Vec<&'a str> = root.iter().chain(rest).copied().collect();
+                views.push(split);
             }
-            let mut resolved: Vec<&'a str> = root.to_vec();
-            for segment in rest {
+            resolved.clear();
+            resolved.extend_from_slice(root);
+            for &segment in rest {
                 match segment {
                     "" | "." => {}
                     ".." if resolved.len() > k => {
@@ -523,12 +545,71 @@ fn clamped_views<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
                     segment => resolved.push(segment),
                 }
             }
-            if !views.contains(&resolved) {
-                views.push(resolved);
-            }
+            views.push_copy(&resolved);
         }
     }
-    views
+    views.all
+}
+
+/// Views kept once each, in the order first given: each is compared whole only with those
+/// of the same digest, so that keeping many long views costs a digest of each, not a
+/// comparison of each with every other.
+#[derive(Default)]
+struct Views<'a> {
+    all: Vec<Vec<&'a str>>,
+    hashes: Vec<u64>,
+}
+
+impl<'a> Views<'a> {
+    fn find(&self, view: &[&'a str]) -> (u64, bool) {
+        // A digest of each segment's length and first and last bytes (at most eight each):
+        // the same for equal views, cheap for thousands of short segments. Views of the same
+        // digest are compared whole.
+        let word = |bytes: &[u8]| bytes.iter().fold(0u64, |w, &b| w << 8 | u64::from(b));
+        let hash = view.iter().fold(view.len() as u64, |h, segment| {
+            let bytes = segment.as_bytes();
+            let (first, last) = (&bytes[..bytes.len().min(8)], &bytes[bytes.len().saturating_sub(8)..]);
+            let mixed = (h ^ bytes.len() as u64).rotate_left(17) ^ word(first) ^ word(last).rotate_left(32);
+            mixed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        });
+        let found = self
+            .hashes
+            .iter()
+            .zip(&self.all)
+            .any(|(h, kept)| *h == hash && kept[..] == *view);
+        (hash, found)
+    }
+
+    fn push(&mut self, view: Vec<&'a str>) {
+        let (hash, found) = self.find(&view);
+        if !found {
+            self.all.push(view);
+            self.hashes.push(hash);
+        }
+    }
+
+    fn push_copy(&mut self, view: &[&'a str]) {
+        let (hash, found) = self.find(view);
+        if !found {
+            self.all.push(view.to_vec());
+            self.hashes.push(hash);
+        }
+    }
+}
+
+/// Where `%2F` first stands in `s`.
+fn find_escaped_slash(s: &str) -> Option<usize> {
+    s.as_bytes().windows(3).position(|w| w == b"%2F")
+}
+
+/// Appends the parts of `s` between its `%2F`s to `out`, as `s.split("%2F")` gives them.
+fn split_escaped_slash<'a>(s: &'a str, out: &mut Vec<&'a str>) {
+    let mut rest = s;
+    while let Some(at) = find_escaped_slash(rest) {
+        out.push(&rest[..at]);
+        rest = &rest[at + 3..];
+    }
+    out.push(rest);
 }
 
 /// Runs `f` with the segments of a path as a router sees it (see [`routed_segments`]).
@@ -979,8 +1060,21 @@ fn matches_segments_by(pat: &[Segment], path: &[&str], segment_matches: fn(&Segm
     // Iterative wildcard matching over segments, `**` as the star.
     let (mut p, mut s) = (0, 0);
     let mut backtrack: Option<(usize, usize)> = None;
+    let last_star = pat.iter().rposition(|segment| *segment == Segment::AnyDepth);
     while s < path.len() {
         if p < pat.len() && pat[p] == Segment::AnyDepth {
+            if Some(p) == last_star {
+                // What follows the last `**` takes one segment each, so it can only match the
+                // path's last ones: tried there alone, rather than from every segment on (a
+                // long path against `/**/*.css`). No earlier `**` is tried again past a later
+                // one, here as in the loop.
+                let (tail, rest) = (&pat[p + 1..], &path[s..]);
+                return rest.len() >= tail.len()
+                    && tail
+                        .iter()
+                        .zip(&rest[rest.len() - tail.len()..])
+                        .all(|(pattern, segment)| segment_matches(pattern, segment));
+            }
             backtrack = Some((p, s));
             p += 1;
         } else if p < pat.len() && segment_matches(&pat[p], path[s]) {
@@ -1106,6 +1200,124 @@ impl fmt::Display for PathPattern {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The clamped views as first written (each root's rest split and searched anew, each
+    /// view compared with every other kept), against the views made now, over random
+    /// segments of dots, empty segments, `%2F` and words: the same views in the same order.
+    #[test]
+    fn clamped_views_are_those_of_the_plain_construction() {
+        fn plain<'a>(segments: &[&'a str]) -> Vec<Vec<&'a str>> {
+            let dotted = |s: &&str| matches!(*s, "" | "." | "..");
+            if !segments.iter().any(dotted) && !segments.iter().any(|s| s.contains("%2F")) {
+                return Vec::new();
+            }
+            let mut views: Vec<Vec<&'a str>> = Vec::new();
+            for base in std::iter::once(segments).chain(trimmed(segments)) {
+                for k in 1..base.len().min(CLAMPED_ROOTS + 1) {
+                    let (root, rest) = base.split_at(k);
+                    let flattened = rest.iter().any(|s| s.contains("%2F"));
+                    let rest: Vec<&'a str> = rest.iter().flat_map(|s| s.split("%2F")).collect();
+                    if !rest.iter().any(dotted) && !flattened {
+                        continue;
+                    }
+                    if flattened {
+                        let split: Vec<&'a str> = root.iter().copied().chain(rest.iter().copied()).collect();
+                        if !views.contains(&split) {
+                            views.push(split);
+                        }
+                    }
+                    let mut resolved: Vec<&'a str> = root.to_vec();
+                    for segment in rest {
+                        match segment {
+                            "" | "." => {}
+                            ".." if resolved.len() > k => {
+                                resolved.pop();
+                            }
+                            ".." => {}
+                            segment => resolved.push(segment),
+                        }
+                    }
+                    if !views.contains(&resolved) {
+                        views.push(resolved);
+                    }
+                }
+            }
+            views
+        }
+        let words = [
+            "",
+            ".",
+            "..",
+            "a",
+            "b",
+            "a%2Fb",
+            "%2F",
+            "..%2F..",
+            "a%2F",
+            "%2F.",
+            "x%2Fy%2Fz",
+        ];
+        let mut seed = 0xc1a3_u64;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as usize % n
+        };
+        let mut with_views = 0;
+        for _ in 0..5_000 {
+            let len = next(24);
+            let segments: Vec<&str> = (0..len).map(|_| words[next(words.len())]).collect();
+            let expected = plain(&segments);
+            with_views += usize::from(!expected.is_empty());
+            assert_eq!(clamped_views(&segments), expected, "{segments:?}");
+        }
+        assert!(with_views > 2_000, "{with_views}");
+    }
+
+    /// The segment matcher against a plain recursive one (`**` takes zero or more segments,
+    /// every other segment one), over every pattern of up to five segments and path of up to
+    /// six drawn from a few: the last `**`'s tail tried at the path's end alone changes no
+    /// answer.
+    #[test]
+    fn segments_match_as_by_recursion() {
+        fn reference(pat: &[Segment], path: &[&str]) -> bool {
+            match pat.split_first() {
+                None => path.is_empty(),
+                Some((Segment::AnyDepth, rest)) => (0..=path.len()).any(|i| reference(rest, &path[i..])),
+                Some((segment, rest)) => path
+                    .split_first()
+                    .is_some_and(|(s, tail)| segment_matches(segment, s) && reference(rest, tail)),
+            }
+        }
+        let pieces = [
+            Segment::AnyDepth,
+            Segment::Literal("a".into(), None),
+            Segment::Literal("b".into(), None),
+            Segment::Glob(vec!['*'], None),
+            Segment::Glob(vec!['a', '*'], None),
+        ];
+        let words = ["a", "b", "ab", ""];
+        let mut checked = 0;
+        let mut seed = 0x5eed_u64;
+        let mut next = |n: usize| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as usize % n
+        };
+        for _ in 0..20_000 {
+            let pat: Vec<Segment> = (0..next(6)).map(|_| pieces[next(pieces.len())].clone()).collect();
+            let path: Vec<&str> = (0..next(7)).map(|_| words[next(words.len())]).collect();
+            assert_eq!(
+                matches_segments_by(&pat, &path, segment_matches),
+                reference(&pat, &path),
+                "{pat:?} against {path:?}"
+            );
+            checked += 1;
+        }
+        assert_eq!(checked, 20_000);
+    }
 
     fn p(s: &str) -> PathPattern {
         s.parse().unwrap()
