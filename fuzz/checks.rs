@@ -725,7 +725,8 @@ fn percent_decode(s: &str) -> Option<Vec<u8>> {
 
 /// Reads an address: a kind byte (v4, v6, IPv4-mapped v6, v6 under the NAT64 well-known
 /// prefix, IPv4-translated, in a 6to4 network, a Teredo or a link-local address, or the
-/// previous address with one bit flipped) and its bytes.
+/// previous address with one bit flipped) and its bytes. A link-local address is cut to
+/// the prefix like any other.
 fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     let mut take = |n: usize| -> Vec<u8> {
         let (head, tail) = bytes.split_at(n.min(bytes.len()));
@@ -791,10 +792,6 @@ fn take_ip(bytes: &mut &[u8], previous: Option<IpAddr>) -> IpAddr {
     }
 }
 
-fn is_link_local(ip: IpAddr) -> bool {
-    matches!(ip, IpAddr::V6(v6) if v6.segments()[0] & 0xffc0 == 0xfe80)
-}
-
 fn reference_mask(ip: IpAddr, prefix: u8) -> IpAddr {
     // IPv4-mapped, IPv4-translated (`::ffff:0:a.b.c.d`), under the NAT64 well-known prefix
     // `64:ff9b::/96`, in the 6to4 network `2002:WWXX:YYZZ::/48` of the host `WW.XX.YY.ZZ`,
@@ -811,8 +808,6 @@ fn reference_mask(ip: IpAddr, prefix: u8) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => match embedded(v6) {
             Some(v4) => IpAddr::V4(v4),
-            // Link-local (`fe80::/10`): whole.
-            None if is_link_local(ip) => IpAddr::V6(v6),
             None => {
                 let keep = if prefix >= 128 {
                     u128::MAX
@@ -846,7 +841,7 @@ fn ip_keys(param: u8, mut bytes: &[u8]) {
         assert!(encoded.len() <= 64, "IP key {k:?} is longer than ip= + 64");
         let expected = match masked {
             IpAddr::V4(v4) => v4.to_string(),
-            IpAddr::V6(v6) if prefix < 128 && !is_link_local(ip) => format!("{v6}_{prefix}"),
+            IpAddr::V6(v6) if prefix < 128 => format!("{v6}_{prefix}"),
             IpAddr::V6(v6) => v6.to_string(),
         };
         assert_eq!(

@@ -244,10 +244,11 @@ async fn a_parameter_before_a_trailing_slash_cannot_walk_around_its_rule() {
 
 /// IPv6 clients that share a /64 without being one client are counted apart: the clients
 /// of one Teredo relay server (its address fills their first 64 bits) are their public
-/// IPv4 addresses, and link-local clients (every link has `fe80::/64`, and the zone of a
-/// connection's address is not part of its `IpAddr`) their whole addresses; the IPv4
-/// clients of a NAT64 prefix of the network's own, once the engine is told it, their IPv4
-/// addresses. Before, each group shared one counter, so one client spent the others' limit.
+/// IPv4 addresses, and the IPv4 clients of a NAT64 prefix of the network's own, once the
+/// engine is told it, their IPv4 addresses. Before, each group shared one counter, so one
+/// client spent the others' limit. Link-local clients stay cut to their /64, whatever
+/// their link: a client on the server's link that takes a new address for each request
+/// gets no new counter.
 #[tokio::test]
 async fn ipv6_clients_that_share_a_64_are_counted_apart() {
     use std::net::{Ipv6Addr, SocketAddrV6};
@@ -271,8 +272,6 @@ async fn ipv6_clients_that_share_a_64_are_counted_apart() {
             "2001:0:4136:e378:8000:63bf:3fff:fdd2",
             "2001:0:4136:e378:8000:ec77:cecc:9bf8",
         ),
-        // Two hosts on two links.
-        ("fe80::a1", "fe80::b2"),
         // Two IPv4 clients of the network's NAT64 prefix.
         ("2001:db8:64::192.0.2.1", "2001:db8:64::198.51.100.7"),
     ] {
@@ -288,6 +287,25 @@ async fn ipv6_clients_that_share_a_64_are_counted_apart() {
         assert_eq!(other.status, StatusCode::OK, "{b} after {a} spent its limit");
         assert_eq!(other.num("x-ratelimit-remaining"), 1, "{b}");
     }
+    // A link-local client rotating its address, one a request: one counter.
+    let statuses: Vec<StatusCode> = {
+        let mut out = Vec::new();
+        for i in 1..=5 {
+            out.push(send(&app, from(&format!("fe80::{i:x}"), 2)).await.status);
+        }
+        out
+    };
+    use StatusCode as S;
+    assert_eq!(
+        statuses,
+        [
+            S::OK,
+            S::OK,
+            S::TOO_MANY_REQUESTS,
+            S::TOO_MANY_REQUESTS,
+            S::TOO_MANY_REQUESTS
+        ]
+    );
 }
 
 #[tokio::test]

@@ -24,6 +24,11 @@ pub const DEFAULT_RULE_SET: &str = "default";
 /// answers `400`) rather than counting it under either value, or under a counter such
 /// requests would share. A shadow rule counts it under that shared counter.
 ///
+/// The engine knows it by this value alone: a customizer that rewrites the user id or API
+/// key the layer read (`format!("acme:{id}")`), or copies it into an attribute, should
+/// pass this value on unchanged (or refuse the request itself), since `acme:\0` is a value
+/// like any other, one counter that all such requests would share.
+///
 /// [`Error::Refused`]: crate::Error::Refused
 pub const AMBIGUOUS_IDENTITY: &str = "\0";
 

@@ -119,7 +119,10 @@ impl KeyResolver {
     ///
     /// A server behind a stateless translator (SIIT, RFC 7755) or a NAT64 with a prefix of
     /// its network (RFC 6052, such as `2001:db8:64::/96`) sees every IPv4 client in that
-    /// /96: keyed by their /64, they would all share one counter.
+    /// /96: keyed by their /64, they would all share one counter. Give the translator's own
+    /// prefix only: every address under it is taken for an IPv4 client (`::` would key
+    /// `::1` as `0.0.0.1`), and one within `2002::/16` or `2001::/32` is read as 6to4 or
+    /// Teredo first.
     ///
     /// ```
     /// use fluxgate_core::key::KeyResolver;
@@ -256,30 +259,30 @@ impl KeyResolver {
 
     /// The typed value of the key `push_ip` writes.
     fn typed_ip(&self, ip: Option<IpAddr>) -> TypedKey {
-        match ip.map(|ip| self.cut(ip)) {
-            Some((IpAddr::V4(v4), _)) => TypedKey::Ipv4(u32::from(v4)),
-            Some((IpAddr::V6(v6), prefix)) => TypedKey::Ipv6 {
+        match ip.map(|ip| self.mask(ip)) {
+            Some(IpAddr::V4(v4)) => TypedKey::Ipv4(u32::from(v4)),
+            Some(IpAddr::V6(v6)) => TypedKey::Ipv6 {
                 bits: u128::from(v6),
-                prefix,
+                prefix: self.ipv6_prefix,
             },
             None => TypedKey::NoIp,
         }
     }
 
     fn push_ip(&self, out: &mut Text, ip: Option<IpAddr>) {
-        let v6 = match ip.map(|ip| self.cut(ip)) {
-            Some((IpAddr::V4(v4), _)) => return push_ipv4(out, v4.octets()),
-            Some((IpAddr::V6(v6), prefix)) => Some((v6, prefix)),
+        let v6 = match ip.map(|ip| self.mask(ip)) {
+            Some(IpAddr::V4(v4)) => return push_ipv4(out, v4.octets()),
+            Some(IpAddr::V6(v6)) => Some(v6),
             None => None,
         };
         out.push_str("ip=");
         match v6 {
             // `Display` of an address only yields hex digits, `.` and `:`; `:` is escaped.
-            Some((v6, prefix)) => {
+            Some(v6) => {
                 let text = v6.to_string();
                 encode_into(out, &text);
-                if prefix < 128 {
-                    let _ = write!(out, "_{prefix}");
+                if self.ipv6_prefix < 128 {
+                    let _ = write!(out, "_{}", self.ipv6_prefix);
                 }
             }
             None => out.push_str("unknown"),
@@ -289,8 +292,7 @@ impl KeyResolver {
     /// The address as keyed: an IPv4 client seen as IPv6 (IPv4-mapped, `::ffff:a.b.c.d`;
     /// IPv4-translated, `::ffff:0:a.b.c.d`; translated under the NAT64 well-known prefix,
     /// `64:ff9b::a.b.c.d`; a 6to4 address, `2002:WWXX:YYZZ::`; a Teredo address,
-    /// `2001:0:…`) as IPv4, a link-local address (`fe80::/10`) whole, other IPv6 cut to the
-    /// prefix.
+    /// `2001:0:…`) as IPv4, other IPv6 cut to the prefix.
     ///
     /// A server behind a stateless translator (SIIT, RFC 7755) sees every IPv4 client under
     /// `64:ff9b::/96`, one /64: cut to the prefix, all of them would share one counter. A
@@ -298,9 +300,12 @@ impl KeyResolver {
     /// that one host would have 65,536 counters. A Teredo address (`2001::/32`, RFC 4380)
     /// holds its relay server's IPv4 address in its first /64, shared by every client of the
     /// server, and its client's public IPv4 address (inverted) in its last 32 bits: it is
-    /// keyed as that client. Every link has the same link-local /64, `fe80::/64`, and the
-    /// address's zone (its link) is not part of an `IpAddr`: cut to the prefix, every client
-    /// on every link would share one counter.
+    /// keyed as that client.
+    ///
+    /// A link-local address (`fe80::/10`) is cut to the prefix like any other: every link
+    /// has the same `fe80::/64` and an `IpAddr` holds no zone, so the clients of every link
+    /// share one counter. Keyed whole, a client on the server's link could take a new
+    /// address for each request, and a new counter with it.
     ///
     /// ```
     /// use fluxgate_core::key::KeyResolver;
@@ -310,20 +315,11 @@ impl KeyResolver {
     /// assert_eq!(r.mask("2002:c000:201:ffff::1".parse().unwrap()), "192.0.2.1".parse::<std::net::IpAddr>().unwrap());
     /// ```
     pub fn mask(&self, ip: IpAddr) -> IpAddr {
-        self.cut(ip).0
-    }
-
-    /// [`mask`](Self::mask), and the prefix an IPv6 address is cut to (128 for a
-    /// link-local one, kept whole), which its key names.
-    fn cut(&self, ip: IpAddr) -> (IpAddr, u8) {
         match ip {
-            IpAddr::V4(v4) => (IpAddr::V4(v4), 32),
+            IpAddr::V4(v4) => IpAddr::V4(v4),
             IpAddr::V6(v6) => {
                 if let Some(v4) = embedded_ipv4(v6, self.nat64) {
-                    return (IpAddr::V4(v4), 32);
-                }
-                if v6.is_unicast_link_local() {
-                    return (IpAddr::V6(v6), 128);
+                    return IpAddr::V4(v4);
                 }
                 let bits = u128::from(v6);
                 let masked = if self.ipv6_prefix >= 128 {
@@ -331,7 +327,7 @@ impl KeyResolver {
                 } else {
                     bits & !(u128::MAX >> self.ipv6_prefix)
                 };
-                (IpAddr::V6(Ipv6Addr::from(masked)), self.ipv6_prefix)
+                IpAddr::V6(Ipv6Addr::from(masked))
             }
         }
     }
@@ -637,14 +633,13 @@ mod tests {
             key(&r, &at("2001:1:4136:e378::1")),
             "ip=2001%3A1%3A4136%3Ae378%3A%3A_64"
         );
-        // A link-local client is its whole address: every link has the same /64.
-        assert_eq!(key(&r, &at("fe80::a1")), "ip=fe80%3A%3Aa1");
-        assert_ne!(key(&r, &at("fe80::a1")), key(&r, &at("fe80::b2")));
-        assert_eq!(key(&r, &at("febf:1::a1")), "ip=febf%3A1%3A%3Aa1");
-        assert_eq!(key(&r, &at("fec0::a1")), "ip=fec0%3A%3A_64");
+        // Link-local clients are cut to the prefix like any other: a client on the server's
+        // link that takes a new address for each request gets no new counter.
+        assert_eq!(key(&r, &at("fe80::a1")), "ip=fe80%3A%3A_64");
+        assert_eq!(key(&r, &at("fe80::a1")), key(&r, &at("fe80::b2")));
         assert_eq!(
             KeyResolver::new(48).resolve(&r, &at("fe80::1:a1")),
-            KeyResolution::Key("ip=fe80%3A%3A1%3Aa1".into())
+            KeyResolution::Key("ip=fe80%3A%3A_48".into())
         );
         // A network-specific NAT64 prefix, when configured, as the well-known one; its
         // neighbours are IPv6 networks as any other.
@@ -660,12 +655,6 @@ mod tests {
         assert_eq!(key(&r, &at("2001:db8:64::192.0.2.1")), "ip=2001%3Adb8%3A64%3A%3A_64");
         assert_eq!(nsp.nat64_prefix(), Some("2001:db8:64::".parse().unwrap()));
         assert_eq!(nsp.with_ipv6_prefix(48).nat64_prefix(), nsp.nat64_prefix());
-        // A site-local network cut short enough to read as link-local keeps its prefix:
-        // it is not the link-local client of that address.
-        assert_eq!(
-            KeyResolver::new(9).resolve(&r, &at("fec0::1")),
-            KeyResolution::Key("ip=fe80%3A%3A_9".into())
-        );
         for ip in ["0.0.0.0", "255.255.255.255", "10.100.9.199", "1.20.30.4"] {
             assert_eq!(key(&r, &at(ip)), format!("ip={ip}"));
         }

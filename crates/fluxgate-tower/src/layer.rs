@@ -198,9 +198,10 @@ impl RateLimitLayerBuilder {
 
     /// The header carrying the user id. Default `X-User-Id`. A [`UserId`](crate::UserId)
     /// extension wins over it. Sent several times with different values, the header names
-    /// no counter of the client's choosing: all such requests share one counter per rule
-    /// (an application reads the first instance, a proxy that appends writes the last, and
-    /// a client could choose its counter with the other).
+    /// no counter (an application reads the first instance, a proxy that appends writes the
+    /// last, and a client could choose its counter with the other): the user id is then
+    /// [`AMBIGUOUS_IDENTITY`](fluxgate_core::AMBIGUOUS_IDENTITY), and an enforced rule keyed
+    /// by it refuses the request (`400`).
     ///
     /// A client can send any value in it: a rule keyed by the user counts what the client
     /// claims, one counter per claimed id. Read it only behind a gateway that sets it for
@@ -221,7 +222,8 @@ impl RateLimitLayerBuilder {
 
     /// The header carrying the API key. Default `X-API-Key`. An [`ApiKey`](crate::ApiKey)
     /// extension wins over it; sent several times with different values, it is read as
-    /// [`user_header`](Self::user_header) is (one counter per rule for all such requests). As
+    /// [`user_header`](Self::user_header) is (an enforced rule keyed by it refuses the
+    /// request). As
     /// with [`user_header`](Self::user_header), a client chooses its value: a rule keyed
     /// by it counts per key the client sends, checked or not.
     pub fn api_key_header(mut self, name: impl Into<String>) -> Self {
