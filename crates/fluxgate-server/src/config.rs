@@ -538,6 +538,12 @@ impl Config {
             .is_some_and(|prefix| prefix.to_bits() as u32 != 0)
         {
             Some("`[engine] nat64_prefix` must be a /96, its last 32 bits zero (such as `2001:db8:64::`)")
+        } else if self.engine.nat64_prefix.is_some_and(is_reserved_translation_prefix) {
+            Some(
+                "`[engine] nat64_prefix` must be a translator's own prefix, not `::`, one within `::/64`, \
+                 `2001::/32` (Teredo), `2002::/16` (6to4) or `fe80::/10`, nor the well-known `64:ff9b::`, \
+                 which is always read",
+            )
         } else {
             None
         };
@@ -593,6 +599,19 @@ impl Config {
     pub fn limiter_timeout(&self) -> Option<Duration> {
         self.limiter.timeout_ms.map(Duration::from_millis)
     }
+}
+
+/// Whether a /96 given as a NAT64 prefix is one no translator of a network has: the
+/// unspecified, loopback, IPv4-compatible, IPv4-mapped and IPv4-translated addresses (all
+/// within `::/64`), Teredo, 6to4 and link-local networks (whose addresses are read
+/// otherwise, or are no client's), and the well-known prefix, always read.
+fn is_reserved_translation_prefix(prefix: std::net::Ipv6Addr) -> bool {
+    let bits = prefix.to_bits();
+    bits >> 64 == 0
+        || bits >> 96 == 0x2001_0000
+        || bits >> 112 == 0x2002
+        || bits >> 118 == 0xfe80 >> 6
+        || bits == 0x0064_ff9b_u128 << 96
 }
 
 #[cfg(test)]
@@ -658,7 +677,8 @@ mod tests {
     }
 
     /// A NAT64 prefix is a /96: an address with bits past it set (a mistaken host address)
-    /// or that is no address is refused, naming the option.
+    /// or that is no address is refused, naming the option, and so is a prefix no
+    /// translator of a network has (`::`, whose use would key `::1` as `0.0.0.1`).
     #[test]
     fn a_nat64_prefix_is_a_96() {
         let base = "rules = \"rules.yaml\"\n[engine]\n";
@@ -668,6 +688,20 @@ mod tests {
         let config: Config = toml::from_str(&format!("{base}nat64_prefix = \"2001:db8:64::1\"")).unwrap();
         let error = config.check().unwrap_err().to_string();
         assert!(error.contains("`[engine] nat64_prefix` must be a /96"), "{error}");
+        for reserved in [
+            "::",
+            "::ffff:0:0",
+            "2001:0:1::",
+            "2002:c000:201::",
+            "fe80::",
+            "64:ff9b::",
+        ] {
+            let config: Config = toml::from_str(&format!("{base}nat64_prefix = \"{reserved}\"")).unwrap();
+            let error = config.check().unwrap_err().to_string();
+            assert!(error.contains("a translator's own prefix"), "{reserved}: {error}");
+        }
+        let config: Config = toml::from_str(&format!("{base}nat64_prefix = \"64:ff9b:1::\"")).unwrap();
+        assert!(config.check().is_ok(), "the local-use prefix of RFC 8215");
         let error = toml::from_str::<Config>(&format!("{base}nat64_prefix = \"2001:db8:64::/96\""))
             .map(|_| ())
             .unwrap_err()
