@@ -29,6 +29,17 @@ pub use views::*;
 mod tests {
     use super::*;
 
+    /// A generator of numbers below a bound, from `seed` (a linear congruential one: the
+    /// random cases below are the same on every run).
+    fn below(mut seed: u64) -> impl FnMut(usize) -> usize {
+        move |n| {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (seed >> 33) as usize % n
+        }
+    }
+
     /// The clamped views as first written (each root's rest split and searched anew, each
     /// view compared with every other kept), against the views made now, over random
     /// segments of dots, empty segments, `%2F` and words: the same views in the same order.
@@ -85,13 +96,7 @@ mod tests {
             "%2F.",
             "x%2Fy%2Fz",
         ];
-        let mut seed = 0xc1a3_u64;
-        let mut next = |n: usize| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as usize % n
-        };
+        let mut next = below(0xc1a3);
         let mut with_views = 0;
         for _ in 0..5_000 {
             let len = next(24);
@@ -127,13 +132,7 @@ mod tests {
         ];
         let words = ["a", "b", "ab", ""];
         let mut checked = 0;
-        let mut seed = 0x5eed_u64;
-        let mut next = |n: usize| {
-            seed = seed
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
-            (seed >> 33) as usize % n
-        };
+        let mut next = below(0x5eed);
         for _ in 0..20_000 {
             let pat: Vec<Segment> = (0..next(6)).map(|_| pieces[next(pieces.len())].clone()).collect();
             let path: Vec<&str> = (0..next(7)).map(|_| words[next(words.len())]).collect();
