@@ -1371,6 +1371,88 @@ async fn a_rule_set_chosen_from_the_request_must_exist() {
     );
 }
 
+/// `UnknownRuleSet::Deny` needs the rule source to answer. With a provider that looks rule
+/// sets up when asked (a store, here behind `CachingRuleSetProvider`, which serves the rule
+/// sets it found while the store fails), a rule set id chosen from the request that was not
+/// found before fails while the store is unreachable, and the failure follows the layer's
+/// `on_error`: `fail_open` (the default) admits each request naming a new id uncounted,
+/// `fail_closed` refuses it. A customizer that keeps to a fixed list, and sends the other
+/// ids to a rule set of the list, counts them whatever the store does.
+#[tokio::test]
+async fn a_rule_set_chosen_from_the_request_follows_on_error_while_its_store_is_down() {
+    use std::sync::atomic::AtomicBool;
+    /// A store of rule sets that can be cut off.
+    #[derive(Debug)]
+    struct Store {
+        rules: fluxgate::core::RuleSets,
+        down: Arc<AtomicBool>,
+    }
+    impl fluxgate::core::RuleSetProvider for Store {
+        fn rule_set(&self, id: &str) -> fluxgate::core::MaybeReady<fluxgate::core::RuleSetLookup> {
+            if self.down.load(Ordering::SeqCst) {
+                return fluxgate::core::MaybeReady::ready(Err("the store is unreachable".into()));
+            }
+            self.rules.rule_set(id)
+        }
+    }
+    const TENANTS: &str = "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let down = Arc::new(AtomicBool::new(false));
+    let store = Store {
+        rules: fluxgate::core::RuleSets::from_yaml_str(TENANTS).expect("rules"),
+        down: down.clone(),
+    };
+    let engine = Engine::builder(fluxgate::core::CachingRuleSetProvider::builder(store).build())
+        .unknown_rule_set(fluxgate::UnknownRuleSet::Deny)
+        .build()
+        .expect("an engine");
+    let app_with = |on_error: FailurePolicy, fixed_list: bool| {
+        app(layer(engine.clone())
+            .on_error(on_error)
+            .customizer(move |ctx, parts| {
+                if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                    ctx.set_rule_set_id(if fixed_list && tenant != "acme" { "acme" } else { tenant });
+                }
+            })
+            .build()
+            .expect("a layer"))
+    };
+    let tenant = |app: &axum::Router, name: String, peer: &str| {
+        send_owned(
+            app.clone(),
+            request("GET", "/api/users", peer, &[("x-tenant", name.as_str())]),
+        )
+    };
+    let (open, closed, listed) = (
+        app_with(FailurePolicy::FailOpen, false),
+        app_with(FailurePolicy::FailClosed, false),
+        app_with(FailurePolicy::FailOpen, true),
+    );
+    // The store answers: an unknown id is refused, a known one found (and kept).
+    assert_eq!(
+        tenant(&open, "new".into(), "192.0.2.97").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(tenant(&open, "acme".into(), "192.0.2.97").await.status, StatusCode::OK);
+    down.store(true, Ordering::SeqCst);
+    for i in 0..3 {
+        let r = tenant(&open, format!("new-{i}"), "192.0.2.98").await;
+        assert_eq!(r.status, StatusCode::OK, "fail_open: admitted, counted by no rule");
+        assert_eq!(r.header("x-ratelimit-limit"), None);
+        let r = tenant(&closed, format!("new-{i}"), "192.0.2.98").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "fail_closed");
+    }
+    // The fixed list sends every other id to `acme`, found before: counted there.
+    let statuses: Vec<StatusCode> = {
+        let mut out = Vec::new();
+        for i in 0..3 {
+            out.push(tenant(&listed, format!("new-{i}"), "192.0.2.99").await.status);
+        }
+        out
+    };
+    use StatusCode as S;
+    assert_eq!(statuses, [S::OK, S::OK, S::TOO_MANY_REQUESTS]);
+}
+
 /// A layer whose rule set its engine does not have (a misspelt `rule_set`) admits every
 /// request: each layer warns once, on its first such request, even when the engine, shared
 /// with another layer, warned already; later requests add no warning.
