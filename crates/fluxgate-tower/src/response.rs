@@ -160,12 +160,25 @@ fn ietf_headers(bands: &[BandReport], binding: &BandReport, remaining: u64) -> [
     let (policy, distinct) = policy_header(bands);
     let current = values::value(|current| {
         policy_name(current, bands, binding, distinct);
-        current.push(b";r=");
-        current.push_u64(remaining);
-        current.push(b";t=");
-        current.push_u64(ceil_secs(binding.reset_after));
+        push_current(current, remaining, binding.reset_after);
     });
     [policy, current]
+}
+
+/// A band's `RateLimit-Policy` parameters, after its name: `;q=<capacity>;w=<window s>`.
+fn push_quota(out: &mut ValueBuf<'_>, limit: u64, window: std::time::Duration) {
+    out.push(b";q=");
+    out.push_u64(limit);
+    out.push(b";w=");
+    out.push_u64(ceil_secs(window).max(1));
+}
+
+/// The binding band's `RateLimit` parameters, after its name: `;r=<remaining>;t=<reset s>`.
+fn push_current(out: &mut ValueBuf<'_>, remaining: u64, reset_after: std::time::Duration) {
+    out.push(b";r=");
+    out.push_u64(remaining);
+    out.push(b";t=");
+    out.push_u64(ceil_secs(reset_after));
 }
 
 /// [`ietf_headers`] for a request admitted by its only band, written from the rule set
@@ -191,10 +204,7 @@ fn one_band_ietf_headers(admitted: &AdmittedBand<'_>) -> [HeaderValue; 2] {
             _ => {
                 let value = values::value(|policy| {
                     quoted(policy, name, None);
-                    policy.push(b";q=");
-                    policy.push_u64(limit);
-                    policy.push(b";w=");
-                    policy.push_u64(ceil_secs(window).max(1));
+                    push_quota(policy, limit, window);
                 });
                 *last = Some((name.clone(), limit, window, value.clone()));
                 value
@@ -203,10 +213,7 @@ fn one_band_ietf_headers(admitted: &AdmittedBand<'_>) -> [HeaderValue; 2] {
     });
     let current = values::value(|current| {
         quoted(current, name, None);
-        current.push(b";r=");
-        current.push_u64(admitted.remaining());
-        current.push(b";t=");
-        current.push_u64(ceil_secs(admitted.reset_after()));
+        push_current(current, admitted.remaining(), admitted.reset_after());
     });
     [policy, current]
 }
@@ -241,10 +248,7 @@ fn policy_header(bands: &[BandReport]) -> (HeaderValue, bool) {
                     policy.push(b", ");
                 }
                 policy_name(policy, bands, band, distinct);
-                policy.push(b";q=");
-                policy.push_u64(band.limit);
-                policy.push(b";w=");
-                policy.push_u64(ceil_secs(band.window).max(1));
+                push_quota(policy, band.limit, band.window);
             }
         });
         let key = bands
