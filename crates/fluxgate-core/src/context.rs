@@ -86,6 +86,11 @@ impl RequestContext {
     pub fn routed_path(&self) -> &str {
         self.routed.as_deref().unwrap_or(&self.path)
     }
+    /// The length in bytes of the longer of the normalized and the routed path, read
+    /// without the UTF-8 check that borrowing either as a `str` makes.
+    pub(crate) fn longest_path_len(&self) -> usize {
+        self.path.len().max(self.routed.as_ref().map_or(0, Text::len))
+    }
     /// The routed path, when it differs from the normalized one.
     pub(crate) fn distinct_routed_path(&self) -> Option<&str> {
         self.routed.as_deref()

@@ -611,7 +611,7 @@ impl Engine {
             // `LONGEST_MATCHED_PATH`).
             return MaybeReady::ready(Err(Error::Refused(format!(
                 "the request's path is {} bytes long: rules are matched against paths of up to {LONGEST_MATCHED_PATH} bytes",
-                ctx.path().len().max(ctx.routed_path().len())
+                ctx.longest_path_len()
             ))));
         }
         if let Some(memory) = &self.inner.direct {

@@ -32,7 +32,7 @@ pub const LONGEST_MATCHED_PATH: usize = 4096;
 
 /// Whether a request's path is longer than [`LONGEST_MATCHED_PATH`].
 pub fn is_too_long(ctx: &RequestContext) -> bool {
-    ctx.path().len().max(ctx.routed_path().len()) > LONGEST_MATCHED_PATH
+    ctx.longest_path_len() > LONGEST_MATCHED_PATH
 }
 
 impl<'a> RequestPaths<'a> {
