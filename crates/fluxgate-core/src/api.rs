@@ -553,7 +553,9 @@ impl CheckResponse {
     /// The decision this answer describes, as the engine would have returned it: its
     /// outcome, its bands (reset instants counted from now) and its retry-after. An
     /// outcome this version does not know is read as a rejection by the rule named, or as
-    /// an admission when `allowed`.
+    /// an admission when `allowed`. An answer whose outcome admits while `allowed` is
+    /// false is read as a rejection: the two never disagree in a service's answer, and a
+    /// reply that makes them disagree (a proxy's, a broken one) errs towards refusing.
     pub fn to_decision(&self) -> Decision {
         // Names from an answer are not interned (see `Name`).
         let name = |text: &str| Name::from(Arc::<str>::from(text));
@@ -570,6 +572,11 @@ impl CheckResponse {
             _ if self.allowed && self.bands.is_empty() => Outcome::NoMatchingRule,
             _ if self.allowed => Outcome::Admitted,
             _ => Outcome::RateLimited,
+        };
+        let outcome = if outcome.allows() && !self.allowed {
+            Outcome::RateLimited
+        } else {
+            outcome
         };
         let mut decision = Decision::without_bands(rule_set, outcome);
         let now = SystemTime::now();
@@ -729,6 +736,33 @@ mod tests {
         assert_eq!(costly.to_context().unwrap_err().field.as_deref(), Some("permits"));
         let one: CheckRequest = serde_json::from_str(r#"{"permits": 1}"#).unwrap();
         assert!(one.to_context().is_ok());
+    }
+
+    /// An answer whose outcome admits while `allowed` is false is a rejection, whatever
+    /// the outcome names; one whose outcome refuses while `allowed` is true stays refused.
+    #[test]
+    fn an_answer_whose_allowed_and_outcome_disagree_is_a_rejection() {
+        let admitting = [
+            "allowed",
+            "shadow_rejected",
+            "no_matching_rule",
+            "unknown_rule_set_allowed",
+        ];
+        for outcome in admitting {
+            let json = format!(r#"{{"allowed":false,"outcome":"{outcome}","ruleSetId":"api","bands":[]}}"#);
+            let answer: CheckResponse = serde_json::from_str(&json).unwrap();
+            let decision = answer.to_decision();
+            assert!(!decision.allowed(), "{json}");
+            assert_eq!(decision.outcome, Outcome::RateLimited, "{json}");
+            let json = json.replace("false", "true");
+            let answer: CheckResponse = serde_json::from_str(&json).unwrap();
+            assert!(answer.to_decision().allowed(), "{json}");
+        }
+        for outcome in ["rejected", "unknown_rule_set_denied", "missing_key", "unavailable"] {
+            let json = format!(r#"{{"allowed":true,"outcome":"{outcome}","ruleSetId":"api","bands":[]}}"#);
+            let answer: CheckResponse = serde_json::from_str(&json).unwrap();
+            assert!(!answer.to_decision().allowed(), "{json}");
+        }
     }
 
     #[test]
