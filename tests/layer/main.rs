@@ -18,6 +18,7 @@ mod metrics;
 mod param_values;
 mod protocol;
 mod routes;
+mod rule_sets;
 mod targets;
 mod wildcards;
 

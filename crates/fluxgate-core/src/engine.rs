@@ -597,6 +597,7 @@ impl Engine {
                 return MaybeReady::ready(Err(match source.downcast::<RuleError>() {
                     // A rule set refused by the limiter's validation when it was loaded.
                     Ok(rule) => Error::Rule(*rule),
+                    Err(source) if source.is::<crate::LookupsBusy>() => Error::Overloaded(source.to_string()),
                     Err(source) => Error::Provider {
                         rule_set: ctx.rule_set_id().to_owned(),
                         source,

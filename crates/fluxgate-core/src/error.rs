@@ -142,6 +142,14 @@ pub enum Error {
     /// request.
     #[error("the request cannot be rate-limited: {0}")]
     Refused(String),
+    /// The request's rule set could not be looked up in time: the lookups its provider
+    /// allows at once were all taken ([`LookupsBusy`](crate::LookupsBusy), from a
+    /// [`CachingRuleSetProvider`](crate::CachingRuleSetProvider) under a flood of rule set
+    /// ids that no entry holds, or in front of a slow source). Requests can cause it at
+    /// will, so no failure policy admits the request: the layer answers it with its
+    /// unavailable status (`503` by default), and a rate-limit service `503`.
+    #[error("the request's rules cannot be looked up now: {0}")]
+    Overloaded(String),
 }
 
 impl Error {

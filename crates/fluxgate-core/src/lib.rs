@@ -85,8 +85,8 @@ pub use limiter::{MemoryLimiter, RateLimiter};
 pub use name::Name;
 pub use path::PathPattern;
 pub use provider::{
-    CachingRuleSetProvider, CachingRuleSetProviderBuilder, CheckFn, RuleCheck, RuleSetLookup, RuleSetProvider,
-    StaticRuleSetProvider,
+    CachingRuleSetProvider, CachingRuleSetProviderBuilder, CheckFn, LookupsBusy, RuleCheck, RuleSetLookup,
+    RuleSetProvider, StaticRuleSetProvider,
 };
 pub use reload::{FileRuleSource, ReloadingRuleSetProvider};
 pub use rule::{

@@ -28,7 +28,8 @@
 //! - `rule`: the binding rule's id ([`Decision::rule`]); [`NONE`] when no rule decided
 //!   (no rule applies, unknown rule set).
 //! - `outcome`: [`Decision::outcome_name`].
-//! - `kind`: `backend`, `provider` or `rule` (a rule the backend cannot decide).
+//! - `kind`: `backend`, `provider`, `rule` (a rule the backend cannot decide), `refused` (a
+//!   request that cannot be rate-limited) or `overloaded` (its rule set not looked up in time).
 //! - `backend`: [`RateLimiter::backend_name`](crate::RateLimiter::backend_name) (`memory`,
 //!   `redis`, …).
 //!
@@ -175,6 +176,7 @@ impl RateLimitMetricsRecorder for MetricsRecorder {
             Error::Refused(_) => (SharedString::const_str(UNKNOWN), "refused"),
             // The id the request asked for, not known to be a rule set's.
             Error::Provider { .. } => (SharedString::const_str(UNKNOWN), "provider"),
+            Error::Overloaded(_) => (SharedString::const_str(UNKNOWN), "overloaded"),
         };
         counter!(ERRORS_TOTAL, "rule_set" => rule_set, "kind" => kind).increment(1);
     }

@@ -407,6 +407,22 @@ mod tests {
 /// set can have (not 1 to 64 of `A-Z a-z 0-9 _ - .`, see [`check_id`](crate::rule::check_id))
 /// is found at once to name none, neither asked of the source nor kept.
 ///
+/// The source is asked at most [`max_lookups`](CachingRuleSetProviderBuilder::max_lookups)
+/// lookups at once (4 by default); the other requests whose ids no entry holds wait for
+/// one of them to end, and ask the cache again before they ask the source (a burst of
+/// requests for one rule set looks it up once). The ids may come from the request (a
+/// customizer reading a tenant header): without the bound, a client sending many made-up
+/// ids at once made as many lookups at once, the source's connections ran out, its
+/// lookups failed, and a failure for an id never found before follows the failure policy,
+/// which may admit (`fail_open`): the client caused the outage that let its requests, and
+/// those of real rule sets looked up meanwhile, through uncounted. Keep the bound within
+/// what the source serves at once (its pool of connections). A request that waits longer
+/// than [`lookup_timeout`](CachingRuleSetProviderBuilder::lookup_timeout) (1 s by default)
+/// for its turn fails with [`LookupsBusy`], which the engine reports as
+/// [`Error::Overloaded`](crate::Error::Overloaded): no failure policy admits it. A lookup
+/// of the source that takes longer than that fails as the source's own failures do (the
+/// rule set found last is served, if any).
+///
 /// ```
 /// use std::time::Duration;
 /// use fluxgate_core::{CachingRuleSetProvider, RuleSets, StaticRuleSetProvider};
@@ -414,6 +430,8 @@ mod tests {
 /// let cached = CachingRuleSetProvider::builder(source)
 ///     .time_to_live(Duration::from_secs(30))
 ///     .max_capacity(1_000)
+///     .max_lookups(8)
+///     .lookup_timeout(Duration::from_millis(500))
 ///     .build();
 /// cached.invalidate("api");
 /// ```
@@ -431,6 +449,11 @@ pub struct CachingRuleSetProvider<P> {
     last: moka::sync::Cache<Arc<str>, Arc<RuleSet>>,
     /// The checks of the engines built on this provider, run on every rule set it loads.
     checks: Arc<Checks>,
+    /// The lookups of the inner provider allowed at once.
+    slots: Arc<tokio::sync::Semaphore>,
+    max_lookups: usize,
+    /// How long a request waits for its turn to look up, and a lookup for the source.
+    lookup_timeout: Duration,
 }
 
 /// Builds a [`CachingRuleSetProvider`].
@@ -439,15 +462,37 @@ pub struct CachingRuleSetProviderBuilder<P> {
     inner: P,
     ttl: Duration,
     max_capacity: u64,
+    max_lookups: usize,
+    lookup_timeout: Duration,
+}
+
+/// A rule set could not be looked up: the lookups a [`CachingRuleSetProvider`] allows at
+/// once were all taken for longer than its lookup timeout (a flood of ids that no entry
+/// holds, or a source that answers slowly). The engine reports it as
+/// [`Error::Overloaded`](crate::Error::Overloaded), which no failure policy admits.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "rule set `{rule_set}` not looked up: the rule source's {max_lookups} lookups at once were all taken for {timeout:?}"
+)]
+pub struct LookupsBusy {
+    /// The rule set asked for, as a log line shows it.
+    pub rule_set: String,
+    /// The provider's bound on lookups at once.
+    pub max_lookups: usize,
+    /// How long the request waited for its turn.
+    pub timeout: Duration,
 }
 
 impl<P: RuleSetProvider> CachingRuleSetProvider<P> {
-    /// A builder: expire after write 60 s, at most 10,000 rule sets.
+    /// A builder: expire after write 60 s, at most 10,000 rule sets, at most 4 lookups of
+    /// the source at once, each request waiting at most 1 s for its turn.
     pub fn builder(inner: P) -> CachingRuleSetProviderBuilder<P> {
         CachingRuleSetProviderBuilder {
             inner,
             ttl: Duration::from_secs(60),
             max_capacity: 10_000,
+            max_lookups: 4,
+            lookup_timeout: Duration::from_secs(1),
         }
     }
 
@@ -490,6 +535,24 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
         self
     }
 
+    /// The most lookups of the inner provider at once (at least 1; default 4). Keep it
+    /// within what the source serves at once, such as its pool of connections: a lookup
+    /// that fails because the source is saturated follows the failure policy for an id
+    /// never found before, which may admit.
+    pub fn max_lookups(mut self, max: usize) -> Self {
+        self.max_lookups = max.max(1);
+        self
+    }
+
+    /// How long a request waits for its turn to look up its rule set, and how long a
+    /// lookup of the inner provider may take (default 1 s). Past the first, the request
+    /// fails with [`LookupsBusy`]; past the second, the lookup fails as a failure of the
+    /// source does.
+    pub fn lookup_timeout(mut self, timeout: Duration) -> Self {
+        self.lookup_timeout = timeout;
+        self
+    }
+
     /// Builds the provider.
     pub fn build(self) -> CachingRuleSetProvider<P> {
         CachingRuleSetProvider {
@@ -502,6 +565,9 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
             invalidated: Arc::new(AtomicU64::new(0)),
             last: moka::sync::Cache::builder().max_capacity(self.max_capacity).build(),
             checks: Arc::new(Checks::default()),
+            slots: Arc::new(tokio::sync::Semaphore::new(self.max_lookups)),
+            max_lookups: self.max_lookups,
+            lookup_timeout: self.lookup_timeout,
         }
     }
 }
@@ -519,58 +585,35 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         if let Some((_, hit)) = self.cache.get(id) {
             return MaybeReady::ready(Ok(hit));
         }
-        let key: Arc<str> = Arc::from(id);
-        let (cache, last) = (self.cache.clone(), self.last.clone());
-        let checks = self.checks.clone();
-        let invalidated = self.invalidated.clone();
-        let ticket = self.tickets.fetch_add(1, Ordering::SeqCst) + 1;
-        // Caches the answer of this lookup unless an invalidation, or a lookup that started
-        // later, came first: an answer read before a change (a rule set not created yet)
-        // must not be served after it until the entry expires. Answers whether it did.
-        let keep = move |cache: &moka::sync::Cache<Arc<str>, (u64, Option<Arc<RuleSet>>)>,
-                         key: Arc<str>,
-                         found: Option<Arc<RuleSet>>| {
-            let mut kept = false;
-            cache.entry(key).and_compute_with(|entry| {
-                let newer = entry.is_some_and(|entry| entry.value().0 > ticket);
-                if newer || invalidated.load(Ordering::SeqCst) > ticket {
-                    moka::ops::compute::Op::Nop
-                } else {
-                    kept = true;
-                    moka::ops::compute::Op::Put((ticket, found))
-                }
-            });
-            kept
+        let lookup = Lookup {
+            inner: self.inner.clone(),
+            key: Arc::from(id),
+            cache: self.cache.clone(),
+            last: self.last.clone(),
+            checks: self.checks.clone(),
+            tickets: self.tickets.clone(),
+            invalidated: self.invalidated.clone(),
+            timeout: self.lookup_timeout,
         };
-        self.inner.rule_set(id).map(move |result| {
-            let found = match result {
-                Ok(found) => found,
-                Err(error) => {
-                    return match last.get(&key) {
-                        Some(set) => {
-                            tracing::warn!(rule_set = %key, %error, "rule source failed: the rule set found last stays in force");
-                            // Served from the cache until it expires again: requests do not
-                            // each wait for a source that is down.
-                            keep(&cache, key, Some(set.clone()));
-                            Ok(Some(set))
-                        }
-                        None => Err(error),
-                    };
-                }
-            };
-            if let Some(set) = &found {
-                if let Err(error) = checks.run(set) {
-                    tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
-                    return Err(error.into());
-                }
+        if let Ok(turn) = self.slots.clone().try_acquire_owned() {
+            return lookup.run(turn);
+        }
+        // Every lookup at once is taken: wait for one to end, then ask the cache again (the
+        // one that ended may have been of this id).
+        let (slots, max_lookups) = (self.slots.clone(), self.max_lookups);
+        MaybeReady::boxed(async move {
+            match tokio::time::timeout(lookup.timeout, slots.acquire_owned()).await {
+                Ok(Ok(turn)) => match lookup.cache.get(&lookup.key) {
+                    Some((_, hit)) => Ok(hit),
+                    None => lookup.run(turn).await,
+                },
+                // Timed out (the semaphore is never closed).
+                _ => Err(Box::new(LookupsBusy {
+                    rule_set: crate::error::Shown(&lookup.key).to_string(),
+                    max_lookups,
+                    timeout: lookup.timeout,
+                }) as BoxError),
             }
-            if keep(&cache, key.clone(), found.clone()) {
-                match &found {
-                    Some(set) => last.insert(key, set.clone()),
-                    None => last.invalidate(&key),
-                }
-            }
-            Ok(found)
         })
     }
 
@@ -588,6 +631,90 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         // Rule sets loaded from now on are checked before they are cached.
         self.checks.push(&check);
         Ok(())
+    }
+}
+
+/// One lookup of the inner provider for a request whose id no entry holds, made in its
+/// turn (while it holds one of the provider's `max_lookups` places).
+struct Lookup<P> {
+    inner: Arc<P>,
+    key: Arc<str>,
+    cache: moka::sync::Cache<Arc<str>, (u64, Option<Arc<RuleSet>>)>,
+    last: moka::sync::Cache<Arc<str>, Arc<RuleSet>>,
+    checks: Arc<Checks>,
+    tickets: Arc<AtomicU64>,
+    invalidated: Arc<AtomicU64>,
+    timeout: Duration,
+}
+
+impl<P: RuleSetProvider> Lookup<P> {
+    /// Asks the inner provider, holding `turn` until it answers (or its lookup times out).
+    fn run(self, turn: tokio::sync::OwnedSemaphorePermit) -> MaybeReady<RuleSetLookup> {
+        let ticket = self.tickets.fetch_add(1, Ordering::SeqCst) + 1;
+        match self.inner.rule_set(&self.key).into_ready() {
+            Ok(result) => {
+                drop(turn);
+                MaybeReady::ready(self.answer(ticket, result))
+            }
+            Err(pending) => MaybeReady::boxed(async move {
+                let result = match tokio::time::timeout(self.timeout, pending).await {
+                    Ok(result) => result,
+                    Err(_) => Err(format!("the rule source did not answer within {:?}", self.timeout).into()),
+                };
+                drop(turn);
+                self.answer(ticket, result)
+            }),
+        }
+    }
+
+    /// Caches the answer of the lookup with `ticket` unless an invalidation, or a lookup
+    /// that started later, came first: an answer read before a change (a rule set not
+    /// created yet) must not be served after it until the entry expires. Answers whether it
+    /// did.
+    fn keep(&self, ticket: u64, found: Option<Arc<RuleSet>>) -> bool {
+        let mut kept = false;
+        self.cache.entry(self.key.clone()).and_compute_with(|entry| {
+            let newer = entry.is_some_and(|entry| entry.value().0 > ticket);
+            if newer || self.invalidated.load(Ordering::SeqCst) > ticket {
+                moka::ops::compute::Op::Nop
+            } else {
+                kept = true;
+                moka::ops::compute::Op::Put((ticket, found))
+            }
+        });
+        kept
+    }
+
+    /// The request's answer from the inner provider's.
+    fn answer(&self, ticket: u64, result: RuleSetLookup) -> RuleSetLookup {
+        let found = match result {
+            Ok(found) => found,
+            Err(error) => {
+                return match self.last.get(&self.key) {
+                    Some(set) => {
+                        tracing::warn!(rule_set = %self.key, %error, "rule source failed: the rule set found last stays in force");
+                        // Served from the cache until it expires again: requests do not
+                        // each wait for a source that is down.
+                        self.keep(ticket, Some(set.clone()));
+                        Ok(Some(set))
+                    }
+                    None => Err(error),
+                };
+            }
+        };
+        if let Some(set) = &found {
+            if let Err(error) = self.checks.run(set) {
+                tracing::error!(%error, "rule set refused: the rate-limit backend cannot decide it");
+                return Err(error.into());
+            }
+        }
+        if self.keep(ticket, found.clone()) {
+            match &found {
+                Some(set) => self.last.insert(self.key.clone(), set.clone()),
+                None => self.last.invalidate(&self.key),
+            }
+        }
+        Ok(found)
     }
 }
 

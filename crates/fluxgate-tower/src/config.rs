@@ -303,6 +303,16 @@ impl Config {
                 tracing::debug!(%error, "the request cannot be rate-limited; refusing it");
                 Verdict::Reject(crate::response::refused())
             }
+            Err(error @ Error::Overloaded(_)) if self.shadow => {
+                self.log_failure(&error, "shadow mode: admitting the request");
+                Verdict::Pass(None)
+            }
+            Err(error @ Error::Overloaded(_)) => {
+                // Requests can cause it (a flood of rule set ids): no failure policy admits
+                // the request, or the flood would let itself through.
+                self.log_failure(&error, "refusing the request (no failure policy admits it)");
+                Verdict::Reject(crate::response::unavailable(self.unavailable_status))
+            }
             Err(error) => match self.on_error {
                 FailurePolicy::FailOpen => {
                     self.log_failure(&error, "admitting the request");

@@ -281,7 +281,10 @@ impl RateLimitLayerBuilder {
     /// What to do when the handler makes no decision (the backend failed and no failure
     /// policy of the rules or the engine covered it). Default [`FailurePolicy::FailOpen`]:
     /// admit without rate-limit headers and log a warning. [`FailurePolicy::FailClosed`]
-    /// answers [`unavailable_status`](Self::unavailable_status).
+    /// answers [`unavailable_status`](Self::unavailable_status). A rule set that could
+    /// not be looked up in time ([`Error::Overloaded`](fluxgate_core::Error::Overloaded),
+    /// which requests can cause) is answered with the unavailable status whatever the
+    /// policy.
     /// [`FailurePolicy::FallbackLocal`] is refused by [`build`](Self::build): the local
     /// fallback belongs to the engine
     /// ([`EngineBuilder::fallback`](fluxgate_core::EngineBuilder::fallback)).

@@ -49,8 +49,12 @@
 //! engine covers), the layer's [`FailurePolicy`](fluxgate_core::FailurePolicy)
 //! ([`RateLimitLayerBuilder::on_error`]) decides: admit without headers and log a warning
 //! (`FailOpen`, the default), or answer `503` (`FailClosed`; another status with
-//! [`RateLimitLayerBuilder::unavailable_status`]). Errors of the inner service pass through
-//! untouched. While a circuit breaker is open, such failures are logged at debug level (the
+//! [`RateLimitLayerBuilder::unavailable_status`]). Three errors are never admitted by the
+//! policy, since a request can cause them at will or a configuration error would pass
+//! unseen: a request that cannot be rate-limited (`Error::Refused`: `400`), a rule the
+//! backend cannot decide (`Error::Rule`: `500`), and a rule set that could not be looked up
+//! in time (`Error::Overloaded`: the unavailable status). Errors of the inner service pass
+//! through untouched. While a circuit breaker is open, such failures are logged at debug level (the
 //! breaker warned when it opened), so that an outage does not log a warning per request.
 //!
 //! # Metrics

@@ -120,7 +120,7 @@ impl Fallback {
                 tracing::error!(error = %rule, "a rule cannot be decided by the rate-limit backend");
                 return Err(Error::Rule(rule));
             }
-            refused @ Error::Refused(_) => return Err(refused),
+            refused @ (Error::Refused(_) | Error::Overloaded(_)) => return Err(refused),
             Error::Backend(error) | Error::Provider { source: error, .. } => error,
         };
         let rule_set = request.rule_set().id().clone();

@@ -1,0 +1,331 @@
+//! Rule sets chosen by the request (a customizer reading `X-Tenant`), looked up through a
+//! `CachingRuleSetProvider` in front of a store that is what a real one is: a pool of a
+//! few connections, a deadline to get one (a lookup that cannot get a connection in time
+//! fails, as the pools of fred, sqlx or the MongoDB driver do), and some latency per
+//! lookup. The engine refuses unknown ids (`UnknownRuleSet::Deny`) and the layer keeps its
+//! default `on_error`, `fail_open`. Every test runs on a paused clock: the store's latency,
+//! its pool's deadline and the provider's lookup timeout are tokio timers.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use fluxgate::core::{
+    CachingRuleSetProvider, Engine, MaybeReady, RuleSetLookup, RuleSetProvider, RuleSets, UnknownRuleSet,
+};
+use fluxgate::FailurePolicy;
+use http::StatusCode;
+
+use crate::support::app::{app, layer, request, send};
+
+/// Two tenants, each 5 requests per hour per client address.
+const TENANTS: &str = r#"
+rule_sets:
+  - id: acme
+    rules: [{ id: per-ip, bands: [{ capacity: 5, window: 1h }] }]
+  - id: globex
+    rules: [{ id: per-ip, bands: [{ capacity: 5, window: 1h }] }]
+"#;
+
+/// The store's connections, how long a lookup waits for one, and how long a lookup takes.
+const POOL: usize = 4;
+const CHECKOUT: Duration = Duration::from_millis(50);
+const LATENCY: Duration = Duration::from_millis(5);
+
+/// A rule store with a pool of [`POOL`] connections, that can be made slower or to hang.
+/// Counts its lookups (by id), those that failed, and the most under way at once.
+#[derive(Debug)]
+struct Store {
+    sets: RuleSets,
+    pool: Arc<tokio::sync::Semaphore>,
+    /// A lookup's latency in ms beyond [`LATENCY`].
+    slower_ms: AtomicU64,
+    hang: Arc<AtomicBool>,
+    lookups: Arc<Mutex<HashMap<String, usize>>>,
+    under_way: Arc<AtomicUsize>,
+    most_under_way: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+}
+
+impl Store {
+    fn new() -> Self {
+        Self {
+            sets: RuleSets::from_yaml_str(TENANTS).expect("rules"),
+            pool: Arc::new(tokio::sync::Semaphore::new(POOL)),
+            slower_ms: AtomicU64::new(0),
+            hang: Arc::default(),
+            lookups: Arc::default(),
+            under_way: Arc::default(),
+            most_under_way: Arc::default(),
+            failed: Arc::default(),
+        }
+    }
+
+    fn lookups_of(&self, id: &str) -> usize {
+        self.lookups.lock().expect("lock").get(id).copied().unwrap_or(0)
+    }
+}
+
+impl RuleSetProvider for Store {
+    fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+        *self.lookups.lock().expect("lock").entry(id.to_owned()).or_default() += 1;
+        if self.hang.load(Ordering::SeqCst) {
+            return MaybeReady::boxed(std::future::pending());
+        }
+        let found = self.sets.get(id).cloned();
+        let latency = LATENCY + Duration::from_millis(self.slower_ms.load(Ordering::SeqCst));
+        let (pool, under_way, most, failed) = (
+            self.pool.clone(),
+            self.under_way.clone(),
+            self.most_under_way.clone(),
+            self.failed.clone(),
+        );
+        MaybeReady::boxed(async move {
+            most.fetch_max(under_way.fetch_add(1, Ordering::SeqCst) + 1, Ordering::SeqCst);
+            let answer = match tokio::time::timeout(CHECKOUT, pool.acquire()).await {
+                Ok(Ok(_connection)) => {
+                    tokio::time::sleep(latency).await;
+                    Ok(found)
+                }
+                _ => {
+                    failed.fetch_add(1, Ordering::SeqCst);
+                    Err("rule store: timed out waiting for a connection of its pool".into())
+                }
+            };
+            under_way.fetch_sub(1, Ordering::SeqCst);
+            answer
+        })
+    }
+}
+
+/// The app (the layer with `on_error` around the shared test routes) and the store behind
+/// its provider.
+fn tenant_app(provider: impl RuleSetProvider, on_error: FailurePolicy) -> axum::Router {
+    let engine = Engine::builder(provider)
+        .unknown_rule_set(UnknownRuleSet::Deny)
+        .build()
+        .expect("an engine");
+    app(layer(engine)
+        .on_error(on_error)
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .expect("a layer"))
+}
+
+/// Sends one request per tenant of `tenants` at once, from `peer`: their statuses, in
+/// order.
+async fn burst(app: &axum::Router, tenants: Vec<String>, peer: &'static str) -> Vec<StatusCode> {
+    let tasks: Vec<_> = tenants
+        .into_iter()
+        .map(|tenant| {
+            let app = app.clone();
+            tokio::spawn(async move {
+                send(
+                    &app,
+                    request("GET", "/api/orders", peer, &[("x-tenant", tenant.as_str())]),
+                )
+                .await
+                .status
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for task in tasks {
+        statuses.push(task.await.expect("the request's task"));
+    }
+    statuses
+}
+
+fn count(statuses: &[StatusCode], status: StatusCode) -> usize {
+    statuses.iter().filter(|&&s| s == status).count()
+}
+
+/// Requests naming made-up rule set ids, refused one at a time by `UnknownRuleSet::Deny`,
+/// stay refused when they come at once. Each was a lookup of its own, at once: the store's
+/// pool ran out, its lookups failed, and a failure for an id never found before follows
+/// `on_error`, which admitted them (360 of 400). The provider now asks the store at most
+/// its `max_lookups` at once (4, the store's pool), so that the store never fails for the
+/// flood; the requests that wait longer than its lookup timeout for their turn are refused
+/// (`503`) whatever the failure policy.
+#[tokio::test(start_paused = true)]
+async fn made_up_rule_set_ids_sent_at_once_stay_refused() {
+    let store = Arc::new(Store::new());
+    let app = tenant_app(
+        CachingRuleSetProvider::builder(store.clone()).build(),
+        FailurePolicy::FailOpen,
+    );
+    for i in 0..3 {
+        let statuses = burst(&app, vec![format!("made-up-{i}")], "198.51.100.7").await;
+        assert_eq!(statuses, [StatusCode::TOO_MANY_REQUESTS], "one at a time, Deny refuses");
+    }
+    // 1,000 at once, each a new id: the store answers 4 at a time, 5 ms each, so that
+    // those past the provider's 1 s wait for a turn go unasked.
+    let ids: Vec<String> = (0..1_000).map(|i| format!("flood-{i:05}")).collect();
+    let statuses = burst(&app, ids, "198.51.100.7").await;
+    let (refused, unavailable) = (
+        count(&statuses, StatusCode::TOO_MANY_REQUESTS),
+        count(&statuses, StatusCode::SERVICE_UNAVAILABLE),
+    );
+    assert_eq!(
+        refused + unavailable,
+        1_000,
+        "none admitted: {} admitted",
+        count(&statuses, StatusCode::OK)
+    );
+    assert!(
+        refused > 0 && unavailable > 0,
+        "{refused} refused by Deny, {unavailable} unasked"
+    );
+    assert_eq!(store.failed.load(Ordering::SeqCst), 0, "the store never failed");
+    assert!(store.most_under_way.load(Ordering::SeqCst) <= POOL);
+}
+
+/// A real tenant not looked up yet (the instance just started, or the tenant is new) whose
+/// requests come during a flood of made-up ids is counted, or refused, never admitted past
+/// its limit. Its lookups queued behind the flood's and failed, and `fail_open` admitted
+/// all 20 of its requests under a limit of 5.
+#[tokio::test(start_paused = true)]
+async fn a_tenant_first_seen_during_a_flood_is_not_admitted_past_its_limit() {
+    for flood_size in [300, 3_000] {
+        let store = Arc::new(Store::new());
+        let app = tenant_app(
+            CachingRuleSetProvider::builder(store.clone()).build(),
+            FailurePolicy::FailOpen,
+        );
+        let flood = {
+            let app = app.clone();
+            tokio::spawn(async move {
+                let ids = (0..flood_size).map(|i| format!("flood-{i:05}")).collect();
+                burst(&app, ids, "198.51.100.66").await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        let statuses = burst(&app, vec!["globex".to_owned(); 20], "198.51.100.8").await;
+        let flood = flood.await.expect("the flood");
+        assert_eq!(count(&flood, StatusCode::OK), 0, "a flood of {flood_size}");
+        let admitted = count(&statuses, StatusCode::OK);
+        assert!(
+            admitted <= 5,
+            "a flood of {flood_size}: {admitted} of 20 admitted under a limit of 5: {statuses:?}"
+        );
+        assert_eq!(
+            admitted
+                + count(&statuses, StatusCode::TOO_MANY_REQUESTS)
+                + count(&statuses, StatusCode::SERVICE_UNAVAILABLE),
+            20
+        );
+        if flood_size == 300 {
+            // The store answers a flood of 300 within the wait: globex is looked up and
+            // counted.
+            assert_eq!(admitted, 5, "{statuses:?}");
+        }
+    }
+}
+
+/// A burst of one tenant's requests on a cold cache asks the store for it once per turn at
+/// most (the requests that waited for a turn find it cached), and admits its limit.
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_one_tenant_on_a_cold_cache_is_looked_up_once_per_turn() {
+    let store = Arc::new(Store::new());
+    let app = tenant_app(
+        CachingRuleSetProvider::builder(store.clone()).build(),
+        FailurePolicy::FailOpen,
+    );
+    let statuses = burst(&app, vec!["acme".to_owned(); 100], "198.51.100.9").await;
+    assert_eq!(count(&statuses, StatusCode::OK), 5);
+    assert_eq!(count(&statuses, StatusCode::TOO_MANY_REQUESTS), 95);
+    assert!(store.lookups_of("acme") <= POOL, "{} lookups", store.lookups_of("acme"));
+    assert_eq!(store.failed.load(Ordering::SeqCst), 0);
+}
+
+/// A store that hangs holds no request past the provider's lookup timeout: a tenant whose
+/// entry is gone (expired, or invalidated as here) is decided by the rule set found last,
+/// and counted; an id never found is decided by the failure policy, as when the store
+/// fails. Before, the lookup had no deadline, and every such request waited for as long
+/// as the store hung.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_store_holds_no_request_past_the_lookup_timeout() {
+    let store = Arc::new(Store::new());
+    let provider = Arc::new(
+        CachingRuleSetProvider::builder(store.clone())
+            .lookup_timeout(Duration::from_millis(200))
+            .build(),
+    );
+    let open = tenant_app(provider.clone(), FailurePolicy::FailOpen);
+    let closed = tenant_app(provider.clone(), FailurePolicy::FailClosed);
+    assert_eq!(
+        burst(&open, vec!["acme".to_owned(); 2], "198.51.100.20").await,
+        [StatusCode::OK; 2]
+    );
+    store.hang.store(true, Ordering::SeqCst);
+    provider.invalidate("acme");
+    let started = tokio::time::Instant::now();
+    // Four requests take the four lookups at once, which hang until they time out; six
+    // more come 50 ms later and wait for a turn.
+    let first = {
+        let closed = closed.clone();
+        tokio::spawn(async move { burst(&closed, vec!["acme".to_owned(); 4], "198.51.100.20").await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut statuses = burst(&closed, vec!["acme".to_owned(); 6], "198.51.100.20").await;
+    statuses.extend(first.await.expect("the first requests"));
+    // Decided by the rule set found last (`closed` has an engine and limiter of its own):
+    // the client's 5, then refused; none failed, which `fail_closed` would refuse.
+    assert_eq!(count(&statuses, StatusCode::OK), 5, "{statuses:?}");
+    assert_eq!(count(&statuses, StatusCode::TOO_MANY_REQUESTS), 5, "{statuses:?}");
+    // The lookups time out after 200 ms; the requests that waited for a turn then find the
+    // rule set found last cached.
+    assert_eq!(started.elapsed(), Duration::from_millis(200));
+    // An id never found: the failure policy, within the timeout.
+    let statuses = burst(&closed, vec!["globex".to_owned()], "198.51.100.21").await;
+    assert_eq!(statuses, [StatusCode::SERVICE_UNAVAILABLE]);
+    let statuses = burst(&open, vec!["globex".to_owned()], "198.51.100.21").await;
+    assert_eq!(statuses, [StatusCode::OK]);
+}
+
+/// Requests whose rule sets wait for a turn longer than the lookup timeout are refused
+/// whatever the failure policy (`fail_open` included), with the layer's unavailable status;
+/// a shadow layer admits them, as it admits every request.
+#[tokio::test(start_paused = true)]
+async fn a_request_that_waits_too_long_for_a_lookup_is_refused_under_every_policy() {
+    let store = Arc::new(Store::new());
+    // One lookup at a time, 65 ms each: of three requests sent at once, the first is
+    // asked at once, the second after 65 ms, and the third, whose turn would come after
+    // 130 ms, waits 100 ms and is refused.
+    store.slower_ms.store(60, Ordering::SeqCst);
+    let provider = Arc::new(
+        CachingRuleSetProvider::builder(store.clone())
+            .max_lookups(1)
+            .lookup_timeout(Duration::from_millis(100))
+            .build(),
+    );
+    for policy in [FailurePolicy::FailOpen, FailurePolicy::FailClosed] {
+        let app = tenant_app(provider.clone(), policy);
+        let ids = ["a1", "a2", "a3"].map(|id| format!("{id}-{policy:?}")).to_vec();
+        let statuses = burst(&app, ids, "198.51.100.30").await;
+        use StatusCode as S;
+        assert_eq!(
+            statuses,
+            [S::TOO_MANY_REQUESTS, S::TOO_MANY_REQUESTS, S::SERVICE_UNAVAILABLE],
+            "{policy:?}"
+        );
+    }
+    let engine = Engine::builder(provider.clone()).build().expect("an engine");
+    let shadow = app(layer(engine)
+        .shadow(true)
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .expect("a layer"));
+    let ids = ["b1", "b2", "b3"].map(str::to_owned).to_vec();
+    assert_eq!(burst(&shadow, ids, "198.51.100.31").await, [StatusCode::OK; 3]);
+    assert_eq!(store.failed.load(Ordering::SeqCst), 0);
+}
