@@ -62,15 +62,29 @@ impl DenyCache {
     /// A rejection, when a band of the request is known to reject it. It repeats what Redis
     /// said of that band: its remaining permits and the instant it is full again; the
     /// retry-after counts down to the end of the denial.
+    ///
+    /// A request that may wait for the refill ([`Bucket::max_wait`](fluxgate_core::limiter::Bucket::max_wait))
+    /// is refused by a denial that ends later than it may wait, as Redis would refuse it;
+    /// a denial that ends within its wait lets it through to Redis, which takes its place.
     pub(crate) fn check(&self, request: &AcquireRequest, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
         if self.latest_us.load(Ordering::Relaxed) <= self.micros(now) {
             return None; // every denial remembered has ended
         }
+        let may_wait = request.may_wait();
         let (position, denial) = calls.iter().find_map(|call| {
             call.bands.iter().find_map(|band| {
                 let key = band.deny_key(call.keys.get(band.key)?)?;
                 let denial = self.denials.get(&key)?;
-                (denial.until > now && !self.probes(&denial, now)).then_some((band.position, denial))
+                if denial.until <= now {
+                    return None;
+                }
+                if may_wait {
+                    let (bucket, _) = request.bands().nth(band.position)?;
+                    if denial.until - now <= bucket.max_wait() {
+                        return None;
+                    }
+                }
+                (!self.probes(&denial, now)).then_some((band.position, denial))
             })
         })?;
         let (bucket, band) = request.bands().nth(position)?;
@@ -124,6 +138,13 @@ impl DenyCache {
         }
     }
 
+    /// Forgets the denials of these deny-cache keys (bands whose permits were given back).
+    pub(crate) fn forget_keys(&self, keys: &[String]) {
+        for key in keys {
+            self.denials.invalidate(key);
+        }
+    }
+
     /// Remembers the bands of a call of `request` (its keys named with `prefix`) that
     /// rejected, counted from `start`, before the call, so that a denial never outlives the
     /// real wait.
@@ -131,6 +152,9 @@ impl DenyCache {
     /// With `probe`, the bands' capacity may come back before time frees it (on a cluster,
     /// refunds across hash slots): a denial then lets one request through to Redis every
     /// `probe`, and a band of the call that admitted makes the cache forget its denial.
+    ///
+    /// A request admitted for later (it waits for the refill) leaves no denial: its bands
+    /// admit it, at the instant it proceeds.
     pub(crate) fn remember(
         &self,
         request: &AcquireRequest,
@@ -140,6 +164,7 @@ impl DenyCache {
         start: Instant,
         probe: Option<Duration>,
     ) {
+        let admitted_later = outcome.allowed && request.may_wait();
         for band in bands {
             let report = &outcome.bands[band.position];
             let Wait::After(wait) = report.wait else {
@@ -150,6 +175,9 @@ impl DenyCache {
                 }
                 continue;
             };
+            if admitted_later {
+                continue;
+            }
             if let Some(key) = band.deny_key_in(request, prefix) {
                 let probe = probe.map(|every| {
                     let every_us = u64::try_from(every.as_micros()).unwrap_or(u64::MAX);

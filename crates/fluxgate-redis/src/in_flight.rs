@@ -23,7 +23,7 @@ use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::task::{ready, Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use fluxgate_core::limiter::AcquireRequest;
 use fluxgate_core::Mode;
@@ -42,6 +42,15 @@ pub(crate) const DEFAULT_CALLS_PER_KEY: u64 = 64;
 
 /// The number of shards of the table (a power of two).
 const SHARDS: usize = 64;
+
+/// How many windows of `window`, or parts of one, a wait of `wait` spans: 0 for no wait.
+fn windows_spanned(wait: Duration, window: Duration) -> u64 {
+    if wait.is_zero() || window.is_zero() {
+        return 0;
+    }
+    let (wait, window) = (wait.as_nanos(), window.as_nanos());
+    u64::try_from(wait.div_ceil(window)).unwrap_or(u64::MAX)
+}
 
 /// The calls in flight, by bucket.
 pub(crate) struct InFlight {
@@ -253,13 +262,18 @@ impl InFlight {
 
     /// The buckets of `request` (its keys named with `prefix`) whose calls in flight are
     /// counted: those its rules enforce, each letting out as many calls at once as it
-    /// admits, and the table's most at once at most. None for a request that may wait: its rules'
-    /// `max_waiters` bound its calls.
+    /// admits, and the table's most at once at most.
+    ///
+    /// A rule that lets requests wait for the refill (`on_limit.wait`) admits more within
+    /// its longest wait: each band up to its capacity once more for every window, or part
+    /// of one, that the wait spans (a fixed window that ends within the wait admits a second
+    /// capacity). Its calls are counted by that bound, the same for every request of the
+    /// bucket whether it waits or not (one count, one bound: a place freed is seen by every
+    /// request that waits for one). Requests that wait were not counted before: one client
+    /// that had spent its limit kept as many calls of its key out at once as the rule's
+    /// `max_waiters` allowed, past the deadline (`a_spent_client_of_a_waiting_rule_cannot_flood_redis`).
     pub(crate) fn counted(&self, prefix: &str, request: &AcquireRequest) -> Counted {
         let mut counted = SmallVec::new();
-        if request.may_wait() {
-            return Counted(counted);
-        }
         for bucket in request.buckets() {
             if bucket.rule.mode() == Mode::Shadow {
                 continue;
@@ -268,11 +282,12 @@ impl InFlight {
             // request, and every call of a bucket must count its places alike, or a place
             // that one frees goes unseen by a request that waits with another count.
             let permits = bucket.rule.permits().max(1);
+            let wait = bucket.rule.wait().map_or(Duration::ZERO, |policy| policy.max_wait());
             let at_once = bucket
                 .rule
                 .bands()
                 .iter()
-                .map(|band| band.capacity() / permits)
+                .map(|band| band.capacity().saturating_mul(1 + windows_spanned(wait, band.window())) / permits)
                 .min()
                 .unwrap_or(self.most_at_once)
                 .clamp(1, self.most_at_once);

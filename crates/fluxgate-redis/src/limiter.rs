@@ -52,8 +52,14 @@ const CROSS_SLOT_PROBE: Duration = Duration::from_millis(100);
 
 impl Inner {
     /// The deny cache, for `request`, and how often a denial of its bands lets a request
-    /// through to Redis: no cache for a request that may wait (a refusal remembered for
-    /// another's retry-after would refuse one that can wait now).
+    /// through to Redis. A request that may wait for the refill is refused only by a denial
+    /// that ends later than it may wait (see [`DenyCache::check`]), and its refusals are
+    /// remembered as any other's. Without the cache for such requests, each one that found a
+    /// waiter's place free was a call of its own, however spent its bucket: one client that
+    /// had spent a limit of 5 per hour, on a rule that may wait, sent 3,000 requests at
+    /// once, the calls queued past the deadline, and `fail_open` admitted more than a
+    /// thousand of them uncounted, and another spent client's requests with them
+    /// (`a_spent_client_of_a_waiting_rule_cannot_flood_redis`).
     ///
     /// On a cluster too: without the cache, every refused request of a burst from one
     /// address was a call, thousands queued past the deadline, and `fail_open` admitted
@@ -66,7 +72,7 @@ impl Inner {
     /// rule set of one rule never spans slots: as on a standalone server, only time frees
     /// its capacity.
     fn deny_cache(&self, request: &AcquireRequest) -> Option<(&Arc<DenyCache>, Option<Duration>)> {
-        let cache = self.denied.as_ref().filter(|_| !request.may_wait())?;
+        let cache = self.denied.as_ref()?;
         let spans = self.cluster && request.rule_set().rules().len() > 1;
         Some((cache, spans.then_some(CROSS_SLOT_PROBE)))
     }
@@ -452,6 +458,21 @@ impl RedisLimiter {
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let scripts = inner.scripts.clone();
+        // The bands given back to: a denial this instance remembers of them may end earlier
+        // now (a waiter's place, a lease's permits), so it is forgotten once the permits are
+        // back, and the next request of the same cost asks Redis.
+        let given_back: Vec<String> = match (&inner.denied, encode(request, &inner.prefix, cluster)) {
+            (Some(_), Ok(decided)) => decided
+                .iter()
+                .flat_map(|call| {
+                    call.bands
+                        .iter()
+                        .filter_map(|band| band.deny_key(call.keys.get(band.key)?))
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        let denied = inner.denied.clone();
         MaybeReady::boxed(async move {
             let pending = calls
                 .into_iter()
@@ -459,6 +480,9 @@ impl RedisLimiter {
                 .map(|(keys, args)| scripts.refund(keys, args));
             for result in futures_util::future::join_all(pending).await {
                 result?;
+            }
+            if let Some(cache) = denied {
+                cache.forget_keys(&given_back);
             }
             Ok(())
         })
