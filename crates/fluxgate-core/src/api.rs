@@ -60,6 +60,12 @@ pub const MAX_WAIT_MS: u64 = 86_400_000;
 /// base path).
 pub const ERROR_HEADER: &str = "x-fluxgate-error";
 
+/// The value of [`ERROR_HEADER`] on the service's `503` for a request whose rule set could
+/// not be looked up in time ([`Error::Overloaded`](crate::Error::Overloaded)): the service
+/// is up, and requests can cause it (a flood of rule set ids), so a gateway refuses such a
+/// request whatever its failure policy, rather than reading it as the service's failure.
+pub const ERROR_OVERLOADED: &str = "overloaded";
+
 /// One request to decide.
 ///
 /// Read from a JSON object only (not from an array of fields by position); fields it does

@@ -547,7 +547,10 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
     /// How long a request waits for its turn to look up its rule set, and how long a
     /// lookup of the inner provider may take (default 1 s). Past the first, the request
     /// fails with [`LookupsBusy`]; past the second, the lookup fails as a failure of the
-    /// source does.
+    /// source does. In a rate-limit service, keep it below its gateways' deadline: the
+    /// service answers a request that was not looked up in time with a `503` its gateways
+    /// refuse whatever their failure policy, while an answer later than their deadline is
+    /// a failure their policy decides.
     pub fn lookup_timeout(mut self, timeout: Duration) -> Self {
         self.lookup_timeout = timeout;
         self

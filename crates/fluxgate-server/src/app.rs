@@ -70,8 +70,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// An error answer: a status and `{"error", "field"}`.
-pub(crate) struct Failure(pub(crate) StatusCode, pub(crate) ApiError);
+/// An error answer: a status and `{"error", "field"}`, marked with
+/// [`ERROR_HEADER`](fluxgate_core::api::ERROR_HEADER) (its value the third field).
+pub(crate) struct Failure(pub(crate) StatusCode, pub(crate) ApiError, pub(crate) &'static str);
+
+impl Failure {
+    /// An error answer of the service, marked as such.
+    pub(crate) fn new(status: StatusCode, error: ApiError) -> Self {
+        Self(status, error, "1")
+    }
+}
 
 /// An error answer's `error` holds at most its first [`ERROR_HEAD`] and last
 /// [`ERROR_TAIL`] characters. Parsers quote what they refuse (serde's `invalid type:
@@ -101,13 +109,13 @@ fn cut(text: String, head: usize, tail: usize) -> String {
 
 impl IntoResponse for Failure {
     fn into_response(self) -> Response {
-        let Failure(status, mut error) = self;
+        let Failure(status, mut error, mark) = self;
         error.error = cut(error.error, ERROR_HEAD, ERROR_TAIL);
         error.field = error.field.map(|field| cut(field, FIELD_HEAD, FIELD_TAIL));
         let mut response = (status, Json(error)).into_response();
         response.headers_mut().insert(
             header::HeaderName::from_static(fluxgate_core::api::ERROR_HEADER),
-            HeaderValue::from_static("1"),
+            HeaderValue::from_static(mark),
         );
         if status == StatusCode::UNAUTHORIZED {
             response
@@ -119,7 +127,7 @@ impl IntoResponse for Failure {
 }
 
 fn bad_request(error: ApiError) -> Failure {
-    Failure(StatusCode::BAD_REQUEST, error)
+    Failure::new(StatusCode::BAD_REQUEST, error)
 }
 
 /// Reads a JSON object body, naming the field at fault.
@@ -155,17 +163,24 @@ fn parse_with<'de, S: DeserializeSeed<'de>>(body: &'de [u8], seed: S) -> Result<
 }
 
 /// An engine error as an answer: the backend or the rule provider failed (503), a rule
-/// cannot be decided (500, a configuration error), or the request cannot be decided as
+/// cannot be decided (500, a configuration error), the request cannot be decided as
 /// described (400: a path too long to match; the gateway refuses it too, and no failure
-/// policy admits it).
+/// policy admits it), or its rule set could not be looked up in time (503 marked
+/// [`ERROR_OVERLOADED`](fluxgate_core::api::ERROR_OVERLOADED): requests can cause it, and
+/// the gateway refuses the request whatever its failure policy).
 fn engine_failure(error: &Error) -> Failure {
     match error {
         Error::Refused(reason) => bad_request(ApiError::general(reason.clone())),
+        Error::Overloaded(reason) => Failure(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::general(reason.clone()),
+            fluxgate_core::api::ERROR_OVERLOADED,
+        ),
         Error::Rule(e) => {
             tracing::error!(error = %e, "a rule cannot be decided");
-            Failure(StatusCode::INTERNAL_SERVER_ERROR, ApiError::general(e.to_string()))
+            Failure::new(StatusCode::INTERNAL_SERVER_ERROR, ApiError::general(e.to_string()))
         }
-        other => Failure(
+        other => Failure::new(
             StatusCode::SERVICE_UNAVAILABLE,
             ApiError::general(format!("the rate-limit backend is unavailable: {other}")),
         ),
@@ -234,7 +249,7 @@ pub(crate) async fn check_batch(State(state): State<Arc<AppState>>, body: Bytes)
         .map(|(decision, ctx)| match decision {
             Ok(decision) => CheckResponse::from_decision(decision),
             Err(error) => {
-                let Failure(_, answer) = engine_failure(error);
+                let Failure(_, answer, _) = engine_failure(error);
                 CheckResponse::failed(ctx.rule_set_id(), answer.error)
             }
         })
@@ -333,7 +348,7 @@ fn bearer_token(value: &str) -> Option<&str> {
 /// Checks the bearer token; answers the admin when the endpoints are on.
 fn admin<'a>(state: &'a AppState, headers: &HeaderMap) -> Result<&'a RuleAdmin, Failure> {
     let Some(token) = &state.admin_token else {
-        return Err(Failure(StatusCode::NOT_FOUND, ApiError::general("not found")));
+        return Err(Failure::new(StatusCode::NOT_FOUND, ApiError::general("not found")));
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -341,13 +356,13 @@ fn admin<'a>(state: &'a AppState, headers: &HeaderMap) -> Result<&'a RuleAdmin, 
         .and_then(bearer_token)
         .unwrap_or("");
     if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
-        return Err(Failure(
+        return Err(Failure::new(
             StatusCode::UNAUTHORIZED,
             ApiError::general("a valid bearer token is required"),
         ));
     }
     state.admin.as_ref().ok_or_else(|| {
-        Failure(
+        Failure::new(
             StatusCode::CONFLICT,
             ApiError::general("rules come from a file: change the file, it is reloaded"),
         )
@@ -369,7 +384,7 @@ fn store_failure(error: AdminError) -> Failure {
         AdminError::Store(StoreError::Rule(e)) => bad_request(ApiError::general(e.to_string())),
         other => {
             tracing::warn!(error = %other, "rule store failed");
-            Failure(StatusCode::SERVICE_UNAVAILABLE, ApiError::general(other.to_string()))
+            Failure::new(StatusCode::SERVICE_UNAVAILABLE, ApiError::general(other.to_string()))
         }
     }
 }
@@ -429,7 +444,7 @@ pub(crate) async fn get_rule_set(
 }
 
 fn no_rule_set(id: &str) -> Failure {
-    Failure(
+    Failure::new(
         StatusCode::NOT_FOUND,
         ApiError::general(format!("no rule set `{}`", Shown(id))),
     )
@@ -602,7 +617,7 @@ pub(crate) async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             render(),
         )
             .into_response(),
-        None => Failure(StatusCode::NOT_FOUND, ApiError::general("metrics are off")).into_response(),
+        None => Failure::new(StatusCode::NOT_FOUND, ApiError::general("metrics are off")).into_response(),
     }
 }
 
@@ -618,7 +633,7 @@ pub(crate) async fn openapi_document() -> Response {
 }
 
 async fn not_found() -> Response {
-    Failure(StatusCode::NOT_FOUND, ApiError::general("not found")).into_response()
+    Failure::new(StatusCode::NOT_FOUND, ApiError::general("not found")).into_response()
 }
 
 #[cfg(test)]

@@ -60,11 +60,11 @@ async fn read_body(State(limits): State<BodyLimits>, request: Request, next: Nex
         }
         Ok(Err(error)) => {
             let error = ApiError::general(format!("the body could not be read: {error}"));
-            return Failure(StatusCode::BAD_REQUEST, error).into_response();
+            return Failure::new(StatusCode::BAD_REQUEST, error).into_response();
         }
         Err(_) => {
             let error = ApiError::general(format!("the body did not arrive within {:?}", limits.timeout));
-            return Failure(StatusCode::REQUEST_TIMEOUT, error).into_response();
+            return Failure::new(StatusCode::REQUEST_TIMEOUT, error).into_response();
         }
     };
     next.run(Request::from_parts(parts, Body::from(bytes))).await

@@ -630,3 +630,119 @@ async fn what_a_gateways_local_engine_admitted_the_service_counts_when_it_answer
     }
     assert_eq!(admitted_after, 0, "3 in all, not 3 more");
 }
+
+/// A rule store with a pool of 4 connections and 5 ms per lookup, the tenants `acme` and
+/// `globex` (5 per hour per address each).
+#[derive(Debug)]
+struct PooledStore {
+    sets: fluxgate_core::RuleSets,
+    pool: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl fluxgate_core::RuleSetProvider for PooledStore {
+    fn rule_set(&self, id: &str) -> fluxgate_core::MaybeReady<fluxgate_core::RuleSetLookup> {
+        let found = self.sets.get(id).cloned();
+        let pool = self.pool.clone();
+        fluxgate_core::MaybeReady::boxed(async move {
+            match tokio::time::timeout(Duration::from_millis(50), pool.acquire()).await {
+                Ok(Ok(_connection)) => {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    Ok(found)
+                }
+                _ => Err("rule store: no connection of its pool in time".into()),
+            }
+        })
+    }
+}
+
+/// `GET /api/hello` of `tenant` (`X-Tenant`) on a new connection: the status code.
+async fn status_of_tenant(addr: SocketAddr, tenant: String) -> u16 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!("GET /api/hello HTTP/1.1\r\nhost: t\r\nx-tenant: {tenant}\r\nconnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer).await;
+    let text = String::from_utf8_lossy(&answer);
+    text.split(' ').nth(1).and_then(|code| code.parse().ok()).unwrap_or(0)
+}
+
+/// A service built on `fluxgate_server::router` whose engine looks rule sets up through a
+/// `CachingRuleSetProvider` (its lookup timeout below the gateway's deadline), refusing
+/// unknown ids, behind a gateway (`RemoteHandler` in a circuit breaker, `fail_open`) that
+/// takes the rule set from `X-Tenant`. A flood of made-up ids
+/// made the service answer late or `503`, which the gateway read as the service's failure:
+/// its `fail_open` admitted 89 to 149 of 200 uncounted, and a real tenant looked up during
+/// the flood was admitted up to 20 times under a limit of 5. The service now answers a
+/// request whose rule set was not looked up in time with a `503` marked `overloaded`, which
+/// the gateway refuses whatever its failure policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn made_up_rule_set_ids_through_a_gateway_stay_refused() {
+    const TENANTS: &str = "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}]}, \
+                           {id: globex, rules: [{id: per-ip, bands: [{capacity: 5, window: 1h}]}]}]";
+    let store = PooledStore {
+        sets: fluxgate_core::RuleSets::from_yaml_str(TENANTS).unwrap(),
+        pool: std::sync::Arc::new(tokio::sync::Semaphore::new(4)),
+    };
+    let provider = fluxgate_core::CachingRuleSetProvider::builder(store)
+        .max_lookups(4)
+        .lookup_timeout(Duration::from_millis(30))
+        .build();
+    let engine = fluxgate_core::Engine::builder(provider)
+        .unknown_rule_set(fluxgate_core::UnknownRuleSet::Deny)
+        .build()
+        .unwrap();
+    let state = fluxgate_server::AppState {
+        engine,
+        redis: None,
+        admin: None,
+        admin_token: None,
+        max_batch: 100,
+        max_body_bytes: 1 << 20,
+        metrics: None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let service = listener.local_addr().unwrap();
+    let router = fluxgate_server::router(std::sync::Arc::new(state));
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    // A deadline far beyond the service's lookup timeout, so that a busy machine makes
+    // no check late: what the gateway reads is the service's answer.
+    let remote = RemoteHandler::builder(&format!("http://{service}"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build();
+    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .unwrap();
+    let gateway = app(layer).await;
+    assert_eq!(
+        status_of_tenant(gateway, "made-up-0".into()).await,
+        429,
+        "Deny, one at a time"
+    );
+    let flood: Vec<_> = (0..200)
+        .map(|i| tokio::spawn(status_of_tenant(gateway, format!("flood-{i:05}"))))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let tenant: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(status_of_tenant(gateway, "globex".into())))
+        .collect();
+    let mut globex = Vec::new();
+    for task in tenant {
+        globex.push(task.await.unwrap());
+    }
+    let mut statuses = Vec::new();
+    for task in flood {
+        statuses.push(task.await.unwrap());
+    }
+    let count = |statuses: &[u16], code: u16| statuses.iter().filter(|&&s| s == code).count();
+    assert_eq!(count(&statuses, 200), 0, "made-up ids admitted: {statuses:?}");
+    assert_eq!(count(&statuses, 429) + count(&statuses, 503), 200, "{statuses:?}");
+    assert!(count(&statuses, 503) > 0, "some not looked up in time: {statuses:?}");
+    assert!(count(&globex, 200) <= 5, "globex: {globex:?}");
+}

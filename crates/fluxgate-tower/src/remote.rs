@@ -5,7 +5,9 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use fluxgate_core::api::{ApiError, CheckRequest, CheckResponse, ERROR_HEADER, MAX_CHECK_BYTES, MAX_WAIT_MS};
+use fluxgate_core::api::{
+    ApiError, CheckRequest, CheckResponse, ERROR_HEADER, ERROR_OVERLOADED, MAX_CHECK_BYTES, MAX_WAIT_MS,
+};
 use fluxgate_core::{Decision, Error, MaybeReady, RateLimitHandler, RequestContext, RuleError};
 use http::{header, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
@@ -31,7 +33,8 @@ const MAX_ANSWER: usize = 1024 * 1024;
 /// headers as with a local engine. The service's own errors are no failure of it: its `400`
 /// (a value beyond its bounds) is [`Error::Refused`] and its `500` (a rule it cannot
 /// decide, marked with its [`ERROR_HEADER`]: upgrade services before their gateways)
-/// [`Error::Rule`], both refused whatever the failure policy. Any failure (the
+/// [`Error::Rule`], and its `503` marked [`ERROR_OVERLOADED`] (the request's rule set not
+/// looked up in time) [`Error::Overloaded`], all refused whatever the failure policy. Any failure (the
 /// deadline, a refused connection, another answer than 200, an answer that is not a
 /// decision, a 400 or 500 without the service's error) is [`Error::Backend`]: wrap the handler in a
 /// [`CircuitBreaker`](fluxgate_core::CircuitBreaker) to stop waiting for a service that is
@@ -111,6 +114,11 @@ pub enum RemoteError {
     /// failure of the service either.
     #[error("the rate-limit service cannot decide the request's rules: {0}")]
     Misconfigured(String),
+    /// The service could not look the request's rule set up in time: a `503` marked
+    /// [`ERROR_OVERLOADED`] (see [`Error::Overloaded`]). Not a failure of the service:
+    /// requests can cause it, and the request is refused whatever the failure policy.
+    #[error("the rate-limit service could not look the request's rule set up in time: {0}")]
+    Overloaded(String),
 }
 
 impl fmt::Debug for RemoteHandler {
@@ -188,6 +196,10 @@ impl RemoteHandler {
             .map_err(|e| RemoteError::Http(e.to_string()))?;
         let status = response.status();
         let marked = response.headers().contains_key(ERROR_HEADER);
+        let overloaded = response
+            .headers()
+            .get(ERROR_HEADER)
+            .is_some_and(|mark| mark.as_bytes() == ERROR_OVERLOADED.as_bytes());
         let body = Limited::new(response.into_body(), MAX_ANSWER)
             .collect()
             .await
@@ -213,6 +225,13 @@ impl RemoteHandler {
                     RemoteError::Misconfigured(error.to_string())
                 });
             }
+        }
+        if status == StatusCode::SERVICE_UNAVAILABLE && overloaded {
+            let error = serde_json::from_slice::<ApiError>(&body).map_or_else(
+                |_| "the service could not look the rule set up in time".to_owned(),
+                |e| e.to_string(),
+            );
+            return Err(RemoteError::Overloaded(error));
         }
         if status != StatusCode::OK {
             let text: String = String::from_utf8_lossy(&body).chars().take(200).collect();
@@ -299,6 +318,10 @@ impl RateLimitHandler for RemoteHandler {
                 // A configuration error at the service: refused whatever the failure
                 // policy, as a rule this engine could not decide would be.
                 RemoteError::Misconfigured(message) => Error::Rule(RuleError::Service { message }),
+                // The service is up and could not look the request's rule set up in time:
+                // requests can cause it, so it is refused whatever the failure policy (and
+                // opens no circuit).
+                RemoteError::Overloaded(message) => Error::Overloaded(message),
                 // Logged where the failure is covered, once: by the layer's `on_error`, or
                 // by a `FallbackHandler` that decides it locally (a warning each).
                 error => {
