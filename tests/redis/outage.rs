@@ -1008,3 +1008,54 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
         eprintln!("connected again {:?} after connecting was possible", again.elapsed());
     }
 }
+
+/// While the circuit breaker is open, a client whose limit the deny cache knows to be spent
+/// is refused by it, not left to the failure policy: the breaker answered every request
+/// `CircuitOpen` without asking the limiter it wraps, and `fail_open` then admitted that
+/// client uncounted for as long as the circuit stayed open. A client the cache knows
+/// nothing of is still decided by the policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_circuit_still_refuses_a_client_the_deny_cache_knows_is_spent() {
+    let server = RedisServer::start();
+    let limiter = RedisLimiter::builder(server.url())
+        .timeout(DEADLINE)
+        .connect()
+        .await
+        .expect("connect");
+    let rules = rules(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n",
+    );
+    let engine = Engine::builder(rules)
+        .limiter(
+            CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(Duration::from_secs(30)),
+        )
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("the backend decides every rule");
+    let client = |ip: &str| {
+        RequestContext::builder()
+            .client_ip(ip.parse().expect("an address"))
+            .build()
+    };
+    let (spent, fresh, bystander) = (client("192.0.2.80"), client("192.0.2.81"), client("192.0.2.82"));
+    for _ in 0..2 {
+        assert!(engine.check(&spent).await.expect("decided").allowed());
+    }
+    assert!(
+        !engine.check(&spent).await.expect("decided").allowed(),
+        "spent, and remembered"
+    );
+    server.signal("-STOP");
+    // The bystander's call misses the deadline and opens the circuit.
+    let opened = engine.check(&bystander).await.expect("the policy decides");
+    assert!(opened.failed_open, "{opened:?}");
+    for _ in 0..5 {
+        let d = engine.check(&spent).await.expect("decided");
+        assert!(!d.allowed() && !d.failed_open, "the deny cache refuses it: {d:?}");
+        let d = engine.check(&fresh).await.expect("decided");
+        assert!(d.allowed() && d.failed_open, "the policy admits it: {d:?}");
+    }
+    server.signal("-CONT");
+}

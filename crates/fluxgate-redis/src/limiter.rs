@@ -343,6 +343,13 @@ impl RateLimiter for RedisLimiter {
     ) -> MaybeReady<Result<(), BoxError>> {
         self.refund(request, at_unix_nanos, marks)
     }
+
+    /// The deny cache's refusal of `request`, if it knows one.
+    fn refused_locally(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
+        let cluster = self.inner.scripts.connection().is_cluster();
+        let calls = encode(request, &self.inner.prefix, cluster).ok()?;
+        self.inner.denied(request, &calls, Instant::now())
+    }
 }
 
 /// Whether `error` is a call's missed deadline.

@@ -265,10 +265,17 @@ impl<L: fmt::Debug> fmt::Debug for CircuitBreaker<L> {
 
 impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     fn acquire(&self, request: &AcquireRequest) -> MaybeReady<Result<AcquireOutcome, BoxError>> {
-        // Open, or half-open with a probe already in flight: refused at once.
-        self.state
-            .guard(|| self.inner.acquire(request))
-            .unwrap_or_else(|| MaybeReady::ready(Err(Box::new(CircuitOpen))))
+        // Open, or half-open with a probe already in flight: failed at once, but for a
+        // refusal the backend knows without its store (a Redis limiter's deny cache): a
+        // client whose limit is known to be spent is refused, not left to the failure
+        // policy, which may admit.
+        self.state.guard(|| self.inner.acquire(request)).unwrap_or_else(|| {
+            MaybeReady::ready(
+                self.inner
+                    .refused_locally(request)
+                    .map_or_else(|| Err(Box::new(CircuitOpen) as BoxError), Ok),
+            )
+        })
     }
 
     fn validate(&self, set: &RuleSet) -> Result<(), RuleError> {
@@ -313,6 +320,10 @@ impl<L: RateLimiter> RateLimiter for CircuitBreaker<L> {
     /// Passed on whether the breaker is open or not: it decides nothing.
     fn charge(&self, request: &AcquireRequest) {
         self.inner.charge(request)
+    }
+
+    fn refused_locally(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
+        self.inner.refused_locally(request)
     }
 }
 

@@ -307,6 +307,17 @@ pub trait RateLimiter: Send + Sync + fmt::Debug + 'static {
     fn charge(&self, request: &AcquireRequest) {
         let _ = request;
     }
+
+    /// A refusal of `request` this backend knows without asking its store, when it knows
+    /// one (a Redis limiter's deny cache): the answer of a wrapper that decides without
+    /// asking the backend (an open [`CircuitBreaker`](crate::CircuitBreaker)), before it
+    /// fails, so that a client whose limit is known to be spent is refused rather than
+    /// left to the failure policy. Never an admission. `None` by default; a wrapper passes
+    /// it on.
+    fn refused_locally(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
+        let _ = request;
+        None
+    }
 }
 
 impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
@@ -353,6 +364,10 @@ impl<L: RateLimiter + ?Sized> RateLimiter for Arc<L> {
 
     fn charge(&self, request: &AcquireRequest) {
         (**self).charge(request)
+    }
+
+    fn refused_locally(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
+        (**self).refused_locally(request)
     }
 }
 
