@@ -288,16 +288,21 @@ async fn a_hanging_store_holds_no_request_past_the_lookup_timeout() {
     assert_eq!(statuses, [StatusCode::OK]);
 }
 
-/// Requests whose rule sets wait for a turn longer than the lookup timeout are refused
-/// whatever the failure policy (`fail_open` included), with the layer's unavailable status;
-/// a shadow layer admits them, as it admits every request.
+/// Requests whose rule sets are not looked up within the lookup timeout of their arrival,
+/// for the time they waited for a turn, are refused whatever the failure policy
+/// (`fail_open` included), with the layer's unavailable status; a shadow layer admits
+/// them, as it admits every request. Before, a request that waited for its turn had the
+/// whole timeout again for its lookup, and one that then timed out followed the policy:
+/// a service whose answers came later than its gateways' deadline let them through.
 #[tokio::test(start_paused = true)]
 async fn a_request_that_waits_too_long_for_a_lookup_is_refused_under_every_policy() {
     let store = Arc::new(Store::new());
-    // One lookup at a time, 65 ms each: of three requests sent at once, the first is
-    // asked at once, the second after 65 ms, and the third, whose turn would come after
-    // 130 ms, waits 100 ms and is refused.
-    store.slower_ms.store(60, Ordering::SeqCst);
+    // One lookup at a time, 40 ms each, each request within 100 ms of its arrival: of four
+    // requests sent at once, the first is asked at once, the second after 40 ms (both
+    // refused by Deny); the third gets its turn after 80 ms, and its lookup would end
+    // after its 100 ms; the fourth's turn would come after 120 ms. Both refused, their
+    // time gone in the queue.
+    store.slower_ms.store(35, Ordering::SeqCst);
     let provider = Arc::new(
         CachingRuleSetProvider::builder(store.clone())
             .max_lookups(1)
@@ -306,12 +311,17 @@ async fn a_request_that_waits_too_long_for_a_lookup_is_refused_under_every_polic
     );
     for policy in [FailurePolicy::FailOpen, FailurePolicy::FailClosed] {
         let app = tenant_app(provider.clone(), policy);
-        let ids = ["a1", "a2", "a3"].map(|id| format!("{id}-{policy:?}")).to_vec();
+        let ids = ["a1", "a2", "a3", "a4"].map(|id| format!("{id}-{policy:?}")).to_vec();
         let statuses = burst(&app, ids, "198.51.100.30").await;
         use StatusCode as S;
         assert_eq!(
             statuses,
-            [S::TOO_MANY_REQUESTS, S::TOO_MANY_REQUESTS, S::SERVICE_UNAVAILABLE],
+            [
+                S::TOO_MANY_REQUESTS,
+                S::TOO_MANY_REQUESTS,
+                S::SERVICE_UNAVAILABLE,
+                S::SERVICE_UNAVAILABLE
+            ],
             "{policy:?}"
         );
     }
@@ -328,4 +338,37 @@ async fn a_request_that_waits_too_long_for_a_lookup_is_refused_under_every_polic
     let ids = ["b1", "b2", "b3"].map(str::to_owned).to_vec();
     assert_eq!(burst(&shadow, ids, "198.51.100.31").await, [StatusCode::OK; 3]);
     assert_eq!(store.failed.load(Ordering::SeqCst), 0);
+}
+
+/// A tenant found before stays in force while a flood of made-up ids holds every lookup:
+/// once its entry is gone (expired, or invalidated as here), its requests find no turn
+/// free and are decided by the rule set found last, at once, rather than queued behind the
+/// flood. Before, they waited out the lookup timeout and were refused (`503`): a flood of
+/// about a thousand made-up ids a second refused every tenant whose entry expired.
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_made_up_ids_leaves_a_tenant_found_before_in_force() {
+    let store = Arc::new(Store::new());
+    store.slower_ms.store(15, Ordering::SeqCst);
+    let provider = Arc::new(CachingRuleSetProvider::builder(store.clone()).build());
+    let app = tenant_app(provider.clone(), FailurePolicy::FailClosed);
+    assert_eq!(
+        burst(&app, vec!["acme".to_owned()], "198.51.100.40").await,
+        [StatusCode::OK]
+    );
+    provider.invalidate("acme");
+    let flood = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let ids = (0..2_000).map(|i| format!("flood-{i:05}")).collect();
+            burst(&app, ids, "198.51.100.66").await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(2)).await;
+    let started = tokio::time::Instant::now();
+    let statuses = burst(&app, vec!["acme".to_owned(); 10], "198.51.100.41").await;
+    assert_eq!(started.elapsed(), Duration::ZERO, "answered at once, not queued");
+    assert_eq!(count(&statuses, StatusCode::OK), 5, "{statuses:?}");
+    assert_eq!(count(&statuses, StatusCode::TOO_MANY_REQUESTS), 5, "{statuses:?}");
+    let flood = flood.await.expect("the flood");
+    assert_eq!(count(&flood, StatusCode::OK), 0);
 }

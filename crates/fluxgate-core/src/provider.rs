@@ -421,7 +421,12 @@ mod tests {
 /// for its turn fails with [`LookupsBusy`], which the engine reports as
 /// [`Error::Overloaded`](crate::Error::Overloaded): no failure policy admits it. A lookup
 /// of the source that takes longer than that fails as the source's own failures do (the
-/// rule set found last is served, if any).
+/// rule set found last is served, if any). The time counts from the request's arrival: a
+/// request that waited for its turn has what is left of it for its lookup, and fails with
+/// [`LookupsBusy`] when it runs out. A request for a rule set found before, when no turn is
+/// free, is served the rule set found last at once rather than queued behind a flood (the
+/// next request that finds a turn free looks it up again). These waits use tokio's timers:
+/// use the provider on a tokio runtime with time enabled (`#[tokio::main]` enables it).
 ///
 /// ```
 /// use std::time::Duration;
@@ -544,10 +549,10 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
         self
     }
 
-    /// How long a request waits for its turn to look up its rule set, and how long a
-    /// lookup of the inner provider may take (default 1 s). Past the first, the request
-    /// fails with [`LookupsBusy`]; past the second, the lookup fails as a failure of the
-    /// source does. In a rate-limit service, keep it below its gateways' deadline: the
+    /// How long a request may take to look its rule set up, counted from its arrival: its
+    /// wait for a turn and its lookup of the inner provider together (default 1 s). Past it,
+    /// a request whose time went in the queue fails with [`LookupsBusy`]; one that found a
+    /// turn free fails as a failure of the source does. In a rate-limit service, keep it below its gateways' deadline: the
     /// service answers a request that was not looked up in time with a `503` its gateways
     /// refuse whatever their failure policy, while an answer later than their deadline is
     /// a failure their policy decides.
@@ -597,25 +602,37 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
             tickets: self.tickets.clone(),
             invalidated: self.invalidated.clone(),
             timeout: self.lookup_timeout,
+            max_lookups: self.max_lookups,
         };
+        // The request's one deadline, from now: its wait for a turn and its lookup together.
+        let deadline = tokio::time::Instant::now().checked_add(self.lookup_timeout);
         if let Ok(turn) = self.slots.clone().try_acquire_owned() {
-            return lookup.run(turn);
+            return lookup.run(turn, deadline, false);
         }
-        // Every lookup at once is taken: wait for one to end, then ask the cache again (the
-        // one that ended may have been of this id).
-        let (slots, max_lookups) = (self.slots.clone(), self.max_lookups);
+        // Every lookup at once is taken. A rule set found before is served as it was found
+        // last, at once, rather than queued behind a flood of made-up ids (the next request
+        // that finds a turn free looks it up again); the others wait for a turn, then ask
+        // the cache again (the lookup that ended may have been of this id).
+        if let Some(set) = self.last.get(id) {
+            return MaybeReady::ready(Ok(Some(set)));
+        }
+        let slots = self.slots.clone();
         MaybeReady::boxed(async move {
-            match tokio::time::timeout(lookup.timeout, slots.acquire_owned()).await {
-                Ok(Ok(turn)) => match lookup.cache.get(&lookup.key) {
+            let turn = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, slots.acquire_owned()).await.ok(),
+                None => Some(slots.acquire_owned().await),
+            };
+            match turn {
+                Some(Ok(turn)) => match lookup.cache.get(&lookup.key) {
                     Some((_, hit)) => Ok(hit),
-                    None => lookup.run(turn).await,
+                    None => lookup.run(turn, deadline, true).await,
                 },
-                // Timed out (the semaphore is never closed).
-                _ => Err(Box::new(LookupsBusy {
-                    rule_set: crate::error::Shown(&lookup.key).to_string(),
-                    max_lookups,
-                    timeout: lookup.timeout,
-                }) as BoxError),
+                // Timed out (the semaphore is never closed): the rule set found last if one
+                // was found meanwhile, else refused.
+                _ => match lookup.last.get(&lookup.key) {
+                    Some(set) => Ok(Some(set)),
+                    None => Err(Box::new(lookup.busy()) as BoxError),
+                },
             }
         })
     }
@@ -648,11 +665,20 @@ struct Lookup<P> {
     tickets: Arc<AtomicU64>,
     invalidated: Arc<AtomicU64>,
     timeout: Duration,
+    max_lookups: usize,
 }
 
 impl<P: RuleSetProvider> Lookup<P> {
-    /// Asks the inner provider, holding `turn` until it answers (or its lookup times out).
-    fn run(self, turn: tokio::sync::OwnedSemaphorePermit) -> MaybeReady<RuleSetLookup> {
+    /// Asks the inner provider, holding `turn` until it answers or the request's
+    /// `deadline` passes. Past the deadline, a request that `waited` for its turn fails with
+    /// [`LookupsBusy`] (its time went in the queue, which requests can fill), one that did
+    /// not as the source's failures do; either is served the rule set found last, if any.
+    fn run(
+        self,
+        turn: tokio::sync::OwnedSemaphorePermit,
+        deadline: Option<tokio::time::Instant>,
+        waited: bool,
+    ) -> MaybeReady<RuleSetLookup> {
         let ticket = self.tickets.fetch_add(1, Ordering::SeqCst) + 1;
         match self.inner.rule_set(&self.key).into_ready() {
             Ok(result) => {
@@ -660,13 +686,27 @@ impl<P: RuleSetProvider> Lookup<P> {
                 MaybeReady::ready(self.answer(ticket, result))
             }
             Err(pending) => MaybeReady::boxed(async move {
-                let result = match tokio::time::timeout(self.timeout, pending).await {
-                    Ok(result) => result,
-                    Err(_) => Err(format!("the rule source did not answer within {:?}", self.timeout).into()),
+                let answered = match deadline {
+                    Some(deadline) => tokio::time::timeout_at(deadline, pending).await.ok(),
+                    None => Some(pending.await),
                 };
                 drop(turn);
+                let result = match answered {
+                    Some(result) => result,
+                    None if waited => Err(Box::new(self.busy()) as BoxError),
+                    None => Err(format!("the rule source did not answer within {:?}", self.timeout).into()),
+                };
                 self.answer(ticket, result)
             }),
+        }
+    }
+
+    /// The error of a request whose time went waiting for a turn.
+    fn busy(&self) -> LookupsBusy {
+        LookupsBusy {
+            rule_set: crate::error::Shown(&self.key).to_string(),
+            max_lookups: self.max_lookups,
+            timeout: self.timeout,
         }
     }
 

@@ -746,3 +746,87 @@ async fn made_up_rule_set_ids_through_a_gateway_stay_refused() {
     assert!(count(&statuses, 503) > 0, "some not looked up in time: {statuses:?}");
     assert!(count(&globex, 200) <= 5, "globex: {globex:?}");
 }
+
+/// A rule store that answers every lookup after 400 ms: `acme`, 2 per hour per address.
+#[derive(Debug)]
+struct SlowStore(fluxgate_core::RuleSets);
+
+impl fluxgate_core::RuleSetProvider for SlowStore {
+    fn rule_set(&self, id: &str) -> fluxgate_core::MaybeReady<fluxgate_core::RuleSetLookup> {
+        let found = self.0.get(id).cloned();
+        fluxgate_core::MaybeReady::boxed(async move {
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            Ok(found)
+        })
+    }
+}
+
+/// A request that waited for its turn to look its rule set up has what is left of the
+/// lookup timeout, counted from its arrival, not the whole timeout again: the service
+/// answers it within that timeout, marked `overloaded` when its time went in the queue,
+/// and the gateway refuses it. Before, such a request could take twice the timeout, and its
+/// lookup's timeout was the source's failure (an unmarked `503`): a made-up id under
+/// `UnknownRuleSet::Deny` was admitted by the gateway's `fail_open`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_that_waited_for_a_lookup_is_answered_within_the_lookup_timeout() {
+    let store = SlowStore(
+        fluxgate_core::RuleSets::from_yaml_str(
+            "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]",
+        )
+        .unwrap(),
+    );
+    let provider = fluxgate_core::CachingRuleSetProvider::builder(store)
+        .max_lookups(1)
+        .lookup_timeout(Duration::from_millis(450))
+        .build();
+    let engine = fluxgate_core::Engine::builder(provider)
+        .unknown_rule_set(fluxgate_core::UnknownRuleSet::Deny)
+        .build()
+        .unwrap();
+    let state = fluxgate_server::AppState {
+        engine,
+        redis: None,
+        admin: None,
+        admin_token: None,
+        max_batch: 100,
+        max_body_bytes: 1 << 20,
+        metrics: None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let service = listener.local_addr().unwrap();
+    let router = fluxgate_server::router(std::sync::Arc::new(state));
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    // A deadline above the lookup timeout (with room for a busy machine) and below twice
+    // it, where an answer came before.
+    let remote = RemoteHandler::builder(&format!("http://{service}"))
+        .unwrap()
+        .timeout(Duration::from_millis(700))
+        .build();
+    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .unwrap();
+    let gateway = app(layer).await;
+    // One lookup at a time, 400 ms each: the first is looked up (unknown: 429); the two
+    // sent 10 and 20 ms later get their turns after most of their 450 ms has gone, and are
+    // answered `overloaded` when it has (before, after up to 800 ms, past the gateway's
+    // deadline).
+    let tasks: Vec<_> = (0..3u64)
+        .map(|i| {
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(10 * i)).await;
+                status_of_tenant(gateway, format!("made-up-{i}")).await
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for task in tasks {
+        statuses.push(task.await.unwrap());
+    }
+    assert!(!statuses.contains(&200), "a made-up id admitted: {statuses:?}");
+    assert!(statuses.iter().all(|s| [429, 503].contains(s)), "{statuses:?}");
+}
