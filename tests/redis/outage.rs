@@ -1059,3 +1059,60 @@ async fn an_open_circuit_still_refuses_a_client_the_deny_cache_knows_is_spent() 
     }
     server.signal("-CONT");
 }
+
+/// The same on a cluster, for a rule set of two rules, whose requests span hash slots: the
+/// cache lets one request of such a denial through to Redis every 100 ms, as a probe
+/// (a refund across slots may free the band early). While the circuit is open such a
+/// probe cannot reach Redis and was left to the failure policy, which admitted the spent
+/// client about ten times a second; the breaker's question to the cache now spends no probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_circuit_still_refuses_a_spent_client_of_rules_across_slots() {
+    let cluster = RedisCluster::start();
+    let limiter = RedisLimiter::builder(cluster.url())
+        .timeout(DEADLINE)
+        .connect()
+        .await
+        .expect("connect");
+    let rules = rules(
+        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n      - id: everyone\n        scope: global\n        bands: [{ capacity: 1000000, window: 1s }]\n",
+    );
+    let engine = Engine::builder(rules)
+        .limiter(
+            CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(Duration::from_secs(30)),
+        )
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("the backend decides every rule");
+    let client = |ip: &str| {
+        RequestContext::builder()
+            .client_ip(ip.parse().expect("an address"))
+            .build()
+    };
+    let (spent, bystander) = (client("192.0.2.90"), client("192.0.2.91"));
+    for _ in 0..2 {
+        assert!(engine.check(&spent).await.expect("decided").allowed());
+    }
+    assert!(
+        !engine.check(&spent).await.expect("decided").allowed(),
+        "spent, and remembered"
+    );
+    for node in &cluster.nodes {
+        node.signal("-STOP");
+    }
+    let opened = engine.check(&bystander).await.expect("the policy decides");
+    assert!(opened.failed_open, "{opened:?}");
+    let mut admitted = 0;
+    for _ in 0..25 {
+        admitted += usize::from(engine.check(&spent).await.expect("decided").allowed());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for node in &cluster.nodes {
+        node.signal("-CONT");
+    }
+    assert_eq!(
+        admitted, 0,
+        "the spent client admitted {admitted} times while the circuit was open"
+    );
+}

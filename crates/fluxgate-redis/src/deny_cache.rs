@@ -67,6 +67,28 @@ impl DenyCache {
     /// is refused by a denial that ends later than it may wait, as Redis would refuse it;
     /// a denial that ends within its wait lets it through to Redis, which takes its place.
     pub(crate) fn check(&self, request: &AcquireRequest, calls: &[Call], now: Instant) -> Option<AcquireOutcome> {
+        self.check_probing(request, calls, now, true)
+    }
+
+    /// As [`check`](Self::check), but a denial whose probe is due refuses too, and the
+    /// probe stays due: for a request that cannot reach Redis anyway (an open circuit), which
+    /// would spend the probe and be left to the failure policy.
+    pub(crate) fn check_without_probing(
+        &self,
+        request: &AcquireRequest,
+        calls: &[Call],
+        now: Instant,
+    ) -> Option<AcquireOutcome> {
+        self.check_probing(request, calls, now, false)
+    }
+
+    fn check_probing(
+        &self,
+        request: &AcquireRequest,
+        calls: &[Call],
+        now: Instant,
+        probing: bool,
+    ) -> Option<AcquireOutcome> {
         if self.latest_us.load(Ordering::Relaxed) <= self.micros(now) {
             return None; // every denial remembered has ended
         }
@@ -84,7 +106,7 @@ impl DenyCache {
                         return None;
                     }
                 }
-                (!self.probes(&denial, now)).then_some((band.position, denial))
+                (!(probing && self.probes(&denial, now))).then_some((band.position, denial))
             })
         })?;
         let (bucket, band) = request.bands().nth(position)?;

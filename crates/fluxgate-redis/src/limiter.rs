@@ -344,11 +344,16 @@ impl RateLimiter for RedisLimiter {
         self.refund(request, at_unix_nanos, marks)
     }
 
-    /// The deny cache's refusal of `request`, if it knows one.
+    /// The deny cache's refusal of `request`, if it knows one, a denial whose probe is due
+    /// included (the request cannot reach Redis to probe it).
     fn refused_locally(&self, request: &AcquireRequest) -> Option<AcquireOutcome> {
         let cluster = self.inner.scripts.connection().is_cluster();
         let calls = encode(request, &self.inner.prefix, cluster).ok()?;
-        self.inner.denied(request, &calls, Instant::now())
+        let cache = self.inner.deny_cache(request)?.0;
+        let outcome = cache.check_without_probing(request, &calls, Instant::now())?;
+        #[cfg(feature = "metrics")]
+        metrics::counter!(fluxgate_core::metrics::DENY_CACHE_HITS_TOTAL).increment(1);
+        Some(outcome)
     }
 }
 
@@ -465,9 +470,11 @@ impl RedisLimiter {
             Err(e) => return MaybeReady::ready(Err(e.into())),
         };
         let scripts = inner.scripts.clone();
-        // The bands given back to: a denial this instance remembers of them may end earlier
-        // now (a waiter's place, a lease's permits), so it is forgotten once the permits are
-        // back, and the next request of the same cost asks Redis.
+        // The bands given back to: a denial this instance remembers of them, of this cost,
+        // may end earlier now (a waiter's place), so it is forgotten once the permits are
+        // back, and the next request of the same cost asks Redis. (A lease gives back what
+        // is left of it, a cost its denials seldom have: they may outlive it, as a refund
+        // across slots may.)
         let given_back: Vec<String> = match (&inner.denied, encode(request, &inner.prefix, cluster)) {
             (Some(_), Ok(decided)) => decided
                 .iter()
