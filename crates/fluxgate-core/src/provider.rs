@@ -424,8 +424,10 @@ mod tests {
 /// rule set found last is served, if any). The time counts from the request's arrival: a
 /// request that waited for its turn has what is left of it for its lookup, and fails with
 /// [`LookupsBusy`] when it runs out. A request for a rule set found before, when no turn is
-/// free, is served the rule set found last at once rather than queued behind a flood (the
-/// next request that finds a turn free looks it up again). These waits use tokio's timers:
+/// free, is served the rule set found last at once rather than queued behind a flood; one
+/// more lookup, kept for ids found before, looks them up again one at a time meanwhile, so
+/// that the rule sets in force follow their changes whatever the flood (the source is asked
+/// at most `max_lookups + 1` lookups at once). These waits use tokio's timers:
 /// use the provider on a tokio runtime with time enabled (`#[tokio::main]` enables it).
 ///
 /// ```
@@ -456,6 +458,9 @@ pub struct CachingRuleSetProvider<P> {
     checks: Arc<Checks>,
     /// The lookups of the inner provider allowed at once.
     slots: Arc<tokio::sync::Semaphore>,
+    /// One more lookup, only for ids found before: while a flood of made-up ids holds every
+    /// other, the rule sets in force are still looked up again, one at a time.
+    refresh: Arc<tokio::sync::Semaphore>,
     max_lookups: usize,
     /// How long a request waits for its turn to look up, and a lookup for the source.
     lookup_timeout: Duration,
@@ -574,6 +579,7 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
             last: moka::sync::Cache::builder().max_capacity(self.max_capacity).build(),
             checks: Arc::new(Checks::default()),
             slots: Arc::new(tokio::sync::Semaphore::new(self.max_lookups)),
+            refresh: Arc::new(tokio::sync::Semaphore::new(1)),
             max_lookups: self.max_lookups,
             lookup_timeout: self.lookup_timeout,
         }
@@ -609,12 +615,16 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
         if let Ok(turn) = self.slots.clone().try_acquire_owned() {
             return lookup.run(turn, deadline, false);
         }
-        // Every lookup at once is taken. A rule set found before is served as it was found
-        // last, at once, rather than queued behind a flood of made-up ids (the next request
-        // that finds a turn free looks it up again); the others wait for a turn, then ask
-        // the cache again (the lookup that ended may have been of this id).
+        // Every lookup at once is taken. An id found before is looked up again in the turn
+        // kept for such ids when it is free (a flood of made-up ids never holds it, so the
+        // rule sets in force still follow their changes), else served the rule set found
+        // last, at once, rather than queued behind the flood; the others wait for a turn,
+        // then ask the cache again (the lookup that ended may have been of this id).
         if let Some(set) = self.last.get(id) {
-            return MaybeReady::ready(Ok(Some(set)));
+            return match self.refresh.clone().try_acquire_owned() {
+                Ok(turn) => lookup.run(turn, deadline, false),
+                Err(_) => MaybeReady::ready(Ok(Some(set))),
+            };
         }
         let slots = self.slots.clone();
         MaybeReady::boxed(async move {
