@@ -545,10 +545,10 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
         self
     }
 
-    /// The most lookups of the inner provider at once (at least 1; default 4). Keep it
-    /// within what the source serves at once, such as its pool of connections: a lookup
-    /// that fails because the source is saturated follows the failure policy for an id
-    /// never found before, which may admit.
+    /// The most lookups of the inner provider at once (at least 1; default 4), plus one
+    /// kept for ids found before. Keep it within what the source serves at once, such as
+    /// its pool of connections: a lookup that fails because the source is saturated follows
+    /// the failure policy for an id never found before, which may admit.
     pub fn max_lookups(mut self, max: usize) -> Self {
         self.max_lookups = max.max(1);
         self
