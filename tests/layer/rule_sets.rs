@@ -278,10 +278,9 @@ async fn a_hanging_store_holds_no_request_past_the_lookup_timeout() {
     // the client's 5, then refused; none failed, which `fail_closed` would refuse.
     assert_eq!(count(&statuses, StatusCode::OK), 5, "{statuses:?}");
     assert_eq!(count(&statuses, StatusCode::TOO_MANY_REQUESTS), 5, "{statuses:?}");
-    // The first four's lookups time out after 200 ms. Of the six, one looks acme up again in
-    // the turn kept for ids found before, which times out 200 ms after it came (250 ms); the
-    // others are served the rule set found last at once.
-    assert_eq!(started.elapsed(), Duration::from_millis(250));
+    // The first four take the four turns, and their lookups time out after 200 ms; the six
+    // find none free and are served the rule set found last at once.
+    assert_eq!(started.elapsed(), Duration::from_millis(200));
     // An id never found: the failure policy, within the timeout.
     let statuses = burst(&closed, vec!["globex".to_owned()], "198.51.100.21").await;
     assert_eq!(statuses, [StatusCode::SERVICE_UNAVAILABLE]);
@@ -424,4 +423,143 @@ async fn a_rule_set_in_force_follows_its_change_during_a_flood() {
         ]
     );
     assert_eq!(count(&flood.await.expect("the flood"), StatusCode::OK), 0);
+}
+
+/// Tenants found before, looked up again during a flood, take no more lookups at once than
+/// `max_lookups` (the store's pool): one of the turns is theirs, and the flood's ids hold
+/// the others. With a turn of their own added on top, a lookup of the flood waited for a
+/// connection that a tenant's lookup held, past the store's checkout deadline, failed, and
+/// `fail_open` admitted its made-up id.
+#[tokio::test(start_paused = true)]
+async fn tenants_looked_up_again_during_a_flood_keep_within_the_pool() {
+    let store = Arc::new(Store::new());
+    store.slower_ms.store(55, Ordering::SeqCst); // 60 ms a lookup, past the pool's 50 ms checkout
+    let provider = Arc::new(CachingRuleSetProvider::builder(store.clone()).build());
+    let app = tenant_app(provider.clone(), FailurePolicy::FailOpen);
+    for tenant in ["acme", "globex"] {
+        assert_eq!(
+            burst(&app, vec![tenant.to_owned()], "198.51.100.1").await,
+            [StatusCode::OK]
+        );
+    }
+    provider.invalidate_all();
+    let flood = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let ids = (0..400).map(|i| format!("flood-{i:05}")).collect();
+            burst(&app, ids, "198.51.100.66").await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for tenant in ["acme", "globex", "acme", "globex"] {
+        burst(&app, vec![tenant.to_owned()], "198.51.100.2").await;
+    }
+    let flood = flood.await.expect("the flood");
+    assert_eq!(count(&flood, StatusCode::OK), 0, "made-up ids admitted");
+    assert_eq!(store.failed.load(Ordering::SeqCst), 0, "the store never fails");
+    assert!(store.most_under_way.load(Ordering::SeqCst) <= POOL);
+}
+
+/// A lookup that fails serves the rule set found last without caching it: once the source
+/// answers again, the next request looks the rule set up, and a change made meanwhile is in
+/// force at once. Cached, the rule set found last stayed in force for a whole time to live
+/// (60 s by default) after the failure.
+#[tokio::test(start_paused = true)]
+async fn a_failed_lookup_leaves_no_stale_rule_set_cached() {
+    let store = Arc::new(Store::new());
+    let provider = Arc::new(CachingRuleSetProvider::builder(store.clone()).build());
+    let app = tenant_app(provider.clone(), FailurePolicy::FailClosed);
+    assert_eq!(
+        burst(&app, vec!["acme".to_owned()], "198.51.100.50").await,
+        [StatusCode::OK]
+    );
+    // acme is tightened to 1 per hour while the store fails (it hangs, past the timeout).
+    *store.sets.lock().expect("lock") =
+        RuleSets::from_yaml_str("rule_sets: [{id: acme, rules: [{id: strict, bands: [{capacity: 1, window: 1h}]}]}]")
+            .expect("rules");
+    provider.invalidate("acme");
+    store.hang.store(true, Ordering::SeqCst);
+    assert_eq!(
+        burst(&app, vec!["acme".to_owned()], "198.51.100.50").await,
+        [StatusCode::OK],
+        "found last"
+    );
+    store.hang.store(false, Ordering::SeqCst);
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        after.extend(burst(&app, vec!["acme".to_owned()], "198.51.100.50").await);
+    }
+    use StatusCode as S;
+    assert_eq!(
+        after,
+        [S::OK, S::TOO_MANY_REQUESTS, S::TOO_MANY_REQUESTS],
+        "the tightened rule set"
+    );
+}
+
+/// What two lookups of one id that end together leave as the rule set found last is what
+/// they leave cached: the cache and the rule set found last change in one step. In two
+/// steps, the older lookup could write the rule set found last after the newer one, and a
+/// looser or deleted rule set be served in place of the newer one on the next failure.
+#[test]
+fn the_rule_set_found_last_is_the_one_cached_last() {
+    /// A source answering, alternately, two versions of one rule set; or failing.
+    #[derive(Debug, Default)]
+    struct Versions {
+        calls: std::sync::atomic::AtomicUsize,
+        fail: AtomicBool,
+    }
+    impl RuleSetProvider for Versions {
+        fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
+            if self.fail.load(Ordering::SeqCst) {
+                return MaybeReady::ready(Err("the source fails".into()));
+            }
+            let capacity = 1 + self.calls.fetch_add(1, Ordering::SeqCst) % 2;
+            let yaml =
+                format!("rule_sets: [{{id: {id}, rules: [{{id: r, bands: [{{capacity: {capacity}, window: 1h}}]}}]}}]");
+            MaybeReady::ready(Ok(RuleSets::from_yaml_str(&yaml).expect("rules").get(id).cloned()))
+        }
+    }
+    let provider = CachingRuleSetProvider::builder(Versions::default())
+        .max_capacity(1_000_000)
+        .build();
+    let capacity = |set: &fluxgate::core::RuleSet| set.rules()[0].bands()[0].capacity();
+    let barrier = std::sync::Barrier::new(2);
+    for i in 0..5_000 {
+        let id = format!("k{i}");
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    barrier.wait();
+                    let _ = provider.rule_set(&id).into_ready();
+                });
+            }
+        });
+        let cached = provider
+            .rule_set(&id)
+            .into_ready()
+            .expect("ready")
+            .expect("found")
+            .expect("a set");
+        provider.invalidate(&id);
+        provider.get_ref().fail.store(true, Ordering::SeqCst);
+        let last = provider
+            .rule_set(&id)
+            .into_ready()
+            .expect("ready")
+            .expect("found last")
+            .expect("a set");
+        provider.get_ref().fail.store(false, Ordering::SeqCst);
+        assert_eq!(capacity(&cached), capacity(&last), "round {i}");
+    }
+}
+
+/// Out-of-range options are taken within range rather than panicking or refusing every
+/// lookup: `max_lookups(usize::MAX)` is tokio's most permits, a zero `lookup_timeout` 1 ms.
+#[test]
+fn out_of_range_lookup_options_are_taken_within_range() {
+    let _ = CachingRuleSetProvider::builder(RuleSets::default())
+        .max_lookups(usize::MAX)
+        .lookup_timeout(Duration::ZERO)
+        .build();
 }

@@ -306,21 +306,22 @@ mod tests {
 
         cached.invalidate("api");
         *cached.get_ref().fail.lock().unwrap() = true;
-        // The source fails: the rule set found last stays in force, from the cache until
-        // it expires again.
+        // The source fails: the rule set found last stays in force, not cached (each
+        // request that finds a turn free asks the source again, so that a change is in
+        // force as soon as it answers).
         assert!(cached.rule_set("api").await.unwrap().is_some());
         assert!(cached.rule_set("api").await.unwrap().is_some());
-        assert_eq!(lookups(&cached), 3, "served from the cache, not asked again");
+        assert_eq!(lookups(&cached), 4, "asked again");
         // An id never found has nothing to fall back on: the error, not cached.
         assert!(cached.rule_set("never").await.is_err());
         assert!(cached.rule_set("never").await.is_err());
-        assert_eq!(lookups(&cached), 5);
+        assert_eq!(lookups(&cached), 6);
         cached.invalidate("api");
         *cached.get_ref().fail.lock().unwrap() = false;
         assert!(cached.rule_set("api").await.unwrap().is_some());
         cached.invalidate_all();
         assert!(cached.rule_set("api").await.unwrap().is_some());
-        assert_eq!(lookups(&cached), 7);
+        assert_eq!(lookups(&cached), 8);
     }
 
     /// A source whose lookups answer what it held when they were made, once released.
@@ -424,10 +425,11 @@ mod tests {
 /// rule set found last is served, if any). The time counts from the request's arrival: a
 /// request that waited for its turn has what is left of it for its lookup, and fails with
 /// [`LookupsBusy`] when it runs out. A request for a rule set found before, when no turn is
-/// free, is served the rule set found last at once rather than queued behind a flood; one
-/// more lookup, kept for ids found before, looks them up again one at a time meanwhile, so
-/// that the rule sets in force follow their changes whatever the flood (the source is asked
-/// at most `max_lookups + 1` lookups at once). These waits use tokio's timers:
+/// free, is served the rule set found last at once rather than queued behind a flood; ids
+/// not found before hold at most all turns but one, so that ids found before are still
+/// looked up again meanwhile and the rule sets in force follow their changes whatever the
+/// flood. A failed lookup's rule set found last is served, not cached: the next request
+/// that finds a turn free asks the source again. These waits use tokio's timers:
 /// use the provider on a tokio runtime with time enabled (`#[tokio::main]` enables it).
 ///
 /// ```
@@ -456,14 +458,17 @@ pub struct CachingRuleSetProvider<P> {
     last: moka::sync::Cache<Arc<str>, Arc<RuleSet>>,
     /// The checks of the engines built on this provider, run on every rule set it loads.
     checks: Arc<Checks>,
-    /// The lookups of the inner provider allowed at once.
+    /// The lookups of the inner provider allowed at once (`max_lookups`).
     slots: Arc<tokio::sync::Semaphore>,
-    /// One more lookup, only for ids found before: while a flood of made-up ids holds every
-    /// other, the rule sets in force are still looked up again, one at a time.
-    refresh: Arc<tokio::sync::Semaphore>,
+    /// The lookups of ids not found before allowed at once, one fewer than `slots` (when
+    /// there are two or more): a flood of made-up ids leaves a turn to the ids found
+    /// before, so that the rule sets in force still follow their changes.
+    new_ids: Arc<tokio::sync::Semaphore>,
     max_lookups: usize,
-    /// How long a request waits for its turn to look up, and a lookup for the source.
+    /// How long a request may take to look its rule set up, from its arrival.
     lookup_timeout: Duration,
+    /// At most one warning per period for the failed lookups served the rule set found last.
+    failures: Arc<crate::failure::LogThrottle>,
 }
 
 /// Builds a [`CachingRuleSetProvider`].
@@ -476,26 +481,27 @@ pub struct CachingRuleSetProviderBuilder<P> {
     lookup_timeout: Duration,
 }
 
-/// A rule set could not be looked up: the lookups a [`CachingRuleSetProvider`] allows at
-/// once were all taken for longer than its lookup timeout (a flood of ids that no entry
-/// holds, or a source that answers slowly). The engine reports it as
-/// [`Error::Overloaded`](crate::Error::Overloaded), which no failure policy admits.
+/// A rule set could not be looked up in time: the request's lookup timeout passed while it
+/// waited for one of the lookups a [`CachingRuleSetProvider`] allows at once, or in the
+/// lookup it then made (a flood of ids that no entry holds, or a source that answers
+/// slowly). The engine reports it as [`Error::Overloaded`](crate::Error::Overloaded), which
+/// no failure policy admits.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
-    "rule set `{rule_set}` not looked up: the rule source's {max_lookups} lookups at once were all taken for {timeout:?}"
+    "rule set `{rule_set}` not looked up within {timeout:?}: it waited for one of the rule source's {max_lookups} lookups at once"
 )]
 pub struct LookupsBusy {
     /// The rule set asked for, as a log line shows it.
     pub rule_set: String,
     /// The provider's bound on lookups at once.
     pub max_lookups: usize,
-    /// How long the request waited for its turn.
+    /// The provider's lookup timeout, counted from the request's arrival.
     pub timeout: Duration,
 }
 
 impl<P: RuleSetProvider> CachingRuleSetProvider<P> {
     /// A builder: expire after write 60 s, at most 10,000 rule sets, at most 4 lookups of
-    /// the source at once, each request waiting at most 1 s for its turn.
+    /// the source at once, each request looked up within 1 s of its arrival.
     pub fn builder(inner: P) -> CachingRuleSetProviderBuilder<P> {
         CachingRuleSetProviderBuilder {
             inner,
@@ -545,12 +551,13 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
         self
     }
 
-    /// The most lookups of the inner provider at once (at least 1; default 4), plus one
-    /// kept for ids found before. Keep it within what the source serves at once, such as
-    /// its pool of connections: a lookup that fails because the source is saturated follows
-    /// the failure policy for an id never found before, which may admit.
+    /// The most lookups of the inner provider at once (at least 1; default 4), one of them
+    /// kept for ids found before when there are two or more. Keep it within what the source
+    /// serves at once, such as its pool of connections: a lookup that fails because the
+    /// source is saturated follows the failure policy for an id never found before, which
+    /// may admit.
     pub fn max_lookups(mut self, max: usize) -> Self {
-        self.max_lookups = max.max(1);
+        self.max_lookups = max.clamp(1, tokio::sync::Semaphore::MAX_PERMITS);
         self
     }
 
@@ -561,8 +568,12 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
     /// service answers a request that was not looked up in time with a `503` its gateways
     /// refuse whatever their failure policy, while an answer later than their deadline is
     /// a failure their policy decides.
+    ///
+    /// Keep it above what the source takes to answer: a lookup that times out for an id
+    /// never found before follows the failure policy, which may admit. A zero timeout is
+    /// taken as 1 ms.
     pub fn lookup_timeout(mut self, timeout: Duration) -> Self {
-        self.lookup_timeout = timeout;
+        self.lookup_timeout = timeout.max(Duration::from_millis(1));
         self
     }
 
@@ -579,9 +590,10 @@ impl<P: RuleSetProvider> CachingRuleSetProviderBuilder<P> {
             last: moka::sync::Cache::builder().max_capacity(self.max_capacity).build(),
             checks: Arc::new(Checks::default()),
             slots: Arc::new(tokio::sync::Semaphore::new(self.max_lookups)),
-            refresh: Arc::new(tokio::sync::Semaphore::new(1)),
+            new_ids: Arc::new(tokio::sync::Semaphore::new((self.max_lookups - 1).max(1))),
             max_lookups: self.max_lookups,
             lookup_timeout: self.lookup_timeout,
+            failures: Arc::new(crate::failure::LogThrottle::new(crate::failure::LogThrottle::EVERY)),
         }
     }
 }
@@ -609,37 +621,46 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
             invalidated: self.invalidated.clone(),
             timeout: self.lookup_timeout,
             max_lookups: self.max_lookups,
+            failures: self.failures.clone(),
         };
         // The request's one deadline, from now: its wait for a turn and its lookup together.
         let deadline = tokio::time::Instant::now().checked_add(self.lookup_timeout);
-        if let Ok(turn) = self.slots.clone().try_acquire_owned() {
-            return lookup.run(turn, deadline, false);
-        }
-        // Every lookup at once is taken. An id found before is looked up again in the turn
-        // kept for such ids when it is free (a flood of made-up ids never holds it, so the
-        // rule sets in force still follow their changes), else served the rule set found
-        // last, at once, rather than queued behind the flood; the others wait for a turn,
-        // then ask the cache again (the lookup that ended may have been of this id).
         if let Some(set) = self.last.get(id) {
-            return match self.refresh.clone().try_acquire_owned() {
-                Ok(turn) => lookup.run(turn, deadline, false),
+            // Found before: looked up again in any free turn (the one ids not found before
+            // cannot all hold included), else served as found last, at once, rather than
+            // queued behind a flood of made-up ids.
+            return match self.slots.clone().try_acquire_owned() {
+                Ok(turn) => lookup.run(vec![turn], deadline, false),
                 Err(_) => MaybeReady::ready(Ok(Some(set))),
             };
         }
-        let slots = self.slots.clone();
+        // Not found before: a turn among those of such ids, then one of all.
+        let (new_ids, slots) = (self.new_ids.clone(), self.slots.clone());
+        if let Ok(first) = new_ids.clone().try_acquire_owned() {
+            if let Ok(turn) = slots.clone().try_acquire_owned() {
+                return lookup.run(vec![first, turn], deadline, false);
+            }
+        }
+        // Every turn is taken: wait for one to end, then ask the cache again (the lookup
+        // that ended may have been of this id).
         MaybeReady::boxed(async move {
-            let turn = match deadline {
-                Some(deadline) => tokio::time::timeout_at(deadline, slots.acquire_owned()).await.ok(),
-                None => Some(slots.acquire_owned().await),
+            let turns = async {
+                let first = new_ids.acquire_owned().await.ok()?;
+                let turn = slots.acquire_owned().await.ok()?;
+                Some(vec![first, turn])
             };
-            match turn {
-                Some(Ok(turn)) => match lookup.cache.get(&lookup.key) {
+            let turns = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, turns).await.ok().flatten(),
+                None => turns.await,
+            };
+            match turns {
+                Some(turns) => match lookup.cache.get(&lookup.key) {
                     Some((_, hit)) => Ok(hit),
-                    None => lookup.run(turn, deadline, true).await,
+                    None => lookup.run(turns, deadline, true).await,
                 },
-                // Timed out (the semaphore is never closed): the rule set found last if one
-                // was found meanwhile, else refused.
-                _ => match lookup.last.get(&lookup.key) {
+                // Timed out (the semaphores are never closed): the rule set found last if
+                // one was found meanwhile, else refused.
+                None => match lookup.last.get(&lookup.key) {
                     Some(set) => Ok(Some(set)),
                     None => Err(Box::new(lookup.busy()) as BoxError),
                 },
@@ -665,7 +686,7 @@ impl<P: RuleSetProvider> RuleSetProvider for CachingRuleSetProvider<P> {
 }
 
 /// One lookup of the inner provider for a request whose id no entry holds, made in its
-/// turn (while it holds one of the provider's `max_lookups` places).
+/// turn (while it holds one of the provider's `max_lookups` turns).
 struct Lookup<P> {
     inner: Arc<P>,
     key: Arc<str>,
@@ -676,6 +697,7 @@ struct Lookup<P> {
     invalidated: Arc<AtomicU64>,
     timeout: Duration,
     max_lookups: usize,
+    failures: Arc<crate::failure::LogThrottle>,
 }
 
 impl<P: RuleSetProvider> Lookup<P> {
@@ -685,7 +707,7 @@ impl<P: RuleSetProvider> Lookup<P> {
     /// not as the source's failures do; either is served the rule set found last, if any.
     fn run(
         self,
-        turn: tokio::sync::OwnedSemaphorePermit,
+        turn: Vec<tokio::sync::OwnedSemaphorePermit>,
         deadline: Option<tokio::time::Instant>,
         waited: bool,
     ) -> MaybeReady<RuleSetLookup> {
@@ -722,20 +744,21 @@ impl<P: RuleSetProvider> Lookup<P> {
 
     /// Caches the answer of the lookup with `ticket` unless an invalidation, or a lookup
     /// that started later, came first: an answer read before a change (a rule set not
-    /// created yet) must not be served after it until the entry expires. Answers whether it
-    /// did.
-    fn keep(&self, ticket: u64, found: Option<Arc<RuleSet>>) -> bool {
-        let mut kept = false;
+    /// created yet) must not be served after it until the entry expires. The rule set found
+    /// last follows in the same step (under the entry's lock), so that it is always the
+    /// answer cached last: two lookups that end together cannot leave the older one's.
+    fn keep(&self, ticket: u64, found: Option<Arc<RuleSet>>) {
         self.cache.entry(self.key.clone()).and_compute_with(|entry| {
             let newer = entry.is_some_and(|entry| entry.value().0 > ticket);
             if newer || self.invalidated.load(Ordering::SeqCst) > ticket {
-                moka::ops::compute::Op::Nop
-            } else {
-                kept = true;
-                moka::ops::compute::Op::Put((ticket, found))
+                return moka::ops::compute::Op::Nop;
             }
+            match &found {
+                Some(set) => self.last.insert(self.key.clone(), set.clone()),
+                None => self.last.invalidate(&self.key),
+            }
+            moka::ops::compute::Op::Put((ticket, found))
         });
-        kept
     }
 
     /// The request's answer from the inner provider's.
@@ -745,10 +768,19 @@ impl<P: RuleSetProvider> Lookup<P> {
             Err(error) => {
                 return match self.last.get(&self.key) {
                     Some(set) => {
-                        tracing::warn!(rule_set = %self.key, %error, "rule source failed: the rule set found last stays in force");
-                        // Served from the cache until it expires again: requests do not
-                        // each wait for a source that is down.
-                        self.keep(ticket, Some(set.clone()));
+                        // Not cached: the next request that finds a turn free asks the source
+                        // again, so that the rule set follows its changes once it answers
+                        // (the requests that find none are served the rule set found last
+                        // at once, and the turns bound what the source is asked meanwhile).
+                        if let Some(held_back) = self.failures.due() {
+                            tracing::warn!(
+                                rule_set = %self.key, %error, held_back,
+                                "rule source failed: the rule set found last stays in force (warned again in {}s at the earliest)",
+                                crate::failure::LogThrottle::EVERY.as_secs()
+                            );
+                        } else {
+                            tracing::debug!(rule_set = %self.key, %error, "rule source failed: the rule set found last stays in force");
+                        }
                         Ok(Some(set))
                     }
                     None => Err(error),
@@ -761,12 +793,7 @@ impl<P: RuleSetProvider> Lookup<P> {
                 return Err(error.into());
             }
         }
-        if self.keep(ticket, found.clone()) {
-            match &found {
-                Some(set) => self.last.insert(self.key.clone(), set.clone()),
-                None => self.last.invalidate(&self.key),
-            }
-        }
+        self.keep(ticket, found.clone());
         Ok(found)
     }
 }
