@@ -287,7 +287,11 @@ impl InFlight {
                 .rule
                 .bands()
                 .iter()
-                .map(|band| band.capacity().saturating_mul(1 + windows_spanned(wait, band.window())) / permits)
+                .map(|band| {
+                    band.capacity()
+                        .saturating_mul(windows_spanned(wait, band.window()).saturating_add(1))
+                        / permits
+                })
                 .min()
                 .unwrap_or(self.most_at_once)
                 .clamp(1, self.most_at_once);
