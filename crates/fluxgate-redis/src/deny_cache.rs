@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use fluxgate_core::limiter::{AcquireOutcome, AcquireRequest, Wait};
 
@@ -23,9 +23,10 @@ pub(crate) struct DenyCache {
 
 /// A band that rejected: until `until` it rejects every request of the same cost, because
 /// only time adds tokens to a bucket. A local rejection repeats Redis's figures: the
-/// remaining permits and the instant the band is full again, on Redis's clock (`reset_at`),
-/// and counts down the time to it on the process's monotonic clock (`reset_by`, the same
-/// instant), never on the host's wall clock, which may lie far from Redis's.
+/// remaining permits and the instant the band is full again, on Redis's clock (the call's
+/// instant on Redis's clock, `called_ns`, plus the time since on the process's monotonic
+/// clock, `called_by`; the time to the reset counted down to `reset_by`), never on the
+/// host's wall clock, which may lie far from Redis's.
 ///
 /// A denial that a refund may end early (see [`DenyCache::remember`]) lets one request
 /// through to Redis every so often (`probe`: when the next may go, in µs from the cache's
@@ -35,8 +36,14 @@ struct Denial {
     until: Instant,
     probe: Option<(Arc<AtomicU64>, u64)>,
     remaining: u64,
-    reset_at: SystemTime,
     reset_by: Instant,
+    /// Redis's instant of the call that learnt the denial, in ns since the epoch, and the
+    /// process's instant it is counted from (before the call): a local answer's instant is
+    /// the first plus the time since the second, so that it goes forward as Redis's would,
+    /// also past `reset_by` (a denial may outlive the band's reset: a wait for a window
+    /// after the next).
+    called_ns: u64,
+    called_by: Instant,
 }
 
 impl DenyCache {
@@ -111,13 +118,10 @@ impl DenyCache {
         })?;
         let (bucket, band) = request.bands().nth(position)?;
         let wait = denial.until - now;
-        // Now on Redis's clock: its reset instant less the time left until it.
         let reset_after = denial.reset_by.saturating_duration_since(now);
-        let reset_ns = denial
-            .reset_at
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
-        let now_ns = reset_ns.saturating_sub(u64::try_from(reset_after.as_nanos()).unwrap_or(u64::MAX));
+        // Now on Redis's clock: the call's instant and the time since.
+        let since = u64::try_from(now.saturating_duration_since(denial.called_by).as_nanos()).unwrap_or(u64::MAX);
+        let now_ns = denial.called_ns.saturating_add(since);
         // Only the denying band is known; the others were not asked.
         let report = bucket.report(
             band,
@@ -205,12 +209,18 @@ impl DenyCache {
                     let every_us = u64::try_from(every.as_micros()).unwrap_or(u64::MAX);
                     (Arc::new(AtomicU64::new(self.micros(start + every))), every_us)
                 });
+                let reset_ns = report
+                    .reset_at
+                    .duration_since(UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
                 let denial = Denial {
                     until: start + wait,
                     probe,
                     remaining: report.remaining,
-                    reset_at: report.reset_at,
                     reset_by: start + report.reset_after,
+                    called_ns: reset_ns
+                        .saturating_sub(u64::try_from(report.reset_after.as_nanos()).unwrap_or(u64::MAX)),
+                    called_by: start,
                 };
                 self.latest_us.fetch_max(self.micros(denial.until), Ordering::Relaxed);
                 self.denials.insert(key, denial);
