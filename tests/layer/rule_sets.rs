@@ -67,6 +67,15 @@ impl Store {
     }
 }
 
+/// The store's `acme` tightened to 1 per hour (a rule of its own, a counter of its own), and
+/// the provider's entry of it dropped (as its time to live would).
+fn tighten_acme(store: &Store, provider: &CachingRuleSetProvider<Arc<Store>>) {
+    *store.sets.lock().expect("lock") =
+        RuleSets::from_yaml_str("rule_sets: [{id: acme, rules: [{id: strict, bands: [{capacity: 1, window: 1h}]}]}]")
+            .expect("rules");
+    provider.invalidate("acme");
+}
+
 impl RuleSetProvider for Store {
     fn rule_set(&self, id: &str) -> MaybeReady<RuleSetLookup> {
         *self.lookups.lock().expect("lock").entry(id.to_owned()).or_default() += 1;
@@ -141,6 +150,16 @@ async fn burst(app: &axum::Router, tenants: Vec<String>, peer: &'static str) -> 
     statuses
 }
 
+/// `n` requests of made-up rule set ids (`flood-00000`, …) sent at once from one address, in
+/// a task of their own: their statuses, in order.
+fn spawn_flood(app: &axum::Router, n: usize) -> tokio::task::JoinHandle<Vec<StatusCode>> {
+    let app = app.clone();
+    tokio::spawn(async move {
+        let ids = (0..n).map(|i| format!("flood-{i:05}")).collect();
+        burst(&app, ids, "198.51.100.66").await
+    })
+}
+
 fn count(statuses: &[StatusCode], status: StatusCode) -> usize {
     statuses.iter().filter(|&&s| s == status).count()
 }
@@ -197,13 +216,7 @@ async fn a_tenant_first_seen_during_a_flood_is_not_admitted_past_its_limit() {
             CachingRuleSetProvider::builder(store.clone()).build(),
             FailurePolicy::FailOpen,
         );
-        let flood = {
-            let app = app.clone();
-            tokio::spawn(async move {
-                let ids = (0..flood_size).map(|i| format!("flood-{i:05}")).collect();
-                burst(&app, ids, "198.51.100.66").await
-            })
-        };
+        let flood = spawn_flood(&app, flood_size);
         tokio::time::sleep(Duration::from_millis(2)).await;
         let statuses = burst(&app, vec!["globex".to_owned(); 20], "198.51.100.8").await;
         let flood = flood.await.expect("the flood");
@@ -356,13 +369,7 @@ async fn a_flood_of_made_up_ids_leaves_a_tenant_found_before_in_force() {
         [StatusCode::OK]
     );
     provider.invalidate("acme");
-    let flood = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            let ids = (0..2_000).map(|i| format!("flood-{i:05}")).collect();
-            burst(&app, ids, "198.51.100.66").await
-        })
-    };
+    let flood = spawn_flood(&app, 2_000);
     tokio::time::sleep(Duration::from_millis(2)).await;
     let started = tokio::time::Instant::now();
     let statuses = burst(&app, vec!["acme".to_owned(); 10], "198.51.100.41").await;
@@ -395,17 +402,8 @@ async fn a_rule_set_in_force_follows_its_change_during_a_flood() {
         [StatusCode::OK]
     );
     // acme is tightened to 1 per hour (a rule of its own, a counter of its own).
-    *store.sets.lock().expect("lock") =
-        RuleSets::from_yaml_str("rule_sets: [{id: acme, rules: [{id: strict, bands: [{capacity: 1, window: 1h}]}]}]")
-            .expect("rules");
-    provider.invalidate("acme");
-    let flood = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            let ids = (0..2_000).map(|i| format!("flood-{i:05}")).collect();
-            burst(&app, ids, "198.51.100.66").await
-        })
-    };
+    tighten_acme(&store, &provider);
+    let flood = spawn_flood(&app, 2_000);
     tokio::time::sleep(Duration::from_millis(2)).await;
     let mut statuses = Vec::new();
     for _ in 0..5 {
@@ -443,13 +441,7 @@ async fn tenants_looked_up_again_during_a_flood_keep_within_the_pool() {
         );
     }
     provider.invalidate_all();
-    let flood = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            let ids = (0..400).map(|i| format!("flood-{i:05}")).collect();
-            burst(&app, ids, "198.51.100.66").await
-        })
-    };
+    let flood = spawn_flood(&app, 400);
     tokio::time::sleep(Duration::from_millis(20)).await;
     for tenant in ["acme", "globex", "acme", "globex"] {
         burst(&app, vec![tenant.to_owned()], "198.51.100.2").await;
@@ -474,10 +466,7 @@ async fn a_failed_lookup_leaves_no_stale_rule_set_cached() {
         [StatusCode::OK]
     );
     // acme is tightened to 1 per hour while the store fails (it hangs, past the timeout).
-    *store.sets.lock().expect("lock") =
-        RuleSets::from_yaml_str("rule_sets: [{id: acme, rules: [{id: strict, bands: [{capacity: 1, window: 1h}]}]}]")
-            .expect("rules");
-    provider.invalidate("acme");
+    tighten_acme(&store, &provider);
     store.hang.store(true, Ordering::SeqCst);
     assert_eq!(
         burst(&app, vec!["acme".to_owned()], "198.51.100.50").await,

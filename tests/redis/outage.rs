@@ -1017,6 +1017,32 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
     }
 }
 
+/// An engine deciding `yaml` on the Redis at `url` (the builder's deny cache on), behind a
+/// circuit breaker that opens at the first failure for 30 s, `fail_open`.
+async fn breaker_engine(url: String, yaml: &str) -> Engine {
+    let limiter = RedisLimiter::builder(url)
+        .timeout(DEADLINE)
+        .connect()
+        .await
+        .expect("connect");
+    Engine::builder(rules(yaml))
+        .limiter(
+            CircuitBreaker::new(limiter)
+                .failure_threshold(1)
+                .cool_down(Duration::from_secs(30)),
+        )
+        .on_backend_failure(FailurePolicy::FailOpen)
+        .build()
+        .expect("the backend decides every rule")
+}
+
+/// A request of the client at `ip`.
+fn client_at(ip: &str) -> RequestContext {
+    RequestContext::builder()
+        .client_ip(ip.parse().expect("an address"))
+        .build()
+}
+
 /// While the circuit breaker is open, a client whose limit the deny cache knows to be spent
 /// is refused by it, not left to the failure policy: the breaker answered every request
 /// `CircuitOpen` without asking the limiter it wraps, and `fail_open` then admitted that
@@ -1025,29 +1051,16 @@ async fn one_stuck_connection_on(place: Where, batching: Option<Batching>, canno
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_circuit_still_refuses_a_client_the_deny_cache_knows_is_spent() {
     let server = RedisServer::start();
-    let limiter = RedisLimiter::builder(server.url())
-        .timeout(DEADLINE)
-        .connect()
-        .await
-        .expect("connect");
-    let rules = rules(
+    let engine = breaker_engine(
+        server.url(),
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n",
+    )
+    .await;
+    let (spent, fresh, bystander) = (
+        client_at("192.0.2.80"),
+        client_at("192.0.2.81"),
+        client_at("192.0.2.82"),
     );
-    let engine = Engine::builder(rules)
-        .limiter(
-            CircuitBreaker::new(limiter)
-                .failure_threshold(1)
-                .cool_down(Duration::from_secs(30)),
-        )
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .expect("the backend decides every rule");
-    let client = |ip: &str| {
-        RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build()
-    };
-    let (spent, fresh, bystander) = (client("192.0.2.80"), client("192.0.2.81"), client("192.0.2.82"));
     for _ in 0..2 {
         assert!(engine.check(&spent).await.expect("decided").allowed());
     }
@@ -1076,29 +1089,8 @@ async fn an_open_circuit_still_refuses_a_client_the_deny_cache_knows_is_spent() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_circuit_still_refuses_a_spent_client_of_rules_across_slots() {
     let cluster = RedisCluster::start();
-    let limiter = RedisLimiter::builder(cluster.url())
-        .timeout(DEADLINE)
-        .connect()
-        .await
-        .expect("connect");
-    let rules = rules(
-        "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n      - id: everyone\n        scope: global\n        bands: [{ capacity: 1000000, window: 1s }]\n",
-    );
-    let engine = Engine::builder(rules)
-        .limiter(
-            CircuitBreaker::new(limiter)
-                .failure_threshold(1)
-                .cool_down(Duration::from_secs(30)),
-        )
-        .on_backend_failure(FailurePolicy::FailOpen)
-        .build()
-        .expect("the backend decides every rule");
-    let client = |ip: &str| {
-        RequestContext::builder()
-            .client_ip(ip.parse().expect("an address"))
-            .build()
-    };
-    let (spent, bystander) = (client("192.0.2.90"), client("192.0.2.91"));
+    let engine = breaker_engine(cluster.url(), "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{ capacity: 2, window: 1h }]\n      - id: everyone\n        scope: global\n        bands: [{ capacity: 1000000, window: 1s }]\n").await;
+    let (spent, bystander) = (client_at("192.0.2.90"), client_at("192.0.2.91"));
     for _ in 0..2 {
         assert!(engine.check(&spent).await.expect("decided").allowed());
     }

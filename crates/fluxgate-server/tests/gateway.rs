@@ -655,6 +655,43 @@ impl fluxgate_core::RuleSetProvider for PooledStore {
     }
 }
 
+/// A service built on `fluxgate_server::router` whose engine looks rule sets up through
+/// `provider`, refusing unknown ids, behind a gateway (`RemoteHandler` of `deadline` in a
+/// circuit breaker, `fail_open`) that takes the rule set from `X-Tenant`: the gateway's
+/// address.
+async fn tenant_gateway(provider: impl fluxgate_core::RuleSetProvider, deadline: Duration) -> SocketAddr {
+    let engine = fluxgate_core::Engine::builder(provider)
+        .unknown_rule_set(fluxgate_core::UnknownRuleSet::Deny)
+        .build()
+        .unwrap();
+    let state = fluxgate_server::AppState {
+        engine,
+        redis: None,
+        admin: None,
+        admin_token: None,
+        max_batch: 100,
+        max_body_bytes: 1 << 20,
+        metrics: None,
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let service = listener.local_addr().unwrap();
+    let router = fluxgate_server::router(std::sync::Arc::new(state));
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let remote = RemoteHandler::builder(&format!("http://{service}"))
+        .unwrap()
+        .timeout(deadline)
+        .build();
+    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
+        .customizer(|ctx, parts| {
+            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                ctx.set_rule_set_id(tenant);
+            }
+        })
+        .build()
+        .unwrap();
+    app(layer).await
+}
+
 /// `GET /api/hello` of `tenant` (`X-Tenant`) on a new connection: the status code.
 async fn status_of_tenant(addr: SocketAddr, tenant: String) -> u16 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -688,38 +725,9 @@ async fn made_up_rule_set_ids_through_a_gateway_stay_refused() {
         .max_lookups(4)
         .lookup_timeout(Duration::from_millis(30))
         .build();
-    let engine = fluxgate_core::Engine::builder(provider)
-        .unknown_rule_set(fluxgate_core::UnknownRuleSet::Deny)
-        .build()
-        .unwrap();
-    let state = fluxgate_server::AppState {
-        engine,
-        redis: None,
-        admin: None,
-        admin_token: None,
-        max_batch: 100,
-        max_body_bytes: 1 << 20,
-        metrics: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let service = listener.local_addr().unwrap();
-    let router = fluxgate_server::router(std::sync::Arc::new(state));
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     // A deadline far beyond the service's lookup timeout, so that a busy machine makes
     // no check late: what the gateway reads is the service's answer.
-    let remote = RemoteHandler::builder(&format!("http://{service}"))
-        .unwrap()
-        .timeout(Duration::from_secs(2))
-        .build();
-    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
-        .customizer(|ctx, parts| {
-            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
-                ctx.set_rule_set_id(tenant);
-            }
-        })
-        .build()
-        .unwrap();
-    let gateway = app(layer).await;
+    let gateway = tenant_gateway(provider, Duration::from_secs(2)).await;
     assert_eq!(
         status_of_tenant(gateway, "made-up-0".into()).await,
         429,
@@ -779,38 +787,9 @@ async fn a_request_that_waited_for_a_lookup_is_answered_within_the_lookup_timeou
         .max_lookups(1)
         .lookup_timeout(Duration::from_millis(450))
         .build();
-    let engine = fluxgate_core::Engine::builder(provider)
-        .unknown_rule_set(fluxgate_core::UnknownRuleSet::Deny)
-        .build()
-        .unwrap();
-    let state = fluxgate_server::AppState {
-        engine,
-        redis: None,
-        admin: None,
-        admin_token: None,
-        max_batch: 100,
-        max_body_bytes: 1 << 20,
-        metrics: None,
-    };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let service = listener.local_addr().unwrap();
-    let router = fluxgate_server::router(std::sync::Arc::new(state));
-    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
     // A deadline above the lookup timeout (with room for a busy machine) and below twice
     // it, where an answer came before.
-    let remote = RemoteHandler::builder(&format!("http://{service}"))
-        .unwrap()
-        .timeout(Duration::from_millis(700))
-        .build();
-    let layer = RateLimitLayer::builder(CircuitBreaker::new(remote))
-        .customizer(|ctx, parts| {
-            if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
-                ctx.set_rule_set_id(tenant);
-            }
-        })
-        .build()
-        .unwrap();
-    let gateway = app(layer).await;
+    let gateway = tenant_gateway(provider, Duration::from_millis(700)).await;
     // One lookup at a time, 400 ms each: the first is looked up (unknown: 429); the two
     // sent 10 and 20 ms later get their turns after most of their 450 ms has gone, and are
     // answered `overloaded` when it has (before, after up to 800 ms, past the gateway's
