@@ -12,7 +12,13 @@
 //!   `layer_governor`: one request through the axum apps of `benches/layer.rs` (bare; with
 //!   a layer that does nothing, which is what axum's wrapping of a layered route costs;
 //!   FluxGate's layer with the default options and with the legacy headers only;
-//!   `tower_governor` with `use_headers()`), over 1,000 client addresses.
+//!   `tower_governor` with `use_headers()`), over 1,000 client addresses;
+//! - `layer_fluxgate_no_headers`: FluxGate's layer with no header at all and no user or
+//!   API-key header read (the decision alone);
+//! - `layer_headers_5`, `layer_headers_3`, `layer_headers_2`, `layer_headers_0`: the bare
+//!   app behind a layer that only adds 5, 3, 2 or no rate-limit headers of constant values
+//!   (FluxGate's default headers, its legacy ones, `tower_governor`'s, none): what writing
+//!   them costs at least.
 //!
 //! Without arguments (as `cargo bench` runs it) it runs every variant briefly and prints
 //! the time per request: a smoke test, not a measurement.
@@ -108,6 +114,11 @@ fn run(variant: &str, n: usize) {
                 "layer_fluxgate" => apps::fluxgate(true, true),
                 "layer_fluxgate_legacy" => apps::fluxgate(false, true),
                 "layer_governor" => apps::governor(),
+                "layer_fluxgate_no_headers" => apps::fluxgate_with(false, false, false),
+                "layer_headers_5" => apps::headers_only(5),
+                "layer_headers_3" => apps::headers_only(3),
+                "layer_headers_2" => apps::headers_only(2),
+                "layer_headers_0" => apps::headers_only(0),
                 other => panic!("unknown variant `{other}`; the variants are {VARIANTS:?}"),
             };
             layer_loop(&rt, &app, apps::CLIENTS, apps::CLIENTS as usize);

@@ -13,6 +13,11 @@
 //! header values from one response to the next; many addresses rarely do), and so does
 //! `tower_governor`. The overhead of a layer is its time per request minus the bare app's.
 //!
+//! For a breakdown, more apps run beside them: FluxGate's layer with no header at all (the
+//! decision alone), a layer that does nothing (what axum's wrapping of a layered route
+//! costs), and layers that only add 5, 3, 2 or no rate-limit headers of constant values
+//! (FluxGate's default headers, its legacy ones, `tower_governor`'s, none): what writing
+//! them into axum's responses costs at least, with no decision made.
 //! Before criterion measures each variant on its own, an interleaved comparison runs the
 //! variants in turn for 21 rounds and prints the median of each, with each layer's overhead
 //! as a multiple of `tower_governor`'s (with as many clients): on a shared machine whose
@@ -25,7 +30,7 @@ mod apps;
 
 use std::time::{Duration, Instant};
 
-use apps::{bare, fluxgate, governor, request, CLIENTS};
+use apps::{bare, fluxgate, fluxgate_with, governor, headers_only, request, CLIENTS};
 use axum::body::Body;
 use axum::Router;
 use criterion::{black_box, criterion_group, criterion_main, Criterion};
@@ -108,6 +113,16 @@ fn layers(c: &mut Criterion) {
             fluxgate(false, false),
             CLIENTS,
         ),
+        ("d_fluxgate_no_headers", fluxgate_with(false, false, false), CLIENTS),
+        (
+            "d_identity_layer",
+            bare().layer(tower::layer::util::Identity::new()),
+            CLIENTS,
+        ),
+        ("d_headers_only_5", headers_only(5), CLIENTS),
+        ("d_headers_only_3", headers_only(3), CLIENTS),
+        ("d_headers_only_2", headers_only(2), CLIENTS),
+        ("d_headers_only_0", headers_only(0), CLIENTS),
         ("c_tower_governor", governor(), CLIENTS),
         ("c_tower_governor_1_client", governor(), 1),
         ("c_tower_governor_10000_clients", governor(), 10_000),

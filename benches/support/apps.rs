@@ -91,6 +91,12 @@ pub(crate) fn bare() -> Router {
 
 /// The app behind FluxGate's layer, one per-IP rule of 10^9 per hour in memory.
 pub(crate) fn fluxgate(ietf_headers: bool, identity_headers: bool) -> Router {
+    fluxgate_with(true, ietf_headers, identity_headers)
+}
+
+/// [`fluxgate`], with the legacy headers on or off too (both families off: the decision
+/// alone, for a breakdown of the layer's cost).
+pub(crate) fn fluxgate_with(legacy_headers: bool, ietf_headers: bool, identity_headers: bool) -> Router {
     let rules = RuleSets::from_yaml_str(
         r#"
 rule_sets:
@@ -102,7 +108,9 @@ rule_sets:
 "#,
     )
     .expect("rules");
-    let mut layer = RateLimitLayer::builder(Engine::in_memory(rules)).ietf_headers(ietf_headers);
+    let mut layer = RateLimitLayer::builder(Engine::in_memory(rules))
+        .legacy_headers(legacy_headers)
+        .ietf_headers(ietf_headers);
     if !identity_headers {
         layer = layer.no_user_header().no_api_key_header();
     }
@@ -118,6 +126,45 @@ pub(crate) fn governor() -> Router {
         .finish()
         .expect("governor config");
     bare().layer(GovernorLayer::new(Arc::new(config)))
+}
+
+/// The app behind a layer that does nothing but add `n` rate-limit headers of constant
+/// values to each response (`n` = 5: what FluxGate's default options write for an
+/// admission; 3: its legacy headers; 2: `tower_governor`'s): the least that writing these
+/// headers into axum's responses can cost, with no decision made.
+pub(crate) fn headers_only(n: usize) -> Router {
+    use http::{HeaderName, HeaderValue};
+    const HEADERS: [(HeaderName, HeaderValue); 5] = [
+        (
+            HeaderName::from_static("x-ratelimit-limit"),
+            HeaderValue::from_static("1000000000"),
+        ),
+        (
+            HeaderName::from_static("x-ratelimit-remaining"),
+            HeaderValue::from_static("999999999"),
+        ),
+        (
+            HeaderName::from_static("x-ratelimit-reset"),
+            HeaderValue::from_static("1800000000"),
+        ),
+        (
+            HeaderName::from_static("ratelimit-policy"),
+            HeaderValue::from_static("\"per-ip\";q=1000000000;w=3600"),
+        ),
+        (
+            HeaderName::from_static("ratelimit"),
+            HeaderValue::from_static("\"per-ip\";r=999999999;t=3600"),
+        ),
+    ];
+    bare().layer(tower::util::MapResponseLayer::new(
+        move |mut resp: axum::response::Response| {
+            let map = resp.headers_mut();
+            for (name, value) in HEADERS.into_iter().take(n) {
+                map.insert(name, value);
+            }
+            resp
+        },
+    ))
 }
 
 /// Request `i` of a run over `clients` client addresses.
