@@ -32,6 +32,7 @@
 //! | --- | --- | --- |
 //! | `tower` | yes | [`RateLimitLayer`] and the rest of [`fluxgate_tower`] |
 //! | `axum` | yes | the client address from axum's `ConnectInfo` |
+//! | `remote` | no | `tower`, and `fluxgate::tower::remote::RemoteHandler`: decisions asked of a rate-limit service (see `docs/service.md`) |
 //! | `redis` | no | the Redis backend (the `fluxgate-redis` crate, as `fluxgate::redis`) |
 //! | `watch` | no | `fluxgate::core::reload::spawn_watching`: rule files reloaded when they change |
 //! | `mongodb` | no | rules kept in MongoDB, one document per rule (the `fluxgate-mongodb` crate, as `fluxgate::mongodb`); needs Rust 1.88 |
