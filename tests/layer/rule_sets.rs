@@ -1,23 +1,29 @@
-//! Rule sets chosen by the request (a customizer reading `X-Tenant`), looked up through a
-//! `CachingRuleSetProvider` in front of a store that is what a real one is: a pool of a
-//! few connections, a deadline to get one (a lookup that cannot get a connection in time
-//! fails, as the pools of fred, sqlx or the MongoDB driver do), and some latency per
+//! Rule sets chosen by the request (a customizer reading `X-Tenant`). Most tests look them
+//! up through a `CachingRuleSetProvider` in front of a store that is what a real one is: a
+//! pool of a few connections, a deadline to get one (a lookup that cannot get a connection
+//! in time fails, as the pools of fred, sqlx or the MongoDB driver do), and some latency per
 //! lookup. The engine refuses unknown ids (`UnknownRuleSet::Deny`) and the layer keeps its
-//! default `on_error`, `fail_open`. Every test runs on a paused clock: the store's latency,
+//! default `on_error`, `fail_open`. These tests run on a paused clock: the store's latency,
 //! its pool's deadline and the provider's lookup timeout are tokio timers.
+//!
+//! The last tests, on tokio's own clock, take an id the rules do not have under either
+//! `UnknownRuleSet`, and under either `on_error` while a store that can be cut off is down;
+//! and a layer whose own `rule_set` its engine does not have.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::body::Body;
 use fluxgate::core::{
     CachingRuleSetProvider, Engine, MaybeReady, RuleSetLookup, RuleSetProvider, RuleSets, UnknownRuleSet,
 };
 use fluxgate::FailurePolicy;
-use http::StatusCode;
+use http::{Request, StatusCode};
 
-use crate::support::app::{app, layer, request, send};
+use crate::support::app::{app, layer, request, send, Reply};
+use crate::{builder, engine, support};
 
 /// Two tenants, each 5 requests per hour per client address.
 const TENANTS: &str = r#"
@@ -551,4 +557,179 @@ fn out_of_range_lookup_options_are_taken_within_range() {
         .max_lookups(usize::MAX)
         .lookup_timeout(Duration::ZERO)
         .build();
+}
+
+/// A customizer that picks the rule set from the request lets the client name one that
+/// does not exist: with the engine's default (`UnknownRuleSet::Allow`) such a request is
+/// admitted by no rule at all, so a client escapes every limit by sending a new tenant id;
+/// `UnknownRuleSet::Deny` refuses it.
+#[tokio::test]
+async fn a_rule_set_chosen_from_the_request_must_exist() {
+    const TENANTS: &str = "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]";
+    let app_with = |unknown: fluxgate::UnknownRuleSet| {
+        let engine = builder(TENANTS).unknown_rule_set(unknown).build().unwrap();
+        app(layer(engine)
+            .customizer(|ctx, parts| {
+                if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                    ctx.set_rule_set_id(tenant);
+                }
+            })
+            .build()
+            .unwrap())
+    };
+    let tenant = |app: &axum::Router, name: &'static str| {
+        send_owned(
+            app.clone(),
+            request("GET", "/api/users", "192.0.2.99", &[("x-tenant", name)]),
+        )
+    };
+    let allow = app_with(fluxgate::UnknownRuleSet::Allow);
+    assert_eq!(tenant(&allow, "acme").await.status, StatusCode::OK);
+    assert_eq!(tenant(&allow, "acme").await.status, StatusCode::TOO_MANY_REQUESTS);
+    for _ in 0..5 {
+        let r = tenant(&allow, "no-such-tenant").await;
+        assert_eq!(r.status, StatusCode::OK, "admitted: no rule set, no rule");
+        assert_eq!(r.header("x-ratelimit-limit"), None);
+    }
+    let deny = app_with(fluxgate::UnknownRuleSet::Deny);
+    assert_eq!(tenant(&deny, "acme").await.status, StatusCode::OK);
+    assert_eq!(
+        tenant(&deny, "no-such-tenant").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+/// `UnknownRuleSet::Deny` needs the rule source to answer. With a provider that looks rule
+/// sets up when asked (a store, here behind `CachingRuleSetProvider`, which serves the rule
+/// sets it found while the store fails), a rule set id chosen from the request that was not
+/// found before fails while the store is unreachable, and the failure follows the layer's
+/// `on_error`: `fail_open` (the default) admits each request naming a new id uncounted,
+/// `fail_closed` refuses it. A customizer that keeps to a fixed list, and sends the other
+/// ids to a rule set of the list, counts them whatever the store does.
+#[tokio::test]
+async fn a_rule_set_chosen_from_the_request_follows_on_error_while_its_store_is_down() {
+    use std::sync::atomic::AtomicBool;
+    /// A store of rule sets that can be cut off.
+    #[derive(Debug)]
+    struct Store {
+        rules: fluxgate::core::RuleSets,
+        down: Arc<AtomicBool>,
+    }
+    impl fluxgate::core::RuleSetProvider for Store {
+        fn rule_set(&self, id: &str) -> fluxgate::core::MaybeReady<fluxgate::core::RuleSetLookup> {
+            if self.down.load(Ordering::SeqCst) {
+                return fluxgate::core::MaybeReady::ready(Err("the store is unreachable".into()));
+            }
+            self.rules.rule_set(id)
+        }
+    }
+    const TENANTS: &str = "rule_sets: [{id: acme, rules: [{id: per-ip, bands: [{capacity: 2, window: 1h}]}]}]";
+    let down = Arc::new(AtomicBool::new(false));
+    let store = Store {
+        rules: fluxgate::core::RuleSets::from_yaml_str(TENANTS).expect("rules"),
+        down: down.clone(),
+    };
+    let engine = Engine::builder(fluxgate::core::CachingRuleSetProvider::builder(store).build())
+        .unknown_rule_set(fluxgate::UnknownRuleSet::Deny)
+        .build()
+        .expect("an engine");
+    let app_with = |on_error: FailurePolicy, fixed_list: bool| {
+        app(layer(engine.clone())
+            .on_error(on_error)
+            .customizer(move |ctx, parts| {
+                if let Some(tenant) = parts.headers.get("x-tenant").and_then(|v| v.to_str().ok()) {
+                    ctx.set_rule_set_id(if fixed_list && tenant != "acme" { "acme" } else { tenant });
+                }
+            })
+            .build()
+            .expect("a layer"))
+    };
+    let tenant = |app: &axum::Router, name: String, peer: &str| {
+        send_owned(
+            app.clone(),
+            request("GET", "/api/users", peer, &[("x-tenant", name.as_str())]),
+        )
+    };
+    let (open, closed, listed) = (
+        app_with(FailurePolicy::FailOpen, false),
+        app_with(FailurePolicy::FailClosed, false),
+        app_with(FailurePolicy::FailOpen, true),
+    );
+    // The store answers: an unknown id is refused, a known one found (and kept).
+    assert_eq!(
+        tenant(&open, "new".into(), "192.0.2.97").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(tenant(&open, "acme".into(), "192.0.2.97").await.status, StatusCode::OK);
+    down.store(true, Ordering::SeqCst);
+    for i in 0..3 {
+        let r = tenant(&open, format!("new-{i}"), "192.0.2.98").await;
+        assert_eq!(r.status, StatusCode::OK, "fail_open: admitted, counted by no rule");
+        assert_eq!(r.header("x-ratelimit-limit"), None);
+        let r = tenant(&closed, format!("new-{i}"), "192.0.2.98").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "fail_closed");
+    }
+    // The fixed list sends every other id to `acme`, found before: counted there.
+    let statuses: Vec<StatusCode> = {
+        let mut out = Vec::new();
+        for i in 0..3 {
+            out.push(tenant(&listed, format!("new-{i}"), "192.0.2.99").await.status);
+        }
+        out
+    };
+    use StatusCode as S;
+    assert_eq!(statuses, [S::OK, S::OK, S::TOO_MANY_REQUESTS]);
+}
+
+/// A layer whose rule set its engine does not have (a misspelt `rule_set`) admits every
+/// request: each layer warns once, on its first such request, even when the engine, shared
+/// with another layer, warned already; later requests add no warning.
+#[tokio::test]
+async fn a_layer_whose_rule_set_is_unknown_warns_once() {
+    use support::telemetry::trace_async;
+    use tracing::Level;
+    let engine = engine("rule_sets: [{id: api, rules: [{id: per-ip, bands: [{capacity: 1, window: 1h}]}]}]");
+    let typo = app(layer(engine.clone()).rule_set("apii").build().unwrap());
+    let other = app(layer(engine.clone()).rule_set("admn").build().unwrap());
+    let warnings = |app: axum::Router| async move {
+        let (reply, trace) = trace_async(send_owned(app, request("GET", "/api/users", "192.0.2.7", &[]))).await;
+        assert_eq!(reply.status, StatusCode::OK);
+        trace
+            .events_at_least(Level::WARN)
+            .iter()
+            .map(|e| e.message.clone())
+            .collect::<Vec<_>>()
+    };
+    let first = warnings(typo.clone()).await;
+    assert_eq!(first.len(), 2, "the engine's and the layer's: {first:?}");
+    assert!(
+        first
+            .iter()
+            .any(|m| m.contains("the layer's rule set is not one of the handler's")),
+        "{first:?}"
+    );
+    assert_eq!(warnings(typo.clone()).await, Vec::<String>::new());
+    // Admitted, and no rule counts it.
+    for _ in 0..3 {
+        let reply = send(&typo, request("GET", "/api/users", "192.0.2.7", &[])).await;
+        assert_eq!(
+            (reply.status, reply.header("x-ratelimit-limit")),
+            (StatusCode::OK, None)
+        );
+    }
+    // The engine warned once already; the second layer still says so, once.
+    let second = warnings(other.clone()).await;
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert!(
+        second[0].contains("the layer's rule set is not one of the handler's"),
+        "{second:?}"
+    );
+    assert_eq!(warnings(other).await, Vec::<String>::new());
+    // A layer whose rule set exists never says it.
+    let right = app(layer(engine).rule_set("api").build().unwrap());
+    assert_eq!(warnings(right).await, Vec::<String>::new());
+}
+
+async fn send_owned(app: axum::Router, req: Request<Body>) -> Reply {
+    send(&app, req).await
 }
