@@ -1268,3 +1268,97 @@ async fn a_limiter_whose_scripts_do_not_load_leaves_no_connection() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// A limiter connects over a link slower than its decision deadline: loading its scripts
+/// (each compiled as it loads) and reading the server's memory policy have a second at
+/// least, as its connections do. Before, they had the deadline, so that a Redis busy for
+/// longer than it when the limiter connected (a CI machine's two cores) failed `connect`
+/// with a timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limiter_connects_over_a_link_slower_than_its_deadline() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use crate::support::app::rules;
+    use crate::support::servers::RedisServer;
+    use fluxgate::core::{Engine, RequestContext};
+    use fluxgate::redis::RedisLimiter;
+
+    /// A TCP proxy to `port` whose replies wait 120 ms each while `slow` holds.
+    async fn slow_proxy(port: u16, slow: Arc<AtomicBool>) -> u16 {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
+        let local = listener.local_addr().expect("an address").port();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await else {
+                    continue;
+                };
+                let slow = slow.clone();
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut cr, &mut sw).await;
+                });
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 65536];
+                    while let Ok(n) = sr.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                        if slow.load(Ordering::SeqCst) {
+                            tokio::time::sleep(Duration::from_millis(120)).await;
+                        }
+                        if cw.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        local
+    }
+
+    let server = RedisServer::start();
+    let slow = Arc::new(AtomicBool::new(true));
+    let port = slow_proxy(server.port(), slow.clone()).await;
+    let limiter = RedisLimiter::builder(format!("redis://127.0.0.1:{port}"))
+        .timeout(Duration::from_millis(50))
+        .connect()
+        .await
+        .expect("connected, the scripts loaded, within a second per command");
+    let engine = Engine::builder(rules(
+        "rule_sets: [{id: default, rules: [{id: r, bands: [{capacity: 1000, window: 1h}]}]}]",
+    ))
+    .limiter(limiter)
+    .build()
+    .unwrap();
+    let ctx = RequestContext::builder()
+        .client_ip("192.0.2.140".parse().unwrap())
+        .build();
+    // A decision still has its deadline: over the slow link it fails.
+    let slow_decision = engine.check(&ctx).await;
+    assert!(
+        matches!(slow_decision, Err(fluxgate::core::Error::Backend(_))),
+        "{slow_decision:?}"
+    );
+    slow.store(false, Ordering::SeqCst);
+    // Once the link is fast again, the limiter decides.
+    let start = std::time::Instant::now();
+    loop {
+        match engine.check(&ctx).await {
+            Ok(decision) => {
+                assert!(decision.allowed(), "{decision:?}");
+                break;
+            }
+            Err(error) => assert!(
+                start.elapsed() < Duration::from_secs(10),
+                "no decision by Redis: {error}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

@@ -80,7 +80,9 @@ impl RedisLimiterBuilder {
     /// The deadline of one script call (including a reload after `NOSCRIPT`). Default 50 ms.
     /// Zero is refused by [`connect`](Self::connect): no call would ever be answered in
     /// time, and every decision would be left to the failure policy (which admits by
-    /// default).
+    /// default). What [`connect`](Self::connect) itself asks of Redis (connecting, loading
+    /// the scripts, reading its memory policy) has this deadline or a second, whichever is
+    /// longer: a busy Redis may take longer than a decision's deadline to compile a script.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -184,7 +186,7 @@ impl RedisLimiterBuilder {
             .with_tasks(tasks)
             .with_liveness(unanswered);
         let scripts = Scripts::new(connection);
-        if let Err(e) = scripts.load().await {
+        if let Err(e) = scripts.load(unanswered).await {
             // No limiter: its clients would otherwise keep reconnecting for good.
             for client in pool.clients() {
                 let _ = client.quit().await;

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fred::interfaces::{ClientLike, ClusterInterface};
+use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use futures_util::future::join_all;
 
@@ -48,15 +49,23 @@ pub(crate) async fn read(connection: &Connection, bound: Duration) -> Result<Vec
         Some(state) if client.is_clustered() => state.unique_primary_nodes(),
         _ => Vec::new(),
     };
+    // fred times each command out after the decision deadline unless told otherwise.
+    let within = |cluster_node| {
+        client.with_options(&Options {
+            cluster_node,
+            timeout: Some(bound),
+            ..Options::default()
+        })
+    };
     if primaries.is_empty() {
         let server = client
             .active_connections()
             .first()
             .map_or_else(|| "redis".to_owned(), ToString::to_string);
-        return Ok(vec![config_get(connection, client, server, bound).await?]);
+        return Ok(vec![config_get(connection, &within(None), server, bound).await?]);
     }
     let reads = primaries.into_iter().map(|server| {
-        let node = client.with_cluster_node(server.clone());
+        let node = within(Some(server.clone()));
         async move { config_get(connection, &node, server.to_string(), bound).await }
     });
     join_all(reads).await.into_iter().collect()

@@ -47,18 +47,35 @@ pub const REFUND_LUA: &str = include_str!(concat!(env!("OUT_DIR"), "/refund.lua"
 /// its own. Not with fred's command to every primary (`Script::load`): fred's client waits
 /// for its other commands' replies before it, then for each primary's answer to it, and
 /// sends nothing else meanwhile, so that a primary that does not answer holds the client's
-/// calls to every other primary as well, past their deadline.
-async fn load_on_each_primary(client: &Client, script: &Script) -> Result<(), fred::error::Error> {
+/// calls to every other primary as well, past their deadline. Each load is timed out by
+/// fred after `bound`, or after the decision deadline (the pool's default) without one.
+async fn load_on_each_primary(
+    client: &Client,
+    script: &Script,
+    bound: Option<Duration>,
+) -> Result<(), fred::error::Error> {
     use fred::interfaces::ClusterInterface;
+    use fred::types::config::Options;
     let primaries = match client.cached_cluster_state() {
         Some(state) if client.is_clustered() => state.unique_primary_nodes(),
         _ => Vec::new(),
     };
-    let Some(lua) = script.lua().filter(|_| !primaries.is_empty()) else {
+    let Some(lua) = script.lua().filter(|_| !primaries.is_empty() || !client.is_clustered()) else {
         return script.load(client).await;
     };
-    let loads = primaries.into_iter().map(|server| {
-        let node = client.with_cluster_node(server);
+    // Each primary, or the server alone.
+    let nodes = if primaries.is_empty() {
+        vec![None]
+    } else {
+        primaries.into_iter().map(Some).collect()
+    };
+    let loads = nodes.into_iter().map(|cluster_node| {
+        let options = Options {
+            cluster_node,
+            timeout: bound,
+            ..Options::default()
+        };
+        let node = client.with_options(&options);
         let args = vec![Value::from_static_str("LOAD"), Value::String(lua.clone())];
         async move {
             node.custom::<Value, _>(CustomCommand::new_static("SCRIPT", ClusterHash::Random, false), args)
@@ -193,12 +210,14 @@ impl Scripts {
         self.migrating.holds(keys.first())
     }
 
-    /// Loads the scripts (on every primary of a cluster).
+    /// Loads the scripts (on every primary of a cluster), each load within `bound`: a
+    /// script is compiled as it loads, which a busy server may take longer to do than a
+    /// decision's deadline allows.
     ///
     /// # Errors
     ///
     /// [`RedisError::Connect`] when Redis does not take them.
-    pub(crate) async fn load(&self) -> Result<(), RedisError> {
+    pub(crate) async fn load(&self, bound: Duration) -> Result<(), RedisError> {
         for script in [
             &self.decide,
             &self.one_token_bucket,
@@ -206,7 +225,9 @@ impl Scripts {
             &self.refund,
             &self.batch,
         ] {
-            script.load(self.connection.next()).await.map_err(RedisError::Connect)?;
+            load_on_each_primary(self.connection.next(), script, Some(bound))
+                .await
+                .map_err(RedisError::Connect)?;
         }
         Ok(())
     }
@@ -397,7 +418,7 @@ impl Scripts {
         let timeout = self.connection.timeout();
         tokio::spawn(async move {
             let script = if batch { &rule.batch } else { &rule.script };
-            match tokio::time::timeout(timeout, load_on_each_primary(&client, script)).await {
+            match tokio::time::timeout(timeout, load_on_each_primary(&client, script, None)).await {
                 Ok(Ok(())) if batch => loaded.add_batch(&rule),
                 Ok(Ok(())) => loaded.add(&rule),
                 Ok(Err(e)) if e.details().starts_with("NOPERM") => loaded.refuse(&rule),
@@ -436,7 +457,7 @@ impl Scripts {
     /// to find it missing.
     pub(crate) async fn reload_batch(&self, rule: Option<&RuleScript>) {
         let script = rule.map_or(&self.batch, |rule| &rule.batch);
-        let load = load_on_each_primary(self.connection.next(), script);
+        let load = load_on_each_primary(self.connection.next(), script, None);
         let _ = tokio::time::timeout(self.connection.timeout(), load).await;
     }
 
