@@ -84,6 +84,51 @@ fn held(burst: Burst) {
     assert_eq!(burst.other_admitted, 0, "{burst:?}");
 }
 
+/// The decision deadline of the limiters here (`RedisLimiter`'s default).
+const DEADLINE: Duration = Duration::from_millis(50);
+
+/// `run`, and how late at worst a thread of the test's own woke from 5 ms sleeps meanwhile:
+/// a stall of the process or of the machine, in which calls miss their deadline whatever
+/// the limiter does (and `fail_open` admits them).
+async fn with_lateness<T>(run: impl std::future::Future<Output = T>) -> (T, Duration) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut late = Duration::ZERO;
+            while !stop.load(Ordering::SeqCst) {
+                let start = Instant::now();
+                std::thread::sleep(Duration::from_millis(5));
+                late = late.max(start.elapsed().saturating_sub(Duration::from_millis(5)));
+            }
+            late
+        })
+    };
+    let result = run.await;
+    stop.store(true, Ordering::SeqCst);
+    (result, watcher.join().expect("the watcher"))
+}
+
+/// The result of the first of three runs of `attempt` (each on servers of its own) in which
+/// the machine stalled for less than the deadline: a run that stalled longer says so and is
+/// made again. Three such runs fail the test, naming their stalls: the bounds on what a burst
+/// admits uncounted hold for calls that can meet their deadline.
+async fn on_time<T: std::fmt::Debug, F: std::future::Future<Output = T>>(
+    what: &str,
+    mut attempt: impl FnMut() -> F,
+) -> T {
+    let mut stalls = Vec::new();
+    for _ in 0..3 {
+        let (result, late) = with_lateness(attempt()).await;
+        if late < DEADLINE {
+            return result;
+        }
+        eprintln!("{what}: the machine stalled for {late:?} (the deadline is {DEADLINE:?}): {result:?}; made again");
+        stalls.push(late);
+    }
+    panic!("{what}: the machine stalled for a deadline or longer in each of three runs: {stalls:?}");
+}
+
 /// The client that has spent its limit spends it.
 async fn spend_the_victims_limit(engine: &Engine) {
     for _ in 0..5 {
@@ -156,10 +201,13 @@ async fn burst_on(engine: &Arc<Engine>, n: usize) -> Burst {
 /// the burst stays within the deadline, nothing is admitted past the limit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_one_address_is_held_on_a_standalone_redis() {
-    let server = RedisServer::start();
-    // The builder's defaults: a 50 ms deadline, the deny cache on.
-    let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
-    let burst = burst(engine(limiter), 6_000).await;
+    let burst = on_time("standalone", || async {
+        let server = RedisServer::start();
+        // The builder's defaults: a 50 ms deadline, the deny cache on.
+        let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
+        burst(engine(limiter), 6_000).await
+    })
+    .await;
     eprintln!("standalone: {burst:?}");
     held(burst);
 }
@@ -171,9 +219,12 @@ async fn a_burst_of_one_address_is_held_on_a_standalone_redis() {
 /// that had spent its limit were admitted too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_one_address_is_held_on_a_cluster() {
-    let cluster = RedisCluster::start();
-    let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
-    let burst = burst(engine(limiter), 6_000).await;
+    let burst = on_time("cluster", || async {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
+        burst(engine(limiter), 6_000).await
+    })
+    .await;
     eprintln!("cluster: {burst:?}");
     held(burst);
 }
@@ -192,12 +243,15 @@ const PER_IP_WAITING: &str = "rule_sets:\n  - id: default\n    rules:\n      - i
 /// key are bounded by what it can admit within its wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spent_client_of_a_waiting_rule_cannot_flood_redis() {
-    let server = RedisServer::start();
-    let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
-    let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_WAITING);
-    let calls = server.evalsha_calls();
-    let burst = burst(engine, 3_000).await;
-    let calls = server.evalsha_calls() - calls;
+    let (burst, calls) = on_time("standalone, a waiting rule", || async {
+        let server = RedisServer::start();
+        let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
+        let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_WAITING);
+        let calls = server.evalsha_calls();
+        let burst = burst(engine, 3_000).await;
+        (burst, server.evalsha_calls() - calls)
+    })
+    .await;
     eprintln!("standalone, a waiting rule: {burst:?}, {calls} calls");
     held(burst);
     // The two clients' 5 each and their first refusals, then (nearly) nothing: the cache
@@ -212,14 +266,17 @@ async fn a_spent_client_of_a_waiting_rule_cannot_flood_redis() {
 /// one request through every 100 ms, since a refund may free it early).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_one_address_is_held_on_a_cluster_across_hash_slots() {
-    let cluster = RedisCluster::start();
-    let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
-    let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_AND_GLOBAL);
-    let before = cluster.evalsha_calls();
-    let d = engine.check(&ctx("192.0.2.1")).await.expect("a decision");
-    assert!(d.allowed() && !d.failed_open);
-    assert_eq!(cluster.evalsha_calls() - before, 2, "the two rules lie in two slots");
-    let burst = burst(engine, 6_000).await;
+    let burst = on_time("cluster, two slots", || async {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
+        let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_AND_GLOBAL);
+        let before = cluster.evalsha_calls();
+        let d = engine.check(&ctx("192.0.2.1")).await.expect("a decision");
+        assert!(d.allowed() && !d.failed_open);
+        assert_eq!(cluster.evalsha_calls() - before, 2, "the two rules lie in two slots");
+        burst(engine, 6_000).await
+    })
+    .await;
     eprintln!("cluster, two slots: {burst:?}");
     held(burst);
 }
@@ -250,9 +307,12 @@ fn first_held(burst: Burst) {
 /// deny cache then answers them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_burst_of_one_address_is_held_on_a_standalone_redis() {
-    let server = RedisServer::start();
-    let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
-    let (burst, calls) = first_burst(engine(limiter), 6_000, || server.evalsha_calls()).await;
+    let (burst, calls) = on_time("first burst, standalone", || async {
+        let server = RedisServer::start();
+        let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
+        first_burst(engine(limiter), 6_000, || server.evalsha_calls()).await
+    })
+    .await;
     eprintln!("first burst, standalone: {burst:?}, {calls} calls");
     first_held(burst);
     assert!(calls <= 20, "{calls} calls for a burst whose address admits 5");
@@ -264,10 +324,13 @@ async fn a_first_burst_of_one_address_is_held_on_a_standalone_redis() {
 /// its limit through (1 to 5 of its requests).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_first_burst_of_one_address_is_held_on_a_cluster_across_hash_slots() {
-    let cluster = RedisCluster::start();
-    let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
-    let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_AND_GLOBAL);
-    let (burst, calls) = first_burst(engine, 6_000, || cluster.evalsha_calls()).await;
+    let (burst, calls) = on_time("first burst, cluster, two slots", || async {
+        let cluster = RedisCluster::start();
+        let limiter = RedisLimiter::builder(cluster.url()).connect().await.expect("connect");
+        let engine = engine_over(CircuitBreaker::new(limiter), PER_IP_AND_GLOBAL);
+        first_burst(engine, 6_000, || cluster.evalsha_calls()).await
+    })
+    .await;
     eprintln!("first burst, cluster, two slots: {burst:?}, {calls} calls");
     first_held(burst);
     // Two calls per request that reaches Redis, one per slot; a refused one's refund is
@@ -279,13 +342,16 @@ async fn a_first_burst_of_one_address_is_held_on_a_cluster_across_hash_slots() {
 /// than it admits: each goes out within its deadline, and none is admitted uncounted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_deny_cache_a_burst_makes_no_more_calls_at_once_than_its_limit() {
-    let server = RedisServer::start();
-    let limiter = RedisLimiter::builder(server.url())
-        .deny_cache(false)
-        .connect()
-        .await
-        .expect("connect");
-    let (burst, calls) = first_burst(engine(limiter), 3_000, || server.evalsha_calls()).await;
+    let (burst, calls) = on_time("first burst, no deny cache", || async {
+        let server = RedisServer::start();
+        let limiter = RedisLimiter::builder(server.url())
+            .deny_cache(false)
+            .connect()
+            .await
+            .expect("connect");
+        first_burst(engine(limiter), 3_000, || server.evalsha_calls()).await
+    })
+    .await;
     eprintln!("first burst, no deny cache: {burst:?}, {calls} calls");
     first_held(burst);
     assert!(calls >= 3_000, "{calls} calls: each request of the burst is one");
@@ -297,11 +363,14 @@ async fn without_the_deny_cache_a_burst_makes_no_more_calls_at_once_than_its_lim
 /// are in flight at once by default (`calls_in_flight_per_key`): every request is counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_within_a_large_quota_is_counted_whole() {
-    let server = RedisServer::start();
-    let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
-    let engine = Arc::new(engine_over(CircuitBreaker::new(limiter), PER_IP_LARGE));
-    // (The other client's quota is as large: its requests are admitted.)
-    let burst = burst_on(&engine, 6_000).await;
+    let burst = on_time("a burst within a quota of 100,000", || async {
+        let server = RedisServer::start();
+        let limiter = RedisLimiter::builder(server.url()).connect().await.expect("connect");
+        let engine = Arc::new(engine_over(CircuitBreaker::new(limiter), PER_IP_LARGE));
+        // (The other client's quota is as large: its requests are admitted.)
+        burst_on(&engine, 6_000).await
+    })
+    .await;
     eprintln!("a burst within a quota of 100,000: {burst:?}");
     assert!(burst.uncounted < 100, "{burst:?}");
     assert!(burst.counted > 5_900, "{burst:?}");
