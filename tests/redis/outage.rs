@@ -331,12 +331,13 @@ async fn an_abandoned_request_leaves_what_memory_admitted_owed() {
                 server.signal("-STOP");
                 let dropped = tokio::time::timeout(Duration::from_millis(5), engine.check(&client)).await;
                 server.signal("-CONT");
-                assert!(dropped.is_err(), "dropped before Redis answered");
                 if start.elapsed() >= DEADLINE / 2 && attempts < 5 {
-                    // A busy machine: the call may have missed its deadline, and opened the
-                    // circuit. Made again.
+                    // A busy machine: the call may have missed its deadline (and been
+                    // answered by the failure policy before the 5 ms were up), and opened
+                    // the circuit. Made again.
                     continue;
                 }
+                assert!(dropped.is_err(), "dropped before Redis answered");
             } else {
                 drop(engine.check(&client));
             }
@@ -571,11 +572,16 @@ async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
     const LIMIT: usize = 5;
     const COOL_DOWN: Duration = Duration::from_millis(100);
     let server = RedisServer::start();
-    let breaker = Arc::new(
-        CircuitBreaker::new(limiter(&server).await)
-            .failure_threshold(1)
-            .cool_down(COOL_DOWN),
-    );
+    // A deadline a busy machine meets: a call that missed it would open the circuit again,
+    // which is not what this test is about.
+    let limiter = RedisLimiter::builder(server.url())
+        .timeout(Duration::from_millis(500))
+        .reconnect_delay(Duration::from_millis(50))
+        .deny_cache(false)
+        .connect()
+        .await
+        .expect("connect");
+    let breaker = Arc::new(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN));
     let rules = rules(&format!(
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"
     ));
@@ -600,12 +606,14 @@ async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
     );
     server.signal("-CONT");
     tokio::time::sleep(COOL_DOWN).await;
-    let (mut admitted, mut failed_open, mut probes) = (0, 0, 0);
+    let (mut admitted, mut failed_open, mut probes, mut at_once) = (0, 0, 0, 0);
     for _ in 0..100 {
-        // The attacker's request probes when the circuit is half-open, and is dropped.
+        // The attacker's request probes when the circuit is half-open, and is dropped. It is
+        // answered at once (`None`) while the last one's call is still out (a busy machine).
         let probing = breaker.is_tripped();
-        let probe = sent(engine.check(&attacker)).expect("the call is out");
-        probes += usize::from(probing);
+        let probe = sent(engine.check(&attacker));
+        probes += usize::from(probing && probe.is_some());
+        at_once += usize::from(probe.is_none());
         for _ in 0..LIMIT {
             let d = engine.check(&client).await.expect("decided");
             admitted += usize::from(d.allowed());
@@ -620,7 +628,7 @@ async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
     }
     eprintln!(
         "limit {LIMIT} per hour: {admitted} of the client's requests admitted, {failed_open} by fail_open, \
-         beside {probes} probes dropped"
+         beside {probes} probes dropped ({at_once} of the attacker's requests answered at once)"
     );
     assert!(
         !breaker.is_tripped(),
