@@ -10,6 +10,7 @@ use fluxgate::core::{CircuitBreaker, Engine, FailurePolicy, RateLimiter, Request
 use fluxgate::redis::RedisLimiter;
 
 use crate::support::app::rules;
+use crate::support::lateness::with_lateness;
 use crate::support::servers::{RedisCluster, RedisServer};
 
 const PER_IP: &str =
@@ -86,28 +87,6 @@ fn held(burst: Burst) {
 
 /// The decision deadline of the limiters here (`RedisLimiter`'s default).
 const DEADLINE: Duration = Duration::from_millis(50);
-
-/// `run`, and how late at worst a thread of the test's own woke from 5 ms sleeps meanwhile:
-/// a stall of the process or of the machine, in which calls miss their deadline whatever
-/// the limiter does (and `fail_open` admits them).
-async fn with_lateness<T>(run: impl std::future::Future<Output = T>) -> (T, Duration) {
-    let stop = Arc::new(AtomicBool::new(false));
-    let watcher = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut late = Duration::ZERO;
-            while !stop.load(Ordering::SeqCst) {
-                let start = Instant::now();
-                std::thread::sleep(Duration::from_millis(5));
-                late = late.max(start.elapsed().saturating_sub(Duration::from_millis(5)));
-            }
-            late
-        })
-    };
-    let result = run.await;
-    stop.store(true, Ordering::SeqCst);
-    (result, watcher.join().expect("the watcher"))
-}
 
 /// The result of the first of three runs of `attempt` (each on servers of its own) in which
 /// the machine stalled for less than the deadline: a run that stalled longer says so and is

@@ -11,6 +11,7 @@ mod support {
     pub(crate) mod app;
     pub(crate) mod backend;
     pub(crate) mod conformance;
+    pub(crate) mod lateness;
     pub(crate) mod model;
     pub(crate) mod redis;
     pub(crate) mod rng;

@@ -13,6 +13,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
+use crate::support::lateness::with_lateness;
 use crate::support::servers::{RedisCluster, RedisServer};
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
@@ -25,8 +26,13 @@ const DEADLINE: Duration = Duration::from_millis(50);
 const SLACK: Duration = Duration::from_millis(20);
 
 async fn limiter(server: &RedisServer) -> RedisLimiter {
+    limiter_within(server, DEADLINE).await
+}
+
+/// [`limiter`] with another deadline.
+async fn limiter_within(server: &RedisServer, deadline: Duration) -> RedisLimiter {
     RedisLimiter::builder(server.url())
-        .timeout(DEADLINE)
+        .timeout(deadline)
         .reconnect_delay(Duration::from_millis(50))
         .deny_cache(false)
         .connect()
@@ -57,39 +63,27 @@ fn ctx() -> RequestContext {
 }
 
 /// The slowest answer of 50 checks during an outage, and the machine's own lateness in the
-/// same stretch: how late a timer fired, at worst (a timer of the deadline between some of
-/// the checks, and one of 5 ms after another throughout, in a task of its own). A request
-/// may take the deadline plus the slack plus that lateness; a busy machine is not a slow
-/// limiter.
+/// same stretch: how late a timer of the deadline fired between some of the checks, or a
+/// thread of the test's own woke at any time, at worst. A request may take the deadline
+/// plus the slack plus that lateness; a busy machine is not a slow limiter.
 async fn slowest_answer(engine: &Engine) -> (Duration, Duration) {
-    let done = Arc::new(AtomicBool::new(false));
-    let ticker = {
-        let done = done.clone();
-        tokio::spawn(async move {
-            let mut late = Duration::ZERO;
-            while !done.load(Ordering::SeqCst) {
-                let start = Instant::now();
-                tokio::time::sleep(Duration::from_millis(5)).await;
-                late = late.max(start.elapsed().saturating_sub(Duration::from_millis(5)));
-            }
-            late
-        })
-    };
-    let (mut slowest, mut late) = (Duration::ZERO, Duration::ZERO);
-    for i in 0..50 {
-        let start = Instant::now();
-        let d = engine.check(&ctx()).await.expect("the fallback decides");
-        slowest = slowest.max(start.elapsed());
-        assert!(d.degraded);
-        if i % 10 == 0 {
+    let ((slowest, late), stalled) = with_lateness(async {
+        let (mut slowest, mut late) = (Duration::ZERO, Duration::ZERO);
+        for i in 0..50 {
             let start = Instant::now();
-            tokio::time::sleep(DEADLINE).await;
-            late = late.max(start.elapsed().saturating_sub(DEADLINE));
+            let d = engine.check(&ctx()).await.expect("the fallback decides");
+            slowest = slowest.max(start.elapsed());
+            assert!(d.degraded);
+            if i % 10 == 0 {
+                let start = Instant::now();
+                tokio::time::sleep(DEADLINE).await;
+                late = late.max(start.elapsed().saturating_sub(DEADLINE));
+            }
         }
-    }
-    done.store(true, Ordering::SeqCst);
-    let ticked = ticker.await.expect("the ticker");
-    (slowest, late.max(ticked))
+        (slowest, late)
+    })
+    .await;
+    (slowest, late.max(stalled))
 }
 
 /// Requests until one is decided by Redis again; returns how long that took.
@@ -591,13 +585,7 @@ async fn a_client_dropping_its_probes_does_not_hold_the_circuit_open() {
     let server = RedisServer::start();
     // A deadline a busy machine meets: a call that missed it would open the circuit again,
     // which is not what this test is about.
-    let limiter = RedisLimiter::builder(server.url())
-        .timeout(Duration::from_millis(500))
-        .reconnect_delay(Duration::from_millis(50))
-        .deny_cache(false)
-        .connect()
-        .await
-        .expect("connect");
+    let limiter = limiter_within(&server, Duration::from_millis(500)).await;
     let breaker = Arc::new(CircuitBreaker::new(limiter).failure_threshold(1).cool_down(COOL_DOWN));
     let rules = rules(&format!(
         "rule_sets:\n  - id: default\n    rules:\n      - id: per-ip\n        bands: [{{ capacity: {LIMIT}, window: 1h }}]\n"

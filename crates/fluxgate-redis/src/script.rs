@@ -56,18 +56,15 @@ async fn load_on_each_primary(
 ) -> Result<(), fred::error::Error> {
     use fred::interfaces::ClusterInterface;
     use fred::types::config::Options;
-    let primaries = match client.cached_cluster_state() {
-        Some(state) if client.is_clustered() => state.unique_primary_nodes(),
-        _ => Vec::new(),
+    // Each primary of a cluster, or the server alone. A cluster whose slots fred has not
+    // read yet (never after `connect`) gets fred's command to every primary.
+    let nodes = match client.cached_cluster_state() {
+        _ if !client.is_clustered() => vec![None],
+        Some(state) => state.unique_primary_nodes().into_iter().map(Some).collect(),
+        None => Vec::new(),
     };
-    let Some(lua) = script.lua().filter(|_| !primaries.is_empty() || !client.is_clustered()) else {
+    let Some(lua) = script.lua().filter(|_| !nodes.is_empty()) else {
         return script.load(client).await;
-    };
-    // Each primary, or the server alone.
-    let nodes = if primaries.is_empty() {
-        vec![None]
-    } else {
-        primaries.into_iter().map(Some).collect()
     };
     let loads = nodes.into_iter().map(|cluster_node| {
         let options = Options {
