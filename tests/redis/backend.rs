@@ -1280,46 +1280,19 @@ async fn a_limiter_connects_over_a_link_slower_than_its_deadline() {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
-
     use crate::support::app::rules;
+    use crate::support::proxy::{proxy, Side, Step};
     use crate::support::servers::RedisServer;
     use fluxgate::core::{Engine, RequestContext};
     use fluxgate::redis::RedisLimiter;
 
     /// A TCP proxy to `port` whose replies wait 120 ms each while `slow` holds.
     async fn slow_proxy(port: u16, slow: Arc<AtomicBool>) -> u16 {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-        let local = listener.local_addr().expect("an address").port();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await else {
-                    continue;
-                };
-                let slow = slow.clone();
-                let (mut cr, mut cw) = client.into_split();
-                let (mut sr, mut sw) = server.into_split();
-                tokio::spawn(async move {
-                    let _ = tokio::io::copy(&mut cr, &mut sw).await;
-                });
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 65536];
-                    while let Ok(n) = sr.read(&mut buf).await {
-                        if n == 0 {
-                            break;
-                        }
-                        if slow.load(Ordering::SeqCst) {
-                            tokio::time::sleep(Duration::from_millis(120)).await;
-                        }
-                        if cw.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                });
-            }
-        });
-        local
+        let twist = move |_: usize, from: Side, read: Option<&[u8]>| match (from, read) {
+            (Side::Server, Some(_)) if slow.load(Ordering::SeqCst) => Step::Delay(Duration::from_millis(120)),
+            _ => Step::Forward,
+        };
+        proxy(port, twist).await
     }
 
     let server = RedisServer::start();

@@ -926,69 +926,39 @@ mod migrating {
 /// the caller gave up), and the node runs the script a second time: a request counted twice,
 /// or a request refused by the failure policy counted twice. Ignored while it fails.
 mod transaction_replay {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
     use std::time::Duration;
 
     use fluxgate::core::FailurePolicy;
     use fluxgate::redis::RedisLimiter;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::{TcpListener, TcpStream};
 
     use crate::support::backend::{check, ctx};
+    use crate::support::proxy::{Side, Step};
     use crate::support::redis::per_ip_engine;
     use crate::support::servers::RedisCluster;
 
     /// A TCP proxy to `port`; once `armed`, the first connection that sends `EXEC` has it
     /// forwarded, its replies held back, and is closed 300 ms later.
     async fn proxy(port: u16, armed: Arc<AtomicBool>) -> u16 {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-        let local = listener.local_addr().expect("an address").port();
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await else {
-                    continue;
-                };
-                let armed = armed.clone();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    let mute = Arc::new(AtomicBool::new(false));
-                    let muted = mute.clone();
-                    let back = tokio::spawn(async move {
-                        let mut buf = vec![0u8; 65536];
-                        while let Ok(n) = sr.read(&mut buf).await {
-                            if n == 0 || muted.load(Ordering::SeqCst) {
-                                break;
-                            }
-                            if cw.write_all(&buf[..n]).await.is_err() {
-                                break;
-                            }
-                        }
-                        cw
-                    });
-                    let mut buf = vec![0u8; 65536];
-                    while let Ok(n) = cr.read(&mut buf).await {
-                        if n == 0 {
-                            break;
-                        }
-                        let exec = buf[..n].windows(6).any(|w| w == b"EXEC\r\n");
-                        if exec && armed.swap(false, Ordering::SeqCst) {
-                            mute.store(true, Ordering::SeqCst);
-                            let _ = sw.write_all(&buf[..n]).await;
-                            tokio::time::sleep(Duration::from_millis(300)).await;
-                            back.abort();
-                            return;
-                        }
-                        if sw.write_all(&buf[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                    back.abort();
-                });
+        // The connection whose replies are held back.
+        let muted = AtomicUsize::new(usize::MAX);
+        let twist = move |n: usize, from: Side, read: Option<&[u8]>| match (from, read) {
+            (Side::Client, None) => Step::Cut(Duration::ZERO),
+            (Side::Client, Some(chunk)) => {
+                let exec = chunk.windows(6).any(|w| w == b"EXEC\r\n");
+                if exec && armed.swap(false, Ordering::SeqCst) {
+                    muted.store(n, Ordering::SeqCst);
+                    Step::Cut(Duration::from_millis(300))
+                } else {
+                    Step::Forward
+                }
             }
-        });
-        local
+            (Side::Server, None) => Step::Hold,
+            (Side::Server, Some(_)) if muted.load(Ordering::SeqCst) == n => Step::Hold,
+            (Side::Server, Some(_)) => Step::Forward,
+        };
+        crate::support::proxy::proxy(port, twist).await
     }
 
     /// One request, of a new key in a migrating slot, whose transaction's connection

@@ -13,6 +13,7 @@ mod support {
     pub(crate) mod conformance;
     pub(crate) mod lateness;
     pub(crate) mod model;
+    pub(crate) mod proxy;
     pub(crate) mod redis;
     pub(crate) mod rng;
     pub(crate) mod scenarios;

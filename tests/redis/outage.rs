@@ -14,13 +14,12 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::rules;
 use crate::support::lateness::with_lateness;
+use crate::support::proxy::{proxy, Side, Step, Twist};
 use crate::support::servers::{RedisCluster, RedisServer};
 use fluxgate::core::reload::ReloadingRuleSetProvider;
 use fluxgate::core::{CircuitBreaker, Decision, Error, FailurePolicy, MaybeReady};
 use fluxgate::core::{Engine, MemoryLimiter, RequestContext};
 use fluxgate::redis::{Batching, RedisLimiter};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 const DEADLINE: Duration = Duration::from_millis(50);
 const SLACK: Duration = Duration::from_millis(20);
@@ -716,59 +715,45 @@ async fn freezing_proxy(
     forwarded: Arc<AtomicUsize>,
     scripts: Arc<Mutex<Vec<usize>>>,
 ) -> u16 {
-    async fn forward(
-        mut from: impl AsyncRead + Unpin,
-        mut to: impl AsyncWrite + Unpin,
+    struct Freezing {
         frozen: Arc<AtomicUsize>,
-        n: usize,
-        scripts: Option<Arc<Mutex<Vec<usize>>>>,
-    ) {
-        let mut buf = vec![0u8; 65536];
-        loop {
-            let read = from.read(&mut buf).await;
-            if frozen.load(Ordering::SeqCst) == n {
-                // Hold both sockets open, forwarding nothing.
-                std::future::pending::<()>().await;
+        refuse: Arc<AtomicBool>,
+        forwarded: Arc<AtomicUsize>,
+        scripts: Arc<Mutex<Vec<usize>>>,
+    }
+    impl Twist for Freezing {
+        fn admit(&self) -> bool {
+            !self.refuse.load(Ordering::SeqCst)
+        }
+        fn connected(&self, _n: usize) {
+            self.forwarded.fetch_add(1, Ordering::SeqCst);
+        }
+        fn step(&self, n: usize, from: Side, read: Option<&[u8]>) -> Step {
+            if self.frozen.load(Ordering::SeqCst) == n {
+                // Hold both sockets open, forwarding nothing, even once a side closes.
+                return Step::Hold;
             }
-            match read {
-                Ok(0) | Err(_) => return,
-                Ok(len) => {
-                    if let Some(scripts) = &scripts {
-                        let calls = buf[..len].windows(7).filter(|w| w == b"EVALSHA").count();
-                        let mut scripts = scripts.lock().expect("the counts");
-                        if scripts.len() <= n {
-                            scripts.resize(n + 1, 0);
-                        }
-                        scripts[n] += calls;
-                    }
-                    if to.write_all(&buf[..len]).await.is_err() {
-                        return;
-                    }
+            if let (Side::Client, Some(chunk)) = (from, read) {
+                let calls = chunk.windows(7).filter(|w| w == b"EVALSHA").count();
+                let mut scripts = self.scripts.lock().expect("the counts");
+                if scripts.len() <= n {
+                    scripts.resize(n + 1, 0);
                 }
+                scripts[n] += calls;
             }
+            Step::Forward
         }
     }
-    let listener = TcpListener::bind("127.0.0.1:0").await.expect("a free port");
-    let local = listener.local_addr().expect("an address").port();
-    tokio::spawn(async move {
-        let mut accepted = 0;
-        while let Ok((client, _)) = listener.accept().await {
-            if refuse.load(Ordering::SeqCst) {
-                continue; // closed at once
-            }
-            let Ok(server) = TcpStream::connect(("127.0.0.1", port)).await else {
-                continue;
-            };
-            let n = accepted;
-            accepted += 1;
-            forwarded.fetch_add(1, Ordering::SeqCst);
-            let (cr, cw) = client.into_split();
-            let (sr, sw) = server.into_split();
-            tokio::spawn(forward(cr, sw, frozen.clone(), n, Some(scripts.clone())));
-            tokio::spawn(forward(sr, cw, frozen.clone(), n, None));
-        }
-    });
-    local
+    proxy(
+        port,
+        Freezing {
+            frozen,
+            refuse,
+            forwarded,
+            scripts,
+        },
+    )
+    .await
 }
 
 /// One connection of the pool stops answering while the others answer (a middlebox
