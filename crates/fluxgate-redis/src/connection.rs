@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use fred::clients::{Client, Pool};
+use fred::clients::{Client, Pool, WithOptions};
 use fred::interfaces::{ClientLike, ClusterInterface};
-use fred::types::config::{ReconnectPolicy, ServerConfig, UnresponsiveConfig};
+use fred::types::config::{Options, ReconnectPolicy, Server, ServerConfig, UnresponsiveConfig};
 use fred::types::{Builder, ClusterHash, ConnectHandle, CustomCommand, Value};
 use futures_util::future::join_all;
 
@@ -53,6 +53,16 @@ pub(crate) fn builder(
 /// primary that stops answering without closing its connections (a frozen process, a host
 /// gone, a network partition) keeps every connection to it after a failover has promoted
 /// another one, until TCP gives up, minutes later.
+/// `client`'s commands sent to `node` of a cluster (`None`: where fred routes them), each
+/// timed out by fred after `timeout` (`None`: the pool's default, the decision deadline).
+pub(crate) fn on_node(client: &Client, node: Option<Server>, timeout: Option<Duration>) -> WithOptions<Client> {
+    client.with_options(&Options {
+        cluster_node: node,
+        timeout,
+        ..Options::default()
+    })
+}
+
 pub(crate) fn unresponsive(max_timeout: Duration) -> UnresponsiveConfig {
     UnresponsiveConfig {
         max_timeout: Some(max_timeout),

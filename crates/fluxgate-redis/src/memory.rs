@@ -5,11 +5,10 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use fred::interfaces::{ClientLike, ClusterInterface};
-use fred::types::config::Options;
 use fred::types::{ClusterHash, CustomCommand, Value};
 use futures_util::future::join_all;
 
-use crate::connection::Connection;
+use crate::connection::{on_node, Connection};
 use crate::error::RedisError;
 
 /// How a Redis server bounds its memory (`maxmemory`, `maxmemory-policy`).
@@ -50,13 +49,7 @@ pub(crate) async fn read(connection: &Connection, bound: Duration) -> Result<Vec
         _ => Vec::new(),
     };
     // fred times each command out after the decision deadline unless told otherwise.
-    let within = |cluster_node| {
-        client.with_options(&Options {
-            cluster_node,
-            timeout: Some(bound),
-            ..Options::default()
-        })
-    };
+    let within = |node| on_node(client, node, Some(bound));
     if primaries.is_empty() {
         let server = client
             .active_connections()

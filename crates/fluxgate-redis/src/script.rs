@@ -55,7 +55,6 @@ async fn load_on_each_primary(
     bound: Option<Duration>,
 ) -> Result<(), fred::error::Error> {
     use fred::interfaces::ClusterInterface;
-    use fred::types::config::Options;
     // Each primary of a cluster, or the server alone. A cluster whose slots fred has not
     // read yet (never after `connect`) gets fred's command to every primary.
     let nodes = match client.cached_cluster_state() {
@@ -67,12 +66,7 @@ async fn load_on_each_primary(
         return script.load(client).await;
     };
     let loads = nodes.into_iter().map(|cluster_node| {
-        let options = Options {
-            cluster_node,
-            timeout: bound,
-            ..Options::default()
-        };
-        let node = client.with_options(&options);
+        let node = crate::connection::on_node(client, cluster_node, bound);
         let args = vec![Value::from_static_str("LOAD"), Value::String(lua.clone())];
         async move {
             node.custom::<Value, _>(CustomCommand::new_static("SCRIPT", ClusterHash::Random, false), args)
